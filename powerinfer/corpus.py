@@ -1,0 +1,123 @@
+"""Text corpora for profiling and evaluation, all yielding plain strings.
+
+- `wikipedia-sample` (default): the English Wikipedia dump shipped inside the `gensim` wheel
+  (gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2), redirects
+  dropped, wiki markup stripped to plain text. Fixed split by article position: every tenth article
+  (index 9, 19, ...) is `:eval`, the rest `:train`. Plain `wikipedia-sample` means `:train`; profiling
+  never reads `:eval`.
+- `c4` (allenai/c4, `en`) and `wikipedia` (wikimedia/wikipedia, `20231101.en`): HF `datasets`, streaming.
+- a local `.txt` / `.jsonl` / `.json` / `.parquet` file or a folder of them: the same `datasets` loaders.
+"""
+
+from __future__ import annotations
+
+import bz2
+import importlib.util
+import os
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+
+WIKI_SAMPLE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+EVAL_EVERY = 10  # article i is held out for evaluation iff i % EVAL_EVERY == EVAL_EVERY - 1
+HUB_DATASETS = {
+    "c4": ("allenai/c4", "en"),
+    "wikipedia": ("wikimedia/wikipedia", "20231101.en"),
+}
+_LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class CorpusError(ValueError):
+    pass
+
+
+def known_datasets() -> str:
+    return "wikipedia-sample[:train|:eval], c4, wikipedia, or a local .txt/.jsonl/.parquet file or folder"
+
+
+def iter_texts(dataset: str = "wikipedia-sample", text_column: str = "text") -> Iterator[str]:
+    """Yield the documents of a corpus as plain strings, in a fixed order."""
+    name, _, split = dataset.partition(":")
+    if name == "wikipedia-sample":
+        yield from wikipedia_sample(split or "train")
+        return
+    if name in HUB_DATASETS:
+        from datasets import load_dataset
+
+        path, config = HUB_DATASETS[name]
+        ds = load_dataset(path, config, split=split or "train", streaming=True)
+        yield from (row[text_column] for row in ds)
+        return
+    if os.path.exists(dataset):
+        yield from _local_texts(Path(dataset), text_column)
+        return
+    raise CorpusError(f"unknown dataset '{dataset}': use {known_datasets()}")
+
+
+def _local_texts(path: Path, text_column: str) -> Iterator[str]:
+    from datasets import load_dataset
+
+    files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise CorpusError(f"no .txt/.jsonl/.json/.parquet files in folder '{path}'")
+    builders = {_LOCAL_BUILDERS.get(f.suffix) for f in files}
+    if None in builders or len(builders) != 1:
+        raise CorpusError(f"'{path}': expected files of one kind among .txt, .jsonl, .json, .parquet")
+    builder = builders.pop()
+    kw = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document, not one per line
+    ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kw)
+    for row in ds:
+        if text_column not in row:
+            raise CorpusError(f"'{path}' has no column '{text_column}' (columns: {', '.join(row)}): "
+                              f"pass --text-column")
+        yield row[text_column]
+
+
+def wikipedia_sample(split: str = "train") -> list[str]:
+    if split not in ("train", "eval", "all"):
+        raise CorpusError(f"unknown split 'wikipedia-sample:{split}': use :train, :eval or :all")
+    articles = _wiki_articles()
+    if split == "all":
+        return [text for _, text in articles]
+    held_out = split == "eval"
+    return [text for i, (_, text) in enumerate(articles) if (i % EVAL_EVERY == EVAL_EVERY - 1) == held_out]
+
+
+def wikipedia_sample_titles(split: str = "train") -> list[str]:
+    articles = _wiki_articles()
+    held_out = split == "eval"
+    return [t for i, (t, _) in enumerate(articles) if (i % EVAL_EVERY == EVAL_EVERY - 1) == held_out]
+
+
+@lru_cache(maxsize=1)
+def _wiki_articles() -> tuple[tuple[str, str], ...]:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or spec.origin is None:
+        raise CorpusError("the wikipedia-sample corpus ships inside gensim: pip install 'powerinfer-py[demo]' "
+                          "(or pass --dataset)")
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = Path(spec.origin).parent / "test" / "test_data" / WIKI_SAMPLE
+    out = []
+    with bz2.BZ2File(path) as f:
+        for title, markup, _ in extract_pages(f):
+            if markup.lstrip().lower().startswith("#redirect"):
+                continue
+            text = clean_wiki_text(filter_wiki(markup))
+            if text:
+                out.append((title, text))
+    return tuple(out)
+
+
+_HEADING = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$", re.M)
+_QUOTES = re.compile(r"'{2,}")
+_BLANKS = re.compile(r"\n\s*\n+")
+
+
+def clean_wiki_text(text: str) -> str:
+    """What gensim's filter_wiki leaves: bold/italic quotes and `==Heading==` lines; drop them, squeeze blanks."""
+    text = _HEADING.sub(r"\1", text)
+    text = _QUOTES.sub("", text)
+    lines = [ln.strip() for ln in text.splitlines()]
+    return _BLANKS.sub("\n\n", "\n".join(lines)).strip()

