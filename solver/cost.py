@@ -17,7 +17,10 @@ import numpy as np
 
 from powerinfer.hardware import HardwareSpec
 
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}  # bytes per weight
+# bytes per weight. q8_0 / q4_0 are llama.cpp's block formats (34 / 18 bytes per 32 weights), for sizing
+# only: the KV cache, norms and workspace stay 16-bit with them.
+DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+ACT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 2.0, "q4_0": 2.0}  # KV cache, norms
 
 
 class SolverError(Exception):
@@ -108,17 +111,20 @@ def workspace_bytes(shape: ModelShape, ctx: int) -> int:
     return int(2 * 4 * floats)
 
 
-def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int) -> dict[str, int]:
-    """What the GPU must hold before any FFN neuron, in bytes, in the order the runtime allocates it."""
+def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int,
+                 kv_bytes: float | None = None) -> dict[str, int]:
+    """What the GPU must hold before any FFN neuron, in bytes, in the order the runtime allocates it.
+    dtype_bytes: per weight; kv_bytes: per KV-cache entry (default: dtype_bytes)."""
     L = shape.n_layers
+    kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     return {
         "attention": int(sum(shape.attention_params) * dtype_bytes),  # incl. each layer's norms
         "ffn_fixed": int(sum(shape.ffn_fixed_params(l) for l in range(L)) * dtype_bytes),
-        "final_norm": int(shape.final_norm_params * dtype_bytes),
+        "final_norm": int(shape.final_norm_params * kv_bytes),
         "embedding": int(shape.embedding_params * dtype_bytes),
         "lm_head": int(shape.lm_head_params * dtype_bytes),
         "predictors": int(predictor_bytes),
-        "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * dtype_bytes * ctx),
+        "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * kv_bytes * ctx),
         "workspace": workspace_bytes(shape, ctx),
         "reserve": int(reserve),
     }

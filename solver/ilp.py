@@ -75,13 +75,13 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -K)]) >= 0)  # on -> k >= K_l
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -G)]) <= 0)  # k > 0 -> on
         if objective == "latency":
-            # t_l >= sync*(1-full) + GPU(k) and t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise
+            # t_l >= sync*(1-full) + GPU(k) (GPU(k) = ms/neuron * (group_size*k - short*full)) and t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise
             # linear in k (breakpoints at each group), one row per segment.
             tl = pulp.LpVariable(f"t_{l}", 0)
             obj_terms.append((tl, 1.0))
             s = float(p.sync_ms[l])
             gpu_per_group = p.group_size * float(p.gpu_ms_per_neuron[l])  # ms
-            rows.append(pulp.LpAffineExpression([(tl, 1), (k, -gpu_per_group), (full, s - short[l] * float(p.gpu_ms_per_neuron[l]))]) >= s)
+            rows.append(pulp.LpAffineExpression([(tl, 1), (k, -gpu_per_group), (full, s + short[l] * float(p.gpu_ms_per_neuron[l]))]) >= s)
             cpu = t.cpu_ms[l, : G + 1]  # (G+1,) ms
             slope = np.diff(cpu)  # (G,) ms per group, increasing (less negative) with g
             for g in range(G):
@@ -113,7 +113,7 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
         raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise --time-limit")
     k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)  # (layers,)
     obj = float(pulp.value(prob.objective))
-    bound = float(info.mip_dual_bound)
+    bound = float(info.mip_dual_bound) * (1 if objective == "latency" else -1)  # PuLP hands HiGHS -objective to maximise
     gap = abs(obj - bound) / max(abs(obj), 1e-12)
     status = "optimal" if model_status == "Optimal" else f"{model_status.lower()} (feasible)"
     return IlpResult(k, status, obj, bound, gap, build, solve, prob.numVariables(), prob.numConstraints())

@@ -1,0 +1,129 @@
+"""`pi-solve`: choose which FFN neurons live on the GPU (thin wrapper over `solve_placement`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from powerinfer.artifacts import ArtifactError
+from powerinfer.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
+from powerinfer.units import format_bytes, format_rate, parse_bytes, parse_rate
+
+from .cost import DTYPE_BYTES, SolverError
+from .ilp import OBJECTIVES
+from .place import solve_placement
+
+
+def _size(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise click.ClickException(f"{flag}: {e}") from None
+
+
+def _rate(flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise click.ClickException(f"{flag}: {e}") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory holding profile/ (from pi-profile).")
+@click.option("--vram", help="GPU memory to plan for, e.g. 24GB (10^9 B) or 24GiB (2^30 B). Default: the preset's.")
+@click.option("--hardware", default="rtx4090", show_default=True,
+              help=f"Preset ({', '.join(HARDWARE)}), or 'list' to print them.")
+@click.option("--measure", is_flag=True, help="Measure DRAM (and, with CUDA, VRAM, PCIe, GPU bandwidth) on this machine.")
+@click.option("--pcie-bw", help="Override PCIe bandwidth, e.g. 25GB/s.")
+@click.option("--gpu-bw", help="Override GPU memory bandwidth, e.g. 1008GB/s.")
+@click.option("--cpu-bw", help="Override CPU DRAM bandwidth, e.g. 60GB/s.")
+@click.option("--cores", type=int, help="Override CPU cores used for cold neurons.")
+@click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
+@click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)), default="fp16", show_default=True,
+              help="Weight format on both devices (sets bytes per neuron; q8_0/q4_0 for sizing only).")
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
+@click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
+@click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+              help="latency: minimise expected ms/token; activations: maximise activations served by the GPU (paper).")
+@click.option("--no-comm-constraint", is_flag=True, help="Drop the per-layer minimum C_l of GPU neurons.")
+@click.option("--time-limit", type=float, default=30.0, show_default=True, help="Solver time limit, seconds.")
+@click.option("--mip-gap", type=float, default=1e-3, show_default=True, help="Relative optimality gap to stop at.")
+@click.option("--threads", type=int, help="HiGHS threads (default: HiGHS's choice).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
+def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, ctx, reserve, group_size,
+         objective, no_comm_constraint, time_limit, mip_gap, threads, as_json):
+    """Place each layer's hottest FFN neurons on the GPU, the rest on the CPU, within a VRAM budget.
+
+    Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}.
+
+    Example: pi-solve --run runs/SmolLM2-135M-Instruct --vram 24GB --hardware rtx4090
+    """
+    if hardware.strip().lower() == "list":
+        click.echo(presets_table())
+        return
+    if run_dir is None:
+        raise click.ClickException("--run is required: the run directory that pi-profile wrote (e.g. runs/<model>)")
+    try:
+        hw = get_hardware(hardware)
+    except UnknownHardware as e:
+        raise click.ClickException(str(e)) from None
+    notes: list[str] = []
+    if measure:
+        hw, notes = measure_hardware(hw)
+        if not as_json:
+            for n in notes:
+                click.echo(f"measure: {n}", err=True)
+    if cores is not None and cores < 1:
+        raise click.ClickException(f"--cores must be >= 1, got {cores}")
+    if sync_us is not None and sync_us < 0:
+        raise click.ClickException(f"--sync-us must be >= 0, got {sync_us}")
+    hw = hw.replace(pcie_bw=_rate("--pcie-bw", pcie_bw), gpu_bw=_rate("--gpu-bw", gpu_bw),
+                    cpu_bw=_rate("--cpu-bw", cpu_bw), cores=cores,
+                    sync_latency_s=None if sync_us is None else sync_us * 1e-6)
+    try:
+        summary = solve_placement(run_dir, hw, vram_bytes=_size("--vram", vram), dtype=dtype, ctx=ctx,
+                                  reserve_bytes=_size("--reserve", reserve), group_size=group_size,
+                                  objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
+                                  mip_gap=mip_gap, threads=threads, hardware_notes=notes)
+    except (SolverError, ArtifactError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(human_summary(summary, run_dir))
+
+
+def human_summary(s: dict, run_dir: str) -> str:
+    g, sv, hw = s["memory"]["gpu"], s["solver"], s["hardware"]
+    layers = s["layers"]
+    shares = sorted(x["gpu_neuron_share"] for x in layers)
+    fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in g.items() if k not in ("ffn_neurons", "total", "free") and v)
+    lines = [
+        f"model      {s['model']}  ({len(layers)} layers, {layers[0]['neurons']} FFN neurons each)",
+        f"hardware   {hw['name']}: VRAM {format_bytes(s['budget']['vram_bytes'])}, GPU {format_rate(hw['gpu_bw'])}, "
+        f"PCIe {format_rate(hw['pcie_bw'])}, DRAM {format_rate(hw['cpu_bw'])} x {hw['cores']} cores",
+        f"fixed GPU  {format_bytes(s['budget']['fixed_gpu_bytes'])}: {fixed}" if g else "fixed GPU  none (no GPU)",
+        f"           predictors: {s['memory']['predictors_source']}",
+        f"FFN        GPU {format_bytes(g['ffn_neurons'])} of budget {format_bytes(s['budget']['ffn_budget_bytes'])}; "
+        f"CPU {format_bytes(s['memory']['cpu']['ffn_neurons'])}",
+        f"placement  {s['gpu_neuron_share']:.1%} of neurons on the GPU serve {s['gpu_activation_share']:.1%} of activations; "
+        f"per layer GPU share {shares[0]:.1%} .. {shares[len(shares) // 2]:.1%} (median) .. {shares[-1]:.1%}",
+        f"expected   {s['expected_latency_ms']:.2f} ms/token = {s['expected_tokens_per_s']:.2f} tokens/s "
+        f"(FFN all on CPU: {s['reference_tokens_per_s']['ffn_all_on_cpu']:.2f}, all on GPU, dense: "
+        f"{s['reference_tokens_per_s']['all_on_gpu_dense']:.2f}; cost-model floor, not a measurement)",
+        f"solver     {sv['backend']}, objective {sv['objective']}: {sv['status']}, gap {sv['gap']:.2e}, "
+        f"{sv['groups']} groups of {sv['group_size']}, build {sv['build_seconds']:.2f} s + solve {sv['solve_seconds']:.2f} s",
+        f"wrote      {run_dir}/placement/{{placement.parquet, summary.json, meta.json}}",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

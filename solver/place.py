@@ -1,0 +1,209 @@
+"""`solve_placement`: profile + hardware -> RUN/placement/{placement.parquet, summary.json, meta.json}."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from powerinfer.artifacts import ArtifactError, base_meta, read_profile, replace_dir, sha256_file, write_json, write_parquet
+from powerinfer.hardware import HardwareSpec
+from powerinfer.units import format_bytes
+
+from .cost import (ACT_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem, estimate_predictor_params,
+                   evaluate, layer_tables, memory_items, predictor_hidden, safetensors_bytes)
+from .ilp import OBJECTIVES, IlpResult, solve_ilp
+
+
+def _check_args(dtype: str, ctx: int, group_size: int, objective: str, time_limit: float, mip_gap: float,
+                hw: HardwareSpec) -> None:
+    if dtype not in DTYPE_BYTES:
+        raise SolverError(f"unknown --dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if ctx < 1:
+        raise SolverError(f"--ctx must be >= 1 token, got {ctx}")
+    if group_size < 1:
+        raise SolverError(f"--group-size must be >= 1, got {group_size}")
+    if objective not in OBJECTIVES:
+        raise SolverError(f"unknown --objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if not time_limit > 0:
+        raise SolverError(f"--time-limit must be > 0 seconds, got {time_limit}")
+    if not 0 <= mip_gap < 1:
+        raise SolverError(f"--mip-gap must be in [0, 1), got {mip_gap}")
+    if hw.cpu_bw <= 0 or hw.cores < 1:
+        raise SolverError(f"the CPU needs --cpu-bw > 0 and --cores >= 1 (got {hw.cpu_bw:g} B/s, {hw.cores} cores)")
+    if hw.vram_bytes > 0 and (hw.gpu_bw <= 0 or hw.pcie_bw <= 0):
+        raise SolverError(f"--vram {format_bytes(hw.vram_bytes)} on hardware '{hw.name}' without GPU or PCIe bandwidth: "
+                          f"pick a GPU preset with --hardware or give --gpu-bw and --pcie-bw")
+
+
+def _sorted_counts(df: pd.DataFrame, shape: ModelShape, where: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per layer neuron ids and counts, hottest first (ties by neuron id). Validates the table."""
+    missing = {"layer", "neuron", "count"} - set(df.columns)
+    if missing:
+        raise ArtifactError(f"{where} lacks columns {sorted(missing)}: re-run pi-profile")
+    layer = df["layer"].to_numpy(np.int64)
+    neuron = df["neuron"].to_numpy(np.int64)
+    count = df["count"].to_numpy(np.int64)
+    if (count < 0).any():
+        raise ArtifactError(f"{where} has negative counts: re-run pi-profile")
+    expected = shape.n_layers * shape.n_neurons
+    ok = (len(df) == expected and layer.min() >= 0 and layer.max() < shape.n_layers
+          and neuron.min() >= 0 and neuron.max() < shape.n_neurons)
+    # every (layer, neuron) exactly once
+    ok = ok and bool((np.bincount(layer * shape.n_neurons + neuron, minlength=expected) == 1).all())
+    if not ok:
+        raise ArtifactError(f"{where} does not hold one row per neuron for {shape.n_layers} layers x {shape.n_neurons} "
+                            f"neurons: re-run pi-profile")
+    order = np.lexsort((neuron, -count, layer))  # layer, then count descending, then neuron id
+    ids = neuron[order].reshape(shape.n_layers, shape.n_neurons)  # (layers, neurons)
+    cts = count[order].reshape(shape.n_layers, shape.n_neurons)  # (layers, neurons)
+    return list(ids), list(cts)
+
+
+def _predictor_bytes(run_dir: Path, shape: ModelShape, dtype_bytes: float) -> tuple[int, str]:
+    real = run_dir / "predictors" / "predictors.safetensors"
+    if real.exists():
+        return safetensors_bytes(real), f"measured from {real}"
+    h = predictor_hidden(shape.d_model)
+    return (int(estimate_predictor_params(shape) * dtype_bytes),
+            f"estimate: no {real.parent}; per layer Linear({shape.d_model}->{h})+Linear({h}->{shape.n_neurons}), "
+            f"hidden = d_model/4 rounded up to 64")
+
+
+def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int | None = None, dtype: str = "fp16",
+                    ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
+                    objective: str = "latency", comm: bool = True, time_limit: float = 30.0, mip_gap: float = 1e-3,
+                    threads: int | None = None, write: bool = True, hardware_notes: list[str] | None = None) -> dict:
+    """Place each layer's hottest FFN neurons on the GPU. Returns the summary dict (also written to
+    RUN/placement/summary.json with placement.parquet and meta.json when `write`)."""
+    t_start = time.perf_counter()
+    run_dir = Path(run_dir)
+    hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
+    _check_args(dtype, ctx, group_size, objective, time_limit, mip_gap, hw)
+
+    df, meta = read_profile(run_dir)
+    pdir = run_dir / "profile"
+    if "model" not in meta or not meta.get("tokens"):
+        raise ArtifactError(f"{pdir}/meta.json lacks 'model' or 'tokens': re-run pi-profile")
+    tokens = int(meta["tokens"])
+    shape = ModelShape.from_meta(meta["model"])
+    ids, counts = _sorted_counts(df, shape, pdir / "neurons.parquet")
+    db = DTYPE_BYTES[dtype]
+
+    pred_bytes, pred_source = _predictor_bytes(run_dir, shape, db)
+    items = memory_items(shape, db, ctx, hw.reserve_bytes if hw.has_gpu else 0, pred_bytes, ACT_BYTES[dtype])
+    fixed = sum(items.values())
+    if hw.has_gpu and fixed > hw.vram_bytes:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
+        raise SolverError(
+            f"--vram {format_bytes(hw.vram_bytes)} is below the minimum {format_bytes(fixed)} for {shape.name} at "
+            f"--ctx {ctx} --dtype {dtype} ({parts}): raise --vram to at least {fixed / 1e9:.2f}GB or lower --ctx/--reserve")
+    budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
+    problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm)
+    tables = layer_tables(problem)
+
+    if hw.has_gpu:
+        result = solve_ilp(problem, objective, time_limit, mip_gap, threads, tables)
+    else:  # nothing can go to a GPU: the all-CPU placement is the only one
+        result = IlpResult(np.zeros(shape.n_layers, np.int64), "trivial (no GPU)", 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+    ev = evaluate(problem, result.k, tables)
+    if not ev["feasible"]:  # never expected; the tests check it on random instances
+        raise SolverError("internal error: the solver returned a placement that breaks a constraint")
+
+    summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, counts, tokens,
+                       dict(vram_bytes=hw.vram_bytes, dtype=dtype, ctx=ctx, reserve_bytes=hw.reserve_bytes,
+                            group_size=group_size, objective=objective, comm_constraint=comm,
+                            time_limit=time_limit, mip_gap=mip_gap, threads=threads), hardware_notes or [])
+    summary["seconds_total"] = time.perf_counter() - t_start
+    if write:
+        _write(run_dir, problem, result.k, ids, counts, summary, meta, hw)
+    return summary
+
+
+def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, pred_source: str, hw: HardwareSpec,
+             shape: ModelShape, counts: list[np.ndarray], tokens: int, flags: dict, notes: list[str]) -> dict:
+    rows = np.arange(p.n_layers)
+    k = result.k
+    gpu_neurons = t.neurons[rows, k].astype(np.int64)  # (layers,)
+    total_ffn = float(t.bytes[:, -1].sum())
+    ffn_gpu = ev["gpu_ffn_bytes"]
+    layers = []
+    for l in range(p.n_layers):
+        layer_counts = float(t.counts[l, -1])
+        layers.append({
+            "layer": l, "gpu_groups": int(k[l]), "gpu_neurons": int(gpu_neurons[l]), "neurons": int(t.neurons[l, -1]),
+            "gpu_neuron_share": float(gpu_neurons[l] / t.neurons[l, -1]),
+            "gpu_activation_share": float(t.counts[l, k[l]] / layer_counts) if layer_counts else 0.0,
+            "gpu_bytes": int(t.bytes[l, k[l]]), "cpu_bytes": int(t.bytes[l, -1] - t.bytes[l, k[l]]),
+            "active_per_token": layer_counts / tokens, "min_gpu_neurons": int(p.min_neurons[l]),
+            "expected_ms": float(t.layer_ms[l, k[l]]),
+            "gpu_ms": float(t.gpu_ms[l, k[l]]), "cpu_ms": float(t.cpu_ms[l, k[l]]),
+        })
+    all_cpu = evaluate(p, np.zeros(p.n_layers, np.int64), t)
+    gpu_total = (sum(items.values()) + ffn_gpu) if hw.has_gpu else 0
+    return {
+        "model": shape.name,
+        "budget": {"vram_bytes": int(hw.vram_bytes), "vram": format_bytes(hw.vram_bytes),
+                   "fixed_gpu_bytes": int(sum(items.values())) if hw.has_gpu else 0,
+                   "ffn_budget_bytes": int(p.budget_bytes)},
+        "memory": {
+            "gpu": {**({k_: int(v) for k_, v in items.items()} if hw.has_gpu else {}), "ffn_neurons": int(ffn_gpu),
+                    "total": int(gpu_total), "free": int(hw.vram_bytes - gpu_total) if hw.has_gpu else 0},
+            "cpu": {"ffn_neurons": int(total_ffn - ffn_gpu),
+                    **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"})},
+            "predictors_source": pred_source,
+            "bytes_per_neuron": float(p.bytes_per_neuron[0]), "rows_per_neuron": shape.rows,
+        },
+        "bytes_per_device": {"gpu": int(gpu_total),
+                             "cpu": int(total_ffn - ffn_gpu) + (0 if hw.has_gpu else int(sum(items.values())))},
+        "gpu_activation_share": ev["gpu_activation_share"],
+        "gpu_neuron_share": float(gpu_neurons.sum() / t.neurons[:, -1].sum()),
+        "expected_latency_ms": ev["latency_ms"],
+        "expected_tokens_per_s": ev["tokens_per_s"],
+        "reference_tokens_per_s": {"ffn_all_on_cpu": all_cpu["tokens_per_s"],
+                                   "all_on_gpu_dense": 1e3 / float(t.layer_ms[rows, p.n_groups].sum() + p.global_ms)},
+        "solver": {"backend": "PuLP + HiGHS", "objective": flags["objective"], "status": result.status,
+                   "objective_value": result.objective, "bound": result.bound, "gap": result.gap,
+                   "objective_units": "ms/token of the FFN and sync (placement-dependent part)"
+                   if flags["objective"] == "latency" else "share of all activations served by the GPU",
+                   "build_seconds": result.build_seconds, "solve_seconds": result.solve_seconds,
+                   "variables": result.n_variables, "constraints": result.n_constraints,
+                   "groups": int(p.n_groups.sum()), "group_size": p.group_size},
+        "layers": layers,
+        "hardware": {**dataclasses.asdict(hw), "effective_cpu_bw": hw.effective_cpu_bw, "notes": notes},
+        "flags": flags,
+    }
+
+
+def _write(run_dir: Path, p: PlacementProblem, k: np.ndarray, ids, counts, summary: dict, profile_meta: dict,
+           hw: HardwareSpec) -> None:
+    L = p.n_layers
+    n = [len(c) for c in counts]
+    rank = np.concatenate([np.arange(m, dtype=np.int32) for m in n])
+    gpu_neurons = np.array([x["gpu_neurons"] for x in summary["layers"]])  # (layers,)
+    df = pd.DataFrame({
+        "layer": np.repeat(np.arange(L, dtype=np.int32), n),
+        "neuron": np.concatenate(ids).astype(np.int32),
+        "gpu": rank < np.repeat(gpu_neurons, n),
+        "count": np.concatenate(counts).astype(np.int64),
+        "rank": rank,
+    })
+    pdir = run_dir / "profile"
+    meta = base_meta("placement", inputs={"profile": {"meta_sha256": sha256_file(pdir / "meta.json"),
+                                                      "neurons_sha256": sha256_file(pdir / "neurons.parquet")}})
+    meta["model"] = profile_meta["model"]
+    meta["hardware"] = dataclasses.asdict(hw)
+    meta["flags"] = summary["flags"]
+    staging = run_dir / ".placement.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write_parquet(staging / "placement.parquet", df)
+        write_json(staging / "summary.json", summary)
+        write_json(staging / "meta.json", meta)
+        replace_dir(staging, run_dir / "placement")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
