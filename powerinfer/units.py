@@ -67,5 +67,15 @@ def format_bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB ({n / 2**30:.2f} GiB)"
 
 
+def format_size_arg(n: float) -> str:
+    """A size a user can paste back as a flag, rounded up so it is never below n: `39.71GB`, `352.01kB`."""
+    import math
+
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 100) / 100:.2f}{unit}"
+    return f"{math.ceil(n)}B"
+
+
 def format_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.1f} GB/s"

@@ -53,17 +53,27 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
     t = tables or layer_tables(p)
     G_l = p.n_groups  # (layers,)
     short = G_l * p.group_size - t.neurons[np.arange(p.n_layers), G_l]  # (layers,) neurons missing from the last group
-    mb = 1e-6  # memory row in MB keeps coefficients near 1
+    # Rows are scaled so that their coefficients are near 1 whatever the model's size, because HiGHS's
+    # tolerances are absolute (1e-7): memory in units of the largest group's bytes, time in units of
+    # the slowest layer's all-CPU FFN time.
+    mb = 1.0 / float(p.group_size * p.bytes_per_neuron.max())  # 1 / bytes
+    unit_ms = float((t.cpu_ms[:, 0] + p.sync_ms).max()) or 1.0  # ms
     total_counts = max(float(t.counts[:, -1].sum()), 1e-300)
 
     sense = pulp.LpMinimize if objective == "latency" else pulp.LpMaximize
     prob = pulp.LpProblem("placement", sense)
+
+    def var(name, low=None, up=None, cat="Continuous"):
+        if hasattr(prob, "add_variable"):  # PuLP >= 3.3
+            return prob.add_variable(name, low, up, cat=cat)
+        return pulp.LpVariable(name, low, up, cat=cat)
+
     memory_terms, obj_terms = [], []
     ks, rows = [], []
     for l in range(p.n_layers):
         G = int(G_l[l])
-        k = pulp.LpVariable(f"k_{l}", 0, G, cat=pulp.LpInteger)
-        full = pulp.LpVariable(f"full_{l}", cat=pulp.LpBinary)
+        k = var(f"k_{l}", 0, G, pulp.LpInteger)
+        full = var(f"full_{l}", 0, 1, pulp.LpBinary)
         ks.append(k)
         bpg = p.group_size * p.bytes_per_neuron[l] * mb  # MB per full group
         memory_terms += [(k, bpg), (full, -short[l] * p.bytes_per_neuron[l] * mb)]
@@ -71,18 +81,18 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
         rows.append(pulp.LpAffineExpression([(k, 1), (full, -1)]) <= G - 1)  # k = G -> full
         K = int(p.min_groups[l])
         if K > 1:
-            on = pulp.LpVariable(f"on_{l}", cat=pulp.LpBinary)
+            on = var(f"on_{l}", 0, 1, pulp.LpBinary)
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -K)]) >= 0)  # on -> k >= K_l
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -G)]) <= 0)  # k > 0 -> on
         if objective == "latency":
             # t_l >= sync*(1-full) + GPU(k) (GPU(k) = ms/neuron * (group_size*k - short*full)) and t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise
             # linear in k (breakpoints at each group), one row per segment.
-            tl = pulp.LpVariable(f"t_{l}", 0)
+            tl = var(f"t_{l}", 0)
             obj_terms.append((tl, 1.0))
-            s = float(p.sync_ms[l])
-            gpu_per_group = p.group_size * float(p.gpu_ms_per_neuron[l])  # ms
-            rows.append(pulp.LpAffineExpression([(tl, 1), (k, -gpu_per_group), (full, s + short[l] * float(p.gpu_ms_per_neuron[l]))]) >= s)
-            cpu = t.cpu_ms[l, : G + 1]  # (G+1,) ms
+            s = float(p.sync_ms[l]) / unit_ms
+            gpn = float(p.gpu_ms_per_neuron[l]) / unit_ms
+            rows.append(pulp.LpAffineExpression([(tl, 1), (k, -p.group_size * gpn), (full, s + short[l] * gpn)]) >= s)
+            cpu = t.cpu_ms[l, : G + 1] / unit_ms  # (G+1,)
             slope = np.diff(cpu)  # (G,) ms per group, increasing (less negative) with g
             for g in range(G):
                 # t - slope_g*k + s*full >= cpu_g - slope_g*g + s
@@ -90,7 +100,7 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
                             >= float(cpu[g] - slope[g] * g + s))
         else:
             # v_l <= V(k), V concave piecewise linear: the share of the model's activations the GPU serves.
-            vl = pulp.LpVariable(f"v_{l}", 0)
+            vl = var(f"v_{l}", 0)
             obj_terms.append((vl, 1.0))
             V = t.counts[l, : G + 1] / total_counts  # (G+1,)
             slope = np.diff(V)  # (G,) decreasing
@@ -112,8 +122,9 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
     if any(v.varValue is None for v in ks):
         raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise --time-limit")
     k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)  # (layers,)
-    obj = float(pulp.value(prob.objective))
-    bound = float(info.mip_dual_bound) * (1 if objective == "latency" else -1)  # PuLP hands HiGHS -objective to maximise
+    scale = unit_ms if objective == "latency" else -1.0  # PuLP hands HiGHS -objective to maximise
+    obj = float(pulp.value(prob.objective)) * abs(scale)
+    bound = float(info.mip_dual_bound) * scale
     gap = abs(obj - bound) / max(abs(obj), 1e-12)
     status = "optimal" if model_status == "Optimal" else f"{model_status.lower()} (feasible)"
     return IlpResult(k, status, obj, bound, gap, build, solve, prob.numVariables(), prob.numConstraints())

@@ -12,7 +12,7 @@ import pandas as pd
 
 from powerinfer.artifacts import ArtifactError, base_meta, read_profile, replace_dir, sha256_file, write_json, write_parquet
 from powerinfer.hardware import HardwareSpec
-from powerinfer.units import format_bytes
+from powerinfer.units import format_bytes, format_size_arg
 
 from .cost import (ACT_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem, estimate_predictor_params,
                    evaluate, layer_tables, memory_items, predictor_hidden, safetensors_bytes)
@@ -101,7 +101,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
         raise SolverError(
             f"--vram {format_bytes(hw.vram_bytes)} is below the minimum {format_bytes(fixed)} for {shape.name} at "
-            f"--ctx {ctx} --dtype {dtype} ({parts}): raise --vram to at least {fixed / 1e9:.2f}GB or lower --ctx/--reserve")
+            f"--ctx {ctx} --dtype {dtype} ({parts}): raise --vram to at least {format_size_arg(fixed)} or lower --ctx/--reserve")
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm)
     tables = layer_tables(problem)

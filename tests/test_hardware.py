@@ -1,0 +1,47 @@
+import dataclasses
+
+import pytest
+
+from powerinfer.hardware import HARDWARE, HardwareSpec, UnknownHardware, get_hardware, measure_hardware, presets_table
+
+
+def test_presets_are_complete_and_sane():
+    for name in ("rtx4090", "rtx3090", "rtx2080ti", "a100-40g", "a100-80g", "h100", "cpu-only"):
+        h = get_hardware(name)
+        assert h.name == name and h.cpu_bw > 0 and h.cores >= 1
+        if name != "cpu-only":
+            assert h.has_gpu and h.vram_bytes >= 8 * 2**30 and h.gpu_bw > h.pcie_bw > 0 and h.gpu_bw > h.cpu_bw
+            assert h.reserve_bytes > 0 and h.sync_latency_s > 0
+    assert not get_hardware("cpu-only").has_gpu
+    assert get_hardware(" RTX4090 ") is HARDWARE["rtx4090"]
+
+
+def test_unknown_name_lists_known_ones():
+    with pytest.raises(UnknownHardware) as e:
+        get_hardware("gtx480")
+    assert all(n in str(e.value) for n in HARDWARE)
+
+
+def test_spec_is_frozen_and_replace_ignores_none():
+    h = get_hardware("rtx4090")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.vram_bytes = 1
+    h2 = h.replace(vram_bytes=None, cores=2)
+    assert h2.vram_bytes == h.vram_bytes and h2.cores == 2
+    assert h2.effective_cpu_bw == min(h.cpu_bw, 2 * 12e9)
+
+
+def test_presets_table_lists_all():
+    t = presets_table()
+    assert all(n in t for n in HARDWARE)
+
+
+def test_measure_without_cuda_keeps_preset_gpu_values():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: this test covers the CPU-only path")
+    base = get_hardware("rtx4090")
+    h, notes = measure_hardware(base)
+    assert isinstance(h, HardwareSpec) and h.cpu_bw > 1e8 and h.cores >= 1
+    assert (h.vram_bytes, h.gpu_bw, h.pcie_bw) == (base.vram_bytes, base.gpu_bw, base.pcie_bw)
+    assert any("no CUDA" in n for n in notes)
