@@ -110,7 +110,7 @@ def _wiki_articles() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-_HEADING = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$", re.M)
+_HEADING = re.compile(r"^[ \t]*=+[ \t]*(.*?)[ \t]*=+[ \t]*$", re.M)
 _QUOTES = re.compile(r"'{2,}")
 _BLANKS = re.compile(r"\n\s*\n+")
 

@@ -159,7 +159,7 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
     """One place decides the compute dtype: fp32 on CPU (fast there), fp16 on CUDA unless told otherwise."""
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}  # float64: references
     if dtype == "auto":
         return torch.float16 if device.startswith("cuda") else torch.float32
     if dtype not in names:
@@ -200,13 +200,19 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     if source.gguf_file:
         kw["gguf_file"] = source.gguf_file
     config = AutoConfig.from_pretrained(source.path, **kw)
-    adapter = adapter_for(text_config(config))  # fail before loading weights
-    act = adapter.activation(text_config(config), activation)
-    torch_dtype = pick_dtype(dtype, device)
-    hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **kw)
-    hf_model.to(device).eval()
+    adapter_for(text_config(config)).activation(text_config(config), activation)  # fail before loading weights
+    hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, device), **kw)
     tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
-    info = model_info(hf_model, adapter, act, source, torch_dtype)
+    return wrap_model(hf_model.to(device), tokenizer, source, activation)
+
+
+def wrap_model(hf_model: nn.Module, tokenizer: Any, source: ModelSource, activation: str | None = None) -> LoadedModel:
+    """A LoadedModel around an HF causal LM already in memory (benchmarks build random ones this way)."""
+    cfg = text_config(hf_model.config)
+    adapter = adapter_for(cfg)
+    act = adapter.activation(cfg, activation)
+    hf_model.eval()
+    info = model_info(hf_model, adapter, act, source, next(hf_model.parameters()).dtype)
     return LoadedModel(hf_model, tokenizer, adapter, act, source, info)
 
 
@@ -226,8 +232,9 @@ def model_info(model: nn.Module, adapter: FamilyAdapter, activation: str, source
     total = sum(p.numel() for p in model.parameters())
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
-        n_kv = 1  # Falcon-7B style multi-query attention
+    if cfg.model_type == "falcon":  # Falcon-7B: multi-query (1 kv head); Falcon-40B ("new" arch): num_kv_heads
+        new_arch = getattr(cfg, "new_decoder_architecture", False)
+        n_kv = cfg.num_kv_heads if (new_arch or not cfg.multi_query) else 1
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     lm_head = 0 if (head is None or tied) else head.weight.numel()
     return {
@@ -252,7 +259,8 @@ def model_info(model: nn.Module, adapter: FamilyAdapter, activation: str, source
             "total": total,
             "embedding": emb.numel(),
             "lm_head": lm_head,
-            "final_norm": total - sum(layer_params) - emb.numel() - lm_head,  # everything outside the layers
+            # outside the layers, besides embedding and head: final norm, learned positions (OPT)
+            "other": total - sum(layer_params) - emb.numel() - lm_head,
             "attention_per_layer": [lp - fp for lp, fp in zip(layer_params, ffn_params)],
             "ffn_per_layer": ffn_params,
         },

@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from itertools import islice
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,22 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     if lm is None:
         lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
                         trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
+    if not any(islice(iter_texts(cfg.dataset, cfg.text_column), 1000)):  # fail before touching the disk
+        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile")
     run = Path(out) if out is not None else artifacts.default_run_dir(lm.info["name"])
     final, partial = run / "profile", run / ".profile.partial"
     _check_existing(final, partial, lm.info, resume, force)
+    _barrier(world)  # every rank has checked before rank 0 creates the partial folder
+    try:
+        return _profile(cfg, lm, final, partial, rank, world, resume, checkpoint_every, progress, _stop_after)
+    except Exception:
+        if rank == 0 and not any(partial.glob("state.rank*.json")):
+            shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming: leave no debris behind
+        raise
+
+
+def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, rank: int, world: int, resume: bool,
+             checkpoint_every: int, progress: bool, _stop_after: int | None) -> dict[str, Any]:
 
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
     key = {**cfg.resume_key(), "fingerprint": lm.info["fingerprint"], "world_size": world}

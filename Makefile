@@ -1,0 +1,36 @@
+# make demo: profile the embedded SmolLM2-135M-Instruct on the embedded Wikipedia sample.
+# make test: the test suite (offline, CPU).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# A CPU build of torch; on a machine with CUDA, `make TORCH=torch` takes the default build instead.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test test-fast figures bench-cpu clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[demo,dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/pi-profile --tokens 100000
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The profiler's figures: 100k-token SmolLM2 profile, then the notebook draws it (notebooks/figures/).
+figures: $(BIN)/.installed
+	$(BIN)/pi-profile --tokens 100000 --out runs/SmolLM2-135M-Instruct --force --quiet --json > /dev/null
+	$(BIN)/python notebooks/run.py notebooks/profile.ipynb
+
+bench-cpu: $(BIN)/.installed
+	$(BIN)/python bench/profile_overhead.py --out bench/results/profile_overhead_cpu.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

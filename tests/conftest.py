@@ -1,0 +1,40 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tiny  # noqa: E402
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Sparse activations make large models fast. ") * 40
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(name) -> folder of a saved tiny random model of that family (built once per session)."""
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = tiny.build(name, root / name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory) -> Path:
+    """A local .jsonl corpus of a few documents (goes through the `datasets` json loader)."""
+    import json
+
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"text": f"Document {i}. " + TEXT[i * 37:] + TEXT[: i * 53]}) + "\n")
+    return path

@@ -1,0 +1,72 @@
+"""Tiny random models of every supported family, saved with save_pretrained so tests load them the user's way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 259  # 256 bytes + <s>, </s>, <pad>
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (no merges): every text tokenises, no download needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in ("<s>", "</s>", "<pad>"):
+        vocab[tok] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def _configs():
+    from transformers import (FalconConfig, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, OPTConfig,
+                              Qwen2Config)
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    gated = dict(common, intermediate_size=48, num_key_value_heads=2)
+    return {
+        "opt": lambda: OPTConfig(**{**common, "ffn_dim": 48, "word_embed_proj_dim": 32, "activation_function": "relu"}),
+        "llama-reglu": lambda: LlamaConfig(**gated, hidden_act="relu"),
+        "mistral-drelu": lambda: MistralConfig(**gated, hidden_act="relu"),
+        "llama-swiglu": lambda: LlamaConfig(**gated, hidden_act="silu"),
+        "qwen2-swiglu": lambda: Qwen2Config(**gated, hidden_act="silu"),
+        "falcon-relu": lambda: FalconConfig(**common, activation="relu", bias=True),
+        "falcon-gelu": lambda: FalconConfig(**common, activation="gelu", new_decoder_architecture=True,
+                                            num_kv_heads=2),
+        "gemma-geglu": lambda: GemmaConfig(**gated, head_dim=8, hidden_activation="gelu_pytorch_tanh"),
+        "gemma3-geglu": lambda: Gemma3TextConfig(**gated, head_dim=8, hidden_activation="gelu_pytorch_tanh",
+                                                 sliding_window=16),
+    }
+
+
+FAMILIES = list(_configs())
+ACTIVATION_OVERRIDE = {"mistral-drelu": "drelu"}  # dReLU models are remote code; see make_drelu
+
+
+def build(name: str, folder: Path, seed: int = 0) -> Path:
+    """Random weights (slightly scaled up so activations are not all tiny), saved to `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[name]())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def make_drelu(lm) -> None:
+    """Turn a loaded ReLU Mistral into a dReLU one (relu on both branches), as Bamboo/TurboSparse's own code does."""
+    for layer in lm.layers:
+        mlp = layer.mlp
+        mlp.forward = (lambda m: lambda x: m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x))))(mlp)
