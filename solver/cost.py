@@ -43,7 +43,7 @@ class ModelShape:
     vocab_size: int
     embedding_params: int
     lm_head_params: int  # 0 when tied to the embedding
-    final_norm_params: int
+    other_params: int  # final norm, learned positions: outside the layers, needed on the GPU
     attention_params: tuple[int, ...]  # (layers,) every parameter of a decoder layer outside its FFN
     ffn_params: tuple[int, ...]  # (layers,)
 
@@ -57,7 +57,9 @@ class ModelShape:
                 n_heads=int(model["num_attention_heads"]), n_kv_heads=int(model["num_key_value_heads"]),
                 head_dim=int(model["head_dim"]), vocab_size=int(model["vocab_size"]),
                 embedding_params=int(p["embedding"]), lm_head_params=int(p.get("lm_head", 0)),
-                final_norm_params=int(p.get("final_norm", 0)),
+                # "other": parameters outside the layers besides embedding and head (final norm, OPT's
+                # learned positions); older profiles name only the final norm
+                other_params=int(p["other"]) if "other" in p else int(p.get("final_norm", 0)),
                 attention_params=tuple(int(x) for x in p["attention_per_layer"]),
                 ffn_params=tuple(int(x) for x in p["ffn_per_layer"]),
             )
@@ -120,7 +122,7 @@ def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, 
     return {
         "attention": int(sum(shape.attention_params) * dtype_bytes),  # incl. each layer's norms
         "ffn_fixed": int(sum(shape.ffn_fixed_params(l) for l in range(L)) * dtype_bytes),
-        "final_norm": int(shape.final_norm_params * kv_bytes),
+        "final_norm_and_other": int(shape.other_params * kv_bytes),
         "embedding": int(shape.embedding_params * dtype_bytes),
         "lm_head": int(shape.lm_head_params * dtype_bytes),
         "predictors": int(predictor_bytes),
@@ -184,7 +186,7 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     fixed_ms = np.array([(shape.attention_params[l] + shape.ffn_fixed_params(l) + predictor_params_per_layer)
                          * dtype_bytes / fixed_bw * 1e3 for l in range(L)])  # (layers,) ms
     head = shape.lm_head_params or shape.embedding_params  # tied models read the embedding as LM head
-    global_ms = (head + shape.final_norm_params) * dtype_bytes / fixed_bw * 1e3
+    global_ms = (head + shape.other_params) * dtype_bytes / fixed_bw * 1e3
 
     min_neurons = np.zeros(L, dtype=np.int64)
     min_groups = np.zeros(L, dtype=np.int64)

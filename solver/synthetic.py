@@ -27,7 +27,7 @@ def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_h
         "n_neurons": n_neurons, "ffn_bias": False, "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
         "head_dim": hd, "vocab_size": vocab_size, "weight_dtype": "float16",
         "params": {"embedding": vocab_size * d_model, "lm_head": 0 if tied else vocab_size * d_model,
-                   "final_norm": d_model, "attention_per_layer": [attn] * n_layers,
+                   "other": d_model, "attention_per_layer": [attn] * n_layers,
                    "ffn_per_layer": [3 * d_model * n_neurons] * n_layers},
     }
 

@@ -1,0 +1,34 @@
+"""pi-profile's real output through solve_placement: the memory accounting closes on real models."""
+
+import pandas as pd
+import pytest
+
+from powerinfer.artifacts import read_profile
+from powerinfer.hardware import get_hardware
+from powerinfer.solver import SolverError, solve_placement
+from powerinfer.units import parse_bytes
+
+profiler = pytest.importorskip("powerinfer.profiler.profile")
+
+
+@pytest.mark.parametrize("family", ["opt", "llama-reglu"])
+def test_profile_then_solve(family, tiny_model_dir, text_corpus, tmp_path):
+    cfg = profiler.ProfileConfig(model=str(tiny_model_dir(family)), dataset=str(text_corpus), tokens=300,
+                                 seq_len=48, batch_size=3, samples_per_layer=0, dtype="float32")
+    profiler.profile_model(cfg, tmp_path, progress=False)
+    _, meta = read_profile(tmp_path)
+    p = meta["model"]["params"]
+    with pytest.raises(SolverError, match="minimum") as e:
+        solve_placement(tmp_path, get_hardware("rtx4090"), vram_bytes=1000, dtype="fp32", ctx=8, reserve_bytes=0)
+    least = str(e.value).split("at least ")[1].split()[0]
+    s = solve_placement(tmp_path, get_hardware("rtx4090"), vram_bytes=parse_bytes(least), dtype="fp32", ctx=8,
+                        reserve_bytes=0)
+    s = solve_placement(tmp_path, get_hardware("rtx4090"), vram_bytes=s["budget"]["fixed_gpu_bytes"] + 10**5,
+                        dtype="fp32", ctx=8, reserve_bytes=0, objective="activations")
+    g = s["memory"]["gpu"]
+    weights = (g["attention"] + g["ffn_fixed"] + g["final_norm_and_other"] + g["embedding"] + g["lm_head"]
+               + g["ffn_neurons"] + s["memory"]["cpu"]["ffn_neurons"])
+    assert weights == 4 * p["total"]  # every parameter accounted once, in fp32
+    assert s["memory"]["rows_per_neuron"] == (3 if meta["model"]["gated"] else 2)
+    df = pd.read_parquet(tmp_path / "placement" / "placement.parquet")
+    assert len(df) == meta["model"]["n_layers"] * meta["model"]["n_neurons"] and df["gpu"].any()
