@@ -159,7 +159,9 @@ def threshold_for_recall(logits: torch.Tensor, mask: torch.Tensor, recall: float
     With P positives sorted ascending, keeping those >= the k-th smallest (k = P - ceil(recall * P) + 1) keeps at
     least ceil(recall * P) of them, and any larger threshold keeps fewer.
     """
-    pos = logits[mask].float()  # (P,)
+    pos = logits[mask]  # (P,)
+    if pos.dtype in (torch.float16, torch.bfloat16):
+        pos = pos.float()
     if pos.numel() == 0:
         return math.inf  # nothing ever fires here: predict nothing
     keep = math.ceil(recall * pos.numel() - 1e-9)

@@ -1,0 +1,105 @@
+"""`pi-train-predictors` and `pi-eval`: thin click commands over `train_predictors` and `evaluate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from powerinfer.artifacts import ArtifactError, default_run_dir
+from powerinfer.corpus import CorpusError, known_datasets
+
+_CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+_DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
+
+
+@click.command(context_settings=_CTX)
+@click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
+              help="Run directory holding profile/ (with samples); predictors/ is written there.")
+@click.option("--preset", "preset_name", default="default", show_default=True,
+              help="Named settings: default, fast (fewer epochs and size steps), thorough.")
+@click.option("--target-recall", type=float, default=None,
+              help="Share of truly active neurons the threshold must catch on the val split [preset: 0.95].")
+@click.option("--max-predictor-fraction", type=float, default=None,
+              help="Budget: total predictor parameters / total FFN parameters [preset: 0.10].")
+@click.option("--epochs", type=click.IntRange(1), default=None, help="Max epochs per fit [preset: 8].")
+@click.option("--base-scale", type=float, default=None,
+              help="Base size h = base-scale * n_neurons * active share * share80/0.8 [preset: 0.125].")
+@click.option("--max-steps", type=click.IntRange(0), default=None,
+              help="Size changes tried per layer by the skewness search [preset: 2].")
+@click.option("--seed", type=int, default=None, help="Seed of the split, init and batch order [preset: 0].")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
+@click.option("--force", is_flag=True, help="Replace predictors of another model.")
+@click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the table.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epochs, base_scale, max_steps, seed,
+               device, force, as_json, quiet) -> None:
+    """Train one activation predictor per layer from RUN/profile/samples.
+
+    Each predictor is Linear(d_model->h) -> ReLU -> Linear(h->n_neurons); h is sized per layer from the
+    layer's sparsity and skewness (share of neurons covering 80% of activations) within the parameter
+    budget. Writes RUN/predictors/: predictors.safetensors, summary.json, meta.json.
+    """
+    from powerinfer.predictors.train import preset, train_predictors
+
+    try:
+        cfg = preset(preset_name, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
+                     epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed)
+        summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
+    except (ArtifactError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(summary, indent=2) if as_json else format_train(summary, Path(run_dir)))
+
+
+def format_train(summary: dict, run_dir: Path) -> str:
+    t = summary["totals"]
+    lines = [f"predictors for {t['layers']} layers in {t['train_seconds']:.1f} s on {t['device']} "
+             f"({t['fits']} fits) -> {run_dir / 'predictors'}",
+             f"params {t['predictor_params']:,} = {t['predictor_fraction_of_ffn']:.3f} of FFN params "
+             f"(budget {summary['config']['max_predictor_fraction']})",
+             f"test split: mean recall {t['mean_recall']:.3f} (min {t['min_recall']:.3f}), precision "
+             f"{t['mean_precision']:.3f}, predicted sparsity {t['mean_predicted_sparsity']:.3f} "
+             f"(true {t['mean_true_sparsity']:.3f})",
+             "layer  share80  hidden  tried         recall  precision  pred.sparsity"]
+    for r in summary["layers"]:
+        tried = ",".join(str(x["hidden"]) for x in r["tried"])
+        lines.append(f"{r['layer']:5d}  {r['share80']:7.3f}  {r['hidden']:6d}  {tried:12.12s}  {r['recall']:6.3f}  "
+                     f"{r['precision']:9.3f}  {r['predicted_sparsity']:13.3f}")
+    return "\n".join(lines)
+
+
+@click.command(context_settings=_CTX)
+@click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
+              help="Run directory with profile/ and, optionally, predictors/ and placement/.")
+@click.option("--mode", "modes", multiple=True, type=click.Choice(["dense", "oracle", "predictor", "placement"]),
+              help="Modes to evaluate (repeat). Default: dense, oracle, and predictor/placement when present.")
+@click.option("--dataset", default="wikipedia-sample:eval", show_default=True, help=f"Corpus: {known_datasets()}.")
+@click.option("--text-column", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
+@click.option("--tokens", default=32768, show_default=True, type=click.IntRange(2), help="Token budget.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(2), help="Tokens per sequence.")
+@click.option("--batch-size", default=2, show_default=True, type=click.IntRange(1), help="Sequences per forward.")
+@click.option("--recall", type=float, default=None,
+              help="Use the predictors' thresholds tabulated for this recall (e.g. 0.8) instead of the trained one.")
+@click.option("--model", default=None, help="Model to load. Default: the one recorded in the profile.")
+@click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, fp16 on CUDA), float32, ...")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, model, gguf_file, device,
+              dtype, as_json, quiet) -> None:
+    """Perplexity with the FFN dense, oracle-sparse, predictor-sparse and as the runtime would run it.
+
+    Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
+    computed iff the predictor fires. Placement: GPU neurons always, the others where the predictor fires.
+    """
+    from powerinfer.predictors.evaluate import evaluate, format_table
+
+    try:
+        report = evaluate(run_dir, modes=list(modes) or None, dataset=dataset, text_column=text_column,
+                          tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
+                          gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
+    except (ArtifactError, CorpusError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))

@@ -1,0 +1,226 @@
+"""`evaluate`: perplexity on held-out text with the FFN masked the way each stage would run it.
+
+Modes (a neuron's value h = the input of the down projection; a masked neuron contributes h * 0):
+- dense: nothing masked;
+- oracle: the profile's rule on the true h (h != 0 for ReLU-family models, |h| > tau_l otherwise);
+- predictor: neuron computed iff the layer's predictor fires on the FFN input (logit >= threshold);
+- placement: what the runtime computes: GPU neurons always, CPU neurons where the predictor fires.
+A computed neuron keeps its true value; only skipped ones are zeroed, exactly as a sparse kernel would do.
+
+Results go to `RUN/eval/eval.json` (docs/predictors.md lists the fields).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from powerinfer import artifacts
+from powerinfer.artifacts import ArtifactError
+from powerinfer.corpus import CorpusError, iter_texts
+from powerinfer.models import LoadedModel, load_model, pick_device
+from powerinfer.predictors.train import Predictors, load_predictors
+from powerinfer.profiler.hooks import active_mask
+from powerinfer.profiler.profile import token_batches
+
+MODES = ("dense", "oracle", "predictor", "placement")
+
+
+class FFNMasks:
+    """Hooks that mask each layer's FFN neurons per `mode` and count what was computed and what was missed."""
+
+    def __init__(self, lm: LoadedModel, mode: str, taus: list[float] | None, predictors: Predictors | None = None,
+                 gpu: dict[int, torch.Tensor] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"unknown eval mode '{mode}': choose from {', '.join(MODES)}")
+        self.lm, self.mode, self.taus, self.predictors, self.gpu = lm, mode, taus, predictors, gpu
+        L = len(lm.layers)
+        # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
+        self.stats = np.zeros((L, 6), dtype=np.float64)
+        self._x: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "FFNMasks":
+        for i, layer in enumerate(self.lm.layers):
+            ffn = self.lm.adapter.layer_ffn(layer)
+            if self.mode in ("predictor", "placement"):
+                self._handles.append(ffn["up"].register_forward_pre_hook(self._up_hook(i)))
+            self._handles.append(ffn["down"].register_forward_pre_hook(self._down_hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _up_hook(self, i: int):
+        def hook(_mod, args):
+            self._x[i] = args[0]  # (..., d_model): the FFN input the predictor sees
+        return hook
+
+    def _down_hook(self, i: int):
+        def hook(_mod, args):
+            h = args[0]  # (..., n_neurons)
+            true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
+            if self.mode == "dense":
+                mask = None
+            elif self.mode == "oracle":
+                mask = true
+            else:
+                x = self._x.pop(i)
+                pred = self.predictors.layers[i]
+                mask = pred.mask(x.to(pred.fc1.weight.dtype))  # (..., n) bool
+                if self.mode == "placement":
+                    mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
+            mag = h.detach().abs().double()
+            hit = true if mask is None else (true & mask)
+            self.stats[i] += [true.numel(), true.numel() if mask is None else int(mask.sum()), int(true.sum()),
+                              int(hit.sum()), float(mag[true].sum()), float(mag[hit].sum())]
+            if mask is None:
+                return None
+            return (h * mask.to(h.dtype),)
+        return hook
+
+    def summary(self) -> dict[str, Any]:
+        s = self.stats
+        pairs, comp, true, hit, mag_t, mag_h = (s[:, k] for k in range(6))
+        div = lambda a, b: np.where(b > 0, a / np.where(b > 0, b, 1), 1.0)  # noqa: E731
+        per_layer = {"computed_share": div(comp, pairs), "recall": div(hit, true),
+                     "magnitude_recall": div(mag_h, mag_t), "true_active_share": div(true, pairs)}
+        return {
+            "ffn_sparsity": float(1 - comp.sum() / pairs.sum()),
+            "recall": float(hit.sum() / true.sum()) if true.sum() else 1.0,
+            "magnitude_recall": float(mag_h.sum() / mag_t.sum()) if mag_t.sum() else 1.0,
+            "true_sparsity": float(1 - true.sum() / pairs.sum()),
+            "per_layer": {k: np.round(v, 6).tolist() for k, v in per_layer.items()},
+        }
+
+
+@torch.inference_mode()
+def perplexity(lm: LoadedModel, batches: list[torch.Tensor], progress: bool = False,
+               desc: str = "eval") -> tuple[float, int]:
+    """(summed next-token NLL in float64, number of predicted tokens) over `batches` of (b, s) token ids."""
+    nll, count = 0.0, 0
+    for ids in tqdm(batches, desc=desc, unit="batch", disable=not progress, dynamic_ncols=True, leave=False):
+        ids = ids.to(lm.model.device)
+        logits = lm.model(input_ids=ids, use_cache=False).logits  # (b, s, vocab)
+        v = logits.shape[-1]
+        nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v).double(),
+                                                       ids[:, 1:].reshape(-1), reduction="sum"))
+        count += ids[:, 1:].numel()
+    return nll, count
+
+
+def load_profile_model(pmeta: dict, model: str | None, gguf_file: str | None, device: str, dtype: str,
+                       trust_remote_code: bool = False) -> LoadedModel:
+    """The model a profile was made for (from its meta.json source), unless `model` names one."""
+    info = pmeta["model"]
+    if model is None:
+        src = info["source"]
+        model = src["path"] if src["kind"] in ("gguf", "folder") else info["name"]
+        gguf_file = gguf_file or src.get("gguf_file")
+        activation = info["activation"]
+    else:
+        activation = None
+    return load_model(model, gguf_file, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                      activation=activation if activation in ("drelu",) else None)
+
+
+def read_placement(run_dir: Path, model_info: dict, n_layers: int) -> dict[int, torch.Tensor]:
+    """RUN/placement/placement.parquet -> per layer a (n_neurons,) bool tensor of GPU-resident neurons."""
+    pdir = run_dir / "placement"
+    meta = artifacts.read_json(pdir / "meta.json")
+    artifacts.check_meta(meta, "placement", pdir)
+    artifacts.check_same_model(meta, {"model": model_info}, f"placement {pdir}", "the model")
+    df = pd.read_parquet(pdir / "placement.parquet", columns=["layer", "neuron", "gpu"])
+    n = model_info["n_neurons"]
+    out = {}
+    for i in range(n_layers):
+        g = torch.zeros(n, dtype=torch.bool)
+        rows = df[df["layer"] == i]
+        g[torch.from_numpy(rows["neuron"].to_numpy(np.int64).copy())] = torch.from_numpy(rows["gpu"].to_numpy(bool).copy())
+        out[i] = g
+    return out
+
+
+def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: str = "wikipedia-sample:eval",
+             text_column: str = "text", tokens: int = 32768, seq_len: int = 512, batch_size: int = 2,
+             recall: float | None = None, model: str | None = None, gguf_file: str | None = None,
+             device: str = "auto", dtype: str = "auto", progress: bool = True, lm: LoadedModel | None = None,
+             write: bool = True) -> dict[str, Any]:
+    """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it."""
+    run_dir = Path(run_dir)
+    _, pmeta = artifacts.read_profile(run_dir)
+    if lm is None:
+        lm = load_profile_model(pmeta, model, gguf_file, pick_device(device), dtype)
+    artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
+    have_pred = (run_dir / "predictors" / "meta.json").exists()
+    have_place = (run_dir / "placement" / "placement.parquet").exists()
+    if modes is None:
+        modes = ["dense", "oracle"] + (["predictor"] if have_pred else []) + \
+                (["placement"] if have_pred and have_place else [])
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown eval mode '{m}': choose from {', '.join(MODES)}")
+    preds = gpu = None
+    if any(m in ("predictor", "placement") for m in modes):
+        dev = next(lm.model.parameters())
+        preds = load_predictors(run_dir, lm.info, device=str(dev.device), dtype=dev.dtype)
+        if recall is not None:
+            preds.set_recall(recall)
+    if "placement" in modes:
+        if not have_place:
+            raise ArtifactError(f"no placement in {run_dir / 'placement'}: run `pi-solve --run {run_dir}` first, "
+                                f"or drop the placement mode")
+        gpu = read_placement(run_dir, lm.info, len(lm.layers))
+    taus = pmeta["taus"] if pmeta["rule"] == "abs>tau" else None
+    batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))
+    if not batches:
+        raise CorpusError(f"dataset '{dataset}' is empty: no text to evaluate on")
+    results: dict[str, Any] = {}
+    for m in modes:
+        t0 = time.perf_counter()
+        with FFNMasks(lm, m, taus, preds, gpu) as masks:
+            nll, count = perplexity(lm, batches, progress, desc=m)
+        res = {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count,
+               **masks.summary(), "seconds": round(time.perf_counter() - t0, 2)}
+        if m == "placement":
+            g = torch.stack([gpu[i] for i in range(len(lm.layers))]).double()  # (layers, n)
+            res["gpu_neuron_share"] = float(g.mean())
+            comp = np.array(res["per_layer"]["computed_share"])
+            res["cpu_computed_share_of_cold"] = float(np.mean(
+                (comp - g.mean(1).numpy()) / np.maximum(1e-12, 1 - g.mean(1).numpy())))
+        results[m] = res
+    if "dense" in results:
+        for m, r in results.items():
+            r["ppl_vs_dense"] = r["perplexity"] / results["dense"]["perplexity"] - 1
+    report = artifacts.base_meta("eval", inputs={"profile": {"meta_sha256": artifacts.sha256_file(
+        run_dir / "profile" / "meta.json")}})
+    report.update({"model": lm.info["name"], "fingerprint": lm.info["fingerprint"], "dataset": dataset,
+                   "tokens": tokens, "seq_len": seq_len, "rule": pmeta["rule"],
+                   "threshold_recall": recall if recall is not None else (
+                       preds.summary["config"]["target_recall"] if preds else None),
+                   "device": str(lm.model.device), "dtype": str(next(lm.model.parameters()).dtype),
+                   "modes": results})
+    if write:
+        artifacts.write_json(run_dir / "eval" / "eval.json", report)
+    return report
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['model']} on {report['dataset']} ({report['modes'][next(iter(report['modes']))]['tokens']:,} "
+             f"predicted tokens, seq_len {report['seq_len']})",
+             f"{'mode':10} {'ppl':>9} {'vs dense':>9} {'FFN sparsity':>13} {'recall':>7} {'|h| recall':>10} "
+             f"{'seconds':>8}"]
+    for m, r in report["modes"].items():
+        vs = f"{100 * r['ppl_vs_dense']:+.2f}%" if "ppl_vs_dense" in r else "-"
+        lines.append(f"{m:10} {r['perplexity']:9.3f} {vs:>9} {r['ffn_sparsity']:13.3f} {r['recall']:7.3f} "
+                     f"{r['magnitude_recall']:10.3f} {r['seconds']:8.1f}")
+    return "\n".join(lines)
