@@ -81,14 +81,16 @@ def format_train(summary: dict, run_dir: Path) -> str:
 @click.option("--batch-size", default=2, show_default=True, type=click.IntRange(1), help="Sequences per forward.")
 @click.option("--recall", type=float, default=None,
               help="Use the predictors' thresholds tabulated for this recall (e.g. 0.8) instead of the trained one.")
+@click.option("--recall-sweep", default=None,
+              help="Comma-separated tabulated recalls (e.g. 0.9,0.8,0.7): also run the predictor mode at each.")
 @click.option("--model", default=None, help="Model to load. Default: the one recorded in the profile.")
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, fp16 on CUDA), float32, ...")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, model, gguf_file, device,
-              dtype, as_json, quiet) -> None:
+def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, recall_sweep, model,
+              gguf_file, device, dtype, as_json, quiet) -> None:
     """Perplexity with the FFN dense, oracle-sparse, predictor-sparse and as the runtime would run it.
 
     Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
@@ -97,7 +99,13 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
     from powerinfer.predictors.evaluate import evaluate, format_table
 
     try:
-        report = evaluate(run_dir, modes=list(modes) or None, dataset=dataset, text_column=text_column,
+        sweep = [float(r) for r in recall_sweep.split(",")] if recall_sweep else None
+    except ValueError:
+        raise click.BadParameter(f"'{recall_sweep}' is not a comma-separated list of numbers, e.g. 0.9,0.8",
+                                 param_hint="--recall-sweep") from None
+    try:
+        report = evaluate(run_dir, modes=list(modes) or None, recall_sweep=sweep, dataset=dataset,
+                          text_column=text_column,
                           tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
                           gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
     except (ArtifactError, CorpusError, ValueError) as e:

@@ -145,7 +145,8 @@ def read_placement(run_dir: Path, model_info: dict, n_layers: int) -> dict[int, 
     for i in range(n_layers):
         g = torch.zeros(n, dtype=torch.bool)
         rows = df[df["layer"] == i]
-        g[torch.from_numpy(rows["neuron"].to_numpy(np.int64).copy())] = torch.from_numpy(rows["gpu"].to_numpy(bool).copy())
+        idx = torch.from_numpy(rows["neuron"].to_numpy(np.int64).copy())
+        g[idx] = torch.from_numpy(rows["gpu"].to_numpy(bool).copy())
         out[i] = g
     return out
 
@@ -154,8 +155,11 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
              text_column: str = "text", tokens: int = 32768, seq_len: int = 512, batch_size: int = 2,
              recall: float | None = None, model: str | None = None, gguf_file: str | None = None,
              device: str = "auto", dtype: str = "auto", progress: bool = True, lm: LoadedModel | None = None,
-             write: bool = True) -> dict[str, Any]:
-    """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it."""
+             recall_sweep: list[float] | None = None, write: bool = True) -> dict[str, Any]:
+    """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it.
+
+    `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
+    """
     run_dir = Path(run_dir)
     _, pmeta = artifacts.read_profile(run_dir)
     if lm is None:
@@ -170,7 +174,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         if m not in MODES:
             raise ValueError(f"unknown eval mode '{m}': choose from {', '.join(MODES)}")
     preds = gpu = None
-    if any(m in ("predictor", "placement") for m in modes):
+    if any(m in ("predictor", "placement") for m in modes) or recall_sweep:
         dev = next(lm.model.parameters())
         preds = load_predictors(run_dir, lm.info, device=str(dev.device), dtype=dev.dtype)
         if recall is not None:
@@ -184,13 +188,16 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))
     if not batches:
         raise CorpusError(f"dataset '{dataset}' is empty: no text to evaluate on")
-    results: dict[str, Any] = {}
-    for m in modes:
+    def run_mode(m: str, desc: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         with FFNMasks(lm, m, taus, preds, gpu) as masks:
-            nll, count = perplexity(lm, batches, progress, desc=m)
-        res = {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count,
-               **masks.summary(), "seconds": round(time.perf_counter() - t0, 2)}
+            nll, count = perplexity(lm, batches, progress, desc=desc)
+        return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count,
+                **masks.summary(), "seconds": round(time.perf_counter() - t0, 2)}
+
+    results: dict[str, Any] = {}
+    for m in modes:
+        res = run_mode(m, m)
         if m == "placement":
             g = torch.stack([gpu[i] for i in range(len(lm.layers))]).double()  # (layers, n)
             res["gpu_neuron_share"] = float(g.mean())
@@ -198,9 +205,15 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
             res["cpu_computed_share_of_cold"] = float(np.mean(
                 (comp - g.mean(1).numpy()) / np.maximum(1e-12, 1 - g.mean(1).numpy())))
         results[m] = res
+    sweep = []
+    for r in recall_sweep or []:
+        preds.set_recall(r)
+        sweep.append({"threshold_recall": r, **run_mode("predictor", f"predictor@{r:g}")})
+    if recall_sweep and recall is not None:
+        preds.set_recall(recall)
     if "dense" in results:
-        for m, r in results.items():
-            r["ppl_vs_dense"] = r["perplexity"] / results["dense"]["perplexity"] - 1
+        for res in [*results.values(), *sweep]:
+            res["ppl_vs_dense"] = res["perplexity"] / results["dense"]["perplexity"] - 1
     report = artifacts.base_meta("eval", inputs={"profile": {"meta_sha256": artifacts.sha256_file(
         run_dir / "profile" / "meta.json")}})
     report.update({"model": lm.info["name"], "fingerprint": lm.info["fingerprint"], "dataset": dataset,
@@ -208,7 +221,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
                    "threshold_recall": recall if recall is not None else (
                        preds.summary["config"]["target_recall"] if preds else None),
                    "device": str(lm.model.device), "dtype": str(next(lm.model.parameters()).dtype),
-                   "modes": results})
+                   "modes": results, "recall_sweep": sweep})
     if write:
         artifacts.write_json(run_dir / "eval" / "eval.json", report)
     return report
@@ -221,6 +234,11 @@ def format_table(report: dict) -> str:
              f"{'seconds':>8}"]
     for m, r in report["modes"].items():
         vs = f"{100 * r['ppl_vs_dense']:+.2f}%" if "ppl_vs_dense" in r else "-"
+        lines.append(f"{m:10} {r['perplexity']:9.3f} {vs:>9} {r['ffn_sparsity']:13.3f} {r['recall']:7.3f} "
+                     f"{r['magnitude_recall']:10.3f} {r['seconds']:8.1f}")
+    for r in report.get("recall_sweep", []):
+        vs = f"{100 * r['ppl_vs_dense']:+.2f}%" if "ppl_vs_dense" in r else "-"
+        m = f"pred@{r['threshold_recall']:g}"
         lines.append(f"{m:10} {r['perplexity']:9.3f} {vs:>9} {r['ffn_sparsity']:13.3f} {r['recall']:7.3f} "
                      f"{r['magnitude_recall']:10.3f} {r['seconds']:8.1f}")
     return "\n".join(lines)

@@ -140,10 +140,19 @@ def test_eval_cli_and_errors(swiglu_run, text_corpus, tmp_path):
     lm, run = swiglu_run
     res = CliRunner().invoke(eval_main, ["--run", str(run), "--mode", "dense", "--mode", "predictor", "--dataset",
                                          str(text_corpus), "--tokens", "120", "--seq-len", "40", "--json",
-                                         "--quiet", "--recall", "0.8", "--dtype", "float64"])
+                                         "--quiet", "--recall", "0.8", "--dtype", "float64", "--recall-sweep",
+                                         "0.95,0.5"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert set(rep["modes"]) == {"dense", "predictor"} and rep["threshold_recall"] == 0.8
+    at = {r["threshold_recall"]: r for r in rep["recall_sweep"]}
+    assert set(at) == {0.95, 0.5}
+    # layer 0 sees the same inputs in every mode: a lower recall target skips at least as many neurons there
+    share0 = lambda r: r["per_layer"]["computed_share"][0]  # noqa: E731
+    assert share0(at[0.5]) <= share0(rep["modes"]["predictor"]) <= share0(at[0.95])
+    assert at[0.5]["ppl_vs_dense"] == pytest.approx(at[0.5]["perplexity"] / rep["modes"]["dense"]["perplexity"] - 1)
+    res = CliRunner().invoke(eval_main, ["--run", str(run), "--recall-sweep", "a,b", "--quiet"])
+    assert res.exit_code != 0 and "--recall-sweep" in res.output
     # predictors of another model are refused
     other = {**lm.info, "name": "other", "fingerprint": "0" * 64}
     with pytest.raises(ArtifactError, match="made for model"):
