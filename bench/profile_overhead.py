@@ -113,6 +113,8 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
     counter = ActivationCounter(lm, taus)
     filling = SampleReservoir(tmp / "filling", ids[0].numel() * len(ids), n_layers, d, n, seed=0)
     steady = SampleReservoir(tmp / "steady", 16384, n_layers, d, n, seed=0)
+    for arr in (*steady.x, *steady.mask):  # a full reservoir has its pages resident already
+        arr[:] = 0
     variants = {"count": (counter, None, 0), "count+samples:filling": (ActivationCounter(lm, taus, filling), filling, 0),
                 "count+samples:steady": (ActivationCounter(lm, taus, steady), steady, 100_000)}
     for b, batch in enumerate(ids):
@@ -121,10 +123,12 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
             with hooks:
                 if reservoir is not None:
                     reservoir.plan(b, offset + b * batch.numel(), batch.numel(), counter.counts.device)
-                t[name] = timed(lambda: forward(lm, batch))
+                t[name] = timed(lambda: (forward(lm, batch), reservoir.commit() if reservoir else None))
         if b >= 2:  # the first two are warm-up
             for name, v in t.items():
                 times[name].append(v)
+    filling.flush()
+    steady.flush()
     tokens = batch_size * seq_len
     res = {k: {"median_s": statistics.median(v), "tokens_per_s": tokens / statistics.median(v)}
            for k, v in times.items()}

@@ -218,6 +218,8 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, ra
             if reservoir is not None:
                 reservoir.plan(mine, state["tokens"], ids.numel(), counter.counts.device)
             forward(lm, ids)
+            if reservoir is not None:
+                reservoir.commit()
             state["tokens"] += ids.numel()
             state["batches"] = mine + 1
             done_here += 1

@@ -229,7 +229,7 @@ def test_cli_json_and_errors(tiny_model_dir, text_corpus, tmp_path):
     for args, msg in [
         (["--dataset", str(empty)], "empty"),
         (["--dataset", "no-such-corpus"], "unknown dataset 'no-such-corpus'"),
-        (["--resume"], "no interrupted profile"),
+        (["--resume", "--dataset", str(text_corpus)], "no interrupted profile"),
         (["--dataset", str(text_corpus), "--text-column", "body"], "no column 'body'"),
     ]:
         res = run.invoke(cli, ["--model", str(tiny_model_dir("opt")), "--out", str(tmp_path / "bad"), "--quiet",
@@ -276,3 +276,28 @@ def test_profile_notebook_executes(tiny_model_dir, text_corpus, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["tokens"] == 700 and len(summary["share_covering_80pct_per_layer"]) == 2
     assert (tmp_path / "figs/profile_share80_sparsity.png").stat().st_size > 10_000
+
+
+def test_packbits_matches_numpy():
+    from powerinfer.profiler.hooks import packbits
+
+    rng = np.random.default_rng(1)
+    for rows, n in [(5, 48), (3, 13), (1, 1), (0, 9), (7, 1536)]:
+        m = rng.random((rows, n)) < 0.3
+        np.testing.assert_array_equal(packbits(torch.from_numpy(m)).numpy(), np.packbits(m, axis=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("tau", [None, 0.0, 0.7])
+def test_count_active_matches_float64_reference(dtype, tau):
+    from powerinfer.profiler.hooks import as_tau, count_active
+
+    rng = np.random.default_rng(2)
+    for tokens, n in [(0, 5), (1, 1), (3, 7), (257, 33), (1000, 130)]:
+        h64 = rng.standard_normal((tokens, n))
+        h64[rng.random((tokens, n)) < 0.4] = 0.0  # exact zeros, as ReLU makes
+        h = torch.from_numpy(h64).to(dtype)
+        ref = (np.abs(h.double().numpy()) > as_tau(tau)).sum(0)  # float64 numpy; taus are float32 values
+        got = count_active(h, tau)
+        assert got.dtype == torch.int64 and got.shape == (n,)
+        np.testing.assert_array_equal(got.numpy(), ref)
