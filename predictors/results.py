@@ -1,0 +1,93 @@
+"""Collect a run's predictor and eval figures into one results file, against the issue's goals.
+
+`python -m powerinfer.predictors.results --run RUN --out bench/results/predictors_smollm2.json --command "..."`
+reads RUN/predictors/summary.json and RUN/eval/eval.json; every figure comes from those files.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import click
+
+from powerinfer import artifacts
+
+GOALS = {"mean_recall": ">= 0.95", "predicted_ffn_sparsity": ">= 0.40", "predictor_fraction_of_ffn": "<= 0.10",
+         "predictor_ppl_vs_dense": "<= +6%"}
+
+
+def machine() -> dict[str, Any]:
+    import numpy
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "gpu": torch.cuda.get_device_name(0)
+            if torch.cuda.is_available() else None, "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
+
+
+def collect(run_dir: str | Path, commands: list[str]) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    s = artifacts.read_json(run_dir / "predictors" / "summary.json")
+    ev = artifacts.read_json(run_dir / "eval" / "eval.json")
+    pmeta = artifacts.read_json(run_dir / "profile" / "meta.json")
+    t, modes = s["totals"], ev["modes"]
+    pred = modes.get("predictor", {})
+    met = {
+        "mean_recall": t["mean_recall"] >= 0.95,
+        "predicted_ffn_sparsity": t["mean_predicted_sparsity"] >= 0.40,
+        "predictor_fraction_of_ffn": t["predictor_fraction_of_ffn"] <= 0.10,
+        "predictor_ppl_vs_dense": bool(pred) and pred["ppl_vs_dense"] <= 0.06,
+    }
+    return {
+        "what": "per-layer activation predictors for SmolLM2-135M-Instruct: recall, predicted FFN sparsity, size, "
+                "and perplexity dense / oracle / predictor (/ placement) on held-out Wikipedia text",
+        "command": commands,
+        "machine": machine(),
+        "profile": {"dataset": pmeta["dataset"], "tokens": pmeta["tokens"], "rule": pmeta["rule"],
+                    "target_sparsity": pmeta["target_sparsity"], "samples_per_layer": pmeta["samples"]["count"],
+                    "mean_share80": sum(pmeta["share_covering_80pct_per_layer"]) / pmeta["model"]["n_layers"]},
+        "goals": GOALS,
+        "goal_met": met,
+        "training": {
+            "seconds": t["train_seconds"], "device": t["device"], "fits": t["fits"],
+            "predictor_params": t["predictor_params"], "ffn_params": t["ffn_params"],
+            "predictor_fraction_of_ffn": t["predictor_fraction_of_ffn"],
+            "mean_recall_test": t["mean_recall"], "min_recall_test": t["min_recall"],
+            "mean_precision_test": t["mean_precision"], "mean_predicted_sparsity_test": t["mean_predicted_sparsity"],
+            "mean_true_sparsity_test": t["mean_true_sparsity"], "config": s["config"],
+        },
+        "per_layer": [{k: r[k] for k in ("layer", "hidden", "params", "share80", "recall", "precision",
+                                         "predicted_sparsity", "threshold")} | {"sizes_tried": [x["hidden"] for x in
+                                                                                                 r["tried"]]}
+                      for r in s["layers"]],
+        "eval": {
+            "dataset": ev["dataset"], "tokens": next(iter(modes.values()))["tokens"], "seq_len": ev["seq_len"],
+            "device": ev["device"], "dtype": ev["dtype"], "threshold_recall": ev["threshold_recall"],
+            "modes": {m: {k: r[k] for k in ("perplexity", "ppl_vs_dense", "ffn_sparsity", "recall",
+                                             "magnitude_recall", "seconds") if k in r}
+                      | ({"gpu_neuron_share": r["gpu_neuron_share"]} if "gpu_neuron_share" in r else {})
+                      for m, r in modes.items()},
+            "recall_sweep": [{k: r[k] for k in ("threshold_recall", "perplexity", "ppl_vs_dense", "ffn_sparsity",
+                                                "recall", "magnitude_recall", "seconds")}
+                             for r in ev.get("recall_sweep", [])],
+        },
+    }
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--run", "run_dir", required=True, help="Run directory with predictors/ and eval/.")
+@click.option("--out", required=True, help="Results JSON to write.")
+@click.option("--command", "commands", multiple=True, help="A command that produced the run (repeat).")
+def main(run_dir, out, commands) -> None:
+    """Write the predictor and eval figures of RUN to one JSON file."""
+    artifacts.write_json(out, collect(run_dir, list(commands)))
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
