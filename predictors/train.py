@@ -30,6 +30,7 @@ from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 
 SHARE = 0.8  # skewness statistic: share of neurons (hottest first) that covers this share of activations
+NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)
 RECALL_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)  # thresholds tabulated for pi-eval --recall
 
 
@@ -163,7 +164,7 @@ def threshold_for_recall(logits: torch.Tensor, mask: torch.Tensor, recall: float
     if pos.dtype in (torch.float16, torch.bfloat16):
         pos = pos.float()
     if pos.numel() == 0:
-        return math.inf  # nothing ever fires here: predict nothing
+        return NEVER  # nothing fires here: predict nothing
     keep = math.ceil(recall * pos.numel() - 1e-9)
     k = pos.numel() - keep + 1
     return float(torch.kthvalue(pos, max(1, k)).values)

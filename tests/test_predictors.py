@@ -286,3 +286,9 @@ def test_smollm2_profile_layer(tmp_path):
     assert row["predicted_sparsity"] > 0.05 and row["params_share_of_ffn"] <= 0.10
     p = load_predictors(tmp_path)
     assert p.layers[0].fc1.weight.shape == (row["hidden"], 576)
+
+
+def test_threshold_without_positives_predicts_nothing():
+    logits, mask = torch.randn(5, 4), torch.zeros(5, 4, dtype=torch.bool)
+    t = threshold_for_recall(logits, mask, 0.95)
+    assert math.isfinite(t) and metrics(logits, mask, t)["predicted_sparsity"] == 1.0
