@@ -18,7 +18,8 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory holding profile/ (with samples); predictors/ is written there.")
 @click.option("--preset", "preset_name", default="default", show_default=True,
-              help="Named settings: default, fast (fewer epochs and size steps), thorough.")
+              help="Named settings: default, fast (fewer epochs and size steps), thorough, magnitude "
+              "(--magnitude-weight 1).")
 @click.option("--target-recall", type=float, default=None,
               help="Share of truly active neurons the threshold must catch on the val split [preset: 0.95].")
 @click.option("--max-predictor-fraction", type=float, default=None,
@@ -28,13 +29,15 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
               help="Base size h = base-scale * n_neurons * active share * share80/0.8 [preset: 0.125].")
 @click.option("--max-steps", type=click.IntRange(0), default=None,
               help="Size changes tried per layer by the skewness search [preset: 2].")
+@click.option("--magnitude-weight", type=click.FloatRange(0), default=None,
+              help="Weigh active pairs by (|h|/tau)^W in the loss (loads the model; 0 = off) [preset: 0].")
 @click.option("--seed", type=int, default=None, help="Seed of the split, init and batch order [preset: 0].")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--force", is_flag=True, help="Replace predictors of another model.")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epochs, base_scale, max_steps, seed,
-               device, force, as_json, quiet) -> None:
+def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epochs, base_scale, max_steps,
+               magnitude_weight, seed, device, force, as_json, quiet) -> None:
     """Train one activation predictor per layer from RUN/profile/samples.
 
     Each predictor is Linear(d_model->h) -> ReLU -> Linear(h->n_neurons); h is sized per layer from the
@@ -45,7 +48,8 @@ def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epoc
 
     try:
         cfg = preset(preset_name, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
-                     epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed)
+                     epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed,
+                     magnitude_weight=magnitude_weight)
         summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from None

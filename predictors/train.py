@@ -58,6 +58,11 @@ class PredictorConfig:
     lr: float = 5e-3
     weight_decay: float = 0.01
     max_pos_weight: float = 50.0
+    # importance of an active pair in the loss: (|h| / scale) ** magnitude_weight, capped at magnitude_cap, where
+    # scale is tau_l (thresholded models) or the layer's median active |h| (ReLU); 0 = plain class balance.
+    # Needs the model (h is recomputed from the stored x). Missing a large activation costs more perplexity.
+    magnitude_weight: float = 0.0
+    magnitude_cap: float = 10.0
     val_fraction: float = 0.1
     test_fraction: float = 0.1
     seed: int = 0
@@ -67,6 +72,7 @@ PRESETS: dict[str, PredictorConfig] = {
     "default": PredictorConfig(),
     "fast": PredictorConfig(name="fast", epochs=4, patience=1, max_steps=1),
     "thorough": PredictorConfig(name="thorough", epochs=20, patience=4, max_steps=3, base_scale=0.25),
+    "magnitude": PredictorConfig(name="magnitude", magnitude_weight=1.0),
 }
 
 
@@ -199,8 +205,11 @@ class Fit:
 
 def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorConfig,
               splits: tuple[torch.Tensor, torch.Tensor, torch.Tensor], device: str = "cpu",
-              seed: int = 0) -> Fit:
-    """Train one predictor of width `hidden`; early-stop on val predicted sparsity at the target recall."""
+              seed: int = 0, importance: torch.Tensor | None = None) -> Fit:
+    """Train one predictor of width `hidden`; early-stop on val predicted sparsity at the target recall.
+
+    `importance` (count, n): loss weight of each active pair (inactive pairs weigh 1); None = all 1.
+    """
     t0 = time.perf_counter()
     tr, va, te = splits
     d, n = x.shape[1], mask.shape[1]
@@ -223,7 +232,9 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
         order = tr[torch.randperm(len(tr), generator=gen)]
         for i in range(0, len(order), cfg.batch_size):
             b = order[i:i + cfg.batch_size].to(device)
-            loss = nn.functional.binary_cross_entropy_with_logits(net(xs[b]), y[b].float(), pos_weight=pos_weight)
+            weight = None if importance is None else torch.where(y[b], importance[b].to(device), 1.0)  # (batch, n)
+            loss = nn.functional.binary_cross_entropy_with_logits(net(xs[b]), y[b].float(), weight=weight,
+                                                                  pos_weight=pos_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -252,6 +263,44 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
              "fc2.weight": net.fc2.weight.detach().cpu().contiguous()}
     return Fit(hidden, n_params(d, hidden, n), state, thr, val_m, test_m, table, epochs,
                time.perf_counter() - t0, history)
+
+
+@torch.no_grad()
+def ffn_values(lm, layer: int, x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """(count, d_model) FFN inputs -> (count, n_neurons) activation values h (the down projection's input)."""
+    mods = lm.adapter.layer_ffn(lm.layers[layer])
+    ffn = lm.adapter.ffn_module(lm.layers[layer])
+    dtype = mods["up"].weight.dtype
+    out = []
+
+    class _Stop(Exception):
+        pass
+
+    def grab(_mod, args):
+        out.append(args[0].float().cpu())
+        raise _Stop  # the down projection itself is not needed
+
+    handle = mods["down"].register_forward_pre_hook(grab)
+    try:
+        for i in range(0, len(x), chunk):
+            xb = x[i:i + chunk].to(device=mods["up"].weight.device, dtype=dtype)
+            try:
+                if ffn is not None:
+                    ffn(xb)
+                else:  # OPT: fc1 -> activation -> fc2 live on the decoder layer itself
+                    mods["down"](lm.layers[layer].activation_fn(mods["up"](xb)))
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return torch.cat(out)
+
+
+def importance_weights(h: torch.Tensor, mask: torch.Tensor, tau: float | None, cfg: PredictorConfig) -> torch.Tensor:
+    """(count, n) loss weights of active pairs: (|h| / scale) ** magnitude_weight, capped."""
+    a = h.abs()
+    scale = tau if tau else float(a[mask].median()) if mask.any() else 1.0
+    return (a / max(scale, 1e-12)).clamp(max=cfg.magnitude_cap) ** cfg.magnitude_weight
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,8 +381,12 @@ def profile_hash(run_dir: Path) -> str:
 
 
 def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["default"], *, device: str = "auto",
-                     force: bool = False, progress: bool = True, layers: list[int] | None = None) -> dict[str, Any]:
-    """Train RUN/predictors/ from RUN/profile/; returns summary.json. `layers` restricts training (tests)."""
+                     force: bool = False, progress: bool = True, layers: list[int] | None = None,
+                     lm=None) -> dict[str, Any]:
+    """Train RUN/predictors/ from RUN/profile/; returns summary.json. `layers` restricts training (tests).
+
+    With cfg.magnitude_weight > 0 the model is needed: `lm` (a LoadedModel), else the profile's model is loaded.
+    """
     from powerinfer.models import pick_device
 
     run_dir = Path(run_dir)
@@ -354,15 +407,31 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     count = int(pmeta["samples"]["count"])
     splits = split_indices(count, cfg)
     torch.manual_seed(cfg.seed)
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    agreement: dict[int, float] = {}
+    if cfg.magnitude_weight > 0 and lm is None:
+        from powerinfer.predictors.evaluate import load_profile_model
+
+        lm = load_profile_model(pmeta, None, None, device, pmeta.get("config", {}).get("dtype", "auto"))
+    if lm is not None:
+        artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
+    taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+    cache: dict[int, tuple] = {}
 
     def fit(j: int, h: int) -> Fit:
         layer = sel[j]
         if layer not in cache:
             cache.clear()  # one layer's samples in RAM at a time (phases revisit layers in another order)
-            cache[layer] = load_samples(sdir, layer, n)
-        x, m = cache[layer]
-        return fit_layer(x, m, h, cfg, splits, device, seed=cfg.seed * 100_003 + layer)
+            x, m = load_samples(sdir, layer, n)
+            w = None
+            if cfg.magnitude_weight > 0:
+                hv = ffn_values(lm, layer, x)  # (count, n)
+                tau = None if taus is None else taus[layer]
+                # the stored masks came from the same rule on the same x (up to fp16 storage of x)
+                agreement[layer] = float(((hv.abs() > tau if tau is not None else hv != 0) == m).float().mean())
+                w = importance_weights(hv, m, tau, cfg)
+            cache[layer] = (x, m, w)
+        x, m, w = cache[layer]
+        return fit_layer(x, m, h, cfg, splits, device, seed=cfg.seed * 100_003 + layer, importance=w)
 
     bar = tqdm(desc="predictors", unit="fit", disable=not progress, dynamic_ncols=True)
 
@@ -376,6 +445,8 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     seconds = time.perf_counter() - t0
     bar.close()
     summary = _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d, n)
+    if agreement:
+        summary["totals"]["recomputed_mask_agreement_min"] = min(agreement.values())
     meta = artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": profile_hash(run_dir)}})
     meta["model"] = info
     meta["config"] = asdict(cfg)

@@ -180,3 +180,32 @@ def test_perplexity_matches_log_softmax(tiny_model_dir, text_corpus):
                     ref -= float(lp[b, t, ids[b, t + 1]])
     assert n == sum(ids[:, 1:].numel() for ids in batches)
     assert nll == pytest.approx(ref, rel=1e-10)
+
+
+@pytest.mark.parametrize("name", ["opt", "llama-swiglu", "falcon-relu", "mistral-drelu"])
+def test_ffn_values_match_explicit(name, tiny_model_dir):
+    """The values the magnitude weighting uses equal an explicit recomputation from the weights."""
+    from powerinfer.predictors.train import ffn_values
+
+    lm = load(name, tiny_model_dir(name))
+    x = torch.randn(37, 32, dtype=torch.float64)
+    for i, layer in enumerate(lm.layers):
+        ffn = lm.adapter.layer_ffn(layer)
+        lin = lambda m, v: v @ m.weight.T + (m.bias if m.bias is not None else 0)  # noqa: E731
+        if name == "llama-swiglu":
+            ref = torch.nn.functional.silu(lin(ffn["gate"], x)) * lin(ffn["up"], x)
+        elif name == "mistral-drelu":
+            ref = torch.relu(lin(ffn["gate"], x)) * torch.relu(lin(ffn["up"], x))
+        else:
+            ref = torch.relu(lin(ffn["up"], x))
+        torch.testing.assert_close(ffn_values(lm, i, x, chunk=10).double(), ref.float().double(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_magnitude_weighted_training(swiglu_run):
+    lm, run = swiglu_run
+    summary = train_predictors(run, preset("fast", magnitude_weight=1.0), device="cpu", progress=False, lm=lm,
+                               force=True)
+    assert summary["config"]["magnitude_weight"] == 1.0
+    assert summary["totals"]["recomputed_mask_agreement_min"] > 0.99
+    assert load_predictors(run, lm.info).layers[0].fc1.weight.shape[1] == 32
