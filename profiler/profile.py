@@ -168,7 +168,6 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
 
 def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, rank: int, world: int, resume: bool,
              checkpoint_every: int, progress: bool, _stop_after: int | None) -> dict[str, Any]:
-
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
     key = {**cfg.resume_key(), "fingerprint": lm.info["fingerprint"], "world_size": world}
     ckpt, rank_state = partial / f"ckpt.rank{rank}.safetensors", partial / f"state.rank{rank}.json"
