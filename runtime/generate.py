@@ -1,0 +1,335 @@
+"""`generate`: batch-1 decoding with the hybrid runtime; `build_runtime` lays a loaded model out for a placement.
+
+The model stays a transformers causal LM (its attention, norms, RoPE and KV cache are reused for every family);
+each decoder layer's FFN is replaced by a `HybridFFN` (runtime/layout.py). Modes:
+- hybrid: hot neurons on the compute device, active cold neurons on the CPU; masks from the predictors, or
+  from the true activations with `oracle` (correctness checks, not speed);
+- dense: the same layout, every cold neuron computed (no sparsity); without a placement, all on the device;
+- layer-split: whole layers on the device up to the VRAM budget, the rest run dense on the CPU (as llama.cpp
+  -ngl does): the baseline. CPU layers: attention in float32 torch, FFN by the same Numba kernels, all active.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from powerinfer import artifacts
+from powerinfer.artifacts import ArtifactError
+from powerinfer.models import RELU_FAMILY, LoadedModel, pick_device, pick_dtype, text_config
+from powerinfer.runtime.kernels import set_threads
+from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, nbytes
+
+MODES = ("hybrid", "dense", "layer-split")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How to run. Named presets in PRESETS; CLI flags override single fields."""
+
+    mode: str = "hybrid"
+    oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
+    device: str = "auto"  # auto: cuda if available
+    dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU); cold rows are bf16
+    threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
+    vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
+    gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
+
+
+PRESETS: dict[str, RuntimeConfig] = {
+    "hybrid": RuntimeConfig(),
+    "oracle": RuntimeConfig(oracle=True),
+    "dense": RuntimeConfig(mode="dense"),
+    "layer-split": RuntimeConfig(mode="layer-split"),
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off (HF rule: positive logits divided, negative multiplied)
+    seed: int = 0
+
+
+def device_and_dtype(cfg: RuntimeConfig) -> tuple[str, torch.dtype]:
+    """The one place that decides where the hot part runs and in which dtype."""
+    device = pick_device(cfg.device)
+    return device, pick_dtype(cfg.dtype, device)
+
+
+@dataclass
+class Runtime:
+    lm: LoadedModel
+    cfg: RuntimeConfig
+    device: torch.device
+    dtype: torch.dtype
+    ffns: list[HybridFFN]
+    cpu_layers: list[OnCPULayer]
+    bytes_gpu: int
+    bytes_cpu: int
+    gpu_layers: int
+    threads: int
+
+    @property
+    def mode(self) -> str:
+        return "oracle" if (self.cfg.mode == "hybrid" and self.cfg.oracle) else self.cfg.mode
+
+
+def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None, dtype: torch.dtype) -> int:
+    """Decoder layers that fit on the device: (vram - everything outside the layers) // bytes per layer."""
+    n_layers = len(lm.layers)
+    if gpu_layers is not None:
+        if not 0 <= gpu_layers <= n_layers:
+            raise ValueError(f"--gpu-layers {gpu_layers} is out of range: the model has {n_layers} layers")
+        return gpu_layers
+    if vram is None:
+        raise ValueError("layer-split needs a budget: pass --vram (e.g. 8GB) or --gpu-layers N")
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
+    fixed = sum(p.numel() for p in lm.model.parameters()) * size - sum(per_layer)
+    if vram < fixed:
+        raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the embeddings, head and norms need on the "
+                         f"device: raise --vram")
+    k, used = 0, fixed
+    while k < n_layers and used + per_layer[k] <= vram:
+        used += per_layer[k]
+        k += 1
+    return k
+
+
+def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | None = None,
+                  predictors: Any = None, taus: list[float] | None = None) -> Runtime:
+    """Lay the (CPU-resident) model out for `cfg` and move its device part to the device. Modifies `lm` in place.
+
+    `predictors`: powerinfer.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
+    thresholds of non-ReLU models (oracle masks), None for ReLU-family models.
+    """
+    if cfg.mode not in MODES:
+        raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
+    device, dtype = device_and_dtype(cfg)
+    threads = set_threads(cfg.threads)
+    info, n_layers = lm.info, len(lm.layers)
+    if cfg.mode == "hybrid":
+        if placement is None:
+            raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
+        mask = "oracle" if cfg.oracle else "predictor"
+        if mask == "predictor" and predictors is None:
+            raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
+                                "(true masks) or --no-predictor (dense)")
+        if mask == "oracle" and taus is None and lm.activation not in RELU_FAMILY:
+            raise ArtifactError(f"--oracle on a {lm.activation} model needs the profile's thresholds (RUN/profile/)")
+    else:
+        mask = "dense"
+    if cfg.mode == "layer-split":
+        k = layer_split_count(lm, cfg.vram, cfg.gpu_layers, dtype)
+        placement = Placement.uniform(n_layers, info["n_neurons"], False)
+    else:
+        k = n_layers
+        placement = placement or Placement.uniform(n_layers, info["n_neurons"], True)
+    lm.model.to("cpu", dtype)
+    ffns: list[HybridFFN] = []
+    cpu_layers: list[OnCPULayer] = []
+    for i in range(n_layers):
+        if i < k and cfg.mode == "layer-split":
+            continue  # a whole dense layer on the device, untouched
+        pred = predictors.layers[i] if mask == "predictor" else None
+        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask,
+                        pred.to("cpu", dtype) if pred is not None else None,
+                        None if taus is None else taus[i])
+        install(lm, i, ffn)
+        ffns.append(ffn)
+        if cfg.mode == "layer-split":
+            layers = lm.layers
+            cpu_layers.append(OnCPULayer(layers[i], device, dtype))
+            layers[i] = cpu_layers[-1]
+    lm.model.to(device)
+    bytes_gpu, bytes_cpu = count_bytes(lm, ffns, cpu_layers)
+    if cfg.vram is not None and bytes_gpu > cfg.vram:
+        raise ValueError(f"the layout needs {bytes_gpu:,} B on {device} but --vram is {cfg.vram:,} B: re-run "
+                         f"pi-solve with this budget, or raise --vram")
+    return Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling and the decode loop
+
+
+def sample(logits: torch.Tensor, history: list[int], s: Sampling, gen: torch.Generator) -> int:
+    """One token id from (vocab,) logits."""
+    logits = logits.float().cpu()
+    if s.repetition_penalty != 1.0 and history:
+        ids = torch.tensor(sorted(set(history)))
+        seen = logits[ids]
+        logits[ids] = torch.where(seen > 0, seen / s.repetition_penalty, seen * s.repetition_penalty)
+    if s.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / s.temperature
+    if s.top_k > 0:
+        kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
+        logits[logits < kth] = -float("inf")
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) >= s.top_p  # keep the smallest prefix reaching top_p
+        logits[order[drop]] = -float("inf")
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    stats: dict[str, Any]
+    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token (vocab,), when asked
+
+
+def context_length(lm: LoadedModel) -> int:
+    cfg = text_config(lm.model.config)
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+
+
+def eos_ids(lm: LoadedModel) -> set[int]:
+    eos = getattr(lm.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = lm.tokenizer.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
+             on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
+             keep_logits: bool = False) -> Generation:
+    """Prefill the prompt (dense), then decode one token at a time; `on_text` receives text as it is made."""
+    ctx = context_length(rt.lm)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: pass some text")
+    if len(prompt_ids) >= ctx:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {ctx}: shorten it")
+    max_new = min(max_new_tokens, ctx - len(prompt_ids))
+    model, tok = rt.lm.model, rt.lm.tokenizer
+    stop = eos_ids(rt.lm) if stop_at_eos else set()
+    gen = torch.Generator().manual_seed(sampling.seed)
+    for f in rt.ffns:
+        f.reset_counts()
+
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([prompt_ids], device=rt.device), use_cache=True)
+    cache, logits = out.past_key_values, out.logits[0, -1]  # (vocab,)
+    _sync(rt.device)
+    t_prefill = time.perf_counter() - t0
+
+    ids: list[int] = []
+    kept: list[torch.Tensor] = []
+    shown, steps = "", 0
+    t1 = time.perf_counter()
+    for _ in range(max_new):
+        if keep_logits:
+            kept.append(logits.float().cpu())
+        nxt = sample(logits, prompt_ids + ids, sampling, gen)
+        ids.append(nxt)
+        if on_text is not None:
+            text = tok.decode(ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(shown):  # wait for a whole UTF-8 character
+                on_text(text[len(shown):])
+                shown = text
+        if nxt in stop or len(ids) == max_new:
+            break
+        out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1]
+        steps += 1
+    _sync(rt.device)
+    t_decode = time.perf_counter() - t1
+    text = tok.decode(ids, skip_special_tokens=True)
+    if on_text is not None and len(text) > len(shown):
+        on_text(text[len(shown):])
+    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps, t_decode), "new_tokens": len(ids)},
+                      kept)
+
+
+def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: float) -> dict[str, Any]:
+    n_layers, n = len(rt.lm.layers), rt.lm.info["n_neurons"]
+    counts = sum((f.read_counts() for f in rt.ffns), np.zeros(4))  # tokens x layers, active, active hot, cold
+    if rt.cfg.mode == "layer-split":
+        sparsity, gpu_share = 0.0, rt.gpu_layers / n_layers
+    elif counts[0] > 0:
+        sparsity = 1 - counts[1] / (counts[0] * n)
+        gpu_share = counts[2] / counts[1] if counts[1] else 1.0
+    else:
+        sparsity, gpu_share = 0.0, float("nan")
+    return {"prefill_tokens_per_s": n_prompt / t_prefill if t_prefill else None,
+            "decode_tokens_per_s": steps / t_decode if steps and t_decode else None,
+            "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
+            "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
+            "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "threads": rt.threads,
+            "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a run directory
+
+
+def _first_meta(run_dir: Path) -> dict | None:
+    for stage in ("placement", "predictors", "profile"):
+        p = run_dir / stage / "meta.json"
+        if p.exists():
+            return artifacts.read_json(p)
+    return None
+
+
+def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybrid"], *, model: str | None = None,
+                 gguf_file: str | None = None, use_predictor: bool = True, trust_remote_code: bool = False,
+                 recall: float | None = None) -> Runtime:
+    """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
+
+    `use_predictor=False` turns hybrid into dense (no predictors needed)."""
+    from powerinfer.models import load_model
+    from powerinfer.predictors.evaluate import load_profile_model
+
+    if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
+        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
+    device, dtype = device_and_dtype(cfg)
+    dname = str(dtype).removeprefix("torch.")
+    run = Path(run_dir) if run_dir is not None else None
+    meta = _first_meta(run) if run is not None else None
+    if meta is None and model is None:
+        raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
+    lm = (load_profile_model(meta, model, gguf_file, "cpu", dname, trust_remote_code) if meta is not None
+          else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
+    placement = predictors = taus = None
+    if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
+        placement = Placement.from_run(run, lm.info)
+    if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
+        from powerinfer.predictors.train import load_predictors
+
+        predictors = load_predictors(run, lm.info, device="cpu", dtype=dtype)
+        if recall is not None:
+            predictors.set_recall(recall)
+    if run is not None and (run / "profile" / "meta.json").exists():
+        _, pmeta = artifacts.read_profile(run)
+        artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
+        taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+    return build_runtime(lm, cfg, placement, predictors, taus)
+
+
+def prompt_ids(rt: Runtime, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with `chat`, `prompt` (a string or a message list) goes through the chat template."""
+    tok = rt.lm.tokenizer
+    if chat:
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat")
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tok(prompt)["input_ids"])

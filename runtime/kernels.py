@@ -1,0 +1,259 @@
+"""Numba kernels for the cold FFN neurons of one batch-1 token, and their torch twin for the hot ones.
+
+Cold rows live in CPU RAM as bfloat16 bit patterns (uint16: Numba has no 16-bit float type): `gate` and `up`
+rows (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active
+neuron reads three contiguous rows. A row is widened to float32 (a bf16 pattern is the top half of a float32)
+into a per-thread scratch row and all arithmetic is float32.
+
+Work split: the active list is cut into one contiguous chunk per thread; each thread accumulates its neurons'
+`h_j * down_t[j]` into its own partial row; the partial rows are summed at the end (no atomics, deterministic
+for a fixed thread count). The GIL is released, so the GPU (or another Python thread) keeps working.
+
+One kernel per activation family (same argument order within a kind):
+  ungated (relu, gelu):           f(x, idx, up, b_up, down_t, out, threads)      h = act(up_j . x + b_j)
+  gated (reglu, drelu, swiglu, geglu): f(x, idx, gate, up, down_t, out, threads) h = act(gate_j . x) * up_j . x
+                                                                      (drelu: relu(gate_j . x) * relu(up_j . x))
+`threads` = chunks of work (Numba's thread count: numba.get_num_threads() would stop the kernels from caching).
+`out` (d_model,) float32 is overwritten with sum_j h_j * down_t[j]. The down bias is added by the caller once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+GATED = ("reglu", "drelu", "swiglu", "geglu")
+UNGATED = ("relu", "gelu")
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row helpers (inlined by LLVM)
+
+
+@njit(nogil=True, cache=True)
+def _widen(row, scratch_u32):  # (d,) uint16 bf16 bits -> (d,) uint32 whose float32 view is the value
+    for k in range(row.shape[0]):
+        scratch_u32[k] = np.uint32(row[k]) << np.uint32(16)
+
+
+@njit(nogil=True, cache=True)
+def _dot(x, row, scratch_u32):
+    _widen(row, scratch_u32)
+    f = scratch_u32.view(np.float32)
+    s = np.float32(0.0)
+    for k in range(x.shape[0]):
+        s += x[k] * f[k]
+    return s
+
+
+@njit(nogil=True, cache=True)
+def _axpy(h, row, scratch_u32, acc):
+    _widen(row, scratch_u32)
+    f = scratch_u32.view(np.float32)
+    for k in range(acc.shape[0]):
+        acc[k] += h * f[k]
+
+
+@njit(nogil=True, cache=True)
+def _reduce(part, out):
+    out[:] = 0.0
+    for t in range(part.shape[0]):
+        for k in range(out.shape[0]):
+            out[k] += part[t, k]
+
+
+@njit(nogil=True, cache=True)
+def _n_chunks(k, threads):
+    return max(1, min(threads, k))
+
+
+@njit(nogil=True, cache=True)
+def _relu(v):
+    return v if v > 0 else np.float32(0.0)
+
+
+@njit(nogil=True, cache=True)
+def _silu(v):
+    return v / (np.float32(1.0) + np.exp(-v))
+
+
+@njit(nogil=True, cache=True)
+def _gelu_erf(v):  # exact GELU (Falcon's nn.GELU)
+    return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.erf(v / math.sqrt(2.0))))
+
+
+@njit(nogil=True, cache=True)
+def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
+    return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v * v * v))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels. The loops are written out per family so that each compiles to one tight specialisation.
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def relu_ffn(x, idx, up, b_up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)  # (threads, d_model) partial sums
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            h = _dot(x, up[j], scratch[t]) + b_up[j]
+            if h > 0:
+                _axpy(h, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def gelu_ffn(x, idx, up, b_up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            h = _gelu_erf(_dot(x, up[j], scratch[t]) + b_up[j])
+            _axpy(h, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def reglu_ffn(x, idx, gate, up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            g = _dot(x, gate[j], scratch[t])
+            if g > 0:  # a zero gate skips the up row too
+                h = g * _dot(x, up[j], scratch[t])
+                _axpy(h, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def drelu_ffn(x, idx, gate, up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            g = _dot(x, gate[j], scratch[t])
+            if g > 0:
+                u = _dot(x, up[j], scratch[t])
+                if u > 0:
+                    _axpy(g * u, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def swiglu_ffn(x, idx, gate, up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            h = _silu(_dot(x, gate[j], scratch[t])) * _dot(x, up[j], scratch[t])
+            _axpy(h, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def geglu_ffn(x, idx, gate, up, down_t, out, threads):
+    d, k = x.shape[0], idx.shape[0]
+    T = _n_chunks(k, threads)
+    part = np.zeros((T, d), np.float32)
+    scratch = np.empty((T, d), np.uint32)
+    for t in prange(T):
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            h = _gelu_tanh(_dot(x, gate[j], scratch[t])) * _dot(x, up[j], scratch[t])
+            _axpy(h, down_t[j], scratch[t], part[t])
+    _reduce(part, out)
+
+
+KERNELS = {"relu": relu_ffn, "gelu": gelu_ffn, "reglu": reglu_ffn, "drelu": drelu_ffn, "swiglu": swiglu_ffn,
+           "geglu": geglu_ffn}
+
+
+def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, gate: np.ndarray | None, up: np.ndarray,
+             b_up: np.ndarray | None, down_t: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j] (rows bf16 as uint16)."""
+    kern = KERNELS[activation]
+    if activation in GATED:
+        kern(x, idx, gate, up, down_t, out, numba.get_num_threads())
+    else:
+        kern(x, idx, up, b_up, down_t, out, numba.get_num_threads())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same computation in torch (hot neurons on the compute device; dense prefill; oracle masks)
+
+
+def act_torch(activation: str, a: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Neuron values h from pre-activations: ungated a = up.x + b; gated a = gate.x, u = up.x."""
+    f = torch.nn.functional
+    if activation == "relu":
+        return torch.relu(a)
+    if activation == "gelu":
+        return f.gelu(a)
+    if activation == "reglu":
+        return torch.relu(a) * u
+    if activation == "drelu":
+        return torch.relu(a) * torch.relu(u)
+    if activation == "swiglu":
+        return f.silu(a) * u
+    if activation == "geglu":
+        return f.gelu(a, approximate="tanh") * u
+    raise ValueError(f"unknown activation '{activation}': choose one of {', '.join(KERNELS)}")
+
+
+def neuron_values(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
+                  b_up: torch.Tensor | None) -> torch.Tensor:
+    """(tokens, d) x and (n, d) rows -> (tokens, n) neuron values h."""
+    f = torch.nn.functional
+    if activation in GATED:
+        return act_torch(activation, f.linear(x, gate), f.linear(x, up))
+    return act_torch(activation, f.linear(x, up, b_up))
+
+
+def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
+                   b_up: torch.Tensor | None, down_t: torch.Tensor) -> torch.Tensor:
+    """Torch backend of `ffn_rows` over all given rows: (tokens, d) -> (tokens, d), in x's dtype and device."""
+    return neuron_values(activation, x, gate, up, b_up) @ down_t  # (tokens, n) @ (n, d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bf16 storage
+
+
+def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
+    """Any float tensor -> C-contiguous uint16 numpy array of its bfloat16 bit patterns (round to nearest even)."""
+    return w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> torch.Tensor:
+    """uint16 bf16 patterns -> float32 torch tensor (a copy)."""
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+
+
+def set_threads(n: int | None) -> int:
+    """Numba CPU threads for the cold kernels (None: all of Numba's default); returns the number in use."""
+    if n:
+        numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    return numba.get_num_threads()

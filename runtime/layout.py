@@ -1,0 +1,291 @@
+"""Weights laid out for a placement, and the hybrid FFN module that replaces each decoder layer's FFN.
+
+Per layer, `HybridFFN` holds
+- hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
+  `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
+- cold neurons in CPU RAM as bfloat16 bit patterns (uint16), one contiguous row per neuron:
+  `gate_cold`, `up_cold` (n_cold, d_model), `down_t_cold` (n_cold, d_model), read by the Numba kernels.
+The original FFN modules are dropped, so the dense FFN weights never reach the device.
+
+Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
+all ones ("dense"); hot neurons are always computed (as pi-eval's placement mode does); x and the cold part of
+the mask go to the CPU, the Numba kernel computes the active cold neurons while the device computes the hot
+ones, and the CPU partial sum is added on the device. Prefill (several tokens) goes dense.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from powerinfer.models import LoadedModel
+from powerinfer.profiler.hooks import active_mask
+from powerinfer.runtime.kernels import GATED, ffn_rows, ffn_rows_torch, from_bf16_bits, neuron_values, to_bf16_bits
+
+MASKS = ("dense", "oracle", "predictor")
+COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Per layer a (n_neurons,) bool array: True = the neuron's rows live on the compute device."""
+
+    gpu: tuple[np.ndarray, ...]
+
+    @classmethod
+    def uniform(cls, n_layers: int, n_neurons: int, on_gpu: bool) -> "Placement":
+        return cls(tuple(np.full(n_neurons, on_gpu) for _ in range(n_layers)))
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, model_info: dict) -> "Placement":
+        """RUN/placement/placement.parquet (refuses a placement made for another model)."""
+        from powerinfer.predictors.evaluate import read_placement
+
+        masks = read_placement(Path(run_dir), model_info, model_info["n_layers"])
+        return cls(tuple(masks[i].numpy() for i in range(model_info["n_layers"])))
+
+    def gpu_share(self) -> float:
+        return float(np.mean([g.mean() for g in self.gpu]))
+
+
+def nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+class HybridFFN(nn.Module):
+    """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
+
+    def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
+                 predictor: nn.Module | None = None, tau: float | None = None):
+        super().__init__()
+        if mask not in MASKS:
+            raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
+        if mask == "predictor" and predictor is None:
+            raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
+        self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
+        self.gated = activation in GATED
+        up, down = ffn["up"].weight.detach(), ffn["down"].weight.detach()  # (n, d), (d, n)
+        gate = ffn["gate"].weight.detach() if self.gated else None  # (n, d)
+        b_up = None if ffn["up"].bias is None else ffn["up"].bias.detach()  # (n,)
+        b_down = ffn["down"].bias
+        self.n_neurons, self.d_model = up.shape
+        gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
+        hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
+        self.n_hot, self.n_cold = len(hot), len(cold)
+        self.register_buffer("hot_ids", hot)  # (n_hot,) neuron ids, for predictor masks and stats
+        self.register_buffer("cold_ids", cold)  # (n_cold,)
+        self.register_buffer("up_hot", up[hot].clone())  # (n_hot, d)
+        self.register_buffer("gate_hot", gate[hot].clone() if self.gated else None)  # (n_hot, d)
+        self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].clone())  # (n_hot,)
+        self.register_buffer("down_t_hot", down[:, hot].T.contiguous())  # (n_hot, d)
+        self.register_buffer("b_down", None if b_down is None else b_down.detach().clone())  # (d,)
+        # cold rows: bf16 bits in CPU RAM, contiguous per neuron
+        self.up_cold = to_bf16_bits(up[cold])  # (n_cold, d) uint16
+        self.gate_cold = to_bf16_bits(gate[cold]) if self.gated else None  # (n_cold, d) uint16
+        self.down_t_cold = to_bf16_bits(down[:, cold].T)  # (n_cold, d) uint16
+        self.b_up_cold = (np.zeros(self.n_cold, np.float32) if b_up is None
+                          else b_up[cold].detach().float().cpu().numpy())  # (n_cold,) float32
+        self.all_cold = np.arange(self.n_cold, dtype=np.int64)
+        self.predictor = predictor
+        self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
+        self._host: dict[str, Any] | None = None  # pinned transfer buffers (CUDA) or plain ones
+        self._copy_stream = None
+        self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
+        self._dev_counts: torch.Tensor | None = None  # same, accumulated on the device (no sync per token)
+        self.timing: list[dict] | None = None  # set to a list to record per-call timings
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def cold_bytes(self) -> int:
+        return sum(a.nbytes for a in (self.up_cold, self.gate_cold, self.down_t_cold, self.b_up_cold)
+                   if a is not None)
+
+    def reset_counts(self) -> None:
+        self.counts[:] = 0
+        self._dev_counts = None
+
+    def read_counts(self) -> np.ndarray:
+        c = self.counts.copy()
+        if self._dev_counts is not None:
+            c += self._dev_counts.cpu().numpy()
+        return c
+
+    def _cold_f32(self) -> dict[str, torch.Tensor]:
+        if self._f32 is None:
+            self._f32 = {"up": from_bf16_bits(self.up_cold), "down_t": from_bf16_bits(self.down_t_cold),
+                         "gate": from_bf16_bits(self.gate_cold) if self.gated else None,
+                         "b_up": torch.from_numpy(self.b_up_cold)}
+        return self._f32
+
+    def _transfer_buffers(self, device: torch.device) -> dict[str, Any]:
+        if self._host is None:
+            pin = device.type == "cuda"
+            x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) FFN input on the host
+            m = torch.empty(self.n_cold, dtype=torch.bool, pin_memory=pin)  # (n_cold,) cold mask on the host
+            out = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) CPU partial sum
+            self._host = {"x": x, "m": m, "out": out, "x_np": x.numpy(), "m_np": m.numpy(), "out_np": out.numpy()}
+            if pin:
+                self._copy_stream = torch.cuda.Stream(device)
+        return self._host
+
+    # -- compute -----------------------------------------------------------------------------------------------
+    def _hot(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device."""
+        y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot) \
+            if self.n_hot else torch.zeros_like(x)
+        return y if self.b_down is None else y + self.b_down
+
+    def _cold_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """All cold neurons for several tokens (prefill), float32 on the CPU: (tokens, d) -> (tokens, d)."""
+        w = self._cold_f32()
+        xc = x.detach().to("cpu", torch.float32)
+        y = torch.zeros_like(xc)
+        for s in range(0, self.n_cold, COLD_CHUNK):
+            sl = slice(s, s + COLD_CHUNK)
+            y += ffn_rows_torch(self.activation, xc, None if w["gate"] is None else w["gate"][sl], w["up"][sl],
+                                w["b_up"][sl], w["down_t"][sl])
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)  # (tokens, d)
+        if x2.shape[0] != 1:
+            y = self._hot(x2)
+            if self.n_cold:
+                y = y + self._cold_dense(x2).to(y.device, y.dtype)
+            return y.reshape(shape)
+        return self._decode(x2).reshape(shape)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """One token: (1, d) -> (1, d)."""
+        t0 = time.perf_counter()
+        cuda = x.device.type == "cuda"
+        buf = self._transfer_buffers(x.device)
+        xf = x[0].float()  # (d,) float32: what the CPU kernel reads
+        cold_mask = None
+        if self.mask == "predictor":
+            full = self.predictor.mask(x[0].to(self.predictor.fc1.weight.dtype))  # (n,) bool
+            cold_mask = full[self.cold_ids]  # (n_cold,)
+            c = torch.stack([full.sum(), full[self.hot_ids].sum(), cold_mask.sum()]).double()  # (3,)
+            self._dev_counts = (torch.zeros(4, dtype=torch.float64, device=x.device) if self._dev_counts is None
+                                else self._dev_counts)
+            self._dev_counts[1:] += c
+            self._dev_counts[0] += 1
+        ev_hot0 = ev_hot1 = None
+        if cuda:  # x and the cold mask travel on a side stream while the main stream computes the hot rows
+            ready = torch.cuda.Event()
+            ready.record()
+            copied = torch.cuda.Event()
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(ready)
+                buf["x"].copy_(xf, non_blocking=True)
+                if cold_mask is not None and self.n_cold:
+                    buf["m"].copy_(cold_mask, non_blocking=True)
+                copied.record()
+            if self.timing is not None:
+                ev_hot0, ev_hot1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev_hot0.record()
+            y = self._hot(x)  # enqueued; runs on the GPU while the CPU works below
+            if ev_hot1 is not None:
+                ev_hot1.record()
+            copied.synchronize()
+        else:
+            buf["x"].copy_(xf)
+            if cold_mask is not None and self.n_cold:
+                buf["m"].copy_(cold_mask)
+            y = None
+        t1 = time.perf_counter()
+        if self.mask == "dense":
+            idx = self.all_cold
+            self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
+        elif self.mask == "predictor":
+            idx = np.flatnonzero(buf["m_np"]) if self.n_cold else self.all_cold
+        else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
+            idx = self._oracle(x, buf["x"])
+        if self.n_cold:
+            ffn_rows(self.activation, buf["x_np"], idx, self.gate_cold, self.up_cold, self.b_up_cold,
+                     self.down_t_cold, buf["out_np"])
+        t2 = time.perf_counter()
+        if y is None:
+            y = self._hot(x)
+        if self.n_cold:
+            y = y + buf["out"].to(y.device, non_blocking=True).to(y.dtype)
+        if self.timing is not None:
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            t3 = time.perf_counter()
+            self.timing.append({"layer": self.layer, "active_cold": int(len(idx)) if self.n_cold else 0,
+                                "wait_x_ms": 1e3 * (t1 - t0), "cpu_kernel_ms": 1e3 * (t2 - t1),
+                                "gpu_hot_ms": ev_hot0.elapsed_time(ev_hot1) if ev_hot0 is not None else None,
+                                "ffn_ms": 1e3 * (t3 - t0)})
+        return y
+
+    def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
+        w = self._cold_f32()
+        h_cold = neuron_values(self.activation, x_host[None], w["gate"], w["up"], w["b_up"])[0]  # (n_cold,)
+        m_cold = active_mask(h_cold, self.tau)
+        if self.n_hot:
+            h_hot = neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot)[0]  # (n_hot,)
+            n_hot_active = int(active_mask(h_hot, self.tau).sum())
+        else:
+            n_hot_active = 0
+        n_cold_active = int(m_cold.sum())
+        self.counts += (1, n_hot_active + n_cold_active, n_hot_active, n_cold_active)
+        return np.flatnonzero(m_cold.numpy())
+
+
+class OnCPULayer(nn.Module):
+    """A whole decoder layer run on the CPU in float32 (layer-split mode); inputs and outputs hop devices.
+
+    The wrapped layer is kept out of the module tree so that `model.to(device)` leaves it in CPU RAM."""
+
+    def __init__(self, layer: nn.Module, device: torch.device | str, dtype: torch.dtype):
+        super().__init__()
+        object.__setattr__(self, "inner", layer.to("cpu", torch.float32))
+        self.home, self.home_dtype = torch.device(device), dtype
+
+    def __getattr__(self, name: str):  # attributes the model loop reads (e.g. attention_type)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["inner"], name)
+
+    @staticmethod
+    def _move(obj, device, dtype=None):
+        if isinstance(obj, torch.Tensor):
+            return obj.to(device, dtype) if (dtype is not None and obj.is_floating_point()) else obj.to(device)
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(OnCPULayer._move(o, device, dtype) for o in obj)
+        if isinstance(obj, dict):
+            return {k: OnCPULayer._move(v, device, dtype) for k, v in obj.items()}
+        return obj
+
+    def forward(self, *args, **kwargs):
+        args = self._move(args, "cpu", torch.float32)
+        kwargs = self._move(kwargs, "cpu", torch.float32)
+        out = self.inner(*args, **kwargs)
+        return self._move(out, self.home, self.home_dtype)
+
+
+def install(lm: LoadedModel, layer: int, module: nn.Module) -> None:
+    """Put `module` in place of layer `layer`'s FFN, dropping the original FFN weights."""
+    block = lm.layers[layer]
+    ad = lm.adapter
+    if ad.mlp:
+        setattr(block, ad.mlp, module)
+    else:  # OPT: fc1 -> act -> fc2 sit in the layer itself; the hybrid module takes fc2's place and x
+        setattr(block, ad.up, nn.Identity())
+        setattr(block, "activation_fn", nn.Identity())
+        setattr(block, ad.down, module)
+
+
+def count_bytes(lm: LoadedModel, ffns: list[HybridFFN], cpu_layers: list[OnCPULayer]) -> tuple[int, int]:
+    """(bytes on the compute device incl. predictors, bytes in CPU RAM: cold rows and CPU-side layers)."""
+    dev = nbytes(lm.model)
+    cpu = sum(f.cold_bytes() for f in ffns) + sum(nbytes(c.inner) for c in cpu_layers)
+    return dev, cpu
