@@ -203,18 +203,23 @@ def packbits(mask: torch.Tensor) -> torch.Tensor:
     return (m.view(rows, (n + 7) // 8, 8) * _bits(m.device)).sum(-1, dtype=torch.uint8)
 
 
-class ActivationCounter:
-    """Installs the hooks on a loaded model; `counts` accumulates (layers, neurons) int64 on the model's device."""
+class FFNHooks:
+    """Context manager: per decoder layer, forward pre-hooks on the FFN's up projection (input x) and down
+    projection (activation values h). Subclasses implement `on_ffn(layer, h, x)`; a tensor returned replaces
+    h (masking), None leaves it. x is captured only while `wants_x()` says so (it costs memory)."""
 
-    def __init__(self, lm: LoadedModel, taus: list[float] | None, reservoir: SampleReservoir | None = None):
-        info = lm.info
-        self.lm, self.taus, self.reservoir = lm, taus, reservoir
-        device = next(lm.model.parameters()).device
-        self.counts = torch.zeros(info["n_layers"], info["n_neurons"], dtype=torch.int64, device=device)
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
         self._x: dict[int, torch.Tensor] = {}
         self._handles: list = []
 
-    def __enter__(self) -> "ActivationCounter":
+    def wants_x(self) -> bool:
+        return False
+
+    def on_ffn(self, layer: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def __enter__(self):
         for i, layer in enumerate(self.lm.layers):
             ffn = self.lm.adapter.layer_ffn(layer)
             self._handles.append(ffn["up"].register_forward_pre_hook(self._up_hook(i)))
@@ -225,50 +230,56 @@ class ActivationCounter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._x.clear()
 
     def _up_hook(self, i: int):
         def hook(_mod, args):
-            if self.reservoir is not None and self.reservoir.pos is not None:
-                self._x[i] = args[0].reshape(-1, args[0].shape[-1])  # (tokens, d_model)
+            if self.wants_x():
+                self._x[i] = args[0]  # (..., d_model)
         return hook
 
     def _down_hook(self, i: int):
         def hook(_mod, args):
-            h = args[0].reshape(-1, args[0].shape[-1])  # (tokens, neurons)
-            tau = None if self.taus is None else self.taus[i]
-            self.counts[i] += count_active(h, tau)
-            if self.reservoir is not None and i in self._x:  # masks only for the rows kept as samples
-                rows = self.reservoir.pos
-                self.reservoir.write(i, self._x.pop(i)[rows], active_mask(h[rows], tau))
+            out = self.on_ffn(i, args[0], self._x.pop(i, None))  # args[0]: (..., n_neurons)
+            return None if out is None else (out,)
         return hook
 
 
-class MagnitudeCollector:
+class ActivationCounter(FFNHooks):
+    """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device."""
+
+    def __init__(self, lm: LoadedModel, taus: list[float] | None, reservoir: SampleReservoir | None = None):
+        super().__init__(lm)
+        self.taus, self.reservoir = taus, reservoir
+        device = next(lm.model.parameters()).device
+        self.counts = torch.zeros(lm.info["n_layers"], lm.info["n_neurons"], dtype=torch.int64, device=device)
+
+    def wants_x(self) -> bool:
+        return self.reservoir is not None and self.reservoir.pos is not None
+
+    def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> None:
+        h = h.reshape(-1, h.shape[-1])  # (tokens, neurons)
+        tau = None if self.taus is None else self.taus[i]
+        self.counts[i] += count_active(h, tau)
+        if x is not None:  # masks only for the rows kept as samples
+            rows = self.reservoir.pos
+            self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], active_mask(h[rows], tau))
+
+
+class MagnitudeCollector(FFNHooks):
     """Calibration hooks: keep a random subset of |h| per layer, to set tau_l at a target sparsity."""
 
     def __init__(self, lm: LoadedModel, per_batch: int = 1 << 18, seed: int = 0):
-        self.lm, self.per_batch = lm, per_batch
+        super().__init__(lm)
+        self.per_batch = per_batch
         self.values: list[list[torch.Tensor]] = [[] for _ in range(lm.info["n_layers"])]
         self.gen = torch.Generator().manual_seed(seed)
-        self._handles: list = []
 
-    def __enter__(self) -> "MagnitudeCollector":
-        for i, layer in enumerate(self.lm.layers):
-            down = self.lm.adapter.layer_ffn(layer)["down"]
-            self._handles.append(down.register_forward_pre_hook(self._hook(i)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-
-    def _hook(self, i: int):
-        def hook(_mod, args):
-            a = args[0].detach().abs().flatten().float().cpu()
-            if a.numel() > self.per_batch:
-                a = a[torch.randint(0, a.numel(), (self.per_batch,), generator=self.gen)]
-            self.values[i].append(a)
-        return hook
+    def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> None:
+        a = h.detach().abs().flatten().float().cpu()
+        if a.numel() > self.per_batch:
+            a = a[torch.randint(0, a.numel(), (self.per_batch,), generator=self.gen)]
+        self.values[i].append(a)
 
     def taus(self, target_sparsity: float) -> list[float]:
         """tau_l = the target_sparsity quantile of |h| in layer l: that share of (token, neuron) pairs is <= tau."""
