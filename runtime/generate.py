@@ -162,8 +162,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
 
 
 def sample(logits: torch.Tensor, history: list[int], s: Sampling, gen: torch.Generator) -> int:
-    """One token id from (vocab,) logits."""
-    logits = logits.float().cpu()
+    """One token id from (vocab,) logits (left unchanged)."""
+    logits = logits.detach().float().cpu().clone()
     if s.repetition_penalty != 1.0 and history:
         ids = torch.tensor(sorted(set(history)))
         seen = logits[ids]

@@ -35,13 +35,13 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # Row helpers (inlined by LLVM)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _widen(row, scratch_u32):  # (d,) uint16 bf16 bits -> (d,) uint32 whose float32 view is the value
     for k in range(row.shape[0]):
         scratch_u32[k] = np.uint32(row[k]) << np.uint32(16)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _dot(x, row, scratch_u32):
     _widen(row, scratch_u32)
     f = scratch_u32.view(np.float32)
@@ -51,7 +51,7 @@ def _dot(x, row, scratch_u32):
     return s
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _axpy(h, row, scratch_u32, acc):
     _widen(row, scratch_u32)
     f = scratch_u32.view(np.float32)
@@ -59,7 +59,7 @@ def _axpy(h, row, scratch_u32, acc):
         acc[k] += h * f[k]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _reduce(part, out):
     out[:] = 0.0
     for t in range(part.shape[0]):
@@ -67,27 +67,27 @@ def _reduce(part, out):
             out[k] += part[t, k]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _n_chunks(k, threads):
     return max(1, min(threads, k))
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _relu(v):
     return v if v > 0 else np.float32(0.0)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _silu(v):
     return v / (np.float32(1.0) + np.exp(-v))
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _gelu_erf(v):  # exact GELU (Falcon's nn.GELU)
     return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.erf(v / math.sqrt(2.0))))
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
     return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v * v * v))))
 
@@ -96,7 +96,7 @@ def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
 # Kernels. The loops are written out per family so that each compiles to one tight specialisation.
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def relu_ffn(x, idx, up, b_up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
@@ -111,7 +111,7 @@ def relu_ffn(x, idx, up, b_up, down_t, out, threads):
     _reduce(part, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gelu_ffn(x, idx, up, b_up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
@@ -125,7 +125,7 @@ def gelu_ffn(x, idx, up, b_up, down_t, out, threads):
     _reduce(part, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def reglu_ffn(x, idx, gate, up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
@@ -141,7 +141,7 @@ def reglu_ffn(x, idx, gate, up, down_t, out, threads):
     _reduce(part, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def drelu_ffn(x, idx, gate, up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
@@ -158,7 +158,7 @@ def drelu_ffn(x, idx, gate, up, down_t, out, threads):
     _reduce(part, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def swiglu_ffn(x, idx, gate, up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
@@ -172,7 +172,7 @@ def swiglu_ffn(x, idx, gate, up, down_t, out, threads):
     _reduce(part, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def geglu_ffn(x, idx, gate, up, down_t, out, threads):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)

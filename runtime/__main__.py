@@ -1,0 +1,3 @@
+from powerinfer.runtime.cli import main
+
+main()

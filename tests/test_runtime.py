@@ -1,0 +1,198 @@
+"""pi-generate on tiny random models: greedy tokens and logits equal HF `generate` on the same dense model.
+
+The FFN weights are rounded to bfloat16 first (the cold rows are stored in bf16), so the hybrid runtime and HF
+compute with identical weights; logits then agree within LOGIT_ATOL (float32 sums in another order).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from powerinfer.models import load_model
+from powerinfer.predictors.train import Predictor, Predictors
+from powerinfer.runtime import kernels as K
+from powerinfer.runtime.generate import RuntimeConfig, Sampling, build_runtime, generate, sample
+from powerinfer.runtime.layout import Placement
+
+LOGIT_ATOL = 1e-4
+NEW = 12
+PROMPT = "The quick brown fox"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels against a float64 numpy reference
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return K.to_bf16_bits(torch.from_numpy(a))
+
+
+def _widen64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def reference(act: str, x, idx, gate, up, b_up, down_t) -> np.ndarray:
+    """float64 numpy: sum over j in idx of h_j(x) * down_t[j]."""
+    from math import erf
+
+    x = x.astype(np.float64)
+    u = _widen64(up)[idx] @ x + (0 if b_up is None else b_up[idx].astype(np.float64))
+    g = _widen64(gate)[idx] @ x if gate is not None else None
+    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
+    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + np.vectorize(erf, otypes=[np.float64])(u / np.sqrt(2))),
+         "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
+         "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
+    return h @ _widen64(down_t)[idx]
+
+
+@pytest.mark.parametrize("act", list(K.KERNELS))
+@pytest.mark.parametrize("d,n", [(37, 23), (64, 129)])
+@pytest.mark.parametrize("which", ["empty", "all", "random", "one"])
+def test_kernel_matches_float64_reference(act, d, n, which):
+    rng = np.random.default_rng(hash((act, d, n, which)) % 2**32)
+    x = rng.standard_normal(d).astype(np.float32)
+    gate, up, down_t = (_bf16(rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)) for _ in range(3))
+    b_up = rng.standard_normal(n).astype(np.float32) * 0.1
+    idx = {"empty": np.zeros(0, np.int64), "all": np.arange(n, dtype=np.int64), "one": np.array([n - 1]),
+           "random": np.flatnonzero(rng.random(n) < 0.4)}[which].astype(np.int64)
+    gated = act in K.GATED
+    out = np.full(d, np.nan, np.float32)  # must be overwritten
+    K.ffn_rows(act, x, idx, gate if gated else None, up, None if gated else b_up, down_t, out)
+    ref = reference(act, x, idx, gate if gated else None, up, None if gated else b_up, down_t)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    # the torch backend (hot neurons) against the same reference
+    t = lambda a: torch.from_numpy(_widen64(a)[idx])  # noqa: E731
+    y = K.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t(gate) if gated else None, t(up),
+                         None if gated else torch.from_numpy(b_up[idx].astype(np.float64)), t(down_t))[0]
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_kernel_threads_do_not_change_the_result():
+    rng = np.random.default_rng(1)
+    d, n = 48, 200
+    x = rng.standard_normal(d).astype(np.float32)
+    gate, up, down_t = (_bf16(rng.standard_normal((n, d)).astype(np.float32)) for _ in range(3))
+    idx = np.arange(n, dtype=np.int64)
+    outs = []
+    for threads in (1, 3):
+        out = np.empty(d, np.float32)
+        K.swiglu_ffn(x, idx, gate, up, down_t, out, threads)
+        outs.append(out)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_round_trip():
+    w = torch.randn(5, 7)
+    assert torch.equal(K.from_bf16_bits(K.to_bf16_bits(w)), w.bfloat16().float())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-model equality with HF generate
+
+
+def load_rounded(folder, family):
+    """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the cold rows store)."""
+    lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
+    if family == "mistral-drelu":
+        tiny.make_drelu(lm)
+    with torch.no_grad():
+        for layer in lm.layers:
+            for m in lm.adapter.layer_ffn(layer).values():
+                m.weight.copy_(m.weight.bfloat16().float())
+    return lm
+
+
+def hf_greedy(lm, prompt_ids, n=NEW):
+    out = lm.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    return out.sequences[0, len(prompt_ids):].tolist(), [lg[0] for lg in out.logits]
+
+
+def make_placement(lm, kind: str, seed: int = 0) -> Placement:
+    n_layers, n = len(lm.layers), lm.info["n_neurons"]
+    if kind in ("gpu", "cpu"):
+        return Placement.uniform(n_layers, n, kind == "gpu")
+    rng = np.random.default_rng(seed)
+    return Placement(tuple(rng.random(n) < 0.5 for _ in range(n_layers)))
+
+
+def check_equal(lm, cfg, placement=None, predictors=None, taus=None):
+    ref = copy.deepcopy(lm)
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    want_ids, want_logits = hf_greedy(ref, ids)
+    rt = build_runtime(lm, cfg, placement, predictors, taus)
+    g = generate(rt, ids, NEW, keep_logits=True)
+    assert g.token_ids == want_ids
+    diff = max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits))
+    assert diff < LOGIT_ATOL, diff
+    return g
+
+
+RELU = ["opt", "llama-reglu", "mistral-drelu", "falcon-relu"]
+
+
+@pytest.mark.parametrize("family", RELU)
+@pytest.mark.parametrize("where", ["gpu", "cpu", "mixed"])
+def test_oracle_equals_hf(family, where, tiny_model_dir):
+    lm = load_rounded(tiny_model_dir(family), family)
+    g = check_equal(lm, RuntimeConfig(oracle=True, device="cpu"), make_placement(lm, where))
+    s = g.stats
+    assert s["mode"] == "oracle" and 0 < s["ffn_sparsity"] < 1
+    assert s["gpu_activation_share"] == pytest.approx({"gpu": 1.0, "cpu": 0.0}.get(where, s["gpu_activation_share"]))
+    assert (s["bytes_cpu"] == 0) == (where == "gpu")
+
+
+@pytest.mark.parametrize("family", ["llama-swiglu", "qwen2-swiglu", "gemma-geglu", "falcon-gelu"])
+def test_dense_equals_hf(family, tiny_model_dir):
+    lm = load_rounded(tiny_model_dir(family), family)
+    g = check_equal(lm, RuntimeConfig(mode="dense", device="cpu"), make_placement(lm, "mixed"))
+    assert g.stats["ffn_sparsity"] == 0.0
+
+
+@pytest.mark.parametrize("family", ["opt", "llama-swiglu"])
+def test_layer_split_equals_hf(family, tiny_model_dir):
+    lm = load_rounded(tiny_model_dir(family), family)
+    g = check_equal(lm, RuntimeConfig(mode="layer-split", device="cpu", gpu_layers=1))
+    assert g.stats["gpu_activation_share"] == 0.5 and g.stats["bytes_cpu"] > 0
+
+
+def always_on_predictors(lm, threshold: float) -> Predictors:
+    d, n = lm.info["d_model"], lm.info["n_neurons"]
+    torch.manual_seed(0)
+    layers = {i: Predictor(d, 8, n, threshold).eval() for i in range(len(lm.layers))}
+    return Predictors(layers, {"layers": []}, {})
+
+
+def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):
+    lm = load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    g = check_equal(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, -1e30))
+    assert g.stats["mode"] == "hybrid" and g.stats["ffn_sparsity"] == 0.0
+
+
+def test_predictor_that_never_fires_keeps_only_hot_neurons(tiny_model_dir):
+    lm = load_rounded(tiny_model_dir("opt"), "opt")
+    rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, 1e30))
+    g = generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), 4)
+    assert g.stats["ffn_sparsity"] == 1.0 and len(g.token_ids) == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def test_sampling_rules():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    assert sample(logits, [], Sampling(), gen) == 1
+    assert sample(logits, [1], Sampling(repetition_penalty=2.0), gen) == 2  # 3/2 < 2
+    assert sample(logits, [], Sampling(temperature=5.0, top_k=1), gen) == 1
+    assert sample(logits, [], Sampling(temperature=5.0, top_p=1e-6), gen) == 1
+    draws = [sample(logits, [], Sampling(temperature=1.0, top_k=2), torch.Generator().manual_seed(s))
+             for s in range(40)]
+    assert set(draws) == {1, 2}
+    again = [sample(logits, [], Sampling(temperature=1.0, top_k=2), torch.Generator().manual_seed(s))
+             for s in range(40)]
+    assert draws == again  # seeded
