@@ -313,6 +313,9 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
         from powerinfer.predictors.train import load_predictors
 
+        if not (run / "predictors" / "predictors.safetensors").exists():
+            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
+                                f"pass --no-predictor (dense) or --oracle (true masks)")
         predictors = load_predictors(run, lm.info, device="cpu", dtype=dtype)
         if recall is not None:
             predictors.set_recall(recall)

@@ -1,0 +1,112 @@
+"""pi-generate from a run directory: --json output, modes, and refusals of bad inputs."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import tiny
+from powerinfer import artifacts
+from powerinfer.models import load_model
+from powerinfer.runtime.cli import main
+
+
+def make_run(run, folder, family="opt", threshold=-1e30, predictors=True):
+    """RUN/placement (half the neurons per layer on the device) and RUN/predictors (firing everywhere with the
+    default threshold), written by hand so the test needs no profiling or training."""
+    lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
+    info, L, n, d = lm.info, lm.info["n_layers"], lm.info["n_neurons"], lm.info["d_model"]
+    rng = np.random.default_rng(0)
+    rows = [(i, j, bool(g)) for i in range(L) for j, g in enumerate(rng.random(n) < 0.5)]
+    (run / "placement").mkdir(parents=True)
+    pd.DataFrame(rows, columns=["layer", "neuron", "gpu"]).to_parquet(run / "placement" / "placement.parquet")
+    artifacts.write_json(run / "placement" / "meta.json", {**artifacts.base_meta("placement"), "model": info})
+    if predictors:
+        (run / "predictors").mkdir()
+        torch.manual_seed(0)
+        t = {}
+        for i in range(L):
+            t[f"layers.{i}.fc1.weight"] = torch.randn(8, d)
+            t[f"layers.{i}.fc2.weight"] = torch.randn(n, 8)
+            t[f"layers.{i}.threshold"] = torch.tensor([threshold])
+        save_file(t, str(run / "predictors" / "predictors.safetensors"))
+        artifacts.write_json(run / "predictors" / "summary.json", {"layers": [
+            {"layer": i, "thresholds_by_recall": {"0.9": threshold}} for i in range(L)]})
+        artifacts.write_json(run / "predictors" / "meta.json", {
+            **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": "none"}}), "model": info})
+    return run
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["--device", "cpu", "-n", "6", "--prompt", "The quick brown fox", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def opt_run(tiny_model_dir, tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("run") / "opt", tiny_model_dir("opt"))
+
+
+def test_json_output_and_modes_agree(opt_run):
+    out = {}
+    for name, extra in {"hybrid": [], "nopred": ["--no-predictor"], "oracle": ["--oracle"],
+                        "split": ["--mode", "layer-split", "--gpu-layers", "1"]}.items():
+        r = invoke("--run", opt_run, "--json", *extra)
+        assert r.exit_code == 0, r.output
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    s = out["hybrid"]["stats"]
+    assert set(s) >= {"prefill_tokens_per_s", "decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
+                      "bytes_gpu", "bytes_cpu", "mode"}
+    assert s["mode"] == "hybrid" and s["ffn_sparsity"] == 0.0 and s["bytes_cpu"] > 0
+    assert out["nopred"]["stats"]["mode"] == "dense" and out["oracle"]["stats"]["mode"] == "oracle"
+    assert out["split"]["stats"]["mode"] == "layer-split"
+    # same bf16 cold rows everywhere; ReLU oracle skipping is lossless; a predictor firing everywhere is dense
+    assert out["hybrid"]["token_ids"] == out["nopred"]["token_ids"] == out["oracle"]["token_ids"]
+    assert len(out["hybrid"]["token_ids"]) == 6 and isinstance(out["hybrid"]["text"], str)
+
+
+def test_text_streams_then_stats(opt_run):
+    r = invoke("--run", opt_run, "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    assert r.exit_code == 0, r.output
+    assert "decode" in r.output and "tok/s" in r.output
+
+
+def test_refuses_artifacts_of_another_model(opt_run, tiny_model_dir, tmp_path):
+    other = make_run(tmp_path / "other", tiny_model_dir("llama-reglu"), "llama-reglu")
+    for stage in ("placement", "predictors"):
+        meta = artifacts.read_json(opt_run / stage / "meta.json")
+        artifacts.write_json(other / stage / "meta.json", {**artifacts.read_json(other / stage / "meta.json"),
+                                                            "model": meta["model"]})
+        r = invoke("--run", other, "--model", str(tiny_model_dir("llama-reglu")))
+        assert r.exit_code != 0 and "was made for model" in r.output, r.output
+        meta_other = artifacts.read_json(tmp_path / "other" / stage / "meta.json")
+        meta_other["model"] = load_model(str(tiny_model_dir("llama-reglu")), device="cpu").info
+        artifacts.write_json(other / stage / "meta.json", meta_other)
+
+
+def test_missing_predictors(tiny_model_dir, tmp_path):
+    run = make_run(tmp_path / "run", tiny_model_dir("falcon-relu"), "falcon-relu", predictors=False)
+    r = invoke("--run", run)
+    assert r.exit_code != 0 and "pi-train-predictors" in r.output and "--no-predictor" in r.output
+    r = invoke("--run", run, "--no-predictor", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["stats"]["mode"] == "dense"
+
+
+def test_budget_too_small_names_the_numbers(opt_run):
+    r = invoke("--run", opt_run, "--vram", "1kB")
+    assert r.exit_code != 0 and "the layout needs" in r.output and "1,000 B" in r.output, r.output
+    r = invoke("--run", opt_run, "--mode", "layer-split")
+    assert r.exit_code != 0 and "--vram" in r.output
+
+
+def test_prompt_longer_than_context(opt_run):
+    r = CliRunner().invoke(main, ["--device", "cpu", "--run", str(opt_run), "--prompt", "x" * 400])
+    assert r.exit_code != 0 and "context is 256" in r.output, r.output
+
+
+def test_no_run_no_model():
+    r = CliRunner().invoke(main, ["--prompt", "hi"])
+    assert r.exit_code != 0 and "--run" in r.output
