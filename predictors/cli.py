@@ -18,8 +18,8 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory holding profile/ (with samples); predictors/ is written there.")
 @click.option("--preset", "preset_name", default="default", show_default=True,
-              help="Named settings: default, fast (fewer epochs and size steps), thorough, magnitude "
-              "(--magnitude-weight 1).")
+              help="Named settings: default, fast (fewer epochs and size steps), thorough, plain "
+              "(--magnitude-weight 0: no model needed).")
 @click.option("--target-recall", type=float, default=None,
               help="Share of truly active neurons the threshold must catch on the val split [preset: 0.95].")
 @click.option("--max-predictor-fraction", type=float, default=None,
@@ -30,7 +30,7 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--max-steps", type=click.IntRange(0), default=None,
               help="Size changes tried per layer by the skewness search [preset: 2].")
 @click.option("--magnitude-weight", type=click.FloatRange(0), default=None,
-              help="Weigh active pairs by (|h|/tau)^W in the loss (loads the model; 0 = off) [preset: 0].")
+              help="Weigh active pairs by (|h|/tau)^W in the loss (loads the model; 0 = off) [preset: 1].")
 @click.option("--seed", type=int, default=None, help="Seed of the split, init and batch order [preset: 0].")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--force", is_flag=True, help="Replace predictors of another model.")

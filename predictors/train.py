@@ -61,7 +61,7 @@ class PredictorConfig:
     # importance of an active pair in the loss: (|h| / scale) ** magnitude_weight, capped at magnitude_cap, where
     # scale is tau_l (thresholded models) or the layer's median active |h| (ReLU); 0 = plain class balance.
     # Needs the model (h is recomputed from the stored x). Missing a large activation costs more perplexity.
-    magnitude_weight: float = 0.0
+    magnitude_weight: float = 1.0
     magnitude_cap: float = 10.0
     val_fraction: float = 0.1
     test_fraction: float = 0.1
@@ -72,7 +72,7 @@ PRESETS: dict[str, PredictorConfig] = {
     "default": PredictorConfig(),
     "fast": PredictorConfig(name="fast", epochs=4, patience=1, max_steps=1),
     "thorough": PredictorConfig(name="thorough", epochs=20, patience=4, max_steps=3, base_scale=0.25),
-    "magnitude": PredictorConfig(name="magnitude", magnitude_weight=1.0),
+    "plain": PredictorConfig(name="plain", magnitude_weight=0.0),  # class balance only; needs no model
 }
 
 

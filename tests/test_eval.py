@@ -39,7 +39,7 @@ def make_run(name, model_dir, corpus, tmp_path, predictors=False):
     run = tmp_path / "run"
     profile_model(cfg, run, progress=False, lm=lm)
     if predictors:
-        train_predictors(run, preset("fast"), device="cpu", progress=False)
+        train_predictors(run, preset("fast"), device="cpu", progress=False, lm=lm)
     return lm, run
 
 
