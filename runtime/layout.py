@@ -181,6 +181,9 @@ class HybridFFN(nn.Module):
             ready = torch.cuda.Event()
             ready.record()
             copied = torch.cuda.Event()
+            xf.record_stream(self._copy_stream)  # keep the allocator from reusing these while the copy runs
+            if cold_mask is not None:
+                cold_mask.record_stream(self._copy_stream)
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(ready)
                 buf["x"].copy_(xf, non_blocking=True)

@@ -1,0 +1,269 @@
+"""pi-generate on a CUDA machine: (a) equality with HF `generate` under real CUDA placement, (b) hybrid vs dense vs
+layer-split decode tokens/s on a model larger than a VRAM budget, (c) per-layer timing of CPU/GPU overlap.
+
+Usage: python bench/runtime_gpu_check.py OUT_DIR [--layers 8] [--shape llama-2-7b] [--tokens 64]
+Writes OUT_DIR/runtime_gpu_check.json. Needs torch with CUDA, transformers, numba; no downloads.
+
+(b) and (c) use RANDOM weights with LLaMA-2 layer shapes (ReLU-gated, fewer layers), a synthetic placement (the
+hottest neurons of a power-law activation frequency on the GPU) and a SYNTHETIC predictor: each token, neuron j is
+marked active with probability p_j (mean ~10%, i.e. ~90% FFN sparsity; ~20% of neurons cover ~80% of
+activations, as published for ReLU models). They measure speed, not quality.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime/__init__.py)
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import tiny  # noqa: E402
+from powerinfer.models import ModelSource, load_model, wrap_model  # noqa: E402
+from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
+                                         layer_split_count)
+from powerinfer.runtime.layout import Placement  # noqa: E402
+
+SHAPES = {  # d_model, n_neurons, heads, kv heads
+    "llama-2-7b": (4096, 11008, 32, 32),
+    "llama-2-13b": (5120, 13824, 40, 40),
+    "tiny": (64, 176, 4, 4),  # a smoke test of this script on a CPU (--device cpu --skip-equality)
+}
+DEV = "cuda"
+LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) equality
+
+
+def _rounded(folder, family):
+    lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
+    if family == "mistral-drelu":
+        tiny.make_drelu(lm)
+    with torch.no_grad():
+        for layer in lm.layers:
+            for m in lm.adapter.layer_ffn(layer).values():
+                m.weight.copy_(m.weight.bfloat16().float())
+    return lm
+
+
+def equality_checks(n_new: int = 12) -> list[dict]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cases = [(f, "hybrid", w) for f in ("opt", "llama-reglu", "mistral-drelu", "falcon-relu")
+             for w in ("gpu", "cpu", "mixed")]
+    cases += [(f, "dense", "mixed") for f in ("llama-swiglu", "qwen2-swiglu", "gemma-geglu", "falcon-gelu")]
+    cases += [(f, "layer-split", None) for f in ("opt", "llama-swiglu")]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, mode, where in cases:
+            folder = Path(tmp) / family
+            if not folder.exists():
+                tiny.build(family, folder)
+            lm = _rounded(folder, family)
+            ref = copy.deepcopy(lm).model.to("cuda")
+            ids = list(lm.tokenizer("The quick brown fox")["input_ids"])
+            hf = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n_new, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+            want = hf.sequences[0, len(ids):].tolist()
+            n_layers, n = len(lm.layers), lm.info["n_neurons"]
+            rng = np.random.default_rng(0)
+            placement = (None if where is None else Placement.uniform(n_layers, n, where == "gpu") if where != "mixed"
+                         else Placement(tuple(rng.random(n) < 0.5 for _ in range(n_layers))))
+            cfg = RuntimeConfig(mode=mode, oracle=mode == "hybrid", device="cuda", dtype="float32",
+                                gpu_layers=1 if mode == "layer-split" else None)
+            rt = build_runtime(lm, cfg, placement)
+            g = generate(rt, ids, n_new, keep_logits=True)
+            diff = max(float((a - b[0].float().cpu()).abs().max()) for a, b in zip(g.logits, hf.logits))
+            row = {"family": family, "mode": rt.mode, "placement": where, "tokens_equal": g.token_ids == want,
+                   "max_logit_diff": diff, "ok": g.token_ids == want and diff < LOGIT_ATOL,
+                   "ffn_sparsity": g.stats["ffn_sparsity"], "bytes_gpu": g.stats["bytes_gpu"],
+                   "bytes_cpu": g.stats["bytes_cpu"]}
+            print("equality", row, flush=True)
+            out.append(row)
+            del rt, lm, ref
+            torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b, c) speed on a model over budget
+
+
+def power_law(n: int, mean: float = 0.10, top: float = 0.2, share: float = 0.8, seed: int = 0) -> np.ndarray:
+    """Per-neuron firing probabilities p (mean `mean`), with the top `top` of neurons covering ~`share` of firings."""
+    rank = np.arange(1, n + 1, dtype=np.float64)
+    lo, hi = 0.01, 5.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        p = rank ** -a
+        for _ in range(50):  # scale to the mean under the clip at 1
+            p = np.minimum(1.0, p * mean / p.mean())
+        s = p[: int(top * n)].sum() / p.sum()
+        lo, hi = (lo, a) if s > share else (a, hi)
+    return np.random.default_rng(seed).permutation(p)
+
+
+class SyntheticPredictor(nn.Module):
+    """Stands in for a trained predictor: neuron j fires with probability p_j, independently per token."""
+
+    def __init__(self, d: int, p: np.ndarray, seed: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 1, bias=False)  # only its dtype is read by the runtime
+        self.register_buffer("p", torch.from_numpy(p).float())
+        self.seed = seed
+        self.gen: torch.Generator | None = None
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gen is None or self.gen.device != x.device:
+            self.gen = torch.Generator(x.device).manual_seed(self.seed)
+        return torch.rand(self.p.shape, device=x.device, generator=self.gen) < self.p  # (n,) bool
+
+
+class _NoText:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def random_model(shape: str, n_layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d, n, heads, kv = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=d, intermediate_size=n, num_hidden_layers=n_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, hidden_act="relu",
+                      max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    with torch.device(DEV):
+        model = LlamaForCausalLM(cfg).half()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    model = model.cpu()
+    return wrap_model(model, _NoText(), ModelSource(f"{shape}-shaped random ({n_layers} layers)", "memory"))
+
+
+def speed(shape: str, n_layers: int, tokens: int, hot_share: float) -> dict:
+    base = random_model(shape, n_layers)
+    info = base.info
+    n, L = info["n_neurons"], n_layers
+    probs = [power_law(n, seed=i) for i in range(L)]
+    k = int(hot_share * n)
+    gpu = tuple(np.isin(np.arange(n), np.argsort(-p)[:k]) for p in probs)  # hottest k neurons per layer
+    size = 2  # fp16
+    fixed = (info["params"]["total"] - sum(info["params"]["ffn_per_layer"])) * size
+    ffn = sum(info["params"]["ffn_per_layer"]) * size
+    # + synthetic predictor stand-ins, the hot/cold neuron id lists (int64) and 1 MB for small buffers (RoPE)
+    vram = int(fixed + hot_share * ffn + L * (info["d_model"] + n) * size + L * n * 8 + 1e6)
+    all_bytes = info["params"]["total"] * size
+    prompt = list(range(100, 116))
+    res = {"shape": shape, "layers": L, "d_model": info["d_model"], "n_neurons": n, "dtype": "float16",
+           "vram_budget_bytes": vram, "model_bytes_fp16": all_bytes, "hot_share_of_neurons": hot_share,
+           "synthetic_mask_mean_active": float(np.mean([p.mean() for p in probs])),
+           "gpu_share_of_activations_expected": float(np.mean([p[g].sum() / p.sum() for p, g in zip(probs, gpu)])),
+           "note": "random weights; synthetic placement and synthetic predictor masks (~90% sparsity): speed only",
+           "modes": {}, "timing": None}
+    runs = {"hybrid": RuntimeConfig(device=DEV, dtype="float16", vram=vram),
+            "dense": RuntimeConfig(mode="dense", device=DEV, dtype="float16", vram=vram),
+            "layer-split": RuntimeConfig(mode="layer-split", device=DEV, dtype="float16", vram=vram),
+            "all-gpu": RuntimeConfig(mode="dense", device=DEV, dtype="float16")}
+    for name, cfg in runs.items():
+        lm = copy.deepcopy(base)
+        preds = None
+        if name == "hybrid":
+            preds = type("P", (), {"layers": {i: SyntheticPredictor(info["d_model"], probs[i], i).half()
+                                              for i in range(L)}})()
+        placement = None if name in ("layer-split", "all-gpu") else Placement(gpu)
+        t0 = time.perf_counter()
+        rt = build_runtime(lm, cfg, placement, preds)
+        build_s = time.perf_counter() - t0
+        generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba load, CUDA kernels, pinned buffers
+        g = generate(rt, prompt, tokens, stop_at_eos=False)
+        row = {**g.stats, "build_s": build_s}
+        if name == "layer-split":
+            row["gpu_layers"] = layer_split_count(base, vram, None, torch.float16)
+        print("speed", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
+                                                   "bytes_gpu", "bytes_cpu")}, flush=True)
+        res["modes"][name] = row
+        if name == "hybrid":
+            res["timing"] = timing(rt, prompt, min(tokens, 16))
+        del rt, lm
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def timing(rt, prompt, tokens: int) -> dict:
+    """Per layer, mean over decode tokens: CPU wait for x, CPU kernel, GPU hot part (CUDA events), FFN wall.
+
+    Overlap: the GPU hot part runs while the CPU waits and computes, so ffn_ms < wait + cpu + gpu when they overlap.
+    (Timing adds a CUDA sync at the end of each FFN, so this pass is slower than the plain run.)"""
+    for f in rt.ffns:
+        f.timing = []
+    generate(rt, prompt, tokens, stop_at_eos=False)
+    rows = []
+    for f in rt.ffns:
+        t = f.timing[1:]  # the prefill is dense and not recorded; drop the first decode step
+        f.timing = None
+        if not t:
+            continue
+        mean = lambda k: float(np.mean([np.nan if r[k] is None else r[k] for r in t]))  # noqa: E731
+        row = {"layer": f.layer, "active_cold": mean("active_cold"), "wait_x_ms": mean("wait_x_ms"),
+               "cpu_kernel_ms": mean("cpu_kernel_ms"), "gpu_hot_ms": mean("gpu_hot_ms"), "ffn_ms": mean("ffn_ms")}
+        row["serial_ms"] = row["wait_x_ms"] + row["cpu_kernel_ms"] + row["gpu_hot_ms"]
+        row["overlap_ms"] = row["serial_ms"] - row["ffn_ms"]
+        rows.append(row)
+    return {"per_layer": rows, "tokens": tokens,
+            "sum_ffn_ms": sum(r["ffn_ms"] for r in rows), "sum_serial_ms": sum(r["serial_ms"] for r in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama-2-7b")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hot-share", type=float, default=0.2, help="share of each layer's neurons on the GPU")
+    ap.add_argument("--skip-equality", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    if DEV == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this script checks the runtime on a GPU")
+    import numba
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else platform.processor(), "cpu_count": os.cpu_count(), "numba_threads":
+              numba.get_num_threads(), "torch": torch.__version__, "numba": numba.__version__,
+              "python": platform.python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    t0 = time.perf_counter()
+    if not args.skip_equality:
+        report["equality"] = equality_checks()
+        report["equality_all_ok"] = all(r["ok"] for r in report["equality"])
+    report["speed"] = speed(args.shape, args.layers, args.tokens, args.hot_share)
+    report["seconds"] = time.perf_counter() - t0
+    path = args.out / "runtime_gpu_check.json"
+    path.write_text(json.dumps(report, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
