@@ -30,7 +30,8 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
 
 
-def collect(run_dir: str | Path, commands: list[str]) -> dict[str, Any]:
+def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """The figures of RUN; `extra` = {label: path of another eval.json} adds its modes (e.g. an ablation)."""
     run_dir = Path(run_dir)
     s = artifacts.read_json(run_dir / "predictors" / "summary.json")
     ev = artifacts.read_json(run_dir / "eval" / "eval.json")
@@ -43,6 +44,12 @@ def collect(run_dir: str | Path, commands: list[str]) -> dict[str, Any]:
         "predictor_fraction_of_ffn": t["predictor_fraction_of_ffn"] <= 0.10,
         "predictor_ppl_vs_dense": bool(pred) and pred["ppl_vs_dense"] <= 0.06,
     }
+    others = {}
+    for label, path in (extra or {}).items():
+        e = artifacts.read_json(path)
+        others[label] = {"command": e.get("command"), "dataset": e["dataset"], "modes": {
+            m: {k: r[k] for k in ("perplexity", "ppl_vs_dense", "ffn_sparsity", "recall", "magnitude_recall")
+                if k in r} for m, r in e["modes"].items()}}
     return {
         "what": "per-layer activation predictors for SmolLM2-135M-Instruct: recall, predicted FFN sparsity, size, "
                 "and perplexity dense / oracle / predictor (/ placement) on held-out Wikipedia text",
@@ -76,6 +83,7 @@ def collect(run_dir: str | Path, commands: list[str]) -> dict[str, Any]:
                                                 "recall", "magnitude_recall", "seconds")}
                              for r in ev.get("recall_sweep", [])],
         },
+        "other_evals": others,
     }
 
 
@@ -83,9 +91,11 @@ def collect(run_dir: str | Path, commands: list[str]) -> dict[str, Any]:
 @click.option("--run", "run_dir", required=True, help="Run directory with predictors/ and eval/.")
 @click.option("--out", required=True, help="Results JSON to write.")
 @click.option("--command", "commands", multiple=True, help="A command that produced the run (repeat).")
-def main(run_dir, out, commands) -> None:
+@click.option("--extra-eval", multiple=True, help="LABEL=PATH of another eval.json to include (repeat).")
+def main(run_dir, out, commands, extra_eval) -> None:
     """Write the predictor and eval figures of RUN to one JSON file."""
-    artifacts.write_json(out, collect(run_dir, list(commands)))
+    extra = dict(e.split("=", 1) for e in extra_eval)
+    artifacts.write_json(out, collect(run_dir, list(commands), extra))
     click.echo(f"wrote {out}")
 
 

@@ -209,3 +209,19 @@ def test_magnitude_weighted_training(swiglu_run):
     assert summary["config"]["magnitude_weight"] == 1.0
     assert summary["totals"]["recomputed_mask_agreement_min"] > 0.99
     assert load_predictors(run, lm.info).layers[0].fc1.weight.shape[1] == 32
+
+
+def test_results_file(swiglu_run, text_corpus, tmp_path):
+    """The results collector copies figures from summary.json and eval.json, and judges the goals from them."""
+    from powerinfer.predictors.results import collect
+
+    lm, run = swiglu_run
+    rep = evaluate(run, dataset=str(text_corpus), lm=lm, modes=["dense", "oracle", "predictor"], **EVAL)
+    out = collect(run, ["cmd a"], {"again": str(run / "eval" / "eval.json")})
+    summary = json.loads((run / "predictors" / "summary.json").read_text())
+    assert out["command"] == ["cmd a"] and out["machine"]["nproc"] >= 1
+    assert out["training"]["mean_recall_test"] == summary["totals"]["mean_recall"]
+    assert out["eval"]["modes"]["predictor"]["perplexity"] == rep["modes"]["predictor"]["perplexity"]
+    assert out["goal_met"]["predictor_ppl_vs_dense"] == (rep["modes"]["predictor"]["ppl_vs_dense"] <= 0.06)
+    assert out["other_evals"]["again"]["modes"]["dense"]["perplexity"] == rep["modes"]["dense"]["perplexity"]
+    assert len(out["per_layer"]) == len(summary["layers"])
