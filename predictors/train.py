@@ -123,11 +123,9 @@ def profile_stats(neurons: pd.DataFrame, meta: dict) -> tuple[np.ndarray, np.nda
 
 def share_covering(counts: np.ndarray, share: float = SHARE) -> np.ndarray:
     """(layers, neurons) counts -> per layer the fraction of neurons, hottest first, covering `share` of firings."""
-    c = -np.sort(-counts, axis=1)
-    total = c.sum(1, keepdims=True)
-    cum = np.cumsum(c, axis=1) / np.where(total > 0, total, 1)
-    k = (cum < share - 1e-12).sum(1) + 1
-    return np.where(total[:, 0] > 0, k / counts.shape[1], SHARE)  # a layer that never fires counts as flat
+    from powerinfer.profiler.profile import share_covering as covering
+
+    return np.nan_to_num(covering(counts, share), nan=SHARE)  # a layer that never fires counts as flat
 
 
 def samples_dir(run_dir: Path, meta: dict) -> Path:
