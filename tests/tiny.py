@@ -67,6 +67,10 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
 
 def make_drelu(lm) -> None:
     """Turn a loaded ReLU Mistral into a dReLU one (relu on both branches), as Bamboo/TurboSparse's own code does."""
-    for layer in lm.layers:
-        mlp = layer.mlp
-        mlp.forward = (lambda m: lambda x: m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x))))(mlp)
+    import types
+
+    def drelu_forward(m, x):
+        return m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x)))
+
+    for layer in lm.layers:  # a bound method: deepcopy and .to() of the model carry it along
+        layer.mlp.forward = types.MethodType(drelu_forward, layer.mlp)
