@@ -216,7 +216,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
             res["ppl_vs_dense"] = res["perplexity"] / results["dense"]["perplexity"] - 1
     report = artifacts.base_meta("eval", inputs={"profile": {"meta_sha256": artifacts.sha256_file(
         run_dir / "profile" / "meta.json")}})
-    report.update({"model": lm.info["name"], "fingerprint": lm.info["fingerprint"], "dataset": dataset,
+    report.update({"model": pmeta["model"]["name"], "fingerprint": lm.info["fingerprint"], "dataset": dataset,
                    "tokens": tokens, "seq_len": seq_len, "rule": pmeta["rule"],
                    "threshold_recall": recall if recall is not None else (
                        preds.summary["config"]["target_recall"] if preds else None),
