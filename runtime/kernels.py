@@ -9,10 +9,10 @@ Work split: the active list is cut into one contiguous chunk per thread; each th
 `h_j * down_t[j]` into its own partial row; the partial rows are summed at the end (no atomics, deterministic
 for a fixed thread count). The GIL is released, so the GPU (or another Python thread) keeps working.
 
-One kernel per activation family (same argument order within a kind):
-  ungated (relu, gelu):           f(x, idx, up, b_up, down_t, out, threads)      h = act(up_j . x + b_j)
-  gated (reglu, drelu, swiglu, geglu): f(x, idx, gate, up, down_t, out, threads) h = act(gate_j . x) * up_j . x
-                                                                      (drelu: relu(gate_j . x) * relu(up_j . x))
+Two kernels, the activation passed as an integer code (ACT_CODE):
+  ungated_ffn(x, idx, up, b_up, down_t, out, threads, act)   relu, gelu:  h = act(up_j . x + b_j)
+  gated_ffn(x, idx, gate, up, down_t, out, threads, act)     reglu, drelu, swiglu, geglu: h = act(gate_j . x) * up_j . x
+                                                             (drelu: relu(gate_j . x) * relu(up_j . x))
 `threads` = chunks of work (Numba's thread count: numba.get_num_threads() would stop the kernels from caching).
 `out` (d_model,) float32 is overwritten with sum_j h_j * down_t[j]. The down bias is added by the caller once.
 """
@@ -93,11 +93,25 @@ def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernels. The loops are written out per family so that each compiles to one tight specialisation.
+# Kernels: one for gated FFNs, one for ungated ones; the activation is a loop-invariant integer code, so the branch
+# on it costs nothing next to the row reads.
+
+ACT_CODE = {"relu": 0, "gelu": 1, "reglu": 2, "drelu": 3, "swiglu": 4, "geglu": 5}
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gated_value(act, g, u):
+    if act == 2:  # reglu
+        return _relu(g) * u
+    if act == 3:  # drelu
+        return _relu(g) * _relu(u)
+    if act == 4:  # swiglu
+        return _silu(g) * u
+    return _gelu_tanh(g) * u  # geglu
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def relu_ffn(x, idx, up, b_up, down_t, out, threads):
+def gated_ffn(x, idx, gate, up, down_t, out, threads, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
     part = np.zeros((T, d), np.float32)  # (threads, d_model) partial sums
@@ -105,14 +119,17 @@ def relu_ffn(x, idx, up, b_up, down_t, out, threads):
     for t in prange(T):
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            h = _dot(x, up[j], scratch[t]) + b_up[j]
-            if h > 0:
+            g = _dot(x, gate[j], scratch[t])
+            if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
+                continue
+            h = _gated_value(act, g, _dot(x, up[j], scratch[t]))
+            if h != 0:
                 _axpy(h, down_t[j], scratch[t], part[t])
     _reduce(part, out)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def gelu_ffn(x, idx, up, b_up, down_t, out, threads):
+def ungated_ffn(x, idx, up, b_up, down_t, out, threads, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
     part = np.zeros((T, d), np.float32)
@@ -120,84 +137,20 @@ def gelu_ffn(x, idx, up, b_up, down_t, out, threads):
     for t in prange(T):
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            h = _gelu_erf(_dot(x, up[j], scratch[t]) + b_up[j])
-            _axpy(h, down_t[j], scratch[t], part[t])
-    _reduce(part, out)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def reglu_ffn(x, idx, gate, up, down_t, out, threads):
-    d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
-    scratch = np.empty((T, d), np.uint32)
-    for t in prange(T):
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            g = _dot(x, gate[j], scratch[t])
-            if g > 0:  # a zero gate skips the up row too
-                h = g * _dot(x, up[j], scratch[t])
+            a = _dot(x, up[j], scratch[t]) + b_up[j]
+            h = _relu(a) if act == 0 else _gelu_erf(a)
+            if h != 0:
                 _axpy(h, down_t[j], scratch[t], part[t])
     _reduce(part, out)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def drelu_ffn(x, idx, gate, up, down_t, out, threads):
-    d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
-    scratch = np.empty((T, d), np.uint32)
-    for t in prange(T):
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            g = _dot(x, gate[j], scratch[t])
-            if g > 0:
-                u = _dot(x, up[j], scratch[t])
-                if u > 0:
-                    _axpy(g * u, down_t[j], scratch[t], part[t])
-    _reduce(part, out)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def swiglu_ffn(x, idx, gate, up, down_t, out, threads):
-    d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
-    scratch = np.empty((T, d), np.uint32)
-    for t in prange(T):
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            h = _silu(_dot(x, gate[j], scratch[t])) * _dot(x, up[j], scratch[t])
-            _axpy(h, down_t[j], scratch[t], part[t])
-    _reduce(part, out)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def geglu_ffn(x, idx, gate, up, down_t, out, threads):
-    d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
-    scratch = np.empty((T, d), np.uint32)
-    for t in prange(T):
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            h = _gelu_tanh(_dot(x, gate[j], scratch[t])) * _dot(x, up[j], scratch[t])
-            _axpy(h, down_t[j], scratch[t], part[t])
-    _reduce(part, out)
-
-
-KERNELS = {"relu": relu_ffn, "gelu": gelu_ffn, "reglu": reglu_ffn, "drelu": drelu_ffn, "swiglu": swiglu_ffn,
-           "geglu": geglu_ffn}
 
 
 def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, gate: np.ndarray | None, up: np.ndarray,
              b_up: np.ndarray | None, down_t: np.ndarray, out: np.ndarray) -> np.ndarray:
     """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j] (rows bf16 as uint16)."""
-    kern = KERNELS[activation]
     if activation in GATED:
-        kern(x, idx, gate, up, down_t, out, numba.get_num_threads())
+        gated_ffn(x, idx, gate, up, down_t, out, numba.get_num_threads(), ACT_CODE[activation])
     else:
-        kern(x, idx, up, b_up, down_t, out, numba.get_num_threads())
+        ungated_ffn(x, idx, up, b_up, down_t, out, numba.get_num_threads(), ACT_CODE[activation])
     return out
 
 
@@ -220,7 +173,7 @@ def act_torch(activation: str, a: torch.Tensor, u: torch.Tensor | None = None) -
         return f.silu(a) * u
     if activation == "geglu":
         return f.gelu(a, approximate="tanh") * u
-    raise ValueError(f"unknown activation '{activation}': choose one of {', '.join(KERNELS)}")
+    raise ValueError(f"unknown activation '{activation}': choose one of {', '.join(ACT_CODE)}")
 
 
 def neuron_values(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,

@@ -16,20 +16,12 @@ from .ilp import OBJECTIVES
 from .place import solve_placement
 
 
-def _size(flag: str, text: str | None) -> int | None:
+def _parsed(parse, flag: str, text: str | None):
+    """A size (`parse_bytes`) or rate (`parse_rate`) flag, or None; bad text -> a one-line error naming the flag."""
     if text is None:
         return None
     try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise click.ClickException(f"{flag}: {e}") from None
-
-
-def _rate(flag: str, text: str | None) -> float | None:
-    if text is None:
-        return None
-    try:
-        return parse_rate(text)
+        return parse(text)
     except ValueError as e:
         raise click.ClickException(f"{flag}: {e}") from None
 
@@ -84,12 +76,12 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         raise click.ClickException(f"--cores must be >= 1, got {cores}")
     if sync_us is not None and sync_us < 0:
         raise click.ClickException(f"--sync-us must be >= 0, got {sync_us}")
-    hw = hw.replace(pcie_bw=_rate("--pcie-bw", pcie_bw), gpu_bw=_rate("--gpu-bw", gpu_bw),
-                    cpu_bw=_rate("--cpu-bw", cpu_bw), cores=cores,
+    hw = hw.replace(pcie_bw=_parsed(parse_rate, "--pcie-bw", pcie_bw), gpu_bw=_parsed(parse_rate, "--gpu-bw", gpu_bw),
+                    cpu_bw=_parsed(parse_rate, "--cpu-bw", cpu_bw), cores=cores,
                     sync_latency_s=None if sync_us is None else sync_us * 1e-6)
     try:
-        summary = solve_placement(run_dir, hw, vram_bytes=_size("--vram", vram), dtype=dtype, ctx=ctx,
-                                  reserve_bytes=_size("--reserve", reserve), group_size=group_size,
+        summary = solve_placement(run_dir, hw, vram_bytes=_parsed(parse_bytes, "--vram", vram), dtype=dtype, ctx=ctx,
+                                  reserve_bytes=_parsed(parse_bytes, "--reserve", reserve), group_size=group_size,
                                   objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
                                   mip_gap=mip_gap, threads=threads, hardware_notes=notes)
     except (SolverError, ArtifactError) as e:
