@@ -60,6 +60,12 @@ def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | No
                     "mean_share80": sum(pmeta["share_covering_80pct_per_layer"]) / pmeta["model"]["n_layers"]},
         "goals": GOALS,
         "goal_met": met,
+        "goal_basis": "recall and predicted sparsity: mean over layers on each layer's test split of the profile "
+                      "samples; perplexity: eval.modes.predictor on held-out text",
+        "goal_met_on_eval_text": {
+            "recall": bool(pred) and pred["recall"] >= 0.95,
+            "predicted_ffn_sparsity": bool(pred) and pred["ffn_sparsity"] >= 0.40,
+        },
         "training": {
             "seconds": t["train_seconds"], "device": t["device"], "fits": t["fits"],
             "predictor_params": t["predictor_params"], "ffn_params": t["ffn_params"],
