@@ -1,4 +1,5 @@
-# make demo: profile the embedded SmolLM2-135M-Instruct on the embedded Wikipedia sample.
+# make demo: the whole pipeline on the embedded SmolLM2-135M-Instruct and Wikipedia sample (a few minutes on 2 cores):
+#            profile -> place (a VRAM budget that leaves ~80% of FFN neurons on the CPU) -> predictors -> generate.
 # make test: the test suite (offline, CPU).
 PYTHON ?= python3
 VENV   := .venv
@@ -16,7 +17,10 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/pi-profile --tokens 100000
+	$(BIN)/pi-profile --out runs/demo --tokens 30000 --samples-per-layer 4096 --force --quiet
+	$(BIN)/pi-solve --run runs/demo --vram 262MB --reserve 0
+	$(BIN)/pi-train-predictors --run runs/demo --preset fast --quiet
+	$(BIN)/pi-generate --run runs/demo --chat --prompt "What is the capital of France? Answer in one sentence." -n 48
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
