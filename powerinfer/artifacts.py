@@ -102,13 +102,20 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def command_line() -> str:
+    """How this process was started: `pi-profile --tokens ...`, or `python -m powerinfer.profiler ...`."""
+    if sys.argv[0].endswith("__main__.py") and getattr(sys, "orig_argv", None):
+        return " ".join(["python", *sys.orig_argv[1:]])
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def base_meta(stage: str, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fields every stage's meta.json starts with."""
     return {
         "stage": stage,
         "format_version": FORMAT_VERSION,
         "package_version": __version__,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "inputs": inputs or {},
     }

@@ -27,66 +27,43 @@ from powerinfer.artifacts import ArtifactError
 from powerinfer.corpus import CorpusError, iter_texts
 from powerinfer.models import LoadedModel, load_model, pick_device
 from powerinfer.predictors.train import Predictors, load_predictors
-from powerinfer.profiler.hooks import active_mask
+from powerinfer.profiler.hooks import FFNHooks, active_mask
 from powerinfer.profiler.profile import token_batches
 
 MODES = ("dense", "oracle", "predictor", "placement")
 
 
-class FFNMasks:
+class FFNMasks(FFNHooks):
     """Hooks that mask each layer's FFN neurons per `mode` and count what was computed and what was missed."""
 
     def __init__(self, lm: LoadedModel, mode: str, taus: list[float] | None, predictors: Predictors | None = None,
                  gpu: dict[int, torch.Tensor] | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown eval mode '{mode}': choose from {', '.join(MODES)}")
-        self.lm, self.mode, self.taus, self.predictors, self.gpu = lm, mode, taus, predictors, gpu
-        L = len(lm.layers)
+        super().__init__(lm)
+        self.mode, self.taus, self.predictors, self.gpu = mode, taus, predictors, gpu
         # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
-        self.stats = np.zeros((L, 6), dtype=np.float64)
-        self._x: dict[int, torch.Tensor] = {}
-        self._handles: list = []
+        self.stats = np.zeros((len(lm.layers), 6), dtype=np.float64)
 
-    def __enter__(self) -> "FFNMasks":
-        for i, layer in enumerate(self.lm.layers):
-            ffn = self.lm.adapter.layer_ffn(layer)
-            if self.mode in ("predictor", "placement"):
-                self._handles.append(ffn["up"].register_forward_pre_hook(self._up_hook(i)))
-            self._handles.append(ffn["down"].register_forward_pre_hook(self._down_hook(i)))
-        return self
+    def wants_x(self) -> bool:
+        return self.mode in ("predictor", "placement")  # x (..., d_model): the FFN input the predictor sees
 
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _up_hook(self, i: int):
-        def hook(_mod, args):
-            self._x[i] = args[0]  # (..., d_model): the FFN input the predictor sees
-        return hook
-
-    def _down_hook(self, i: int):
-        def hook(_mod, args):
-            h = args[0]  # (..., n_neurons)
-            true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
-            if self.mode == "dense":
-                mask = None
-            elif self.mode == "oracle":
-                mask = true
-            else:
-                x = self._x.pop(i)
-                pred = self.predictors.layers[i]
-                mask = pred.mask(x.to(pred.fc1.weight.dtype))  # (..., n) bool
-                if self.mode == "placement":
-                    mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
-            mag = h.detach().abs().double()
-            hit = true if mask is None else (true & mask)
-            self.stats[i] += [true.numel(), true.numel() if mask is None else int(mask.sum()), int(true.sum()),
-                              int(hit.sum()), float(mag[true].sum()), float(mag[hit].sum())]
-            if mask is None:
-                return None
-            return (h * mask.to(h.dtype),)
-        return hook
+    def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
+        true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
+        if self.mode == "dense":
+            mask = None
+        elif self.mode == "oracle":
+            mask = true
+        else:
+            pred = self.predictors.layers[i]
+            mask = pred.mask(x.to(pred.fc1.weight.dtype))  # (..., n) bool
+            if self.mode == "placement":
+                mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
+        mag = h.detach().abs().double()
+        hit = true if mask is None else (true & mask)
+        self.stats[i] += [true.numel(), true.numel() if mask is None else int(mask.sum()), int(true.sum()),
+                          int(hit.sum()), float(mag[true].sum()), float(mag[hit].sum())]
+        return None if mask is None else h * mask.to(h.dtype)
 
     def summary(self) -> dict[str, Any]:
         s = self.stats
