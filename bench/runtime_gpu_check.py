@@ -52,17 +52,6 @@ LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
 # (a) equality
 
 
-def _rounded(folder, family):
-    lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
-    if family == "mistral-drelu":
-        tiny.make_drelu(lm)
-    with torch.no_grad():
-        for layer in lm.layers:
-            for m in lm.adapter.layer_ffn(layer).values():
-                m.weight.copy_(m.weight.bfloat16().float())
-    return lm
-
-
 def equality_checks(n_new: int = 12) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -76,7 +65,7 @@ def equality_checks(n_new: int = 12) -> list[dict]:
             folder = Path(tmp) / family
             if not folder.exists():
                 tiny.build(family, folder)
-            lm = _rounded(folder, family)
+            lm = tiny.load_rounded(folder, family)
             ref = copy.deepcopy(lm).model.to("cuda")
             ids = list(lm.tokenizer("The quick brown fox")["input_ids"])
             hf = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n_new, do_sample=False,

@@ -93,18 +93,6 @@ def test_bf16_round_trip():
 # Whole-model equality with HF generate
 
 
-def load_rounded(folder, family):
-    """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the cold rows store)."""
-    lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
-    if family == "mistral-drelu":
-        tiny.make_drelu(lm)
-    with torch.no_grad():
-        for layer in lm.layers:
-            for m in lm.adapter.layer_ffn(layer).values():
-                m.weight.copy_(m.weight.bfloat16().float())
-    return lm
-
-
 def hf_greedy(lm, prompt_ids, n=NEW):
     out = lm.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, output_logits=True,
                             return_dict_in_generate=True)
@@ -137,7 +125,7 @@ RELU = ["opt", "llama-reglu", "mistral-drelu", "falcon-relu"]
 @pytest.mark.parametrize("family", RELU)
 @pytest.mark.parametrize("where", ["gpu", "cpu", "mixed"])
 def test_oracle_equals_hf(family, where, tiny_model_dir):
-    lm = load_rounded(tiny_model_dir(family), family)
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
     g = check_equal(lm, RuntimeConfig(oracle=True, device="cpu"), make_placement(lm, where))
     s = g.stats
     assert s["mode"] == "oracle" and 0 < s["ffn_sparsity"] < 1
@@ -147,14 +135,14 @@ def test_oracle_equals_hf(family, where, tiny_model_dir):
 
 @pytest.mark.parametrize("family", ["llama-swiglu", "qwen2-swiglu", "gemma-geglu", "falcon-gelu"])
 def test_dense_equals_hf(family, tiny_model_dir):
-    lm = load_rounded(tiny_model_dir(family), family)
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
     g = check_equal(lm, RuntimeConfig(mode="dense", device="cpu"), make_placement(lm, "mixed"))
     assert g.stats["ffn_sparsity"] == 0.0
 
 
 @pytest.mark.parametrize("family", ["opt", "llama-swiglu"])
 def test_layer_split_equals_hf(family, tiny_model_dir):
-    lm = load_rounded(tiny_model_dir(family), family)
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
     g = check_equal(lm, RuntimeConfig(mode="layer-split", device="cpu", gpu_layers=1))
     assert g.stats["gpu_activation_share"] == 0.5 and g.stats["bytes_cpu"] > 0
 
@@ -167,13 +155,13 @@ def always_on_predictors(lm, threshold: float) -> Predictors:
 
 
 def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):
-    lm = load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     g = check_equal(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, -1e30))
     assert g.stats["mode"] == "hybrid" and g.stats["ffn_sparsity"] == 0.0
 
 
 def test_predictor_that_never_fires_keeps_only_hot_neurons(tiny_model_dir):
-    lm = load_rounded(tiny_model_dir("opt"), "opt")
+    lm = tiny.load_rounded(tiny_model_dir("opt"), "opt")
     rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, 1e30))
     g = generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), 4)
     assert g.stats["ffn_sparsity"] == 1.0 and len(g.token_ids) == 4

@@ -74,3 +74,18 @@ def make_drelu(lm) -> None:
 
     for layer in lm.layers:  # a bound method: deepcopy and .to() of the model carry it along
         layer.mlp.forward = types.MethodType(drelu_forward, layer.mlp)
+
+
+def load_rounded(folder, family: str):
+    """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the runtime's cold rows store),
+    so that the runtime and HF `generate` compute with the same weights."""
+    from powerinfer.models import load_model
+
+    lm = load_model(str(folder), device="cpu", dtype="float32", activation=ACTIVATION_OVERRIDE.get(family))
+    if family == "mistral-drelu":
+        make_drelu(lm)
+    with torch.no_grad():
+        for layer in lm.layers:
+            for m in lm.adapter.layer_ffn(layer).values():
+                m.weight.copy_(m.weight.bfloat16().float())
+    return lm
