@@ -206,6 +206,20 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
 
 
+def load_model_from_meta(info: dict[str, Any], model: str | None = None, gguf_file: str | None = None, *,
+                         device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False) -> LoadedModel:
+    """The model an artifact was made for, from its meta.json "model" section, unless `model` names another
+    (later stages then compare fingerprints and refuse a mismatch)."""
+    activation = None
+    if model is None:
+        src = info["source"]
+        model = src["path"] if src["kind"] in ("gguf", "folder") else info["name"]
+        gguf_file = gguf_file or src.get("gguf_file")
+        activation = info["activation"] if info["activation"] == "drelu" else None  # not readable from configs
+    return load_model(model, gguf_file, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                      activation=activation, revision=info.get("source", {}).get("revision"))
+
+
 def wrap_model(hf_model: nn.Module, tokenizer: Any, source: ModelSource, activation: str | None = None) -> LoadedModel:
     """A LoadedModel around an HF causal LM already in memory (benchmarks build random ones this way)."""
     cfg = text_config(hf_model.config)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 from powerinfer.corpus import CorpusError, iter_texts
-from powerinfer.models import LoadedModel, load_model, pick_device
+from powerinfer.models import LoadedModel, load_model_from_meta, pick_device
 from powerinfer.predictors.train import Predictors, load_predictors
 from powerinfer.profiler.hooks import FFNHooks, active_mask
 from powerinfer.profiler.profile import token_batches
@@ -95,21 +95,6 @@ def perplexity(lm: LoadedModel, batches: list[torch.Tensor], progress: bool = Fa
     return nll, count
 
 
-def load_profile_model(pmeta: dict, model: str | None, gguf_file: str | None, device: str, dtype: str,
-                       trust_remote_code: bool = False) -> LoadedModel:
-    """The model a profile was made for (from its meta.json source), unless `model` names one."""
-    info = pmeta["model"]
-    if model is None:
-        src = info["source"]
-        model = src["path"] if src["kind"] in ("gguf", "folder") else info["name"]
-        gguf_file = gguf_file or src.get("gguf_file")
-        activation = info["activation"]
-    else:
-        activation = None
-    return load_model(model, gguf_file, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                      activation=activation if activation in ("drelu",) else None)
-
-
 def read_placement(run_dir: Path, model_info: dict, n_layers: int) -> dict[int, torch.Tensor]:
     """RUN/placement/placement.parquet -> per layer a (n_neurons,) bool tensor of GPU-resident neurons."""
     pdir = run_dir / "placement"
@@ -140,7 +125,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     run_dir = Path(run_dir)
     _, pmeta = artifacts.read_profile(run_dir)
     if lm is None:
-        lm = load_profile_model(pmeta, model, gguf_file, pick_device(device), dtype)
+        lm = load_model_from_meta(pmeta["model"], model, gguf_file, device=pick_device(device), dtype=dtype)
     artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()

@@ -407,9 +407,9 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     torch.manual_seed(cfg.seed)
     agreement: dict[int, float] = {}
     if cfg.magnitude_weight > 0 and lm is None:
-        from powerinfer.predictors.evaluate import load_profile_model
+        from powerinfer.models import load_model_from_meta
 
-        lm = load_profile_model(pmeta, None, None, device, pmeta.get("config", {}).get("dtype", "auto"))
+        lm = load_model_from_meta(pmeta["model"], device=device, dtype=pmeta.get("config", {}).get("dtype", "auto"))
     if lm is not None:
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None

@@ -21,7 +21,8 @@ import torch
 
 from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
-from powerinfer.models import RELU_FAMILY, LoadedModel, pick_device, pick_dtype, text_config
+from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
+                               text_config)
 from powerinfer.runtime.kernels import set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, nbytes
 
@@ -294,8 +295,6 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
 
     `use_predictor=False` turns hybrid into dense (no predictors needed)."""
-    from powerinfer.models import load_model
-    from powerinfer.predictors.evaluate import load_profile_model
 
     if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
         cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
@@ -305,7 +304,8 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     meta = _first_meta(run) if run is not None else None
     if meta is None and model is None:
         raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
-    lm = (load_profile_model(meta, model, gguf_file, "cpu", dname, trust_remote_code) if meta is not None
+    lm = (load_model_from_meta(meta["model"], model, gguf_file, device="cpu", dtype=dname,
+                               trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
     placement = predictors = taus = None
     if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
