@@ -295,7 +295,6 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
 
     `use_predictor=False` turns hybrid into dense (no predictors needed)."""
-
     if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
         cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
     device, dtype = device_and_dtype(cfg)
