@@ -12,7 +12,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from itertools import islice
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +151,7 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     if lm is None:
         lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
                         trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
-    if not any(islice(iter_texts(cfg.dataset, cfg.text_column), 1000)):  # fail before touching the disk
+    if not any(iter_texts(cfg.dataset, cfg.text_column)):  # stops at the first text; fails before touching the disk
         raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile")
     run = Path(out) if out is not None else artifacts.default_run_dir(lm.info["name"])
     final, partial = run / "profile", run / ".profile.partial"
@@ -231,8 +230,6 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, ra
                 raise KeyboardInterrupt(f"stopped after {done_here} batches (checkpoint kept in {partial})")
     bar.close()
     seconds = seconds0 + time.perf_counter() - start
-    if stream_tokens == 0:
-        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile")
 
     counts = counter.counts
     tokens = torch.tensor([state["tokens"]], dtype=torch.int64, device=counts.device)
