@@ -13,10 +13,7 @@ results file with the machine.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from powerinfer.hardware import machine_info
 from powerinfer.models import ModelSource, load_model, pick_device, pick_dtype, wrap_model
 from powerinfer.profiler.hooks import ActivationCounter, SampleReservoir
 from powerinfer.profiler.profile import forward
@@ -52,25 +50,6 @@ def random_model(shape: str, layers: int, device: str, dtype: str):
         bos_token_id, eos_token_id = 1, 2
 
     return wrap_model(model, _Tok(), ModelSource(f"random-{shape}-{layers}L", f"random-{shape}"))
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cpu_count": os.cpu_count()}
-    try:
-        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    else:
-        info["gpu"] = None
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True).stdout.strip()
-    except OSError:
-        pass
-    return info
 
 
 @click.command()
@@ -140,7 +119,7 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
         "model": lm.info["name"], "family": lm.info["family"], "activation": lm.activation,
         "n_layers": n_layers, "d_model": d, "n_neurons": n, "device": device,
         "dtype": str(next(lm.model.parameters()).dtype), "batch_size": batch_size, "seq_len": seq_len,
-        "timed_batches": len(times["plain"]), "results": res, "machine": machine(),
+        "timed_batches": len(times["plain"]), "results": res, "machine": machine_info("numba", "transformers"),
         "note": "median over batches; plain = decoder stack without hooks; see the module docstring",
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,6 @@ LLaMA-2-70B's. Writes bench/results/solve_llama70b.json.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +19,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from powerinfer.hardware import get_hardware
+from powerinfer.hardware import get_hardware, machine_info
 from powerinfer.solver import solve_placement
 from powerinfer.solver.synthetic import write_synthetic_profile
 from powerinfer.units import parse_bytes
@@ -35,15 +32,6 @@ CASES = [  # (hardware, dtype, vram or None for the preset's, objective)
     ("a100-80g", "fp16", None, "activations"),
     ("h100", "fp16", "64GB", "latency"),
 ]
-
-
-def machine() -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    import highspy  # noqa: F401
-    from importlib.metadata import version
-
-    return {"nproc": int(subprocess.check_output(["nproc"]).decode()), "cpu_model": cpu, "python": platform.python_version(),
-            "pulp": version("pulp"), "highspy": version("highspy"), "numpy": np.__version__, "platform": platform.platform()}
 
 
 def naive_model_seconds(run_dir: Path, budget_fraction: float, time_limit: float) -> dict:
@@ -116,7 +104,7 @@ def main(out, naive, repeats):
         "what": "pi-solve on a synthetic LLaMA-70B-shaped profile (80 x 28672 neurons, group 64 = 35,840 groups); "
                 "counts are synthetic power-law, not measured",
         "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
-        "machine": machine(), "profile_generation_seconds": gen, "goal": "gap <= 0.1% within 10 s on 2 cores",
+        "machine": machine_info("pulp", "highspy", "numpy"), "profile_generation_seconds": gen, "goal": "gap <= 0.1% within 10 s on 2 cores",
         "results": results, "naive_binary_per_group": naive_row,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)

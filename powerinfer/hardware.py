@@ -157,3 +157,31 @@ def measure_hardware(base: HardwareSpec) -> tuple[HardwareSpec, list[str]]:
     else:
         notes.append(f"no CUDA device: VRAM, PCIe and GPU bandwidth and sync latency keep the '{base.name}' preset's values")
     return dataclasses.replace(base, name=f"{base.name}+measured", **changes), notes
+
+
+def machine_info(*packages: str) -> dict:
+    """What a results file records about the machine it was measured on, plus the versions of `packages`."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+            "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["gpu"] = None
+    for name in packages:
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = None
+    return info

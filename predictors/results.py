@@ -6,28 +6,16 @@ reads RUN/predictors/summary.json and RUN/eval/eval.json; every figure comes fro
 
 from __future__ import annotations
 
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import click
 
 from powerinfer import artifacts
+from powerinfer.hardware import machine_info
 
 GOALS = {"mean_recall": ">= 0.95", "predicted_ffn_sparsity": ">= 0.40", "predictor_fraction_of_ffn": "<= 0.10",
          "predictor_ppl_vs_dense": "<= +6%"}
-
-
-def machine() -> dict[str, Any]:
-    import numpy
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"nproc": os.cpu_count(), "cpu_model": cpu, "gpu": torch.cuda.get_device_name(0)
-            if torch.cuda.is_available() else None, "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
 
 
 def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | None = None) -> dict[str, Any]:
@@ -54,7 +42,7 @@ def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | No
         "what": "per-layer activation predictors for SmolLM2-135M-Instruct: recall, predicted FFN sparsity, size, "
                 "and perplexity dense / oracle / predictor (/ placement) on held-out Wikipedia text",
         "command": commands,
-        "machine": machine(),
+        "machine": machine_info("numpy"),
         "profile": {"dataset": pmeta["dataset"], "tokens": pmeta["tokens"], "rule": pmeta["rule"],
                     "target_sparsity": pmeta["target_sparsity"], "samples_per_layer": pmeta["samples"]["count"],
                     "mean_share80": sum(pmeta["share_covering_80pct_per_layer"]) / pmeta["model"]["n_layers"]},
