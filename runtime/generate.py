@@ -211,8 +211,11 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
              on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
-             keep_logits: bool = False) -> Generation:
-    """Prefill the prompt (dense), then decode one token at a time; `on_text` receives text as it is made."""
+             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> Generation:
+    """Prefill the prompt (dense), then decode one token at a time; `on_text` receives text as it is made.
+
+    `should_stop` is asked after each token (e.g. a server whose client left, or a stop string seen by `on_text`);
+    True ends the generation there, with stats["stopped"] = True."""
     ctx = context_length(rt.lm)
     if not prompt_ids:
         raise ValueError("the prompt is empty: pass some text")
@@ -233,7 +236,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
 
     ids: list[int] = []
     kept: list[torch.Tensor] = []
-    shown, steps = "", 0
+    shown, steps, stopped = "", 0, False
     t1 = time.perf_counter()
     for _ in range(max_new):
         if keep_logits:
@@ -247,6 +250,9 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
                 shown = text
         if nxt in stop or len(ids) == max_new:
             break
+        if should_stop is not None and should_stop():
+            stopped = True
+            break
         out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
         logits = out.logits[0, -1]
         steps += 1
@@ -255,7 +261,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     text = tok.decode(ids, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown):
         on_text(text[len(shown):])
-    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps, t_decode), "new_tokens": len(ids)},
+    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps, t_decode), "new_tokens": len(ids),
+                                      "stopped": stopped},
                       kept)
 
 
