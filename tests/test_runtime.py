@@ -107,7 +107,7 @@ def make_placement(lm, kind: str, seed: int = 0) -> Placement:
     return Placement(tuple(rng.random(n) < 0.5 for _ in range(n_layers)))
 
 
-def check_equal(lm, cfg, placement=None, predictors=None, taus=None):
+def check_equal(lm, cfg, placement=None, predictors=None, taus=None, atol=LOGIT_ATOL):
     ref = copy.deepcopy(lm)
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     want_ids, want_logits = hf_greedy(ref, ids)
@@ -115,7 +115,7 @@ def check_equal(lm, cfg, placement=None, predictors=None, taus=None):
     g = generate(rt, ids, NEW, keep_logits=True)
     assert g.token_ids == want_ids
     diff = max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits))
-    assert diff < LOGIT_ATOL, diff
+    assert diff < atol, diff
     return g
 
 

@@ -110,3 +110,26 @@ def test_prompt_longer_than_context(opt_run):
 def test_no_run_no_model():
     r = CliRunner().invoke(main, ["--prompt", "hi"])
     assert r.exit_code != 0 and "--run" in r.output
+
+
+def test_interactive_chat_keeps_the_conversation(opt_run, monkeypatch):
+    """-i: each line is a user turn; the prompt of turn 2 holds turn 1 and its answer; an empty line ends."""
+    import powerinfer.runtime.cli as cli
+
+    prompts = []
+    real = cli.prompt_ids
+
+    def spy(rt, prompt, chat=False):
+        prompts.append((prompt if isinstance(prompt, str) else [dict(m) for m in prompt], chat))
+        return real(rt, prompt, chat)
+
+    monkeypatch.setattr(cli, "prompt_ids", spy)
+    r = CliRunner().invoke(main, ["--run", str(opt_run), "--device", "cpu", "-n", "4", "-i"],
+                           input="Hello there\nAnd again\n\nnot read\n")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("decode") == 2  # one stats line per turn
+    assert [c for _, c in prompts] == [True, True]
+    first, second = prompts[0][0], prompts[1][0]
+    assert first == [{"role": "user", "content": "Hello there"}]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"]
+    assert second[0] == first[0] and second[2]["content"] == "And again"

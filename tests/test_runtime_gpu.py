@@ -1,0 +1,51 @@
+"""pi-generate with real CUDA placement: greedy tokens equal HF `generate` (skipped without a GPU).
+
+Same checks as tests/test_runtime.py, with the hot part on CUDA (float32, TF32 off) and the cold part by the
+Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pinned buffers and side stream.
+"""
+
+import pytest
+import torch
+
+import tiny
+from powerinfer.runtime.generate import RuntimeConfig
+from test_runtime import RELU, always_on_predictors, check_equal, make_placement
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("family", RELU)
+@pytest.mark.parametrize("where", ["gpu", "cpu", "mixed"])
+def test_cuda_oracle_equals_hf(family, where, tiny_model_dir):
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    g = check_equal(lm, RuntimeConfig(oracle=True, device="cuda", dtype="float32"), make_placement(lm, where),
+                    atol=CUDA_ATOL)
+    assert g.stats["device"].startswith("cuda") and g.stats["mode"] == "oracle"
+
+
+@pytest.mark.parametrize("family", ["llama-swiglu", "gemma-geglu"])
+def test_cuda_dense_equals_hf(family, tiny_model_dir):
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    check_equal(lm, RuntimeConfig(mode="dense", device="cuda", dtype="float32"), make_placement(lm, "mixed"),
+                atol=CUDA_ATOL)
+
+
+def test_cuda_predictor_path_equals_hf(tiny_model_dir):
+    """The predictor runs on the GPU and its cold mask crosses to the host: a predictor firing everywhere is dense."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    check_equal(lm, RuntimeConfig(device="cuda", dtype="float32"), make_placement(lm, "mixed"),
+                always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
+
+
+def test_cuda_layer_split_equals_hf(tiny_model_dir):
+    lm = tiny.load_rounded(tiny_model_dir("opt"), "opt")
+    check_equal(lm, RuntimeConfig(mode="layer-split", device="cuda", dtype="float32", gpu_layers=1), atol=CUDA_ATOL)
