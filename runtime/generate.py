@@ -40,6 +40,7 @@ class RuntimeConfig:
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
+    cuda_graphs: bool = True  # CUDA: each FFN's per-token GPU work replayed as CUDA graphs (False: eager launches)
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -149,6 +150,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask,
                         pred.to("cpu", dtype) if pred is not None else None,
                         None if taus is None else taus[i])
+        ffn.use_graphs = cfg.cuda_graphs
         install(lm, i, ffn)
         ffns.append(ffn)
         if cfg.mode == "layer-split":
