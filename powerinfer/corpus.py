@@ -65,6 +65,10 @@ def _local_texts(path: Path, text_column: str) -> Iterator[str]:
     if None in builders or len(builders) != 1:
         raise CorpusError(f"'{path}': expected files of one kind among .txt, .jsonl, .json, .parquet")
     builder = builders.pop()
+    if builder == "text" and importlib.util.find_spec("datasets") is None:  # e.g. a GPU image without `datasets`
+        for f in files:
+            yield f.read_text(encoding="utf-8")  # one document per file, as the loader below reads it
+        return
     kw = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document, not one per line
     ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kw)
     for row in ds:

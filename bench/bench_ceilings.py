@@ -1,0 +1,124 @@
+"""Ceilings measured in the pi_bench run (DRAM read, PCIe both ways, HBM, small sync round trip), the CPU cold-row
+kernel against DRAM bandwidth, and the per-token cost floor built from them."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _sum_rows(a, chunks):
+    """Sum of a (n,) float32 array: `chunks` parallel strips, 8 independent accumulators each (vectorised loads)."""
+    n = a.shape[0]
+    out = np.zeros(chunks, np.float32)
+    for c in prange(chunks):
+        lo, hi = c * n // chunks, (c + 1) * n // chunks
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        k = lo
+        while k + 8 <= hi:
+            s0 += a[k]
+            s1 += a[k + 1]
+            s2 += a[k + 2]
+            s3 += a[k + 3]
+            s4 += a[k + 4]
+            s5 += a[k + 5]
+            s6 += a[k + 6]
+            s7 += a[k + 7]
+            k += 8
+        while k < hi:
+            s0 += a[k]
+            k += 1
+        out[c] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+    return out.sum()
+
+
+def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
+    """Best of: a Numba parallel reduction (8 accumulators, vectorised) and numpy sums, one thread per core."""
+    threads = numba.get_num_threads()
+    a = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)  # touch every page
+    _sum_rows(a[:1024], threads)  # compile
+    res = {}
+    for chunks in (threads, 4 * threads):
+        best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
+        res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
+    parts = np.array_split(a, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(repeats))
+    res["numpy_sum_per_thread"] = a.nbytes / best
+    return {"bytes": int(a.nbytes), "threads": threads, "variants_bytes_per_s": res, "best_bytes_per_s": max(res.values()),
+            "best": max(res, key=res.get)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
+    """PCIe H2D (powerinfer.hardware's measurement) and D2H, pinned; HBM device copy; small D2H+H2D round trip."""
+    from powerinfer.hardware import _measure_cuda
+
+    m = _measure_cuda()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return {"pcie_h2d_bytes_per_s": m["pcie_bw"], "pcie_d2h_bytes_per_s": nbytes / best, "hbm_bytes_per_s": m["gpu_bw"],
+            "sync_round_trip_s": m["sync_latency_s"], "vram_bytes": m["vram_bytes"]}
+
+
+def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0) -> dict:
+    """powerinfer.runtime.kernels.ffn_rows (ReGLU, bf16 rows) on one layer's rows at several row densities.
+
+    The active rows are drawn among neurons whose gate is positive for x (what a predictor marks active), so each
+    reads its gate, up and down rows: bytes = 3 * d * 2 per active neuron. A new random set per repetition keeps
+    the rows out of the caches."""
+    from powerinfer.runtime.kernels import ffn_rows, to_bf16_bits
+
+    g = torch.Generator().manual_seed(seed)
+    rows = {k: to_bf16_bits(torch.randn(n, d, generator=g) * 0.02) for k in ("gate", "up", "down_t")}
+    x = torch.randn(d, generator=g).numpy().astype(np.float32)
+    gate_f = torch.from_numpy(rows["gate"].view(np.int16)).view(torch.bfloat16).float()
+    positive = np.flatnonzero((gate_f @ torch.from_numpy(x)).numpy() > 0)
+    del gate_f
+    out = np.zeros(d, np.float32)
+    b_up = np.zeros(n, np.float32)
+    rng = np.random.default_rng(seed)
+    res = []
+    for dens in densities:
+        k = min(len(positive), max(1, int(dens * n)))
+        sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
+        ffn_rows("reglu", x, sets[0], rows["gate"], rows["up"], b_up, rows["down_t"], out)  # compile / warm
+        times = [_timed(lambda s=s: ffn_rows("reglu", x, s, rows["gate"], rows["up"], b_up, rows["down_t"], out))
+                 for s in sets[1:]]
+        nbytes = k * 3 * d * 2
+        res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
+                    "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times)})
+    return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "rows": res}
+
+
+def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outside_gpu_bytes: int = 0) -> dict:
+    """Per token: sum over layers of max(gpu_bytes / HBM bw, active cold bytes / DRAM bw) + a sync for each layer with
+    active cold bytes, plus the GPU reads outside the layers (LM head, final norm).
+
+    layers: [{"gpu_bytes": bytes read on the GPU per token, "cold_bytes": active cold bytes read per token}]"""
+    per = []
+    for row in layers:
+        g, c = row["gpu_bytes"] / hbm_bw, row["cold_bytes"] / dram_bw
+        per.append(max(g, c) + (sync_s if row["cold_bytes"] > 0 else 0.0))
+    total = sum(per) + outside_gpu_bytes / hbm_bw
+    return {"seconds_per_token": total, "tokens_per_s": 1 / total if total > 0 else float("inf"),
+            "per_layer_s": per, "gpu_bound_layers": sum(r["gpu_bytes"] / hbm_bw >= r["cold_bytes"] / dram_bw
+                                                        for r in layers)}

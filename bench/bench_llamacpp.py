@@ -1,0 +1,222 @@
+"""llama.cpp for pi_bench: the source tarball (made where PyPI is reachable), the build of `llama-bench`, a GGUF of
+the bench model's weights written with the vendored gguf-py, and `llama-bench` runs.
+
+The source is vendor/llama.cpp of the `llama-cpp-python` sdist (77 MB, over the device's carry limit), tarred
+without models/ docs/ tests/ examples/ and the like into CARRY (git-ignored, never committed)."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as version_of
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CARRY = ROOT / ".llamacpp"  # what the GPU calls carry: llama.cpp.tar.gz and wheels/
+TARBALL = CARRY / "llama.cpp.tar.gz"
+WHEELS = CARRY / "wheels"
+DROP = {"models", "docs", "tests", "examples", ".github", "media", "ui", "pocs", ".devops", "benches", "app", "ci"}
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
+WHEEL_NAMES = ("pulp", "highspy")  # the solver's packages, absent on the device image
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def prepare(python_version: str = "3.12") -> dict:
+    """Download the llama-cpp-python sdist, tar its vendor/llama.cpp (trimmed) into CARRY; fetch the solver's wheels
+    for the device's Python. Needs PyPI."""
+    CARRY.mkdir(exist_ok=True)
+    exclude = ROOT / ".git" / "info" / "exclude"
+    if exclude.exists() and "/.llamacpp/" not in exclude.read_text().split():
+        with exclude.open("a") as f:
+            f.write("/.llamacpp/\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps", "-d", tmp,
+              "llama-cpp-python"])
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+
+        def keep(m: tarfile.TarInfo) -> str | None:
+            parts = m.name.split("/")
+            if len(parts) < 3 or parts[1:3] != ["vendor", "llama.cpp"]:
+                return None
+            rel = parts[3:]
+            if rel and (rel[0] in DROP or (len(rel) > 1 and rel[0] == "tools" and rel[1] in DROP | {"server"})):
+                return None
+            return "/".join(["llama.cpp", *rel])
+
+        with tarfile.open(sdist) as src, tarfile.open(TARBALL, "w:gz") as dst:
+            for m in src.getmembers():
+                name = keep(m)
+                if name is None:
+                    continue
+                f = src.extractfile(m) if m.isfile() else None
+                m.name = name
+                dst.addfile(m, f)
+        version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+    WHEELS.mkdir(exist_ok=True)
+    plats = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["--platform=manylinux2014_x86_64"]
+    for name in WHEEL_NAMES:
+        try:  # the versions the project is tested with here
+            name = f"{name}=={version_of(name)}"
+        except PackageNotFoundError:
+            pass
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--implementation",
+              "cp", "--python-version", python_version, *plats, "-d", str(WHEELS), name])
+    info = {"llama_cpp_python": version, "tarball": str(TARBALL.relative_to(ROOT)),
+            "tarball_bytes": TARBALL.stat().st_size, "wheels": sorted(p.name for p in WHEELS.glob("*.whl"))}
+    (CARRY / "prepared.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def use_wheels(target: Path) -> list[str]:
+    """Unpack the carried wheels into `target` and put it on sys.path (the device has no pulp/highspy)."""
+    import zipfile
+
+    done = []
+    for whl in sorted(WHEELS.glob("*.whl")):
+        mark = target / (whl.name + ".done")
+        if not mark.exists():
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(target)
+            mark.touch()
+        done.append(whl.name)
+    if done and str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    return done
+
+
+def source_dir(work: Path) -> Path:
+    src = work / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        if not TARBALL.exists():
+            raise SystemExit(f"no {TARBALL}: run `python bench/pi_bench.py --stage prepare` where PyPI is reachable "
+                             f"and carry .llamacpp")
+        with tarfile.open(TARBALL) as t:
+            t.extractall(work, filter="data")
+    return src
+
+
+def gguf_module(work: Path):
+    """The vendored gguf-py (from the tarball), else an installed gguf."""
+    try:
+        gp = source_dir(work) / "gguf-py"
+        if str(gp) not in sys.path:
+            sys.path.insert(0, str(gp))
+    except SystemExit:
+        pass
+    import gguf
+
+    return gguf
+
+
+def build(work: Path, cuda: bool, jobs: int) -> dict:
+    """cmake + ninja, target llama-bench only. Returns the binary's path and the seconds taken."""
+    missing = [t for t in ("cmake", "ninja") + (("nvcc",) if cuda else ()) if shutil.which(t) is None]
+    if cuda and shutil.which("nvcc") is None and Path("/usr/local/cuda/bin/nvcc").exists():
+        missing.remove("nvcc")
+    if missing:
+        raise SystemExit(f"cannot build llama.cpp: {', '.join(missing)} not found on PATH")
+    src = source_dir(work)
+    out = work / ("build-cuda" if cuda else "build-cpu")
+    binary = out / "bin" / "llama-bench"
+    if binary.exists():
+        return {"binary": str(binary), "seconds": 0.0, "cached": True}
+    flags = CMAKE_FLAGS + (["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"] if cuda else ["-DGGML_CUDA=OFF"])
+    t0 = time.perf_counter()
+    _run(["cmake", "-G", "Ninja", "-S", str(src), "-B", str(out), *flags])
+    _run(["cmake", "--build", str(out), "--target", "llama-bench", "-j", str(jobs)])
+    return {"binary": str(binary), "seconds": time.perf_counter() - t0, "cached": False, "cmake_flags": flags}
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_tensors(model) -> list[tuple[str, object]]:
+    """(GGUF name, torch tensor) in file order; llama.cpp's LLaMA names. q/k are not permuted: random weights."""
+    out = [("token_embd.weight", model.model.embed_tokens.weight)]
+    for i, layer in enumerate(model.model.layers):
+        for hf, name in GGUF_NAMES.items():
+            out.append((f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight))
+    out += [("output_norm.weight", model.model.norm.weight), ("output.weight", model.lm_head.weight)]
+    return out
+
+
+def write_gguf(model, path: Path, gguf) -> dict:
+    """The model's weights as an fp16 GGUF (arch llama, norms fp32, a placeholder vocabulary), streamed tensor by
+    tensor (the whole model never sits in host memory twice)."""
+    cfg = model.config
+    t0 = time.perf_counter()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("pi-bench random ReLU-gated llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(1)  # MOSTLY_F16
+    vocab = cfg.vocab_size
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)  # unknown, control, byte, normal
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    tensors = gguf_tensors(model)
+
+    def host(t):
+        return t.detach().to("cpu").numpy().astype(np.float32 if t.dim() == 1 else np.float16, copy=False)
+
+    for name, t in tensors:
+        dt = np.float32 if t.dim() == 1 else np.float16
+        w.add_tensor_info(name, tuple(t.shape), np.dtype(dt), t.numel() * np.dtype(dt).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    nbytes = 0
+    for _, t in tensors:
+        a = host(t)
+        w.write_tensor_data(a)
+        nbytes += a.nbytes
+    w.close()
+    return {"path": str(path), "tensor_bytes": nbytes, "file_bytes": path.stat().st_size,
+            "seconds": time.perf_counter() - t0}
+
+
+def llama_bench(binary: str, gguf_path: Path, ngl: int, threads: int, tokens: int, reps: int,
+                timeout: float) -> dict:
+    """One `llama-bench` run (decode only: -p 0 -n tokens); tokens/s from its JSON."""
+    cmd = [binary, "-m", str(gguf_path), "-ngl", str(ngl), "-p", "0", "-n", str(tokens), "-r", str(reps),
+           "-t", str(threads), "-o", "json"]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(cmd), "error": f"timed out after {timeout:.0f} s"}
+    row = {"command": " ".join(cmd), "seconds": time.perf_counter() - t0, "returncode": p.returncode}
+    if p.returncode != 0:
+        return {**row, "error": (p.stderr or p.stdout)[-2000:]}
+    res = json.loads(p.stdout)[0]
+    return {**row, "decode_tokens_per_s": res["avg_ts"], "stddev_tokens_per_s": res.get("stddev_ts"),
+            "n_gpu_layers": res.get("n_gpu_layers"), "build_commit": res.get("build_commit"),
+            "backends": res.get("backends"), "model_size": res.get("model_size"), "samples_ts": res.get("samples_ts")}

@@ -1,0 +1,206 @@
+"""The pi_bench model: LLaMA-2-70B layer shapes, a ReLU-gated FFN, random fp16 weights made on the device, and
+per-neuron firing probabilities calibrated to a power law.
+
+Why no FFN biases: LlamaConfig(mlp_bias=True) gives gate_proj a bias, but the runtime's gated path ignores FFN
+biases (kernels.neuron_values and the gated Numba kernel take no gate bias, and the up bias is not applied on gated
+models), so a model calibrated through the gate bias would run differently in pi-generate than in HF. The bias is
+therefore realised through a weight the runtime supports: a CONSTANT CHANNEL. Channel 0 of the residual stream holds
+a constant C for every token (embedding column 0 = C; row 0 of every o_proj and down_proj = 0, so nothing writes to
+it), each layer's post-attention RMSNorm weight[0] scales it so that the FFN input x[0] is 1 on average, and gate
+column 0 then acts as the gate bias: gate_j . x = gate[j, 0] * x[0] + sum_{k>0} gate[j, k] x[k].
+
+Calibration, layer by layer on random tokens: with the earlier layers already calibrated, take layer l's FFN inputs,
+fit each neuron's gate pre-activation without channel 0 as a Gaussian (mean mu_j, sd s_j) and set
+gate[j, 0] = -(mu_j + s_j * ndtri(1 - p_j)), so P(gate_j . x > 0) = p_j, where p is `power_law` (mean 0.10, the top
+20% of neurons cover 80% of firings; bench/runtime_gpu_check.py), a different permutation per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SHAPES = {  # d_model, n_neurons, heads, kv heads, vocab
+    "llama-2-70b": (8192, 28672, 64, 8, 32000),
+    "llama-2-7b": (4096, 11008, 32, 32, 32000),
+    "tiny": (128, 1536, 4, 2, 320),  # CPU tests of the harness (run them with --ctx 64)
+}
+CONST = 1.0  # the constant channel's value in the residual stream
+P_CLIP = (1e-5, 1 - 1e-5)  # firing probabilities kept off 0 and 1 (ndtri is infinite there)
+
+
+def power_law(n: int, seed: int, mean: float = 0.10, top: float = 0.2, share: float = 0.8) -> np.ndarray:
+    import runtime_gpu_check  # bench/ is on sys.path when pi_bench runs
+
+    return runtime_gpu_check.power_law(n, mean, top, share, seed)
+
+
+def share_of_top(p: np.ndarray, top: float = 0.2) -> float:
+    """Share of firings covered by the `top` share of neurons (hottest first)."""
+    s = np.sort(np.asarray(p, np.float64))[::-1]
+    return float(s[: int(round(top * len(s)))].sum() / s.sum())
+
+
+@dataclass
+class BenchModel:
+    lm: object  # powerinfer.models.LoadedModel (weights where they were built)
+    shape: str
+    layers: int
+    targets: list[np.ndarray]  # per layer (n,) target firing probabilities
+    calibration: dict
+
+
+class SyntheticTokenizer:
+    """Token ids written as decimal words ("17 2093 5 ..."): the synthetic corpus for pi-profile."""
+
+    bos_token_id = None
+    eos_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [int(w) % self.vocab for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def synthetic_corpus(path, tokens: int, vocab: int, seed: int) -> None:
+    """A .txt file of `tokens` uniformly random token ids (one document)."""
+    ids = np.random.default_rng(seed).integers(0, vocab, tokens)
+    path.write_text(" ".join(map(str, ids.tolist())))
+
+
+def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float = 0.02):
+    """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from powerinfer.models import ModelSource, wrap_model
+
+    d, n, heads, kv, vocab = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, hidden_act="relu", mlp_bias=False,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std, generator=gen)
+            else:
+                p.fill_(1.0)  # RMSNorm weights
+        model.model.embed_tokens.weight[:, 0] = CONST
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+            layer.mlp.gate_proj.weight[:, 0] = 0.0
+    src = ModelSource(f"{shape}-shaped random ReLU-gated LLaMA ({layers} layers, seed {seed})", "memory")
+    return wrap_model(model, SyntheticTokenizer(vocab), src)
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def _ffn_input(lm, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    """(tokens, d) float32: layer `layer`'s FFN input for `ids` (the forward stops there)."""
+    got = {}
+
+    def hook(_mod, args):
+        got["x"] = args[0].reshape(-1, args[0].shape[-1]).float()
+        raise _Stop
+
+    h = lm.layers[layer].mlp.register_forward_pre_hook(hook)
+    try:
+        lm.model.model(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    return got["x"]
+
+
+@torch.no_grad()
+def calibrate(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 0, mean: float = 0.10) -> BenchModel:
+    """Set each layer's constant-channel norm weight and gate column 0 so neuron j fires with probability p_j."""
+    d, n, *_, vocab = SHAPES[shape]
+    dev = next(lm.model.parameters()).device
+    g = torch.Generator(dev).manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=dev, generator=g)
+    targets, rows = [], []
+    for i, layer in enumerate(lm.layers):
+        p = np.clip(power_law(n, seed=seed * 1000 + i, mean=mean), *P_CLIP)
+        targets.append(p)
+        x = _ffn_input(lm, i, ids)  # (tokens, d)
+        x0 = float(x[:, 0].mean())
+        norm = layer.post_attention_layernorm.weight
+        norm[0] = norm[0] / x0  # x[0] -> ~1
+        x[:, 0] /= x0
+        w = layer.mlp.gate_proj.weight
+        pre = x[:, 1:] @ w[:, 1:].float().T  # (tokens, n) gate pre-activation without channel 0
+        mu, sd = pre.mean(0), pre.std(0)
+        z = torch.special.ndtri(torch.from_numpy(1 - p).to(dev, torch.float32))
+        w[:, 0] = (-(mu + sd * z)).to(w.dtype)
+        rows.append({"layer": i, "x0_raw_mean": x0, "x0_cv": float(x[:, 0].std() / x[:, 0].mean()),
+                     "gate_sd_mean": float(sd.mean()), "bias_min": float(w[:, 0].min()),
+                     "bias_max": float(w[:, 0].max())})
+        del x, pre
+    info = {"method": "constant residual channel 0 + gate column 0 (see bench/bench_model.py)",
+            "tokens": int(ids.numel()), "seq": seq, "layers": rows,
+            "target_mean_active": float(np.mean([p.mean() for p in targets])),
+            "target_top20_share": float(np.mean([share_of_top(p) for p in targets]))}
+    return BenchModel(lm, shape, len(lm.layers), targets, info)
+
+
+@torch.no_grad()
+def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) -> list[np.ndarray]:
+    """Per layer (n,) firing frequencies of relu(gate . x) > 0 on fresh random tokens (a quick check)."""
+    d, n, *_, vocab = SHAPES[shape]
+    dev = next(lm.model.parameters()).device
+    g = torch.Generator(dev).manual_seed(seed)
+    ids = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=dev, generator=g)
+    counts = [torch.zeros(n, device=dev) for _ in lm.layers]
+    def hook(i):
+        def count(_mod, _args, out):
+            counts[i].add_((out.reshape(-1, n) > 0).sum(0))  # returns None: the output is left unchanged
+        return count
+
+    hooks = [layer.mlp.gate_proj.register_forward_hook(hook(i)) for i, layer in enumerate(lm.layers)]
+    try:
+        lm.model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(c / ids.numel()).cpu().numpy() for c in counts]
+
+
+def model_bytes(shape: str, layers: int, size: int = 2) -> dict:
+    """Bytes of the fp16 model: per layer (attention, FFN, norms), embeddings + head + final norm, total."""
+    d, n, heads, kv, vocab = SHAPES[shape]
+    hd = d // heads
+    attn = d * d * 2 + 2 * d * kv * hd
+    ffn = 3 * d * n
+    norms = 2 * d
+    outside = 2 * vocab * d + d
+    per_layer = (attn + ffn + norms) * size
+    return {"attention_per_layer": attn * size, "ffn_per_layer": ffn * size, "layer": per_layer,
+            "outside_layers": outside * size, "total": layers * per_layer + outside * size}
+
+
+def gpu_layers_for(budget: int, shape: str, layers: int) -> int:
+    """Whole layers that fit in `budget` after embeddings, head and final norm (llama.cpp -ngl, layer-split)."""
+    b = model_bytes(shape, layers)
+    return max(0, min(layers, int((budget - b["outside_layers"]) // b["layer"])))

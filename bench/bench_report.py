@@ -1,0 +1,152 @@
+"""pi_bench results: the goal ratios of issue #6, the markdown table, and the merged results file."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+SPLIT = "llama.cpp -ngl"
+ALL_GPU_LLAMA = "llama.cpp all layers on the GPU"
+
+
+def _rate(systems: dict, name: str) -> float | None:
+    row = systems.get(name) or {}
+    v = row.get("decode_tokens_per_s")
+    return float(v) if v else None
+
+
+def _split_name(systems: dict) -> str | None:
+    return next((k for k in systems if k.startswith(SPLIT)), None)
+
+
+def _goal(value: float | None, goal: float, higher: bool, what: str) -> dict:
+    met = None if value is None else (value >= goal if higher else value <= goal)
+    return {"value": value, "goal": (">= " if higher else "<= ") + f"{goal:g}", "met": met,
+            "what": what + ("" if value is not None else " (not measured in this run)")}
+
+
+def goals(res: dict) -> dict:
+    """Issue #6's goals, each a ratio from this run; met = None where a figure is missing."""
+    s = res.get("systems", {})
+    hybrid = _rate(s, "hybrid")
+    split = _split_name(s)
+    llama = _rate(s, split) if split else None
+    acc = _rate(s, "accelerate offload")
+    floor_tps = (res.get("floor") or {}).get("tokens_per_s")
+    kern = (res.get("kernel") or {}).get("rows") or []
+    pred = (res.get("predictor_time") or {}).get("ms_per_token")
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {
+        "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 20, True,
+                                                f"hybrid tok/s / {split or 'llama.cpp -ngl (budget)'} tok/s"),
+        "hybrid_vs_accelerate_offload": _goal(ratio(hybrid, acc), 100, True,
+                                              "hybrid tok/s / accelerate device_map offload tok/s"),
+        "hybrid_share_of_floor": _goal(ratio(hybrid, floor_tps), 0.70, True, "hybrid tok/s / floor tok/s"),
+        "cpu_kernel_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern) if kern else None, 0.80, True,
+                                             "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
+        "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
+                                           "predictor ms per token (alone) / hybrid ms per token"),
+    }
+
+
+def _fmt(v, nd=2) -> str:
+    if v is None:
+        return "–"
+    return f"{v:,.{nd}f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def markdown(res: dict) -> str:
+    """The results table (README quotes it)."""
+    s = res.get("systems", {})
+    m = res.get("model", {})
+    floor_tps = (res.get("floor") or {}).get("tokens_per_s")
+    split = _split_name(s)
+    llama = _rate(s, split) if split else None
+    mach = res.get("machine", {})
+    lines = [f"pi_bench, {mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores, {res.get('created', '')}: "
+             f"{m.get('shape')} shapes, {m.get('layers')} layers, {m.get('bytes', {}).get('total', 0) / 1e9:.1f} GB "
+             f"fp16, RANDOM weights with calibrated power-law firing, synthetic predictor masks; GPU budget "
+             f"{m.get('budget_bytes', 0) / 1e9:.2f} GB ({100 * m.get('budget_share', 0):.0f}% of the model bytes).", "",
+             "| system | decode tok/s | x llama.cpp layer split | share of the floor | notes |",
+             "|---|---|---|---|---|"]
+    for name, row in s.items():
+        r = _rate(s, name)
+        note = row.get("error", "")[:80] if "error" in row else ""
+        if name in ("hybrid", "dense"):
+            note = (f"FFN sparsity {row.get('ffn_sparsity', 0):.3f}, GPU share of activations "
+                    f"{row.get('gpu_activation_share', 0):.3f}")
+        elif name == "layer-split" or name.startswith(SPLIT):
+            note = f"{row.get('gpu_layers', row.get('n_gpu_layers'))} layers on the GPU"
+        lines.append(f"| {name} | {_fmt(r)} | {_fmt(r / llama if r and llama else None)} | "
+                     f"{_fmt(r / floor_tps if r and floor_tps else None)} | {note} |")
+    for name, why in res.get("skipped", {}).items():
+        lines.append(f"| {name} | – | – | – | {why} |")
+    if floor_tps:
+        lines.append(f"| floor (measured ceilings, the hybrid run's active bytes) | {_fmt(floor_tps)} | "
+                     f"{_fmt(floor_tps / llama if llama else None)} | 1.00 | |")
+    c = res.get("ceilings", {})
+    if c:
+        parts = [f"DRAM read {c['dram']['best_bytes_per_s'] / 1e9:.1f} GB/s ({c['dram']['best']})"]
+        if "hbm_bytes_per_s" in c:
+            parts += [f"HBM {c['hbm_bytes_per_s'] / 1e9:,.0f} GB/s", f"PCIe H2D {c['pcie_h2d_bytes_per_s'] / 1e9:.1f} / "
+                      f"D2H {c['pcie_d2h_bytes_per_s'] / 1e9:.1f} GB/s", f"sync {c['sync_round_trip_s'] * 1e6:.0f} us"]
+        lines += ["", "Ceilings: " + "; ".join(parts) + "."]
+    k = res.get("kernel")
+    if k:
+        lines.append(f"CPU cold-row kernel (ReGLU, bf16 rows, {k.get('threads', '?')} threads): " + ", ".join(
+            f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% of DRAM)"
+            for r in k["rows"]) + ".")
+    p = res.get("profile")
+    if p:
+        lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "
+                     f"neurons active per token, top 20% of neurons cover {100 * p['top20pct_share']:.0f}% of firings; "
+                     f"{100 * p['share_of_neurons_covering_80pct']:.0f}% of neurons cover 80%.")
+    g = res.get("goals") or goals(res)
+    lines += ["", "| goal (issue #6) | value | target | met |", "|---|---|---|---|"]
+    for name, row in g.items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[row["met"]]
+        lines.append(f"| {row['what']} | {_fmt(row['value'])} | {row['goal']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _load(inputs: list[Path]) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for p in inputs:
+        files = sorted(p.glob("pi_bench_*.json")) if p.is_dir() else [p]
+        for f in files:
+            d = json.loads(f.read_text())
+            found[d.get("stage", f.stem.removeprefix("pi_bench_"))] = d
+    return found
+
+
+def machine_slug(machine: dict) -> str:
+    gpu = machine.get("gpu")
+    if not gpu:
+        return f"cpu{machine.get('nproc', '')}"
+    m = re.search(r"(H100|H200|A100|L40S?|RTX ?\d{4})", gpu, re.I)
+    return (m.group(1) if m else gpu).lower().replace(" ", "")
+
+
+def write_results(inputs: list[Path], folder: Path) -> dict:
+    """Merge the stage JSONs into <folder>/<date>-<machine>.json and the markdown table beside it."""
+    stages = _load(inputs)
+    if "bench" not in stages:
+        raise SystemExit(f"no pi_bench_bench.json among {', '.join(map(str, inputs)) or 'the inputs (pass --inputs)'}")
+    res = dict(stages["bench"])
+    if "build" in stages:
+        res["build"] = {k: v for k, v in stages["build"].items() if k not in ("machine",)}
+    res["goals"] = goals(res)
+    date = res.get("created", time.strftime("%Y-%m-%d"))[:10]
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{date}-{machine_slug(res.get('machine', {}))}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    print("wrote", stem.with_suffix(".json"), stem.with_suffix(".md"))
+    return res

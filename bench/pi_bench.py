@@ -1,0 +1,568 @@
+"""pi_bench: ours (hybrid, layer-split, all-GPU) vs llama.cpp and HF accelerate on one LLaMA-2-70B-shaped model,
+with the cost floor from ceilings measured in the same run (issue #6). README section "Benchmark: pi_bench".
+
+The model has RANDOM weights (bench/bench_model.py): LLaMA-2-70B layer shapes with grouped-query attention, a
+ReLU-gated FFN, per-neuron firing probabilities calibrated to a power law (mean 10% active, the top 20% of neurons
+covering 80% of firings). The predictor is SYNTHETIC (SizedPredictor): an MLP of a trained predictor's size runs
+for its cost, and the mask is drawn per token from the profiled firing frequencies. Speed only, not quality.
+
+Stages (each call of the device may start a fresh machine; files persist in --work while it stays warm):
+  prepare  here, with PyPI: llama.cpp source tarball + pulp/highspy wheels into .llamacpp/ (carried)
+  build    GPU: build llama-bench (CUDA sm_90), build + calibrate the model, write its GGUF into --work
+  bench    GPU: ceilings, profile, solve, our systems, llama-bench (when built), accelerate, kernel, floor
+  report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine>.{json,md}
+  all      build + bench (more than one 10-minute device call at the 70B shape)
+CPU smoke test: python bench/pi_bench.py --stage all --device cpu --shape tiny --layers 2 --work /tmp/pib --out /tmp/pib/out
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime/__init__.py)
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+SUBPACKAGES = {"profiler": "profiler", "solver": "solver", "predictors": "predictors", "runtime": "runtime"}
+
+
+def bootstrap() -> None:
+    """Import powerinfer.* from this checkout when the project is not installed (the device image)."""
+    if importlib.util.find_spec("powerinfer") is not None:
+        try:
+            import powerinfer.runtime  # noqa: F401
+
+            return
+        except ImportError:
+            pass
+    import powerinfer
+
+    for name, folder in SUBPACKAGES.items():
+        spec = importlib.util.spec_from_file_location(f"powerinfer.{name}", ROOT / folder / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[f"powerinfer.{name}"] = mod
+        spec.loader.exec_module(mod)
+        setattr(powerinfer, name, mod)
+
+
+bootstrap()
+
+import bench_ceilings as ceil  # noqa: E402
+import bench_llamacpp as lcpp  # noqa: E402
+import bench_model as bm  # noqa: E402
+from bench_report import goals, markdown, write_results  # noqa: E402
+
+from powerinfer.predictors.train import Predictor  # noqa: E402
+
+
+class SizedPredictor(Predictor):
+    """A predictor of a trained one's size (Linear(d->h)->ReLU->Linear(h->n), random weights) whose mask is drawn from
+    firing frequencies p: it costs what a trained predictor costs, and fires as the profile says. Masks come from a
+    bank of pre-drawn rows picked by a step counter on the device (no host sync; CUDA-graph capturable), as in
+    bench/runtime_gpu_check.py's SyntheticPredictor."""
+
+    BANK = 64
+
+    def __init__(self, d: int, hidden: int, p: np.ndarray, seed: int):
+        super().__init__(d, hidden, len(p), threshold=float(torch.finfo(torch.float16).max))
+        self.register_buffer("p", torch.from_numpy(np.asarray(p, np.float32)))
+        self.seed, self.bank = seed, None
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bank is None or self.bank.device != x.device:
+            gen = torch.Generator(x.device).manual_seed(self.seed)
+            self.bank = torch.rand((self.BANK, *self.p.shape), device=x.device, generator=gen) < self.p  # (BANK, n)
+            self.step = torch.zeros(1, dtype=torch.long, device=x.device)
+        m = torch.index_select(self.bank, 0, self.step % self.BANK)[0]  # (n,) bool
+        self.step += 1
+        return m | (self(x) >= self.threshold)  # the MLP runs for its cost; its logits never reach the threshold
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.t0, self.limit = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.limit - (time.perf_counter() - self.t0)
+
+    def allows(self, estimate_s: float, what: str, skipped: dict) -> bool:
+        if self.left() >= estimate_s:
+            return True
+        skipped[what] = f"skipped: {self.left():.0f} s left of --time-limit, about {estimate_s:.0f} s needed"
+        print(what, skipped[what], flush=True)
+        return False
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model, its calibration and its GGUF
+
+
+def model_key(args) -> str:
+    d, n, heads, kv, vocab = bm.SHAPES[args.shape]
+    return f"{args.shape}-{d}x{n}x{heads}x{kv}x{vocab}-{args.layers}L-seed{args.seed}"
+
+
+def calibrated_model(args, work: Path) -> bm.BenchModel:
+    """Build the model on the device and calibrate it, or re-apply the calibration saved in --work (same weights as
+    the GGUF written by the build stage)."""
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.perf_counter()
+    lm = bm.build_model(args.shape, args.layers, args.device, args.seed)
+    path = work / f"calibration-{model_key(args)}.safetensors"
+    if path.exists():
+        saved = load_file(str(path))
+        info = json.loads((path.with_suffix(".json")).read_text())
+        with torch.no_grad():
+            for i, layer in enumerate(lm.layers):
+                layer.post_attention_layernorm.weight[0] = saved[f"norm0.{i}"].to(args.device)
+                layer.mlp.gate_proj.weight[:, 0] = saved[f"gate0.{i}"].to(args.device)
+        targets = [saved[f"target.{i}"].numpy().astype(np.float64) for i in range(args.layers)]
+        model = bm.BenchModel(lm, args.shape, args.layers, targets, {**info, "reused_from": str(path)})
+    else:
+        model = bm.calibrate(lm, args.shape, args.calibration_tokens, seed=args.seed)
+        save_file({**{f"norm0.{i}": l.post_attention_layernorm.weight[0:1].detach().cpu().clone() for i, l in enumerate(lm.layers)},
+                   **{f"gate0.{i}": l.mlp.gate_proj.weight[:, 0].detach().cpu().contiguous() for i, l in enumerate(lm.layers)},
+                   **{f"target.{i}": torch.from_numpy(p.astype(np.float32)) for i, p in enumerate(model.targets)}},
+                  str(path))
+        path.with_suffix(".json").write_text(json.dumps(model.calibration))
+    model.calibration["build_and_calibrate_s"] = time.perf_counter() - t0
+    return model
+
+
+def stage_build(args, work: Path) -> dict:
+    out: dict = {"stage": "build"}
+    if args.device == "cuda" or args.cpu_llamacpp:
+        try:
+            out["llama_cpp_build"] = lcpp.build(work, cuda=args.device == "cuda", jobs=args.jobs)
+        except Exception as e:  # noqa: BLE001 - reported, the rest of the stage still runs
+            out["llama_cpp_build"] = {"error": f"{type(e).__name__}: {e}"}
+    model = calibrated_model(args, work)
+    gpath = work / f"model-{model_key(args)}.gguf"
+    if not gpath.exists():
+        out["gguf"] = lcpp.write_gguf(model.lm.model, gpath, lcpp.gguf_module(work))
+    out["calibration"] = model.calibration
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline: profile, realised statistics, placement
+
+
+def profile(args, model: bm.BenchModel, run: Path) -> dict:
+    from powerinfer.profiler.profile import ProfileConfig, profile_model, share_covering
+
+    corpus = run.parent / "synthetic-corpus.txt"
+    bm.synthetic_corpus(corpus, args.profile_tokens, bm.SHAPES[args.shape][4], args.seed + 2)
+    cfg = ProfileConfig(model=model.lm.info["name"], dataset=str(corpus), tokens=args.profile_tokens, seq_len=512,
+                        batch_size=4, samples_per_layer=0)
+    t0 = time.perf_counter()
+    meta = profile_model(cfg, run, force=True, device=args.device, progress=False, lm=model.lm)
+    seconds = time.perf_counter() - t0
+    from powerinfer import artifacts
+
+    df, _ = artifacts.read_profile(run)
+    n = bm.SHAPES[args.shape][1]
+    counts = [df[df.layer == i].sort_values("neuron")["count"].to_numpy() for i in range(args.layers)]
+    freq = [c / meta["tokens"] for c in counts]
+    rows = [{"layer": i, "mean_active": float(f.mean()), "target_mean_active": float(t.mean()),
+             "share_of_neurons_covering_80pct": float(share_covering(c[None], 0.8)[0]) if c.sum() else None,
+             "top20pct_share": bm.share_of_top(f), "target_top20pct_share": bm.share_of_top(t),
+             "corr_with_target": float(np.corrcoef(f, t)[0, 1])}
+            for i, (c, f, t) in enumerate(zip(counts, freq, model.targets))]
+    return {"tokens": int(meta["tokens"]), "corpus": "synthetic: uniformly random token ids (a .txt of decimal ids)",
+            "seconds": seconds, "per_layer": rows, "n_neurons": n,
+            "mean_active": float(np.mean([r["mean_active"] for r in rows])),
+            "share_of_neurons_covering_80pct": float(np.mean([r["share_of_neurons_covering_80pct"] or 1 for r in rows])),
+            "top20pct_share": float(np.mean([r["top20pct_share"] for r in rows])), "freq": freq}
+
+
+def write_predictors(args, run: Path, freq: list[np.ndarray]) -> dict:
+    """The SizedPredictors' weights (RUN/predictors/predictors.safetensors) so that pi-solve counts their real bytes."""
+    from safetensors.torch import save_file
+
+    d = bm.SHAPES[args.shape][0]
+    preds = {i: SizedPredictor(d, args.predictor_hidden, freq[i], seed=100 + i).half() for i in range(args.layers)}
+    g = torch.Generator().manual_seed(args.seed + 3)
+    tensors = {}
+    with torch.no_grad():
+        for i, p in preds.items():
+            for name in ("fc1", "fc2"):
+                w = getattr(p, name).weight
+                w.copy_(torch.randn(w.shape, generator=g) * w.shape[1] ** -0.5)
+                tensors[f"layers.{i}.{name}.weight"] = w.detach().contiguous()
+    (run / "predictors").mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"kind": "synthetic (SizedPredictor: real-size MLP for the cost, masks drawn from profiled frequencies)",
+            "hidden": args.predictor_hidden, "bytes": nbytes, "layers": preds}
+
+
+def hardware_spec(c: dict, budget: int):
+    from powerinfer.hardware import get_hardware
+
+    base = get_hardware("h100" if "hbm_bytes_per_s" in c else "cpu-only")
+    changes = {"cpu_bw": c["dram"]["best_bytes_per_s"], "cores": c["dram"]["threads"]}
+    if "hbm_bytes_per_s" in c:
+        changes.update(pcie_bw=c["pcie_h2d_bytes_per_s"], gpu_bw=c["hbm_bytes_per_s"],
+                       sync_latency_s=c["sync_round_trip_s"])
+    else:  # CPU smoke test: pretend a GPU so the solver places something
+        changes.update(vram_bytes=budget, pcie_bw=32e9, gpu_bw=c["dram"]["best_bytes_per_s"] * 4, sync_latency_s=30e-6)
+    return base.replace(name="measured in this run", **changes)
+
+
+def place(args, run: Path, hw, budget: int) -> dict:
+    """pi-solve's solver at the budget (KV cache for --ctx, no reserve: every system gets the same bytes); without
+    pulp/highspy, the top-k-by-frequency fallback that fills the same FFN budget."""
+    import pandas as pd
+
+    from powerinfer.solver.place import solve_placement
+
+    t0 = time.perf_counter()
+    try:
+        import highspy  # noqa: F401
+        import pulp  # noqa: F401
+
+        missing = None
+    except ImportError as e:
+        missing = str(e)
+    if missing is None:
+        s = solve_placement(run, hw, vram_bytes=budget, dtype="fp16", ctx=args.ctx, reserve_bytes=0)
+        kind = "pi-solve (PuLP + HiGHS), latency objective"
+    else:
+        s = topk_placement(run, budget, args)
+        kind = f"top-k by frequency, same FFN budget (solver unavailable: {missing})"
+    df = pd.read_parquet(run / "placement" / "placement.parquet")
+    return {"kind": kind, "seconds": time.perf_counter() - t0, "summary": s,
+            "gpu_neuron_share": float(df.gpu.mean())}
+
+
+def topk_placement(run: Path, budget: int, args) -> dict:
+    """Fallback placement: each layer's most active neurons, the same number per layer, filling the FFN budget
+    (budget minus what pi-solve's memory_items counts before any neuron)."""
+    import pandas as pd
+
+    from powerinfer import artifacts
+    from powerinfer.solver.cost import ModelShape, memory_items, safetensors_bytes
+
+    df, meta = artifacts.read_profile(run)
+    shape = ModelShape.from_meta(meta["model"])
+    pred = safetensors_bytes(run / "predictors" / "predictors.safetensors")
+    fixed = sum(memory_items(shape, 2, args.ctx, 0, pred).values())
+    per_neuron = shape.rows * shape.d_model * 2
+    k = max(0, min(shape.n_neurons, int((budget - fixed) // (per_neuron * shape.n_layers))))
+    df = df.sort_values(["layer", "count", "neuron"], ascending=[True, False, True]).reset_index(drop=True)
+    df["rank"] = df.groupby("layer").cumcount().astype("int32")
+    df["gpu"] = df["rank"] < k
+    (run / "placement").mkdir(exist_ok=True)
+    artifacts.write_parquet(run / "placement" / "placement.parquet", df[["layer", "neuron", "gpu", "count", "rank"]])
+    pmeta = artifacts.base_meta("placement", inputs={})
+    pmeta["model"] = meta["model"]
+    artifacts.write_json(run / "placement" / "meta.json", pmeta)
+    act = df[df.gpu].groupby("layer")["count"].sum() / df.groupby("layer")["count"].sum()
+    return {"gpu_neurons_per_layer": k, "fixed_gpu_bytes": fixed, "gpu_activation_share": float(act.mean())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Systems
+
+
+def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int) -> dict:
+    from powerinfer.runtime.generate import build_runtime, generate
+
+    lm = copy.deepcopy(base)
+    t0 = time.perf_counter()
+    rt = build_runtime(lm, cfg, placement, preds)
+    build_s = time.perf_counter() - t0
+    generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba, CUDA kernels, pinned buffers
+    gens = [generate(rt, prompt, tokens, stop_at_eos=False) for _ in range(reps)]
+    rates = [g.stats["decode_tokens_per_s"] for g in gens]
+    per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
+                      layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
+    row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
+           "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens}
+    print("ours", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
+                                              "bytes_gpu", "bytes_cpu")}, flush=True)
+    extra = {"rt": rt} if name == "hybrid" else {}
+    return row, extra
+
+
+@torch.inference_mode()
+def predictor_time(preds, d: int, device: str, reps: int = 50) -> dict:
+    """ms per token of all layers' predictor masks (alone, synced), for the 'predictor <= 5% of decode' goal."""
+    x = torch.randn(d, device=device, dtype=torch.float16)
+    layers = list(preds.layers.values())
+    for p in layers:
+        p.to(device)
+        p.mask(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for p in layers:
+            p.mask(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"ms_per_token": 1e3 * (time.perf_counter() - t0) / reps, "layers": len(layers)}
+
+
+def run_accelerate(base_model, budget: int, device: str, prompt: list[int], tokens: int) -> dict:
+    """HF transformers + accelerate: device_map offload with max_memory = the budget (weights stream over PCIe)."""
+    model = copy.deepcopy(base_model)
+    row: dict = {}
+    if device == "cuda":
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        dm = infer_auto_device_map(model, max_memory={0: budget, "cpu": 200 * 2**30},
+                                   no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float16)
+        model = dispatch_model(model, device_map=dm, main_device=0)
+        row["device_map_gpu_entries"] = sum(v == 0 or v == "cuda:0" for v in dm.values())
+        row["device_map_cpu_entries"] = sum(v == "cpu" for v in dm.values())
+        row["device_map"] = {k: str(v) for k, v in dm.items()}
+    else:
+        row["device_map"] = {"": "cpu"}
+    dev = "cuda:0" if device == "cuda" else "cpu"
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt], device=dev), use_cache=True)
+        cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            out = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+        seconds = time.perf_counter() - t0
+    import accelerate
+    import transformers
+
+    row.update(decode_tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds,
+               versions={"accelerate": accelerate.__version__, "transformers": transformers.__version__})
+    print("accelerate", row["decode_tokens_per_s"], flush=True)
+    del model
+    return row
+
+
+def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> dict:
+    """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons."""
+    d, n, heads, kv, vocab = bm.SHAPES[shape]
+    mb = bm.model_bytes(shape, layers)
+    per_neuron = 3 * d * 2  # gate, up, down rows in fp16 on the GPU / bf16 on the CPU
+    rows = []
+    for r in hybrid["per_layer_counts"]:
+        tok = max(r["tokens"], 1)
+        rows.append({"gpu_bytes": mb["attention_per_layer"] + 4 * d + r["n_hot"] * per_neuron + pred_bytes / layers,
+                     "cold_bytes": r["active_cold"] / tok * per_neuron})
+    hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
+    sync = c.get("sync_round_trip_s", 0.0)
+    f = ceil.floor(rows, hbm, c["dram"]["best_bytes_per_s"], sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
+    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": c["dram"]["best_bytes_per_s"], "sync_s": sync,
+                            "layers": rows, "lm_head_bytes": vocab * d * 2,
+                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer; LM head once"}}
+
+
+def stage_bench(args, work: Path) -> dict:
+    from powerinfer.runtime.generate import RuntimeConfig, layer_split_count
+    from powerinfer.runtime.layout import Placement
+
+    dl = Deadline(args.time_limit)
+    skipped: dict = {}
+    res: dict = {"stage": "bench", "skipped": skipped}
+    cuda = args.device == "cuda"
+    c = {"dram": ceil.dram_read_bw(args.dram_bytes)}
+    if cuda:
+        c.update(ceil.cuda_ceilings())
+    res["ceilings"] = c
+    print("ceilings", json.dumps(c, default=float)[:600], flush=True)
+
+    mb = bm.model_bytes(args.shape, args.layers)
+    budget = int(args.budget_share * mb["total"])
+    res["model"] = {"shape": args.shape, "layers": args.layers, "dims": bm.SHAPES[args.shape], "bytes": mb,
+                    "budget_bytes": budget, "budget_share": args.budget_share, "weights": "random, fp16"}
+    model = calibrated_model(args, work)
+    res["calibration"] = model.calibration
+    run = work / f"run-{args.shape}-{args.layers}"
+    res["profile"] = profile(args, model, run)
+    freq = res["profile"].pop("freq")
+    preds = write_predictors(args, run, freq)
+    res["predictors"] = {k: v for k, v in preds.items() if k != "layers"}
+    res["placement"] = place(args, run, hardware_spec(c, budget), budget)
+    placement = Placement.from_run(run, model.lm.info)
+
+    base = model.lm
+    base.model.to("cpu")
+    _free(args.device)
+    prompt = list(range(100, 100 + args.prompt_tokens))
+    res["prompt_tokens"] = len(prompt)
+    P = type("Predictors", (), {"layers": preds["layers"]})()
+    dt = "float16"  # the solver counted fp16 bytes; on the CPU too, so the --vram check means the same
+    systems = {}
+    plan = [("hybrid", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens, args.reps),
+            ("layer-split", RuntimeConfig(mode="layer-split", device=args.device, dtype=dt, vram=budget), None, None,
+             args.slow_tokens, 1),
+            ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps)]
+    if "dense" in args.systems:
+        plan.append(("dense", RuntimeConfig(mode="dense", device=args.device, dtype=dt, vram=budget), placement, None,
+                     args.slow_tokens, 1))
+    for name, cfg, pl, pr, n_tok, reps in plan:
+        if name not in args.systems or not dl.allows(args.estimates.get(name, 30), name, skipped):
+            continue
+        try:
+            row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps)
+        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
+            row, extra = {"error": f"{type(e).__name__}: {e}"}, {}
+            print(name, "failed:", row["error"], flush=True)
+        if name == "layer-split" and "error" not in row:
+            row["gpu_layers"] = layer_split_count(base, budget, None, torch.float16)
+        systems[name] = row
+        if "rt" in extra:
+            res["predictor_time"] = predictor_time(P, bm.SHAPES[args.shape][0], args.device)
+        del extra
+        _free(args.device)
+
+    ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
+    res["llama_cpp_ngl_at_budget"] = ngl
+    binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
+    gpath = work / f"model-{model_key(args)}.gguf"
+    if "llama.cpp" in args.systems:
+        if not (binary.exists() and gpath.exists()):
+            skipped["llama.cpp"] = f"not built in {work}: run --stage build on this machine first"
+        else:
+            threads = args.threads or os.cpu_count()
+            for label, k in ((f"llama.cpp -ngl {ngl}", ngl), ("llama.cpp all layers on the GPU", args.layers + 1)):
+                if dl.allows(args.estimates.get("llama.cpp", 60), label, skipped):
+                    systems[label] = lcpp.llama_bench(str(binary), gpath, k, threads, args.llama_tokens,
+                                                      args.llama_reps, max(30, dl.left()))
+                    print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
+    if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
+        try:
+            systems["accelerate offload"] = run_accelerate(base.model, budget, args.device, prompt, args.slow_tokens)
+        except Exception as e:  # noqa: BLE001
+            systems["accelerate offload"] = {"error": f"{type(e).__name__}: {e}"}
+        _free(args.device)
+    res["systems"] = systems
+    del base, model
+    _free(args.device)
+    if dl.allows(20, "kernel", skipped):
+        d, n = bm.SHAPES[args.shape][:2]
+        res["kernel"] = ceil.kernel_bench(d, n)
+        for r in res["kernel"]["rows"]:
+            r["share_of_dram_bw"] = r["bytes_per_s"] / c["dram"]["best_bytes_per_s"]
+    if "hybrid" in systems and "error" not in systems["hybrid"]:
+        res["floor"] = floor_from_hybrid(systems["hybrid"], c, args.shape, args.layers, preds["bytes"])
+    res["seconds"] = time.perf_counter() - dl.t0
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("prepare", "build", "bench", "report", "all"), required=True)
+    ap.add_argument("--work", type=Path, default=Path("/root/pi-bench"), help="local disk: build, GGUF, run dir")
+    ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
+    ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="report: output folder")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--shape", default="llama-2-70b", choices=list(bm.SHAPES))
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-share", type=float, default=0.30, help="GPU budget as a share of the model's bytes")
+    ap.add_argument("--ctx", type=int, default=512, help="KV cache the solver reserves (tokens)")
+    ap.add_argument("--calibration-tokens", type=int, default=2048)
+    ap.add_argument("--profile-tokens", type=int, default=4096)
+    ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192)")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens of the fast systems")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slow-tokens", type=int, default=8, help="decode tokens of layer-split, dense, accelerate")
+    ap.add_argument("--llama-tokens", type=int, default=32)
+    ap.add_argument("--llama-reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,llama.cpp,accelerate",
+                    help="comma list; add 'dense' for cold-on-CPU dense at the budget")
+    ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")
+    ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
+    ap.add_argument("--python-version", default="3.12", help="prepare: the device's Python, for the wheels")
+    args = ap.parse_args(argv)
+    args.systems = set(args.systems.split(","))
+    args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
+    args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "dense": 60, "llama.cpp": 45, "accelerate": 60}
+    if args.device == "cpu" or args.shape == "tiny":
+        args.estimates = {k: 1 for k in args.estimates}
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.stage == "prepare":
+        info = lcpp.prepare(args.python_version)
+        print(json.dumps(info, indent=1))
+        return info
+    if args.stage == "report":
+        return write_results(args.inputs, args.results)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: pass --device cpu for a smoke test")
+    from powerinfer.hardware import machine_info
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    if lcpp.WHEELS.exists() and not all(importlib.util.find_spec(m) for m in ("pulp", "highspy")):
+        lcpp.use_wheels(args.work / "site")  # the device image lacks the solver's packages
+    out = args.out or args.work
+    out.mkdir(parents=True, exist_ok=True)
+    import numba
+
+    common = {"machine": machine_info("numba", "transformers", "accelerate", "pulp", "highspy"),
+              "numba_threads": numba.get_num_threads(), "command": "python " + " ".join(sys.argv),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: (sorted(v) if isinstance(v, set) else str(v))
+                                                                       for k, v in vars(args).items()}}
+    done = {}
+    stages = ["build", "bench"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        t0 = time.perf_counter()
+        res = stage_build(args, args.work) if stage == "build" else stage_bench(args, args.work)
+        res = {**common, **res, "stage_seconds": time.perf_counter() - t0}
+        if stage == "bench":
+            res["goals"] = goals(res)
+        path = out / f"pi_bench_{stage}.json"
+        path.write_text(json.dumps(res, indent=1, default=_json))
+        print("wrote", path, flush=True)
+        done[stage] = res
+        _free(args.device)
+    if "bench" in done:
+        print(markdown(done["bench"]))
+    return done
+
+
+def _json(o):
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+if __name__ == "__main__":
+    main()

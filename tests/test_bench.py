@@ -1,0 +1,122 @@
+"""The pure parts of bench/pi_bench.py (issue #6's benchmark) and its tiny-shape CPU path."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_ceilings as ceil  # noqa: E402
+import bench_model as bm  # noqa: E402
+import bench_report as report  # noqa: E402
+
+
+def test_power_law_targets():
+    p = bm.power_law(28672, seed=3)
+    assert abs(p.mean() - 0.10) < 0.002
+    assert abs(bm.share_of_top(p) - 0.80) < 0.01
+
+
+def test_calibration_hits_power_law_targets():
+    torch.manual_seed(0)
+    lm = bm.build_model("tiny", 2, "cpu", seed=1)
+    model = bm.calibrate(lm, "tiny", tokens=1024, seq=128, seed=1)
+    freq = bm.realised(lm, "tiny", tokens=2048, seq=128, seed=5)  # fresh tokens
+    for f, target in zip(freq, model.targets):
+        assert abs(f.mean() - 0.10) < 0.01
+        assert abs(bm.share_of_top(f) - 0.80) < 0.03
+        assert np.corrcoef(f, target)[0, 1] > 0.98
+    # the constant channel: nothing writes to residual channel 0, so every layer sees it
+    for layer in lm.layers:
+        assert float(layer.mlp.down_proj.weight.detach()[0].abs().max()) == 0.0
+        assert float(layer.self_attn.o_proj.weight.detach()[0].abs().max()) == 0.0
+
+
+def test_floor_arithmetic():
+    layers = [{"gpu_bytes": 3e9, "cold_bytes": 1e9}, {"gpu_bytes": 1e9, "cold_bytes": 2e9},
+              {"gpu_bytes": 2e9, "cold_bytes": 0}]
+    f = ceil.floor(layers, hbm_bw=2e12, dram_bw=1e11, sync_s=30e-6, outside_gpu_bytes=1e9)
+    # layer 0: max(1.5 ms, 10 ms) + 30 us; layer 1: max(0.5 ms, 20 ms) + 30 us; layer 2: 1 ms, no sync; head 0.5 ms
+    want = (10e-3 + 30e-6) + (20e-3 + 30e-6) + 1e-3 + 0.5e-3
+    assert f["seconds_per_token"] == pytest.approx(want)
+    assert f["tokens_per_s"] == pytest.approx(1 / want)
+    assert f["gpu_bound_layers"] == 1
+
+
+def test_gpu_layers_for_budget():
+    b = bm.model_bytes("llama-2-70b", 12)
+    assert b["total"] == pytest.approx(21.6e9, rel=0.01)  # the issue's 21.6 GB
+    assert bm.gpu_layers_for(int(0.3 * b["total"]), "llama-2-70b", 12) == 3  # the issue's -ngl 3
+
+
+def test_goals_and_table():
+    res = {"systems": {"hybrid": {"decode_tokens_per_s": 80.0, "ffn_sparsity": 0.9, "gpu_activation_share": 0.7},
+                       "llama.cpp -ngl 3": {"decode_tokens_per_s": 4.0, "n_gpu_layers": 3},
+                       "accelerate offload": {"decode_tokens_per_s": 1.0}},
+           "floor": {"tokens_per_s": 100.0},
+           "kernel": {"rows": [{"density": 0.05, "bytes_per_s": 1, "share_of_dram_bw": 0.7},
+                               {"density": 0.2, "bytes_per_s": 1, "share_of_dram_bw": 0.9}]},
+           "predictor_time": {"ms_per_token": 0.5}}
+    g = report.goals(res)
+    assert g["hybrid_vs_llamacpp_layer_split"]["value"] == 20 and g["hybrid_vs_llamacpp_layer_split"]["met"]
+    assert g["hybrid_vs_accelerate_offload"]["met"] is False
+    assert g["hybrid_share_of_floor"]["value"] == pytest.approx(0.8) and g["hybrid_share_of_floor"]["met"]
+    assert g["cpu_kernel_share_of_dram_bw"]["value"] == 0.7 and g["cpu_kernel_share_of_dram_bw"]["met"] is False
+    assert g["predictor_share_of_decode"]["value"] == pytest.approx(0.04) and g["predictor_share_of_decode"]["met"]
+    md = report.markdown({**res, "goals": g})
+    assert "| hybrid | 80.00 | 20.00 | 0.80 |" in md and "NOT met" in md
+
+
+def test_gguf_round_trip(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import bench_llamacpp as lcpp
+
+    lm = bm.build_model("tiny", 2, "cpu", seed=2)
+    path = tmp_path / "tiny.gguf"
+    info = lcpp.write_gguf(lm.model, path, gguf)
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 2 * 9 + 3
+    assert info["tensor_bytes"] == sum(int(t.n_bytes) for t in r.tensors)
+    w = lm.model.model.layers[1].mlp.gate_proj.weight.detach().numpy()
+    got = np.asarray(tensors["blk.1.ffn_gate.weight"].data).reshape(w.shape)
+    assert np.array_equal(got, w)
+    assert tensors["blk.0.attn_k.weight"].data.shape[0] == 2 * 32  # kv heads x head dim (GQA)
+    block_count = r.fields["llama.block_count"]
+    assert int(block_count.parts[block_count.data[0]][0]) == 2
+
+
+def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
+    import pi_bench
+
+    t0 = time.perf_counter()
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(out),
+              "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "4", "--reps", "1", "--slow-tokens", "2",
+              "--profile-tokens", "1024", "--calibration-tokens", "512",
+              "--systems", "hybrid,layer-split,all-gpu,llama.cpp,accelerate"]
+    done = pi_bench.main(["--stage", "all", *common])
+    res = done["bench"]
+    assert set(res["systems"]) == {"hybrid", "layer-split", "all-gpu", "accelerate offload"}
+    assert all(r.get("decode_tokens_per_s", 0) > 0 for r in res["systems"].values())
+    assert "llama.cpp" in res["skipped"]  # no CPU llama-bench built without --cpu-llamacpp
+    assert abs(res["profile"]["mean_active"] - 0.10) < 0.01
+    assert res["systems"]["hybrid"]["ffn_sparsity"] == pytest.approx(0.9, abs=0.03)
+    assert res["floor"]["tokens_per_s"] > 0 and len(res["kernel"]["rows"]) == 3
+    if "gguf" in done["build"]:
+        assert Path(done["build"]["gguf"]["path"]).exists()
+    merged = report.write_results([out], tmp_path / "results")
+    files = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert len(files) == 2 and files[0].endswith("-cpu" + str(res["machine"]["nproc"]) + ".json")
+    assert json.loads((tmp_path / "results" / files[0]).read_text())["goals"] == merged["goals"]
+    # the calibration is saved in --work and reused: a second bench gives the model the same weights
+    assert any(work.glob("calibration-*.safetensors"))
+    assert time.perf_counter() - t0 < 120
