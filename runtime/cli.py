@@ -8,7 +8,8 @@ import sys
 import click
 
 from powerinfer.artifacts import ArtifactError
-from powerinfer.runtime.generate import MODES, RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
+from powerinfer.runtime.generate import (MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime,
+                                         prompt_ids)
 
 
 def _bytes(text: str | None) -> int | None:
@@ -30,26 +31,51 @@ def format_stats(s: dict) -> str:
             f"{s['bytes_gpu'] / 1e6:.1f} MB on the device, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
 
 
+def runtime_options(f):
+    """The flags that pick the model and lay it out: shared by pi-generate and pi-serve (see `open_runtime`)."""
+    options = [
+        click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory (profile/, placement/, "
+                     "predictors/). The model is the one the run was made for unless --model is given."),
+        click.option("--mode", type=click.Choice(MODES), default="hybrid", show_default=True,
+                     help="hybrid: hot neurons on the device, active cold ones on the CPU; dense: same layout, no "
+                          "sparsity; layer-split: whole layers on the device up to --vram, the rest on the CPU."),
+        click.option("--oracle", is_flag=True, help="Hybrid masks from the true activations (checks, not speed)."),
+        click.option("--no-predictor", is_flag=True, help="Run without predictors: dense."),
+        click.option("--recall", type=float, default=None, help="Predictor threshold tabulated for this recall."),
+        click.option("--model", default=None, help="Model (hub id, folder or .gguf) instead of the run's."),
+        click.option("--gguf-file", default=None, help="GGUF file inside --model's folder."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ..."),
+        click.option("--dtype", default="auto", show_default=True, help="Device compute dtype (auto: fp16 on CUDA, "
+                     "fp32 on CPU). Cold rows are always bf16."),
+        click.option("--threads", "-t", type=int, default=None, help="CPU threads for the cold neurons [all cores]."),
+        click.option("--vram", default=None, help="Device budget, e.g. 8GB: refuse a layout above it; layer-split "
+                     "fills it with whole layers."),
+        click.option("--gpu-layers", type=int, default=None, help="layer-split: layers on the device (like -ngl)."),
+        click.option("--trust-remote-code", is_flag=True),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, threads, vram,
+                 gpu_layers, trust_remote_code) -> Runtime:
+    """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
+    if run_dir is None and model is None:
+        raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
+    try:
+        cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, threads=threads,
+                            vram=_bytes(vram), gpu_layers=gpu_layers)
+        return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
+                            trust_remote_code=trust_remote_code, recall=recall)
+    except (ArtifactError, ValueError) as e:
+        raise click.ClickException(str(e))
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory (profile/, placement/, "
-              "predictors/). The model is the one the run was made for unless --model is given.")
+@runtime_options
 @click.option("--prompt", "-p", default=None, help="Prompt text (default: read from stdin unless -i).")
 @click.option("-n", "--max-new-tokens", default=128, show_default=True, help="Tokens to generate.")
-@click.option("--mode", type=click.Choice(MODES), default="hybrid", show_default=True,
-              help="hybrid: hot neurons on the device, active cold ones on the CPU; dense: same layout, no "
-                   "sparsity; layer-split: whole layers on the device up to --vram, the rest on the CPU.")
-@click.option("--oracle", is_flag=True, help="Hybrid masks from the true activations (checks, not speed).")
-@click.option("--no-predictor", is_flag=True, help="Run without predictors: dense.")
-@click.option("--recall", type=float, default=None, help="Predictor threshold tabulated for this recall.")
-@click.option("--model", default=None, help="Model (hub id, folder or .gguf) instead of the run's.")
-@click.option("--gguf-file", default=None, help="GGUF file inside --model's folder.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
-@click.option("--dtype", default="auto", show_default=True, help="Device compute dtype (auto: fp16 on CUDA, "
-              "fp32 on CPU). Cold rows are always bf16.")
-@click.option("--threads", "-t", type=int, default=None, help="CPU threads for the cold neurons [all cores].")
-@click.option("--vram", default=None, help="Device budget, e.g. 8GB: refuse a layout above it; layer-split "
-              "fills it with whole layers.")
-@click.option("--gpu-layers", type=int, default=None, help="layer-split: layers on the device (like -ngl).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1: off.")
@@ -58,22 +84,15 @@ def format_stats(s: dict) -> str:
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to the prompt.")
 @click.option("-i", "--interactive", is_flag=True, help="Interactive chat (empty line or Ctrl-D ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
-@click.option("--trust-remote-code", is_flag=True)
-def main(run_dir, prompt, max_new_tokens, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype,
-         threads, vram, gpu_layers, temperature, top_k, top_p, repetition_penalty, seed, chat, interactive,
-         as_json, trust_remote_code):
+def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat, interactive, as_json,
+         **runtime):
     """Generate text with the hybrid GPU-CPU runtime.
 
     Example: pi-generate --run runs/SmolLM2-135M-Instruct --prompt "The capital of France is" -n 64
     """
-    if run_dir is None and model is None:
-        raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
-    cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, threads=threads, vram=_bytes(vram),
-                        gpu_layers=gpu_layers)
+    rt = open_runtime(**runtime)
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, seed)
     try:
-        rt = load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
-                          trust_remote_code=trust_remote_code, recall=recall)
         if interactive:
             return _chat_loop(rt, max_new_tokens, sampling)
         if prompt is None:

@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 VOCAB = 259  # 256 bytes + <s>, </s>, <pad>
+# A minimal chat template, so that chat paths (pi-generate --chat, pi-serve's chat completions) run on tiny models.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def byte_tokenizer():
@@ -21,7 +24,8 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def _configs():

@@ -1,0 +1,45 @@
+"""`pi-serve`: thin click command over `Server` (runtime/serve.py); the model flags are pi-generate's."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from powerinfer.runtime.cli import open_runtime, runtime_options
+from powerinfer.runtime.serve import ServeConfig, serve
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@runtime_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every "
+              "interface; set --api-key then).")
+@click.option("--port", default=8080, show_default=True, help="TCP port (0: any free one, printed at start).")
+@click.option("--api-key", envvar="PI_SERVE_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on "
+              "/v1 requests [env PI_SERVE_API_KEY].")
+@click.option("--max-queue", default=ServeConfig.max_queue, show_default=True, help="Requests that may wait behind "
+              "the running one; more are answered 503.")
+@click.option("--timeout", default=ServeConfig.timeout, show_default=True, help="Seconds a request may take, queue "
+              "wait included; a generation still running then ends with finish_reason 'length'. 0: no limit.")
+@click.option("--max-tokens", default=ServeConfig.max_tokens, show_default=True, help="Tokens to generate when a "
+              "request names no max_tokens (clipped to the context).")
+@click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
+@click.option("--quiet", "-q", is_flag=True, help="No access log.")
+def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, **runtime):
+    """Serve the runtime over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
+
+    Example: pi-serve --run runs/demo --port 8080, then
+    curl localhost:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    rt = open_runtime(**runtime)
+    serve(rt, cfg, ready=lambda s: click.echo(f"pi-serve: {s.model_id} ({rt.mode} on {rt.device}) at {s.url}/v1, "
+                                              f"queue {cfg.max_queue}, Ctrl-C stops", err=True))
+
+
+if __name__ == "__main__":
+    main()

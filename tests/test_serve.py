@@ -1,0 +1,437 @@
+"""pi-serve: the real server on a loopback port, a tiny random model, the official `openai` client and raw HTTP.
+
+The worker's generate() can be wrapped (`Server(..., generate_fn)`): `Gate` holds it until the test releases it
+(a busy worker, deterministically), `slowed` adds a delay per token (a generation long enough to interrupt).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+from click.testing import CliRunner
+
+from powerinfer.runtime.api import StopMatcher
+from powerinfer.runtime.generate import RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
+from powerinfer.runtime.serve import Server, ServeConfig
+
+openai = pytest.importorskip("openai")
+
+FAMILY = "llama-reglu"
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+SAMPLED = dict(temperature=0.9, top_p=0.9, seed=7)  # + the extensions top_k and repetition_penalty
+EXTRA = dict(top_k=20, repetition_penalty=1.3)
+
+
+def load(folder):
+    return load_runtime(None, RuntimeConfig(mode="dense", device="cpu"), model=str(folder))
+
+
+@contextmanager
+def running(folder, generate_fn=generate, **cfg):
+    with Server(load(folder), ServeConfig(port=0, **cfg), generate_fn) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    """What the runtime itself generates, computed before any server owns a runtime."""
+    rt = load(tiny_model_dir(FAMILY))
+    ids, chat_ids = prompt_ids(rt, PROMPT), prompt_ids(rt, MESSAGES, chat=True)
+    return {"ids": ids, "chat_ids": chat_ids, "greedy": generate(rt, ids, 8).text, "long": generate(rt, ids, 24).text,
+            "chat": generate(rt, chat_ids, 8).text,
+            "sampled": generate(rt, ids, 8, Sampling(**SAMPLED, **EXTRA)).text}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running(tiny_model_dir(FAMILY), max_queue=4) as s:
+        yield s
+
+
+def client(s: Server, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=20)
+
+
+def request(s: Server, method: str, path: str, body=None, headers=None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def health(s: Server) -> dict:
+    return request(s, "GET", "/health")[1]
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.01)
+
+
+def assert_error(status_body, status: int, param: str | None = None, code: str | None = None) -> str:
+    got, body = status_body
+    assert got == status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert err["param"] == param and param.split("[")[0] in err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err["message"]
+
+
+class Gate:
+    """generate() that waits for `release()`: the worker stays busy until the test says."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        assert self.event.wait(20)
+        return generate(*args, **kwargs)
+
+    def release(self):
+        self.event.set()
+
+
+def slowed(delay: float):
+    def slow(rt, ids, n, sampling, on_text=None, should_stop=None):
+        return generate(rt, ids, n, sampling, on_text=on_text, should_stop=lambda: time.sleep(delay) or should_stop())
+
+    return slow
+
+
+def post_in_background(s: Server, body: dict) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(request(s, "POST", "/v1/completions", body)), daemon=True)
+    t.start()
+    return t, out
+
+
+def open_raw(s: Server, body: dict) -> socket.socket:
+    """A request sent on a bare socket, so the test can close it whenever it likes."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=20)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The API through the official client
+
+
+def test_models_and_health(server):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [server.model_id] == [FAMILY]
+    assert c.models.retrieve(server.model_id).id == server.model_id
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    h = health(server)
+    assert h["status"] == "ok" and h["running"] == 0 and h["queued"] == 0 and h["max_queue"] == 4
+
+
+def test_completion_equals_the_runtime(server, ref):
+    c = client(server)
+    r = c.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].text == ref["greedy"] and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref["ids"]) and r.usage.completion_tokens == 8 and r.usage.total_tokens == \
+        len(ref["ids"]) + 8
+    chunks = list(c.completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    # a prompt as token ids, alone or in OpenAI's one-element list
+    for prompt in (ref["ids"], [ref["ids"]]):
+        assert c.completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0).choices[0].text == \
+            r.choices[0].text
+
+
+def test_chat_equals_the_runtime(server, ref):
+    c = client(server)
+    r = c.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref["chat"]
+    assert r.usage.prompt_tokens == len(ref["chat_ids"]) and r.id.startswith("chatcmpl-")
+    chunks = list(c.chat.completions.create(model="any", messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref["chat"]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].object == "chat.completion.chunk"
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             MESSAGES[1]]  # content as a list of text parts
+    assert c.chat.completions.create(model="any", messages=parts, max_tokens=8, temperature=0).choices[0] \
+        .message.content == ref["chat"]
+
+
+def test_sampling_parameters_reach_the_sampler(server, ref):
+    c = client(server)
+    texts = [c.completions.create(model="any", prompt=PROMPT, max_tokens=8, **SAMPLED, extra_body=EXTRA)
+             .choices[0].text for _ in range(2)]
+    assert texts == [ref["sampled"]] * 2
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        c.completions.create(model="any", prompt=PROMPT, max_tokens=4, frequency_penalty=0.5)
+
+
+def test_stop_strings(server, ref):
+    text = ref["long"]
+    i = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop, want = text[i:i + 2], text[:text.find(text[i:i + 2])]
+    c = client(server)
+    r = c.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "never seen"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    chunks = list(c.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_matcher_never_sends_part_of_a_stop_string():
+    m = StopMatcher(("END", "\n\n"))
+    sent = [m.feed(p) for p in ["ab", "cE", "N", "x E", "N", "D tail"]]
+    assert sent == ["ab", "c", "", "ENx ", "", ""] and m.hit and m.text == "abcENx "
+    m = StopMatcher(("END",))
+    assert [m.feed("aE"), m.feed("N"), m.flush()] == ["a", "", "EN"] and not m.hit and m.text == "aEN"
+    assert StopMatcher(()).feed("anything") == "anything"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad requests: 4xx in OpenAI's error shape, the server unharmed
+
+
+CHAT = "/v1/chat/completions"
+DONE = "/v1/completions"
+OK = {"prompt": PROMPT, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    (DONE, {"max_tokens": 2}, "prompt", "missing_required_parameter"),
+    (CHAT, {"max_tokens": 2}, "messages", "missing_required_parameter"),
+    (CHAT, {"messages": []}, "messages", "invalid_type"),
+    (CHAT, {"messages": "hi"}, "messages", "invalid_type"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
+    (CHAT, {"messages": [{"content": "hi"}]}, "messages[0]", "invalid_type"),
+    (DONE, {**OK, "prompt": 5}, "prompt", "invalid_type"),
+    (DONE, {**OK, "prompt": ["a", "b"]}, "prompt", "invalid_value"),
+    (DONE, {**OK, "prompt": [1, 100000]}, "prompt", "invalid_value"),
+    (DONE, {**OK, "prompt": ""}, "prompt", "invalid_value"),
+    (DONE, {**OK, "prompt": "x" * 300}, "prompt", "context_length_exceeded"),
+    (DONE, {**OK, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    (DONE, {**OK, "max_tokens": -3}, "max_tokens", "invalid_value"),
+    (DONE, {**OK, "max_tokens": "ten"}, "max_tokens", "invalid_type"),
+    (DONE, {**OK, "max_tokens": True}, "max_tokens", "invalid_type"),
+    (DONE, {**OK, "max_tokens": 10 ** 6}, "max_tokens", "context_length_exceeded"),
+    (DONE, {**OK, "max_tokens": 250}, "max_tokens", "context_length_exceeded"),  # 19 prompt tokens + 250 > 256
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    (DONE, {**OK, "temperature": "hot"}, "temperature", "invalid_type"),
+    (DONE, {**OK, "temperature": -1}, "temperature", "invalid_value"),
+    (DONE, {**OK, "top_p": 1.5}, "top_p", "invalid_value"),
+    (DONE, {**OK, "top_k": 2.5}, "top_k", "invalid_type"),
+    (DONE, {**OK, "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    (DONE, {**OK, "seed": "x"}, "seed", "invalid_type"),
+    (DONE, {**OK, "stream": "yes"}, "stream", "invalid_type"),
+    (DONE, {**OK, "stream": True, "stream_options": 3}, "stream_options", "invalid_type"),
+    (DONE, {**OK, "stop": 7}, "stop", "invalid_type"),
+    (DONE, {**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+    (DONE, {**OK, "stop": [""]}, "stop", "invalid_value"),
+    (DONE, {**OK, "model": 3}, "model", "invalid_type"),
+    (DONE, {**OK, "n": 2}, "n", "unsupported_parameter"),
+    (DONE, {**OK, "logprobs": 3}, "logprobs", "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": 1.0}, "presence_penalty", "unsupported_parameter"),
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+])
+def test_bad_request_is_a_400_that_names_the_parameter(server, path, body, param, code):
+    assert_error(request(server, "POST", path, body), 400, param, code)
+
+
+def test_malformed_and_misrouted_requests(server):
+    assert "not valid JSON" in assert_error(request(server, "POST", DONE, b"{not json"), 400, code="invalid_json")
+    assert_error(request(server, "POST", DONE, b"\xff\xfe"), 400, code="invalid_json")
+    assert "JSON object" in assert_error(request(server, "POST", DONE, [1, 2]), 400)
+    assert_error(request(server, "POST", DONE, b""), 400, code="invalid_json")
+    assert_error(request(server, "GET", "/v1/nothing"), 404, code="not_found")
+    assert_error(request(server, "POST", "/elsewhere", OK), 404, code="not_found")
+    assert_error(request(server, "GET", DONE), 405, code="method_not_allowed")
+    assert_error(request(server, "POST", "/v1/models", OK), 405, code="method_not_allowed")
+    assert_error(request(server, "DELETE", CHAT), 405, code="method_not_allowed")
+    assert_error(request(server, "POST", DONE, b"[" * 100_000), 400, code="invalid_json")
+    assert_error(request(server, "POST", DONE, OK, {"Content-Length": str(10 ** 9)}), 413)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    for body, status in (([b'{"prompt": "The quick', b' brown fox", "max_tokens": 2}'], 200), ([b"x" * 100], 400)):
+        conn.request("POST", DONE, iter(body), {"Transfer-Encoding": "chunked"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == status and ("usage" in json.loads(r.read())) == (status == 200)
+    conn.close()
+    # a keep-alive connection survives a refused request
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    for body, status in ((b"{", 400), (json.dumps(OK).encode(), 200)):
+        conn.request("POST", DONE, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == status and ("error" in json.loads(r.read())) == (status == 400)
+    conn.close()
+    assert health(server)["status"] == "ok"
+
+
+def test_chat_without_a_template_is_refused(tiny_model_dir):
+    rt = load(tiny_model_dir(FAMILY))
+    rt.lm.tokenizer.chat_template = None
+    with Server(rt, ServeConfig(port=0)) as s:
+        assert "/v1/completions" in assert_error(request(s, "POST", CHAT, {"messages": MESSAGES}), 400, "messages",
+                                                 "no_chat_template")
+
+
+def test_api_key(tiny_model_dir):
+    with running(tiny_model_dir(FAMILY), api_key="s3cret") as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cretx"}):
+            assert "--api-key" in assert_error(request(s, "POST", DONE, OK, headers), 401, code="invalid_api_key")
+        assert_error(request(s, "GET", "/v1/models"), 401)
+        with pytest.raises(openai.AuthenticationError):
+            client(s, "wrong").completions.create(model="any", prompt=PROMPT, max_tokens=2)
+        assert client(s, "s3cret").completions.create(model="any", prompt=PROMPT, max_tokens=2).usage
+        assert request(s, "GET", "/health")[0] == 200  # health checks need no key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The queue, clients that leave, time limits, failures
+
+
+def test_full_queue_is_a_503(tiny_model_dir):
+    gate = Gate()
+    with running(tiny_model_dir(FAMILY), gate, max_queue=2) as s:
+        first = post_in_background(s, OK)
+        wait_until(lambda: health(s)["running"] == 1)
+        queued = [post_in_background(s, OK) for _ in range(2)]
+        wait_until(lambda: health(s)["queued"] == 2)
+        assert "busy" in assert_error(request(s, "POST", DONE, OK), 503, code="queue_full")
+        with pytest.raises(openai.InternalServerError):  # the client sees the 503 too (no retries here)
+            client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2)
+        gate.release()
+        for t, out in [first, *queued]:
+            t.join(20)
+            assert out[0][0] == 200 and out[0][1]["usage"]["completion_tokens"] == 2
+        h = health(s)
+        assert (h["served"], h["rejected"], h["running"], h["queued"]) == (3, 2, 0, 0)
+
+
+def test_queued_client_that_leaves_frees_its_slot(tiny_model_dir):
+    gate = Gate()
+    with running(tiny_model_dir(FAMILY), gate, max_queue=1) as s:
+        first = post_in_background(s, OK)
+        wait_until(lambda: health(s)["running"] == 1)
+        sock = open_raw(s, OK)
+        wait_until(lambda: health(s)["queued"] == 1)
+        sock.close()
+        wait_until(lambda: health(s)["queued"] == 0)
+        assert health(s)["dropped"] == 1
+        second = post_in_background(s, OK)  # takes the freed slot
+        wait_until(lambda: health(s)["queued"] == 1)
+        gate.release()
+        for t, out in (first, second):
+            t.join(20)
+            assert out[0][0] == 200
+        assert health(s)["served"] == 2  # the dropped request never ran
+
+
+def test_streaming_client_that_leaves_stops_the_generation(tiny_model_dir):
+    with running(tiny_model_dir(FAMILY), slowed(0.01)) as s:
+        sock = open_raw(s, {"prompt": PROMPT, "max_tokens": 200, "stream": True})
+        seen = b""
+        while b"data: " not in seen:
+            seen += sock.recv(4096)
+        sock.close()
+        wait_until(lambda: health(s)["running"] == 0)
+        assert health(s)["dropped"] == 1 and health(s)["served"] == 0  # stopped, not run to its 200 tokens
+        assert client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_timeout(tiny_model_dir):
+    gate = Gate()
+    with running(tiny_model_dir(FAMILY), slowed(0.02), timeout=0.5) as s:
+        t0 = time.monotonic()
+        r = client(s).completions.create(model="any", prompt=PROMPT, max_tokens=200)
+        assert time.monotonic() - t0 < 3.0 and r.choices[0].finish_reason == "length"
+        assert 0 < r.usage.completion_tokens < 200 and health(s)["timed_out"] == 1
+    with running(tiny_model_dir(FAMILY), gate, timeout=0.5) as s:
+        first = post_in_background(s, OK)
+        wait_until(lambda: health(s)["running"] == 1)
+        assert_error(request(s, "POST", DONE, OK), 503, code="timeout")  # waited in the queue too long
+        gate.release()
+        first[0].join(20)
+        assert health(s)["timed_out"] == 2  # the first timed out behind the gate as well
+
+
+def test_a_failing_generation_is_a_500_and_the_server_goes_on(tiny_model_dir):
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return generate(*args, **kwargs)
+
+    with running(tiny_model_dir(FAMILY), flaky) as s:
+        assert "boom" in assert_error(request(s, "POST", DONE, OK), 500)
+        assert request(s, "POST", DONE, OK)[0] == 200 and health(s)["errors"] == 1
+
+
+def test_close_ends_the_running_generation_and_refuses_the_queue(tiny_model_dir):
+    s = Server(load(tiny_model_dir(FAMILY)), ServeConfig(port=0), slowed(0.01)).start()
+    first = post_in_background(s, {"prompt": PROMPT, "max_tokens": 200})
+    wait_until(lambda: health(s)["running"] == 1)
+    second = post_in_background(s, OK)
+    wait_until(lambda: health(s)["queued"] == 1)
+    s.close()
+    for t, _ in (first, second):
+        t.join(20)
+    assert first[1][0][0] == 200 and first[1][0][1]["usage"]["completion_tokens"] < 200
+    assert_error(second[1][0], 503, code="shutting_down")
+
+
+def test_load_every_request_answered_or_refused(tiny_model_dir):
+    """50 requests from 8 concurrent clients (streaming and not, completions and chat) on a queue of 3."""
+    with running(tiny_model_dir(FAMILY), max_queue=3) as s:
+        def one(i: int) -> str:
+            c, kind = client(s), i % 4
+            try:
+                if kind == 0:
+                    return "ok" if c.completions.create(model="m", prompt=PROMPT, max_tokens=4).usage else "bad"
+                if kind == 1:
+                    return "ok" if c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4).usage else \
+                        "bad"
+                stream = (c.completions.create(model="m", prompt=PROMPT, max_tokens=4, stream=True) if kind == 2 else
+                          c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True))
+                return "ok" if [ch for ch in stream][-1].choices[0].finish_reason else "bad"
+            except openai.InternalServerError as e:
+                return "busy" if e.status_code == 503 and e.body["code"] == "queue_full" else "bad"
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(50)))
+        h = health(s)
+        assert results.count("ok") + results.count("busy") == 50 and results.count("ok") >= 4
+        assert (h["served"], h["rejected"], h["errors"], h["running"], h["queued"]) == \
+            (results.count("ok"), results.count("busy"), 0, 0, 0)
+        assert request(s, "POST", DONE, OK)[0] == 200
+
+
+def test_cli_refuses_bad_settings():
+    from powerinfer.runtime.serve_cli import main
+
+    r = CliRunner().invoke(main, ["--model", "x", "--port", "70000"])
+    assert r.exit_code != 0 and "--port 70000" in r.output
+    r = CliRunner().invoke(main, ["--port", "0"])
+    assert r.exit_code != 0 and "--run" in r.output
