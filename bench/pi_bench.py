@@ -83,12 +83,9 @@ class SizedPredictor(Predictor):
         self.seed, self.bank = seed, None
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bank is None or self.bank.device != x.device:
-            gen = torch.Generator(x.device).manual_seed(self.seed)
-            self.bank = torch.rand((self.BANK, *self.p.shape), device=x.device, generator=gen) < self.p  # (BANK, n)
-            self.step = torch.zeros(1, dtype=torch.long, device=x.device)
-        m = torch.index_select(self.bank, 0, self.step % self.BANK)[0]  # (n,) bool
-        self.step += 1
+        import runtime_gpu_check
+
+        m = runtime_gpu_check.SyntheticPredictor.mask(self, x)  # (n,) bool from the bank (same attributes)
         return m | (self(x) >= self.threshold)  # the MLP runs for its cost; its logits never reach the threshold
 
 
