@@ -3,12 +3,14 @@
     python bench/serve_bench.py                                   # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
     python bench/serve_bench.py --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
 
-For each mode the script starts the real `pi-serve` in a subprocess on a free loopback port, waits for /health,
-sends one warm-up request, then for each client count C runs C threads that together send --requests streaming
-chat completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
+The script starts one real `pi-serve` per mode in subprocesses on free loopback ports, waits for /health and
+sends each a warm-up request. Then, --rounds times, for each client count C and each mode in turn (so that
+other load on the machine falls on every cell alike), C threads together send --requests streaming chat
+completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
 records the time to the first content token (TTFT: from sending the request, queue wait included), the total
-latency and the completion tokens (from the stream's usage chunk). The runtime is batch-1, so requests/s stays
-flat as clients grow and TTFT grows with the queue. Writes a JSON results file with the machine and the command.
+latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
+round shows the spread. The runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with
+the queue. Writes a JSON results file with the machine, its load and the command.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise click.ClickException(f"pi-serve exited with {proc.returncode} before it was ready")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
             if conn.getresponse().status == 200:
                 return
         except OSError:
             pass
+        finally:
+            conn.close()
         time.sleep(0.5)
     raise click.ClickException(f"pi-serve was not ready after {timeout:.0f} s")
 
@@ -79,7 +83,8 @@ def stream_chat(port: int, question: str, max_tokens: int) -> dict:
             "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
 
 
-def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> dict:
+def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
+    """`requests` requests from `clients` threads; returns each request's record and the wall time."""
     results: list[dict] = []
     lock = threading.Lock()
     todo = iter(range(requests))
@@ -100,12 +105,17 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> dict
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def summary(mode: str, clients: int, results: list[dict], walls: list[float], oks: list[int]) -> dict:
     ok = [r for r in results if r["status"] == 200]
     ttft = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
     tokens = sum(r["completion_tokens"] for r in ok)
-    return {"clients": clients, "requests": requests, "ok": len(ok), "wall_s": wall,
-            "requests_per_s": len(ok) / wall, "completion_tokens_per_s": tokens / wall,
+    wall = sum(walls)
+    return {"mode": mode, "clients": clients, "requests": len(results), "ok": len(ok), "wall_s": wall,
+            "requests_per_s": len(ok) / wall, "requests_per_s_per_round": [n / w for n, w in zip(oks, walls)],
+            "completion_tokens_per_s": tokens / wall,
             "mean_completion_tokens": tokens / len(ok) if ok else None,
             "mean_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in ok) if ok else None,
             "ttft_median_s": statistics.median(ttft) if ttft else None,
@@ -119,54 +129,64 @@ def git_state() -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "runtime_modified": git("status", "--porcelain", "runtime/") != ""}
+    # uncommitted changes to the runtime or the model loading would make the commit a wrong label
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified": git("status", "--porcelain", "runtime/", "powerinfer/").splitlines()}
 
 
 @click.command()
 @click.option("--run", "run_dir", default="runs/demo", show_default=True, help="Run directory (make demo).")
-@click.option("--modes", default="hybrid,dense", show_default=True, help="Runtime modes to serve, in turn.")
+@click.option("--modes", default="hybrid,dense", show_default=True, help="Runtime modes, one server each.")
 @click.option("--clients", default="1,4", show_default=True, help="Concurrent client counts.")
-@click.option("--requests", default=8, show_default=True, help="Requests per (mode, clients) cell.")
+@click.option("--requests", default=8, show_default=True, help="Requests per (mode, clients) cell and round.")
+@click.option("--rounds", default=3, show_default=True, help="Rounds over all cells.")
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--threads", type=int, default=None, help="pi-serve --threads (Numba).")
 @click.option("--out", default="bench/results/serve_smollm2.json", show_default=True)
-def main(run_dir, modes, clients, requests, max_tokens, threads, out):
-    cells = []
+def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
+    modes, counts = modes.split(","), [int(c) for c in clients.split(",")]
     load_before = os.getloadavg()  # other jobs on the machine skew every figure: recorded with them
-    for mode in modes.split(","):
-        port = free_port()
-        cmd = [sys.executable, "-m", "powerinfer.runtime.serve_cli", "--run", run_dir, "--mode", mode,
-               "--port", str(port), "--max-queue", "64", "--quiet"]
-        if threads is not None:
-            cmd += ["--threads", str(threads)]
-        proc = subprocess.Popen(cmd)
-        try:
-            t0 = time.perf_counter()
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        for mode in modes:
+            port = free_port()
+            cmd = [sys.executable, "-m", "powerinfer.runtime.serve_cli", "--run", run_dir, "--mode", mode,
+                   "--port", str(port), "--max-queue", "64", "--quiet"]
+            servers[mode] = subprocess.Popen(cmd + (["--threads", str(threads)] if threads is not None else [])), port
+        for mode, (proc, port) in servers.items():
             wait_ready(port, proc)
-            load_s = time.perf_counter() - t0
-            warm = stream_chat(port, QUESTIONS[0], max_tokens)  # compiles and warms caches; not counted
-            for c in map(int, clients.split(",")):
-                cell = {"mode": mode, "load_s": load_s, "warmup_latency_s": warm.get("latency_s"),
-                        **run_clients(port, c, requests, max_tokens)}
-                click.echo(f"{mode:7s} {c} clients: {cell['requests_per_s']:.3f} req/s, "
-                           f"{cell['completion_tokens_per_s']:.1f} tok/s, TTFT median {cell['ttft_median_s']:.3f} s, "
-                           f"p90 {cell['ttft_p90_s']:.3f} s", err=True)
-                cells.append(cell)
-        finally:
+            stream_chat(port, QUESTIONS[0], max_tokens)  # compiles and warms caches; not counted
+        cells = {(m, c): ([], [], []) for c in counts for m in modes}
+        for r in range(rounds):
+            for c in counts:
+                for mode in modes:
+                    results, wall = run_clients(servers[mode][1], c, requests, max_tokens)
+                    records, walls, oks = cells[mode, c]
+                    records += results
+                    walls.append(wall)
+                    oks.append(sum(x["status"] == 200 for x in results))
+                    click.echo(f"round {r + 1}: {mode:7s} {c} clients: {oks[-1] / wall:.3f} req/s", err=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
+    table = [summary(m, c, *cells[m, c]) for (m, c) in cells]
+    for t in table:
+        click.echo(f"{t['mode']:7s} {t['clients']} clients: {t['requests_per_s']:.3f} req/s, "
+                   f"{t['completion_tokens_per_s']:.1f} tok/s, TTFT median {t['ttft_median_s']:.3f} s, "
+                   f"p90 {t['ttft_p90_s']:.3f} s", err=True)
     result = {
         "benchmark": "serve",
         "what": "pi-serve: requests/s and time to first token of streaming chat completions from concurrent "
                 "clients on one batch-1 runtime; TTFT includes the queue wait",
         "command": " ".join(["python", *sys.argv]),
-        "run": run_dir, "max_tokens": max_tokens, "sampling": "greedy", "client": "raw HTTP, same machine",
-        "results": cells, "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
+        "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy",
+        "client": "raw HTTP from the same machine", "results": table,
+        "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
-    click.echo(json.dumps(cells, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,13 +105,8 @@ class Server:
         self._closing = False
         self.counts = dict.fromkeys(("served", "dropped", "rejected", "timed_out", "errors"), 0)
         self.started = int(time.time())
-        self._http = ThreadingHTTPServer((cfg.host, cfg.port), _Handler, bind_and_activate=False)
-        self._http.daemon_threads = True  # a handler waiting on a client never blocks shutdown
-        self._http.request_queue_size = 128  # the listen backlog: bursts of clients are accepted, not reset
-        self._http.allow_reuse_address = True
+        self._http = _HTTPServer((cfg.host, cfg.port), _Handler)
         self._http.app = self  # type: ignore[attr-defined]
-        self._http.server_bind()
-        self._http.server_activate()
         self._worker = threading.Thread(target=self._work, name="pi-serve-worker", daemon=True)
         self._worker.start()
         self._threads: list[threading.Thread] = []
@@ -285,6 +281,17 @@ class Server:
 
 class _ClientGone(Exception):
     pass
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a handler waiting on a client never blocks shutdown
+    request_queue_size = 128  # the listen backlog: bursts of clients are accepted, not reset
+    allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return  # a client that hangs up or goes silent between requests is routine, not an error
+        log.exception("error on the connection from %s", client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
