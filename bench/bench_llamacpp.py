@@ -63,6 +63,7 @@ def prepare(python_version: str = "3.12") -> dict:
                     continue
                 f = src.extractfile(m) if m.isfile() else None
                 m.name = name
+                m.pax_headers.pop("path", None)  # a long name's PAX record would override the new name
                 dst.addfile(m, f)
         version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
     WHEELS.mkdir(exist_ok=True)

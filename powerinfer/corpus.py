@@ -56,8 +56,6 @@ def iter_texts(dataset: str = "wikipedia-sample", text_column: str = "text") -> 
 
 
 def _local_texts(path: Path, text_column: str) -> Iterator[str]:
-    from datasets import load_dataset
-
     files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
     if not files:
         raise CorpusError(f"no .txt/.jsonl/.json/.parquet files in folder '{path}'")
@@ -69,6 +67,8 @@ def _local_texts(path: Path, text_column: str) -> Iterator[str]:
         for f in files:
             yield f.read_text(encoding="utf-8")  # one document per file, as the loader below reads it
         return
+    from datasets import load_dataset
+
     kw = {"sample_by": "document"} if builder == "text" else {}  # a .txt file is one document, not one per line
     ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kw)
     for row in ds:
