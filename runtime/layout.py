@@ -70,6 +70,9 @@ class HybridFFN(nn.Module):
             raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
         self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
         self.gated = activation in GATED
+        if self.gated and any(ffn[k].bias is not None for k in ("gate", "up")):
+            raise ValueError(f"layer {layer}: this gated FFN has gate/up biases (e.g. mlp_bias=True), which the "
+                             f"runtime does not compute yet: run it with HF transformers instead")
         up, down = ffn["up"].weight.detach(), ffn["down"].weight.detach()  # (n, d), (d, n)
         gate = ffn["gate"].weight.detach() if self.gated else None  # (n, d)
         b_up = None if ffn["up"].bias is None else ffn["up"].bias.detach()  # (n,)

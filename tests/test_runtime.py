@@ -184,3 +184,16 @@ def test_sampling_rules():
     again = [sample(logits, [], Sampling(temperature=1.0, top_k=2), torch.Generator().manual_seed(s))
              for s in range(40)]
     assert draws == again  # seeded
+
+
+def test_gated_ffn_with_biases_is_refused(tmp_path):
+    """The kernels have no gate/up bias for gated FFNs: such a model must be refused, not run wrongly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=tiny.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, hidden_act="relu", mlp_bias=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tiny.byte_tokenizer().save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="gate/up biases"):
+        build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
