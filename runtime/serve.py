@@ -15,6 +15,7 @@ import json
 import logging
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -504,7 +505,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(rt: Runtime, cfg: ServeConfig = ServeConfig(), ready: Callable[[Server], None] | None = None) -> None:
-    """Serve until interrupted (Ctrl-C); `ready` is called once the port is bound."""
+    """Serve until interrupted (Ctrl-C or SIGTERM); `ready` is called once the port is bound."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop shuts down as Ctrl-C does
     server = Server(rt, cfg)
     if ready is not None:
         ready(server)
@@ -514,3 +517,7 @@ def serve(rt: Runtime, cfg: ServeConfig = ServeConfig(), ready: Callable[[Server
         pass
     finally:
         server.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
