@@ -179,6 +179,7 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
            "modes": {}, "timing": None}
     runs = {"hybrid": RuntimeConfig(device=DEV, dtype="float16", vram=vram),
             "hybrid-eager": RuntimeConfig(device=DEV, dtype="float16", vram=vram, cuda_graphs=False),
+            "hybrid-hf-layers": RuntimeConfig(device=DEV, dtype="float16", vram=vram, static_decode=False),
             "dense": RuntimeConfig(mode="dense", device=DEV, dtype="float16", vram=vram),
             "layer-split": RuntimeConfig(mode="layer-split", device=DEV, dtype="float16", vram=vram),
             "all-gpu": RuntimeConfig(mode="dense", device=DEV, dtype="float16")}

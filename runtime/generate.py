@@ -23,6 +23,8 @@ from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
+from powerinfer.runtime.fast import StaticDecoder
+from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, nbytes
 
@@ -41,6 +43,7 @@ class RuntimeConfig:
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
     cuda_graphs: bool = True  # CUDA: each FFN's per-token GPU work replayed as CUDA graphs (False: eager launches)
+    static_decode: bool = True  # LLaMA family, hybrid/dense: decode steps by runtime/fast.py (static KV cache)
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -83,6 +86,7 @@ class Runtime:
     bytes_cpu: int
     gpu_layers: int
     threads: int
+    fast: StaticDecoder | None = None  # decode steps without HF's per-layer launches (LLaMA family)
 
     @property
     def mode(self) -> str:
@@ -162,7 +166,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     if cfg.vram is not None and bytes_gpu > cfg.vram:
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    return Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads)
+    fast = (build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs)
+            if cfg.static_decode and cfg.mode != "layer-split" else None)
+    return Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,6 +247,11 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     _sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
+    # the static decoder when it applies (LLaMA family, cache long enough, no per-FFN timing asked)
+    fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
+                       and all(f.timing is None for f in rt.ffns)) else None
+    if fast is not None:
+        fast.load_prefill(cache, len(prompt_ids))
     ids: list[int] = []
     kept: list[torch.Tensor] = []
     shown, steps, stopped = "", 0, False
@@ -260,8 +271,11 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         if should_stop is not None and should_stop():
             stopped = True
             break
-        out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
-        logits = out.logits[0, -1]
+        if fast is not None:
+            logits = fast.step(nxt, len(prompt_ids) + len(ids) - 1)
+        else:
+            out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1]
         steps += 1
     _sync(rt.device)
     t_decode = time.perf_counter() - t1

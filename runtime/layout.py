@@ -240,17 +240,7 @@ class HybridFFN(nn.Module):
                 torch.cuda.current_stream(x.device).synchronize()
             y = None
         t1 = time.perf_counter()
-        if self.mask == "dense":
-            idx = self.all_cold
-            self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
-        elif self.mask == "predictor":
-            idx = np.flatnonzero(io["m_np"]) if self.n_cold else self.all_cold
-            self.counts[0] += 1
-        else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
-            idx = self._oracle(x, io["x"])
-        if self.n_cold:
-            ffn_rows(self.activation, io["x_np"], idx, self.gate_cold, self.up_cold, self.b_up_cold,
-                     self.down_t_cold, io["out_np"])
+        idx = self.cold_rows(x)
         t2 = time.perf_counter()
         if y is None:
             y = self._hot(x)
@@ -272,6 +262,23 @@ class HybridFFN(nn.Module):
                                         - max(row["cpu_start_ms"], row["gpu_hot_start_ms"]))
             self.timing.append(row)
         return y
+
+    def cold_rows(self, x: torch.Tensor) -> np.ndarray:
+        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out"].
+        Returns the active cold row indices. `x` (1, d) on the device is read only by the oracle's hot count."""
+        io = self._io
+        if self.mask == "dense":
+            idx = self.all_cold
+            self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
+        elif self.mask == "predictor":
+            idx = np.flatnonzero(io["m_np"]) if self.n_cold else self.all_cold
+            self.counts[0] += 1
+        else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
+            idx = self._oracle(x, io["x"])
+        if self.n_cold:
+            ffn_rows(self.activation, io["x_np"], idx, self.gate_cold, self.up_cold, self.b_up_cold,
+                     self.down_t_cold, io["out_np"])
+        return idx
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
         w = self._cold_f32()

@@ -197,3 +197,35 @@ def test_gated_ffn_with_biases_is_refused(tmp_path):
     lm = load_model(str(tmp_path), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="gate/up biases"):
         build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
+
+
+@pytest.mark.parametrize("family,where", [("llama-reglu", "mixed"), ("mistral-drelu", "cpu"), ("qwen2-swiglu", "gpu")])
+def test_static_decoder_equals_hf_decode(family, where, tiny_model_dir):
+    """runtime/fast.py (static KV cache; CUDA graphs on CUDA) against the same runtime decoding through HF layers."""
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    placement = make_placement(lm, where)
+    preds = always_on_predictors(lm, -1e30)
+    mode = {} if family != "qwen2-swiglu" else {"mode": "dense"}
+    rt_hf = build_runtime(copy.deepcopy(lm), RuntimeConfig(device="cpu", static_decode=False, **mode), placement,
+                          None if mode else preds)
+    rt = build_runtime(lm, RuntimeConfig(device="cpu", **mode), placement, None if mode else preds)
+    assert rt.fast is not None and rt_hf.fast is None
+    a = generate(rt, ids, NEW, keep_logits=True)
+    b = generate(rt_hf, ids, NEW, keep_logits=True)
+    assert a.token_ids == b.token_ids
+    assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < LOGIT_ATOL
+    assert a.stats["ffn_sparsity"] == b.stats["ffn_sparsity"]
+    # past the static cache the same call decodes through HF
+    rt.fast.capacity = len(ids) + 3
+    c = generate(rt, ids, NEW, keep_logits=True)
+    assert c.token_ids == b.token_ids
+
+
+def test_static_decoder_not_for_other_families(tiny_model_dir):
+    from powerinfer.runtime.fast import supported
+
+    for family in ("opt", "falcon-relu", "gemma-geglu"):
+        lm = tiny.load_rounded(tiny_model_dir(family), family)
+        rt = build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
+        assert rt.fast is None and supported(lm, rt.ffns) is not None

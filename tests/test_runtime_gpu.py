@@ -49,3 +49,13 @@ def test_cuda_predictor_path_equals_hf(tiny_model_dir):
 def test_cuda_layer_split_equals_hf(tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir("opt"), "opt")
     check_equal(lm, RuntimeConfig(mode="layer-split", device="cuda", dtype="float32", gpu_layers=1), atol=CUDA_ATOL)
+
+
+@pytest.mark.parametrize("family", ["llama-reglu", "qwen2-swiglu"])
+def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
+    """runtime/fast.py with CUDA graphs: the tokens and logits of HF generate."""
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    preds = always_on_predictors(lm, -1e30) if family == "llama-reglu" else None
+    cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense")
+    g = check_equal(lm, cfg, make_placement(lm, "mixed"), preds, atol=CUDA_ATOL)
+    assert g.stats["decode_steps"] > 0

@@ -1,0 +1,202 @@
+"""`StaticDecoder`: batch-1 decode steps of LLaMA-family models (LLaMA, Mistral, Qwen2, Qwen3) as CUDA graphs.
+
+Through HF, a decode step is ~40 small kernel launches per decoder layer (norms, projections, RoPE, cache, attention),
+~1 ms of CPU per layer, and in hybrid mode the CPU kernel cannot start before they are launched. Here each layer's
+GPU work is two graphs over static buffers and a static KV cache:
+
+  pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding); attention with the cache;
+           h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold mask copied to the host
+  hot[i]:  the hot FFN rows of x[i]
+  CPU:     the Numba kernel over the active cold rows (HybridFFN.cold_rows), writing a pinned host buffer
+  final:   h = last h2 + hot + cold; norm; lm_head -> logits
+
+so a step is 2L+1 graph launches, L waits for `pre` and L kernel calls. The cold partial sum of layer i is copied
+to the device as the first node of pre[i+1]. The same functions run eagerly without CUDA (tests check them there
+against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the static cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from powerinfer.runtime.layout import HybridFFN
+
+CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
+
+
+def supported(lm, ffns: list[HybridFFN]) -> str | None:
+    """None if `lm` can decode through StaticDecoder, else why not."""
+    cfg = lm.model.config
+    if lm.adapter.name != "llama":
+        return f"family {lm.adapter.name}"
+    if len(ffns) != len(lm.layers) or any(layer.mlp is not f for layer, f in zip(lm.layers, ffns)):
+        return "a layer without a hybrid FFN (layer-split)"
+    for layer in lm.layers:
+        a = layer.self_attn
+        if not all(hasattr(a, k) for k in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+            return "an attention module of another shape"
+    inner = lm.model.model
+    if not all(hasattr(inner, k) for k in ("embed_tokens", "rotary_emb", "norm")):
+        return "a model body of another shape"
+    return None
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class StaticDecoder:
+    def __init__(self, lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
+                 capacity: int = CAPACITY):
+        self.lm, self.ffns, self.device, self.dtype = lm, ffns, device, dtype
+        self.layers = list(lm.layers)
+        self.inner = lm.model.model
+        cfg = lm.model.config
+        a0 = self.layers[0].self_attn
+        self.n_kv = cfg.num_key_value_heads
+        self.n_heads, self.head_dim = cfg.num_attention_heads, a0.head_dim
+        self.capacity = min(capacity, int(getattr(cfg, "max_position_embeddings", capacity) or capacity))
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if window:  # positions below the window see every earlier token: full attention is exact there
+            self.capacity = min(self.capacity, int(window))
+        self.graphs = graphs and device.type == "cuda"
+        kv = (1, self.n_kv, self.capacity, self.head_dim)
+        self.k = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]  # (1, kv heads, cap, hd)
+        self.v = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]
+        d = cfg.hidden_size
+        self.tok = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) token id
+        self.pos = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) its position
+        self.slots = torch.arange(self.capacity, device=device)  # (cap,) cache positions
+        self.h2 = [torch.zeros((1, 1, d), device=device, dtype=dtype) for _ in self.layers]  # after attention
+        self.x = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # FFN inputs
+        self.hot = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # hot FFN sums
+        self.logits: torch.Tensor | None = None
+        self._graphs: list[Any] | None = None
+        for f in ffns:
+            f._host_io(self.x[0])  # host buffers, made before any capture
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    # -- the step's pieces (captured as graphs on CUDA) --------------------------------------------------------
+    def _residual(self, i: int) -> torch.Tensor:
+        """Layer i's input: layer i-1's h2 + its FFN output (hot + cold); layer 0: the token's embedding."""
+        if i == 0:
+            return self.inner.embed_tokens(self.tok)  # (1, 1, d)
+        f = self.ffns[i - 1]
+        y = self.hot[i - 1]
+        if f.n_cold:
+            y = y + f._io["out"].to(self.device, non_blocking=True).to(self.dtype)
+        return self.h2[i - 1] + y[None]
+
+    def _pre(self, i: int) -> None:
+        layer, attn = self.layers[i], self.layers[i].self_attn
+        h = self._residual(i)  # (1, 1, d)
+        r = layer.input_layernorm(h)
+        q = attn.q_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, heads, 1, hd)
+        k = attn.k_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, kv heads, 1, hd)
+        v = attn.v_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self.inner.rotary_emb(r, self.pos)  # (1, 1, hd) each
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k[i].index_copy_(2, self.pos[0], k)
+        self.v[i].index_copy_(2, self.pos[0], v)
+        # grouped-query attention without repeating the cache: query head kv*G+g attends to kv head kv, so the G
+        # query heads of one kv head go in the query-length dimension
+        qg = q.reshape(1, self.n_kv, -1, self.head_dim)  # (1, kv heads, G, hd)
+        mask = (self.slots <= self.pos[0])[None, None, None]  # (1, 1, 1, cap): filled slots only
+        o = torch.nn.functional.scaled_dot_product_attention(qg, self.k[i], self.v[i], attn_mask=mask,
+                                                             scale=attn.scaling)  # (1, kv heads, G, hd)
+        o = attn.o_proj(o.reshape(1, 1, self.n_heads * self.head_dim))
+        self.h2[i].copy_(h + o)
+        self.x[i].copy_(layer.post_attention_layernorm(self.h2[i])[0])
+        self.ffns[i]._to_host(self.x[i])
+
+    def _hot(self, i: int) -> None:
+        self.hot[i].copy_(self.ffns[i]._hot(self.x[i]))
+
+    def _final(self) -> torch.Tensor:
+        h = self._residual(len(self.layers))
+        return self.lm.model.lm_head(self.inner.norm(h))[0, -1]  # (vocab,)
+
+    # -- graphs --------------------------------------------------------------------------------------------------
+    def _capture(self) -> list[Any]:
+        for f in self.ffns:
+            f._host_io(self.x[0])
+        fired = [f._fired.clone() for f in self.ffns]
+        k, v = [t.clone() for t in self.k], [t.clone() for t in self.v]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, autotuning)
+            for _ in range(2):
+                for i in range(len(self.layers)):
+                    self._pre(i)
+                    self._hot(i)
+                self._final()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graphs, pool = [], None
+        for i in range(len(self.layers)):
+            pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(pre, pool=pool):
+                self._pre(i)
+            pool = pre.pool()
+            with torch.cuda.graph(hot, pool=pool):
+                self._hot(i)
+            graphs.append((pre, hot, torch.cuda.Event()))
+        final = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(final, pool=pool):
+            self.logits = self._final()
+        graphs.append(final)
+        for f, c in zip(self.ffns, fired):  # the warm-up and capture wrote nothing that counts
+            f._fired.copy_(c)
+        for t, c in zip((*self.k, *self.v), (*k, *v)):
+            t.copy_(c)
+        return graphs
+
+    # -- use ---------------------------------------------------------------------------------------------------
+    def load_prefill(self, cache, n: int) -> None:
+        """Copy the keys/values of a prefill of n tokens (an HF cache) into the static cache."""
+        for i in range(len(self.layers)):
+            lay = cache.layers[i] if hasattr(cache, "layers") else None
+            keys, values = (lay.keys, lay.values) if lay is not None else (cache.key_cache[i], cache.value_cache[i])
+            self.k[i][:, :, :n].copy_(keys[:, :, :n])
+            self.v[i][:, :, :n].copy_(values[:, :, :n])
+
+    @torch.inference_mode()
+    def step(self, token: int, position: int) -> torch.Tensor:
+        """Logits (vocab,) after `token` at `position` (all earlier positions in the cache)."""
+        if position >= self.capacity:
+            raise ValueError(f"position {position} is past the static cache ({self.capacity} tokens)")
+        self.tok.fill_(token)
+        self.pos.fill_(position)
+        if self.graphs and self._graphs is None:
+            self._graphs = self._capture()
+        if self._graphs is None:  # eager: the same pieces
+            for i, f in enumerate(self.ffns):
+                self._pre(i)
+                self._hot(i)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                f.cold_rows(self.x[i])
+            return self._final()
+        for i, f in enumerate(self.ffns):
+            pre, hot, done = self._graphs[i]
+            pre.replay()
+            done.record()
+            hot.replay()  # the GPU computes the hot rows while the CPU computes the cold ones
+            done.synchronize()
+            f.cold_rows(self.x[i])
+        self._graphs[-1].replay()
+        return self.logits
+
+
+def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool) -> StaticDecoder | None:
+    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs)
+
