@@ -75,6 +75,7 @@ class StaticDecoder:
         self.hot = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # hot FFN sums
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
+        self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
         for f in ffns:
             f._host_io(self.x[0])  # host buffers, made before any capture
 
@@ -110,8 +111,12 @@ class StaticDecoder:
         # grouped-query attention without repeating the cache: query head kv*G+g attends to kv head kv, so the G
         # query heads of one kv head go in the query-length dimension
         qg = q.reshape(1, self.n_kv, -1, self.head_dim)  # (1, kv heads, G, hd)
-        mask = (self.slots <= self.pos[0])[None, None, None]  # (1, 1, 1, cap): filled slots only
-        o = torch.nn.functional.scaled_dot_product_attention(qg, self.k[i], self.v[i], attn_mask=mask,
+        if self._filled is None:  # graphs: static shapes, so the whole cache with a mask of the filled slots
+            mask = (self.slots <= self.pos[0])[None, None, None]  # (1, 1, 1, cap)
+            keys, values = self.k[i], self.v[i]
+        else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
+            mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
+        o = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask,
                                                              scale=attn.scaling)  # (1, kv heads, G, hd)
         o = attn.o_proj(o.reshape(1, 1, self.n_heads * self.head_dim))
         self.h2[i].copy_(h + o)
@@ -179,6 +184,7 @@ class StaticDecoder:
         if self.graphs and self._graphs is None:
             self._graphs = self._capture()
         if self._graphs is None:  # eager: the same pieces
+            self._filled = position + 1
             for i, f in enumerate(self.ffns):
                 self._pre(i)
                 self._hot(i)
