@@ -2,10 +2,12 @@
 
 `python -m powerinfer.predictors.results --run RUN --out bench/results/predictors_smollm2.json --command "..."`
 reads RUN/predictors/summary.json and RUN/eval/eval.json; every figure comes from those files.
+`--sweep LABEL=RUN` (repeat) adds one row per other run (e.g. another `--target-sparsity`) with its commands.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,31 +15,75 @@ import click
 
 from powerinfer import artifacts
 from powerinfer.hardware import machine_info
+from powerinfer.predictors.train import PRESETS
+
+PRESETS_DEFAULT = asdict(PRESETS["default"])  # a sweep row lists only the fields it changed
 
 GOALS = {"mean_recall": ">= 0.95", "predicted_ffn_sparsity": ">= 0.40", "predictor_fraction_of_ffn": "<= 0.10",
          "predictor_ppl_vs_dense": "<= +6%"}
 
 
-def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """The figures of RUN; `extra` = {label: path of another eval.json} adds its modes (e.g. an ablation)."""
+def goals_met(totals: dict, pred: dict) -> dict[str, bool]:
+    """GOALS judged on a predictors summary's totals (test split) and the eval's predictor mode."""
+    return {
+        "mean_recall": totals["mean_recall"] >= 0.95,
+        "predicted_ffn_sparsity": totals["mean_predicted_sparsity"] >= 0.40,
+        "predictor_fraction_of_ffn": totals["predictor_fraction_of_ffn"] <= 0.10,
+        "predictor_ppl_vs_dense": bool(pred) and pred.get("ppl_vs_dense", 1.0) <= 0.06,
+    }
+
+
+def _short(r: dict) -> dict:
+    return {k: r[k] for k in ("perplexity", "ppl_vs_dense", "ffn_sparsity", "recall", "magnitude_recall") if k in r}
+
+
+def sweep_row(label: str, run_dir: str | Path) -> dict[str, Any]:
+    """One setting of a sweep: the commands (from each stage's meta.json), training totals and eval figures."""
+    run_dir = Path(run_dir)
+    pmeta = artifacts.read_json(run_dir / "profile" / "meta.json")
+    s = artifacts.read_json(run_dir / "predictors" / "summary.json")
+    tmeta = artifacts.read_json(run_dir / "predictors" / "meta.json")
+    ev_path = run_dir / "eval" / "eval.json"
+    ev = artifacts.read_json(ev_path) if ev_path.exists() else None
+    t = s["totals"]
+    row: dict[str, Any] = {
+        "label": label, "run": str(run_dir),
+        "commands": [pmeta["command"], tmeta["command"]] + ([ev["command"]] if ev else []),
+        "profile": {"tokens": pmeta["tokens"], "rule": pmeta["rule"], "target_sparsity": pmeta["target_sparsity"],
+                    "mean_sparsity": pmeta["mean_sparsity"], "samples_per_layer": pmeta["samples"]["count"],
+                    "seconds": pmeta["seconds"],
+                    "mean_share80": sum(pmeta["share_covering_80pct_per_layer"]) / pmeta["model"]["n_layers"]},
+        "training": {k: t[k] for k in ("mean_recall", "min_recall", "mean_precision", "mean_predicted_sparsity",
+                                       "mean_true_sparsity", "predictor_params", "predictor_fraction_of_ffn",
+                                       "fits", "train_seconds", "device")},
+        "hidden_per_layer": [r["hidden"] for r in s["layers"]],
+        "config": {k: v for k, v in s["config"].items() if PRESETS_DEFAULT.get(k) != v},
+    }
+    if ev:
+        row["eval"] = {"dataset": ev["dataset"], "tokens": next(iter(ev["modes"].values()))["tokens"],
+                       "modes": {m: _short(r) for m, r in ev["modes"].items()},
+                       "recall_sweep": [{"threshold_recall": r["threshold_recall"], **_short(r)}
+                                        for r in ev.get("recall_sweep", [])]}
+        row["goal_met"] = goals_met(t, ev["modes"].get("predictor", {}))
+    return row
+
+
+def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | None = None,
+            sweep: dict[str, str] | None = None) -> dict[str, Any]:
+    """The figures of RUN; `extra` = {label: path of another eval.json} adds its modes (e.g. an ablation);
+    `sweep` = {label: other run directory} adds a `sweep` list of `sweep_row`s."""
     run_dir = Path(run_dir)
     s = artifacts.read_json(run_dir / "predictors" / "summary.json")
     ev = artifacts.read_json(run_dir / "eval" / "eval.json")
     pmeta = artifacts.read_json(run_dir / "profile" / "meta.json")
     t, modes = s["totals"], ev["modes"]
     pred = modes.get("predictor", {})
-    met = {
-        "mean_recall": t["mean_recall"] >= 0.95,
-        "predicted_ffn_sparsity": t["mean_predicted_sparsity"] >= 0.40,
-        "predictor_fraction_of_ffn": t["predictor_fraction_of_ffn"] <= 0.10,
-        "predictor_ppl_vs_dense": bool(pred) and pred["ppl_vs_dense"] <= 0.06,
-    }
+    met = goals_met(t, pred)
     others = {}
     for label, path in (extra or {}).items():
         e = artifacts.read_json(path)
-        others[label] = {"command": e.get("command"), "dataset": e["dataset"], "modes": {
-            m: {k: r[k] for k in ("perplexity", "ppl_vs_dense", "ffn_sparsity", "recall", "magnitude_recall")
-                if k in r} for m, r in e["modes"].items()}}
+        others[label] = {"command": e.get("command"), "dataset": e["dataset"],
+                         "modes": {m: _short(r) for m, r in e["modes"].items()}}
     return {
         "what": "per-layer activation predictors for SmolLM2-135M-Instruct: recall, predicted FFN sparsity, size, "
                 "and perplexity dense / oracle / predictor (/ placement) on held-out Wikipedia text",
@@ -78,6 +124,7 @@ def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | No
                              for r in ev.get("recall_sweep", [])],
         },
         "other_evals": others,
+        **({"sweep": [sweep_row(label, path) for label, path in sweep.items()]} if sweep else {}),
     }
 
 
@@ -86,10 +133,13 @@ def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | No
 @click.option("--out", required=True, help="Results JSON to write.")
 @click.option("--command", "commands", multiple=True, help="A command that produced the run (repeat).")
 @click.option("--extra-eval", multiple=True, help="LABEL=PATH of another eval.json to include (repeat).")
-def main(run_dir, out, commands, extra_eval) -> None:
+@click.option("--sweep", "sweep_runs", multiple=True,
+              help="LABEL=RUN of another run directory (profile, predictors, eval) to list in `sweep` (repeat).")
+def main(run_dir, out, commands, extra_eval, sweep_runs) -> None:
     """Write the predictor and eval figures of RUN to one JSON file."""
     extra = dict(e.split("=", 1) for e in extra_eval)
-    artifacts.write_json(out, collect(run_dir, list(commands), extra))
+    sweep = dict(e.split("=", 1) for e in sweep_runs)
+    artifacts.write_json(out, collect(run_dir, list(commands), extra, sweep))
     click.echo(f"wrote {out}")
 
 

@@ -217,7 +217,7 @@ def test_results_file(swiglu_run, text_corpus, tmp_path):
 
     lm, run = swiglu_run
     rep = evaluate(run, dataset=str(text_corpus), lm=lm, modes=["dense", "oracle", "predictor"], **EVAL)
-    out = collect(run, ["cmd a"], {"again": str(run / "eval" / "eval.json")})
+    out = collect(run, ["cmd a"], {"again": str(run / "eval" / "eval.json")}, {"same run": str(run)})
     summary = json.loads((run / "predictors" / "summary.json").read_text())
     assert out["command"] == ["cmd a"] and out["machine"]["nproc"] >= 1
     assert out["training"]["mean_recall_test"] == summary["totals"]["mean_recall"]
@@ -225,3 +225,10 @@ def test_results_file(swiglu_run, text_corpus, tmp_path):
     assert out["goal_met"]["predictor_ppl_vs_dense"] == (rep["modes"]["predictor"]["ppl_vs_dense"] <= 0.06)
     assert out["other_evals"]["again"]["modes"]["dense"]["perplexity"] == rep["modes"]["dense"]["perplexity"]
     assert len(out["per_layer"]) == len(summary["layers"])
+    row = out["sweep"][0]  # a sweep row: the run's own commands, totals, eval figures and goals
+    assert row["label"] == "same run" and len(row["commands"]) == 3
+    assert row["commands"][0] == json.loads((run / "profile" / "meta.json").read_text())["command"]
+    assert row["training"]["mean_predicted_sparsity"] == summary["totals"]["mean_predicted_sparsity"]
+    assert row["eval"]["modes"]["oracle"]["perplexity"] == rep["modes"]["oracle"]["perplexity"]
+    assert row["goal_met"] == out["goal_met"]
+    assert row["config"] == {"name": "fast", "epochs": 4, "patience": 1, "max_steps": 1}
