@@ -133,3 +133,14 @@ def test_interactive_chat_keeps_the_conversation(opt_run, monkeypatch):
     assert first == [{"role": "user", "content": "Hello there"}]
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
     assert second[0] == first[0] and second[2]["content"] == "And again"
+
+
+def test_decode_path_flags_give_the_same_tokens(tiny_model_dir, tmp_path):
+    """--hf-decode (HF decoder layers) and --no-cuda-graphs (eager) against the default static decoder."""
+    run = make_run(tmp_path / "llama", tiny_model_dir("llama-reglu"), family="llama-reglu")
+    out = {}
+    for name, extra in {"static": [], "hf": ["--hf-decode"], "eager": ["--no-cuda-graphs"]}.items():
+        r = invoke("--run", run, "--json", *extra)
+        assert r.exit_code == 0, r.output
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
+    assert out["static"] == out["hf"] == out["eager"] and len(out["static"]) == 6
