@@ -109,8 +109,10 @@ class Gate:
 
 
 def slowed(delay: float):
+    """A generation that takes `delay` s per token and never meets EOS (a sampled random model may, early)."""
     def slow(rt, ids, n, sampling, on_text=None, should_stop=None):
-        return generate(rt, ids, n, sampling, on_text=on_text, should_stop=lambda: time.sleep(delay) or should_stop())
+        return generate(rt, ids, n, sampling, on_text=on_text, stop_at_eos=False,
+                        should_stop=lambda: time.sleep(delay) or should_stop())
 
     return slow
 
@@ -216,7 +218,7 @@ def test_stop_matcher_never_sends_part_of_a_stop_string():
 
 CHAT = "/v1/chat/completions"
 DONE = "/v1/completions"
-OK = {"prompt": PROMPT, "max_tokens": 2}
+OK = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}  # greedy: no chance of an early EOS
 
 
 @pytest.mark.parametrize("path,body,param,code", [
@@ -356,7 +358,8 @@ def test_streaming_client_that_leaves_stops_the_generation(tiny_model_dir):
         sock.close()
         wait_until(lambda: health(s)["running"] == 0)
         assert health(s)["dropped"] == 1 and health(s)["served"] == 0  # stopped, not run to its 200 tokens
-        assert client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2,
+                                            temperature=0).usage.completion_tokens == 2
 
 
 def test_timeout(tiny_model_dir):
