@@ -79,9 +79,6 @@ class StaticDecoder:
         for f in ffns:
             f._host_io(self.x[0])  # host buffers, made before any capture
 
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
     # -- the step's pieces (captured as graphs on CUDA) --------------------------------------------------------
     def _residual(self, i: int) -> torch.Tensor:
         """Layer i's input: layer i-1's h2 + its FFN output (hot + cold); layer 0: the token's embedding."""
@@ -132,8 +129,6 @@ class StaticDecoder:
 
     # -- graphs --------------------------------------------------------------------------------------------------
     def _capture(self) -> list[Any]:
-        for f in self.ffns:
-            f._host_io(self.x[0])
         fired = [f._fired.clone() for f in self.ffns]
         k, v = [t.clone() for t in self.k], [t.clone() for t in self.v]
         side = torch.cuda.Stream(self.device)

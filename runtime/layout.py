@@ -182,7 +182,6 @@ class HybridFFN(nn.Module):
 
         Eagerly, this GPU work is ~25 small kernel launches per layer and token, ~0.7 ms of CPU time that the CPU
         kernel then waits behind; replayed as graphs it is two launches."""
-        io = self._io
         xs = x.clone()  # (1, d) static input of both graphs
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
