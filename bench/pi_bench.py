@@ -297,11 +297,41 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
                       layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
     row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
-           "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens}
+           "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
+           "host_memory": host_memory()}
+    if rt.fast is not None and rt.fast.graphs:
+        row["step_timeline"] = step_timeline(rt, prompt, tokens)
     print("ours", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
                                               "bytes_gpu", "bytes_cpu")}, flush=True)
     extra = {"rt": rt} if name == "hybrid" else {}
     return row, extra
+
+
+def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
+    """One more generation with the static decoder's host clock on: per layer, the mean over decode steps (the first
+    dropped) of the wait for the `pre` graph and of the CPU cold part, in ms; the step's total."""
+    from powerinfer.runtime.generate import generate
+
+    rt.fast.timing = []
+    generate(rt, prompt, tokens, stop_at_eos=False)
+    steps, rt.fast.timing = rt.fast.timing[1:], None
+    mean = lambda key: np.mean([s[key] for s in steps], axis=0)  # noqa: E731
+    wait, cold = mean("wait_pre_ms"), mean("cold_ms")
+    return {"steps": len(steps), "step_ms": float(mean("step_ms")), "final_ms": float(mean("final_ms")),
+            "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()),
+            "wait_pre_ms": wait.tolist(), "cold_ms": cold.tolist(),
+            "note": "host clock; wait_pre: launch of layer i's pre graph until it finished on the GPU (it queues behind "
+                    "layer i-1's hot graph); cold: HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
+
+
+def host_memory() -> dict:
+    """/proc/meminfo's figures that tell memory pressure and huge-page use, in GiB."""
+    keys = ("MemTotal", "MemAvailable", "Cached", "AnonPages", "AnonHugePages", "SwapTotal")
+    try:
+        rows = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    except OSError:
+        return {}
+    return {k: int(rows[k].split()[0]) / 2**20 for k in keys if k in rows}
 
 
 @torch.inference_mode()

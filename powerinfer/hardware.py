@@ -8,6 +8,7 @@ machine's measured values.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import time
 from dataclasses import dataclass
@@ -171,7 +172,12 @@ def machine_info(*packages: str) -> dict:
     except OSError:
         pass
     info = {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*"))}
+    try:  # the kernel's huge-page policy: it decides whether large host arrays (cold rows) get 2 MiB pages
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            info["transparent_hugepage"] = f.read().strip()
+    except OSError:
+        pass
     try:
         import torch
 

@@ -17,6 +17,7 @@ against HF). The prompt is prefilled through HF (dense) and its keys/values copi
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -76,6 +77,7 @@ class StaticDecoder:
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
         self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
+        self.timing: list[dict] | None = None  # set to [] to record each graph step's per-layer host times
         for f in ffns:
             f._host_io(self.x[0])  # host buffers, made before any capture
 
@@ -187,15 +189,31 @@ class StaticDecoder:
                     torch.cuda.current_stream(self.device).synchronize()
                 f.cold_rows(self.x[i])
             return self._final()
+        clock = [time.perf_counter()] if self.timing is not None else None
         for i, f in enumerate(self.ffns):
             pre, hot, done = self._graphs[i]
             pre.replay()
             done.record()
             hot.replay()  # the GPU computes the hot rows while the CPU computes the cold ones
             done.synchronize()
+            if clock is not None:
+                clock.append(time.perf_counter())
             f.cold_rows(self.x[i])
+            if clock is not None:
+                clock.append(time.perf_counter())
         self._graphs[-1].replay()
+        if clock is not None:
+            self._record(clock)
         return self.logits
+
+    def _record(self, clock: list[float]) -> None:
+        """One step's host timeline, in ms: per layer, the wait for `pre` (its launch and GPU time, behind the previous
+        layer's `hot` on the stream) and the CPU cold part; the final graph's GPU time after a sync."""
+        torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        ms = [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
+        self.timing.append({"wait_pre_ms": ms[0::2], "cold_ms": ms[1::2], "final_ms": 1e3 * (end - clock[-1]),
+                            "step_ms": 1e3 * (end - clock[0])})
 
 
 def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool) -> StaticDecoder | None:

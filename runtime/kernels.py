@@ -2,8 +2,8 @@
 
 Cold rows live in CPU RAM as bfloat16 bit patterns (uint16: Numba has no 16-bit float type): `gate` and `up`
 rows (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active
-neuron reads three contiguous rows. A row is widened to float32 (a bf16 pattern is the top half of a float32)
-into a per-thread scratch row and all arithmetic is float32.
+neuron reads three contiguous rows. Each element is widened to float32 inside the dot and axpy loops (a bf16
+pattern is the top half of a float32) and all arithmetic is float32.
 
 Work split: the active list is cut into one contiguous chunk per thread; each thread accumulates its neurons'
 `h_j * down_t[j]` into its own partial row; the partial rows are summed at the end (no atomics, deterministic
@@ -24,7 +24,9 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 GATED = ("reglu", "drelu", "swiglu", "geglu")
 UNGATED = ("relu", "gelu")
@@ -35,28 +37,29 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # Row helpers (inlined by LLVM)
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _widen(row, scratch_u32):  # (d,) uint16 bf16 bits -> (d,) uint32 whose float32 view is the value
-    for k in range(row.shape[0]):
-        scratch_u32[k] = np.uint32(row[k]) << np.uint32(16)
+@intrinsic
+def _bf16(typingctx, bits):
+    """uint16 bf16 pattern -> float32 (zero-extend, shift into the top half, reinterpret): a scalar bitcast, which
+    Numba cannot write, so that the widening fuses into the dot and axpy loops and vectorises (no scratch row)."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _dot(x, row, scratch_u32):
-    _widen(row, scratch_u32)
-    f = scratch_u32.view(np.float32)
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _dot(x, row):  # (d,) float32 . (d,) bf16 bits
     s = np.float32(0.0)
     for k in range(x.shape[0]):
-        s += x[k] * f[k]
+        s += x[k] * _bf16(row[k])
     return s
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _axpy(h, row, scratch_u32, acc):
-    _widen(row, scratch_u32)
-    f = scratch_u32.view(np.float32)
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _axpy(h, row, acc):  # acc (d,) float32 += h * (d,) bf16 bits
     for k in range(acc.shape[0]):
-        acc[k] += h * f[k]
+        acc[k] += h * _bf16(row[k])
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -115,16 +118,15 @@ def gated_ffn(x, idx, gate, up, down_t, out, threads, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
     part = np.zeros((T, d), np.float32)  # (threads, d_model) partial sums
-    scratch = np.empty((T, d), np.uint32)
     for t in prange(T):
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            g = _dot(x, gate[j], scratch[t])
+            g = _dot(x, gate[j])
             if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
                 continue
-            h = _gated_value(act, g, _dot(x, up[j], scratch[t]))
+            h = _gated_value(act, g, _dot(x, up[j]))
             if h != 0:
-                _axpy(h, down_t[j], scratch[t], part[t])
+                _axpy(h, down_t[j], part[t])
     _reduce(part, out)
 
 
@@ -133,14 +135,13 @@ def ungated_ffn(x, idx, up, b_up, down_t, out, threads, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, threads)
     part = np.zeros((T, d), np.float32)
-    scratch = np.empty((T, d), np.uint32)
     for t in prange(T):
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            a = _dot(x, up[j], scratch[t]) + b_up[j]
+            a = _dot(x, up[j]) + b_up[j]
             h = _relu(a) if act == 0 else _gelu_erf(a)
             if h != 0:
-                _axpy(h, down_t[j], scratch[t], part[t])
+                _axpy(h, down_t[j], part[t])
     _reduce(part, out)
 
 
