@@ -13,6 +13,14 @@ Calibration, layer by layer on random tokens: with the earlier layers already ca
 fit each neuron's gate pre-activation without channel 0 as a Gaussian (mean mu_j, sd s_j) and set
 gate[j, 0] = -(mu_j + s_j * ndtri(1 - p_j)), so P(gate_j . x > 0) = p_j, where p is `power_law` (mean 0.10, the top
 20% of neurons cover 80% of firings; bench/runtime_gpu_check.py), a different permutation per layer.
+
+An EXACT PREDICTOR of a trained predictor's size, so that the CPU reads what it would behind a real predictor (whose
+marked neurons mostly fire, so each reads its gate, up and down rows; masks drawn independently of x would mostly
+fail the ReLU gate and skip two of the three rows). With `gate_rank` r, gate columns 1.. are A @ B (A (n, r),
+B (r, d), fixed by the seed) and gate . x = A (B x) + gate[:, 0] x[0] is computed exactly by
+Linear(d -> 2r+2) -> ReLU -> Linear(2r+2 -> n): fc1 = [B; -B; e0; -e0], fc2 = [A, -A, g0, -g0] (relu(v) - relu(-v)
+= v), threshold 0. With r = 511 that is the d/8 = 1024 hidden units of a trained predictor at d = 8192. It errs
+only where fp16 rounding flips a sign.
 """
 
 from __future__ import annotations
@@ -75,8 +83,36 @@ def synthetic_corpus(path, tokens: int, vocab: int, seed: int) -> None:
     path.write_text(" ".join(map(str, ids.tolist())))
 
 
-def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float = 0.02):
-    """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated)."""
+def gate_factors(shape: str, layer: int, seed: int, rank: int, device: str, std: float = 0.02):
+    """(A (n, rank), B (rank, d)) float32 with B[:, 0] = 0: layer `layer`'s gate columns 1.. are A @ B (std ~ `std`)."""
+    d, n, *_ = SHAPES[shape]
+    g = torch.Generator(device).manual_seed(seed * 1000 + 500 + layer)
+    a = torch.randn((n, rank), generator=g, device=device) / rank ** 0.5
+    b = torch.randn((rank, d), generator=g, device=device) * std
+    b[:, 0] = 0.0
+    return a, b
+
+
+def exact_predictor(lm, shape: str, layer: int, seed: int, rank: int):
+    """The predictor whose logits are layer `layer`'s gate pre-activations (module docstring), fp16, threshold 0."""
+    from powerinfer.predictors.train import Predictor
+
+    d, n, *_ = SHAPES[shape]
+    w = lm.layers[layer].mlp.gate_proj.weight
+    a, b = gate_factors(shape, layer, seed, rank, w.device)
+    e0 = torch.zeros((1, d), device=w.device)
+    e0[0, 0] = 1.0
+    g0 = w[:, :1].float()  # (n, 1) the calibrated bias column
+    p = Predictor(d, 2 * rank + 2, n, threshold=0.0).to(w.device)
+    with torch.no_grad():
+        p.fc1.weight.copy_(torch.cat([b, -b, e0, -e0]))  # (2r+2, d)
+        p.fc2.weight.copy_(torch.cat([a, -a, g0, -g0], dim=1))  # (n, 2r+2)
+    return p.half()
+
+
+def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float = 0.02, gate_rank: int | None = None):
+    """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated);
+    gate_rank: gate columns 1.. of rank `gate_rank` (gate_factors), for exact_predictor."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from powerinfer.models import ModelSource, wrap_model
@@ -102,9 +138,13 @@ def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float 
             else:
                 p.fill_(1.0)  # RMSNorm weights
         model.model.embed_tokens.weight[:, 0] = CONST
-        for layer in model.model.layers:
+        for i, layer in enumerate(model.model.layers):
             layer.self_attn.o_proj.weight[0] = 0.0
             layer.mlp.down_proj.weight[0] = 0.0
+            if gate_rank:
+                a, b = gate_factors(shape, i, seed, gate_rank, device, std)
+                layer.mlp.gate_proj.weight.copy_(a @ b)  # (n, d); column 0 is 0 (b[:, 0] = 0)
+                del a, b
             layer.mlp.gate_proj.weight[:, 0] = 0.0
     src = ModelSource(f"{shape}-shaped random ReLU-gated LLaMA ({layers} layers, seed {seed})", "memory")
     return wrap_model(model, SyntheticTokenizer(vocab), src)

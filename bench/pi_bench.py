@@ -3,8 +3,9 @@ with the cost floor from ceilings measured in the same run (issue #6). README se
 
 The model has RANDOM weights (bench/bench_model.py): LLaMA-2-70B layer shapes with grouped-query attention, a
 ReLU-gated FFN, per-neuron firing probabilities calibrated to a power law (mean 10% active, the top 20% of neurons
-covering 80% of firings). The predictor is SYNTHETIC (SizedPredictor): an MLP of a trained predictor's size runs
-for its cost, and the mask is drawn per token from the profiled firing frequencies. Speed only, not quality.
+covering 80% of firings), gate columns of rank 511. The predictor is EXACT (bench_model.exact_predictor): an MLP of a
+trained predictor's size (d/8 hidden) whose logits are the gate pre-activations, so it marks the neurons that fire.
+Speed only, not quality.
 
 Stages (each call of the device may start a fresh machine; files persist in --work while it stays warm):
   prepare  here, with PyPI: llama.cpp source tarball + pulp/highspy wheels into .llamacpp/ (carried)
@@ -66,27 +67,6 @@ import bench_llamacpp as lcpp  # noqa: E402
 import bench_model as bm  # noqa: E402
 from bench_report import goals, markdown, write_results  # noqa: E402
 
-from powerinfer.predictors.train import Predictor  # noqa: E402
-
-
-class SizedPredictor(Predictor):
-    """A predictor of a trained one's size (Linear(d->h)->ReLU->Linear(h->n), random weights) whose mask is drawn from
-    firing frequencies p: it costs what a trained predictor costs, and fires as the profile says. Masks come from a
-    bank of pre-drawn rows picked by a step counter on the device (no host sync; CUDA-graph capturable), as in
-    bench/runtime_gpu_check.py's SyntheticPredictor."""
-
-    BANK = 64
-
-    def __init__(self, d: int, hidden: int, p: np.ndarray, seed: int):
-        super().__init__(d, hidden, len(p), threshold=float(torch.finfo(torch.float16).max))
-        self.register_buffer("p", torch.from_numpy(np.asarray(p, np.float32)))
-        self.seed, self.bank = seed, None
-
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
-        import runtime_gpu_check
-
-        m = runtime_gpu_check.SyntheticPredictor.mask(self, x)  # (n,) bool from the bank (same attributes)
-        return m | (self(x) >= self.threshold)  # the MLP runs for its cost; its logits never reach the threshold
 
 
 class Deadline:
@@ -116,7 +96,7 @@ def _free(device: str) -> None:
 
 def model_key(args) -> str:
     d, n, heads, kv, vocab = bm.SHAPES[args.shape]
-    return f"{args.shape}-{d}x{n}x{heads}x{kv}x{vocab}-{args.layers}L-seed{args.seed}"
+    return f"{args.shape}-{d}x{n}x{heads}x{kv}x{vocab}-{args.layers}L-rank{args.gate_rank}-seed{args.seed}"
 
 
 def calibrated_model(args, work: Path) -> bm.BenchModel:
@@ -125,7 +105,7 @@ def calibrated_model(args, work: Path) -> bm.BenchModel:
     from safetensors.torch import load_file, save_file
 
     t0 = time.perf_counter()
-    lm = bm.build_model(args.shape, args.layers, args.device, args.seed)
+    lm = bm.build_model(args.shape, args.layers, args.device, args.seed, gate_rank=args.gate_rank)
     path = work / f"calibration-{model_key(args)}.safetensors"
     if path.exists():
         saved = load_file(str(path))
@@ -194,25 +174,35 @@ def profile(args, model: bm.BenchModel, run: Path) -> dict:
             "top20pct_share": float(np.mean([r["top20pct_share"] for r in rows])), "freq": freq}
 
 
-def write_predictors(args, run: Path, freq: list[np.ndarray]) -> dict:
-    """The SizedPredictors' weights (RUN/predictors/predictors.safetensors) so that pi-solve counts their real bytes."""
+def write_predictors(args, run: Path, model: bm.BenchModel) -> dict:
+    """The exact predictors (bench_model.exact_predictor), and their weights in RUN/predictors/predictors.safetensors so
+    that pi-solve counts their real bytes."""
     from safetensors.torch import save_file
 
-    d = bm.SHAPES[args.shape][0]
-    preds = {i: SizedPredictor(d, args.predictor_hidden, freq[i], seed=100 + i).half() for i in range(args.layers)}
-    g = torch.Generator().manual_seed(args.seed + 3)
-    tensors = {}
-    with torch.no_grad():
-        for i, p in preds.items():
-            for name in ("fc1", "fc2"):
-                w = getattr(p, name).weight
-                w.copy_(torch.randn(w.shape, generator=g) * w.shape[1] ** -0.5)
-                tensors[f"layers.{i}.{name}.weight"] = w.detach().contiguous()
+    preds = {i: bm.exact_predictor(model.lm, args.shape, i, args.seed, args.gate_rank) for i in range(args.layers)}
+    tensors = {f"layers.{i}.{name}.weight": getattr(p, name).weight.detach().cpu().contiguous()
+               for i, p in preds.items() for name in ("fc1", "fc2")}
     (run / "predictors").mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"kind": "synthetic (SizedPredictor: real-size MLP for the cost, masks drawn from profiled frequencies)",
-            "hidden": args.predictor_hidden, "bytes": nbytes, "layers": preds}
+    return {"kind": "exact (bench_model.exact_predictor: a trained predictor's size, logits = the gate pre-activations)",
+            "hidden": 2 * args.gate_rank + 2, "bytes": nbytes, "layers": preds,
+            "agreement_with_gate": predictor_agreement(model, preds)}
+
+
+@torch.no_grad()
+def predictor_agreement(model: bm.BenchModel, preds: dict, tokens: int = 64) -> dict:
+    """Share of (token, neuron) pairs where the predictor's mask equals gate . x > 0, on layer 0's FFN inputs of random
+    tokens, with the recall and precision of firing."""
+    d, n, *_, vocab = bm.SHAPES[model.shape]
+    dev = next(model.lm.model.parameters()).device
+    ids = torch.randint(0, vocab, (1, tokens), device=dev, generator=torch.Generator(dev).manual_seed(11))
+    x = bm._ffn_input(model.lm, 0, ids).half()  # (tokens, d)
+    truth = (x @ model.lm.layers[0].mlp.gate_proj.weight.T) > 0  # (tokens, n)
+    pred = preds[0].mask(x)
+    hit = (pred & truth).sum().item()
+    return {"agreement": float((pred == truth).float().mean()), "recall": hit / max(1, truth.sum().item()),
+            "precision": hit / max(1, pred.sum().item()), "tokens": tokens, "layer": 0}
 
 
 def hardware_spec(c: dict, budget: int):
@@ -300,7 +290,10 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
            "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
            "host_memory": host_memory()}
     if rt.fast is not None and rt.fast.graphs:
-        row["step_timeline"] = step_timeline(rt, prompt, tokens)
+        try:
+            row["step_timeline"] = step_timeline(rt, prompt, tokens)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the measurement above
+            row["step_timeline"] = {"error": f"{type(e).__name__}: {e}"}
     print("ours", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
                                               "bytes_gpu", "bytes_cpu")}, flush=True)
     extra = {"rt": rt} if name == "hybrid" else {}
@@ -317,11 +310,45 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     steps, rt.fast.timing = rt.fast.timing[1:], None
     mean = lambda key: np.mean([s[key] for s in steps], axis=0)  # noqa: E731
     wait, cold = mean("wait_pre_ms"), mean("cold_ms")
-    return {"steps": len(steps), "step_ms": float(mean("step_ms")), "final_ms": float(mean("final_ms")),
+    return {**graph_times(rt.fast), "steps": len(steps), "step_ms": float(mean("step_ms")),
+            "final_ms": float(mean("final_ms")),
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()),
             "wait_pre_ms": wait.tolist(), "cold_ms": cold.tolist(),
             "note": "host clock; wait_pre: launch of layer i's pre graph until it finished on the GPU (it queues behind "
                     "layer i-1's hot graph); cold: HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
+
+
+@torch.inference_mode()
+def graph_times(fast, reps: int = 20) -> dict:
+    """GPU ms of each layer's `pre` and `hot` graph replayed alone (CUDA events around `reps` back-to-back replays),
+    and a profile of layer 0's `pre` run eagerly: the kernels behind the wait for `pre`."""
+    out = {}
+    for name, k in (("pre_gpu_ms", 0), ("hot_gpu_ms", 1)):
+        ms = []
+        for g in fast._graphs[:-1]:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            g[k].replay()
+            a.record()
+            for _ in range(reps):
+                g[k].replay()
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b) / reps)
+        out[name] = ms
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fast._pre(0)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    for key in ("device_time_total", "cuda_time_total"):  # the name differs across torch versions
+        try:
+            out["pre_eager_profile"] = table.table(sort_by=key, row_limit=18, max_name_column_width=60)
+            break
+        except (KeyError, AttributeError, ValueError):
+            continue
+    return out
 
 
 def host_memory() -> dict:
@@ -447,8 +474,8 @@ def stage_bench(args, work: Path) -> dict:
     res["calibration"] = model.calibration
     run = work / f"run-{args.shape}-{args.layers}"
     res["profile"] = profile(args, model, run)
-    freq = res["profile"].pop("freq")
-    preds = write_predictors(args, run, freq)
+    res["profile"].pop("freq")
+    preds = write_predictors(args, run, model)
     res["predictors"] = {k: v for k, v in preds.items() if k != "layers"}
     res["placement"] = place(args, run, hardware_spec(c, budget), budget)
     placement = Placement.from_run(run, model.lm.info)
@@ -536,7 +563,7 @@ def parse(argv=None):
     ap.add_argument("--ctx", type=int, default=512, help="KV cache the solver reserves (tokens)")
     ap.add_argument("--calibration-tokens", type=int, default=2048)
     ap.add_argument("--profile-tokens", type=int, default=4096)
-    ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192)")
+    ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192); sets the gate rank")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens of the fast systems")
     ap.add_argument("--reps", type=int, default=3)
@@ -554,6 +581,7 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     args.systems = set(args.systems.split(","))
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
+    args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
     args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "dense": 60, "llama.cpp": 45, "accelerate": 60}
     if args.device == "cpu" or args.shape == "tiny":
         args.estimates = {k: 1 for k in args.estimates}

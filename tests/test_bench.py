@@ -40,6 +40,24 @@ def test_calibration_hits_power_law_targets():
         assert float(layer.self_attn.o_proj.weight.detach()[0].abs().max()) == 0.0
 
 
+def test_exact_predictor_marks_the_neurons_that_fire():
+    lm = bm.build_model("tiny", 2, "cpu", seed=2, gate_rank=7)
+    model = bm.calibrate(lm, "tiny", tokens=512, seq=128, seed=2)
+    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(9))
+    for i in range(2):
+        p = bm.exact_predictor(lm, "tiny", i, seed=2, rank=7).float()
+        assert p.fc1.weight.shape == (16, 128)  # 2 * rank + 2 hidden units
+        x = bm._ffn_input(lm, i, ids)  # (64, d) float32
+        gate = x.double() @ lm.layers[i].mlp.gate_proj.weight.double().T  # float64 reference
+        with torch.no_grad():
+            logits = p(x)
+        assert torch.allclose(logits.double(), gate, atol=2e-3 * float(gate.abs().max()))
+        agree = (p.mask(x) == (gate > 0)).float().mean()
+        assert agree > 0.995
+    assert abs(bm.realised(lm, "tiny", tokens=1024, seq=128)[0].mean() - 0.10) < 0.015  # calibration still holds
+    assert model.targets[0].shape == (1536,)
+
+
 def test_floor_arithmetic():
     layers = [{"gpu_bytes": 3e9, "cold_bytes": 1e9}, {"gpu_bytes": 1e9, "cold_bytes": 2e9},
               {"gpu_bytes": 2e9, "cold_bytes": 0}]
@@ -109,7 +127,10 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert all(r.get("decode_tokens_per_s", 0) > 0 for r in res["systems"].values())
     assert "llama.cpp" in res["skipped"]  # no CPU llama-bench built without --cpu-llamacpp
     assert abs(res["profile"]["mean_active"] - 0.10) < 0.01
-    assert res["systems"]["hybrid"]["ffn_sparsity"] == pytest.approx(0.9, abs=0.03)
+    # the exact predictor marks what the decoded tokens fire: about 90% inactive, as calibrated (a greedy random
+    # model repeats a few tokens, so the share moves with their patterns)
+    assert 0.8 < res["systems"]["hybrid"]["ffn_sparsity"] < 0.97
+    assert res["predictors"]["agreement_with_gate"]["recall"] > 0.99
     assert res["floor"]["tokens_per_s"] > 0 and len(res["kernel"]["rows"]) == 3
     if "gguf" in done["build"]:
         assert Path(done["build"]["gguf"]["path"]).exists()
