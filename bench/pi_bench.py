@@ -19,17 +19,20 @@ CPU smoke test: python bench/pi_bench.py --stage all --device cpu --shape tiny -
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime/__init__.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from powerinfer.hardware import openmp_wait_policy  # noqa: E402
+
+OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -608,7 +611,8 @@ def main(argv=None) -> dict:
     import numba
 
     common = {"machine": machine_info("numba", "transformers", "accelerate", "pulp", "highspy"),
-              "numba_threads": numba.get_num_threads(), "command": "python " + " ".join(sys.argv),
+              "numba_threads": numba.get_num_threads(), "omp_wait_policy": OMP_WAIT_POLICY,
+              "command": "python " + " ".join(sys.argv),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: (sorted(v) if isinstance(v, set) else str(v))
                                                                        for k, v in vars(args).items()}}
     done = {}

@@ -13,16 +13,19 @@ activations, as published for ReLU models). They measure speed, not quality.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see runtime/__init__.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from powerinfer.hardware import openmp_wait_policy  # noqa: E402
+
+OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -20,6 +20,20 @@ GiB = 2**30
 PER_CORE_DRAM_BW = 12e9  # bytes/s
 
 
+def openmp_wait_policy() -> str:
+    """Choose OMP_WAIT_POLICY, unless the user set it; call before torch loads (libgomp reads it once). Returns it.
+
+    torch and Numba each run a pool of OpenMP threads. Without a GPU they take turns on the same cores at every
+    layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once); CPU decode
+    ran 30x slower without it. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer with
+    ~0.5 ms gaps, and sleeping threads must be woken each time (the 70B-shape hybrid decoded 2.7x slower under
+    PASSIVE on the H100 host, bench/NOTES.md): keep libgomp's default, which spins a while before sleeping."""
+    gpu = os.path.exists("/proc/driver/nvidia/version") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+    if not gpu:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     name: str

@@ -197,8 +197,14 @@ def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, 
 
 
 def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
-    """Any float tensor -> C-contiguous uint16 numpy array of its bfloat16 bit patterns (round to nearest even)."""
-    return w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    """Any float tensor -> C-contiguous uint16 numpy array of its bfloat16 bit patterns (round to nearest even).
+
+    The array is numpy's own: numpy asks the kernel for 2 MiB pages for large arrays (madvise), torch does not.
+    Cold rows are read at random row offsets across many GB, where 4 KiB pages cost a page walk per 4 KiB read."""
+    bits = w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
+    out = np.empty(bits.shape, np.uint16)
+    out.view(np.int16)[...] = bits
+    return out
 
 
 def from_bf16_bits(bits: np.ndarray) -> torch.Tensor:
