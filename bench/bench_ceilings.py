@@ -79,46 +79,59 @@ def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
             "sync_round_trip_s": m["sync_latency_s"], "vram_bytes": m["vram_bytes"]}
 
 
-def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0) -> dict:
-    """powerinfer.runtime.kernels.ffn_rows (ReGLU, bf16 rows) on one layer's rows at several row densities.
+def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
+                 rows: dict | None = None, activation: str = "reglu") -> dict:
+    """powerinfer.runtime.kernels.ffn_rows (a gated FFN, bf16 rows) on one layer's rows at several row densities.
 
-    The active rows are drawn among neurons whose gate is positive for x (what a predictor marks active), so each
-    reads its gate, up and down rows: bytes = 3 * d * 2 per active neuron. A new random set per repetition keeps
-    the rows out of the caches."""
+    rows: {"gate", "up", "down_t"} (n, d) bf16 bits of a real layer; default fresh random ones. The active rows are
+    drawn among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and
+    down rows: bytes = 3 * d * 2 per active neuron. A new random set per repetition keeps the rows out of the caches;
+    the sets are drawn first and the calls run back to back, as in decode (one call per layer every ~0.35 ms)."""
     from powerinfer.runtime.kernels import ffn_rows, to_bf16_bits
 
     g = torch.Generator().manual_seed(seed)
-    rows = {k: to_bf16_bits(torch.randn(n, d, generator=g) * 0.02) for k in ("gate", "up", "down_t")}
+    if rows is None:
+        rows = {k: to_bf16_bits(torch.randn(n, d, generator=g) * 0.02) for k in ("gate", "up", "down_t")}
     x = torch.randn(d, generator=g).numpy().astype(np.float32)
-    gate_f = torch.from_numpy(rows["gate"].view(np.int16)).view(torch.bfloat16).float()
-    positive = np.flatnonzero((gate_f @ torch.from_numpy(x)).numpy() > 0)
+    gate_f = (rows["gate"].astype(np.uint32) << 16).view(np.float32)  # (n, d) float32
+    positive = np.flatnonzero(gate_f @ x > 0)
     del gate_f
     out = np.zeros(d, np.float32)
-    b_up = np.zeros(n, np.float32)
     rng = np.random.default_rng(seed)
     res = []
     for dens in densities:
         k = min(len(positive), max(1, int(dens * n)))
         sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
-        ffn_rows("reglu", x, sets[0], rows["gate"], rows["up"], b_up, rows["down_t"], out)  # compile / warm
-        times = [_timed(lambda s=s: ffn_rows("reglu", x, s, rows["gate"], rows["up"], b_up, rows["down_t"], out))
-                 for s in sets[1:]]
+        call = lambda s: ffn_rows(activation, x, s, rows["gate"], rows["up"], None, rows["down_t"], out)  # noqa: E731
+        call(sets[0])  # compile / warm
+        times = [_timed(lambda s=s: call(s)) for s in sets[1:]]
         nbytes = k * 3 * d * 2
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
                     "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times)})
-    return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "rows": res}
+    return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "activation": activation, "rows": res}
 
 
 def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outside_gpu_bytes: int = 0) -> dict:
     """Per token: sum over layers of max(gpu_bytes / HBM bw, active cold bytes / DRAM bw) + a sync for each layer with
     active cold bytes, plus the GPU reads outside the layers (LM head, final norm).
 
-    layers: [{"gpu_bytes": bytes read on the GPU per token, "cold_bytes": active cold bytes read per token}]"""
-    per = []
+    The serial floor keeps the order a decoder layer imposes: its FFN input needs its attention (and the predictor
+    its mask), so those `serial_gpu_bytes` are read before the CPU can start; only the rest of the GPU's bytes (the
+    hot rows) overlap the cold ones: serial_gpu_bytes / HBM + max(rest / HBM, cold / DRAM) + sync.
+
+    layers: [{"gpu_bytes": bytes read on the GPU per token, "cold_bytes": active cold bytes read per token,
+              "serial_gpu_bytes" (optional, default 0): the part of gpu_bytes read before the FFN}]"""
+    per, serial = [], []
     for row in layers:
         g, c = row["gpu_bytes"] / hbm_bw, row["cold_bytes"] / dram_bw
-        per.append(max(g, c) + (sync_s if row["cold_bytes"] > 0 else 0.0))
+        s = row.get("serial_gpu_bytes", 0) / hbm_bw
+        sync = sync_s if row["cold_bytes"] > 0 else 0.0
+        per.append(max(g, c) + sync)
+        serial.append(s + max(g - s, c) + sync)
     total = sum(per) + outside_gpu_bytes / hbm_bw
+    total_serial = sum(serial) + outside_gpu_bytes / hbm_bw
     return {"seconds_per_token": total, "tokens_per_s": 1 / total if total > 0 else float("inf"),
             "per_layer_s": per, "gpu_bound_layers": sum(r["gpu_bytes"] / hbm_bw >= r["cold_bytes"] / dram_bw
-                                                        for r in layers)}
+                                                        for r in layers),
+            "serial_seconds_per_token": total_serial,
+            "serial_tokens_per_s": 1 / total_serial if total_serial > 0 else float("inf")}

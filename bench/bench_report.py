@@ -70,7 +70,7 @@ def markdown(res: dict) -> str:
     mach = res.get("machine", {})
     lines = [f"pi_bench, {mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores, {res.get('created', '')}: "
              f"{m.get('shape')} shapes, {m.get('layers')} layers, {m.get('bytes', {}).get('total', 0) / 1e9:.1f} GB "
-             f"fp16, RANDOM weights with calibrated power-law firing, synthetic predictor masks; GPU budget "
+             f"fp16, RANDOM weights with calibrated power-law firing, exact predictors of trained size; GPU budget "
              f"{m.get('budget_bytes', 0) / 1e9:.2f} GB ({100 * m.get('budget_share', 0):.0f}% of the model bytes).", "",
              "| system | decode tok/s | x llama.cpp layer split | share of the floor | notes |",
              "|---|---|---|---|---|"]
@@ -89,6 +89,10 @@ def markdown(res: dict) -> str:
     if floor_tps:
         lines.append(f"| floor (measured ceilings, the hybrid run's active bytes) | {_fmt(floor_tps)} | "
                      f"{_fmt(floor_tps / llama if llama else None)} | 1.00 | |")
+        serial = res["floor"].get("serial_tokens_per_s")
+        if serial:
+            lines.append(f"| serial floor (each layer's attention and predictor before its FFN) | {_fmt(serial)} | "
+                         f"{_fmt(serial / llama if llama else None)} | {_fmt(serial / floor_tps)} | |")
     c = res.get("ceilings", {})
     if c:
         parts = [f"DRAM read {c['dram']['best_bytes_per_s'] / 1e9:.1f} GB/s ({c['dram']['best']})"]
@@ -101,6 +105,12 @@ def markdown(res: dict) -> str:
         lines.append(f"CPU cold-row kernel (ReGLU, bf16 rows, {k.get('threads', '?')} threads): " + ", ".join(
             f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% of DRAM)"
             for r in k["rows"]) + ".")
+    t = s.get("hybrid", {}).get("step_timeline", {})
+    if "step_ms" in t:
+        lines.append(f"Hybrid decode step (host clock, mean of {t['steps']} steps): {t['step_ms']:.1f} ms = waits for "
+                     f"each layer's attention + predictor graph {t['sum_wait_pre_ms']:.1f} ms + CPU cold part "
+                     f"{t['sum_cold_ms']:.1f} ms + LM head {t['final_ms']:.2f} ms; OpenMP wait policy: "
+                     f"{res.get('omp_wait_policy', 'not recorded')}.")
     p = res.get("profile")
     if p:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "

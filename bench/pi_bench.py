@@ -387,13 +387,10 @@ def predictor_time(preds, d: int, device: str, reps: int = 50) -> dict:
     eager = timed(lambda: [p.mask(x) for p in layers])
     out = {"ms_per_token": eager, "ms_per_token_eager": eager, "layers": len(layers), "in_graph": False}
     if device == "cuda":
+        from powerinfer.runtime.layout import warm_up
+
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for p in layers:
-                p.mask(x)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up(x.device, lambda: [p.mask(x) for p in layers], times=1)
         with torch.cuda.graph(graph):
             for p in layers:
                 p.mask(x)
@@ -445,14 +442,16 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
     rows = []
     for r in hybrid["per_layer_counts"]:
         tok = max(r["tokens"], 1)
-        rows.append({"gpu_bytes": mb["attention_per_layer"] + 4 * d + r["n_hot"] * per_neuron + pred_bytes / layers,
+        before_ffn = mb["attention_per_layer"] + 4 * d + pred_bytes / layers  # attention, norms, predictor
+        rows.append({"gpu_bytes": before_ffn + r["n_hot"] * per_neuron, "serial_gpu_bytes": before_ffn,
                      "cold_bytes": r["active_cold"] / tok * per_neuron})
     hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
     sync = c.get("sync_round_trip_s", 0.0)
     f = ceil.floor(rows, hbm, c["dram"]["best_bytes_per_s"], sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
     return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": c["dram"]["best_bytes_per_s"], "sync_s": sync,
                             "layers": rows, "lm_head_bytes": vocab * d * 2,
-                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer; LM head once"}}
+                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer (serial: all but the hot rows); "
+                                    "LM head once"}}
 
 
 def stage_bench(args, work: Path) -> dict:

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import bench_ceilings  # noqa: E402
 import tiny  # noqa: E402
 from powerinfer.models import ModelSource, load_model, wrap_model  # noqa: E402
 from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
@@ -211,7 +212,9 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
         res["modes"][name] = row
         if name == "hybrid":
             res["timing"] = timing(rt, prompt, min(tokens, 16))
-            res["kernel"] = kernel_micro(rt.ffns[0])
+            f = rt.ffns[0]  # the cold kernel on this layer's rows (0.0: the parallel region's fixed cost)
+            res["kernel"] = bench_ceilings.kernel_bench(f.d_model, f.n_cold, (0.0, 0.05, 0.10, 0.20), rows={
+                "gate": f.gate_cold, "up": f.up_cold, "down_t": f.down_t_cold}, activation=f.activation)
         del rt, lm
         if DEV == "cuda":
             torch.cuda.empty_cache()
@@ -242,33 +245,6 @@ def timing(rt, prompt, tokens: int) -> dict:
     return {"per_layer": rows, "timeline_one_token": timeline, "tokens": tokens,
             "sum_ffn_ms": sum(r["ffn_ms"] for r in rows), "sum_cpu_kernel_ms": sum(r["cpu_kernel_ms"] for r in rows),
             "sum_gpu_hot_ms": sum(r["gpu_hot_ms"] for r in rows), "sum_overlap_ms": sum(r["overlap_ms"] for r in rows)}
-
-
-def kernel_micro(f, densities=(0.0, 0.05, 0.10, 0.20, 1.0), reps: int = 50) -> list[dict]:
-    """The cold kernel alone on one layer's cold rows: ms per call at a share of rows active (0: the parallel
-    region's fixed cost). x is random, so about half the ReLU gates are zero and skip their up and down rows:
-    `rows_GBps` counts every active neuron's 3 rows, `read_GBps` the rows actually read."""
-    from powerinfer.runtime.kernels import ffn_rows
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(f.d_model).astype(np.float32)
-    out = np.zeros(f.d_model, np.float32)
-    gates = (f.gate_cold.astype(np.uint32) << 16).view(np.float32) @ x if f.gated else None  # (n_cold,)
-    rows = []
-    for share in densities:
-        idx = np.sort(rng.choice(f.n_cold, int(share * f.n_cold), replace=False)).astype(np.int64)
-        ffn_rows(f.activation, x, idx, f.gate_cold, f.up_cold, f.b_up_cold, f.down_t_cold, out)
-        t = time.perf_counter()
-        for _ in range(reps):
-            ffn_rows(f.activation, x, idx, f.gate_cold, f.up_cold, f.b_up_cold, f.down_t_cold, out)
-        ms = 1e3 * (time.perf_counter() - t) / reps
-        row_bytes = f.d_model * 2
-        n_read = len(idx) * 3 if gates is None else len(idx) + 2 * int((gates[idx] > 0).sum())
-        rows.append({"active_share": share, "active_rows": len(idx), "ms": ms,
-                     "rows_GBps": len(idx) * 3 * row_bytes / (ms / 1e3) / 1e9 if ms else None,
-                     "read_GBps": n_read * row_bytes / (ms / 1e3) / 1e9 if ms else None})
-        print("kernel", rows[-1], flush=True)
-    return rows
 
 
 def main() -> None:

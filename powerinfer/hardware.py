@@ -26,12 +26,16 @@ def openmp_wait_policy() -> str:
     torch and Numba each run a pool of OpenMP threads. Without a GPU they take turns on the same cores at every
     layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once); CPU decode
     ran 30x slower without it. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer with
-    ~0.5 ms gaps, and sleeping threads must be woken each time (the 70B-shape hybrid decoded 2.7x slower under
-    PASSIVE on the H100 host, bench/NOTES.md): keep libgomp's default, which spins a while before sleeping."""
+    ~0.35 ms gaps, and threads asleep must be woken each time: on the H100 host the 70B-shape hybrid decoded at
+    14.7 tok/s under PASSIVE, 43.5 under libgomp's default and 45.6 under ACTIVE (bench/NOTES.md). So ACTIVE, with
+    the spin bounded (GOMP_SPINCOUNT, about a second at most) so that idle threads go to sleep between requests."""
     gpu = os.path.exists("/proc/driver/nvidia/version") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
-    if not gpu:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if gpu else "PASSIVE"
+        if gpu:
+            os.environ.setdefault("GOMP_SPINCOUNT", "10000000")
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return os.environ["OMP_WAIT_POLICY"] + (f", GOMP_SPINCOUNT={spin}" if spin else "")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from powerinfer.runtime.layout import HybridFFN
+from powerinfer.runtime.layout import HybridFFN, warm_up
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
 
@@ -144,16 +144,14 @@ class StaticDecoder:
     def _capture(self) -> list[Any]:
         fired = [f._fired.clone() for f in self.ffns]
         k, v = [t.clone() for t in self.k], [t.clone() for t in self.v]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, autotuning)
-            for _ in range(2):
-                for i in range(len(self.layers)):
-                    self._pre(i)
-                    self._hot(i)
-                self._final()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+
+        def step() -> None:
+            for i in range(len(self.layers)):
+                self._pre(i)
+                self._hot(i)
+            self._final()
+
+        warm_up(self.device, step)
         graphs, pool = [], None
         for i in range(len(self.layers)):
             pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

@@ -183,15 +183,8 @@ class HybridFFN(nn.Module):
         Eagerly, this GPU work is ~25 small kernel launches per layer and token, ~0.7 ms of CPU time that the CPU
         kernel then waits behind; replayed as graphs it is two launches."""
         xs = x.clone()  # (1, d) static input of both graphs
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
         fired = self._fired.clone()
-        with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, autotuning)
-            for _ in range(2):
-                self._to_host(xs)
-                self._hot(xs)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        torch.cuda.synchronize(x.device)
+        warm_up(x.device, lambda: (self._to_host(xs), self._hot(xs)))
         self._fired.copy_(fired)  # the warm-up fired nothing real
         pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(pre):
@@ -291,6 +284,17 @@ class HybridFFN(nn.Module):
         n_cold_active = int(m_cold.sum())
         self.counts += (1, n_hot_active + n_cold_active, n_hot_active, n_cold_active)
         return np.flatnonzero(m_cold.numpy())
+
+
+def warm_up(device: torch.device, fn, times: int = 2) -> None:
+    """Run `fn` on a side stream and wait for it: what CUDA-graph capture needs first (lazy inits, autotuning)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
 
 
 class OnCPULayer(nn.Module):

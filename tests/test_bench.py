@@ -67,6 +67,13 @@ def test_floor_arithmetic():
     assert f["seconds_per_token"] == pytest.approx(want)
     assert f["tokens_per_s"] == pytest.approx(1 / want)
     assert f["gpu_bound_layers"] == 1
+    assert f["serial_seconds_per_token"] == pytest.approx(want)  # no serial bytes: the same floor
+    # serial: layer 0 reads 2e9 of its 3e9 GPU bytes before its FFN: 1 ms + max(0.5 ms, 10 ms) + 30 us
+    layers[0]["serial_gpu_bytes"] = 2e9
+    layers[2]["serial_gpu_bytes"] = 2e9  # all of it: 1 ms + max(0, 0)
+    f = ceil.floor(layers, hbm_bw=2e12, dram_bw=1e11, sync_s=30e-6, outside_gpu_bytes=1e9)
+    assert f["seconds_per_token"] == pytest.approx(want)
+    assert f["serial_seconds_per_token"] == pytest.approx(want + 1e-3)
 
 
 def test_gpu_layers_for_budget():
