@@ -26,9 +26,9 @@ def openmp_wait_policy() -> str:
     torch and Numba each run a pool of OpenMP threads. Without a GPU they take turns on the same cores at every
     layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once); CPU decode
     ran 30x slower without it. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer with
-    ~0.35 ms gaps, and threads asleep must be woken each time: on the H100 host the 70B-shape hybrid decoded at
-    14.7 tok/s under PASSIVE, 43.5 under libgomp's default and 45.6 under ACTIVE (bench/NOTES.md). So ACTIVE, with
-    the spin bounded (GOMP_SPINCOUNT, about a second at most) so that idle threads go to sleep between requests."""
+    ~0.35 ms gaps, and threads asleep must be woken each time: the 70B-shape hybrid decoded at 14.7 tok/s under
+    PASSIVE and 40.3 under ACTIVE on one H100 host, 43.5 under libgomp's default and 45.6 under ACTIVE on another
+    (bench/NOTES.md). So ACTIVE, with the spin bounded (GOMP_SPINCOUNT) so that idle threads go to sleep."""
     gpu = os.path.exists("/proc/driver/nvidia/version") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if gpu else "PASSIVE"
