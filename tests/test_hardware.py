@@ -45,3 +45,21 @@ def test_measure_without_cuda_keeps_preset_gpu_values():
     assert isinstance(h, HardwareSpec) and h.cpu_bw > 1e8 and h.cores >= 1
     assert (h.vram_bytes, h.gpu_bw, h.pcie_bw) == (base.vram_bytes, base.gpu_bw, base.pcie_bw)
     assert any("no CUDA" in n for n in notes)
+
+
+def test_openmp_wait_policy_by_gpu(monkeypatch):
+    from powerinfer import hardware
+
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hardware.os.path, "exists", lambda p: False)  # no NVIDIA driver
+    assert hardware.openmp_wait_policy() == "PASSIVE" and "GOMP_SPINCOUNT" not in hardware.os.environ
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(hardware.os.path, "exists", lambda p: p == "/proc/driver/nvidia/version")
+    assert hardware.openmp_wait_policy() == "ACTIVE, GOMP_SPINCOUNT=10000000"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user's choice is kept
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert hardware.openmp_wait_policy() == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden: as without one
+    assert hardware.openmp_wait_policy() == "PASSIVE"
