@@ -25,7 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
+import pi_bench  # noqa: E402  (imports powerinfer.* from this checkout; host_memory)
 
 import bench_ceilings as ceil  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
@@ -99,8 +99,8 @@ def gated_prefetch(x, idx, gate, up, down_t, out, threads, lines):  # ReGLU only
     K._reduce(part, out)
 
 
-def _huge_kb() -> int:
-    return int(next(line for line in open("/proc/meminfo") if line.startswith("AnonHugePages")).split()[1])
+def _huge_mb() -> float:
+    return 1024 * pi_bench.host_memory()["AnonHugePages"]
 
 
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
@@ -109,12 +109,12 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
         facts[cmd] = subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
     res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(2 * 2**30)}
     g = torch.Generator().manual_seed(0)
-    h0 = _huge_kb()
+    h0 = _huge_mb()
     rows_torch = {k: torch.randn(n, d, generator=g).mul_(0.02).to(torch.bfloat16).view(torch.int16).numpy()
                   .view(np.uint16) for k in ("gate", "up", "down_t")}  # torch-owned memory
-    h1 = _huge_kb()
+    h1 = _huge_mb()
     rows_np = {k: K.to_bf16_bits(torch.from_numpy(v.view(np.int16)).view(torch.bfloat16)) for k, v in rows_torch.items()}
-    res.update(torch_alloc_hugepages_mb=(h1 - h0) / 1024, numpy_alloc_hugepages_mb=(_huge_kb() - h1) / 1024)
+    res.update(torch_alloc_hugepages_mb=h1 - h0, numpy_alloc_hugepages_mb=_huge_mb() - h1)
     x = torch.randn(d, generator=g).numpy()
     positive = np.flatnonzero((rows_np["gate"].astype(np.uint32) << 16).view(np.float32) @ x > 0)
     o = np.zeros(d, np.float32)

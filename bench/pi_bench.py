@@ -197,7 +197,7 @@ def write_predictors(args, run: Path, model: bm.BenchModel) -> dict:
 def predictor_agreement(model: bm.BenchModel, preds: dict, tokens: int = 64) -> dict:
     """Share of (token, neuron) pairs where the predictor's mask equals gate . x > 0, on layer 0's FFN inputs of random
     tokens, with the recall and precision of firing."""
-    d, n, *_, vocab = bm.SHAPES[model.shape]
+    vocab = bm.SHAPES[model.shape][4]
     dev = next(model.lm.model.parameters()).device
     ids = torch.randint(0, vocab, (1, tokens), device=dev, generator=torch.Generator(dev).manual_seed(11))
     x = bm._ffn_input(model.lm, 0, ids).half()  # (tokens, d)

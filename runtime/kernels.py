@@ -201,9 +201,8 @@ def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
 
     The array is numpy's own: numpy asks the kernel for 2 MiB pages for large arrays (madvise), torch does not.
     Cold rows are read at random row offsets across many GB, where 4 KiB pages cost a page walk per 4 KiB read."""
-    bits = w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy()
-    out = np.empty(bits.shape, np.uint16)
-    out.view(np.int16)[...] = bits
+    out = np.empty(tuple(w.shape), np.uint16)
+    torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).copy_(w.detach())  # converts and moves in one copy
     return out
 
 
