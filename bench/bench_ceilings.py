@@ -80,35 +80,37 @@ def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
 
 
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
-                 rows: dict | None = None, activation: str = "reglu") -> dict:
-    """powerinfer.runtime.kernels.ffn_rows (a gated FFN, bf16 rows) on one layer's rows at several row densities.
+                 rows=None, activation: str = "reglu", dtype: str = "bf16") -> dict:
+    """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
-    rows: {"gate", "up", "down_t"} (n, d) bf16 bits of a real layer; default fresh random ones. The active rows are
-    drawn among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and
-    down rows: bytes = 3 * d * 2 per active neuron. A new random set per repetition keeps the rows out of the caches;
-    the sets are drawn first and the calls run back to back, as in decode (one call per layer every ~0.35 ms)."""
-    from powerinfer.runtime.kernels import ffn_rows, to_bf16_bits
+    rows: a layer's kernels.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
+    among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
+    rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales). A new random set per
+    repetition keeps the rows out of the caches; the sets are drawn first and the calls run back to back, as in
+    decode (one call per layer every ~0.35 ms)."""
+    from powerinfer.runtime.kernels import ColdRows, ffn_rows
 
     g = torch.Generator().manual_seed(seed)
     if rows is None:
-        rows = {k: to_bf16_bits(torch.randn(n, d, generator=g) * 0.02) for k in ("gate", "up", "down_t")}
+        w = lambda: torch.randn(n, d, generator=g) * 0.02  # noqa: E731
+        rows = ColdRows.from_weights(w(), w(), None, w(), dtype)
     x = torch.randn(d, generator=g).numpy().astype(np.float32)
-    gate_f = (rows["gate"].astype(np.uint32) << 16).view(np.float32)  # (n, d) float32
-    positive = np.flatnonzero(gate_f @ x > 0)
-    del gate_f
+    positive = np.flatnonzero(rows.float32()["gate"].numpy() @ x > 0)
     out = np.zeros(d, np.float32)
+    part = np.empty((numba.get_num_threads(), d), np.float32)
     rng = np.random.default_rng(seed)
     res = []
     for dens in densities:
         k = min(len(positive), max(1, int(dens * n)))
         sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
-        call = lambda s: ffn_rows(activation, x, s, rows["gate"], rows["up"], None, rows["down_t"], out)  # noqa: E731
+        call = lambda s: ffn_rows(activation, x, s, rows, out, part)  # noqa: E731
         call(sets[0])  # compile / warm
         times = [_timed(lambda s=s: call(s)) for s in sets[1:]]
-        nbytes = k * 3 * d * 2
+        nbytes = k * 3 * (d * rows.up.itemsize + rows.scale.shape[2] * 4)
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
                     "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times)})
-    return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "activation": activation, "rows": res}
+    return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "activation": activation,
+            "dtype": rows.dtype, "rows": res}
 
 
 def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outside_gpu_bytes: int = 0) -> dict:

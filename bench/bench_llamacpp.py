@@ -123,7 +123,7 @@ def gguf_module(work: Path):
 
 
 def build(work: Path, cuda: bool, jobs: int) -> dict:
-    """cmake + ninja, target llama-bench only. Returns the binary's path and the seconds taken."""
+    """cmake + ninja, targets llama-bench and llama-quantize. Returns llama-bench's path and the seconds taken."""
     missing = [t for t in ("cmake", "ninja") + (("nvcc",) if cuda else ()) if shutil.which(t) is None]
     if cuda and shutil.which("nvcc") is None and Path("/usr/local/cuda/bin/nvcc").exists():
         missing.remove("nvcc")
@@ -132,13 +132,18 @@ def build(work: Path, cuda: bool, jobs: int) -> dict:
     src = source_dir(work)
     out = work / ("build-cuda" if cuda else "build-cpu")
     binary = out / "bin" / "llama-bench"
-    if binary.exists():
+    if binary.exists() and (out / "bin" / "llama-quantize").exists():
         return {"binary": str(binary), "seconds": 0.0, "cached": True}
     flags = CMAKE_FLAGS + (["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"] if cuda else ["-DGGML_CUDA=OFF"])
     t0 = time.perf_counter()
     _run(["cmake", "-G", "Ninja", "-S", str(src), "-B", str(out), *flags])
     _run(["cmake", "--build", str(out), "--target", "llama-bench", "-j", str(jobs)])
-    return {"binary": str(binary), "seconds": time.perf_counter() - t0, "cached": False, "cmake_flags": flags}
+    row = {"binary": str(binary), "seconds": time.perf_counter() - t0, "cached": False, "cmake_flags": flags}
+    try:  # the 8-bit comparison only: its failure must not cost the fp16 one
+        _run(["cmake", "--build", str(out), "--target", "llama-quantize", "-j", str(jobs)])
+    except subprocess.CalledProcessError as e:
+        row["llama_quantize_error"] = str(e)
+    return {**row, "seconds": time.perf_counter() - t0}
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -202,6 +207,16 @@ def write_gguf(model, path: Path, gguf) -> dict:
     w.close()
     return {"path": str(path), "tensor_bytes": nbytes, "file_bytes": path.stat().st_size,
             "seconds": time.perf_counter() - t0}
+
+
+def quantize(binary_dir: Path, src: Path, dst: Path, kind: str = "Q8_0", threads: int = 16) -> dict:
+    """`llama-quantize src dst kind threads`: the same model with 8-bit weights (Q8_0: 32 weights share an fp16
+    scale, 34 bytes per 32), written to a temp name and renamed."""
+    tmp = dst.with_suffix(".partial")
+    t0 = time.perf_counter()
+    _run([str(binary_dir / "llama-quantize"), str(src), str(tmp), kind, str(threads)])
+    tmp.rename(dst)
+    return {"path": str(dst), "kind": kind, "file_bytes": dst.stat().st_size, "seconds": time.perf_counter() - t0}
 
 
 def llama_bench(binary: str, gguf_path: Path, ngl: int, threads: int, tokens: int, reps: int,

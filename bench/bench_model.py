@@ -227,8 +227,9 @@ def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) 
     return [(c / ids.numel()).cpu().numpy() for c in counts]
 
 
-def model_bytes(shape: str, layers: int, size: int = 2) -> dict:
-    """Bytes of the fp16 model: per layer (attention, FFN, norms), embeddings + head + final norm, total."""
+def model_bytes(shape: str, layers: int, size: float = 2) -> dict:
+    """Bytes of the model at `size` bytes per weight (2: fp16): per layer (attention, FFN, norms), embeddings + head +
+    final norm, total."""
     d, n, heads, kv, vocab = SHAPES[shape]
     hd = d // heads
     attn = d * d * 2 + 2 * d * kv * hd
@@ -240,7 +241,8 @@ def model_bytes(shape: str, layers: int, size: int = 2) -> dict:
             "outside_layers": outside * size, "total": layers * per_layer + outside * size}
 
 
-def gpu_layers_for(budget: int, shape: str, layers: int) -> int:
-    """Whole layers that fit in `budget` after embeddings, head and final norm (llama.cpp -ngl, layer-split)."""
-    b = model_bytes(shape, layers)
+def gpu_layers_for(budget: int, shape: str, layers: int, size: float = 2) -> int:
+    """Whole layers that fit in `budget` after embeddings, head and final norm (llama.cpp -ngl, layer-split), at
+    `size` bytes per weight (2: fp16; 34/32: llama.cpp's Q8_0)."""
+    b = model_bytes(shape, layers, size)
     return max(0, min(layers, int((budget - b["outside_layers"]) // b["layer"])))

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 SPLIT = "llama.cpp -ngl"
+SPLIT_Q8 = "llama.cpp Q8_0 -ngl"
 ALL_GPU_LLAMA = "llama.cpp all layers on the GPU"
+EIGHT_BIT = ("hybrid-int8",)  # systems compared in the 8-bit table, with SPLIT_Q8 and the int8 floor
 
 
 def _rate(systems: dict, name: str) -> float | None:
@@ -17,8 +19,8 @@ def _rate(systems: dict, name: str) -> float | None:
     return float(v) if v else None
 
 
-def _split_name(systems: dict) -> str | None:
-    return next((k for k in systems if k.startswith(SPLIT)), None)
+def _split_name(systems: dict, prefix: str = SPLIT) -> str | None:
+    return next((k for k in systems if k.startswith(prefix)), None)
 
 
 def _goal(value: float | None, goal: float, higher: bool, what: str) -> dict:
@@ -37,10 +39,24 @@ def goals(res: dict) -> dict:
     floor_tps = (res.get("floor") or {}).get("tokens_per_s")
     kern = (res.get("kernel") or {}).get("rows") or []
     pred = (res.get("predictor_time") or {}).get("ms_per_token")
+    hybrid8 = _rate(s, "hybrid-int8")
+    split8 = _split_name(s, SPLIT_Q8)
+    llama8 = _rate(s, split8) if split8 else None
+    floor8 = (res.get("floor_int8") or {}).get("tokens_per_s")
+    kern8 = (res.get("kernel_int8") or {}).get("rows") or []
 
     def ratio(a, b):
         return a / b if a and b else None
 
+    eight_bit = {} if not (hybrid8 or kern8) else {
+        "hybrid_int8_vs_llamacpp_q8_0_layer_split": _goal(
+            ratio(hybrid8, llama8), 20, True, f"8-bit option: hybrid-int8 tok/s / {split8 or 'llama.cpp Q8_0 -ngl'} tok/s"),
+        "hybrid_int8_share_of_int8_floor": _goal(ratio(hybrid8, floor8), 0.70, True,
+                                                 "8-bit option: hybrid-int8 tok/s / its floor tok/s"),
+        "cpu_kernel_int8_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern8) if kern8 else None, 0.80,
+                                                  True, "8-bit option: int8 cold-row kernel bytes/s / DRAM read bytes/s, "
+                                                        "worst of 5/10/20% density"),
+    }
     return {
         "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 20, True,
                                                 f"hybrid tok/s / {split or 'llama.cpp -ngl (budget)'} tok/s"),
@@ -51,6 +67,7 @@ def goals(res: dict) -> dict:
                                              "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
         "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
                                            "predictor ms per token (alone, in a CUDA graph as the runtime runs it) / hybrid ms per token"),
+        **eight_bit,
     }
 
 
@@ -75,6 +92,8 @@ def markdown(res: dict) -> str:
              "| system | decode tok/s | x llama.cpp layer split | share of the floor | notes |",
              "|---|---|---|---|---|"]
     for name, row in s.items():
+        if name in EIGHT_BIT or name.startswith(SPLIT_Q8):
+            continue
         r = _rate(s, name)
         note = row.get("error", "")[:80] if "error" in row else ""
         if name in ("hybrid", "dense"):
@@ -93,6 +112,7 @@ def markdown(res: dict) -> str:
         if serial:
             lines.append(f"| serial floor (each layer's attention and predictor before its FFN) | {_fmt(serial)} | "
                          f"{_fmt(serial / llama if llama else None)} | {_fmt(serial / floor_tps)} | |")
+    lines += eight_bit_table(res)
     c = res.get("ceilings", {})
     if c:
         parts = [f"DRAM read {c['dram']['best_bytes_per_s'] / 1e9:.1f} GB/s ({c['dram']['best']})"]
@@ -100,17 +120,19 @@ def markdown(res: dict) -> str:
             parts += [f"HBM {c['hbm_bytes_per_s'] / 1e9:,.0f} GB/s", f"PCIe H2D {c['pcie_h2d_bytes_per_s'] / 1e9:.1f} / "
                       f"D2H {c['pcie_d2h_bytes_per_s'] / 1e9:.1f} GB/s", f"sync {c['sync_round_trip_s'] * 1e6:.0f} us"]
         lines += ["", "Ceilings: " + "; ".join(parts) + "."]
-    k = res.get("kernel")
-    if k:
-        lines.append(f"CPU cold-row kernel (ReGLU, bf16 rows, {k.get('threads', '?')} threads): " + ", ".join(
-            f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% of DRAM)"
-            for r in k["rows"]) + ".")
-    t = s.get("hybrid", {}).get("step_timeline", {})
-    if "step_ms" in t:
-        lines.append(f"Hybrid decode step (host clock, mean of {t['steps']} steps): {t['step_ms']:.1f} ms = waits for "
-                     f"each layer's attention + predictor graph {t['sum_wait_pre_ms']:.1f} ms + CPU cold part "
-                     f"{t['sum_cold_ms']:.1f} ms + LM head {t['final_ms']:.2f} ms; OpenMP wait policy: "
-                     f"{res.get('omp_wait_policy', 'not recorded')}.")
+    for key, rows in (("kernel", "bf16"), ("kernel_int8", "int8")):
+        k = res.get(key)
+        if k:
+            lines.append(f"CPU cold-row kernel (ReGLU, {rows} rows, {k.get('threads', '?')} threads): " + ", ".join(
+                f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% "
+                f"of DRAM)" for r in k["rows"]) + ".")
+    for name in ("hybrid", "hybrid-int8"):
+        t = s.get(name, {}).get("step_timeline", {})
+        if "step_ms" in t:
+            lines.append(f"{name} decode step (host clock, mean of {t['steps']} steps): {t['step_ms']:.1f} ms = waits "
+                         f"for each layer's attention + predictor graph {t['sum_wait_pre_ms']:.1f} ms + CPU cold part "
+                         f"{t['sum_cold_ms']:.1f} ms + LM head {t['final_ms']:.2f} ms; OpenMP wait policy: "
+                         f"{res.get('omp_wait_policy', 'not recorded')}.")
     p = res.get("profile")
     if p:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "
@@ -122,6 +144,36 @@ def markdown(res: dict) -> str:
         met = {True: "met", False: "NOT met", None: "not measured"}[row["met"]]
         lines.append(f"| {row['what']} | {_fmt(row['value'])} | {row['goal']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def eight_bit_table(res: dict) -> list[str]:
+    """8-bit weights on the CPU: hybrid-int8 (int8 cold rows; hot rows and attention stay fp16 on the GPU) against
+    llama.cpp with the whole model in Q8_0 at the same GPU budget (so more of its layers fit), and the int8 floor."""
+    s = res.get("systems", {})
+    names = [n for n in s if n in EIGHT_BIT or n.startswith(SPLIT_Q8)]
+    if not names:
+        return []
+    split8 = _split_name(s, SPLIT_Q8)
+    llama8 = _rate(s, split8) if split8 else None
+    floor8 = (res.get("floor_int8") or {}).get("tokens_per_s")
+    lines = ["", "8-bit weights on the CPU (hybrid-int8: int8 cold rows with a scale per row, the GPU part fp16; "
+                 "llama.cpp: the whole model in Q8_0, so more layers fit in the same budget):", "",
+             "| system | decode tok/s | x llama.cpp Q8_0 layer split | share of the int8 floor | notes |",
+             "|---|---|---|---|---|"]
+    for name in names:
+        row, r = s[name], _rate(s, name)
+        note = row.get("error", "")[:80] if "error" in row else ""
+        if name in EIGHT_BIT and "error" not in row:
+            note = (f"{row.get('bytes_cpu', 0) / 1e9:.1f} GB of cold rows in CPU RAM, GPU share of activations "
+                    f"{row.get('gpu_activation_share', 0):.3f}")
+        elif name.startswith(SPLIT_Q8):
+            note = f"{row.get('n_gpu_layers')} layers on the GPU"
+        lines.append(f"| {name} | {_fmt(r)} | {_fmt(r / llama8 if r and llama8 else None)} | "
+                     f"{_fmt(r / floor8 if r and floor8 else None)} | {note} |")
+    if floor8:
+        lines.append(f"| floor (measured ceilings, the hybrid-int8 run's active bytes) | {_fmt(floor8)} | "
+                     f"{_fmt(floor8 / llama8 if llama8 else None)} | 1.00 | |")
+    return lines
 
 
 def _load(inputs: list[Path]) -> dict[str, dict]:

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+Q8_0_BYTES_PER_WEIGHT = 34 / 32  # llama.cpp Q8_0: blocks of 32 int8 weights and an fp16 scale
 SUBPACKAGES = {"profiler": "profiler", "solver": "solver", "predictors": "predictors", "runtime": "runtime"}
 
 
@@ -142,7 +143,20 @@ def stage_build(args, work: Path) -> dict:
     if not gpath.exists():
         out["gguf"] = lcpp.write_gguf(model.lm.model, gpath, lcpp.gguf_module(work))
     out["calibration"] = model.calibration
+    del model
+    _free(args.device)
+    bin_dir = work / ("build-cuda" if args.device == "cuda" else "build-cpu") / "bin"
+    q8 = q8_path(args, work)
+    if (bin_dir / "llama-quantize").exists() and not q8.exists():
+        try:
+            out["gguf_q8_0"] = lcpp.quantize(bin_dir, gpath, q8, "Q8_0", args.jobs)
+        except Exception as e:  # noqa: BLE001 - the fp16 comparison does not need it
+            out["gguf_q8_0"] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def q8_path(args, work: Path) -> Path:
+    return work / f"model-{model_key(args)}-q8_0.gguf"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,16 +449,20 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
 
 
 def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> dict:
-    """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons."""
+    """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons and the bytes its
+    cold rows take (bf16, or int8 + a float32 scale per INT8_GROUP weights)."""
+    from powerinfer.runtime.kernels import INT8_GROUP
+
     d, n, heads, kv, vocab = bm.SHAPES[shape]
     mb = bm.model_bytes(shape, layers)
-    per_neuron = 3 * d * 2  # gate, up, down rows in fp16 on the GPU / bf16 on the CPU
+    per_neuron = 3 * d * 2  # gate, up, down rows in fp16 on the GPU
+    per_cold = 3 * (d + 4 * -(-d // INT8_GROUP)) if hybrid.get("cold_dtype") == "int8" else per_neuron  # cold bytes
     rows = []
     for r in hybrid["per_layer_counts"]:
         tok = max(r["tokens"], 1)
         before_ffn = mb["attention_per_layer"] + 4 * d + pred_bytes / layers  # attention, norms, predictor
         rows.append({"gpu_bytes": before_ffn + r["n_hot"] * per_neuron, "serial_gpu_bytes": before_ffn,
-                     "cold_bytes": r["active_cold"] / tok * per_neuron})
+                     "cold_bytes": r["active_cold"] / tok * per_cold})
     hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
     sync = c.get("sync_round_trip_s", 0.0)
     f = ceil.floor(rows, hbm, c["dram"]["best_bytes_per_s"], sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
@@ -493,7 +511,9 @@ def stage_bench(args, work: Path) -> dict:
     plan = [("hybrid", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens, args.reps),
             ("layer-split", RuntimeConfig(mode="layer-split", device=args.device, dtype=dt, vram=budget), None, None,
              args.slow_tokens, 1),
-            ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps)]
+            ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps),
+            ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
+             args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", RuntimeConfig(mode="dense", device=args.device, dtype=dt, vram=budget), placement, None,
                      args.slow_tokens, 1))
@@ -514,7 +534,8 @@ def stage_bench(args, work: Path) -> dict:
         _free(args.device)
 
     ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
-    res["llama_cpp_ngl_at_budget"] = ngl
+    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=Q8_0_BYTES_PER_WEIGHT)
+    res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = ngl, ngl8
     binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
     gpath = work / f"model-{model_key(args)}.gguf"
     if "llama.cpp" in args.systems:
@@ -522,9 +543,12 @@ def stage_bench(args, work: Path) -> dict:
             skipped["llama.cpp"] = f"not built in {work}: run --stage build on this machine first"
         else:
             threads = args.threads or os.cpu_count()
-            for label, k in ((f"llama.cpp -ngl {ngl}", ngl), ("llama.cpp all layers on the GPU", args.layers + 1)):
+            runs = [(f"llama.cpp -ngl {ngl}", ngl, gpath), ("llama.cpp all layers on the GPU", args.layers + 1, gpath)]
+            if q8_path(args, work).exists():
+                runs.append((f"llama.cpp Q8_0 -ngl {ngl8}", ngl8, q8_path(args, work)))
+            for label, k, path in runs:
                 if dl.allows(args.estimates.get("llama.cpp", 60), label, skipped):
-                    systems[label] = lcpp.llama_bench(str(binary), gpath, k, threads, args.llama_tokens,
+                    systems[label] = lcpp.llama_bench(str(binary), path, k, threads, args.llama_tokens,
                                                       args.llama_reps, max(30, dl.left()))
                     print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
     if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
@@ -536,13 +560,15 @@ def stage_bench(args, work: Path) -> dict:
     res["systems"] = systems
     del base, model
     _free(args.device)
-    if dl.allows(20, "kernel", skipped):
-        d, n = bm.SHAPES[args.shape][:2]
-        res["kernel"] = ceil.kernel_bench(d, n)
-        for r in res["kernel"]["rows"]:
-            r["share_of_dram_bw"] = r["bytes_per_s"] / c["dram"]["best_bytes_per_s"]
-    if "hybrid" in systems and "error" not in systems["hybrid"]:
-        res["floor"] = floor_from_hybrid(systems["hybrid"], c, args.shape, args.layers, preds["bytes"])
+    for key, cold_dtype in (("kernel", "bf16"), ("kernel_int8", "int8")):
+        if dl.allows(20, key, skipped):
+            d, n = bm.SHAPES[args.shape][:2]
+            res[key] = ceil.kernel_bench(d, n, dtype=cold_dtype)
+            for r in res[key]["rows"]:
+                r["share_of_dram_bw"] = r["bytes_per_s"] / c["dram"]["best_bytes_per_s"]
+    for key, name in (("floor", "hybrid"), ("floor_int8", "hybrid-int8")):
+        if name in systems and "error" not in systems[name]:
+            res[key] = floor_from_hybrid(systems[name], c, args.shape, args.layers, preds["bytes"])
     res["seconds"] = time.perf_counter() - dl.t0
     return res
 
@@ -573,7 +599,7 @@ def parse(argv=None):
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--llama-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,llama.cpp,accelerate",
+    ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
                     help="comma list; add 'dense' for cold-on-CPU dense at the budget")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -584,7 +610,8 @@ def parse(argv=None):
     args.systems = set(args.systems.split(","))
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
-    args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "dense": 60, "llama.cpp": 45, "accelerate": 60}
+    args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "hybrid-int8": 60, "dense": 60, "llama.cpp": 45,
+                      "accelerate": 60}
     if args.device == "cpu" or args.shape == "tiny":
         args.estimates = {k: 1 for k in args.estimates}
     return args

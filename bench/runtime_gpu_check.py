@@ -213,8 +213,8 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
         if name == "hybrid":
             res["timing"] = timing(rt, prompt, min(tokens, 16))
             f = rt.ffns[0]  # the cold kernel on this layer's rows (0.0: the parallel region's fixed cost)
-            res["kernel"] = bench_ceilings.kernel_bench(f.d_model, f.n_cold, (0.0, 0.05, 0.10, 0.20), rows={
-                "gate": f.gate_cold, "up": f.up_cold, "down_t": f.down_t_cold}, activation=f.activation)
+            res["kernel"] = bench_ceilings.kernel_bench(f.d_model, f.n_cold, (0.0, 0.05, 0.10, 0.20), rows=f.cold,
+                                                        activation=f.activation)
         del rt, lm
         if DEV == "cuda":
             torch.cuda.empty_cache()

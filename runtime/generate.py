@@ -25,7 +25,7 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
                                text_config)
 from powerinfer.runtime.fast import StaticDecoder
 from powerinfer.runtime.fast import build as build_static
-from powerinfer.runtime.kernels import set_threads
+from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, nbytes
 
 MODES = ("hybrid", "dense", "layer-split")
@@ -38,7 +38,8 @@ class RuntimeConfig:
     mode: str = "hybrid"
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
-    dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU); cold rows are bf16
+    dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
+    cold_dtype: str = "bf16"  # storage of the rows in CPU RAM (kernels.COLD_DTYPES): bf16, or int8 (half the bytes)
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
@@ -51,6 +52,7 @@ PRESETS: dict[str, RuntimeConfig] = {
     "oracle": RuntimeConfig(oracle=True),
     "dense": RuntimeConfig(mode="dense"),
     "layer-split": RuntimeConfig(mode="layer-split"),
+    "hybrid-int8": RuntimeConfig(cold_dtype="int8"),
 }
 
 
@@ -124,6 +126,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     """
     if cfg.mode not in MODES:
         raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
+    if cfg.cold_dtype not in COLD_DTYPES:
+        raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
     device, dtype = device_and_dtype(cfg)
     threads = set_threads(cfg.threads)
     info, n_layers = lm.info, len(lm.layers)
@@ -153,7 +157,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         pred = predictors.layers[i] if mask == "predictor" else None
         ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask,
                         pred.to("cpu", dtype) if pred is not None else None,
-                        None if taus is None else taus[i])
+                        None if taus is None else taus[i], cfg.cold_dtype)
         ffn.use_graphs = cfg.cuda_graphs
         install(lm, i, ffn)
         ffns.append(ffn)
@@ -301,7 +305,8 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "decode_tokens_per_s": steps / t_decode if steps and t_decode else None,
             "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
-            "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "threads": rt.threads,
+            "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
+            "threads": rt.threads,
             "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
 
 

@@ -1,25 +1,31 @@
 """Numba kernels for the cold FFN neurons of one batch-1 token, and their torch twin for the hot ones.
 
-Cold rows live in CPU RAM as bfloat16 bit patterns (uint16: Numba has no 16-bit float type): `gate` and `up`
-rows (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active
-neuron reads three contiguous rows. Each element is widened to float32 inside the dot and axpy loops (a bf16
-pattern is the top half of a float32) and all arithmetic is float32.
+Cold rows live in CPU RAM (`ColdRows`), one contiguous row per neuron and matrix: `gate` and `up` rows
+(n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active neuron
+reads three contiguous rows. They are stored as bfloat16 bit patterns (uint16: Numba has no 16-bit float type), or
+as int8 with a float32 scale per group of INT8_GROUP weights of a row (1.0625 bytes a weight, as llama.cpp's Q8_0).
+Each element is widened to float32 inside the dot and axpy loops, each group's scale is applied once per group (bf16:
+one group of d with scale 1), and all arithmetic is float32.
 
 Work split: the active list is cut into one contiguous chunk per thread; each thread accumulates its neurons'
-`h_j * down_t[j]` into its own partial row; the partial rows are summed at the end (no atomics, deterministic
-for a fixed thread count). The GIL is released, so the GPU (or another Python thread) keeps working.
+`h_j * down_t[j]` into its own row of `part`; then every thread sums one slice of d across those rows (no atomics,
+deterministic for a fixed thread count). The GIL is released, so the GPU (or another Python thread) keeps working.
 
 Two kernels, the activation passed as an integer code (ACT_CODE):
-  ungated_ffn(x, idx, up, b_up, down_t, out, threads, act)   relu, gelu:  h = act(up_j . x + b_j)
-  gated_ffn(x, idx, gate, up, down_t, out, threads, act)     reglu, drelu, swiglu, geglu: h = act(gate_j . x) * up_j . x
-                                                             (drelu: relu(gate_j . x) * relu(up_j . x))
-`threads` = chunks of work (Numba's thread count: numba.get_num_threads() would stop the kernels from caching).
-`out` (d_model,) float32 is overwritten with sum_j h_j * down_t[j]. The down bias is added by the caller once.
+  ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act)  relu, gelu:  h = act(up_j . x + b_j)
+  gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act)    reglu, drelu, swiglu, geglu:
+                                                                       h = act(gate_j . x) * up_j . x
+                                                                       (drelu: relu(gate_j . x) * relu(up_j . x))
+`scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows.
+`part` (threads, d_model) float32 scratch: its row count is the number of chunks (Numba's thread count: calling
+numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
+sum_j h_j * down_t[j]. The down bias is added by the caller once.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -38,35 +44,53 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 @intrinsic
-def _bf16(typingctx, bits):
-    """uint16 bf16 pattern -> float32 (zero-extend, shift into the top half, reinterpret): a scalar bitcast, which
-    Numba cannot write, so that the widening fuses into the dot and axpy loops and vectorises (no scratch row)."""
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return types.float32(types.uint16), codegen
+def _widen(typingctx, v):
+    """One stored weight -> float32, written so that it fuses into the dot and axpy loops and they vectorise (no
+    scratch row). A bf16 pattern (uint16) is the top half of a float32: zero-extend, shift, reinterpret (a bitcast,
+    which Numba cannot write). An int8 converts; its group's scale is applied once per group."""
+    if v == types.uint16:
+        def codegen(context, builder, signature, args):
+            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(wide, ir.FloatType())
+    elif v == types.int8:
+        def codegen(context, builder, signature, args):
+            return builder.sitofp(args[0], ir.FloatType())
+    else:
+        return None
+    return types.float32(v), codegen
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _dot(x, row):  # (d,) float32 . (d,) bf16 bits
+def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
+    d = x.shape[0]
     s = np.float32(0.0)
-    for k in range(x.shape[0]):
-        s += x[k] * _bf16(row[k])
+    for i in range(sc.shape[0]):
+        lo = i * group
+        xs, rs = x[lo:min(lo + group, d)], row[lo:min(lo + group, d)]  # slices: a loop from 0 vectorises, an offset one
+        p = np.float32(0.0)                                             # range(lo, hi) did not (3x slower)
+        for k in range(xs.shape[0]):
+            p += xs[k] * _widen(rs[k])
+        s += sc[i] * p
     return s
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _axpy(h, row, acc):  # acc (d,) float32 += h * (d,) bf16 bits
-    for k in range(acc.shape[0]):
-        acc[k] += h * _bf16(row[k])
+def _axpy(h, row, sc, group, acc):  # acc (d,) float32 += h * (d,) stored row with (groups,) scales
+    d = acc.shape[0]
+    for i in range(sc.shape[0]):
+        lo = i * group
+        a, rs = acc[lo:min(lo + group, d)], row[lo:min(lo + group, d)]
+        hs = h * sc[i]
+        for k in range(a.shape[0]):
+            a[k] += hs * _widen(rs[k])
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _reduce(part, out):
-    out[:] = 0.0
-    for t in range(part.shape[0]):
-        for k in range(out.shape[0]):
+def _sum_rows(part, T, out, lo, hi):  # out[lo:hi] = sum of part[:T, lo:hi] (t-outer, so the inner loop vectorises)
+    for k in range(lo, hi):
+        out[k] = part[0, k]
+    for t in range(1, T):
+        for k in range(lo, hi):
             out[k] += part[t, k]
 
 
@@ -114,44 +138,53 @@ def _gated_value(act, g, u):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def gated_ffn(x, idx, gate, up, down_t, out, threads, act):
+def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)  # (threads, d_model) partial sums
+    T = _n_chunks(k, part.shape[0])
     for t in prange(T):
+        acc = part[t]  # (d,) this thread's partial sum
+        acc[:] = 0.0
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            g = _dot(x, gate[j])
+            g = _dot(x, gate[j], scale[0, j], group)
             if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
                 continue
-            h = _gated_value(act, g, _dot(x, up[j]))
+            h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
             if h != 0:
-                _axpy(h, down_t[j], part[t])
-    _reduce(part, out)
+                _axpy(h, down_t[j], scale[2, j], group, acc)
+    for c in prange(T):  # the partial rows summed by all threads, one slice of d each
+        _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def ungated_ffn(x, idx, up, b_up, down_t, out, threads, act):
+def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
+    T = _n_chunks(k, part.shape[0])
     for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            a = _dot(x, up[j]) + b_up[j]
+            a = _dot(x, up[j], scale[1, j], group) + b_up[j]
             h = _relu(a) if act == 0 else _gelu_erf(a)
             if h != 0:
-                _axpy(h, down_t[j], part[t])
-    _reduce(part, out)
+                _axpy(h, down_t[j], scale[2, j], group, acc)
+    for c in prange(T):
+        _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, gate: np.ndarray | None, up: np.ndarray,
-             b_up: np.ndarray | None, down_t: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j] (rows bf16 as uint16)."""
+def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", out: np.ndarray,
+             part: np.ndarray | None = None) -> np.ndarray:
+    """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j].
+
+    part: (threads, d) float32 scratch for the per-thread partial sums (made here if None); its row count is the
+    number of chunks the active list is cut into."""
+    if part is None:
+        part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
     if activation in GATED:
-        gated_ffn(x, idx, gate, up, down_t, out, numba.get_num_threads(), ACT_CODE[activation])
+        gated_ffn(x, idx, rows.gate, rows.up, rows.down_t, rows.scale, rows.group, part, out, ACT_CODE[activation])
     else:
-        ungated_ffn(x, idx, up, b_up, down_t, out, numba.get_num_threads(), ACT_CODE[activation])
+        ungated_ffn(x, idx, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out, ACT_CODE[activation])
     return out
 
 
@@ -193,7 +226,12 @@ def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# bf16 storage
+# Cold-row storage: bf16 (default) or int8 with a scale per group of INT8_GROUP weights
+
+COLD_DTYPES = ("bf16", "int8")
+INT8_GROUP = 64  # weights per int8 scale. SmolLM2-135M, every neuron cold: perplexity +3.5% with one scale per row of
+#                  576, +0.3% with groups of 64 (bench/results/cold-int8-quality-smollm2.json)
+QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
 
 
 def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
@@ -209,6 +247,77 @@ def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
 def from_bf16_bits(bits: np.ndarray) -> torch.Tensor:
     """uint16 bf16 patterns -> float32 torch tensor (a copy)."""
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+
+
+def to_int8_groups(w: torch.Tensor, group: int = INT8_GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """(n, d) float -> (n, d) int8 (numpy-owned, as to_bf16_bits) and (n, ceil(d / group)) float32 scales: symmetric
+    per group of `group` weights along d (the last group may be shorter), scale = max|w| / 127, q = round(w / scale).
+    Computed on w's device, QUANT_CHUNK rows at a time."""
+    n, d = w.shape
+    ng = -(-d // group)
+    q, scale = np.empty((n, d), np.int8), np.empty((n, ng), np.float32)
+    for s in range(0, n, QUANT_CHUNK):
+        c = torch.nn.functional.pad(w[s:s + QUANT_CHUNK].detach().float(), (0, ng * group - d))  # (rows, ng * group)
+        c = c.view(c.shape[0], ng, group)
+        sc = c.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127  # (rows, ng); zero groups stay 0
+        qc = torch.round(c / sc[:, :, None]).clamp_(-127, 127).to(torch.int8).view(c.shape[0], ng * group)[:, :d]
+        torch.from_numpy(q[s:s + QUANT_CHUNK]).copy_(qc)
+        scale[s:s + QUANT_CHUNK] = sc.cpu().numpy()
+    return q, scale
+
+
+def from_int8_groups(q: np.ndarray, scale: np.ndarray, group: int) -> torch.Tensor:
+    """The float32 weights (n, d) that int8 rows and their group scales stand for (a torch tensor, a copy)."""
+    n, d = q.shape
+    per_weight = torch.from_numpy(scale).repeat_interleave(group, dim=1)[:, :d]  # (n, d)
+    return torch.from_numpy(q).float() * per_weight
+
+
+@dataclass(frozen=True)
+class ColdRows:
+    """One layer's cold neurons in CPU RAM, one contiguous row per neuron and matrix, as the kernels read them.
+
+    bf16: rows are bfloat16 bit patterns (uint16), one group of d per row, `scale` all ones. int8: rows are int8 with a
+    float32 scale per `group` weights (w ~ scale * q, an error of at most scale / 2 per weight): 1.0625 bytes a weight,
+    so a token reads about half the bytes from DRAM."""
+
+    gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
+    up: np.ndarray  # (n, d)
+    down_t: np.ndarray  # (n, d): down.weight[:, cold].T
+    b_up: np.ndarray  # (n,) float32, zeros when the FFN has no up bias
+    scale: np.ndarray  # (3, n, groups) float32: gate, up, down_t scales (gate's unused by ungated FFNs)
+    group: int  # weights per scale along d
+
+    @classmethod
+    def from_weights(cls, gate: torch.Tensor | None, up: torch.Tensor, b_up: torch.Tensor | None,
+                     down_t: torch.Tensor, dtype: str = "bf16") -> "ColdRows":
+        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES)."""
+        if dtype not in COLD_DTYPES:
+            raise ValueError(f"unknown cold-row dtype '{dtype}': choose one of {', '.join(COLD_DTYPES)}")
+        n, d = up.shape
+        bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
+        group = d if dtype == "bf16" else min(INT8_GROUP, max(d, 1))
+        ones = np.ones((n, -(-d // group)), np.float32)
+        store = (lambda w: (to_bf16_bits(w), ones)) if dtype == "bf16" else to_int8_groups  # noqa: E731
+        (g, sg), (u, su), (dt, sd) = (store(gate) if gate is not None else (None, ones)), store(up), store(down_t)
+        return cls(g, u, dt, bias, np.stack([sg, su, sd]), group)
+
+    @property
+    def dtype(self) -> str:
+        return "int8" if self.up.dtype == np.int8 else "bf16"
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.gate, self.up, self.down_t, self.b_up, self.scale) if a is not None)
+
+    def float32(self) -> dict[str, torch.Tensor | None]:
+        """The weights the rows stand for, float32 torch tensors on the CPU (copies): gate, up, down_t, b_up."""
+        def wide(a: np.ndarray | None, s: np.ndarray) -> torch.Tensor | None:
+            if a is None:
+                return None
+            return from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)
+
+        return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
+                "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up)}
 
 
 def set_threads(n: int | None) -> int:

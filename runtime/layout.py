@@ -3,8 +3,8 @@
 Per layer, `HybridFFN` holds
 - hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
   `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
-- cold neurons in CPU RAM as bfloat16 bit patterns (uint16), one contiguous row per neuron:
-  `gate_cold`, `up_cold` (n_cold, d_model), `down_t_cold` (n_cold, d_model), read by the Numba kernels.
+- cold neurons in CPU RAM, `cold` (kernels.ColdRows): one contiguous row per neuron of gate, up and down.T,
+  (n_cold, d_model) each, as bfloat16 bit patterns or int8 with per-row scales (`cold_dtype`), read by Numba.
 The original FFN modules are dropped, so the dense FFN weights never reach the device.
 
 Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 from torch import nn
 
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.kernels import GATED, ffn_rows, ffn_rows_torch, from_bf16_bits, neuron_values, to_bf16_bits
+from powerinfer.runtime.kernels import GATED, ColdRows, ffn_rows, ffn_rows_torch, neuron_values
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -62,7 +63,7 @@ class HybridFFN(nn.Module):
     """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
 
     def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
-                 predictor: nn.Module | None = None, tau: float | None = None):
+                 predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16"):
         super().__init__()
         if mask not in MASKS:
             raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
@@ -88,12 +89,9 @@ class HybridFFN(nn.Module):
         self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].clone())  # (n_hot,)
         self.register_buffer("down_t_hot", down[:, hot].T.contiguous())  # (n_hot, d)
         self.register_buffer("b_down", None if b_down is None else b_down.detach().clone())  # (d,)
-        # cold rows: bf16 bits in CPU RAM, contiguous per neuron
-        self.up_cold = to_bf16_bits(up[cold])  # (n_cold, d) uint16
-        self.gate_cold = to_bf16_bits(gate[cold]) if self.gated else None  # (n_cold, d) uint16
-        self.down_t_cold = to_bf16_bits(down[:, cold].T)  # (n_cold, d) uint16
-        self.b_up_cold = (np.zeros(self.n_cold, np.float32) if b_up is None
-                          else b_up[cold].detach().float().cpu().numpy())  # (n_cold,) float32
+        # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each
+        self.cold = ColdRows.from_weights(gate[cold] if self.gated else None, up[cold],
+                                          None if b_up is None else b_up[cold], down[:, cold].T, cold_dtype)
         self.all_cold = np.arange(self.n_cold, dtype=np.int64)
         self.predictor = predictor
         self.use_graphs = True  # CUDA: replay the per-token GPU work as two CUDA graphs (see _decode)
@@ -105,8 +103,7 @@ class HybridFFN(nn.Module):
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def cold_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.up_cold, self.gate_cold, self.down_t_cold, self.b_up_cold)
-                   if a is not None)
+        return self.cold.nbytes()
 
     def reset_counts(self) -> None:
         self.counts[:] = 0
@@ -122,9 +119,7 @@ class HybridFFN(nn.Module):
 
     def _cold_f32(self) -> dict[str, torch.Tensor]:
         if self._f32 is None:
-            self._f32 = {"up": from_bf16_bits(self.up_cold), "down_t": from_bf16_bits(self.down_t_cold),
-                         "gate": from_bf16_bits(self.gate_cold) if self.gated else None,
-                         "b_up": torch.from_numpy(self.b_up_cold)}
+            self._f32 = self.cold.float32()
         return self._f32
 
     def _host_io(self, x: torch.Tensor) -> dict[str, Any]:
@@ -134,8 +129,9 @@ class HybridFFN(nn.Module):
             host_x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) FFN input on the host
             host_m = torch.zeros(self.n_cold, dtype=torch.bool, pin_memory=pin)  # (n_cold,) cold mask on the host
             host_out = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) CPU partial sum
+            part = np.empty((numba.get_num_threads(), self.d_model), np.float32)  # (threads, d) kernel scratch
             self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": host_x.numpy(), "m_np": host_m.numpy(),
-                        "out_np": host_out.numpy(), "graphs": None}
+                        "out_np": host_out.numpy(), "part": part, "graphs": None}
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
 
@@ -268,8 +264,7 @@ class HybridFFN(nn.Module):
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
             idx = self._oracle(x, io["x"])
         if self.n_cold:
-            ffn_rows(self.activation, io["x_np"], idx, self.gate_cold, self.up_cold, self.b_up_cold,
-                     self.down_t_cold, io["out_np"])
+            ffn_rows(self.activation, io["x_np"], idx, self.cold, io["out_np"], io["part"])
         return idx
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:

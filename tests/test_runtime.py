@@ -30,63 +30,101 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return K.to_bf16_bits(torch.from_numpy(a))
 
 
-def _widen64(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+def _widen64(rows: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
+    """Stored rows (bf16 bits or int8) and their (n, groups) scales -> the float64 weights they stand for."""
+    if rows.dtype == np.int8:
+        per_weight = np.repeat(scale.astype(np.float64), group, axis=1)[:, :rows.shape[1]]  # (n, d)
+        return rows.astype(np.float64) * per_weight
+    return (rows.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def reference(act: str, x, idx, gate, up, b_up, down_t) -> np.ndarray:
-    """float64 numpy: sum over j in idx of h_j(x) * down_t[j]."""
+def reference(act: str, x, idx, rows: K.ColdRows) -> np.ndarray:
+    """float64 numpy: sum over j in idx of h_j(x) * down_t[j], from the weights the stored rows stand for."""
     from math import erf
 
     x = x.astype(np.float64)
-    u = _widen64(up)[idx] @ x + (0 if b_up is None else b_up[idx].astype(np.float64))
-    g = _widen64(gate)[idx] @ x if gate is not None else None
+    u = _widen64(rows.up, rows.scale[1], rows.group)[idx] @ x
+    g = _widen64(rows.gate, rows.scale[0], rows.group)[idx] @ x if rows.gate is not None else None
+    if g is None:
+        u = u + rows.b_up[idx].astype(np.float64)
     gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
     h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + np.vectorize(erf, otypes=[np.float64])(u / np.sqrt(2))),
          "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
          "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
-    return h @ _widen64(down_t)[idx]
+    return h @ _widen64(rows.down_t, rows.scale[2], rows.group)[idx]
 
 
+def random_rows(rng, act: str, d: int, n: int, dtype: str) -> K.ColdRows:
+    w = lambda: torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d))  # noqa: E731
+    gated = act in K.GATED
+    b_up = None if gated else torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.1)
+    return K.ColdRows.from_weights(w() if gated else None, w(), b_up, w(), dtype)
+
+
+@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
 @pytest.mark.parametrize("act", list(K.ACT_CODE))
-@pytest.mark.parametrize("d,n", [(37, 23), (64, 129)])
+@pytest.mark.parametrize("d,n", [(37, 23), (64, 129), (200, 40)])  # int8: one group, one, three and a short one
 @pytest.mark.parametrize("which", ["empty", "all", "random", "one"])
-def test_kernel_matches_float64_reference(act, d, n, which):
-    rng = np.random.default_rng(hash((act, d, n, which)) % 2**32)
+def test_kernel_matches_float64_reference(act, d, n, which, dtype):
+    rng = np.random.default_rng(hash((act, d, n, which, dtype)) % 2**32)
     x = rng.standard_normal(d).astype(np.float32)
-    gate, up, down_t = (_bf16(rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)) for _ in range(3))
-    b_up = rng.standard_normal(n).astype(np.float32) * 0.1
+    rows = random_rows(rng, act, d, n, dtype)
+    assert rows.dtype == dtype
     idx = {"empty": np.zeros(0, np.int64), "all": np.arange(n, dtype=np.int64), "one": np.array([n - 1]),
            "random": np.flatnonzero(rng.random(n) < 0.4)}[which].astype(np.int64)
-    gated = act in K.GATED
     out = np.full(d, np.nan, np.float32)  # must be overwritten
-    K.ffn_rows(act, x, idx, gate if gated else None, up, None if gated else b_up, down_t, out)
-    ref = reference(act, x, idx, gate if gated else None, up, None if gated else b_up, down_t)
+    part = np.full((3, d), np.nan, np.float32)  # scratch: its contents must not matter
+    K.ffn_rows(act, x, idx, rows, out, part)
+    ref = reference(act, x, idx, rows)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
-    # the torch backend (hot neurons) against the same reference
-    t = lambda a: torch.from_numpy(_widen64(a)[idx])  # noqa: E731
-    y = K.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t(gate) if gated else None, t(up),
-                         None if gated else torch.from_numpy(b_up[idx].astype(np.float64)), t(down_t))[0]
-    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-9, atol=1e-12)
+    # the torch backend (hot neurons) against the same reference, on the same weights
+    w = rows.float32()
+    t = lambda name: None if w[name] is None else w[name][idx].double()  # noqa: E731
+    y = K.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t("gate"), t("up"),
+                         None if act in K.GATED else t("b_up"), t("down_t"))[0]
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-6, atol=1e-6)  # int8: q * scale rounded to float32
 
 
-def test_kernel_threads_do_not_change_the_result():
+@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
+def test_kernel_threads_do_not_change_the_result(dtype):
     rng = np.random.default_rng(1)
     d, n = 48, 200
     x = rng.standard_normal(d).astype(np.float32)
-    gate, up, down_t = (_bf16(rng.standard_normal((n, d)).astype(np.float32)) for _ in range(3))
+    rows = random_rows(rng, "swiglu", d, n, dtype)
     idx = np.arange(n, dtype=np.int64)
-    outs = []
-    for threads in (1, 3):
-        out = np.empty(d, np.float32)
-        K.gated_ffn(x, idx, gate, up, down_t, out, threads, K.ACT_CODE["swiglu"])
-        outs.append(out)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    outs = [K.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((threads, d), np.float32))
+            for threads in (1, 3, 7)]
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_round_trip():
     w = torch.randn(5, 7)
     assert torch.equal(K.from_bf16_bits(K.to_bf16_bits(w)), w.bfloat16().float())
+
+
+def test_int8_groups_round_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(9000, 33, generator=g) * torch.logspace(-3, 1, 9000)[:, None]  # rows of very different sizes
+    w[5, 8:16] = 0  # an all-zero group stays zero
+    q, scale = K.to_int8_groups(w, group=8)  # groups 0-7, ..., 24-31 and a short one, 32
+    assert q.dtype == np.int8 and q.shape == (9000, 33) and scale.shape == (9000, 5)
+    per_weight = torch.from_numpy(np.repeat(scale, 8, axis=1)[:, :33]).double()
+    err = (torch.from_numpy(q).double() * per_weight - w.double()).abs()
+    assert bool((err <= per_weight * (0.5 + 1e-5)).all())
+    assert torch.equal(K.from_int8_groups(q, scale, 8), torch.from_numpy(q).float() * per_weight.float())
+    peak = np.abs(q.astype(np.int32))
+    peak = np.stack([peak[:, i:i + 8].max(axis=1) for i in range(0, 33, 8)], axis=1)  # (n, groups)
+    assert peak[5, 1] == 0 and (np.delete(peak.ravel(), 5 * 5 + 1) == 127).all()  # nonzero groups use the full range
+
+
+def test_cold_rows_bytes_and_bad_dtype():
+    rng = np.random.default_rng(0)
+    bf16, int8 = (random_rows(rng, "reglu", 130, 100, t) for t in ("bf16", "int8"))
+    assert bf16.up.nbytes == 2 * int8.up.nbytes and int8.group == K.INT8_GROUP == 64
+    assert int8.nbytes() == 3 * 100 * 130 + 4 * 100 + 3 * 100 * 3 * 4  # rows, b_up, 3 scales per row (64 + 64 + 2)
+    with pytest.raises(ValueError, match="unknown cold-row dtype 'fp8'.*bf16, int8"):
+        random_rows(rng, "reglu", 8, 4, "fp8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,6 +183,40 @@ def test_layer_split_equals_hf(family, tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     g = check_equal(lm, RuntimeConfig(mode="layer-split", device="cpu", gpu_layers=1))
     assert g.stats["gpu_activation_share"] == 0.5 and g.stats["bytes_cpu"] > 0
+
+
+def quantize_ffns_like_the_runtime(lm) -> None:
+    """FFN weights -> the values int8 cold rows stand for (groups along each neuron's gate/up rows and down column),
+    in place."""
+    with torch.no_grad():
+        for layer in lm.layers:
+            for name, m in lm.adapter.layer_ffn(layer).items():
+                w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
+                back = K.from_int8_groups(*K.to_int8_groups(w), K.INT8_GROUP)
+                m.weight.copy_(back.T if name == "down" else back)
+
+
+@pytest.mark.parametrize("family,cfg,where", [
+    ("llama-reglu", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "cpu"),
+    ("opt", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "mixed"),
+    ("falcon-gelu", RuntimeConfig(mode="dense", device="cpu", cold_dtype="int8"), "cpu"),
+    ("llama-swiglu", RuntimeConfig(mode="layer-split", device="cpu", gpu_layers=1, cold_dtype="int8"), None)])
+def test_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(family, cfg, where, tiny_model_dir):
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    quantize_ffns_like_the_runtime(lm)
+    g = check_equal(lm, cfg, None if where is None else make_placement(lm, where))
+    assert g.stats["cold_dtype"] == "int8"
+
+
+def test_int8_cold_rows_halve_the_cpu_bytes(tiny_model_dir):
+    family = "llama-reglu"
+    b = {t: build_runtime(tiny.load_rounded(tiny_model_dir(family), family),
+                          RuntimeConfig(mode="dense", device="cpu", cold_dtype=t),
+                          make_placement(tiny.load_rounded(tiny_model_dir(family), family), "cpu")).bytes_cpu
+         for t in ("bf16", "int8")}
+    assert b["int8"] < 0.55 * b["bf16"]
+    with pytest.raises(ValueError, match="unknown cold-row dtype 'int4'"):
+        build_runtime(tiny.load_rounded(tiny_model_dir(family), family), RuntimeConfig(device="cpu", cold_dtype="int4"))
 
 
 def always_on_predictors(lm, threshold: float) -> Predictors:

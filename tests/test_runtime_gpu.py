@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from powerinfer.runtime.generate import RuntimeConfig
-from test_runtime import RELU, always_on_predictors, check_equal, make_placement
+from test_runtime import RELU, always_on_predictors, check_equal, make_placement, quantize_ffns_like_the_runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
@@ -59,3 +59,12 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
     cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense")
     g = check_equal(lm, cfg, make_placement(lm, "mixed"), preds, atol=CUDA_ATOL)
     assert g.stats["decode_steps"] > 0
+
+
+def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_dir):
+    """int8 cold rows with the static decoder's graphs and the predictor path on CUDA."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    quantize_ffns_like_the_runtime(lm)
+    cfg = RuntimeConfig(device="cuda", dtype="float32", cold_dtype="int8")
+    g = check_equal(lm, cfg, make_placement(lm, "mixed"), always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
+    assert g.stats["cold_dtype"] == "int8" and g.stats["decode_steps"] > 0
