@@ -1,11 +1,15 @@
-"""The cold kernel against two variants on one LLaMA-2-70B-shaped layer (d 8192, 28672 neurons), and row memory
-from torch (4 KiB pages) vs numpy (2 MiB pages under THP=madvise). Writes OUT/kernel_variants.json.
+"""The cold kernel against variants on one LLaMA-2-70B-shaped layer (d 8192, 28672 neurons), bf16 and int8 rows.
+Writes OUT/kernel_variants.json.
 
-  scratch   the kernel before the fused widening: each bf16 row widened into a per-thread scratch row, then dot/axpy
-  fused     runtime/kernels.py: the widening inside the dot and axpy loops (vectorised)
-  pf1, pf4  fused + software prefetch of the next neuron's rows (1 or 4 cache lines per 4 KiB page)
+  bf16 scratch   the kernel before the fused widening: each row widened into a per-thread scratch row, then dot/axpy
+  bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops)
+  int8 slice     int8 groups of 64 through a loop over slices of unknown length (the kernel's general path)
+  int8 const     runtime/kernels.py: the group loop with a constant trip count
+  * pf4          the runtime kernel + software prefetch of the next neuron's rows (4 cache lines per 4 KiB page)
 
 Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows.
+Results from an earlier form of this script (torch vs numpy row memory, prefetch of 1 line): results/2026-11-22-h100-
+kernel-variants.json, commit 16d962e.
 Usage: python bench/kernel_variants.py OUT [n d]"""
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402  (imports powerinfer.* from this checkout; host_memory)
+import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
 
 import bench_ceilings as ceil  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
@@ -45,111 +49,150 @@ def _prefetch(typingctx, arr, offset):
 
 
 @njit(nogil=True, fastmath=True)
-def _widen(row, scratch):  # (d,) bf16 bits -> (d,) uint32 whose float32 view is the value
+def _scratch_widen(row, scratch):  # (d,) bf16 bits -> (d,) uint32 whose float32 view is the value
     for k in range(row.shape[0]):
         scratch[k] = np.uint32(row[k]) << np.uint32(16)
     return scratch.view(np.float32)
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
-def gated_scratch(x, idx, gate, up, down_t, out, threads):  # ReGLU only
+def bf16_scratch(x, idx, gate, up, down_t, part, out):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
+    T = K._n_chunks(k, part.shape[0])
     scratch = np.empty((T, d), np.uint32)
     for t in prange(T):
+        part[t] = 0
         for q in range(t * k // T, (t + 1) * k // T):
             j = idx[q]
-            f = _widen(gate[j], scratch[t])
+            f = _scratch_widen(gate[j], scratch[t])
             g = np.float32(0.0)
             for i in range(d):
                 g += x[i] * f[i]
             if g <= 0:
                 continue
-            f = _widen(up[j], scratch[t])
+            f = _scratch_widen(up[j], scratch[t])
             u = np.float32(0.0)
             for i in range(d):
                 u += x[i] * f[i]
-            f = _widen(down_t[j], scratch[t])
+            f = _scratch_widen(down_t[j], scratch[t])
             for i in range(d):
                 part[t, i] += g * u * f[i]
-    K._reduce(part, out)
+    K._sum_rows(part, T, out, 0, d)
+
+
+@njit(nogil=True, fastmath=True, inline="always")
+def _dot_slices(x, row, sc, group):  # the kernel's general group loop, whatever the group
+    d, s = x.shape[0], np.float32(0.0)
+    for i in range(sc.shape[0]):
+        lo = i * group
+        xs, rs = x[lo:min(lo + group, d)], row[lo:min(lo + group, d)]
+        p = np.float32(0.0)
+        for k in range(xs.shape[0]):
+            p += xs[k] * K._widen(rs[k])
+        s += sc[i] * p
+    return s
+
+
+@njit(nogil=True, fastmath=True, inline="always")
+def _axpy_slices(h, row, sc, group, acc):
+    d = acc.shape[0]
+    for i in range(sc.shape[0]):
+        lo = i * group
+        a, rs = acc[lo:min(lo + group, d)], row[lo:min(lo + group, d)]
+        hs = h * sc[i]
+        for k in range(a.shape[0]):
+            a[k] += hs * K._widen(rs[k])
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
-def gated_prefetch(x, idx, gate, up, down_t, out, threads, lines):  # ReGLU only
+def int8_slices(x, idx, gate, up, down_t, scale, group, part, out):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, threads)
-    part = np.zeros((T, d), np.float32)
+    T = K._n_chunks(k, part.shape[0])
     for t in prange(T):
+        part[t] = 0
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            g = _dot_slices(x, gate[j], scale[0, j], group)
+            if g <= 0:
+                continue
+            _axpy_slices(g * _dot_slices(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, part[t])
+    K._sum_rows(part, T, out, 0, d)
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReGLU only; the runtime's _dot/_axpy
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    page = 4096 // gate.itemsize  # elements per 4 KiB
+    line = 64 // gate.itemsize
+    for t in prange(T):
+        part[t] = 0
         lo, hi = t * k // T, (t + 1) * k // T
         for q in range(lo, hi):
             if q + 1 < hi:
                 jn = idx[q + 1]
-                for off in range(0, d, 2048):  # 2048 bf16 = one 4 KiB page
-                    for line in range(lines):
-                        _prefetch(gate[jn], off + 32 * line)
-                        _prefetch(up[jn], off + 32 * line)
-                        _prefetch(down_t[jn], off + 32 * line)
+                for off in range(0, d, page):
+                    for m in range(lines):
+                        _prefetch(gate[jn], off + line * m)
+                        _prefetch(up[jn], off + line * m)
+                        _prefetch(down_t[jn], off + line * m)
             j = idx[q]
-            g = K._dot(x, gate[j])
+            g = K._dot(x, gate[j], scale[0, j], group)
             if g <= 0:
                 continue
-            K._axpy(g * K._dot(x, up[j]), down_t[j], part[t])
-    K._reduce(part, out)
-
-
-def _huge_mb() -> float:
-    return 1024 * pi_bench.host_memory()["AnonHugePages"]
+            K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, part[t])
+    K._sum_rows(part, T, out, 0, d)
 
 
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
-    facts = {}
-    for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g"):
-        facts[cmd] = subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
-    res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(2 * 2**30)}
+    facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
+             for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
+    res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(2 * 2**30),
+           "command": "python " + " ".join(sys.argv)}
     g = torch.Generator().manual_seed(0)
-    h0 = _huge_mb()
-    rows_torch = {k: torch.randn(n, d, generator=g).mul_(0.02).to(torch.bfloat16).view(torch.int16).numpy()
-                  .view(np.uint16) for k in ("gate", "up", "down_t")}  # torch-owned memory
-    h1 = _huge_mb()
-    rows_np = {k: K.to_bf16_bits(torch.from_numpy(v.view(np.int16)).view(torch.bfloat16)) for k, v in rows_torch.items()}
-    res.update(torch_alloc_hugepages_mb=h1 - h0, numpy_alloc_hugepages_mb=_huge_mb() - h1)
+    w = {k: torch.randn(n, d, generator=g).mul_(0.02) for k in ("gate", "up", "down_t")}
+    rows = {dt: K.ColdRows.from_weights(w["gate"], w["up"], None, w["down_t"], dt) for dt in K.COLD_DTYPES}
     x = torch.randn(d, generator=g).numpy()
-    positive = np.flatnonzero((rows_np["gate"].astype(np.uint32) << 16).view(np.float32) @ x > 0)
+    positive = np.flatnonzero(w["gate"].numpy() @ x > 0)
+    del w
     o = np.zeros(d, np.float32)
-    T = numba.get_num_threads()
-    ones, part = np.ones((3, n, 1), np.float32), np.empty((T, d), np.float32)  # bf16 rows: one unit scale; scratch
+    part = np.empty((numba.get_num_threads(), d), np.float32)
+    act = K.ACT_CODE["reglu"]
+
+    def kernel(R, s):
+        K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, act)
+
     variants = {
-        "scratch": lambda R, s: gated_scratch(x, s, R["gate"], R["up"], R["down_t"], o, T),
-        "fused": lambda R, s: K.gated_ffn(x, s, R["gate"], R["up"], R["down_t"], ones, d, part, o, K.ACT_CODE["reglu"]),
-        "pf1": lambda R, s: gated_prefetch(x, s, R["gate"], R["up"], R["down_t"], o, T, 1),
-        "pf4": lambda R, s: gated_prefetch(x, s, R["gate"], R["up"], R["down_t"], o, T, 4),
+        ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
+        ("bf16", "fused"): kernel,
+        ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
+        ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
+        ("int8", "const"): kernel,
+        ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
     }
     rng = np.random.default_rng(0)
-    table = []
-    for dens in (0.0, 0.05, 0.10, 0.20):
+    table, checks = [], {}
+    for dens in (0.05, 0.10, 0.20):
         k = int(dens * n)
         sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
-        for alloc, R in (("torch", rows_torch), ("numpy", rows_np)):
-            for name, fn in variants.items():
-                fn(R, sets[0])
-                ts = []
-                for s in sets[1:]:
-                    t0 = time.perf_counter()
-                    fn(R, s)
-                    ts.append(time.perf_counter() - t0)
-                nbytes = k * 3 * d * 2
-                table.append({"density": dens, "alloc": alloc, "variant": name, "active_rows": k,
-                              "best_ms": 1e3 * min(ts), "median_ms": 1e3 * float(np.median(ts)),
-                              "GBps": nbytes / min(ts) / 1e9,
-                              "share_of_dram": nbytes / min(ts) / res["dram"]["best_bytes_per_s"]})
-                print(table[-1], flush=True)
-    outs = []
-    for fn in variants.values():
-        fn(rows_np, sets[1])
-        outs.append(o.copy())
-    res["max_abs_diff_vs_scratch"] = float(max(np.abs(a - outs[0]).max() for a in outs[1:]))
+        for (dt, name), fn in variants.items():
+            R = rows[dt]
+            fn(R, sets[0])
+            checks.setdefault((dt, dens), []).append(o.copy())
+            ts = []
+            for s in sets[1:]:
+                t0 = time.perf_counter()
+                fn(R, s)
+                ts.append(time.perf_counter() - t0)
+            nbytes = k * 3 * (d * R.up.itemsize + 4 * R.scale.shape[2])
+            table.append({"density": dens, "dtype": dt, "variant": name, "active_rows": k,
+                          "best_ms": 1e3 * min(ts), "median_ms": 1e3 * float(np.median(ts)),
+                          "GBps": nbytes / min(ts) / 1e9, "G_weights_per_s": k * 3 * d / min(ts) / 1e9,
+                          "share_of_dram": nbytes / min(ts) / res["dram"]["best_bytes_per_s"]})
+            print(table[-1], flush=True)
+    # every variant of a dtype computes the same sum (float32, another order)
+    res["max_rel_diff_within_dtype"] = float(max(np.abs(a - v[0]).max() / np.abs(v[0]).max()
+                                                 for v in checks.values() for a in v[1:]))
     res["rows"] = table
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_variants.json").write_text(json.dumps(res, indent=1))
