@@ -156,8 +156,8 @@ def eight_bit_table(res: dict) -> list[str]:
     split8 = _split_name(s, SPLIT_Q8)
     llama8 = _rate(s, split8) if split8 else None
     floor8 = (res.get("floor_int8") or {}).get("tokens_per_s")
-    lines = ["", "8-bit weights on the CPU (hybrid-int8: int8 cold rows with a scale per row, the GPU part fp16; "
-                 "llama.cpp: the whole model in Q8_0, so more layers fit in the same budget):", "",
+    lines = ["", "8-bit weights on the CPU (hybrid-int8: int8 cold rows with a float32 scale per 64 weights, the GPU "
+                 "part fp16; llama.cpp: the whole model in Q8_0, so more layers fit in the same budget):", "",
              "| system | decode tok/s | x llama.cpp Q8_0 layer split | share of the int8 floor | notes |",
              "|---|---|---|---|---|"]
     for name in names:

