@@ -1,0 +1,131 @@
+"""Why the cold part of a decode step reads slower than the kernel bench: the CPU side of decode, piece by piece.
+
+A 70B-shaped layer's cold rows (27,200 neurons x 8192, bf16), copied into 12 layers (16 GB, as the hybrid run holds),
+and per layer call ~1,880 active neurons drawn among those whose gate is positive (each reads its 3 rows), as the
+exact predictor marks them. Each case runs `steps` decode-like steps of 12 calls and reports ms per call:
+
+  one-layer        every call on layer 0's rows (what the kernel bench does)
+  12-layers        the calls cycle through the 12 layers, back to back
+  12-layers-wait   and before each call a GPU wait as in decode: a ~0.35 ms CUDA sleep kernel, then an event sync
+  bundled-*        a neuron's gate, up and down rows adjacent in one (3 n, d) array: one 48 KB stream per neuron
+                   instead of three 16 KB ones
+
+Usage: python bench/decode_cpu_side.py OUT [--steps 20] [--layers 12]. Writes OUT/decode_cpu_side.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pi_bench  # noqa: E402  (sets the OpenMP policy, imports powerinfer.* from this checkout)
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+import bench_ceilings as ceil  # noqa: E402
+from powerinfer.hardware import machine_info  # noqa: E402
+from powerinfer.runtime import kernels as K  # noqa: E402
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def bundled_reglu(x, idx, rows, part, out):
+    """ReGLU over a (3 n, d) array: neuron j's gate, up and down rows are rows 3j, 3j+1, 3j+2."""
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    one = np.ones(1, np.float32)
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = 3 * idx[q]
+            g = K._dot(x, rows[j], one, d)
+            if g <= 0:
+                continue
+            K._axpy(g * K._dot(x, rows[j + 1], one, d), rows[j + 2], one, d, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--n", type=int, default=27200)
+    ap.add_argument("--d", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--active", type=int, default=1880)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--wait-ms", type=float, default=0.35)
+    args = ap.parse_args()
+    n, d, L = args.n, args.d, args.layers
+    cuda = torch.cuda.is_available()
+    res = {"what": __doc__.splitlines()[0], "command": "python " + " ".join(sys.argv),
+           "args": vars(args) | {"out": str(args.out)}, "machine": machine_info("numba"),
+           "omp_wait_policy": pi_bench.OMP_WAIT_POLICY, "threads": numba.get_num_threads(),
+           "dram": ceil.dram_read_bw(2 * 2**30), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cases": {}}
+    g = torch.Generator().manual_seed(0)
+    base = K.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
+                                   torch.randn(n, d, generator=g) * 0.02)
+    layers = [base] + [K.ColdRows(base.gate.copy(), base.up.copy(), base.down_t.copy(), base.b_up, base.scale,
+                                  base.group) for _ in range(L - 1)]
+    bundled = []
+    for r in layers:
+        b = np.empty((n, 3, d), np.uint16)
+        b[:, 0], b[:, 1], b[:, 2] = r.gate, r.up, r.down_t
+        bundled.append(b.reshape(3 * n, d))
+    x = torch.randn(d, generator=g).numpy()
+    positive = np.flatnonzero(K.from_bf16_bits(base.gate).numpy() @ x > 0)
+    rng = np.random.default_rng(0)
+    sets = [[np.sort(rng.choice(positive, args.active, replace=False)).astype(np.int64) for _ in range(L)]
+            for _ in range(args.steps + 1)]
+    out = np.zeros(d, np.float32)
+    part = np.empty((numba.get_num_threads(), d), np.float32)
+    nbytes = args.active * 3 * d * 2
+
+    def gpu_wait():
+        torch.cuda._sleep(int(args.wait_ms * 1.4e6))  # ~cycles at ~1.4-1.9 GHz; the wait is measured below
+        ev = torch.cuda.Event()
+        ev.record()
+        ev.synchronize()
+
+    cases = {
+        "one-layer": (lambda i, s: K.ffn_rows("reglu", x, s, layers[0], out, part), False),
+        "12-layers": (lambda i, s: K.ffn_rows("reglu", x, s, layers[i], out, part), False),
+        "bundled-12-layers": (lambda i, s: bundled_reglu(x, s, bundled[i], part, out), False),
+    }
+    if cuda:
+        cases["12-layers-wait"] = (cases["12-layers"][0], True)
+        cases["bundled-12-layers-wait"] = (cases["bundled-12-layers"][0], True)
+    for name, (call, wait) in cases.items():
+        call(0, sets[0][0])  # compile
+        ms, waits = [], []
+        for step in sets[1:]:
+            for i, s in enumerate(step):
+                if wait:
+                    t = time.perf_counter()
+                    gpu_wait()
+                    waits.append(1e3 * (time.perf_counter() - t))
+                t0 = time.perf_counter()
+                call(i, s)
+                ms.append(1e3 * (time.perf_counter() - t0))
+        ms = np.array(ms)
+        res["cases"][name] = {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
+                              "p90_ms": float(np.quantile(ms, 0.9)), "GBps_at_mean": float(nbytes / ms.mean() / 1e6),
+                              "wait_ms_mean": float(np.mean(waits)) if waits else None}
+        print(name, res["cases"][name], flush=True)
+    a = K.ffn_rows("reglu", x, sets[1][0], layers[0], np.zeros(d, np.float32), part).copy()
+    bundled_reglu(x, sets[1][0], bundled[0], part, out)
+    res["max_abs_diff_bundled"] = float(np.abs(a - out).max())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_cpu_side.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
