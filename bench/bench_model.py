@@ -40,9 +40,18 @@ P_CLIP = (1e-5, 1 - 1e-5)  # firing probabilities kept off 0 and 1 (ndtri is inf
 
 
 def power_law(n: int, seed: int, mean: float = 0.10, top: float = 0.2, share: float = 0.8) -> np.ndarray:
-    import runtime_gpu_check  # bench/ is on sys.path when pi_bench runs
-
-    return runtime_gpu_check.power_law(n, mean, top, share, seed)
+    """Per-neuron firing probabilities p (mean `mean`), with the top `top` of neurons covering ~`share` of firings,
+    in a random order fixed by `seed`."""
+    rank = np.arange(1, n + 1, dtype=np.float64)
+    lo, hi = 0.01, 5.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        p = rank ** -a
+        for _ in range(50):  # scale to the mean under the clip at 1
+            p = np.minimum(1.0, p * mean / p.mean())
+        s = p[: int(top * n)].sum() / p.sum()
+        lo, hi = (lo, a) if s > share else (a, hi)
+    return np.random.default_rng(seed).permutation(p)
 
 
 def share_of_top(p: np.ndarray, top: float = 0.2) -> float:

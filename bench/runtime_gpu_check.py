@@ -4,10 +4,11 @@ layer-split decode tokens/s on a model larger than a VRAM budget, (c) per-layer 
 Usage: python bench/runtime_gpu_check.py OUT_DIR [--layers 8] [--shape llama-2-7b] [--tokens 64]
 Writes OUT_DIR/runtime_gpu_check.json. Needs torch with CUDA, transformers, numba; no downloads.
 
-(b) and (c) use RANDOM weights with LLaMA-2 layer shapes (ReLU-gated, fewer layers), a synthetic placement (the
-hottest neurons of a power-law activation frequency on the GPU) and a SYNTHETIC predictor: each token, neuron j is
-marked active with probability p_j (mean ~10%, i.e. ~90% FFN sparsity; ~20% of neurons cover ~80% of
-activations, as published for ReLU models). They measure speed, not quality.
+(b) and (c) use RANDOM weights with LLaMA-2 layer shapes (ReLU-gated, fewer layers) built and calibrated as pi_bench's
+(bench/bench_model.py): per-neuron firing probabilities p_j from a power law (mean ~10%, i.e. ~90% FFN sparsity;
+~20% of neurons cover ~80% of activations, as published for ReLU models), the hottest neurons by p_j on the GPU, and
+an EXACT predictor of a trained predictor's size (d/8 hidden) that marks the neurons whose gate is positive. They
+measure speed, not quality.
 """
 
 from __future__ import annotations
@@ -29,24 +30,19 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import bench_ceilings  # noqa: E402
+import bench_model as bm  # noqa: E402
 import tiny  # noqa: E402
-from powerinfer.models import ModelSource, load_model, wrap_model  # noqa: E402
+from powerinfer.models import load_model  # noqa: E402
 from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
                                          layer_split_count)
 from powerinfer.runtime.layout import Placement  # noqa: E402
 
-SHAPES = {  # d_model, n_neurons, heads, kv heads
-    "llama-2-7b": (4096, 11008, 32, 32),
-    "llama-2-13b": (5120, 13824, 40, 40),
-    "tiny": (64, 176, 4, 4),  # a smoke test of this script on a CPU (--device cpu --skip-equality)
-}
 DEV = "cuda"
 LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
 
@@ -98,88 +94,34 @@ def equality_checks(n_new: int = 12) -> list[dict]:
 # (b, c) speed on a model over budget
 
 
-def power_law(n: int, mean: float = 0.10, top: float = 0.2, share: float = 0.8, seed: int = 0) -> np.ndarray:
-    """Per-neuron firing probabilities p (mean `mean`), with the top `top` of neurons covering ~`share` of firings."""
-    rank = np.arange(1, n + 1, dtype=np.float64)
-    lo, hi = 0.01, 5.0
-    for _ in range(60):
-        a = (lo + hi) / 2
-        p = rank ** -a
-        for _ in range(50):  # scale to the mean under the clip at 1
-            p = np.minimum(1.0, p * mean / p.mean())
-        s = p[: int(top * n)].sum() / p.sum()
-        lo, hi = (lo, a) if s > share else (a, hi)
-    return np.random.default_rng(seed).permutation(p)
-
-
-class SyntheticPredictor(nn.Module):
-    """Stands in for a trained predictor: neuron j fires with probability p_j, independently per token.
-
-    Masks come from a bank of BANK pre-drawn rows picked by a step counter on the device, so that the mask needs
-    no host sync and can be captured in a CUDA graph."""
-
-    BANK = 64
-
-    def __init__(self, d: int, p: np.ndarray, seed: int):
-        super().__init__()
-        self.fc1 = nn.Linear(d, 1, bias=False)  # only its dtype is read by the runtime
-        self.register_buffer("p", torch.from_numpy(p).float())
-        self.seed = seed
-        self.bank: torch.Tensor | None = None
-
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bank is None or self.bank.device != x.device:
-            gen = torch.Generator(x.device).manual_seed(self.seed)
-            self.bank = torch.rand((self.BANK, *self.p.shape), device=x.device, generator=gen) < self.p  # (BANK, n)
-            self.step = torch.zeros(1, dtype=torch.long, device=x.device)
-        m = torch.index_select(self.bank, 0, self.step % self.BANK)[0]  # (n,) bool
-        self.step += 1
-        return m
-
-
-class _NoText:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-def random_model(shape: str, n_layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d, n, heads, kv = SHAPES[shape]
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=d, intermediate_size=n, num_hidden_layers=n_layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, hidden_act="relu",
-                      max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    with torch.device(DEV):
-        model = LlamaForCausalLM(cfg).half()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
-    model = model.cpu()
-    return wrap_model(model, _NoText(), ModelSource(f"{shape}-shaped random ({n_layers} layers)", "memory"))
-
-
-def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 3) -> dict:
-    base = random_model(shape, n_layers)
+def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 3, seed: int = 0) -> dict:
+    d = bm.SHAPES[shape][0]
+    rank = max(1, (max(16, d // 8) - 2) // 2)  # the exact predictor's hidden size 2 * rank + 2 = d / 8
+    model = bm.calibrate(bm.build_model(shape, n_layers, DEV, seed, gate_rank=rank), shape, seed=seed)
+    pred_layers = {i: bm.exact_predictor(model.lm, shape, i, seed, rank).cpu() for i in range(n_layers)}
+    base = model.lm
+    base.model.to("cpu")
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     info = base.info
     n, L = info["n_neurons"], n_layers
-    probs = [power_law(n, seed=i) for i in range(L)]
+    probs = model.targets  # (n,) per layer: the calibrated firing probabilities
     k = int(hot_share * n)
     gpu = tuple(np.isin(np.arange(n), np.argsort(-p)[:k]) for p in probs)  # hottest k neurons per layer
     size = 2  # fp16
     fixed = (info["params"]["total"] - sum(info["params"]["ffn_per_layer"])) * size
     ffn = sum(info["params"]["ffn_per_layer"]) * size
-    # + synthetic predictor stand-ins, the hot/cold neuron id lists (int64) and 1 MB for small buffers (RoPE)
-    vram = int(fixed + hot_share * ffn + L * (info["d_model"] + n) * size + L * n * 8 + 1e6)
+    pred_bytes = sum(t.numel() * size for p in pred_layers.values() for t in p.parameters())
+    # + predictors, the hot/cold neuron id lists (int64) and 1 MB for small buffers (RoPE)
+    vram = int(fixed + hot_share * ffn + pred_bytes + L * n * 8 + 1e6)
     all_bytes = info["params"]["total"] * size
     prompt = list(range(100, 116))
     res = {"shape": shape, "layers": L, "d_model": info["d_model"], "n_neurons": n, "dtype": "float16",
            "vram_budget_bytes": vram, "model_bytes_fp16": all_bytes, "hot_share_of_neurons": hot_share,
-           "synthetic_mask_mean_active": float(np.mean([p.mean() for p in probs])),
+           "target_mean_active": float(np.mean([p.mean() for p in probs])), "predictor_hidden": 2 * rank + 2,
            "gpu_share_of_activations_expected": float(np.mean([p[g].sum() / p.sum() for p, g in zip(probs, gpu)])),
-           "note": "random weights; synthetic placement and synthetic predictor masks (~90% sparsity): speed only",
+           "calibration": model.calibration,
+           "note": "random weights, calibrated power-law firing; hottest neurons on the GPU; exact predictors: speed only",
            "modes": {}, "timing": None}
     runs = {"hybrid": RuntimeConfig(device=DEV, dtype="float16", vram=vram),
             "hybrid-eager": RuntimeConfig(device=DEV, dtype="float16", vram=vram, cuda_graphs=False),
@@ -191,8 +133,7 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
         lm = copy.deepcopy(base)
         preds = None
         if name.startswith("hybrid"):
-            preds = type("P", (), {"layers": {i: SyntheticPredictor(info["d_model"], probs[i], i).half()
-                                              for i in range(L)}})()
+            preds = type("P", (), {"layers": pred_layers})()
         placement = None if name in ("layer-split", "all-gpu") else Placement(gpu)
         t0 = time.perf_counter()
         rt = build_runtime(lm, cfg, placement, preds)
@@ -251,7 +192,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--shape", choices=list(SHAPES), default="llama-2-7b")
+    ap.add_argument("--shape", choices=list(bm.SHAPES), default="llama-2-7b")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--hot-share", type=float, default=0.2, help="share of each layer's neurons on the GPU")
     ap.add_argument("--reps", type=int, default=3, help="timed generations per mode (the median is reported)")
