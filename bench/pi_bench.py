@@ -291,7 +291,10 @@ def topk_placement(run: Path, budget: int, args) -> dict:
 # Systems
 
 
-def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int) -> dict:
+def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
+             dram_bytes: int | None = None) -> dict:
+    """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling just
+    before and after the timed generations (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
     from powerinfer.runtime.generate import build_runtime, generate
 
     lm = copy.deepcopy(base)
@@ -299,13 +302,17 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     rt = build_runtime(lm, cfg, placement, preds)
     build_s = time.perf_counter() - t0
     generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba, CUDA kernels, pinned buffers
+    before = ceil.dram_read_bw(dram_bytes)["best_bytes_per_s"] if dram_bytes else None
     gens = [generate(rt, prompt, tokens, stop_at_eos=False) for _ in range(reps)]
+    after = ceil.dram_read_bw(dram_bytes)["best_bytes_per_s"] if dram_bytes else None
     rates = [g.stats["decode_tokens_per_s"] for g in gens]
     per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
                       layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
     row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
            "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
            "host_memory": host_memory()}
+    if dram_bytes:
+        row["dram_around_bytes_per_s"] = {"before": before, "after": after}
     if rt.fast is not None and rt.fast.graphs:
         try:
             row["step_timeline"] = step_timeline(rt, prompt, tokens)
@@ -448,9 +455,10 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
     return row
 
 
-def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> dict:
+def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
+                      dram: float | None = None) -> dict:
     """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons and the bytes its
-    cold rows take (bf16, or int8 + a float32 scale per INT8_GROUP weights)."""
+    cold rows take (bf16, or int8 + a float32 scale per INT8_GROUP weights); `dram` replaces the run's DRAM ceiling."""
     from powerinfer.runtime.kernels import INT8_GROUP
 
     d, n, heads, kv, vocab = bm.SHAPES[shape]
@@ -465,8 +473,9 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
                      "cold_bytes": r["active_cold"] / tok * per_cold})
     hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
     sync = c.get("sync_round_trip_s", 0.0)
-    f = ceil.floor(rows, hbm, c["dram"]["best_bytes_per_s"], sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
-    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": c["dram"]["best_bytes_per_s"], "sync_s": sync,
+    dram = dram or c["dram"]["best_bytes_per_s"]
+    f = ceil.floor(rows, hbm, dram, sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
+    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": dram, "sync_s": sync,
                             "layers": rows, "lm_head_bytes": vocab * d * 2,
                             "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer (serial: all but the hot rows); "
                                     "LM head once"}}
@@ -521,7 +530,8 @@ def stage_bench(args, work: Path) -> dict:
         if name not in args.systems or not dl.allows(args.estimates.get(name, 30), name, skipped):
             continue
         try:
-            row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps)
+            row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps,
+                                  args.dram_bytes if name.startswith("hybrid") else None)
         except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
             row, extra = {"error": f"{type(e).__name__}: {e}"}, {}
             print(name, "failed:", row["error"], flush=True)
@@ -569,6 +579,10 @@ def stage_bench(args, work: Path) -> dict:
     for key, name in (("floor", "hybrid"), ("floor_int8", "hybrid-int8")):
         if name in systems and "error" not in systems[name]:
             res[key] = floor_from_hybrid(systems[name], c, args.shape, args.layers, preds["bytes"])
+            around = systems[name].get("dram_around_bytes_per_s")
+            if around:  # the same floor with the DRAM ceiling measured around this system's timed generations
+                res[key + "_around_run"] = floor_from_hybrid(systems[name], c, args.shape, args.layers,
+                                                             preds["bytes"], (around["before"] + around["after"]) / 2)
     res["seconds"] = time.perf_counter() - dl.t0
     return res
 
