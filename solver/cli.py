@@ -11,7 +11,7 @@ from powerinfer.artifacts import ArtifactError
 from powerinfer.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
 from powerinfer.units import format_bytes, format_rate, parse_bytes, parse_rate
 
-from .cost import DTYPE_BYTES, SolverError
+from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
 from .ilp import OBJECTIVES
 from .place import solve_placement
 
@@ -39,6 +39,9 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)), default="fp16", show_default=True,
               help="Weight format on both devices (sets bytes per neuron; q8_0/q4_0 for sizing only).")
+@click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)), default="bf16", show_default=True,
+              help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 halves what an active "
+                   "cold neuron costs to read.")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
@@ -49,8 +52,8 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--mip-gap", type=float, default=1e-3, show_default=True, help="Relative optimality gap to stop at.")
 @click.option("--threads", type=int, help="HiGHS threads (default: HiGHS's choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
-def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, ctx, reserve, group_size,
-         objective, no_comm_constraint, time_limit, mip_gap, threads, as_json):
+def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, reserve,
+         group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, as_json):
     """Place each layer's hottest FFN neurons on the GPU, the rest on the CPU, within a VRAM budget.
 
     Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}.
@@ -83,7 +86,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         summary = solve_placement(run_dir, hw, vram_bytes=_parsed(parse_bytes, "--vram", vram), dtype=dtype, ctx=ctx,
                                   reserve_bytes=_parsed(parse_bytes, "--reserve", reserve), group_size=group_size,
                                   objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
-                                  mip_gap=mip_gap, threads=threads, hardware_notes=notes)
+                                  mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
     except (SolverError, ArtifactError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:

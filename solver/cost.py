@@ -21,6 +21,9 @@ from powerinfer.hardware import HardwareSpec
 # only: the KV cache, norms and workspace stay 16-bit with them.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 ACT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 2.0, "q4_0": 2.0}  # KV cache, norms
+# bytes per weight of the cold rows in CPU RAM, as pi-generate --cold-dtype stores them (runtime/kernels.ColdRows:
+# int8 with a float32 scale per 64 weights)
+COLD_BYTES: dict[str, float] = {"bf16": 2.0, "int8": 1 + 4 / 64}
 
 
 class SolverError(Exception):
@@ -160,8 +163,10 @@ class PlacementProblem:
 
 
 def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: HardwareSpec, dtype_bytes: float,
-                  budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool) -> PlacementProblem:
-    """counts: per layer the neurons' activation counts sorted descending."""
+                  budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool,
+                  cold_bytes: float | None = None) -> PlacementProblem:
+    """counts: per layer the neurons' activation counts sorted descending; cold_bytes: per weight of a cold row in
+    CPU RAM (COLD_BYTES; default dtype_bytes)."""
     if group_size < 1:
         raise SolverError(f"--group-size must be >= 1, got {group_size}")
     L = len(counts)
@@ -177,7 +182,7 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     # Without a GPU everything runs on the CPU: "GPU-side" fixed work is read at DRAM speed, no sync.
     fixed_bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw  # bytes/s
     gpu_ms = bpn / hw.gpu_bw * 1e3 if hw.has_gpu else np.full(L, np.inf)  # (layers,) ms
-    cpu_ms = bpn / hw.effective_cpu_bw * 1e3  # (layers,) ms
+    cpu_ms = bpn / dtype_bytes * (cold_bytes or dtype_bytes) / hw.effective_cpu_bw * 1e3  # (layers,) ms
     # Per layer round trip: latency + the FFN input to the CPU (+ the predictor's mask, 1 byte/neuron)
     # and the CPU's partial sum back.
     xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes

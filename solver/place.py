@@ -14,8 +14,8 @@ from powerinfer.artifacts import ArtifactError, base_meta, read_profile, replace
 from powerinfer.hardware import HardwareSpec
 from powerinfer.units import format_bytes, format_size_arg
 
-from .cost import (ACT_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem, estimate_predictor_params,
-                   evaluate, layer_tables, memory_items, predictor_hidden, safetensors_bytes)
+from .cost import (ACT_BYTES, COLD_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem,
+                   estimate_predictor_params, evaluate, layer_tables, memory_items, predictor_hidden, safetensors_bytes)
 from .ilp import OBJECTIVES, IlpResult, solve_ilp
 
 
@@ -77,13 +77,17 @@ def _predictor_bytes(run_dir: Path, shape: ModelShape, dtype_bytes: float) -> tu
 def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int | None = None, dtype: str = "fp16",
                     ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
                     objective: str = "latency", comm: bool = True, time_limit: float = 30.0, mip_gap: float = 1e-3,
-                    threads: int | None = None, write: bool = True, hardware_notes: list[str] | None = None) -> dict:
+                    threads: int | None = None, write: bool = True, hardware_notes: list[str] | None = None,
+                    cold_dtype: str = "bf16") -> dict:
     """Place each layer's hottest FFN neurons on the GPU. Returns the summary dict (also written to
-    RUN/placement/summary.json with placement.parquet and meta.json when `write`)."""
+    RUN/placement/summary.json with placement.parquet and meta.json when `write`). `cold_dtype`: how pi-generate
+    will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active cold neuron costs to read."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
     _check_args(dtype, ctx, group_size, objective, time_limit, mip_gap, hw)
+    if cold_dtype not in COLD_BYTES:
+        raise SolverError(f"unknown --cold-dtype {cold_dtype!r}: use one of {', '.join(COLD_BYTES)}")
 
     df, meta = read_profile(run_dir)
     pdir = run_dir / "profile"
@@ -103,7 +107,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
             f"--vram {format_bytes(hw.vram_bytes)} is below the minimum {format_bytes(fixed)} for {shape.name} at "
             f"--ctx {ctx} --dtype {dtype} ({parts}): raise --vram to at least {format_size_arg(fixed)} or lower --ctx/--reserve")
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
-    problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm)
+    problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
+                            COLD_BYTES[cold_dtype])
     tables = layer_tables(problem)
 
     if hw.has_gpu:
@@ -115,7 +120,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
         raise SolverError("internal error: the solver returned a placement that breaks a constraint")
 
     summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, counts, tokens,
-                       dict(vram_bytes=hw.vram_bytes, dtype=dtype, ctx=ctx, reserve_bytes=hw.reserve_bytes,
+                       dict(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
+                            reserve_bytes=hw.reserve_bytes,
                             group_size=group_size, objective=objective, comm_constraint=comm,
                             time_limit=time_limit, mip_gap=mip_gap, threads=threads), hardware_notes or [])
     summary["seconds_total"] = time.perf_counter() - t_start
@@ -130,6 +136,7 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
     k = result.k
     gpu_neurons = t.neurons[rows, k].astype(np.int64)  # (layers,)
     total_ffn = float(t.bytes[:, -1].sum())
+    cold_scale = COLD_BYTES[flags["cold_dtype"]] / DTYPE_BYTES[flags["dtype"]]  # CPU RAM bytes per GPU byte
     ffn_gpu = ev["gpu_ffn_bytes"]
     layers = []
     for l in range(p.n_layers):
@@ -138,7 +145,7 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
             "layer": l, "gpu_groups": int(k[l]), "gpu_neurons": int(gpu_neurons[l]), "neurons": int(t.neurons[l, -1]),
             "gpu_neuron_share": float(gpu_neurons[l] / t.neurons[l, -1]),
             "gpu_activation_share": float(t.counts[l, k[l]] / layer_counts) if layer_counts else 0.0,
-            "gpu_bytes": int(t.bytes[l, k[l]]), "cpu_bytes": int(t.bytes[l, -1] - t.bytes[l, k[l]]),
+            "gpu_bytes": int(t.bytes[l, k[l]]), "cpu_bytes": int((t.bytes[l, -1] - t.bytes[l, k[l]]) * cold_scale),
             "active_per_token": layer_counts / tokens, "min_gpu_neurons": int(p.min_neurons[l]),
             "expected_ms": float(t.layer_ms[l, k[l]]),
             "gpu_ms": float(t.gpu_ms[l, k[l]]), "cpu_ms": float(t.cpu_ms[l, k[l]]),
@@ -153,7 +160,7 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
         "memory": {
             "gpu": {**({k_: int(v) for k_, v in items.items()} if hw.has_gpu else {}), "ffn_neurons": int(ffn_gpu),
                     "total": int(gpu_total), "free": int(hw.vram_bytes - gpu_total) if hw.has_gpu else 0},
-            "cpu": {"ffn_neurons": int(total_ffn - ffn_gpu),
+            "cpu": {"ffn_neurons": int((total_ffn - ffn_gpu) * cold_scale),  # stored as --cold-dtype
                     **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"})},
             "predictors_source": pred_source,
             "bytes_per_neuron": float(p.bytes_per_neuron[0]), "rows_per_neuron": shape.rows,

@@ -78,6 +78,30 @@ def test_placement_artifacts(run):
     assert meta["hardware"]["name"] == "rtx4090" and meta["flags"]["objective"] == "activations"
 
 
+def test_int8_cold_rows_make_the_cpu_cheaper(run):
+    """--cold-dtype int8: an active cold neuron costs 1.0625/2 of its bf16 read, the placement keeps no more neurons on
+    the GPU, the CPU RAM figure shrinks, and the flag is recorded; the bytes are what the runtime stores."""
+    import torch
+
+    from powerinfer.runtime.kernels import ColdRows
+    from powerinfer.solver.cost import COLD_BYTES
+
+    rows = ColdRows.from_weights(*(torch.randn(64, 128) for _ in range(2)), None, torch.randn(64, 128), "int8")
+    assert rows.nbytes() - rows.b_up.nbytes == 3 * 64 * 128 * COLD_BYTES["int8"]
+    fixed, shape = fixed_bytes(run)
+    vram = fixed + shape.n_layers * shape.n_neurons * 3 * shape.d_model * 2 // 3
+    s = {t: solve_placement(run, HW, vram_bytes=vram, ctx=16, reserve_bytes=0, cold_dtype=t, write=False)
+         for t in ("bf16", "int8")}
+    for a, b in zip(s["bf16"]["layers"], s["int8"]["layers"]):
+        assert b["gpu_neurons"] <= a["gpu_neurons"]
+    assert s["int8"]["expected_tokens_per_s"] > s["bf16"]["expected_tokens_per_s"]
+    assert s["int8"]["flags"]["cold_dtype"] == "int8"
+    cpu_neurons = shape.n_layers * shape.n_neurons - sum(x["gpu_neurons"] for x in s["int8"]["layers"])
+    assert s["int8"]["memory"]["cpu"]["ffn_neurons"] == int(cpu_neurons * 3 * shape.d_model * COLD_BYTES["int8"])
+    with pytest.raises(SolverError, match="unknown --cold-dtype 'int4'"):
+        solve_placement(run, HW, vram_bytes=vram, ctx=16, reserve_bytes=0, cold_dtype="int4", write=False)
+
+
 def test_ungated_model_counts_two_rows_and_bias(tmp_path):
     write_profile(tmp_path, opt_model_meta(), synthetic_counts(4, 128, TOKENS, seed=2), TOKENS)
     fixed, shape = fixed_bytes(tmp_path)
