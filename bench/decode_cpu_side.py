@@ -7,6 +7,7 @@ exact predictor marks them. Each case runs `steps` decode-like steps of 12 calls
   one-layer        every call on layer 0's rows (what the kernel bench does)
   12-layers        the calls cycle through the 12 layers, back to back
   12-layers-wait   and before each call a GPU wait as in decode: a ~0.35 ms CUDA sleep kernel, then an event sync
+  int8-*           the same with int8 rows (--cold-dtype int8)
   bundled-*        a neuron's gate, up and down rows adjacent in one (3 n, d) array: one 48 KB stream per neuron
                    instead of three 16 KB ones
 
@@ -74,6 +75,11 @@ def main() -> dict:
                                    torch.randn(n, d, generator=g) * 0.02)
     layers = [base] + [K.ColdRows(base.gate.copy(), base.up.copy(), base.down_t.copy(), base.b_up, base.scale,
                                   base.group) for _ in range(L - 1)]
+    w = [K.from_bf16_bits(a) for a in (base.gate, base.up, base.down_t)]
+    int8 = [K.ColdRows.from_weights(w[0], w[1], None, w[2], "int8")]
+    del w
+    int8 += [K.ColdRows(int8[0].gate.copy(), int8[0].up.copy(), int8[0].down_t.copy(), int8[0].b_up, int8[0].scale,
+                        int8[0].group) for _ in range(L - 1)]
     bundled = []
     for r in layers:
         b = np.empty((n, 3, d), np.uint16)
@@ -99,8 +105,11 @@ def main() -> dict:
         "12-layers": (lambda i, s: K.ffn_rows("reglu", x, s, layers[i], out, part), False),
         "bundled-12-layers": (lambda i, s: bundled_reglu(x, s, bundled[i], part, out), False),
     }
+    cases["int8-12-layers"] = (lambda i, s: K.ffn_rows("reglu", x, s, int8[i], out, part), False)
     if cuda:
+        gpu_wait()  # CUDA's first use out of the timed waits
         cases["12-layers-wait"] = (cases["12-layers"][0], True)
+        cases["int8-12-layers-wait"] = (cases["int8-12-layers"][0], True)
         cases["bundled-12-layers-wait"] = (cases["bundled-12-layers"][0], True)
     for name, (call, wait) in cases.items():
         call(0, sets[0][0])  # compile
@@ -116,7 +125,8 @@ def main() -> dict:
                 ms.append(1e3 * (time.perf_counter() - t0))
         ms = np.array(ms)
         res["cases"][name] = {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
-                              "p90_ms": float(np.quantile(ms, 0.9)), "GBps_at_mean": float(nbytes / ms.mean() / 1e6),
+                              "p90_ms": float(np.quantile(ms, 0.9)), "GBps_at_mean": float(nbytes * (int8[0].nbytes() / base.nbytes() if name.startswith("int8") else 1)
+                                                    / ms.mean() / 1e6),
                               "wait_ms_mean": float(np.mean(waits)) if waits else None}
         print(name, res["cases"][name], flush=True)
     a = K.ffn_rows("reglu", x, sets[1][0], layers[0], np.zeros(d, np.float32), part).copy()
