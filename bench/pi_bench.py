@@ -333,13 +333,14 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     generate(rt, prompt, tokens, stop_at_eos=False)
     steps, rt.fast.timing = rt.fast.timing[1:], None
     mean = lambda key: np.mean([s[key] for s in steps], axis=0)  # noqa: E731
-    wait, cold = mean("wait_pre_ms"), mean("cold_ms")
+    wait, cold, launch = mean("wait_pre_ms"), mean("cold_ms"), mean("launch_ms")
     return {**graph_times(rt.fast), "steps": len(steps), "step_ms": float(mean("step_ms")),
             "final_ms": float(mean("final_ms")),
-            "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()),
-            "wait_pre_ms": wait.tolist(), "cold_ms": cold.tolist(),
+            "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
+            "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
             "note": "host clock; wait_pre: launch of layer i's pre graph until it finished on the GPU (it queues behind "
-                    "layer i-1's hot graph); cold: HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
+                    "layer i-1's hot graph), of which launch: the pre and hot graph launches; cold: HybridFFN.cold_rows "
+                    "(mask -> indices, Numba kernel)"}
 
 
 @torch.inference_mode()

@@ -204,6 +204,8 @@ class StaticDecoder:
             pre.replay()
             done.record()
             hot.replay()  # the GPU computes the hot rows while the CPU computes the cold ones
+            if clock is not None:
+                clock.append(time.perf_counter())
             done.synchronize()
             if clock is not None:
                 clock.append(time.perf_counter())
@@ -217,12 +219,14 @@ class StaticDecoder:
 
     def _record(self, clock: list[float]) -> None:
         """One step's host timeline, in ms: per layer, the wait for `pre` (its launch and GPU time, behind the previous
-        layer's `hot` on the stream) and the CPU cold part; the final graph's GPU time after a sync."""
+        layer's `hot` on the stream), split into the two graph launches and the sync after them, and the CPU cold
+        part; the final graph's GPU time after a sync."""
         torch.cuda.synchronize(self.device)
         end = time.perf_counter()
         ms = [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
-        self.timing.append({"wait_pre_ms": ms[0::2], "cold_ms": ms[1::2], "final_ms": 1e3 * (end - clock[-1]),
-                            "step_ms": 1e3 * (end - clock[0])})
+        launch, sync, cold = ms[0::3], ms[1::3], ms[2::3]
+        self.timing.append({"wait_pre_ms": [a + b for a, b in zip(launch, sync)], "launch_ms": launch,
+                            "cold_ms": cold, "final_ms": 1e3 * (end - clock[-1]), "step_ms": 1e3 * (end - clock[0])})
 
 
 def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool) -> StaticDecoder | None:
