@@ -339,27 +339,26 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
             "note": "host clock; wait_pre: launch of layer i's pre graph until it finished on the GPU (it queues behind "
-                    "layer i-1's hot graph), of which launch: the pre and hot graph launches; cold: HybridFFN.cold_rows "
+                    "layer i-1's hot graph), of which launch: the layer's graph launches; cold: HybridFFN.cold_rows "
                     "(mask -> indices, Numba kernel)"}
 
 
 @torch.inference_mode()
 def graph_times(fast, reps: int = 20) -> dict:
-    """GPU ms of each layer's `pre` and `hot` graph replayed alone (CUDA events around `reps` back-to-back replays),
-    and a profile of layer 0's `pre` run eagerly: the kernels behind the wait for `pre`."""
+    """GPU ms of each layer's graph replayed alone (CUDA events around `reps` back-to-back replays; `pre` + `hot` in
+    one graph, or each of the two where torch has no external events), and a profile of layer 0's `pre` run eagerly:
+    the kernels behind the wait for `pre`."""
     out = {}
-    for name, k in (("pre_gpu_ms", 0), ("hot_gpu_ms", 1)):
-        ms = []
-        for g in fast._graphs[:-1]:
+    for gs, _ in fast._graphs[:-1]:
+        for name, g in zip(("layer_gpu_ms",) if len(gs) == 1 else ("pre_gpu_ms", "hot_gpu_ms"), gs):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            g[k].replay()
+            g.replay()
             a.record()
             for _ in range(reps):
-                g[k].replay()
+                g.replay()
             b.record()
             b.synchronize()
-            ms.append(a.elapsed_time(b) / reps)
-        out[name] = ms
+            out.setdefault(name, []).append(a.elapsed_time(b) / reps)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -5,12 +5,16 @@ Through HF, a decode step is ~40 small kernel launches per decoder layer (norms,
 GPU work is two graphs over static buffers and a static KV cache:
 
   pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding); attention with the cache;
-           h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold mask copied to the host
+           h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold mask copied to the host;
+           an event the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
   CPU:     the Numba kernel over the active cold rows (HybridFFN.cold_rows), writing a pinned host buffer
   final:   h = last h2 + hot + cold; norm; lm_head -> logits
 
-so a step is 2L+1 graph launches, L waits for `pre` and L kernel calls. The cold partial sum of layer i is copied
+pre[i] and hot[i] are one graph with the event recorded between them (an external event: torch.cuda.Event(
+external=True)), so a step is L+1 graph launches, L waits for the event and L kernel calls; torch versions without
+external events get two graphs per layer. A launch costs the CPU ~0.05 ms, and each layer's launches sit between
+its predecessor's cold part and its own (bench/NOTES.md). The cold partial sum of layer i is copied
 to the device as the first node of pre[i+1]. The same functions run eagerly without CUDA (tests check them there
 against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the static cache.
 """
@@ -142,6 +146,8 @@ class StaticDecoder:
 
     # -- graphs --------------------------------------------------------------------------------------------------
     def _capture(self) -> list[Any]:
+        """Per layer (graphs, event): one graph of pre, the event's record and hot; or (pre, hot) and an event
+        recorded between their launches where torch has no external events. Then the final graph."""
         fired = [f._fired.clone() for f in self.ffns]
         k, v = [t.clone() for t in self.k], [t.clone() for t in self.v]
 
@@ -154,13 +160,26 @@ class StaticDecoder:
         warm_up(self.device, step)
         graphs, pool = [], None
         for i in range(len(self.layers)):
+            try:
+                done = torch.cuda.Event(external=True)  # recorded inside the graph, waited for by the host
+            except TypeError:
+                done = None
+            if done is not None:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._pre(i)
+                    done.record()
+                    self._hot(i)
+                pool = g.pool()
+                graphs.append(((g,), done))
+                continue
             pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(pre, pool=pool):
                 self._pre(i)
             pool = pre.pool()
             with torch.cuda.graph(hot, pool=pool):
                 self._hot(i)
-            graphs.append((pre, hot, torch.cuda.Event()))
+            graphs.append(((pre, hot), torch.cuda.Event()))
         final = torch.cuda.CUDAGraph()
         with torch.cuda.graph(final, pool=pool):
             self.logits = self._final()
@@ -200,10 +219,11 @@ class StaticDecoder:
             return self._final()
         clock = [time.perf_counter()] if self.timing is not None else None
         for i, f in enumerate(self.ffns):
-            pre, hot, done = self._graphs[i]
-            pre.replay()
-            done.record()
-            hot.replay()  # the GPU computes the hot rows while the CPU computes the cold ones
+            gs, done = self._graphs[i]
+            gs[0].replay()
+            if len(gs) == 2:  # no external events: record between the two launches
+                done.record()
+                gs[1].replay()  # the GPU computes the hot rows while the CPU computes the cold ones
             if clock is not None:
                 clock.append(time.perf_counter())
             done.synchronize()
