@@ -50,7 +50,7 @@ def runtime_options(f):
         click.option("--dtype", default="auto", show_default=True, help="Device compute dtype (auto: fp16 on CUDA, "
                      "fp32 on CPU)."),
         click.option("--cold-dtype", type=click.Choice(COLD_DTYPES), default="bf16", show_default=True,
-                     help="Storage of the cold rows in CPU RAM: bf16, or int8 with one scale per row (half the "
+                     help="Storage of the cold rows in CPU RAM: bf16, or int8 with a scale per 64 weights (half the "
                           "bytes read per token, so faster when the CPU part dominates; a small rounding error)."),
         click.option("--threads", "-t", type=int, default=None, help="CPU threads for the cold neurons [all cores]."),
         click.option("--vram", default=None, help="Device budget, e.g. 8GB: refuse a layout above it; layer-split "

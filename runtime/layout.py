@@ -4,7 +4,7 @@ Per layer, `HybridFFN` holds
 - hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
   `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
 - cold neurons in CPU RAM, `cold` (kernels.ColdRows): one contiguous row per neuron of gate, up and down.T,
-  (n_cold, d_model) each, as bfloat16 bit patterns or int8 with per-row scales (`cold_dtype`), read by Numba.
+  (n_cold, d_model) each, as bfloat16 bit patterns or int8 with a scale per 64 weights (`cold_dtype`), read by Numba.
 The original FFN modules are dropped, so the dense FFN weights never reach the device.
 
 Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
