@@ -33,8 +33,10 @@ from powerinfer.models import load_model, resolve_source
 from powerinfer.predictors.evaluate import perplexity
 from powerinfer.profiler.profile import token_batches
 from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
-from powerinfer.runtime.kernels import from_int8_groups, to_int8_groups
 from powerinfer.runtime.layout import Placement
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import tiny  # noqa: E402  (round_ffns_to_int8: the FFN weights that int8 rows stand for)
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")
@@ -44,18 +46,6 @@ def greedy(lm, prompt: str, tokens: int) -> list[int]:
     ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
     out = lm.model.generate(ids, max_new_tokens=tokens, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
-
-
-def with_int8_weights(base, group: int):
-    """A copy of `base` whose FFN weights are what int8 cold rows with a scale per `group` weights stand for (groups
-    along each neuron's gate and up rows and its down column, as the runtime stores them)."""
-    lm = copy.deepcopy(base)
-    for layer in lm.layers:
-        for name, m in lm.adapter.layer_ffn(layer).items():
-            w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
-            back = from_int8_groups(*to_int8_groups(w, group), group)
-            m.weight.copy_(back.T if name == "down" else back)
-    return lm
 
 
 def agreement(a: list[int], b: list[int]) -> dict:
@@ -88,7 +78,8 @@ def main() -> None:
         if name == "hf":
             lm = base
         elif name.startswith("int8-group-"):
-            lm = with_int8_weights(base, int(name.rsplit("-", 1)[1]))
+            lm = copy.deepcopy(base)
+            tiny.round_ffns_to_int8(lm, int(name.rsplit("-", 1)[1]))
         else:
             lm = copy.deepcopy(base)
             placement = Placement.uniform(len(lm.layers), lm.info["n_neurons"], False)

@@ -186,17 +186,6 @@ def test_layer_split_equals_hf(family, tiny_model_dir):
     assert g.stats["gpu_activation_share"] == 0.5 and g.stats["bytes_cpu"] > 0
 
 
-def quantize_ffns_like_the_runtime(lm) -> None:
-    """FFN weights -> the values int8 cold rows stand for (groups along each neuron's gate/up rows and down column),
-    in place."""
-    with torch.no_grad():
-        for layer in lm.layers:
-            for name, m in lm.adapter.layer_ffn(layer).items():
-                w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
-                back = K.from_int8_groups(*K.to_int8_groups(w), K.INT8_GROUP)
-                m.weight.copy_(back.T if name == "down" else back)
-
-
 @pytest.mark.parametrize("family,cfg,where", [
     ("llama-reglu", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "cpu"),
     ("opt", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "mixed"),
@@ -204,7 +193,7 @@ def quantize_ffns_like_the_runtime(lm) -> None:
     ("llama-swiglu", RuntimeConfig(mode="layer-split", device="cpu", gpu_layers=1, cold_dtype="int8"), None)])
 def test_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(family, cfg, where, tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir(family), family)
-    quantize_ffns_like_the_runtime(lm)
+    tiny.round_ffns_to_int8(lm)
     g = check_equal(lm, cfg, None if where is None else make_placement(lm, where))
     assert g.stats["cold_dtype"] == "int8"
 

@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from powerinfer.runtime.generate import RuntimeConfig
-from test_runtime import RELU, always_on_predictors, check_equal, make_placement, quantize_ffns_like_the_runtime
+from test_runtime import RELU, always_on_predictors, check_equal, make_placement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
@@ -64,7 +64,7 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
 def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_dir):
     """int8 cold rows with the static decoder's graphs and the predictor path on CUDA."""
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
-    quantize_ffns_like_the_runtime(lm)
+    tiny.round_ffns_to_int8(lm)
     cfg = RuntimeConfig(device="cuda", dtype="float32", cold_dtype="int8")
     g = check_equal(lm, cfg, make_placement(lm, "mixed"), always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
     assert g.stats["cold_dtype"] == "int8" and g.stats["decode_steps"] > 0

@@ -93,3 +93,17 @@ def load_rounded(folder, family: str):
             for m in lm.adapter.layer_ffn(layer).values():
                 m.weight.copy_(m.weight.bfloat16().float())
     return lm
+
+
+def round_ffns_to_int8(lm, group: int | None = None) -> None:
+    """FFN weights -> what int8 cold rows with a scale per `group` weights (default: the runtime's INT8_GROUP) stand
+    for, in place: groups along each neuron's gate and up rows and its down column, as the runtime stores them."""
+    from powerinfer.runtime.kernels import INT8_GROUP, from_int8_groups, to_int8_groups
+
+    group = group or INT8_GROUP
+    with torch.no_grad():
+        for layer in lm.layers:
+            for name, m in lm.adapter.layer_ffn(layer).items():
+                w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
+                back = from_int8_groups(*to_int8_groups(w, group), group)
+                m.weight.copy_(back.T if name == "down" else back)
