@@ -40,7 +40,6 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-Q8_0_BYTES_PER_WEIGHT = 34 / 32  # llama.cpp Q8_0: blocks of 32 int8 weights and an fp16 scale
 SUBPACKAGES = {"profiler": "profiler", "solver": "solver", "predictors": "predictors", "runtime": "runtime"}
 
 
@@ -458,13 +457,14 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
 def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
                       dram: float | None = None) -> dict:
     """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons and the bytes its
-    cold rows take (bf16, or int8 + a float32 scale per INT8_GROUP weights); `dram` replaces the run's DRAM ceiling."""
-    from powerinfer.runtime.kernels import INT8_GROUP
+    cold rows take (pi-solve's COLD_BYTES: bf16, or int8 + a float32 scale per 64 weights); `dram` replaces the run's
+    DRAM ceiling."""
+    from powerinfer.solver.cost import COLD_BYTES
 
     d, n, heads, kv, vocab = bm.SHAPES[shape]
     mb = bm.model_bytes(shape, layers)
     per_neuron = 3 * d * 2  # gate, up, down rows in fp16 on the GPU
-    per_cold = 3 * (d + 4 * -(-d // INT8_GROUP)) if hybrid.get("cold_dtype") == "int8" else per_neuron  # cold bytes
+    per_cold = 3 * d * COLD_BYTES[hybrid.get("cold_dtype", "bf16")]  # bytes per active cold neuron
     rows = []
     for r in hybrid["per_layer_counts"]:
         tok = max(r["tokens"], 1)
@@ -484,6 +484,7 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
 def stage_bench(args, work: Path) -> dict:
     from powerinfer.runtime.generate import RuntimeConfig, layer_split_count
     from powerinfer.runtime.layout import Placement
+    from powerinfer.solver.cost import DTYPE_BYTES
 
     dl = Deadline(args.time_limit)
     skipped: dict = {}
@@ -544,7 +545,7 @@ def stage_bench(args, work: Path) -> dict:
         _free(args.device)
 
     ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
-    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=Q8_0_BYTES_PER_WEIGHT)
+    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=DTYPE_BYTES["q8_0"])
     res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = ngl, ngl8
     binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
     gpath = work / f"model-{model_key(args)}.gguf"
