@@ -158,14 +158,15 @@ class StaticDecoder:
             self._final()
 
         warm_up(self.device, step)
+        try:  # an event recorded inside a graph, waited for by the host
+            torch.cuda.Event(external=True)
+            external = True
+        except TypeError:
+            external = False
         graphs, pool = [], None
         for i in range(len(self.layers)):
-            try:
-                done = torch.cuda.Event(external=True)  # recorded inside the graph, waited for by the host
-            except TypeError:
-                done = None
-            if done is not None:
-                g = torch.cuda.CUDAGraph()
+            if external:
+                g, done = torch.cuda.CUDAGraph(), torch.cuda.Event(external=True)
                 with torch.cuda.graph(g, pool=pool):
                     self._pre(i)
                     done.record()
