@@ -182,7 +182,7 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     # Without a GPU everything runs on the CPU: "GPU-side" fixed work is read at DRAM speed, no sync.
     fixed_bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw  # bytes/s
     gpu_ms = bpn / hw.gpu_bw * 1e3 if hw.has_gpu else np.full(L, np.inf)  # (layers,) ms
-    cpu_ms = bpn / dtype_bytes * (cold_bytes or dtype_bytes) / hw.effective_cpu_bw * 1e3  # (layers,) ms
+    cpu_ms = np.full(L, shape.neuron_params * (cold_bytes or dtype_bytes)) / hw.effective_cpu_bw * 1e3  # (layers,) ms
     # Per layer round trip: latency + the FFN input to the CPU (+ the predictor's mask, 1 byte/neuron)
     # and the CPU's partial sum back.
     xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes
