@@ -13,8 +13,8 @@ GPU work is two graphs over static buffers and a static KV cache:
 
 pre[i] and hot[i] are one graph with the event recorded between them (an external event: torch.cuda.Event(
 external=True)), so a step is L+1 graph launches, L waits for the event and L kernel calls; torch versions without
-external events get two graphs per layer. A launch costs the CPU ~0.05 ms, and each layer's launches sit between
-its predecessor's cold part and its own (bench/NOTES.md). The cold partial sum of layer i is copied
+external events get two graphs per layer. Launches are CPU time between a layer's predecessor's cold part and its
+own GPU work: 0.06 ms a layer for one graph, 0.105 for two, on the H100 machine (bench/NOTES.md). The cold partial sum of layer i is copied
 to the device as the first node of pre[i+1]. The same functions run eagerly without CUDA (tests check them there
 against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the static cache.
 """
