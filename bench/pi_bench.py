@@ -300,6 +300,8 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     t0 = time.perf_counter()
     rt = build_runtime(lm, cfg, placement, preds)
     build_s = time.perf_counter() - t0
+    if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
+        rt.fast.prelaunch = False
     generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba, CUDA kernels, pinned buffers
     before = ceil.dram_read_bw(dram_bytes)["best_bytes_per_s"] if dram_bytes else None
     gens = [generate(rt, prompt, tokens, stop_at_eos=False) for _ in range(reps)]
@@ -337,9 +339,11 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
             "final_ms": float(mean("final_ms")),
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
-            "note": "host clock; wait_pre: launch of layer i's pre graph until it finished on the GPU (it queues behind "
-                    "layer i-1's hot graph), of which launch: the layer's graph launches; cold: HybridFFN.cold_rows "
-                    "(mask -> indices, Numba kernel)"}
+            "graph_prelaunch": bool(rt.fast.prelaunch),
+            "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
+                    "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
+                    "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
+                    "HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
 
 
 @torch.inference_mode()
@@ -522,6 +526,8 @@ def stage_bench(args, work: Path) -> dict:
             ("layer-split", RuntimeConfig(mode="layer-split", device=args.device, dtype=dt, vram=budget), None, None,
              args.slow_tokens, 1),
             ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps),
+            ("hybrid-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P,
+             args.tokens, args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
              args.tokens, args.reps)]
     if "dense" in args.systems:
@@ -615,7 +621,8 @@ def parse(argv=None):
     ap.add_argument("--llama-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
-                    help="comma list; add 'dense' for cold-on-CPU dense at the budget")
+                    help="comma list; add 'dense' for cold-on-CPU dense at the budget, 'hybrid-no-prelaunch' for hybrid "
+                         "with each graph launched after the previous cold part (an A/B of runtime/fast.py)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

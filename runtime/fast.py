@@ -2,29 +2,36 @@
 
 Through HF, a decode step is ~40 small kernel launches per decoder layer (norms, projections, RoPE, cache, attention),
 ~1 ms of CPU per layer, and in hybrid mode the CPU kernel cannot start before they are launched. Here each layer's
-GPU work is two graphs over static buffers and a static KV cache:
+GPU work is replayed from graphs over static buffers and a static KV cache:
 
-  pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding); attention with the cache;
-           h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold mask copied to the host;
-           an event the CPU waits for
+  pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding, and the step's rotary cos/sin
+           and attention mask, which every layer shares); attention with the cache; h2[i] = h + attn; x[i] =
+           post-attention norm; the predictor; x and the cold mask copied to the host; an event the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
   CPU:     the Numba kernel over the active cold rows (HybridFFN.cold_rows), writing a pinned host buffer
   final:   h = last h2 + hot + cold; norm; lm_head -> logits
 
 pre[i] and hot[i] are one graph with the event recorded between them (an external event: torch.cuda.Event(
-external=True)), so a step is L+1 graph launches, L waits for the event and L kernel calls; torch versions without
-external events get two graphs per layer. Launches are CPU time between a layer's predecessor's cold part and its
-own GPU work: 0.06 ms a layer for one graph, 0.105 for two, on the H100 machine (bench/NOTES.md). The cold partial sum of layer i is copied
-to the device as the first node of pre[i+1]. The same functions run eagerly without CUDA (tests check them there
-against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the static cache.
+external=True)); torch versions without external events get two graphs per layer. The cold partial sum of layer i is
+copied to the device as the first node of pre[i+1].
+
+Launching a layer's graph costs the CPU 0.06-0.16 ms (bench/NOTES.md). So that it is not spent between a layer's
+cold part and the next layer's GPU work, the graph of layer i+1 is launched before the CPU computes layer i's cold
+rows, and its first node waits on the GPU for a flag in pinned host memory (`HostFlags`: the driver's stream memory
+operations, cuStreamWaitValue32, captured into the graph) that the CPU sets once the cold sum is written. Where the
+driver lacks them, each graph is launched after the previous cold part. The same functions run eagerly without CUDA
+(tests check them there against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the
+static cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from powerinfer.runtime.layout import HybridFFN, warm_up
 
@@ -48,9 +55,72 @@ def supported(lm, ffns: list[HybridFFN]) -> str | None:
     return None
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    a, b = t.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+class HostFlags:
+    """Flags in pinned host memory that a captured graph waits for on the GPU: `wait(i)`, recorded into a graph,
+    holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. Uses the
+    driver's stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32) through ctypes. `open` returns
+    None where they are missing or fail a probe (a captured wait released by the host)."""
+
+    EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+
+    def __init__(self, n: int, lib: ctypes.CDLL):
+        self.n = n
+        self.flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) the last one for the probe
+        self.host = self.flags.numpy()
+        ptr = ctypes.c_uint64()
+        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(self.flags.data_ptr()), 0))
+        self.dev = ptr.value  # the flags' address as the GPU sees it
+        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        for fn in (self._wait, self._write):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+    @classmethod
+    def open(cls, n: int, device: torch.device) -> HostFlags | None:
+        try:
+            flags = cls(n, ctypes.CDLL("libcuda.so.1"))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                flags.wait(n)
+            flags.release(n)
+            g.replay()
+            torch.cuda.synchronize(device)
+            return flags if flags.host[n] == 0 else None
+        except (OSError, AttributeError, RuntimeError):
+            return None
+
+    def wait(self, i: int) -> None:
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        addr = ctypes.c_uint64(self.dev + 4 * i)
+        _check(self._wait(stream, addr, 1, self.EQ))
+        _check(self._write(stream, addr, 0, 0))
+
+    def release(self, i: int) -> None:
+        self.host[i] = 1
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise RuntimeError(f"CUDA driver error {code}")
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's `t * cos + rotate_half(t) * sin` in three kernels: rotate_half(t) = cat(-b, a) for t = cat(a, b), so
+    rotate_half(t) * sin = roll(t) * sin_signed with sin_signed = cat(-sin[:half], sin[half:]) (exact: only signs move)."""
+    return t * cos + t.roll(t.shape[-1] // 2, -1) * sin_signed
+
+
+def _rms_norm(norm, h: torch.Tensor) -> torch.Tensor:
+    """LLaMA's RMSNorm (float32 statistics, weight applied in the input's dtype) with torch's fused rms_norm: 3-4
+    kernels instead of 8. Other norms run as they are."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or type(norm).__name__ not in RMS_NORMS:
+        return norm(h)
+    return norm.weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+
+
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -90,8 +160,14 @@ class StaticDecoder:
         self.h2 = [torch.zeros((1, 1, d), device=device, dtype=dtype) for _ in self.layers]  # after attention
         self.x = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # FFN inputs
         self.hot = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # hot FFN sums
+        rot = (1, 1, 1, self.head_dim)
+        self.cos = torch.zeros(rot, device=device, dtype=dtype)  # (1, 1, 1, hd) the step's rotary cos
+        self.sin_signed = torch.zeros(rot, device=device, dtype=dtype)  # (1, 1, 1, hd) its sin, first half negated
+        self.mask = torch.zeros((1, 1, 1, self.capacity), device=device, dtype=torch.bool)  # (1, 1, 1, cap) filled
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
+        self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on host flags
+        self.prelaunch: bool | None = None  # None: where the driver can; False: launch each graph after the previous cold part
         self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
         self.timing: list[dict] | None = None  # set to [] to record each graph step's per-layer host times
         for f in ffns:
@@ -108,33 +184,41 @@ class StaticDecoder:
             y = y + f._io["out"].to(self.device, non_blocking=True).to(self.dtype)
         return self.h2[i - 1] + y[None]
 
+    def _position(self) -> None:
+        """The step's rotary cos/sin and mask of filled cache slots, which all layers share (in layer 0's graph)."""
+        cos, sin = self.inner.rotary_emb(self.cos, self.pos)  # (1, 1, hd) each
+        half = self.head_dim // 2
+        self.cos.copy_(cos[:, None])
+        self.sin_signed[..., :half].copy_(-sin[:, None, :, :half])
+        self.sin_signed[..., half:].copy_(sin[:, None, :, half:])
+        self.mask.copy_((self.slots <= self.pos[0])[None, None, None])
+
     def _pre(self, i: int) -> None:
         layer, attn = self.layers[i], self.layers[i].self_attn
+        if i == 0:
+            self._position()
         h = self._residual(i)  # (1, 1, d)
-        r = layer.input_layernorm(h)
+        r = _rms_norm(layer.input_layernorm, h)
         q = attn.q_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, heads, 1, hd)
         k = attn.k_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, kv heads, 1, hd)
         v = attn.v_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.inner.rotary_emb(r, self.pos)  # (1, 1, hd) each
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        qk = _rope(torch.cat((q, k), 1), self.cos, self.sin_signed)  # (1, heads + kv heads, 1, hd): one RoPE
+        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         self.k[i].index_copy_(2, self.pos[0], k)
         self.v[i].index_copy_(2, self.pos[0], v)
         # grouped-query attention without repeating the cache: query head kv*G+g attends to kv head kv, so the G
         # query heads of one kv head go in the query-length dimension
         qg = q.reshape(1, self.n_kv, -1, self.head_dim)  # (1, kv heads, G, hd)
         if self._filled is None:  # graphs: static shapes, so the whole cache with a mask of the filled slots
-            mask = (self.slots <= self.pos[0])[None, None, None]  # (1, 1, 1, cap)
-            keys, values = self.k[i], self.v[i]
+            mask, keys, values = self.mask, self.k[i], self.v[i]
         else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
             mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
         o = _attend(qg, keys, values, mask, attn.scaling)  # (1, kv heads, G, hd)
         o = attn.o_proj(o.reshape(1, 1, self.n_heads * self.head_dim))
         self.h2[i].copy_(h + o)
-        self.x[i].copy_(layer.post_attention_layernorm(self.h2[i])[0])
+        self.x[i].copy_(_rms_norm(layer.post_attention_layernorm, self.h2[i])[0])
         self.ffns[i]._to_host(self.x[i])
 
     def _hot(self, i: int) -> None:
@@ -142,12 +226,13 @@ class StaticDecoder:
 
     def _final(self) -> torch.Tensor:
         h = self._residual(len(self.layers))
-        return self.lm.model.lm_head(self.inner.norm(h))[0, -1]  # (vocab,)
+        return self.lm.model.lm_head(_rms_norm(self.inner.norm, h))[0, -1]  # (vocab,)
 
     # -- graphs --------------------------------------------------------------------------------------------------
     def _capture(self) -> list[Any]:
         """Per layer (graphs, event): one graph of pre, the event's record and hot; or (pre, hot) and an event
-        recorded between their launches where torch has no external events. Then the final graph."""
+        recorded between their launches where torch has no external events. Then the final graph. With host flags,
+        the graph of layer i > 0 and the final one first wait for flag i - 1 (layer i - 1's cold sum written)."""
         fired = [f._fired.clone() for f in self.ffns]
         k, v = [t.clone() for t in self.k], [t.clone() for t in self.v]
 
@@ -163,11 +248,20 @@ class StaticDecoder:
             external = True
         except TypeError:
             external = False
+        if self.prelaunch is not False:
+            self.flags = HostFlags.open(len(self.layers), self.device)
+            self.prelaunch = self.flags is not None
+
+        def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
+            if self.prelaunch and i > 0:
+                self.flags.wait(i - 1)
+
         graphs, pool = [], None
         for i in range(len(self.layers)):
             if external:
                 g, done = torch.cuda.CUDAGraph(), torch.cuda.Event(external=True)
                 with torch.cuda.graph(g, pool=pool):
+                    wait_for_flag(i)
                     self._pre(i)
                     done.record()
                     self._hot(i)
@@ -176,6 +270,7 @@ class StaticDecoder:
                 continue
             pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(pre, pool=pool):
+                wait_for_flag(i)
                 self._pre(i)
             pool = pre.pool()
             with torch.cuda.graph(hot, pool=pool):
@@ -183,6 +278,7 @@ class StaticDecoder:
             graphs.append(((pre, hot), torch.cuda.Event()))
         final = torch.cuda.CUDAGraph()
         with torch.cuda.graph(final, pool=pool):
+            wait_for_flag(len(self.layers))
             self.logits = self._final()
         graphs.append(final)
         for f, c in zip(self.ffns, fired):  # the warm-up and capture wrote nothing that counts
@@ -218,30 +314,58 @@ class StaticDecoder:
                     torch.cuda.current_stream(self.device).synchronize()
                 f.cold_rows(self.x[i])
             return self._final()
+        return self._replay()
+
+    def _launch(self, i: int) -> None:
+        """Layer i's graph(s) (i == L: the final graph)."""
+        if i == len(self.layers):
+            self._graphs[-1].replay()
+            return
+        gs, done = self._graphs[i]
+        gs[0].replay()
+        if len(gs) == 2:  # no external events: record between the two launches
+            done.record()
+            gs[1].replay()  # the GPU computes the hot rows while the CPU computes the cold ones
+
+    def _replay(self) -> torch.Tensor:
+        """One step from the graphs. Prelaunched: layer i+1's graph is launched before the wait for layer i's (while the
+        GPU runs layer i) and starts when the CPU releases flag i after the cold part; else each graph is launched
+        when the previous cold part is done."""
         clock = [time.perf_counter()] if self.timing is not None else None
-        for i, f in enumerate(self.ffns):
-            gs, done = self._graphs[i]
-            gs[0].replay()
-            if len(gs) == 2:  # no external events: record between the two launches
-                done.record()
-                gs[1].replay()  # the GPU computes the hot rows while the CPU computes the cold ones
-            if clock is not None:
-                clock.append(time.perf_counter())
-            done.synchronize()
-            if clock is not None:
-                clock.append(time.perf_counter())
-            f.cold_rows(self.x[i])
-            if clock is not None:
-                clock.append(time.perf_counter())
-        self._graphs[-1].replay()
+        L, prelaunch = len(self.layers), self.prelaunch
+        released = launched = -1  # the last flag released; the last flag a launched graph waits for
+        try:
+            for i, f in enumerate(self.ffns):
+                if i == 0 or not prelaunch:
+                    self._launch(i)
+                if prelaunch:
+                    self._launch(i + 1)
+                    launched = i
+                if clock is not None:
+                    clock.append(time.perf_counter())
+                self._graphs[i][1].synchronize()
+                if clock is not None:
+                    clock.append(time.perf_counter())
+                f.cold_rows(self.x[i])
+                if prelaunch:
+                    self.flags.release(i)
+                    released = i
+                if clock is not None:
+                    clock.append(time.perf_counter())
+        finally:  # an error in a cold part: let the launched graphs run out, so that the stream does not hang
+            for j in range(released + 1, launched + 1):
+                self.flags.release(j)
+        if not prelaunch:
+            self._launch(L)
         if clock is not None:
             self._record(clock)
         return self.logits
 
     def _record(self, clock: list[float]) -> None:
-        """One step's host timeline, in ms: per layer, the wait for `pre` (its launch and GPU time, behind the previous
-        layer's `hot` on the stream), split into the two graph launches and the sync after them, and the CPU cold
-        part; the final graph's GPU time after a sync."""
+        """One step's host timeline, in ms: per layer, the wait for `pre` (its GPU time, behind the previous layer's
+        `hot` on the stream), split into the CPU time spent launching graphs before the sync (prelaunched: the next
+        layer's, while the GPU runs this one; else this layer's) and the sync; the CPU cold part; the final graph's
+        launch (not prelaunched) and GPU time after a sync."""
         torch.cuda.synchronize(self.device)
         end = time.perf_counter()
         ms = [1e3 * (b - a) for a, b in zip(clock, clock[1:])]

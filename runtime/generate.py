@@ -306,7 +306,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
-            "threads": rt.threads,
+            "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
             "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
 
 

@@ -261,14 +261,15 @@ def test_gated_ffn_with_biases_is_refused(tmp_path):
         build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
 
 
-@pytest.mark.parametrize("family,where", [("llama-reglu", "mixed"), ("mistral-drelu", "cpu"), ("qwen2-swiglu", "gpu")])
+@pytest.mark.parametrize("family,where", [("llama-reglu", "mixed"), ("mistral-drelu", "cpu"), ("qwen2-swiglu", "gpu"),
+                                         ("qwen3-swiglu", "gpu")])
 def test_static_decoder_equals_hf_decode(family, where, tiny_model_dir):
     """runtime/fast.py (static KV cache; CUDA graphs on CUDA) against the same runtime decoding through HF layers."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     placement = make_placement(lm, where)
     preds = always_on_predictors(lm, -1e30)
-    mode = {} if family != "qwen2-swiglu" else {"mode": "dense"}
+    mode = {"mode": "dense"} if family.endswith("swiglu") else {}
     rt_hf = build_runtime(copy.deepcopy(lm), RuntimeConfig(device="cpu", static_decode=False, **mode), placement,
                           None if mode else preds)
     rt = build_runtime(lm, RuntimeConfig(device="cpu", **mode), placement, None if mode else preds)

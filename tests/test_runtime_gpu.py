@@ -4,12 +4,14 @@ Same checks as tests/test_runtime.py, with the hot part on CUDA (float32, TF32 o
 Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pinned buffers and side stream.
 """
 
+import copy
+
 import pytest
 import torch
 
 import tiny
-from powerinfer.runtime.generate import RuntimeConfig
-from test_runtime import RELU, always_on_predictors, check_equal, make_placement
+from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
+from test_runtime import NEW, PROMPT, RELU, always_on_predictors, check_equal, make_placement
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
@@ -51,14 +53,49 @@ def test_cuda_layer_split_equals_hf(tiny_model_dir):
     check_equal(lm, RuntimeConfig(mode="layer-split", device="cuda", dtype="float32", gpu_layers=1), atol=CUDA_ATOL)
 
 
-@pytest.mark.parametrize("family", ["llama-reglu", "qwen2-swiglu"])
+@pytest.mark.parametrize("family", ["llama-reglu", "qwen2-swiglu", "qwen3-swiglu"])
 def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
-    """runtime/fast.py with CUDA graphs: the tokens and logits of HF generate."""
+    """runtime/fast.py with CUDA graphs, each launched before the previous layer's cold part and held by a host
+    flag: the tokens and logits of HF generate."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     preds = always_on_predictors(lm, -1e30) if family == "llama-reglu" else None
     cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense")
     g = check_equal(lm, cfg, make_placement(lm, "mixed"), preds, atol=CUDA_ATOL)
-    assert g.stats["decode_steps"] > 0
+    assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"]
+
+
+def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(tiny_model_dir):
+    """The same steps with and without prelaunch give the same logits bit for bit; an error in a cold part while the
+    next graph waits on the GPU for its flag leaves the stream free, and decoding goes on correctly."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    preds, placement = always_on_predictors(lm, -1e30), make_placement(lm, "mixed")
+    cfg = RuntimeConfig(device="cuda", dtype="float32")
+    runs = {}
+    for prelaunch in (True, False):
+        rt = build_runtime(copy.deepcopy(lm), cfg, placement, preds)
+        rt.fast.prelaunch = None if prelaunch else False
+        runs[prelaunch] = (rt, generate(rt, ids, NEW, keep_logits=True))
+        assert runs[prelaunch][1].stats["graph_prelaunch"] == prelaunch
+    a, b = runs[True][1], runs[False][1]
+    assert a.token_ids == b.token_ids
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+    rt = runs[True][0]
+    f = rt.ffns[0]
+    real = f.cold_rows
+
+    def broken(x):
+        raise KeyboardInterrupt("stopped in a cold part")
+
+    f.cold_rows = broken
+    with pytest.raises(KeyboardInterrupt):
+        generate(rt, ids, NEW)
+    f.cold_rows = real
+    torch.cuda.synchronize()  # would hang if the graph launched before the error still waited for its flag
+    c = generate(rt, ids, NEW, keep_logits=True)
+    assert c.token_ids == a.token_ids
+    assert max(float((x - y).abs().max()) for x, y in zip(c.logits, a.logits)) < CUDA_ATOL
 
 
 def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_dir):

@@ -30,7 +30,7 @@ def byte_tokenizer():
 
 def _configs():
     from transformers import (FalconConfig, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, OPTConfig,
-                              Qwen2Config)
+                              Qwen2Config, Qwen3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -41,6 +41,7 @@ def _configs():
         "mistral-drelu": lambda: MistralConfig(**gated, hidden_act="relu"),
         "llama-swiglu": lambda: LlamaConfig(**gated, hidden_act="silu"),
         "qwen2-swiglu": lambda: Qwen2Config(**gated, hidden_act="silu"),
+        "qwen3-swiglu": lambda: Qwen3Config(**gated, head_dim=8, hidden_act="silu"),  # per-head q/k norms
         "falcon-relu": lambda: FalconConfig(**common, activation="relu", bias=True),
         "falcon-gelu": lambda: FalconConfig(**common, activation="gelu", new_decoder_architecture=True,
                                             num_kv_heads=2),
