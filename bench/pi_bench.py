@@ -348,20 +348,23 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
 
 @torch.inference_mode()
 def graph_times(fast, reps: int = 20) -> dict:
-    """GPU ms of each layer's graph replayed alone (CUDA events around `reps` back-to-back replays; `pre` + `hot` in
-    one graph, or each of the two where torch has no external events), and a profile of layer 0's `pre` run eagerly:
-    the kernels behind the wait for `pre`."""
-    out = {}
-    for gs, _ in fast._graphs[:-1]:
-        for name, g in zip(("layer_gpu_ms",) if len(gs) == 1 else ("pre_gpu_ms", "hot_gpu_ms"), gs):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            g.replay()
-            a.record()
-            for _ in range(reps):
-                g.replay()
+    """GPU ms of each layer's graph(s) replayed alone (median over `reps` replays between CUDA events; `pre` + `hot`,
+    and with prelaunch the wait for a flag released just before), and a profile of layer 0's `pre` run eagerly: the
+    kernels behind the wait for `pre`."""
+    out = {"layer_gpu_ms": []}
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(len(fast.layers)):
+        fast.replay_alone(i)
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(reps):
+            torch.cuda._sleep(1_000_000)  # ~0.5 ms: the stream stays busy while the host launches, so the events
+            a.record()                    # time the GPU alone
+            fast.replay_alone(i)
             b.record()
             b.synchronize()
-            out.setdefault(name, []).append(a.elapsed_time(b) / reps)
+            ms.append(a.elapsed_time(b))
+        out["layer_gpu_ms"].append(float(np.median(ms)))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

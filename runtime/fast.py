@@ -248,9 +248,11 @@ class StaticDecoder:
             external = True
         except TypeError:
             external = False
-        if self.prelaunch is not False:
+        # prelaunch holds the stream while the CPU computes a cold part, so that part must not use the GPU: the
+        # oracle mask (a correctness check) counts hot activations there
+        if self.prelaunch is not False and all(f.mask != "oracle" for f in self.ffns):
             self.flags = HostFlags.open(len(self.layers), self.device)
-            self.prelaunch = self.flags is not None
+        self.prelaunch = self.flags is not None
 
         def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
             if self.prelaunch and i > 0:
@@ -326,6 +328,13 @@ class StaticDecoder:
         if len(gs) == 2:  # no external events: record between the two launches
             done.record()
             gs[1].replay()  # the GPU computes the hot rows while the CPU computes the cold ones
+
+    def replay_alone(self, i: int) -> None:
+        """Layer i's graph(s) on their own (i == L: the final graph), e.g. to time them: the flag it waits for is
+        released first, so no earlier launch of them may still be pending (it would take the release)."""
+        if self.prelaunch and i > 0:
+            self.flags.release(i - 1)
+        self._launch(i)
 
     def _replay(self) -> torch.Tensor:
         """One step from the graphs. Prelaunched: layer i+1's graph is launched before the wait for layer i's (while the

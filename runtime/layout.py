@@ -253,7 +253,8 @@ class HybridFFN(nn.Module):
 
     def cold_rows(self, x: torch.Tensor) -> np.ndarray:
         """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out"].
-        Returns the active cold row indices. `x` (1, d) on the device is read only by the oracle's hot count."""
+        Returns the active cold row indices. `x` (1, d) on the device is read only by the oracle's hot count: other
+        masks must not touch the GPU here, whose stream the static decoder holds meanwhile (runtime/fast.py)."""
         io = self._io
         if self.mask == "dense":
             idx = self.all_cold
