@@ -11,6 +11,7 @@ each decoder layer's FFN is replaced by a `HybridFFN` (runtime/layout.py). Modes
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,9 +155,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     for i in range(n_layers):
         if i < k and cfg.mode == "layer-split":
             continue  # a whole dense layer on the device, untouched
-        pred = predictors.layers[i] if mask == "predictor" else None
-        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask,
-                        pred.to("cpu", dtype) if pred is not None else None,
+        # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
+        pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
+        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
                         None if taus is None else taus[i], cfg.cold_dtype)
         ffn.use_graphs = cfg.cuda_graphs
         install(lm, i, ffn)

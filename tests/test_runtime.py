@@ -222,6 +222,18 @@ def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):
     assert g.stats["mode"] == "hybrid" and g.stats["ffn_sparsity"] == 0.0
 
 
+def test_build_runtime_leaves_the_callers_predictors_alone(tiny_model_dir):
+    """Module.to moves in place: a runtime must take copies, or building a second one (another dtype or device)
+    would move the weights that the first one's CUDA graphs read."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    preds = always_on_predictors(lm, -1e30)
+    before = {i: p.fc1.weight for i, p in preds.layers.items()}
+    rt = build_runtime(copy.deepcopy(lm), RuntimeConfig(device="cpu", dtype="bfloat16"), make_placement(lm, "mixed"),
+                       preds)
+    assert all(preds.layers[i].fc1.weight is w and w.dtype == torch.float32 for i, w in before.items())
+    assert all(f.predictor.fc1.weight.dtype == torch.bfloat16 for f in rt.ffns)
+
+
 def test_predictor_that_never_fires_keeps_only_hot_neurons(tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir("opt"), "opt")
     rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, 1e30))

@@ -66,7 +66,8 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
 
 def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(tiny_model_dir):
     """The same steps with and without prelaunch give the same logits bit for bit; an error in a cold part while the
-    next graph waits on the GPU for its flag leaves the stream free, and decoding goes on correctly."""
+    next graph waits on the GPU for its flag leaves the stream free, and decoding goes on correctly. The two runtimes
+    share one Predictors: building the second must not move the first's predictor weights from under its graphs."""
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     preds, placement = always_on_predictors(lm, -1e30), make_placement(lm, "mixed")
