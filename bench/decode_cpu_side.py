@@ -7,11 +7,16 @@ exact predictor marks them. Each case runs `steps` decode-like steps of 12 calls
   one-layer        every call on layer 0's rows (what the kernel bench does)
   12-layers        the calls cycle through the 12 layers, back to back
   12-layers-wait   and before each call a GPU wait as in decode: a ~0.35 ms CUDA sleep kernel, then an event sync
+  12-layers-poll-host    and during each call a graph waits on the GPU for a flag in pinned host memory, which the
+                         CPU sets after the call (runtime/fast.py's prelaunch: the GPU polls host RAM meanwhile)
+  12-layers-poll-device  the same with the flag in GPU memory, set by the CPU through a write on a side stream;
+                         `release_ms`: from the CPU's release to the graph's end
   int8-*           the same with int8 rows (--cold-dtype int8)
   bundled-*        a neuron's gate, up and down rows adjacent in one (3 n, d) array: one 48 KB stream per neuron
                    instead of three 16 KB ones
 
-Usage: python bench/decode_cpu_side.py OUT [--steps 20] [--layers 12]. Writes OUT/decode_cpu_side.json.
+Usage: python bench/decode_cpu_side.py OUT [--steps 20] [--layers 12] [--passes 1] [--cases a,b]. Writes
+OUT/decode_cpu_side.json; with several passes the cases run in turn, pass after pass (the VMs' DRAM drifts).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from numba import njit, prange  # noqa: E402
 import bench_ceilings as ceil  # noqa: E402
 from powerinfer.hardware import machine_info  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
+from powerinfer.runtime.fast import HostFlags  # noqa: E402
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
@@ -63,6 +69,8 @@ def main() -> dict:
     ap.add_argument("--active", type=int, default=1880)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--wait-ms", type=float, default=0.35)
+    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--cases", default=None, help="comma list of cases (default: all)")
     args = ap.parse_args()
     n, d, L = args.n, args.d, args.layers
     cuda = torch.cuda.is_available()
@@ -106,29 +114,61 @@ def main() -> dict:
         "bundled-12-layers": (lambda i, s: bundled_reglu(x, s, bundled[i], part, out), False),
     }
     cases["int8-12-layers"] = (lambda i, s: K.ffn_rows("reglu", x, s, int8[i], out, part), False)
+    polls = {}
     if cuda:
         gpu_wait()  # CUDA's first use out of the timed waits
-        cases["12-layers-wait"] = (cases["12-layers"][0], True)
-        cases["int8-12-layers-wait"] = (cases["int8-12-layers"][0], True)
-        cases["bundled-12-layers-wait"] = (cases["bundled-12-layers"][0], True)
-    for name, (call, wait) in cases.items():
-        call(0, sets[0][0])  # compile
-        ms, waits = [], []
-        for step in sets[1:]:
-            for i, s in enumerate(step):
-                if wait:
-                    t = time.perf_counter()
-                    gpu_wait()
-                    waits.append(1e3 * (time.perf_counter() - t))
-                t0 = time.perf_counter()
-                call(i, s)
-                ms.append(1e3 * (time.perf_counter() - t0))
-        ms = np.array(ms)
-        res["cases"][name] = {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
-                              "p90_ms": float(np.quantile(ms, 0.9)), "GBps_at_mean": float(nbytes * (int8[0].nbytes() / base.nbytes() if name.startswith("int8") else 1)
-                                                    / ms.mean() / 1e6),
-                              "wait_ms_mean": float(np.mean(waits)) if waits else None}
-        print(name, res["cases"][name], flush=True)
+        cases["12-layers-wait"] = (cases["12-layers"][0], "wait")
+        cases["int8-12-layers-wait"] = (cases["int8-12-layers"][0], "wait")
+        cases["bundled-12-layers-wait"] = (cases["bundled-12-layers"][0], "wait")
+        flags = HostFlags.open(1, torch.device("cuda"))
+        if flags is not None:
+            dflag = torch.zeros(1, dtype=torch.int32, device="cuda")  # a flag in GPU memory
+            side = torch.cuda.Stream()
+            for where, addr in (("host", flags.dev), ("device", dflag.data_ptr())):
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    stream = torch.cuda.current_stream().cuda_stream
+                    flags._wait(stream, addr, 1, HostFlags.EQ)
+                    flags._write(stream, addr, 0, 0)
+                    dflag.add_(0)
+                release = flags.release if where == "host" else \
+                    lambda _, a=addr: flags._write(side.cuda_stream, a, 1, 0)
+                polls[where] = (gr, release)
+                cases[f"12-layers-poll-{where}"] = (cases["12-layers"][0], where)
+    names = args.cases.split(",") if args.cases else list(cases)
+    for name in names:
+        cases[name][0](0, sets[0][0])  # compile
+    for p in range(args.passes):
+        for name in names:
+            call, mode = cases[name]
+            ms, waits, rel = [], [], []
+            end = torch.cuda.Event() if cuda else None
+            for step in sets[1:]:
+                for i, s in enumerate(step):
+                    if mode:
+                        t = time.perf_counter()
+                        gpu_wait()
+                        waits.append(1e3 * (time.perf_counter() - t))
+                    if mode in polls:
+                        polls[mode][0].replay()  # the GPU now waits for the flag
+                    t0 = time.perf_counter()
+                    call(i, s)
+                    ms.append(1e3 * (time.perf_counter() - t0))
+                    if mode in polls:
+                        t1 = time.perf_counter()
+                        polls[mode][1](0)
+                        end.record()
+                        end.synchronize()
+                        rel.append(1e3 * (time.perf_counter() - t1))
+            ms = np.array(ms)
+            row = {"pass": p, "mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
+                   "p90_ms": float(np.quantile(ms, 0.9)),
+                   "GBps_at_mean": float(nbytes * (int8[0].nbytes() / base.nbytes() if name.startswith("int8") else 1)
+                                         / ms.mean() / 1e6),
+                   "wait_ms_mean": float(np.mean(waits)) if waits else None,
+                   "release_ms_mean": float(np.mean(rel)) if rel else None}
+            res["cases"][name if args.passes == 1 else f"{name}#{p}"] = row
+            print(name, row, flush=True)
     a = K.ffn_rows("reglu", x, sets[1][0], layers[0], np.zeros(d, np.float32), part).copy()
     bundled_reglu(x, sets[1][0], bundled[0], part, out)
     res["max_abs_diff_bundled"] = float(np.abs(a - out).max())

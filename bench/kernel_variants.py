@@ -5,15 +5,20 @@ Writes OUT/kernel_variants.json.
   bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops)
   int8 slice     int8 groups of 64 through a loop over slices of unknown length (the kernel's general path)
   int8 const     runtime/kernels.py: the group loop with a constant trip count
-  * pf4          the runtime kernel + software prefetch of the next neuron's rows (4 cache lines per 4 KiB page)
+  * pf4          the kernel + software prefetch of the next neuron's rows (4 cache lines per 4 KiB page), with one
+                 fixed contiguous share of the active list per thread
+  * static       the kernel with one fixed contiguous share per thread (its form before dynamic sharing)
+  * dyn16        threads take 16 neurons at a time from the shared counter (the kernel: kernels.CHUNK = 4)
+Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
 
 Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows.
 Results from an earlier form of this script (torch vs numpy row memory, prefetch of 1 line): results/2026-11-22-h100-
 kernel-variants.json, commit 16d962e.
-Usage: python bench/kernel_variants.py OUT [n d]"""
+Usage: python bench/kernel_variants.py OUT [n d] [--reps 8] [--variants fused,fused-dyn4,...]"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -46,6 +51,45 @@ def _prefetch(typingctx, arr, offset):
         return context.get_dummy_value()
 
     return types.void(arr, types.intp), codegen
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # ReGLU only
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    counter[0] = 0
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        while True:
+            q0 = K._fetch_add(counter, chunk)
+            if q0 >= k:
+                break
+            for q in range(q0, min(q0 + chunk, k)):
+                j = idx[q]
+                g = K._dot(x, gate[j], scale[0, j], group)
+                if g <= 0:
+                    continue
+                K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def static_shares(x, idx, gate, up, down_t, scale, group, part, out):  # ReGLU only
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        for q in range(t * k // T, (t + 1) * k // T):
+            j = idx[q]
+            g = K._dot(x, gate[j], scale[0, j], group)
+            if g <= 0:
+                continue
+            K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
 @njit(nogil=True, fastmath=True)
@@ -144,7 +188,7 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
-def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
+def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
     res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(2 * 2**30),
@@ -158,6 +202,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
     o = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
     act = K.ACT_CODE["reglu"]
+    counter = np.zeros(1, np.int64)
 
     def kernel(R, s):
         K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, act)
@@ -166,14 +211,20 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
         ("bf16", "fused"): kernel,
         ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
+        ("bf16", "fused-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
+        ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                      counter, 16),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
+        ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
+    if only:
+        variants = {key: fn for key, fn in variants.items() if key[1] in only}
     rng = np.random.default_rng(0)
     table, checks = [], {}
-    for dens in (0.05, 0.10, 0.20):
-        k = int(dens * n)
+    for dens in (16 / n, 0.05, 0.065, 0.10, 0.20):
+        k = int(round(dens * n))
         sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
         for (dt, name), fn in variants.items():
             R = rows[dt]
@@ -200,4 +251,11 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *map(int, sys.argv[2:4]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("n", type=int, nargs="?", default=28672)
+    ap.add_argument("d", type=int, nargs="?", default=8192)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--variants", default="", help="comma list of variant names (default: all)")
+    a = ap.parse_args()
+    main(a.out, a.n, a.d, a.reps, tuple(v for v in a.variants.split(",") if v))

@@ -106,8 +106,9 @@ def _check(code: int) -> None:
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's `t * cos + rotate_half(t) * sin` in three kernels: rotate_half(t) = cat(-b, a) for t = cat(a, b), so
-    rotate_half(t) * sin = roll(t) * sin_signed with sin_signed = cat(-sin[:half], sin[half:]) (exact: only signs move)."""
+    """HF's `t * cos + rotate_half(t) * sin` in four kernels instead of six: rotate_half(t) = cat(-b, a) for
+    t = cat(a, b), so rotate_half(t) * sin = roll(t) * sin_signed, sin_signed = cat(-sin[:half], sin[half:]) (exact:
+    only signs move)."""
     return t * cos + t.roll(t.shape[-1] // 2, -1) * sin_signed
 
 
@@ -167,7 +168,7 @@ class StaticDecoder:
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
         self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on host flags
-        self.prelaunch: bool | None = None  # None: where the driver can; False: launch each graph after the previous cold part
+        self.prelaunch: bool | None = None  # None: where the driver can; False: each graph after the previous cold part
         self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
         self.timing: list[dict] | None = None  # set to [] to record each graph step's per-layer host times
         for f in ffns:

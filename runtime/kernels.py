@@ -7,9 +7,11 @@ as int8 with a float32 scale per group of INT8_GROUP weights of a row (1.0625 by
 Each element is widened to float32 inside the dot and axpy loops, each group's scale is applied once per group (bf16:
 one group of d with scale 1), and all arithmetic is float32.
 
-Work split: the active list is cut into one contiguous chunk per thread; each thread accumulates its neurons'
-`h_j * down_t[j]` into its own row of `part`; then every thread sums one slice of d across those rows (no atomics,
-deterministic for a fixed thread count). The GIL is released, so the GPU (or another Python thread) keeps working.
+Work split: threads take CHUNK neurons of the active list at a time from a shared atomic counter (a fixed contiguous
+share each left the call waiting for its slowest thread: 8-21% slower on the H100 host, bench/NOTES.md); each thread
+accumulates its neurons' `h_j * down_t[j]` into its own row of `part`; then every thread sums one slice of d across
+those rows. Which thread sums which neuron varies from call to call, so results vary in the last float32 bits. The GIL
+is released, so the GPU (or another Python thread) keeps working.
 
 Two kernels, the activation passed as an integer code (ACT_CODE):
   ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act)  relu, gelu:  h = act(up_j . x + b_j)
@@ -17,7 +19,7 @@ Two kernels, the activation passed as an integer code (ACT_CODE):
                                                                        h = act(gate_j . x) * up_j . x
                                                                        (drelu: relu(gate_j . x) * relu(up_j . x))
 `scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows.
-`part` (threads, d_model) float32 scratch: its row count is the number of chunks (Numba's thread count: calling
+`part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]. The down bias is added by the caller once.
 """
@@ -35,6 +37,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 GATED = ("reglu", "drelu", "swiglu", "geglu")
+CHUNK = 4  # active neurons a thread takes at a time (16 measured alike: bench/results/2026-11-22-h100-kernel-variants-
+#            dynamic.json)
 INT8_GROUP = 64  # weights per int8 scale. SmolLM2-135M, every neuron cold: perplexity +0.9% (groups of 32: +0.9%,
 #                  128: +1.3%, one scale per row of 576: +4.3%; bench/results/cold-int8-quality-smollm2.json)
 UNGATED = ("relu", "gelu")
@@ -60,6 +64,16 @@ def _widen(typingctx, v):
     else:
         return None
     return types.float32(v), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, counter, inc):
+    """counter[0] += inc atomically (an LLVM atomicrmw); returns the value before."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, args[1], "monotonic")
+
+    return types.int64(counter, types.int64), codegen
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -157,17 +171,22 @@ def _gated_value(act, g, u):
 def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, part.shape[0])
+    counter = np.zeros(1, np.int64)  # the next unclaimed position in idx
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum
         acc[:] = 0.0
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            g = _dot(x, gate[j], scale[0, j], group)
-            if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
-                continue
-            h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
-            if h != 0:
-                _axpy(h, down_t[j], scale[2, j], group, acc)
+        while True:
+            q0 = _fetch_add(counter, CHUNK)
+            if q0 >= k:
+                break
+            for q in range(q0, min(q0 + CHUNK, k)):
+                j = idx[q]
+                g = _dot(x, gate[j], scale[0, j], group)
+                if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
+                    continue
+                h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
+                if h != 0:
+                    _axpy(h, down_t[j], scale[2, j], group, acc)
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -176,15 +195,20 @@ def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
 def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
     T = _n_chunks(k, part.shape[0])
+    counter = np.zeros(1, np.int64)
     for t in prange(T):
         acc = part[t]
         acc[:] = 0.0
-        for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            a = _dot(x, up[j], scale[1, j], group) + b_up[j]
-            h = _relu(a) if act == 0 else _gelu_erf(a)
-            if h != 0:
-                _axpy(h, down_t[j], scale[2, j], group, acc)
+        while True:
+            q0 = _fetch_add(counter, CHUNK)
+            if q0 >= k:
+                break
+            for q in range(q0, min(q0 + CHUNK, k)):
+                j = idx[q]
+                a = _dot(x, up[j], scale[1, j], group) + b_up[j]
+                h = _relu(a) if act == 0 else _gelu_erf(a)
+                if h != 0:
+                    _axpy(h, down_t[j], scale[2, j], group, acc)
     for c in prange(T):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -194,7 +218,7 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", 
     """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j].
 
     part: (threads, d) float32 scratch for the per-thread partial sums (made here if None); its row count is the
-    number of chunks the active list is cut into."""
+    number of threads that share the active list."""
     if part is None:
         part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
     if activation in GATED:

@@ -65,9 +65,10 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
 
 
 def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(tiny_model_dir):
-    """The same steps with and without prelaunch give the same logits bit for bit; an error in a cold part while the
-    next graph waits on the GPU for its flag leaves the stream free, and decoding goes on correctly. The two runtimes
-    share one Predictors: building the second must not move the first's predictor weights from under its graphs."""
+    """The same steps with and without prelaunch give the same tokens and logits (up to the last float32 bits, which
+    the cold kernel's dynamic work sharing moves); an error in a cold part while the next graph waits on the GPU for
+    its flag leaves the stream free, and decoding goes on correctly. The two runtimes share one Predictors: building
+    the second must not move the first's predictor weights from under its graphs."""
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     preds, placement = always_on_predictors(lm, -1e30), make_placement(lm, "mixed")
@@ -80,7 +81,7 @@ def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(ti
         assert runs[prelaunch][1].stats["graph_prelaunch"] == prelaunch
     a, b = runs[True][1], runs[False][1]
     assert a.token_ids == b.token_ids
-    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-5
 
     rt = runs[True][0]
     f = rt.ffns[0]
