@@ -3,6 +3,7 @@ kernel against DRAM bandwidth, and the per-token cost floor built from them."""
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +11,8 @@ import numba
 import numpy as np
 import torch
 from numba import njit, prange
+
+from powerinfer.runtime.kernels import _fetch_add
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -38,15 +41,56 @@ def _sum_rows(a, chunks):
     return out.sum()
 
 
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _sum_blocks(a, block, threads):
+    """Sum of a (n,) float32 array, threads taking `block` elements at a time from an atomic counter (the cold
+    kernel's work sharing: a fixed share per thread waits for the slowest one)."""
+    n = a.shape[0]
+    counter = np.zeros(1, np.int64)
+    out = np.zeros(threads, np.float32)
+    for t in prange(threads):
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        while True:
+            lo = _fetch_add(counter, block)
+            if lo >= n:
+                break
+            hi = min(lo + block, n)
+            k = lo
+            while k + 8 <= hi:
+                s0 += a[k]
+                s1 += a[k + 1]
+                s2 += a[k + 2]
+                s3 += a[k + 3]
+                s4 += a[k + 4]
+                s5 += a[k + 5]
+                s6 += a[k + 6]
+                s7 += a[k + 7]
+                k += 8
+            while k < hi:
+                s0 += a[k]
+                k += 1
+        out[t] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+    return out.sum()
+
+
+@functools.lru_cache(maxsize=1)
+def _dram_array(nbytes: int) -> np.ndarray:
+    return np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)  # touches every page
+
+
 def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
-    """Best of: a Numba parallel reduction (8 accumulators, vectorised) and numpy sums, one thread per core."""
+    """Best of: Numba parallel reductions (8 accumulators, vectorised; fixed strips per thread, or 256 KiB blocks
+    from a shared counter) and numpy sums, one thread per core. The array is kept for later calls."""
     threads = numba.get_num_threads()
-    a = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)  # touch every page
+    a = _dram_array(nbytes)
     _sum_rows(a[:1024], threads)  # compile
+    _sum_blocks(a[:1024], 64, threads)
     res = {}
     for chunks in (threads, 4 * threads):
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
+    best = min(_timed(lambda: _sum_blocks(a, 65536, threads)) for _ in range(repeats))
+    res["numba_reduction_256KiB_blocks_shared"] = a.nbytes / best
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:
         best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(repeats))

@@ -292,8 +292,8 @@ def topk_placement(run: Path, budget: int, args) -> dict:
 
 def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
              dram_bytes: int | None = None) -> dict:
-    """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling just
-    before and after the timed generations (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
+    """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling before
+    the first and after each timed generation (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
     from powerinfer.runtime.generate import build_runtime, generate
 
     lm = copy.deepcopy(base)
@@ -303,9 +303,13 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
         rt.fast.prelaunch = False
     generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba, CUDA kernels, pinned buffers
-    before = ceil.dram_read_bw(dram_bytes)["best_bytes_per_s"] if dram_bytes else None
-    gens = [generate(rt, prompt, tokens, stop_at_eos=False) for _ in range(reps)]
-    after = ceil.dram_read_bw(dram_bytes)["best_bytes_per_s"] if dram_bytes else None
+    dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
+    drams = [dram()] if dram_bytes else []
+    gens = []
+    for _ in range(reps):
+        gens.append(generate(rt, prompt, tokens, stop_at_eos=False))
+        if dram_bytes:
+            drams.append(dram())
     rates = [g.stats["decode_tokens_per_s"] for g in gens]
     per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
                       layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
@@ -313,7 +317,8 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
            "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
            "host_memory": host_memory()}
     if dram_bytes:
-        row["dram_around_bytes_per_s"] = {"before": before, "after": after}
+        row["dram_around_bytes_per_s"] = {"before": drams[0], "after": drams[-1],
+                                          "per_rep": [(a + b) / 2 for a, b in zip(drams, drams[1:])]}
     if rt.fast is not None and rt.fast.graphs:
         try:
             row["step_timeline"] = step_timeline(rt, prompt, tokens)
@@ -593,6 +598,14 @@ def stage_bench(args, work: Path) -> dict:
             if around:  # the same floor with the DRAM ceiling measured around this system's timed generations
                 res[key + "_around_run"] = floor_from_hybrid(systems[name], c, args.shape, args.layers,
                                                              preds["bytes"], (around["before"] + around["after"]) / 2)
+                floors = [floor_from_hybrid(systems[name], c, args.shape, args.layers, preds["bytes"], d)
+                          ["tokens_per_s"] for d in around.get("per_rep", [])]
+                shares = [r / f for r, f in zip(systems[name]["decode_tokens_per_s_reps"], floors)]
+                if shares:
+                    res[key + "_per_rep"] = {"dram_bytes_per_s": around["per_rep"], "floor_tokens_per_s": floors,
+                                             "share": shares, "median_share": float(np.median(shares)),
+                                             "note": "each timed generation against the floor from the DRAM ceiling "
+                                                     "measured just before and after it (mean of the two)"}
     res["seconds"] = time.perf_counter() - dl.t0
     return res
 

@@ -89,8 +89,9 @@ def test_goals_and_table():
            "floor": {"tokens_per_s": 100.0},
            "kernel": {"rows": [{"density": 0.05, "bytes_per_s": 1, "share_of_dram_bw": 0.7},
                                {"density": 0.2, "bytes_per_s": 1, "share_of_dram_bw": 0.9}]},
-           "predictor_time": {"ms_per_token": 0.5}}
+           "predictor_time": {"ms_per_token": 0.5}, "floor_per_rep": {"median_share": 0.65}}
     g = report.goals(res)
+    assert g["hybrid_share_of_floor_dram_around_each_rep"]["met"] is False
     assert g["hybrid_vs_llamacpp_layer_split"]["value"] == 20 and g["hybrid_vs_llamacpp_layer_split"]["met"]
     assert g["hybrid_vs_accelerate_offload"]["met"] is False
     assert g["hybrid_share_of_floor"]["value"] == pytest.approx(0.8) and g["hybrid_share_of_floor"]["met"]
@@ -139,6 +140,9 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert 0.8 < res["systems"]["hybrid"]["ffn_sparsity"] < 0.97
     assert res["predictors"]["agreement_with_gate"]["recall"] > 0.99
     assert res["floor"]["tokens_per_s"] > 0 and len(res["kernel"]["rows"]) == 3
+    per_rep = res["floor_per_rep"]  # each timed generation against the DRAM ceiling measured around it
+    assert len(per_rep["share"]) == 1 and per_rep["median_share"] == pytest.approx(
+        res["systems"]["hybrid"]["decode_tokens_per_s"] / per_rep["floor_tokens_per_s"][0])
     if "gguf" in done["build"]:
         assert Path(done["build"]["gguf"]["path"]).exists()
     merged = report.write_results([out], tmp_path / "results")
