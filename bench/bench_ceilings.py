@@ -15,29 +15,34 @@ from numba import njit, prange
 from powerinfer.runtime.kernels import _fetch_add
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _strip_sum(a, lo, hi):
+    """Sum of a[lo:hi] with 8 independent accumulators (vectorised loads)."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    k = lo
+    while k + 8 <= hi:
+        s0 += a[k]
+        s1 += a[k + 1]
+        s2 += a[k + 2]
+        s3 += a[k + 3]
+        s4 += a[k + 4]
+        s5 += a[k + 5]
+        s6 += a[k + 6]
+        s7 += a[k + 7]
+        k += 8
+    while k < hi:
+        s0 += a[k]
+        k += 1
+    return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _sum_rows(a, chunks):
-    """Sum of a (n,) float32 array: `chunks` parallel strips, 8 independent accumulators each (vectorised loads)."""
+    """Sum of a (n,) float32 array: `chunks` parallel strips, one fixed strip per iteration."""
     n = a.shape[0]
     out = np.zeros(chunks, np.float32)
     for c in prange(chunks):
-        lo, hi = c * n // chunks, (c + 1) * n // chunks
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        k = lo
-        while k + 8 <= hi:
-            s0 += a[k]
-            s1 += a[k + 1]
-            s2 += a[k + 2]
-            s3 += a[k + 3]
-            s4 += a[k + 4]
-            s5 += a[k + 5]
-            s6 += a[k + 6]
-            s7 += a[k + 7]
-            k += 8
-        while k < hi:
-            s0 += a[k]
-            k += 1
-        out[c] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+        out[c] = _strip_sum(a, c * n // chunks, (c + 1) * n // chunks)
     return out.sum()
 
 
@@ -49,27 +54,13 @@ def _sum_blocks(a, block, threads):
     counter = np.zeros(1, np.int64)
     out = np.zeros(threads, np.float32)
     for t in prange(threads):
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        s = np.float32(0.0)
         while True:
             lo = _fetch_add(counter, block)
             if lo >= n:
                 break
-            hi = min(lo + block, n)
-            k = lo
-            while k + 8 <= hi:
-                s0 += a[k]
-                s1 += a[k + 1]
-                s2 += a[k + 2]
-                s3 += a[k + 3]
-                s4 += a[k + 4]
-                s5 += a[k + 5]
-                s6 += a[k + 6]
-                s7 += a[k + 7]
-                k += 8
-            while k < hi:
-                s0 += a[k]
-                k += 1
-        out[t] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
+            s += _strip_sum(a, lo, min(lo + block, n))
+        out[t] = s
     return out.sum()
 
 

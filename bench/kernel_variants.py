@@ -53,6 +53,13 @@ def _prefetch(typingctx, arr, offset):
     return types.void(arr, types.intp), codegen
 
 
+@njit(nogil=True, fastmath=True, inline="always")
+def _reglu_row(x, j, gate, up, down_t, scale, group, acc):  # acc += neuron j's ReGLU output, the runtime's _dot/_axpy
+    g = K._dot(x, gate[j], scale[0, j], group)
+    if g > 0:
+        K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+
+
 @njit(parallel=True, nogil=True, fastmath=True)
 def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
@@ -66,11 +73,7 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk): 
             if q0 >= k:
                 break
             for q in range(q0, min(q0 + chunk, k)):
-                j = idx[q]
-                g = K._dot(x, gate[j], scale[0, j], group)
-                if g <= 0:
-                    continue
-                K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+                _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -83,11 +86,7 @@ def static_shares(x, idx, gate, up, down_t, scale, group, part, out):  # ReGLU o
         acc = part[t]
         acc[:] = 0.0
         for q in range(t * k // T, (t + 1) * k // T):
-            j = idx[q]
-            g = K._dot(x, gate[j], scale[0, j], group)
-            if g <= 0:
-                continue
-            K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+            _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -180,11 +179,7 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
                         _prefetch(gate[jn], off + line * m)
                         _prefetch(up[jn], off + line * m)
                         _prefetch(down_t[jn], off + line * m)
-            j = idx[q]
-            g = K._dot(x, gate[j], scale[0, j], group)
-            if g <= 0:
-                continue
-            K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, part[t])
+            _reglu_row(x, idx[q], gate, up, down_t, scale, group, part[t])
     K._sum_rows(part, T, out, 0, d)
 
 
