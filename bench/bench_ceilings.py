@@ -114,6 +114,48 @@ def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
             "sync_round_trip_s": m["sync_latency_s"], "vram_bytes": m["vram_bytes"]}
 
 
+def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384, rows: int = 4096,
+                   seconds: float = 0.5) -> dict:
+    """The GPU reading page-locked host rows in place (the runtime's --pcie-share path: torch index_select of
+    random `row_bytes` rows over PCIe, kernels.host_mapped), alone and while the CPU runs the DRAM reduction over
+    its own array. `extra_bytes_per_s`: what the two read at once beyond the DRAM reduction alone, the bandwidth the
+    PCIe path adds to the cold rows' floor."""
+    from powerinfer.runtime.kernels import host_mapped
+
+    a = np.random.default_rng(1).integers(0, 2**62, nbytes // 8, dtype=np.int64)  # touches every page
+    t = host_mapped(a, a.reshape(-1, row_bytes // 8), torch.device("cuda"))  # (n_rows, row / 8) int64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sets = [torch.randperm(t.shape[0], device="cuda", generator=gen)[:rows] for _ in range(8)]
+
+    def gathers(reps: int):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for r in range(reps):
+            t.index_select(0, sets[r % len(sets)])
+        e1.record()
+        return e0, e1
+
+    e0, e1 = gathers(4)
+    e1.synchronize()
+    alone = 4 * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
+    reps = max(4, int(seconds * alone / (rows * row_bytes)))
+    threads = numba.get_num_threads()
+    d = _dram_array(dram_bytes)
+    _sum_blocks(d[:1024], 64, threads)
+    dram_alone = max(d.nbytes / _timed(lambda: _sum_blocks(d, 65536, threads)) for _ in range(3))
+    e0, e1 = gathers(reps)  # queued; the reductions run meanwhile
+    during = []
+    while not e1.query():
+        during.append(d.nbytes / _timed(lambda: _sum_blocks(d, 65536, threads)))
+    e1.synchronize()
+    zc_during = reps * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
+    dram_during = float(np.median(during)) if during else float("nan")
+    return {"row_bytes": row_bytes, "rows_per_call": rows, "zero_copy_alone_bytes_per_s": alone,
+            "dram_alone_bytes_per_s": dram_alone, "zero_copy_during_dram_bytes_per_s": zc_during,
+            "dram_during_zero_copy_bytes_per_s": dram_during, "reductions_during": len(during),
+            "extra_bytes_per_s": max(0.0, zc_during + dram_during - dram_alone)}
+
+
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
                  rows=None, activation: str = "reglu", dtype: str = "bf16") -> dict:
     """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.

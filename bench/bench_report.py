@@ -103,6 +103,9 @@ def markdown(res: dict) -> str:
         if name in ("hybrid", "dense"):
             note = (f"FFN sparsity {row.get('ffn_sparsity', 0):.3f}, GPU share of activations "
                     f"{row.get('gpu_activation_share', 0):.3f}")
+        if row.get("pcie_share"):
+            note += (", " if note else "") + (f"GPU reads {row['pcie_rows_per_layer']:.0f} of the active cold "
+                                              f"neurons' rows a layer over PCIe (share {row['pcie_share']:.2f})")
         elif name == "layer-split" or name.startswith(SPLIT):
             note = f"{row.get('gpu_layers', row.get('n_gpu_layers'))} layers on the GPU"
         lines.append(f"| {name} | {_fmt(r)} | {_fmt(r / llama if r and llama else None)} | "
@@ -117,6 +120,10 @@ def markdown(res: dict) -> str:
             d = res["floor_around_run"]["inputs"]["dram_bytes_per_s"]
             lines.append(f"| floor, DRAM ceiling measured around the hybrid run ({d / 1e9:.1f} GB/s) | {_fmt(around)} | "
                          f"{_fmt(around / llama if llama else None)} | {_fmt(around / floor_tps)} | |")
+        only = (res.get("floor_dram_only") or {}).get("tokens_per_s")
+        if only and only != floor_tps:
+            lines.append(f"| floor with every cold row read from DRAM by the CPU (the floor before the PCIe path) | "
+                         f"{_fmt(only)} | {_fmt(only / llama if llama else None)} | {_fmt(only / floor_tps)} | |")
         serial = res["floor"].get("serial_tokens_per_s")
         if serial:
             lines.append(f"| serial floor (each layer's attention and predictor before its FFN) | {_fmt(serial)} | "
@@ -128,6 +135,13 @@ def markdown(res: dict) -> str:
         if "hbm_bytes_per_s" in c:
             parts += [f"HBM {c['hbm_bytes_per_s'] / 1e9:,.0f} GB/s", f"PCIe H2D {c['pcie_h2d_bytes_per_s'] / 1e9:.1f} / "
                       f"D2H {c['pcie_d2h_bytes_per_s'] / 1e9:.1f} GB/s", f"sync {c['sync_round_trip_s'] * 1e6:.0f} us"]
+        z = c.get("zero_copy") or {}
+        if "extra_bytes_per_s" in z:
+            parts.append(f"GPU reading page-locked host rows in place {z['zero_copy_alone_bytes_per_s'] / 1e9:.1f} GB/s "
+                         f"alone, {z['zero_copy_during_dram_bytes_per_s'] / 1e9:.1f} while the CPU's DRAM reduction "
+                         f"read {z['dram_during_zero_copy_bytes_per_s'] / 1e9:.1f} (alone "
+                         f"{z['dram_alone_bytes_per_s'] / 1e9:.1f}): PCIe adds {z['extra_bytes_per_s'] / 1e9:.1f} GB/s "
+                         f"to the cold rows' floor")
         lines += ["", "Ceilings: " + "; ".join(parts) + "."]
     for key, rows in (("kernel", "bf16"), ("kernel_int8", "int8")):
         k = res.get(key)

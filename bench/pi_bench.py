@@ -294,7 +294,7 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
              dram_bytes: int | None = None) -> dict:
     """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling before
     the first and after each timed generation (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
-    from powerinfer.runtime.generate import build_runtime, generate
+    from powerinfer.runtime.generate import CALIBRATION_TOKENS, build_runtime, generate
 
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()
@@ -302,7 +302,8 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     build_s = time.perf_counter() - t0
     if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
         rt.fast.prelaunch = False
-    generate(rt, prompt, 4, stop_at_eos=False)  # warm-up: Numba, CUDA kernels, pinned buffers
+    # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
+    generate(rt, prompt, CALIBRATION_TOKENS + 4, stop_at_eos=False)
     dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
     drams = [dram()] if dram_bytes else []
     gens = []
@@ -467,10 +468,11 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
 
 
 def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
-                      dram: float | None = None) -> dict:
+                      dram: float | None = None, pcie: bool = True) -> dict:
     """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons and the bytes its
     cold rows take (pi-solve's COLD_BYTES: bf16, or int8 + a float32 scale per 64 weights); `dram` replaces the run's
-    DRAM ceiling."""
+    DRAM ceiling. Where the run had the GPU read some cold rows over PCIe (pcie_share > 0) and `pcie`, the cold rows
+    are read at the DRAM ceiling plus what PCIe adds to it (ceilings' zero_copy extra_bytes_per_s)."""
     from powerinfer.solver.cost import COLD_BYTES
 
     d, n, heads, kv, vocab = bm.SHAPES[shape]
@@ -486,8 +488,10 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
     hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
     sync = c.get("sync_round_trip_s", 0.0)
     dram = dram or c["dram"]["best_bytes_per_s"]
-    f = ceil.floor(rows, hbm, dram, sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
-    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": dram, "sync_s": sync,
+    extra = (c.get("zero_copy") or {}).get("extra_bytes_per_s", 0.0) if pcie and hybrid.get("pcie_share") else 0.0
+    f = ceil.floor(rows, hbm, dram + extra, sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
+    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": dram, "pcie_extra_bytes_per_s": extra,
+                            "sync_s": sync,
                             "layers": rows, "lm_head_bytes": vocab * d * 2,
                             "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer (serial: all but the hot rows); "
                                     "LM head once"}}
@@ -505,6 +509,10 @@ def stage_bench(args, work: Path) -> dict:
     c = {"dram": ceil.dram_read_bw(args.dram_bytes)}
     if cuda:
         c.update(ceil.cuda_ceilings())
+        try:
+            c["zero_copy"] = ceil.zero_copy_read(args.dram_bytes)
+        except Exception as e:  # noqa: BLE001 - the other ceilings stand without it
+            c["zero_copy"] = {"error": f"{type(e).__name__}: {e}"}
     res["ceilings"] = c
     print("ceilings", json.dumps(c, default=float)[:600], flush=True)
 
@@ -535,6 +543,8 @@ def stage_bench(args, work: Path) -> dict:
              args.slow_tokens, 1),
             ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps),
             ("hybrid-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P,
+             args.tokens, args.reps),
+            ("hybrid-no-pcie", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0), placement, P,
              args.tokens, args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
              args.tokens, args.reps)]
@@ -594,6 +604,8 @@ def stage_bench(args, work: Path) -> dict:
     for key, name in (("floor", "hybrid"), ("floor_int8", "hybrid-int8")):
         if name in systems and "error" not in systems[name]:
             res[key] = floor_from_hybrid(systems[name], c, args.shape, args.layers, preds["bytes"])
+            res[key + "_dram_only"] = floor_from_hybrid(systems[name], c, args.shape, args.layers, preds["bytes"],
+                                                        pcie=False)
             around = systems[name].get("dram_around_bytes_per_s")
             if around:  # the same floor with the DRAM ceiling measured around this system's timed generations
                 res[key + "_around_run"] = floor_from_hybrid(systems[name], c, args.shape, args.layers,
@@ -605,7 +617,8 @@ def stage_bench(args, work: Path) -> dict:
                     res[key + "_per_rep"] = {"dram_bytes_per_s": around["per_rep"], "floor_tokens_per_s": floors,
                                              "share": shares, "median_share": float(np.median(shares)),
                                              "note": "each timed generation against the floor from the DRAM ceiling "
-                                                     "measured just before and after it (mean of the two)"}
+                                                     "measured just before and after it (mean of the two), plus "
+                                                     "what PCIe adds where the run used it"}
     res["seconds"] = time.perf_counter() - dl.t0
     return res
 
@@ -638,7 +651,8 @@ def parse(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
                     help="comma list; add 'dense' for cold-on-CPU dense at the budget, 'hybrid-no-prelaunch' for hybrid "
-                         "with each graph launched after the previous cold part (an A/B of runtime/fast.py)")
+                         "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
+                         "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

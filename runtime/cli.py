@@ -53,6 +53,9 @@ def runtime_options(f):
                      help="Storage of the cold rows in CPU RAM: bf16, or int8 with a scale per 64 weights (half the "
                           "bytes read per token, so faster when the CPU part dominates; a small rounding error)."),
         click.option("--threads", "-t", type=int, default=None, help="CPU threads for the cold neurons [all cores]."),
+        click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
+                     "the GPU computes itself, reading their rows over PCIe from page-locked host RAM while the CPU "
+                     "reads the rest [measured at start; 0: off]."),
         click.option("--vram", default=None, help="Device budget, e.g. 8GB: refuse a layout above it; layer-split "
                      "fills it with whole layers."),
         click.option("--gpu-layers", type=int, default=None, help="layer-split: layers on the device (like -ngl)."),
@@ -68,14 +71,14 @@ def runtime_options(f):
 
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
-                 threads, vram, gpu_layers, no_cuda_graphs, hf_decode, trust_remote_code) -> Runtime:
+                 threads, pcie_share, vram, gpu_layers, no_cuda_graphs, hf_decode, trust_remote_code) -> Runtime:
     """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
     if run_dir is None and model is None:
         raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     try:
         cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
                             threads=threads, vram=_bytes(vram), gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
-                            static_decode=not hf_decode)
+                            static_decode=not hf_decode, pcie_share=pcie_share)
         return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
                             trust_remote_code=trust_remote_code, recall=recall)
     except (ArtifactError, ValueError) as e:

@@ -223,7 +223,7 @@ class StaticDecoder:
         self.ffns[i]._to_host(self.x[i])
 
     def _hot(self, i: int) -> None:
-        self.hot[i].copy_(self.ffns[i]._hot(self.x[i]))
+        self.hot[i].copy_(self.ffns[i]._device_part(self.x[i]))
 
     def _final(self) -> torch.Tensor:
         h = self._residual(len(self.layers))
@@ -252,7 +252,8 @@ class StaticDecoder:
         # prelaunch holds the stream while the CPU computes a cold part, so that part must not use the GPU: the
         # oracle mask (a correctness check) counts hot activations there
         if self.prelaunch is not False and all(f.mask != "oracle" for f in self.ffns):
-            self.flags = HostFlags.open(len(self.layers), self.device)
+            # all 0 after a whole step (each graph resets the flag it waited for), so a new capture reuses them
+            self.flags = self.flags or HostFlags.open(len(self.layers), self.device)
         self.prelaunch = self.flags is not None
 
         def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
@@ -289,6 +290,12 @@ class StaticDecoder:
         for t, c in zip((*self.k, *self.v), (*k, *v)):
             t.copy_(c)
         return graphs
+
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs (e.g. after an FFN's mapped_rows changed): the next step captures them again."""
+        if self._graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self._graphs = None
 
     # -- use ---------------------------------------------------------------------------------------------------
     def load_prefill(self, cache, n: int) -> None:

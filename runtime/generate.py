@@ -12,6 +12,7 @@ each decoder layer's FFN is replaced by a `HybridFFN` (runtime/layout.py). Modes
 from __future__ import annotations
 
 import copy
+import warnings
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
 from powerinfer.runtime.fast import StaticDecoder
 from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
-from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, nbytes
+from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_share,
+                                       nbytes)
 
 MODES = ("hybrid", "dense", "layer-split")
 
@@ -46,6 +48,10 @@ class RuntimeConfig:
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
     cuda_graphs: bool = True  # CUDA: each FFN's per-token GPU work replayed as CUDA graphs (False: eager launches)
     static_decode: bool = True  # LLaMA family, hybrid/dense: decode steps by runtime/fast.py (static KV cache)
+    # static decoder on CUDA, predictor or dense masks: the share of each token's marked cold neurons that the GPU
+    # computes from the cold rows in page-locked host RAM, read over PCIe while the CPU reads the rest from DRAM
+    # (None: measured at start; 0: off, the CPU reads every cold row)
+    pcie_share: float | None = None
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -90,6 +96,8 @@ class Runtime:
     gpu_layers: int
     threads: int
     fast: StaticDecoder | None = None  # decode steps without HF's per-layer launches (LLaMA family)
+    pcie_share: float = 0.0  # see RuntimeConfig; the FFNs' mapped_rows are set from it after CALIBRATION_TOKENS
+    pcie_tuned: bool = False
 
     @property
     def mode(self) -> str:
@@ -129,6 +137,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
     if cfg.cold_dtype not in COLD_DTYPES:
         raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
+    if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
+        raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
+                         f"or leave it out to measure it")
     device, dtype = device_and_dtype(cfg)
     threads = set_threads(cfg.threads)
     info, n_layers = lm.info, len(lm.layers)
@@ -173,7 +184,45 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
                          f"pi-solve with this budget, or raise --vram")
     fast = (build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs)
             if cfg.static_decode and cfg.mode != "layer-split" else None)
-    return Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
+    rt.pcie_share = _pcie_share(rt, mask)
+    return rt
+
+
+CALIBRATION_TOKENS = 16  # decoded tokens whose marked cold neurons set each FFN's mapped_rows
+
+
+def _pcie_share(rt: Runtime, mask: str) -> float:
+    """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any."""
+    cold = [f for f in rt.ffns if f.n_cold]
+    if rt.fast is None or mask == "oracle" or not cold or rt.cfg.pcie_share == 0:
+        return 0.0
+    if rt.cfg.pcie_share is None and rt.device.type != "cuda":
+        return 0.0  # no PCIe to share: the CPU reads everything
+    try:
+        for f in cold:
+            f.map_cold(rt.device)
+    except RuntimeError as e:
+        warnings.warn(str(e), stacklevel=2)
+        return 0.0
+    if rt.cfg.pcie_share is not None:
+        return rt.cfg.pcie_share
+    return measure_pcie_share(max(cold, key=lambda f: f.n_cold))
+
+
+def tune_mapped_rows(rt: Runtime) -> bool:
+    """Once every FFN has seen CALIBRATION_TOKENS decoded tokens: its mapped_rows = pcie_share x its mean marked cold
+    neurons a token, and the CUDA graphs are captured again at the next step (their shapes change). Once a runtime."""
+    if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
+        return False
+    for f in rt.ffns:
+        f.mapped_rows = int(round(rt.pcie_share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
+        if f._io is not None and f._io["graphs"] is not None:
+            torch.cuda.synchronize(rt.device)
+            f._io["graphs"] = None
+    rt.fast.reset_graphs()
+    rt.pcie_tuned = True
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,6 +331,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
             out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1]
         steps += 1
+        if not rt.pcie_tuned and rt.pcie_share > 0:
+            tune_mapped_rows(rt)
     _sync(rt.device)
     t_decode = time.perf_counter() - t1
     text = tok.decode(ids, skip_special_tokens=True)
@@ -308,6 +359,8 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
+            "pcie_share": rt.pcie_share, "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
+            if rt.ffns else 0.0,
             "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
 
 

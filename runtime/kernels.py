@@ -27,6 +27,7 @@ sum_j h_j * down_t[j]. The down bias is added by the caller once.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import numba
@@ -363,3 +364,76 @@ def set_threads(n: int | None) -> int:
     if n:
         numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
     return numba.get_num_threads()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cold rows the compute device reads in place. On CUDA the arrays are page-locked and mapped into the GPU's address
+# space (cudaHostRegister), so a GPU kernel reads them over PCIe while the CPU reads other rows from DRAM: on the H100
+# host the two reads add up (47 GB/s over PCIe while the CPU kept 72 of its 80 GB/s; bench/NOTES.md). On the CPU the
+# "mapped" tensors are plain views, which tests use.
+
+
+class _CudaArrayView:
+    """A registered host array as the CUDA array interface describes device memory (its pointer is valid on the GPU)."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a  # kept alive by the tensor made from this
+        self.__cuda_array_interface__ = {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
+                                         "version": 3, "strides": None}
+
+
+def _widest(a: np.ndarray) -> np.ndarray:
+    """(n, d) rows viewed as the widest integer type that divides a row: wider loads keep more bytes in flight."""
+    for t in (np.int64, np.int32, np.int16):
+        if a.shape[1] * a.itemsize % np.dtype(t).itemsize == 0:
+            return a.view(t)
+    return a.view(np.int8)
+
+
+def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`view` (a view of the C-contiguous array `a`) as a tensor on `device` over the same memory: on CUDA `a` is
+    registered (page-locked, mapped; unregistered when `a` is freed), so GPU kernels read it over PCIe."""
+    if device.type != "cuda":
+        return torch.from_numpy(view)
+    rt = torch.cuda.cudart()
+    err = int(rt.cudaHostRegister(a.ctypes.data, a.nbytes, 0))
+    if err:
+        raise RuntimeError(f"cudaHostRegister of {a.nbytes:,} B of cold rows failed (CUDA error {err}): run with "
+                           f"--pcie-share 0 (the CPU reads every cold row)")
+    weakref.finalize(a, rt.cudaHostUnregister, a.ctypes.data)  # runs before numpy frees the memory
+    return torch.as_tensor(_CudaArrayView(view), device=device)
+
+
+def map_rows(rows: ColdRows, device: torch.device) -> dict[str, torch.Tensor | str | int | None]:
+    """rows' arrays as tensors on `device` over the same memory (CUDA: registered and mapped; CPU: views)."""
+    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "group": rows.group,
+                                                       "d": rows.up.shape[1]}
+    for name in ("gate", "up", "down_t", "scale"):
+        a = getattr(rows, name)
+        if a is None:
+            out[name] = None
+            continue
+        out[name] = host_mapped(a, a if name == "scale" else _widest(a), device)
+    out["b_up"] = torch.from_numpy(rows.b_up).to(device)  # (n,) float32, small: a device copy
+    return out
+
+
+def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows `ids` of mapped[name] as float32 (K, d), read over PCIe on CUDA; int8 rows times their group scales."""
+    a = mapped[name]
+    if a is None:
+        return None
+    r = a.index_select(0, ids)  # (K, row bytes / itemsize)
+    if mapped["dtype"] == "bf16":
+        return r.view(torch.int16).view(torch.bfloat16).float()
+    s = mapped["scale"][which].index_select(0, ids)  # (K, groups)
+    return r.view(torch.int8).float() * s.repeat_interleave(mapped["group"], dim=1)[:, :mapped["d"]]
+
+
+def ffn_rows_mapped(activation: str, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                    mapped: dict) -> torch.Tensor:
+    """Device backend of `ffn_rows` over rows read in place: (1, d) x, (K,) row ids and (K,) valid (False: padding,
+    contributes nothing) -> (1, d) float32 sum of h_j * down_t[j]. Static shapes, so it can be a CUDA graph's part."""
+    h = neuron_values(activation, x.float(), _take(mapped, "gate", 0, ids), _take(mapped, "up", 1, ids),
+                      mapped["b_up"].index_select(0, ids))  # (1, K)
+    return (h * valid) @ _take(mapped, "down_t", 2, ids)  # (1, K) @ (K, d)

@@ -27,7 +27,8 @@ from torch import nn
 
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.kernels import GATED, ColdRows, ffn_rows, ffn_rows_torch, neuron_values
+from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, map_rows,
+                                        neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -93,6 +94,11 @@ class HybridFFN(nn.Module):
         self.cold = ColdRows.from_weights(gate[cold] if self.gated else None, up[cold],
                                           None if b_up is None else b_up[cold], down[:, cold].T, cold_dtype)
         self.all_cold = np.arange(self.n_cold, dtype=np.int64)
+        # the compute device's share of the cold part: of a token's marked cold neurons (ascending ids) the device
+        # computes the first `mapped_rows` from `mapped` (the cold rows, read in place over PCIe), the CPU the rest
+        self.mapped: dict[str, Any] | None = None
+        self.mapped_rows = 0
+        self.cold_marks = np.zeros(2)  # decode tokens, marked cold neurons (host tally; picks mapped_rows)
         self.predictor = predictor
         self.use_graphs = True  # CUDA: replay the per-token GPU work as two CUDA graphs (see _decode)
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
@@ -131,11 +137,28 @@ class HybridFFN(nn.Module):
             host_out = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) CPU partial sum
             part = np.empty((numba.get_num_threads(), self.d_model), np.float32)  # (threads, d) kernel scratch
             self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": host_x.numpy(), "m_np": host_m.numpy(),
-                        "out_np": host_out.numpy(), "part": part, "graphs": None}
+                        "out_np": host_out.numpy(), "part": part, "graphs": None,
+                        "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
 
+    def map_cold(self, device: torch.device) -> None:
+        """Make the cold rows readable by `device` in place (CUDA: page-locked, mapped); mapped_rows may then be set."""
+        if self.mapped is None and self.n_cold:
+            self.mapped = map_rows(self.cold, device)
+
     # -- compute -----------------------------------------------------------------------------------------------
+    def _device_part(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode, on x's device: the hot rows, plus the first `mapped_rows` marked cold neurons read in place."""
+        y = self._hot(x)
+        if self.mapped_rows:
+            m = self._io["m_dev"]  # (n_cold,) this token's cold mask
+            k = self.mapped_rows
+            ids = torch.nonzero_static(m, size=k, fill_value=0)[:, 0]  # (k,) the first k marked (padding: row 0)
+            valid = torch.arange(k, device=m.device) < m.sum()  # (k,) fewer marked than k: the rest is padding
+            y = y + ffn_rows_mapped(self.activation, x, ids, valid, self.mapped).to(y.dtype)
+        return y
+
     def _hot(self, x: torch.Tensor) -> torch.Tensor:
         """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device."""
         y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot) \
@@ -171,7 +194,10 @@ class HybridFFN(nn.Module):
             full = self.predictor.mask(x[0].to(self.predictor.fc1.weight.dtype))  # (n,) bool
             self._fired += full
             if self.n_cold:
-                io["m"].copy_(full[self.cold_ids], non_blocking=True)
+                m = full[self.cold_ids]  # (n_cold,)
+                io["m"].copy_(m, non_blocking=True)
+                if self.mapped_rows:
+                    io["m_dev"].copy_(m)
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).
@@ -180,13 +206,13 @@ class HybridFFN(nn.Module):
         kernel then waits behind; replayed as graphs it is two launches."""
         xs = x.clone()  # (1, d) static input of both graphs
         fired = self._fired.clone()
-        warm_up(x.device, lambda: (self._to_host(xs), self._hot(xs)))
+        warm_up(x.device, lambda: (self._to_host(xs), self._device_part(xs)))
         self._fired.copy_(fired)  # the warm-up fired nothing real
         pre, hot = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(pre):
             self._to_host(xs)
         with torch.cuda.graph(hot, pool=pre.pool()):
-            ys = self._hot(xs)
+            ys = self._device_part(xs)
         return {"x": xs, "y": ys, "pre": pre, "hot": hot, "copied": torch.cuda.Event()}
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +244,7 @@ class HybridFFN(nn.Module):
                 g["hot"].replay()
                 y = g["y"]
             else:
-                y = self._hot(x)
+                y = self._device_part(x)
             if ev_hot1 is not None:
                 ev_hot1.record()
             g["copied"].synchronize()  # the hot rows keep the GPU busy while the CPU works below
@@ -231,7 +257,7 @@ class HybridFFN(nn.Module):
         idx = self.cold_rows(x)
         t2 = time.perf_counter()
         if y is None:
-            y = self._hot(x)
+            y = self._device_part(x)
         if self.n_cold:
             y = y + io["out"].to(y.device, non_blocking=True).to(y.dtype)
         elif cuda:
@@ -264,6 +290,8 @@ class HybridFFN(nn.Module):
             self.counts[0] += 1
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
             idx = self._oracle(x, io["x"])
+        self.cold_marks += (1, len(idx))
+        idx = idx[self.mapped_rows:]  # the device computed the first mapped_rows
         if self.n_cold:
             ffn_rows(self.activation, io["x_np"], idx, self.cold, io["out_np"], io["part"])
         return idx
@@ -280,6 +308,38 @@ class HybridFFN(nn.Module):
         n_cold_active = int(m_cold.sum())
         self.counts += (1, n_hot_active + n_cold_active, n_hot_active, n_cold_active)
         return np.flatnonzero(m_cold.numpy())
+
+
+def measure_pcie_share(f: HybridFFN, rows: int = 512, reps: int = 5) -> float:
+    """The share of a token's cold rows that the device should read in place (over PCIe) so that it finishes with
+    the CPU, which reads the rest from DRAM: device rows/s / (device rows/s + CPU rows/s), each timed alone on fresh
+    random rows of f (median of `reps`). Needs f.map_cold first. Both read every row of a neuron here (SwiGLU, GELU:
+    no zero gate skips a row)."""
+    device = f.mapped["b_up"].device
+    k = min(rows, f.n_cold)
+    act = "swiglu" if f.gated else "gelu"
+    rng = np.random.default_rng(0)
+    sets = [np.sort(rng.choice(f.n_cold, k, replace=False)).astype(np.int64) for _ in range(2 * reps + 2)]
+    x = torch.randn(1, f.d_model, generator=torch.Generator().manual_seed(0))
+    xd, valid = x.to(device), torch.ones(k, dtype=torch.bool, device=device)
+    out, part = np.zeros(f.d_model, np.float32), np.empty((numba.get_num_threads(), f.d_model), np.float32)
+
+    def device_call(ids: np.ndarray) -> None:
+        ffn_rows_mapped(act, xd, torch.from_numpy(ids).to(device), valid, f.mapped)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn, ids: np.ndarray) -> float:
+        t = time.perf_counter()
+        fn(ids)
+        return time.perf_counter() - t
+
+    cpu_call = lambda ids: ffn_rows(act, x[0].numpy(), ids, f.cold, out, part)  # noqa: E731
+    device_call(sets[0])  # warm up (CUDA kernels, Numba compilation)
+    cpu_call(sets[1])
+    gpu_s = np.median([timed(device_call, s) for s in sets[2:2 + reps]])
+    cpu_s = np.median([timed(cpu_call, s) for s in sets[2 + reps:]])
+    return float(cpu_s / (gpu_s + cpu_s))
 
 
 def warm_up(device: torch.device, fn, times: int = 2) -> None:

@@ -84,6 +84,12 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     y = K.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t("gate"), t("up"),
                          None if act in K.GATED else t("b_up"), t("down_t"))[0]
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-6, atol=1e-6)  # int8: q * scale rounded to float32
+    # the device backend over rows read in place (on the CPU: views), with padding rows that must add nothing
+    pad = 3
+    ids = torch.from_numpy(np.concatenate([idx, np.zeros(pad, np.int64)]))
+    valid = torch.arange(len(ids)) < len(idx)
+    y = K.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, K.map_rows(rows, torch.device("cpu")))[0]
+    np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", K.COLD_DTYPES)
@@ -295,6 +301,34 @@ def test_static_decoder_equals_hf_decode(family, where, tiny_model_dir):
     rt.fast.capacity = len(ids) + 3
     c = generate(rt, ids, NEW, keep_logits=True)
     assert c.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("family,mode,int8", [("llama-reglu", "hybrid", False), ("qwen2-swiglu", "dense", False),
+                                             ("llama-reglu", "hybrid", True)])
+def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_model_dir, monkeypatch):
+    """--pcie-share: after the calibration tokens the device computes the first marked cold neurons of each token
+    from the rows in place (here on the CPU, as views) and the CPU the rest; the logits stay HF's."""
+    import powerinfer.runtime.generate as G
+    from powerinfer.runtime.layout import measure_pcie_share
+
+    monkeypatch.setattr(G, "CALIBRATION_TOKENS", 4)
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    if int8:
+        tiny.round_ffns_to_int8(lm)
+    cfg = RuntimeConfig(device="cpu", mode=mode, pcie_share=0.5, cold_dtype="int8" if int8 else "bf16")
+    preds = always_on_predictors(lm, -1e30) if mode == "hybrid" else None
+    g = check_equal(lm, cfg, make_placement(lm, "cpu" if mode == "dense" else "mixed"), preds)
+    rt_ffns = [m for m in lm.model.modules() if hasattr(m, "mapped_rows")]
+    n_cold = [f.n_cold for f in rt_ffns]
+    assert [f.mapped_rows for f in rt_ffns] == [round(0.5 * n) for n in n_cold]  # every cold neuron marked here
+    assert g.stats["pcie_share"] == 0.5 and g.stats["pcie_rows_per_layer"] > 0
+    assert 0 < measure_pcie_share(rt_ffns[0], rows=16, reps=2) < 1
+
+
+def test_pcie_share_out_of_range_is_refused(tiny_model_dir):
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    with pytest.raises(ValueError, match="--pcie-share 1.5 is out of range"):
+        build_runtime(lm, RuntimeConfig(device="cpu", mode="dense", pcie_share=1.5))
 
 
 def test_static_decoder_not_for_other_families(tiny_model_dir):

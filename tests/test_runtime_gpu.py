@@ -107,3 +107,21 @@ def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_d
     cfg = RuntimeConfig(device="cuda", dtype="float32", cold_dtype="int8")
     g = check_equal(lm, cfg, make_placement(lm, "mixed"), always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
     assert g.stats["cold_dtype"] == "int8" and g.stats["decode_steps"] > 0
+
+
+@pytest.mark.parametrize("family,mode,int8", [("llama-reglu", "hybrid", False), ("qwen2-swiglu", "dense", False),
+                                             ("llama-reglu", "hybrid", True)])
+def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_dir, monkeypatch):
+    """After the calibration tokens the GPU computes the first marked cold neurons of each token from page-locked,
+    mapped host rows (graphs captured again with that shape), the CPU the rest: HF's tokens and logits. The share is
+    measured (pcie_share None)."""
+    import powerinfer.runtime.generate as G
+
+    monkeypatch.setattr(G, "CALIBRATION_TOKENS", 4)
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    if int8:
+        tiny.round_ffns_to_int8(lm)
+    cfg = RuntimeConfig(device="cuda", dtype="float32", mode=mode, cold_dtype="int8" if int8 else "bf16")
+    preds = always_on_predictors(lm, -1e30) if mode == "hybrid" else None
+    g = check_equal(lm, cfg, make_placement(lm, "cpu" if mode == "dense" else "mixed"), preds, atol=CUDA_ATOL)
+    assert 0 < g.stats["pcie_share"] < 1 and g.stats["pcie_rows_per_layer"] > 0 and g.stats["graph_prelaunch"]
