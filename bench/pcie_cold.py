@@ -10,8 +10,13 @@ active neurons drawn among those whose gate is positive, as an exact predictor m
                     PCIe) and computed there, 12 layers in turn
   dma+dram          reference ceilings: a copy-engine H2D copy of a contiguous pinned buffer while the CPU runs its DRAM
                     reduction, each alone and both at once
+  pads-R-of-1024    1024 rows of which only R are distinct (the rest row 0 again): does padding cost PCIe reads?
+  embedding-bag-R   y = sum_j h_j down_t[j] by F.embedding_bag with padding rows, against a gather and a product
+  graph-split       the GPU part in a CUDA graph (mask on the device, its first 40% of marked rows, padding to
+                    1024), the CPU the rest, per layer
+  zc+cpu            zero-copy gathers while the CPU runs its cold kernel, then its DRAM reduction (16B-: 16-byte loads)
   split-K           decode-like: per layer the GPU takes K of the active neurons and the CPU the rest, at once; the
-                    layer's time is until both are done
+                    layer's time is until both are done (eager launches; 16B-: 16-byte loads)
 
 Usage: python bench/pcie_cold.py OUT [--steps 10] [--layers 12] [--ks 256,512,...]. Writes OUT/pcie_cold.json.
 """
@@ -306,8 +311,8 @@ def main() -> dict:
 
     # decode-like split: the GPU's share launched first (async), then the CPU's; wait for both
     dev16 = [tuple(wide(t) for t in lay) for lay in dev]
-    for view, dv in (("", dev), ("16B-", dev16)):
-      for k in [int(v) for v in args.splits.split(",")]:
+    for view, dv, k in [(view, dv, int(k)) for view, dv in (("", dev), ("16B-", dev16))
+                        for k in args.splits.split(",")]:
         ev = torch.cuda.Event(enable_timing=True)
         ev0 = torch.cuda.Event(enable_timing=True)
         lay, cpu_ms, gms = [], [], []
