@@ -60,6 +60,21 @@ def bundled_reglu(x, idx, rows, part, out):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
+def layer_copies(rows: K.ColdRows, layers: int) -> list[K.ColdRows]:
+    """`rows` and layers - 1 copies in their own memory (a token reads one per layer, across GBs as decode does)."""
+    return [rows] + [K.ColdRows(rows.gate.copy(), rows.up.copy(), rows.down_t.copy(), rows.b_up, rows.scale,
+                                rows.group) for _ in range(layers - 1)]
+
+
+def active_sets(base: K.ColdRows, x: np.ndarray, active: int, layers: int, steps: int) -> list[list[np.ndarray]]:
+    """steps x layers sorted sets of `active` neurons among those whose gate is positive for x, as an exact
+    predictor marks them."""
+    positive = np.flatnonzero(K.from_bf16_bits(base.gate).numpy() @ x > 0)
+    rng = np.random.default_rng(0)
+    return [[np.sort(rng.choice(positive, active, replace=False)).astype(np.int64) for _ in range(layers)]
+            for _ in range(steps)]
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -81,23 +96,17 @@ def main() -> dict:
     g = torch.Generator().manual_seed(0)
     base = K.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
                                    torch.randn(n, d, generator=g) * 0.02)
-    layers = [base] + [K.ColdRows(base.gate.copy(), base.up.copy(), base.down_t.copy(), base.b_up, base.scale,
-                                  base.group) for _ in range(L - 1)]
+    layers = layer_copies(base, L)
     w = [K.from_bf16_bits(a) for a in (base.gate, base.up, base.down_t)]
-    int8 = [K.ColdRows.from_weights(w[0], w[1], None, w[2], "int8")]
+    int8 = layer_copies(K.ColdRows.from_weights(w[0], w[1], None, w[2], "int8"), L)
     del w
-    int8 += [K.ColdRows(int8[0].gate.copy(), int8[0].up.copy(), int8[0].down_t.copy(), int8[0].b_up, int8[0].scale,
-                        int8[0].group) for _ in range(L - 1)]
     bundled = []
     for r in layers:
         b = np.empty((n, 3, d), np.uint16)
         b[:, 0], b[:, 1], b[:, 2] = r.gate, r.up, r.down_t
         bundled.append(b.reshape(3 * n, d))
     x = torch.randn(d, generator=g).numpy()
-    positive = np.flatnonzero(K.from_bf16_bits(base.gate).numpy() @ x > 0)
-    rng = np.random.default_rng(0)
-    sets = [[np.sort(rng.choice(positive, args.active, replace=False)).astype(np.int64) for _ in range(L)]
-            for _ in range(args.steps + 1)]
+    sets = active_sets(base, x, args.active, L, args.steps + 1)
     out = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
     nbytes = args.active * 3 * d * 2

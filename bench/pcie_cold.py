@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bench_ceilings as ceil  # noqa: E402
+from decode_cpu_side import active_sets, layer_copies  # noqa: E402
 from powerinfer.hardware import machine_info  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 
@@ -70,6 +71,38 @@ def gpu_cold(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, up: torch.T
     return (h @ dn).float()
 
 
+def reglu_reference(base: K.ColdRows, s: np.ndarray, x: torch.Tensor) -> np.ndarray:
+    """float64 numpy: sum over rows s of relu(gate . x) * (up . x) * down_t."""
+    w = {k: K.from_bf16_bits(getattr(base, k)[s]).double().numpy() for k in ("gate", "up", "down_t")}
+    xb = x.double().cpu().numpy()
+    return (np.maximum(w["gate"] @ xb, 0) * (w["up"] @ xb)) @ w["down_t"]
+
+
+def split_times(steps: int, layers: int, gpu_part, cpu_part, before=None) -> dict:
+    """Each layer i of each step (the first step dropped): `before(step, i)` (untimed), then gpu_part(step, i)
+    queued between two CUDA events, cpu_part(step, i) on the host, and a wait for the events. Mean ms of the layer,
+    of the CPU part and of the GPU part."""
+    ev0, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    lay, cpu_ms, gpu_ms = [], [], []
+    for si in range(steps):
+        for i in range(layers):
+            if before is not None:
+                before(si, i)
+            t = time.perf_counter()
+            ev0.record()
+            gpu_part(si, i)
+            ev.record()
+            t1 = time.perf_counter()
+            cpu_part(si, i)
+            t2 = time.perf_counter()
+            ev.synchronize()
+            if si:
+                lay.append(1e3 * (time.perf_counter() - t))
+                cpu_ms.append(1e3 * (t2 - t1))
+                gpu_ms.append(ev0.elapsed_time(ev))
+    return {"layer_ms": float(np.mean(lay)), "cpu_ms": float(np.mean(cpu_ms)), "gpu_ms": float(np.mean(gpu_ms))}
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -88,27 +121,21 @@ def main() -> dict:
     g = torch.Generator().manual_seed(0)
     base = K.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
                                    torch.randn(n, d, generator=g) * 0.02)
-    layers = [base] + [K.ColdRows(base.gate.copy(), base.up.copy(), base.down_t.copy(), base.b_up, base.scale,
-                                  base.group) for _ in range(L - 1)]
+    layers = layer_copies(base, L)
     t0 = time.perf_counter()
     dev = [tuple(mapped(a) for a in (r.gate, r.up, r.down_t)) for r in layers]
     res["register_s"] = time.perf_counter() - t0
     print("registered", res["register_s"], flush=True)
     x = torch.randn(d, generator=g).numpy()
     xd = torch.from_numpy(x).cuda().bfloat16()
-    positive = np.flatnonzero(K.from_bf16_bits(base.gate).numpy() @ x > 0)
-    rng = np.random.default_rng(0)
-    sets = [[np.sort(rng.choice(positive, args.active, replace=False)).astype(np.int64) for _ in range(L)]
-            for _ in range(args.steps + 1)]
+    sets = active_sets(base, x, args.active, L, args.steps + 1)
     out = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
     row_bytes = 3 * d * 2
 
     # correctness of the GPU path against float64 numpy
     s = sets[0][0][:300]
-    w = {k: K.from_bf16_bits(getattr(base, k)[s]).double().numpy() for k in ("gate", "up", "down_t")}
-    xb = xd.double().cpu().numpy()
-    ref = (np.maximum(w["gate"] @ xb, 0) * (w["up"] @ xb)) @ w["down_t"]
+    ref = reglu_reference(base, s, xd)
     got = gpu_cold(xd, torch.from_numpy(s).cuda(), *dev[0]).double().cpu().numpy()
     res["gpu_max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
 
@@ -202,37 +229,23 @@ def main() -> dict:
                 graph_part(i)
             graphs.append(gr)
         ks = int(len(sets[1][0]) * num // 1024)
-        sref = sets[1][0][:ks]
-        w = {kk: K.from_bf16_bits(getattr(base, kk)[sref]).double().numpy() for kk in ("gate", "up", "down_t")}
-        xb = xd.double().cpu().numpy()
-        ref = (np.maximum(w["gate"] @ xb, 0) * (w["up"] @ xb)) @ w["down_t"]
+        ref = reglu_reference(base, sets[1][0][:ks], xd)
         graphs[0].replay()
         got = out_g.double().cpu().numpy()
-        lay, cpu_ms, gms = [], [], []
-        ev0, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for si, step in enumerate(sets):
-            for i, s in enumerate(step):
-                m_dev.zero_()
-                m_dev[torch.from_numpy(s).cuda()] = True
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                ev0.record()
-                graphs[i].replay()
-                ev.record()
-                t1 = time.perf_counter()
-                kk = min(len(s) * num // 1024, cap)
-                cpu_call(i, s[kk:])
-                t2 = time.perf_counter()
-                ev.synchronize()
-                if si:
-                    lay.append(1e3 * (time.perf_counter() - t))
-                    cpu_ms.append(1e3 * (t2 - t1))
-                    gms.append(ev0.elapsed_time(ev))
+
+        def set_mask(si, i):
+            m_dev.zero_()
+            m_dev[idx_dev[si][i]] = True
+            torch.cuda.synchronize()
+
+        def cpu_rest(si, i):
+            s = sets[si][i]
+            cpu_call(i, s[min(len(s) * num // 1024, cap):])
+
+        t = split_times(len(sets), L, lambda si, i: graphs[i].replay(), cpu_rest, before=set_mask)
         res["cases"]["graph-split"] = {"share": num / 1024, "cap": cap, "max_rel_err": float(np.abs(got - ref).max() /
                                                                                        np.abs(ref).max()),
-                                       "layer_ms": float(np.mean(lay)), "cpu_ms": float(np.mean(cpu_ms)),
-                                       "gpu_ms": float(np.mean(gms)),
-                                       "GBps": args.active * row_bytes / np.mean(lay) / 1e6}
+                                       **t, "GBps": args.active * row_bytes / t["layer_ms"] / 1e6}
     except Exception as e:  # noqa: BLE001
         res["cases"]["graph-split"] = {"error": repr(e)}
     print("graph-split", res["cases"]["graph-split"], flush=True)
@@ -313,27 +326,10 @@ def main() -> dict:
     dev16 = [tuple(wide(t) for t in lay) for lay in dev]
     for view, dv, k in [(view, dv, int(k)) for view, dv in (("", dev), ("16B-", dev16))
                         for k in args.splits.split(",")]:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev0 = torch.cuda.Event(enable_timing=True)
-        lay, cpu_ms, gms = [], [], []
-        for si, (step, dstep) in enumerate(zip(sets, idx_dev)):
-            for i, (s, sd) in enumerate(zip(step, dstep)):
-                t = time.perf_counter()
-                ev0.record()
-                gpu_cold(xd, sd[:k], *dv[i])
-                ev.record()
-                t1 = time.perf_counter()
-                cpu_call(i, s[k:])
-                t2 = time.perf_counter()
-                ev.synchronize()
-                if si:
-                    lay.append(1e3 * (time.perf_counter() - t))
-                    cpu_ms.append(1e3 * (t2 - t1))
-                    gms.append(ev0.elapsed_time(ev))
-        res["cases"][f"{view}split-{k}"] = {"gpu_rows": k, "cpu_rows": args.active - k,
-                                            "layer_ms": float(np.mean(lay)), "cpu_ms": float(np.mean(cpu_ms)),
-                                            "gpu_ms": float(np.mean(gms)),
-                                            "GBps": args.active * row_bytes / np.mean(lay) / 1e6}
+        t = split_times(len(sets), L, lambda si, i: gpu_cold(xd, idx_dev[si][i][:k], *dv[i]),
+                        lambda si, i: cpu_call(i, sets[si][i][k:]))
+        res["cases"][f"{view}split-{k}"] = {"gpu_rows": k, "cpu_rows": args.active - k, **t,
+                                            "GBps": args.active * row_bytes / t["layer_ms"] / 1e6}
         print(f"{view}split-{k}", res["cases"][f"{view}split-{k}"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pcie_cold.json").write_text(json.dumps(res, indent=1))
