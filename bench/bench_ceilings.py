@@ -64,6 +64,11 @@ def _sum_blocks(a, block, threads):
     return out.sum()
 
 
+def _blocks_bw(a: np.ndarray, threads: int) -> float:
+    """bytes/s of one `_sum_blocks` pass over `a` (256 KiB blocks)."""
+    return a.nbytes / _timed(lambda: _sum_blocks(a, 65536, threads))
+
+
 @functools.lru_cache(maxsize=1)
 def _dram_array(nbytes: int) -> np.ndarray:
     return np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)  # touches every page
@@ -80,8 +85,7 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
     for chunks in (threads, 4 * threads):
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
-    best = min(_timed(lambda: _sum_blocks(a, 65536, threads)) for _ in range(repeats))
-    res["numba_reduction_256KiB_blocks_shared"] = a.nbytes / best
+    res["numba_reduction_256KiB_blocks_shared"] = max(_blocks_bw(a, threads) for _ in range(repeats))
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:
         best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(repeats))
@@ -143,11 +147,11 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
     threads = numba.get_num_threads()
     d = _dram_array(dram_bytes)
     _sum_blocks(d[:1024], 64, threads)
-    dram_alone = max(d.nbytes / _timed(lambda: _sum_blocks(d, 65536, threads)) for _ in range(3))
+    dram_alone = max(_blocks_bw(d, threads) for _ in range(3))
     e0, e1 = gathers(reps)  # queued; the reductions run meanwhile
     during = []
     while not e1.query():
-        during.append(d.nbytes / _timed(lambda: _sum_blocks(d, 65536, threads)))
+        during.append(_blocks_bw(d, threads))
     e1.synchronize()
     zc_during = reps * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
     dram_during = float(np.median(during)) if during else float("nan")

@@ -292,10 +292,11 @@ class StaticDecoder:
         return graphs
 
     def reset_graphs(self) -> None:
-        """Drop the captured graphs (e.g. after an FFN's mapped_rows changed): the next step captures them again."""
-        if self._graphs is not None:
+        """Drop the captured graphs (e.g. after an FFN's mapped_rows changed): the next step captures them again.
+        Waits for the device first, so no graph (this decoder's or an FFN's own) is running when dropped."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self._graphs = None
+        self._graphs = None
 
     # -- use ---------------------------------------------------------------------------------------------------
     def load_prefill(self, cache, n: int) -> None:

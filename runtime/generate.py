@@ -215,12 +215,11 @@ def tune_mapped_rows(rt: Runtime) -> bool:
     neurons a token, and the CUDA graphs are captured again at the next step (their shapes change). Once a runtime."""
     if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
         return False
+    rt.fast.reset_graphs()  # waits for the GPU: no graph runs while any is dropped
     for f in rt.ffns:
         f.mapped_rows = int(round(rt.pcie_share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
-        if f._io is not None and f._io["graphs"] is not None:
-            torch.cuda.synchronize(rt.device)
+        if f._io is not None:
             f._io["graphs"] = None
-    rt.fast.reset_graphs()
     rt.pcie_tuned = True
     return True
 
@@ -331,8 +330,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
             out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1]
         steps += 1
-        if not rt.pcie_tuned and rt.pcie_share > 0:
-            tune_mapped_rows(rt)
+        tune_mapped_rows(rt)
     _sync(rt.device)
     t_decode = time.perf_counter() - t1
     text = tok.decode(ids, skip_special_tokens=True)
