@@ -294,7 +294,7 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
              dram_bytes: int | None = None) -> dict:
     """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling before
     the first and after each timed generation (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
-    from powerinfer.runtime.generate import CALIBRATION_TOKENS, build_runtime, generate
+    from powerinfer.runtime.generate import TUNING_TOKENS, build_runtime, generate
 
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()
@@ -303,7 +303,7 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
         rt.fast.prelaunch = False
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
-    generate(rt, prompt, CALIBRATION_TOKENS + 4, stop_at_eos=False)
+    generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
     dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
     drams = [dram()] if dram_bytes else []
     gens = []

@@ -28,7 +28,7 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
 from powerinfer.runtime.fast import StaticDecoder
 from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
-from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_share,
+from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates,
                                        nbytes)
 
 MODES = ("hybrid", "dense", "layer-split")
@@ -97,7 +97,8 @@ class Runtime:
     threads: int
     fast: StaticDecoder | None = None  # decode steps without HF's per-layer launches (LLaMA family)
     pcie_share: float = 0.0  # see RuntimeConfig; the FFNs' mapped_rows are set from it after CALIBRATION_TOKENS
-    pcie_tuned: bool = False
+    pcie_tuned: bool = False  # the share is final
+    pcie_balance: ShareBalance | None = None  # a measured share on CUDA graphs: moved by timed rounds first
 
     @property
     def mode(self) -> str:
@@ -189,11 +190,28 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     return rt
 
 
-CALIBRATION_TOKENS = 16  # decoded tokens whose marked cold neurons set each FFN's mapped_rows
+CALIBRATION_TOKENS = 16  # decoded tokens without a share: each FFN's mean marked cold neurons, the step without it
+BALANCE_ROUNDS = 3  # then (share measured, CUDA graphs) rounds that move the share to where the GPU's part ends with
+BALANCE_TOKENS = 4  # the CPU's; each times this many tokens after one that captures the graphs again
+TUNING_TOKENS = CALIBRATION_TOKENS + BALANCE_ROUNDS * (BALANCE_TOKENS + 1)
+OVERRUN_TOL_MS = 0.02  # a layer's GPU part ending this much after the CPU's still counts as ending with it
+
+
+@dataclass
+class ShareBalance:
+    """The share's balancing rounds (tune_mapped_rows). The share measured at start times the GPU and the CPU each
+    alone, and the GPU's part also holds the hot rows: on the H100 machine it then ended ~0.2 ms a layer after the
+    CPU's (bench/NOTES.md). So the decode steps themselves are timed (StaticDecoder.timing, on while balancing)."""
+    device_rows_per_ms: float  # the GPU's rate over PCIe, measured at start
+    base_ms: float | None = None  # a step's critical path a layer (waits for `pre` and the final graph), no share
+    ceiling: float | None = None  # the lowest share seen to run past the CPU
+    start: int = 0  # StaticDecoder.timing index where this round's steps begin
+    rounds: list[dict] = field(default_factory=list)
 
 
 def _pcie_share(rt: Runtime, mask: str) -> float:
-    """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any."""
+    """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any. A
+    measured share on CUDA graphs is balanced in decode (rt.pcie_balance)."""
     cold = [f for f in rt.ffns if f.n_cold]
     if rt.fast is None or mask == "oracle" or not cold or rt.cfg.pcie_share == 0:
         return 0.0
@@ -207,20 +225,83 @@ def _pcie_share(rt: Runtime, mask: str) -> float:
         return 0.0
     if rt.cfg.pcie_share is not None:
         return rt.cfg.pcie_share
-    return measure_pcie_share(max(cold, key=lambda f: f.n_cold))
+    device_rate, cpu_rate = measure_pcie_rates(max(cold, key=lambda f: f.n_cold))  # rows/s
+    if rt.fast.graphs and BALANCE_ROUNDS > 0:
+        rt.pcie_balance = ShareBalance(device_rate / 1e3)
+        rt.fast.timing = []
+    return device_rate / (device_rate + cpu_rate)
+
+
+def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_ms: float, cold_ms: float,
+               ceiling: float | None = None) -> float:
+    """The share for the next round, from one at `share`, per layer and token: `marked` cold neurons, the CPU's part
+    `cold_ms`, and how long the GPU's part (hot rows, then K = share x marked mapped rows) ran past it, `overrun_ms`
+    (~0: it ended first, by a margin the clock cannot see).
+
+    Model: the GPU's part takes a + K / g (g = device_rows_per_ms), the CPU's (marked - K) / c, with c from this
+    round, so moving K by dK moves their difference by dK (1/g + 1/c). Past the CPU's: K drops by overrun / (1/g +
+    1/c), exact if the model holds. Ended first: K rises by the most that could balance, (cold - K/g) / (1/g + 1/c)
+    (as if a = 0), to no more than halfway to `ceiling` (the lowest share seen to run past); the next round corrects
+    an overshoot."""
+    k = share * marked  # rows
+    cpu_rows_per_ms = max(marked - k, 1.0) / max(cold_ms, 1e-3)
+    slope = 1 / device_rows_per_ms + 1 / cpu_rows_per_ms  # ms of difference per row moved
+    if overrun_ms > OVERRUN_TOL_MS:
+        new = (k - overrun_ms / slope) / marked
+    else:
+        new = (k + max(0.0, cold_ms - k / device_rows_per_ms) / slope) / marked
+        if ceiling is not None:
+            new = min(new, (share + ceiling) / 2)
+    return float(min(max(new, 0.0), 0.95))
+
+
+def _set_mapped_rows(rt: Runtime, share: float) -> None:
+    """Each FFN's mapped_rows = share x its mean marked cold neurons a token; graphs captured again at the next step."""
+    rt.fast.reset_graphs()  # waits for the GPU: no graph runs while any is dropped
+    rt.pcie_share = share
+    for f in rt.ffns:
+        f.mapped_rows = int(round(share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
+        if f._io is not None:
+            f._io["graphs"] = None
 
 
 def tune_mapped_rows(rt: Runtime) -> bool:
-    """Once every FFN has seen CALIBRATION_TOKENS decoded tokens: its mapped_rows = pcie_share x its mean marked cold
-    neurons a token, and the CUDA graphs are captured again at the next step (their shapes change). Once a runtime."""
+    """Called after each decode step. Once every FFN has seen CALIBRATION_TOKENS tokens: sets mapped_rows from the
+    share. With rt.pcie_balance, then BALANCE_ROUNDS timed rounds move the share (next_share); the last round's
+    share stays if the GPU ended with the CPU, else its correction. True when mapped_rows changed. Once a runtime."""
     if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
         return False
-    rt.fast.reset_graphs()  # waits for the GPU: no graph runs while any is dropped
-    for f in rt.ffns:
-        f.mapped_rows = int(round(rt.pcie_share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
-        if f._io is not None:
-            f._io["graphs"] = None
-    rt.pcie_tuned = True
+    b, timing = rt.pcie_balance, rt.fast.timing
+    if b is None or timing is None:  # a given share, or no host clock: set once
+        _set_mapped_rows(rt, rt.pcie_share)
+        rt.pcie_tuned = True
+        return True
+    def critical(steps: list[dict]) -> float:  # ms a layer: the waits for the GPU (each `pre`, the final graph)
+        return float(np.median([sum(s["wait_pre_ms"]) + s["final_ms"] for s in steps])) / len(steps[0]["wait_pre_ms"])
+
+    steps = timing[b.start:]
+    if b.base_ms is None:  # the calibration tokens: no share yet
+        b.base_ms = critical(steps[len(steps) // 2:])  # the later half: the first replays warm up
+    elif len(steps) < BALANCE_TOKENS + 1:
+        return False
+    else:
+        steps = steps[1:]  # the first step of a round captured the graphs
+        marked = float(np.mean([f.cold_marks[1] / f.cold_marks[0] for f in rt.ffns if f.mapped is not None]))
+        over = critical(steps) - b.base_ms  # ms a layer
+        cold = float(np.median([np.mean(s["cold_ms"]) for s in steps]))  # ms a layer
+        b.rounds.append({"share": rt.pcie_share, "overrun_ms": over, "cold_ms": cold, "marked": marked})
+        if over > OVERRUN_TOL_MS:
+            b.ceiling = min(b.ceiling or 1.0, rt.pcie_share)
+        share = next_share(rt.pcie_share, marked, b.device_rows_per_ms, over, cold, b.ceiling)
+        if len(b.rounds) == BALANCE_ROUNDS:
+            rt.pcie_tuned, rt.fast.timing = True, None
+            if over <= OVERRUN_TOL_MS:
+                return False
+        _set_mapped_rows(rt, share)
+        b.start = len(timing)
+        return True
+    _set_mapped_rows(rt, rt.pcie_share)
+    b.start = len(timing)
     return True
 
 
@@ -357,7 +438,8 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
-            "pcie_share": rt.pcie_share, "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
+            "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
+            "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
             if rt.ffns else 0.0,
             "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
 

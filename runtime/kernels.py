@@ -427,7 +427,10 @@ def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tenso
     if mapped["dtype"] == "bf16":
         return r.view(torch.int16).view(torch.bfloat16).float()
     s = mapped["scale"][which].index_select(0, ids)  # (K, groups)
-    return r.view(torch.int8).float() * s.repeat_interleave(mapped["group"], dim=1)[:, :mapped["d"]]
+    q, group, d = r.view(torch.int8).float(), mapped["group"], mapped["d"]  # (K, d)
+    if d % group == 0:  # a broadcast product: no (K, d) tensor of repeated scales (0.18 of 0.75 ms at K = 849)
+        return (q.view(len(ids), -1, group) * s[:, :, None]).view(len(ids), d)
+    return q * s.repeat_interleave(group, dim=1)[:, :d]
 
 
 def ffn_rows_mapped(activation: str, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,

@@ -310,10 +310,9 @@ class HybridFFN(nn.Module):
         return np.flatnonzero(m_cold.numpy())
 
 
-def measure_pcie_share(f: HybridFFN, rows: int = 2048, reps: int = 5) -> float:
-    """The share of a token's cold rows that the device should read in place (over PCIe) so that it finishes with
-    the CPU, which reads the rest from DRAM: device rows/s / (device rows/s + CPU rows/s), each timed alone on fresh
-    random rows of f (the best of `reps`: single CPU calls on the H100 host now and then took 20x longer). Needs
+def measure_pcie_rates(f: HybridFFN, rows: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """Cold rows/s of f that the device reads in place (over PCIe) and that the CPU reads from DRAM, each timed alone
+    on fresh random rows (the best of `reps`: single CPU calls on the H100 host now and then took 20x longer). Needs
     f.map_cold first. Both read every row of a neuron here (SwiGLU, GELU: no zero gate skips a row)."""
     device = f.mapped["b_up"].device
     k = min(rows, f.n_cold)
@@ -337,9 +336,9 @@ def measure_pcie_share(f: HybridFFN, rows: int = 2048, reps: int = 5) -> float:
     cpu_call = lambda ids: ffn_rows(act, x[0].numpy(), ids, f.cold, out, part)  # noqa: E731
     device_call(sets[0])  # warm up (CUDA kernels, Numba compilation)
     cpu_call(sets[1])
-    gpu_s = min(timed(device_call, s) for s in sets[2:2 + reps])
-    cpu_s = min(timed(cpu_call, s) for s in sets[2 + reps:])
-    return float(cpu_s / (gpu_s + cpu_s))
+    device_s = min(timed(device_call, s) for s in sets[2:2 + reps])  # s
+    cpu_s = min(timed(cpu_call, s) for s in sets[2 + reps:])  # s
+    return k / device_s, k / cpu_s
 
 
 def warm_up(device: torch.device, fn, times: int = 2) -> None:

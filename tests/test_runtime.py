@@ -64,7 +64,7 @@ def random_rows(rng, act: str, d: int, n: int, dtype: str) -> K.ColdRows:
 
 @pytest.mark.parametrize("dtype", K.COLD_DTYPES)
 @pytest.mark.parametrize("act", list(K.ACT_CODE))
-@pytest.mark.parametrize("d,n", [(37, 23), (64, 129), (200, 40)])  # int8: one group, one, three and a short one
+@pytest.mark.parametrize("d,n", [(37, 23), (64, 129), (192, 17), (200, 40)])  # int8 groups: 1 short, 1, 3, 3 + a short
 @pytest.mark.parametrize("which", ["empty", "all", "random", "one"])
 def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     rng = np.random.default_rng(zlib.crc32(repr((act, d, n, which, dtype)).encode()))  # the same draw every run
@@ -309,7 +309,7 @@ def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_mode
     """--pcie-share: after the calibration tokens the device computes the first marked cold neurons of each token
     from the rows in place (here on the CPU, as views) and the CPU the rest; the logits stay HF's."""
     import powerinfer.runtime.generate as G
-    from powerinfer.runtime.layout import measure_pcie_share
+    from powerinfer.runtime.layout import measure_pcie_rates
 
     monkeypatch.setattr(G, "CALIBRATION_TOKENS", 4)
     lm = tiny.load_rounded(tiny_model_dir(family), family)
@@ -322,7 +322,56 @@ def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_mode
     n_cold = [f.n_cold for f in rt_ffns]
     assert [f.mapped_rows for f in rt_ffns] == [round(0.5 * n) for n in n_cold]  # every cold neuron marked here
     assert g.stats["pcie_share"] == 0.5 and g.stats["pcie_rows_per_layer"] > 0
-    assert 0 < measure_pcie_share(rt_ffns[0], rows=16, reps=2) < 1
+    assert g.stats["pcie_balance"] == []  # a given share is not moved
+    assert all(r > 0 for r in measure_pcie_rates(rt_ffns[0], rows=16, reps=2))
+
+
+@pytest.mark.parametrize("hot_ms,device_rate,cpu_rate,start,believed", [
+    (0.14, 1000.0, 1300.0, 0.43, 1.0), (0.14, 1000.0, 1300.0, 0.43, 1.3), (0.14, 1000.0, 1300.0, 0.43, 0.7),
+    (0.0, 1000.0, 1300.0, 0.1, 1.0), (0.3, 600.0, 1500.0, 0.5, 1.0), (0.05, 2000.0, 800.0, 0.2, 1.0)])
+def test_share_balancing_finds_the_fastest_split(hot_ms, device_rate, cpu_rate, start, believed):
+    """tune_mapped_rows's rounds on a simulated machine (a layer: GPU part hot_ms + K / device_rate, CPU part
+    (marked - K) / cpu_rate, a step waits for whichever ends last; 5 us of clock noise; the GPU's rate measured at
+    start off by `believed`): after TUNING_TOKENS steps the share is final, and its step is within 3% of the best
+    K found by trying every K."""
+    from types import SimpleNamespace
+
+    import powerinfer.runtime.generate as G
+
+    layers, marked, pre_ms = 12, 1880, 0.285
+    rng = np.random.default_rng(0)
+    ffns = [SimpleNamespace(cold_marks=np.zeros(2), mapped=object(), mapped_rows=0, _io=None) for _ in range(layers)]
+    fast = SimpleNamespace(timing=[], layers=ffns, reset_graphs=lambda: None)
+    rt = SimpleNamespace(pcie_tuned=False, pcie_share=start, ffns=ffns, fast=fast,
+                         pcie_balance=G.ShareBalance(believed * device_rate))
+
+    def layer_ms(k: float) -> tuple[float, float]:  # (critical path past `pre`, CPU part)
+        cpu = (marked - k) / cpu_rate
+        return max(0.0, hot_ms + k / device_rate - cpu), cpu
+
+    for _ in range(G.TUNING_TOKENS):
+        over, cpu = layer_ms(ffns[0].mapped_rows)
+        if fast.timing is not None:
+            fast.timing.append({"wait_pre_ms": list(pre_ms + over + rng.normal(0, 0.005, layers)),
+                                "cold_ms": list(cpu + rng.normal(0, 0.005, layers)), "final_ms": 0.3})
+        for f in ffns:
+            f.cold_marks += (1, marked)
+        G.tune_mapped_rows(rt)
+    assert rt.pcie_tuned and fast.timing is None and len(rt.pcie_balance.rounds) == G.BALANCE_ROUNDS
+    step = lambda k: sum(layer_ms(k)) + pre_ms  # noqa: E731
+    best = min(step(k) for k in range(marked + 1))
+    assert step(ffns[0].mapped_rows) <= 1.03 * best, (rt.pcie_share, rt.pcie_balance.rounds)
+
+
+def test_next_share_from_an_overrun_lands_on_the_balance():
+    """Where the model holds, one step down from a share whose GPU part ran past the CPU's balances the two."""
+    import powerinfer.runtime.generate as G
+
+    marked, g, c, a, share = 2000.0, 900.0, 1200.0, 0.1, 0.6
+    k = share * marked
+    cpu, gpu = (marked - k) / c, a + k / g
+    new = G.next_share(share, marked, g, gpu - cpu, cpu) * marked
+    assert abs((a + new / g) - (marked - new) / c) < 1e-9
 
 
 def test_pcie_share_out_of_range_is_refused(tiny_model_dir):

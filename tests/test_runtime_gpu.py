@@ -114,14 +114,18 @@ def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_d
 def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_dir, monkeypatch):
     """After the calibration tokens the GPU computes the first marked cold neurons of each token from page-locked,
     mapped host rows (graphs captured again with that shape), the CPU the rest: HF's tokens and logits. The share is
-    measured (pcie_share None)."""
+    measured (pcie_share None), then moved by two timed balancing rounds, each with graphs captured again."""
     import powerinfer.runtime.generate as G
 
     monkeypatch.setattr(G, "CALIBRATION_TOKENS", 4)
+    monkeypatch.setattr(G, "BALANCE_ROUNDS", 2)
+    monkeypatch.setattr(G, "BALANCE_TOKENS", 2)
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     if int8:
         tiny.round_ffns_to_int8(lm)
     cfg = RuntimeConfig(device="cuda", dtype="float32", mode=mode, cold_dtype="int8" if int8 else "bf16")
     preds = always_on_predictors(lm, -1e30) if mode == "hybrid" else None
     g = check_equal(lm, cfg, make_placement(lm, "cpu" if mode == "dense" else "mixed"), preds, atol=CUDA_ATOL)
-    assert 0 < g.stats["pcie_share"] < 1 and g.stats["pcie_rows_per_layer"] > 0 and g.stats["graph_prelaunch"]
+    rounds = g.stats["pcie_balance"]
+    assert len(rounds) == 2 and 0 < rounds[0]["share"] < 1 and rounds[0]["cold_ms"] > 0
+    assert 0 <= g.stats["pcie_share"] <= 0.95 and g.stats["graph_prelaunch"]
