@@ -194,16 +194,18 @@ CALIBRATION_TOKENS = 16  # decoded tokens without a share: each FFN's mean marke
 BALANCE_ROUNDS = 3  # then (share measured, CUDA graphs) rounds that move the share to where the GPU's part ends with
 BALANCE_TOKENS = 4  # the CPU's; each times this many tokens after one that captures the graphs again
 TUNING_TOKENS = CALIBRATION_TOKENS + BALANCE_ROUNDS * (BALANCE_TOKENS + 1)
-OVERRUN_TOL_MS = 0.02  # a layer's GPU part ending this much after the CPU's still counts as ending with it
+OVERRUN_TOL_MS = 0.02  # a layer's wait this much past its wait without a share: the GPU's part ended after the CPU's
+MIN_OVERRUNS = 3  # samples of a round that must show it before the GPU part's time is read from them
 
 
 @dataclass
 class ShareBalance:
     """The share's balancing rounds (tune_mapped_rows). The share measured at start times the GPU and the CPU each
-    alone, and the GPU's part also holds the hot rows: on the H100 machine it then ended ~0.2 ms a layer after the
-    CPU's (bench/NOTES.md). So the decode steps themselves are timed (StaticDecoder.timing, on while balancing)."""
+    alone, but in decode the GPU's part also holds the hot rows and the two share DRAM: on the H100 machine the GPU's
+    part once ended ~0.2 ms a layer after the CPU's (bench/NOTES.md). So the decode steps themselves are timed
+    (StaticDecoder.timing, on while balancing)."""
     device_rows_per_ms: float  # the GPU's rate over PCIe, measured at start
-    base_ms: float | None = None  # a step's critical path a layer (waits for `pre` and the final graph), no share
+    base_ms: np.ndarray | None = None  # (layers + 1,) ms: each wait for `pre` and the final graph's, without a share
     ceiling: float | None = None  # the lowest share seen to run past the CPU
     start: int = 0  # StaticDecoder.timing index where this round's steps begin
     rounds: list[dict] = field(default_factory=list)
@@ -232,24 +234,30 @@ def _pcie_share(rt: Runtime, mask: str) -> float:
     return device_rate / (device_rate + cpu_rate)
 
 
-def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_ms: float, cold_ms: float,
+def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_ms: np.ndarray, cold_ms: np.ndarray,
                ceiling: float | None = None) -> float:
-    """The share for the next round, from one at `share`, per layer and token: `marked` cold neurons, the CPU's part
-    `cold_ms`, and how long the GPU's part (hot rows, then K = share x marked mapped rows) ran past it, `overrun_ms`
-    (~0: it ended first, by a margin the clock cannot see).
+    """The share for the next round, from one at `share` (K = share x marked rows a layer on the GPU): per (step,
+    layer) sample, the CPU's cold part `cold_ms` and how long the layer's GPU part (hot rows, then the K rows) ran past
+    it, `overrun_ms` (<= OVERRUN_TOL_MS: it ended first, by a margin the host clock cannot see).
 
-    Model: the GPU's part takes a + K / g (g = device_rows_per_ms), the CPU's (marked - K) / c, with c from this
-    round, so moving K by dK moves their difference by dK (1/g + 1/c). Past the CPU's: K drops by overrun / (1/g +
-    1/c), exact if the model holds. Ended first: K rises by the most that could balance, (cold - K/g) / (1/g + 1/c)
-    (as if a = 0), to no more than halfway to `ceiling` (the lowest share seen to run past); the next round corrects
-    an overshoot."""
+    Each sample that overran times the GPU's part: G = cold + overrun. With MIN_OVERRUNS of them, G is their median and
+    the next K minimises the mean over the samples of max(G + dK / g, cold x (marked - K - dK) / (marked - K)) (g =
+    device_rows_per_ms): the CPU's times keep their spread from layer to layer and token to token, so the best split
+    lets the GPU overrun now and then rather than never. With fewer, the GPU ended first: K rises by the most that
+    could balance the mean, as if the hot rows took no time, to no more than halfway to `ceiling` (the lowest share
+    seen to overrun); the next round corrects an overshoot."""
     k = share * marked  # rows
-    cpu_rows_per_ms = max(marked - k, 1.0) / max(cold_ms, 1e-3)
-    slope = 1 / device_rows_per_ms + 1 / cpu_rows_per_ms  # ms of difference per row moved
-    if overrun_ms > OVERRUN_TOL_MS:
-        new = (k - overrun_ms / slope) / marked
+    cpu_rows = max(marked - k, 1.0)
+    over = overrun_ms > OVERRUN_TOL_MS
+    if over.sum() >= MIN_OVERRUNS:
+        gpu_ms = float(np.median(cold_ms[over] + overrun_ms[over]))
+        dk = np.linspace(-k, cpu_rows, 257)[:, None]  # (candidates, 1) rows moved to the GPU
+        step = np.maximum(gpu_ms + dk / device_rows_per_ms, cold_ms.ravel() * (cpu_rows - dk) / cpu_rows)  # ms
+        new = (k + float(dk[np.argmin(step.mean(axis=1)), 0])) / marked
     else:
-        new = (k + max(0.0, cold_ms - k / device_rows_per_ms) / slope) / marked
+        cold = float(np.mean(cold_ms))
+        slope = 1 / device_rows_per_ms + cold / cpu_rows  # ms of difference per row moved
+        new = (k + max(0.0, cold - k / device_rows_per_ms) / slope) / marked
         if ceiling is not None:
             new = min(new, (share + ceiling) / 2)
     return float(min(max(new, 0.0), 0.95))
@@ -268,7 +276,8 @@ def _set_mapped_rows(rt: Runtime, share: float) -> None:
 def tune_mapped_rows(rt: Runtime) -> bool:
     """Called after each decode step. Once every FFN has seen CALIBRATION_TOKENS tokens: sets mapped_rows from the
     share. With rt.pcie_balance, then BALANCE_ROUNDS timed rounds move the share (next_share); the last round's
-    share stays if the GPU ended with the CPU, else its correction. True when mapped_rows changed. Once a runtime."""
+    proposal is taken where the GPU overran in it (it comes from that round's own times), else its share stays. True
+    when mapped_rows changed. Once a runtime."""
     if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
         return False
     b, timing = rt.pcie_balance, rt.fast.timing
@@ -276,26 +285,29 @@ def tune_mapped_rows(rt: Runtime) -> bool:
         _set_mapped_rows(rt, rt.pcie_share)
         rt.pcie_tuned = True
         return True
-    def critical(steps: list[dict]) -> float:  # ms a layer: the waits for the GPU (each `pre`, the final graph)
-        return float(np.median([sum(s["wait_pre_ms"]) + s["final_ms"] for s in steps])) / len(steps[0]["wait_pre_ms"])
+
+    def waits(steps: list[dict]) -> np.ndarray:  # (steps, layers + 1) ms: each wait for `pre`, the final graph's
+        return np.array([s["wait_pre_ms"] + [s["final_ms"]] for s in steps])
 
     steps = timing[b.start:]
     if b.base_ms is None:  # the calibration tokens: no share yet
-        b.base_ms = critical(steps[len(steps) // 2:])  # the later half: the first replays warm up
+        b.base_ms = np.median(waits(steps[len(steps) // 2:]), axis=0)  # the later half: the first replays warm up
     elif len(steps) < BALANCE_TOKENS + 1:
         return False
     else:
         steps = steps[1:]  # the first step of a round captured the graphs
         marked = float(np.mean([f.cold_marks[1] / f.cold_marks[0] for f in rt.ffns if f.mapped is not None]))
-        over = critical(steps) - b.base_ms  # ms a layer
-        cold = float(np.median([np.mean(s["cold_ms"]) for s in steps]))  # ms a layer
-        b.rounds.append({"share": rt.pcie_share, "overrun_ms": over, "cold_ms": cold, "marked": marked})
-        if over > OVERRUN_TOL_MS:
-            b.ceiling = min(b.ceiling or 1.0, rt.pcie_share)
+        over = (waits(steps) - b.base_ms)[:, 1:]  # (steps, layers): layer i's GPU part delays what comes after it
+        cold = np.array([s["cold_ms"] for s in steps])  # (steps, layers)
         share = next_share(rt.pcie_share, marked, b.device_rows_per_ms, over, cold, b.ceiling)
+        n_over = int((over > OVERRUN_TOL_MS).sum())
+        b.rounds.append({"share": rt.pcie_share, "marked": marked, "cold_ms": float(cold.mean()),
+                         "overrun_ms": float(np.maximum(over, 0).mean()), "overruns": n_over / over.size})
+        if n_over >= MIN_OVERRUNS:
+            b.ceiling = min(b.ceiling or 1.0, rt.pcie_share)
         if len(b.rounds) == BALANCE_ROUNDS:
             rt.pcie_tuned, rt.fast.timing = True, None
-            if over <= OVERRUN_TOL_MS:
+            if n_over < MIN_OVERRUNS:  # the GPU ended first: no unmeasured step up at the end
                 return False
         _set_mapped_rows(rt, share)
         b.start = len(timing)

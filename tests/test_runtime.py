@@ -326,14 +326,16 @@ def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_mode
     assert all(r > 0 for r in measure_pcie_rates(rt_ffns[0], rows=16, reps=2))
 
 
-@pytest.mark.parametrize("hot_ms,device_rate,cpu_rate,start,believed", [
-    (0.14, 1000.0, 1300.0, 0.43, 1.0), (0.14, 1000.0, 1300.0, 0.43, 1.3), (0.14, 1000.0, 1300.0, 0.43, 0.7),
-    (0.0, 1000.0, 1300.0, 0.1, 1.0), (0.3, 600.0, 1500.0, 0.5, 1.0), (0.05, 2000.0, 800.0, 0.2, 1.0)])
-def test_share_balancing_finds_the_fastest_split(hot_ms, device_rate, cpu_rate, start, believed):
-    """tune_mapped_rows's rounds on a simulated machine (a layer: GPU part hot_ms + K / device_rate, CPU part
-    (marked - K) / cpu_rate, a step waits for whichever ends last; 5 us of clock noise; the GPU's rate measured at
-    start off by `believed`): after TUNING_TOKENS steps the share is final, and its step is within 3% of the best
-    K found by trying every K."""
+@pytest.mark.parametrize("hot_ms,device_rate,cpu_rate,start,believed,spread", [
+    (0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1), (0.14, 1000.0, 1300.0, 0.43, 1.3, 0.1), (0.14, 1000.0, 1300.0, 0.43, 0.7, 0.1),
+    (0.14, 1000.0, 1300.0, 0.39, 1.0, 0.0), (0.0, 1000.0, 1300.0, 0.1, 1.0, 0.1), (0.3, 600.0, 1500.0, 0.5, 1.0, 0.2),
+    (0.05, 2000.0, 800.0, 0.2, 1.0, 0.1)])
+def test_share_balancing_finds_the_fastest_split(hot_ms, device_rate, cpu_rate, start, believed, spread):
+    """tune_mapped_rows's rounds on a simulated machine: a layer's GPU part takes hot_ms + K / device_rate, its CPU
+    part (marked - K) / cpu_rate times a factor that varies by `spread` from layer to layer and token to token, and
+    the next layer's wait grows by whatever the GPU part ran past the CPU's (5 us of clock noise; the GPU's rate
+    measured at start off by `believed`). After TUNING_TOKENS steps the share is final and its mean step is within 2%
+    of the best K found by trying every K on the same distribution."""
     from types import SimpleNamespace
 
     import powerinfer.runtime.generate as G
@@ -344,34 +346,38 @@ def test_share_balancing_finds_the_fastest_split(hot_ms, device_rate, cpu_rate, 
     fast = SimpleNamespace(timing=[], layers=ffns, reset_graphs=lambda: None)
     rt = SimpleNamespace(pcie_tuned=False, pcie_share=start, ffns=ffns, fast=fast,
                          pcie_balance=G.ShareBalance(believed * device_rate))
+    factor = lambda size: np.exp(rng.normal(0, spread, size))  # noqa: E731 - the CPU part's spread
 
-    def layer_ms(k: float) -> tuple[float, float]:  # (critical path past `pre`, CPU part)
-        cpu = (marked - k) / cpu_rate
-        return max(0.0, hot_ms + k / device_rate - cpu), cpu
+    def layer_ms(k: float, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (GPU past the CPU, CPU part)
+        cpu = (marked - k) / cpu_rate * f
+        return np.maximum(0.0, hot_ms + k / device_rate - cpu), cpu
 
     for _ in range(G.TUNING_TOKENS):
-        over, cpu = layer_ms(ffns[0].mapped_rows)
+        over, cpu = layer_ms(ffns[0].mapped_rows, factor(layers))
         if fast.timing is not None:
-            fast.timing.append({"wait_pre_ms": list(pre_ms + over + rng.normal(0, 0.005, layers)),
-                                "cold_ms": list(cpu + rng.normal(0, 0.005, layers)), "final_ms": 0.3})
+            noise = rng.normal(0, 0.005, layers + 1)
+            fast.timing.append({"wait_pre_ms": list(pre_ms + np.r_[0.0, over[:-1]] + noise[:-1]),
+                                "cold_ms": list(cpu), "final_ms": 0.3 + over[-1] + noise[-1]})
         for f in ffns:
             f.cold_marks += (1, marked)
         G.tune_mapped_rows(rt)
     assert rt.pcie_tuned and fast.timing is None and len(rt.pcie_balance.rounds) == G.BALANCE_ROUNDS
-    step = lambda k: sum(layer_ms(k)) + pre_ms  # noqa: E731
-    best = min(step(k) for k in range(marked + 1))
-    assert step(ffns[0].mapped_rows) <= 1.03 * best, (rt.pcie_share, rt.pcie_balance.rounds)
+    sample = factor(20000)
+    step = lambda k: pre_ms + float(np.mean(sum(layer_ms(k, sample))))  # noqa: E731 - ms a layer
+    best = min(step(k) for k in range(0, marked + 1, 4))
+    assert step(ffns[0].mapped_rows) <= 1.02 * best, (rt.pcie_share, rt.pcie_balance.rounds)
 
 
-def test_next_share_from_an_overrun_lands_on_the_balance():
-    """Where the model holds, one step down from a share whose GPU part ran past the CPU's balances the two."""
+def test_next_share_from_overruns_lands_on_the_balance():
+    """Without spread in the CPU's times and where the model holds, one round whose GPU part ran past the CPU's moves
+    K to where the two end together (to the grid's step)."""
     import powerinfer.runtime.generate as G
 
     marked, g, c, a, share = 2000.0, 900.0, 1200.0, 0.1, 0.6
     k = share * marked
-    cpu, gpu = (marked - k) / c, a + k / g
+    cpu, gpu = np.full((4, 12), (marked - k) / c), a + k / g
     new = G.next_share(share, marked, g, gpu - cpu, cpu) * marked
-    assert abs((a + new / g) - (marked - new) / c) < 1e-9
+    assert abs((a + new / g) - (marked - new) / c) < 2 * (marked / 256) * (1 / g + 1 / c)
 
 
 def test_pcie_share_out_of_range_is_refused(tiny_model_dir):
