@@ -37,6 +37,7 @@ def goals(res: dict) -> dict:
     llama = _rate(s, split) if split else None
     acc = _rate(s, "accelerate offload")
     floor_tps = (res.get("floor") or {}).get("tokens_per_s")
+    serial = (res.get("floor") or {}).get("serial_tokens_per_s")
     per_rep = (res.get("floor_per_rep") or {}).get("median_share")
     kern = (res.get("kernel") or {}).get("rows") or []
     pred = (res.get("predictor_time") or {}).get("ms_per_token")
@@ -61,12 +62,18 @@ def goals(res: dict) -> dict:
     return {
         "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 20, True,
                                                 f"hybrid tok/s / {split or 'llama.cpp -ngl (budget)'} tok/s"),
+        "bound_serial_floor_vs_llamacpp_layer_split": _goal(
+            ratio(serial, llama), 20, True, f"bound on the first goal: serial floor tok/s / {split or 'llama.cpp -ngl'} "
+                                            "tok/s (no runtime that runs a layer's attention before its FFN can pass it)"),
         "hybrid_vs_accelerate_offload": _goal(ratio(hybrid, acc), 100, True,
                                               "hybrid tok/s / accelerate device_map offload tok/s"),
         "hybrid_share_of_floor": _goal(ratio(hybrid, floor_tps), 0.70, True, "hybrid tok/s / floor tok/s"),
         "hybrid_share_of_floor_dram_around_each_rep": _goal(
             per_rep, 0.70, True, "hybrid tok/s / floor tok/s per timed generation, the floor from the DRAM ceiling "
                                  "measured just before and after it; median of the generations"),
+        "hybrid_share_of_serial_floor": _goal(ratio(hybrid, serial), 0.70, True,
+                                              "context: hybrid tok/s / serial floor tok/s (the floor with each layer's "
+                                              "attention and predictor before its FFN, as the layer order requires)"),
         "cpu_kernel_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern) if kern else None, 0.80, True,
                                              "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
         "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
