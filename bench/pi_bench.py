@@ -347,11 +347,43 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
             "final_ms": float(mean("final_ms")),
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
-            "graph_prelaunch": bool(rt.fast.prelaunch),
+            "graph_prelaunch": bool(rt.fast.prelaunch), "cold_replay": cold_replay(rt, prompt, tokens),
             "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
                     "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
                     "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
                     "HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
+
+
+def cold_replay(rt, prompt: list[int], tokens: int) -> dict:
+    """The decode-vs-bench question on the run's own work: one more generation records each CPU cold part's inputs
+    (the indices left to the CPU, x); then the same calls run again back to back, in the same order, with the GPU
+    idle. ms a step of both: equal times put the gap in the work (rows, indices), a faster replay in decode's
+    surroundings (the GPU's graphs and PCIe reads, host-flag polling, the Python between calls)."""
+    from powerinfer.runtime.generate import generate
+    from powerinfer.runtime.kernels import ffn_rows
+
+    calls: list[tuple] = []
+    for f in rt.ffns:
+        def record(x, f=f, cold_rows=f.cold_rows):
+            t = time.perf_counter()
+            idx = cold_rows(x)
+            calls.append((f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
+            return idx
+        f.cold_rows = record
+    try:
+        generate(rt, prompt, tokens, stop_at_eos=False)
+    finally:
+        for f in rt.ffns:
+            del f.cold_rows  # the class's method again
+    n_steps = len(calls) / max(len(rt.ffns), 1)
+    out, replay = np.zeros(rt.ffns[0].d_model, np.float32), []
+    for f, idx, x, _ in calls:
+        t = time.perf_counter()
+        ffn_rows(f.activation, x, idx, f.cold, out, f._io["part"])
+        replay.append(1e3 * (time.perf_counter() - t))
+    rows = sum(len(c[1]) for c in calls) / n_steps
+    return {"decode_ms_per_step": sum(c[3] for c in calls) / n_steps, "replay_ms_per_step": sum(replay) / n_steps,
+            "cpu_rows_per_step": rows, "steps": n_steps}
 
 
 @torch.inference_mode()
