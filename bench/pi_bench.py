@@ -580,6 +580,8 @@ def stage_bench(args, work: Path) -> dict:
              args.tokens, args.reps),
             ("hybrid-no-pcie", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0), placement, P,
              args.tokens, args.reps),
+            ("hybrid-no-pcie-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0),
+             placement, P, args.tokens, args.reps),
             ("hybrid-no-balance", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens,
              args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
@@ -689,6 +691,7 @@ def parse(argv=None):
                     help="comma list; add 'dense' for cold-on-CPU dense at the budget, 'hybrid-no-prelaunch' for hybrid "
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
+                         "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
