@@ -302,8 +302,6 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     build_s = time.perf_counter() - t0
     if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
         rt.fast.prelaunch = False
-    if name.endswith("host-flags") and rt.fast is not None:  # an A/B of where the prelaunched graphs' flags live
-        rt.fast.flag_memory = "host"
     if name.endswith("no-balance") and rt.pcie_balance is not None:  # an A/B of the share's balancing rounds
         rt.pcie_balance = rt.fast.timing = None
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
@@ -584,10 +582,6 @@ def stage_bench(args, work: Path) -> dict:
              args.tokens, args.reps),
             ("hybrid-no-pcie-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0),
              placement, P, args.tokens, args.reps),
-            ("hybrid-host-flags", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens,
-             args.reps),
-            ("hybrid-no-pcie-host-flags", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0),
-             placement, P, args.tokens, args.reps),
             ("hybrid-no-balance", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens,
              args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
@@ -697,8 +691,7 @@ def parse(argv=None):
                     help="comma list; add 'dense' for cold-on-CPU dense at the budget, 'hybrid-no-prelaunch' for hybrid "
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
-                         "'hybrid-no-pcie-no-prelaunch' for both, 'hybrid-host-flags' and 'hybrid-no-pcie-host-flags' for the "
-                         "prelaunched graphs' flags in pinned host memory (the GPU polls host RAM), "
+                         "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())

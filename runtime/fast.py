@@ -63,33 +63,30 @@ class HostFlags:
 
     EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 
-    def __init__(self, n: int, lib: ctypes.CDLL, device: torch.device):
+    def __init__(self, n: int, lib: ctypes.CDLL):
         self.n = n
+        self.flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) the last one for the probe
+        self.host = self.flags.numpy()
+        ptr = ctypes.c_uint64()
+        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(self.flags.data_ptr()), 0))
+        self.dev = ptr.value  # the flags' address as the GPU sees it
         self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
         self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         for fn in (self._wait, self._write):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             fn.restype = ctypes.c_int
-        self.dev = self._alloc(n + 1, lib, device)  # the flags' address as the GPU sees it; the last for the probe
-
-    def _alloc(self, n: int, lib: ctypes.CDLL, device: torch.device) -> int:
-        self.flags = torch.zeros(n, dtype=torch.int32, pin_memory=True)  # (n,)
-        self.host = self.flags.numpy()
-        ptr = ctypes.c_uint64()
-        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(self.flags.data_ptr()), 0))
-        return ptr.value
 
     @classmethod
     def open(cls, n: int, device: torch.device) -> HostFlags | None:
         try:
-            flags = cls(n, ctypes.CDLL("libcuda.so.1"), device)
+            flags = cls(n, ctypes.CDLL("libcuda.so.1"))
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 flags.wait(n)
             flags.release(n)
             g.replay()
             torch.cuda.synchronize(device)
-            return flags if flags.value(n) == 0 else None
+            return flags if flags.host[n] == 0 else None
         except (OSError, AttributeError, RuntimeError):
             return None
 
@@ -99,32 +96,8 @@ class HostFlags:
         _check(self._wait(stream, addr, 1, self.EQ))
         _check(self._write(stream, addr, 0, 0))
 
-    def value(self, i: int) -> int:
-        return int(self.host[i])
-
     def release(self, i: int) -> None:
         self.host[i] = 1
-
-
-class DeviceFlags(HostFlags):
-    """The same flags in GPU memory: a graph waiting on one polls the GPU's own memory, where a host flag has the GPU
-    read host RAM over PCIe for the whole of the CPU's cold part (in decode the CPU's part then ran 1.16x slower than
-    its replay with the GPU idle, 1.09x without the wait; bench/NOTES.md). `release(i)` is a write enqueued on a side
-    stream: a driver call of a few us instead of a store."""
-
-    def _alloc(self, n: int, lib: ctypes.CDLL, device: torch.device) -> int:
-        self.flags = torch.zeros(n, dtype=torch.int32, device=device)  # (n,)
-        self.side = torch.cuda.Stream(device)
-        return self.flags.data_ptr()
-
-    def value(self, i: int) -> int:
-        return int(self.flags[i].item())
-
-    def release(self, i: int) -> None:
-        _check(self._write(ctypes.c_void_p(self.side.cuda_stream), ctypes.c_uint64(self.dev + 4 * i), 1, 0))
-
-
-FLAG_MEMORY = {"device": DeviceFlags, "host": HostFlags}  # where the prelaunched graphs' flags live
 
 
 def _check(code: int) -> None:
@@ -194,9 +167,8 @@ class StaticDecoder:
         self.mask = torch.zeros((1, 1, 1, self.capacity), device=device, dtype=torch.bool)  # (1, 1, 1, cap) filled
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
-        self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on flags
+        self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on host flags
         self.prelaunch: bool | None = None  # None: where the driver can; False: each graph after the previous cold part
-        self.flag_memory = "device"  # FLAG_MEMORY: where the flags live (read at the first capture)
         self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
         self.timing: list[dict] | None = None  # set to [] to record each graph step's per-layer host times
         for f in ffns:
@@ -281,7 +253,7 @@ class StaticDecoder:
         # oracle mask (a correctness check) counts hot activations there
         if self.prelaunch is not False and all(f.mask != "oracle" for f in self.ffns):
             # all 0 after a whole step (each graph resets the flag it waited for), so a new capture reuses them
-            self.flags = self.flags or FLAG_MEMORY[self.flag_memory].open(len(self.layers), self.device)
+            self.flags = self.flags or HostFlags.open(len(self.layers), self.device)
         self.prelaunch = self.flags is not None
 
         def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
