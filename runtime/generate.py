@@ -292,9 +292,10 @@ def tune_mapped_rows(rt: Runtime) -> bool:
     steps = timing[b.start:]
     if b.base_ms is None:  # the calibration tokens: no share yet
         b.base_ms = np.median(waits(steps[len(steps) // 2:]), axis=0)  # the later half: the first replays warm up
-    elif len(steps) < BALANCE_TOKENS + 1:
-        return False
+        share = rt.pcie_share
     else:
+        if len(steps) < BALANCE_TOKENS + 1:
+            return False
         steps = steps[1:]  # the first step of a round captured the graphs
         marked = float(np.mean([f.cold_marks[1] / f.cold_marks[0] for f in rt.ffns if f.mapped is not None]))
         over = (waits(steps) - b.base_ms)[:, 1:]  # (steps, layers): layer i's GPU part delays what comes after it
@@ -309,10 +310,7 @@ def tune_mapped_rows(rt: Runtime) -> bool:
             rt.pcie_tuned, rt.fast.timing = True, None
             if n_over < MIN_OVERRUNS:  # the GPU ended first: no unmeasured step up at the end
                 return False
-        _set_mapped_rows(rt, share)
-        b.start = len(timing)
-        return True
-    _set_mapped_rows(rt, rt.pcie_share)
+    _set_mapped_rows(rt, share)
     b.start = len(timing)
     return True
 
