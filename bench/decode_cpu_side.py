@@ -75,14 +75,20 @@ def active_sets(base: K.ColdRows, x: np.ndarray, active: int, layers: int, steps
             for _ in range(steps)]
 
 
-def main() -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_args(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments this script and pcie_cold.py share: OUT and the 70B-shaped cold layer (copies, active neurons)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--n", type=int, default=27200)
     ap.add_argument("--d", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--active", type=int, default=1880)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def main() -> dict:
+    ap = layer_args(__doc__, steps=20)
     ap.add_argument("--wait-ms", type=float, default=0.35)
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--cases", default=None, help="comma list of cases (default: all)")

@@ -23,7 +23,6 @@ Usage: python bench/pcie_cold.py OUT [--steps 10] [--layers 12] [--ks 256,512,..
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -37,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bench_ceilings as ceil  # noqa: E402
-from decode_cpu_side import active_sets, layer_copies  # noqa: E402
+from decode_cpu_side import active_sets, layer_args, layer_copies  # noqa: E402
 from powerinfer.hardware import machine_info  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 
@@ -104,13 +103,7 @@ def split_times(steps: int, layers: int, gpu_part, cpu_part, before=None) -> dic
 
 
 def main() -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--n", type=int, default=27200)
-    ap.add_argument("--d", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--active", type=int, default=1880)
-    ap.add_argument("--steps", type=int, default=10)
+    ap = layer_args(__doc__, steps=10)
     ap.add_argument("--ks", default="256,512,768,1024,1536")
     ap.add_argument("--splits", default="400,600,800,1000")
     args = ap.parse_args()
