@@ -36,6 +36,41 @@ def _strip_sum(a, lo, hi):
     return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _strip_sum_streams(a, lo, hi, streams):
+    """Sum of a[lo:hi] read as 4 (streams == 4) or 8 equal parts at once, one element of each per iteration (as the
+    cold kernel reads 4 rows at once): one core keeps more reads in flight than over one stream. The tail alone."""
+    m = (hi - lo) // streams
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    if streams == 4:
+        for k in range(lo, lo + m):
+            s0 += a[k]
+            s1 += a[k + m]
+            s2 += a[k + 2 * m]
+            s3 += a[k + 3 * m]
+    else:
+        for k in range(lo, lo + m):
+            s0 += a[k]
+            s1 += a[k + m]
+            s2 += a[k + 2 * m]
+            s3 += a[k + 3 * m]
+            s4 += a[k + 4 * m]
+            s5 += a[k + 5 * m]
+            s6 += a[k + 6 * m]
+            s7 += a[k + 7 * m]
+    return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7 + _strip_sum(a, lo + streams * m, hi)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _sum_rows_streams(a, chunks, streams):
+    """_sum_rows with each strip read as `streams` parts at once."""
+    n = a.shape[0]
+    out = np.zeros(chunks, np.float32)
+    for c in prange(chunks):
+        out[c] = _strip_sum_streams(a, c * n // chunks, (c + 1) * n // chunks, streams)
+    return out.sum()
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _sum_rows(a, chunks):
     """Sum of a (n,) float32 array: `chunks` parallel strips, one fixed strip per iteration."""
@@ -75,8 +110,8 @@ def _dram_array(nbytes: int) -> np.ndarray:
 
 
 def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
-    """Best of: Numba parallel reductions (8 accumulators, vectorised; fixed strips per thread, or 256 KiB blocks
-    from a shared counter) and numpy sums, one thread per core. The array is kept for later calls."""
+    """Best of: Numba parallel reductions (8 accumulators, vectorised; fixed strips per thread, each read as one
+    stream or as 4 or 8 at once, or 256 KiB blocks from a shared counter) and numpy sums, one thread per core. The array is kept for later calls."""
     threads = numba.get_num_threads()
     a = _dram_array(nbytes)
     _sum_rows(a[:1024], threads)  # compile
@@ -85,6 +120,10 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
     for chunks in (threads, 4 * threads):
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
+    for streams in (4, 8):  # the cold kernel reads 4 rows at once
+        _sum_rows_streams(a[:1024], threads, streams)
+        best = min(_timed(lambda: _sum_rows_streams(a, threads, streams)) for _ in range(repeats))
+        res[f"numba_reduction_{threads}_strips_{streams}_streams"] = a.nbytes / best
     res["numba_reduction_256KiB_blocks_shared"] = max(_blocks_bw(a, threads) for _ in range(repeats))
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:

@@ -347,27 +347,32 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
             "final_ms": float(mean("final_ms")),
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
-            "graph_prelaunch": bool(rt.fast.prelaunch), "cold_replay": cold_replay(rt, prompt, tokens),
+            "graph_prelaunch": bool(rt.fast.prelaunch),
+            "cold_replay": cold_replay(rt, prompt, tokens, float(wait.mean())),
             "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
                     "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
                     "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
                     "HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
 
 
-def cold_replay(rt, prompt: list[int], tokens: int) -> dict:
+def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     """The decode-vs-bench question on the run's own work: one more generation records each CPU cold part's inputs
-    (the indices left to the CPU, x); then the same calls run again back to back, in the same order, with the GPU
-    idle. ms a step of both: equal times put the gap in the work (rows, indices), a faster replay in decode's
-    surroundings (the GPU's graphs and PCIe reads, host-flag polling, the Python between calls)."""
+    (the layer, the indices left to the CPU, x) and time; then the same calls run again, in the same order, three
+    ways: back to back with the GPU idle (`replay`); with the host spinning `gap_ms` before each, as it waits for
+    `pre` in decode (`replay_gap`); and after the layer's own graph (`pre`, then the hot rows and the GPU's share of
+    the cold ones, which run during the call) launched and its `pre` waited for, as in decode (`replay_gpu`).
+    decode = replay puts the gap in the work (rows, indices); decode = replay_gpu > replay in what the GPU does
+    meanwhile; decode > replay_gpu in decode's own Python around the calls. Per call decode / replay ratios tell a
+    uniform slowdown from a few stalled calls."""
     from powerinfer.runtime.generate import generate
     from powerinfer.runtime.kernels import ffn_rows
 
-    calls: list[tuple] = []
-    for f in rt.ffns:
-        def record(x, f=f, cold_rows=f.cold_rows):
+    calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
+    for i, f in enumerate(rt.ffns):
+        def record(x, i=i, f=f, cold_rows=f.cold_rows):
             t = time.perf_counter()
             idx = cold_rows(x)
-            calls.append((f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
+            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
             return idx
         f.cold_rows = record
     try:
@@ -375,15 +380,43 @@ def cold_replay(rt, prompt: list[int], tokens: int) -> dict:
     finally:
         for f in rt.ffns:
             del f.cold_rows  # the class's method again
+    fast = rt.fast
+
+    def spin(i: int) -> None:
+        end = time.perf_counter() + gap_ms / 1e3
+        while time.perf_counter() < end:
+            pass
+
+    def gpu(i: int) -> None:
+        fast.replay_alone(i)
+        fast._graphs[i][1].synchronize()
+
+    def run(before=None) -> np.ndarray:  # (calls,) ms
+        ms = []
+        for i, f, idx, x, _ in calls:
+            if before is not None:
+                before(i)
+            t = time.perf_counter()
+            ffn_rows(f.activation, x, idx, f.cold, f._io["out_np"], f._io["part"])
+            ms.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+        return np.array(ms)
+
+    replay, replay_gap, replay_gpu = run(), run(spin), run(gpu)
+    decode = np.array([c[4] for c in calls])  # (calls,) ms
     n_steps = len(calls) / max(len(rt.ffns), 1)
-    out, replay = np.zeros(rt.ffns[0].d_model, np.float32), []
-    for f, idx, x, _ in calls:
-        t = time.perf_counter()
-        ffn_rows(f.activation, x, idx, f.cold, out, f._io["part"])
-        replay.append(1e3 * (time.perf_counter() - t))
-    rows = sum(len(c[1]) for c in calls) / n_steps
-    return {"decode_ms_per_step": sum(c[3] for c in calls) / n_steps, "replay_ms_per_step": sum(replay) / n_steps,
-            "cpu_rows_per_step": rows, "steps": n_steps}
+    ratio = decode / replay
+    layer = np.array([c[0] for c in calls])
+    per_layer = lambda ms: [float(ms[layer == i].mean()) for i in range(len(rt.ffns))]  # noqa: E731
+    return {"decode_ms_per_step": float(decode.sum() / n_steps), "replay_ms_per_step": float(replay.sum() / n_steps),
+            "replay_gap_ms_per_step": float(replay_gap.sum() / n_steps),
+            "replay_gpu_ms_per_step": float(replay_gpu.sum() / n_steps), "gap_ms": gap_ms,
+            "cpu_rows_per_step": sum(len(c[2]) for c in calls) / n_steps, "steps": n_steps,
+            "per_call_decode_over_replay": {q: float(np.percentile(ratio, p)) for q, p in
+                                            (("p10", 10), ("median", 50), ("p90", 90), ("max", 100))},
+            "excess_ms_per_step_in_calls_over_1_5x": float((decode - replay)[ratio > 1.5].sum() / n_steps),
+            "per_layer_ms": {"decode": per_layer(decode), "replay": per_layer(replay),
+                             "replay_gpu": per_layer(replay_gpu)}}
 
 
 @torch.inference_mode()

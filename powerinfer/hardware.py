@@ -191,6 +191,12 @@ def machine_info(*packages: str) -> dict:
         pass
     info = {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
             "python": platform.python_version(), "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*"))}
+    try:  # hyperthreads: 16 CPUs as 8 cores x 2 share each core's memory queues
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            info["threads_per_core"] = sum(len(range(int(a), int(b) + 1)) if b else 1
+                                           for a, _, b in (r.partition("-") for r in f.read().strip().split(",")))
+    except (OSError, ValueError):
+        pass
     try:  # the kernel's huge-page policy: it decides whether large host arrays (cold rows) get 2 MiB pages
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             info["transparent_hugepage"] = f.read().strip()
