@@ -2,13 +2,14 @@
 Writes OUT/kernel_variants.json.
 
   bf16 scratch   the kernel before the fused widening: each row widened into a per-thread scratch row, then dot/axpy
-  bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops)
+  bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops; four neurons' rows at once)
   int8 slice     int8 groups of 64 through a loop over slices of unknown length (the kernel's general path)
   int8 const     runtime/kernels.py: the group loop with a constant trip count
   * pf4          the kernel + software prefetch of the next neuron's rows (4 cache lines per 4 KiB page), with one
                  fixed contiguous share of the active list per thread
   * static       the kernel with one fixed contiguous share per thread (its form before dynamic sharing)
-  * dyn16        threads take 16 neurons at a time from the shared counter (the kernel: kernels.CHUNK = 4)
+  * single       one neuron at a time, 4 from the shared counter at once (the kernel before it read four at once)
+  * dyn16        one neuron at a time, 16 from the shared counter at once
   * pair, pair8  two neurons' rows read in one pass (two memory streams per thread), from chunks of 4 or 8
   * quad8        four neurons' rows in one pass (bf16 only), from chunks of 8
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
@@ -332,6 +333,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused"): kernel,
         ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("bf16", "fused-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
+        ("bf16", "fused-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                       counter, 4),
         ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                       counter, 16),
         ("bf16", "fused-pair"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
@@ -343,6 +346,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
+        ("int8", "const-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                       counter, 4),
         ("int8", "const-pair"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                     counter, 4),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),

@@ -13,6 +13,12 @@ accumulates its neurons' `h_j * down_t[j]` into its own row of `part`; then ever
 those rows. Which thread sums which neuron varies from call to call, so results vary in the last float32 bits. The GIL
 is released, so the GPU (or another Python thread) keeps working.
 
+Four rows at once: a thread reads the gate (then up, then down) rows of four neurons in one loop (`_dot4`, `_axpy4`).
+One core alone keeps too few reads in flight over one 16 KiB row at a random place to fill its share of DRAM
+bandwidth; four streams at once read 1.4-1.7x faster than one on the 2-core development host (bench/kernel_variants.py
+quad8 against fused, bench/NOTES.md). A group of four with a zero ReLU gate (a neuron marked active that is not)
+finishes each neuron alone, so inactive neurons still skip their up and down rows.
+
 Two kernels, the activation passed as an integer code (ACT_CODE):
   ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act)  relu, gelu:  h = act(up_j . x + b_j)
   gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act)    reglu, drelu, swiglu, geglu:
@@ -38,8 +44,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 GATED = ("reglu", "drelu", "swiglu", "geglu")
-CHUNK = 4  # active neurons a thread takes at a time (16 measured alike: bench/results/2026-11-22-h100-kernel-variants-
-#            dynamic.json)
+CHUNK = 8  # active neurons a thread takes at a time, read four at once (kernel_variants quad8)
 INT8_GROUP = 64  # weights per int8 scale. SmolLM2-135M, every neuron cold: perplexity +0.9% (groups of 32: +0.9%,
 #                  128: +1.3%, one scale per row of 576: +4.3%; bench/results/cold-int8-quality-smollm2.json)
 UNGATED = ("relu", "gelu")
@@ -116,6 +121,55 @@ def _axpy(h, row, sc, group, acc):  # acc (d,) float32 += h * (d,) stored row wi
             a[k] += hs * _widen(rs[k])
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _dot4(x, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one pass over x (see _dot)
+    d = x.shape[0]
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    if group == INT8_GROUP and d % INT8_GROUP == 0:
+        for i in range(c0.shape[0]):
+            lo = i * INT8_GROUP
+            p0 = p1 = p2 = p3 = np.float32(0.0)
+            for k in range(INT8_GROUP):
+                xk = x[lo + k]
+                p0 += xk * _widen(r0[lo + k])
+                p1 += xk * _widen(r1[lo + k])
+                p2 += xk * _widen(r2[lo + k])
+                p3 += xk * _widen(r3[lo + k])
+            s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
+        return s0, s1, s2, s3
+    for i in range(c0.shape[0]):
+        lo, hi = i * group, min(i * group + group, d)
+        xs, a0, a1, a2, a3 = x[lo:hi], r0[lo:hi], r1[lo:hi], r2[lo:hi], r3[lo:hi]
+        p0 = p1 = p2 = p3 = np.float32(0.0)
+        for k in range(xs.shape[0]):
+            xk = xs[k]
+            p0 += xk * _widen(a0[k])
+            p1 += xk * _widen(a1[k])
+            p2 += xk * _widen(a2[k])
+            p3 += xk * _widen(a3[k])
+        s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
+    return s0, s1, s2, s3
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _axpy4(h0, h1, h2, h3, r0, r1, r2, r3, c0, c1, c2, c3, group, acc):  # acc += four rows x h in one pass
+    d = acc.shape[0]
+    if group == INT8_GROUP and d % INT8_GROUP == 0:
+        for i in range(c0.shape[0]):
+            lo = i * INT8_GROUP
+            a0, a1, a2, a3 = h0 * c0[i], h1 * c1[i], h2 * c2[i], h3 * c3[i]
+            for k in range(INT8_GROUP):
+                acc[lo + k] += (a0 * _widen(r0[lo + k]) + a1 * _widen(r1[lo + k]) + a2 * _widen(r2[lo + k])
+                                + a3 * _widen(r3[lo + k]))
+        return
+    for i in range(c0.shape[0]):
+        lo, hi = i * group, min(i * group + group, d)
+        a, b0, b1, b2, b3 = acc[lo:hi], r0[lo:hi], r1[lo:hi], r2[lo:hi], r3[lo:hi]
+        a0, a1, a2, a3 = h0 * c0[i], h1 * c1[i], h2 * c2[i], h3 * c3[i]
+        for k in range(a.shape[0]):
+            a[k] += a0 * _widen(b0[k]) + a1 * _widen(b1[k]) + a2 * _widen(b2[k]) + a3 * _widen(b3[k])
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def _sum_rows(part, T, out, lo, hi):  # out[lo:hi] = sum of part[:T, lo:hi] (t-outer, so the inner loop vectorises)
     for k in range(lo, hi):
@@ -168,6 +222,32 @@ def _gated_value(act, g, u):
     return _gelu_tanh(g) * u  # geglu
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _gated_rest(x, j, g, up, down_t, scale, group, acc, act):  # neuron j of a gated FFN, its gate value g known
+    if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
+        return
+    h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
+    if h != 0:
+        _axpy(h, down_t[j], scale[2, j], group, acc)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
+    g0, g1, g2, g3 = _dot4(x, gate[j0], gate[j1], gate[j2], gate[j3], scale[0, j0], scale[0, j1], scale[0, j2],
+                           scale[0, j3], group)
+    if act <= 3 and (g0 <= 0 or g1 <= 0 or g2 <= 0 or g3 <= 0):  # a zero gate (a wrong guess): each on its own
+        _gated_rest(x, j0, g0, up, down_t, scale, group, acc, act)
+        _gated_rest(x, j1, g1, up, down_t, scale, group, acc, act)
+        _gated_rest(x, j2, g2, up, down_t, scale, group, acc, act)
+        _gated_rest(x, j3, g3, up, down_t, scale, group, acc, act)
+        return
+    u0, u1, u2, u3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
+                           scale[1, j3], group)
+    _axpy4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
+           _gated_value(act, g3, u3), down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
+           scale[2, j2], scale[2, j3], group, acc)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
@@ -180,16 +260,26 @@ def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
             q0 = _fetch_add(counter, CHUNK)
             if q0 >= k:
                 break
-            for q in range(q0, min(q0 + CHUNK, k)):
+            q, q1 = q0, min(q0 + CHUNK, k)
+            while q + 4 <= q1:
+                _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, act)
+                q += 4
+            for q in range(q, q1):
                 j = idx[q]
-                g = _dot(x, gate[j], scale[0, j], group)
-                if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
-                    continue
-                h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
-                if h != 0:
-                    _axpy(h, down_t[j], scale[2, j], group, acc)
+                _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _ungated_value(a, act):
+    return _relu(a) if act == 0 else _gelu_erf(a)
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _ungated_rest(h, j, down_t, scale, group, acc):
+    if h != 0:
+        _axpy(h, down_t[j], scale[2, j], group, acc)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -204,12 +294,26 @@ def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
             q0 = _fetch_add(counter, CHUNK)
             if q0 >= k:
                 break
-            for q in range(q0, min(q0 + CHUNK, k)):
+            q, q1 = q0, min(q0 + CHUNK, k)
+            while q + 4 <= q1:
+                j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
+                a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
+                                       scale[1, j3], group)
+                h0, h1 = _ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act)
+                h2, h3 = _ungated_value(a2 + b_up[j2], act), _ungated_value(a3 + b_up[j3], act)
+                if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
+                    _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
+                           scale[2, j2], scale[2, j3], group, acc)
+                else:  # an inactive neuron (a wrong guess): each on its own, skipping its down row
+                    _ungated_rest(h0, j0, down_t, scale, group, acc)
+                    _ungated_rest(h1, j1, down_t, scale, group, acc)
+                    _ungated_rest(h2, j2, down_t, scale, group, acc)
+                    _ungated_rest(h3, j3, down_t, scale, group, acc)
+                q += 4
+            for q in range(q, q1):
                 j = idx[q]
-                a = _dot(x, up[j], scale[1, j], group) + b_up[j]
-                h = _relu(a) if act == 0 else _gelu_erf(a)
-                if h != 0:
-                    _axpy(h, down_t[j], scale[2, j], group, acc)
+                _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
+                              group, acc)
     for c in prange(T):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
