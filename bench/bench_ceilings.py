@@ -36,38 +36,27 @@ def _strip_sum(a, lo, hi):
     return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _strip_sum_streams(a, lo, hi, streams):
-    """Sum of a[lo:hi] read as 4 (streams == 4) or 8 equal parts at once, one element of each per iteration (as the
-    cold kernel reads 4 rows at once): one core keeps more reads in flight than over one stream. The tail alone."""
-    m = (hi - lo) // streams
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    if streams == 4:
-        for k in range(lo, lo + m):
-            s0 += a[k]
-            s1 += a[k + m]
-            s2 += a[k + 2 * m]
-            s3 += a[k + 3 * m]
-    else:
-        for k in range(lo, lo + m):
-            s0 += a[k]
-            s1 += a[k + m]
-            s2 += a[k + 2 * m]
-            s3 += a[k + 3 * m]
-            s4 += a[k + 4 * m]
-            s5 += a[k + 5 * m]
-            s6 += a[k + 6 * m]
-            s7 += a[k + 7 * m]
-    return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7 + _strip_sum(a, lo + streams * m, hi)
-
-
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _sum_rows_streams(a, chunks, streams):
-    """_sum_rows with each strip read as `streams` parts at once."""
-    n = a.shape[0]
-    out = np.zeros(chunks, np.float32)
-    for c in prange(chunks):
-        out[c] = _strip_sum_streams(a, c * n // chunks, (c + 1) * n // chunks, streams)
+def _sum_gathered(rows, order, threads):
+    """Sum of rows (n, w) float32 visited in `order`, as the cold kernel reads them: threads take 8 rows at a time
+    from a shared counter and read 4 rows at once (4 streams per core)."""
+    n, w = order.shape[0], rows.shape[1]
+    counter = np.zeros(1, np.int64)
+    out = np.zeros(threads, np.float32)
+    for t in prange(threads):
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        while True:
+            q0 = _fetch_add(counter, 8)
+            if q0 >= n:
+                break
+            for q in range(q0, min(q0 + 8, n) - 3, 4):
+                r0, r1, r2, r3 = rows[order[q]], rows[order[q + 1]], rows[order[q + 2]], rows[order[q + 3]]
+                for k in range(w):
+                    s0 += r0[k]
+                    s1 += r1[k]
+                    s2 += r2[k]
+                    s3 += r3[k]
+        out[t] = s0 + s1 + s2 + s3
     return out.sum()
 
 
@@ -110,8 +99,9 @@ def _dram_array(nbytes: int) -> np.ndarray:
 
 
 def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
-    """Best of: Numba parallel reductions (8 accumulators, vectorised; fixed strips per thread, each read as one
-    stream or as 4 or 8 at once, or 256 KiB blocks from a shared counter) and numpy sums, one thread per core. The array is kept for later calls."""
+    """Best of: Numba parallel reductions (8 accumulators, vectorised; fixed strips per thread, 256 KiB blocks from a
+    shared counter, or 16 KiB rows in random order 4 at once) and numpy sums, one thread per core. The array is kept
+    for later calls."""
     threads = numba.get_num_threads()
     a = _dram_array(nbytes)
     _sum_rows(a[:1024], threads)  # compile
@@ -120,10 +110,13 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
     for chunks in (threads, 4 * threads):
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
-    for streams in (4, 8):  # the cold kernel reads 4 rows at once
-        _sum_rows_streams(a[:1024], threads, streams)
-        best = min(_timed(lambda: _sum_rows_streams(a, threads, streams)) for _ in range(repeats))
-        res[f"numba_reduction_{threads}_strips_{streams}_streams"] = a.nbytes / best
+    # the cold kernel's pattern: 16 KiB rows in a fixed random order (the same each pass, so the L3 holds only rows
+    # read last), 4 at once per thread; it read faster than any strip on the H100 host (bench/NOTES.md)
+    rows = a[:a.size // 4096 * 4096].reshape(-1, 4096)  # (rows, 4096) float32: 16 KiB rows
+    order = np.random.default_rng(1).permutation(rows.shape[0]).astype(np.int64)
+    _sum_gathered(rows, order[:16], threads)
+    best = min(_timed(lambda: _sum_gathered(rows, order, threads)) for _ in range(repeats))
+    res["numba_gather_16KiB_rows_4_at_once"] = rows.nbytes / best
     res["numba_reduction_256KiB_blocks_shared"] = max(_blocks_bw(a, threads) for _ in range(repeats))
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:
@@ -201,14 +194,15 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
 
 
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
-                 rows=None, activation: str = "reglu", dtype: str = "bf16") -> dict:
+                 rows=None, activation: str = "reglu", dtype: str = "bf16", flush_bytes: int = 2**31) -> dict:
     """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
     rows: a layer's kernels.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
     among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
-    rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales). A new random set per
-    repetition keeps the rows out of the caches; the sets are drawn first and the calls run back to back, as in
-    decode (one call per layer every ~0.35 ms)."""
+    rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales). Each repetition draws a
+    new set and, before it, reads `flush_bytes` of other memory, as decode reads the other layers' rows between two
+    calls of one layer: a new set alone shares many rows with the last one, which a large L3 (300 MiB on the H100
+    host) still holds."""
     from powerinfer.runtime.kernels import ColdRows, ffn_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -217,6 +211,7 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
         rows = ColdRows.from_weights(w(), w(), None, w(), dtype)
     x = torch.randn(d, generator=g).numpy().astype(np.float32)
     positive = np.flatnonzero(rows.float32()["gate"].numpy() @ x > 0)
+    flush = _dram_array(flush_bytes) if flush_bytes else None
     out = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
     rng = np.random.default_rng(seed)
@@ -226,7 +221,11 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
         sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
         call = lambda s: ffn_rows(activation, x, s, rows, out, part)  # noqa: E731
         call(sets[0])  # compile / warm
-        times = [_timed(lambda s=s: call(s)) for s in sets[1:]]
+        times = []
+        for s in sets[1:]:
+            if flush_bytes:
+                _sum_rows(flush, numba.get_num_threads())
+            times.append(_timed(lambda s=s: call(s)))
         nbytes = k * 3 * (d * rows.up.itemsize + rows.scale.shape[2] * 4)
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
                     "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times)})

@@ -14,7 +14,10 @@ Writes OUT/kernel_variants.json.
   * quad8        four neurons' rows in one pass (bf16 only), from chunks of 8
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
 
-Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows.
+Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows. Each
+variant draws its own sets, and 2 GiB of other memory is read before each call (decode reads the other layers' rows
+between two calls of a layer): results from before that (bench/results up to 2026-11-22 night) let a large L3 hold
+rows of the previous variant's or set's call.
 Results from an earlier form of this script (torch vs numpy row memory, prefetch of 1 line): results/2026-11-22-h100-
 kernel-variants.json, commit 16d962e.
 Usage: python bench/kernel_variants.py OUT [n d] [--reps 8] [--variants fused,fused-dyn4,...]"""
@@ -312,7 +315,8 @@ def quad(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # 
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
-    res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(2 * 2**30),
+    flush = ceil._dram_array(2 * 2**30)
+    res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(flush.nbytes),
            "command": "python " + " ".join(sys.argv)}
     g = torch.Generator().manual_seed(0)
     w = {k: torch.randn(n, d, generator=g).mul_(0.02) for k in ("gate", "up", "down_t")}
@@ -367,6 +371,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
             sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps)]
             ts = []
             for s in sets:
+                ceil._sum_rows(flush, numba.get_num_threads())  # the L3 (300 MiB on the H100 host) emptied of rows
                 t0 = time.perf_counter()
                 fn(R, s)
                 ts.append(time.perf_counter() - t0)
