@@ -121,7 +121,7 @@ def _axpy(h, row, sc, group, acc):  # acc (d,) float32 += h * (d,) stored row wi
             a[k] += hs * _widen(rs[k])
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _dot4(x, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one pass over x (see _dot)
     d = x.shape[0]
     s0 = s1 = s2 = s3 = np.float32(0.0)
@@ -151,7 +151,7 @@ def _dot4(x, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one p
     return s0, s1, s2, s3
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _axpy4(h0, h1, h2, h3, r0, r1, r2, r3, c0, c1, c2, c3, group, acc):  # acc += four rows x h in one pass
     d = acc.shape[0]
     if group == INT8_GROUP and d % INT8_GROUP == 0:
@@ -222,7 +222,7 @@ def _gated_value(act, g, u):
     return _gelu_tanh(g) * u  # geglu
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _gated_rest(x, j, g, up, down_t, scale, group, acc, act):  # neuron j of a gated FFN, its gate value g known
     if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
         return
@@ -231,7 +231,7 @@ def _gated_rest(x, j, g, up, down_t, scale, group, acc, act):  # neuron j of a g
         _axpy(h, down_t[j], scale[2, j], group, acc)
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
     g0, g1, g2, g3 = _dot4(x, gate[j0], gate[j1], gate[j2], gate[j3], scale[0, j0], scale[0, j1], scale[0, j2],
                            scale[0, j3], group)
@@ -271,12 +271,12 @@ def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _ungated_value(a, act):
     return _relu(a) if act == 0 else _gelu_erf(a)
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
+@njit(nogil=True, cache=True, fastmath=True)
 def _ungated_rest(h, j, down_t, scale, group, acc):
     if h != 0:
         _axpy(h, down_t[j], scale[2, j], group, acc)
