@@ -195,8 +195,8 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
     e1.synchronize()
     zc_during = reps * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
     dram_during = float(np.median(during)) if during else float("nan")
-    return {"row_bytes": row_bytes, "rows_per_call": rows, "zero_copy_alone_bytes_per_s": alone,
-            "dram_alone_bytes_per_s": dram_alone, "zero_copy_during_dram_bytes_per_s": zc_during,
+    return {"row_bytes": row_bytes, "rows_per_call": rows, "cpu_pattern": "row_gather",
+            "zero_copy_alone_bytes_per_s": alone, "dram_alone_bytes_per_s": dram_alone, "zero_copy_during_dram_bytes_per_s": zc_during,
             "dram_during_zero_copy_bytes_per_s": dram_during, "reductions_during": len(during),
             "extra_bytes_per_s": max(0.0, zc_during + dram_during - dram_alone)}
 

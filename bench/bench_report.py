@@ -145,7 +145,8 @@ def markdown(res: dict) -> str:
         z = c.get("zero_copy") or {}
         if "extra_bytes_per_s" in z:
             parts.append(f"GPU reading page-locked host rows in place {z['zero_copy_alone_bytes_per_s'] / 1e9:.1f} GB/s "
-                         f"alone, {z['zero_copy_during_dram_bytes_per_s'] / 1e9:.1f} while the CPU's row gather "
+                         f"alone, {z['zero_copy_during_dram_bytes_per_s'] / 1e9:.1f} while the CPU's "
+                         f"{'row gather' if z.get('cpu_pattern') == 'row_gather' else 'DRAM reduction'} "
                          f"read {z['dram_during_zero_copy_bytes_per_s'] / 1e9:.1f} (alone "
                          f"{z['dram_alone_bytes_per_s'] / 1e9:.1f}): PCIe adds {z['extra_bytes_per_s'] / 1e9:.1f} GB/s "
                          f"to the cold rows' floor")
