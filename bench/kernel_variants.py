@@ -11,7 +11,7 @@ Writes OUT/kernel_variants.json.
   * single       one neuron at a time, 4 from the shared counter at once (the kernel before it read four at once)
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * pair, pair8  two neurons' rows read in one pass (two memory streams per thread), from chunks of 4 or 8
-  * quad8        four neurons' rows in one pass (bf16 only), from chunks of 8
+  (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
 
 Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows. Each
@@ -263,55 +263,6 @@ def paired(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-@njit(nogil=True, fastmath=True, inline="always")
-def _dot4(x, r1, r2, r3, r4):  # bf16 only (one group): four rows' dots in one pass, four memory streams
-    a = b = c = e = np.float32(0.0)
-    for k in range(x.shape[0]):
-        a += x[k] * K._widen(r1[k])
-        b += x[k] * K._widen(r2[k])
-        c += x[k] * K._widen(r3[k])
-        e += x[k] * K._widen(r4[k])
-    return a, b, c, e
-
-
-@njit(nogil=True, fastmath=True, inline="always")
-def _axpy4(h1, r1, h2, r2, h3, r3, h4, r4, acc):
-    for k in range(acc.shape[0]):
-        acc[k] += h1 * K._widen(r1[k]) + h2 * K._widen(r2[k]) + h3 * K._widen(r3[k]) + h4 * K._widen(r4[k])
-
-
-@njit(parallel=True, nogil=True, fastmath=True)
-def quad(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # ReGLU, bf16 only; 4 neurons at a time
-    d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, part.shape[0])
-    counter[0] = 0
-    for t in prange(T):
-        acc = part[t]
-        acc[:] = 0.0
-        while True:
-            q0 = K._fetch_add(counter, chunk)
-            if q0 >= k:
-                break
-            q1 = min(q0 + chunk, k)
-            q = q0
-            while q + 3 < q1:
-                j1, j2, j3, j4 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
-                g1, g2, g3, g4 = _dot4(x, gate[j1], gate[j2], gate[j3], gate[j4])
-                if g1 > 0 and g2 > 0 and g3 > 0 and g4 > 0:
-                    u1, u2, u3, u4 = _dot4(x, up[j1], up[j2], up[j3], up[j4])
-                    _axpy4(g1 * u1, down_t[j1], g2 * u2, down_t[j2], g3 * u3, down_t[j3], g4 * u4, down_t[j4], acc)
-                else:
-                    for j, g in ((j1, g1), (j2, g2), (j3, g3), (j4, g4)):
-                        if g > 0:
-                            K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
-                q += 4
-            while q < q1:
-                _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
-                q += 1
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
@@ -345,8 +296,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                                                     counter, 4),
         ("bf16", "fused-pair8"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                      counter, 8),
-        ("bf16", "fused-quad8"): lambda R, s: quad(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                   counter, 8),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
