@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from powerinfer.runtime.kernels import _fetch_add
+from powerinfer.runtime.kernels import _fetch_add, row_gather_bw
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -34,30 +34,6 @@ def _strip_sum(a, lo, hi):
         s0 += a[k]
         k += 1
     return s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _sum_gathered(rows, order, threads):
-    """Sum of rows (n, w) float32 visited in `order`, as the cold kernel reads them: threads take 8 rows at a time
-    from a shared counter and read 4 rows at once (4 streams per core)."""
-    n, w = order.shape[0], rows.shape[1]
-    counter = np.zeros(1, np.int64)
-    out = np.zeros(threads, np.float32)
-    for t in prange(threads):
-        s0 = s1 = s2 = s3 = np.float32(0.0)
-        while True:
-            q0 = _fetch_add(counter, 8)
-            if q0 >= n:
-                break
-            for q in range(q0, min(q0 + 8, n) - 3, 4):
-                r0, r1, r2, r3 = rows[order[q]], rows[order[q + 1]], rows[order[q + 2]], rows[order[q + 3]]
-                for k in range(w):
-                    s0 += r0[k]
-                    s1 += r1[k]
-                    s2 += r2[k]
-                    s3 += r3[k]
-        out[t] = s0 + s1 + s2 + s3
-    return out.sum()
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -93,20 +69,6 @@ def _blocks_bw(a: np.ndarray, threads: int) -> float:
     return a.nbytes / _timed(lambda: _sum_blocks(a, 65536, threads))
 
 
-def _gather_bw(a: np.ndarray, threads: int) -> float:
-    """bytes/s of one `_sum_gathered` pass over `a` as 16 KiB rows in a fixed random order (the same each pass, so
-    the L3 holds only the rows read last), 4 at once per thread: the cold kernel's pattern."""
-    rows = a[:a.size // 4096 * 4096].reshape(-1, 4096)  # (rows, 4096) float32: 16 KiB rows
-    order = _gather_order(rows.shape[0])
-    _sum_gathered(rows, order[:16], threads)  # compiled on first use
-    return rows.nbytes / _timed(lambda: _sum_gathered(rows, order, threads))
-
-
-@functools.lru_cache(maxsize=1)
-def _gather_order(n: int) -> np.ndarray:
-    return np.random.default_rng(1).permutation(n).astype(np.int64)
-
-
 @functools.lru_cache(maxsize=1)
 def _dram_array(nbytes: int) -> np.ndarray:
     return np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)  # touches every page
@@ -125,7 +87,7 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
     # the cold kernel's pattern: on the H100 host 124-143 GB/s against 72-91 for the strips (bench/NOTES.md)
-    res["numba_gather_16KiB_rows_4_at_once"] = max(_gather_bw(a, threads) for _ in range(repeats))
+    res["numba_gather_16KiB_rows_4_at_once"] = row_gather_bw(a, threads, repeats)
     res["numba_reduction_256KiB_blocks_shared"] = max(_blocks_bw(a, threads) for _ in range(repeats))
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:
@@ -163,8 +125,8 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
                    seconds: float = 0.5) -> dict:
     """The GPU reading page-locked host rows in place (the runtime's --pcie-share path: torch index_select of
     random `row_bytes` rows over PCIe, kernels.host_mapped), alone and while the CPU reads its own array as the cold
-    kernel reads rows (`_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at once beyond
-    the CPU alone, the bandwidth the PCIe path adds to the cold rows' floor."""
+    kernel reads rows (`kernels.row_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at
+    once beyond the CPU alone, the bandwidth the PCIe path adds to the cold rows' floor."""
     from powerinfer.runtime.kernels import host_mapped
 
     a = np.random.default_rng(1).integers(0, 2**62, nbytes // 8, dtype=np.int64)  # touches every page
@@ -187,11 +149,11 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
     reps = max(4, int(seconds * alone / (rows * row_bytes)))
     threads = numba.get_num_threads()
     d = _dram_array(dram_bytes)
-    dram_alone = max(_gather_bw(d, threads) for _ in range(3))
+    dram_alone = row_gather_bw(d, threads, 3)
     e0, e1 = gathers(reps)  # queued; the reductions run meanwhile
     during = []
     while not e1.query():
-        during.append(_gather_bw(d, threads))
+        during.append(row_gather_bw(d, threads))
     e1.synchronize()
     zc_during = reps * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
     dram_during = float(np.median(during)) if during else float("nan")
