@@ -15,8 +15,8 @@ is released, so the GPU (or another Python thread) keeps working.
 
 Four rows at once: a thread reads the gate (then up, then down) rows of four neurons in one loop (`_dot4`, `_axpy4`).
 One core alone keeps too few reads in flight over one 16 KiB row at a random place to fill its share of DRAM
-bandwidth; four streams at once read 1.4-1.7x faster than one on the 2-core development host (bench/kernel_variants.py
-quad8 against fused, bench/NOTES.md). A group of four with a zero ReLU gate (a neuron marked active that is not)
+bandwidth; four rows at once read 1.35-1.41x (bf16) and 1.31-1.46x (int8) faster than one on the H100 host, 1.5-1.7x
+on the 2-core development host (bench/kernel_variants.py fused against fused-single, bench/NOTES.md). A group of four with a zero ReLU gate (a neuron marked active that is not)
 finishes each neuron alone, so inactive neurons still skip their up and down rows.
 
 Two kernels, the activation passed as an integer code (ACT_CODE):
