@@ -40,7 +40,6 @@ CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back
 
 def supported(lm, ffns: list[HybridFFN]) -> str | None:
     """None if `lm` can decode through StaticDecoder, else why not."""
-    cfg = lm.model.config
     if lm.adapter.name != "llama":
         return f"family {lm.adapter.name}"
     if len(ffns) != len(lm.layers) or any(layer.mlp is not f for layer, f in zip(lm.layers, ffns)):

@@ -28,8 +28,7 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
 from powerinfer.runtime.fast import StaticDecoder
 from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
-from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates,
-                                       nbytes)
+from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates
 
 MODES = ("hybrid", "dense", "layer-split")
 
