@@ -10,7 +10,7 @@ Writes OUT/kernel_variants.json.
   * static       the kernel with one fixed contiguous share per thread (its form before dynamic sharing)
   * single       one neuron at a time, 4 from the shared counter at once (the kernel before it read four at once)
   * dyn16        one neuron at a time, 16 from the shared counter at once
-  * pair, pair8  two neurons' rows read in one pass (two memory streams per thread), from chunks of 4 or 8
+  (pair, pair8, two neurons' rows in one pass: development-host figures in bench/NOTES.md, commit 4d4e9b0; removed)
   (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
 
@@ -189,80 +189,6 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
-@njit(nogil=True, fastmath=True, inline="always")
-def _dot2(x, r1, c1, r2, c2, group):  # two rows' dots in one pass over x: two memory streams per thread
-    d = x.shape[0]
-    a = b = np.float32(0.0)
-    if group == K.INT8_GROUP and d % K.INT8_GROUP == 0:
-        for i in range(c1.shape[0]):
-            lo = i * K.INT8_GROUP
-            p = q = np.float32(0.0)
-            for k in range(K.INT8_GROUP):
-                p += x[lo + k] * K._widen(r1[lo + k])
-                q += x[lo + k] * K._widen(r2[lo + k])
-            a += c1[i] * p
-            b += c2[i] * q
-        return a, b
-    for i in range(c1.shape[0]):
-        lo, hi = i * group, min(i * group + group, d)
-        xs, u, v = x[lo:hi], r1[lo:hi], r2[lo:hi]
-        p = q = np.float32(0.0)
-        for k in range(xs.shape[0]):
-            p += xs[k] * K._widen(u[k])
-            q += xs[k] * K._widen(v[k])
-        a += c1[i] * p
-        b += c2[i] * q
-    return a, b
-
-
-@njit(nogil=True, fastmath=True, inline="always")
-def _axpy2(h1, r1, c1, h2, r2, c2, group, acc):  # acc += h1 * r1 + h2 * r2 in one pass
-    d = acc.shape[0]
-    if group == K.INT8_GROUP and d % K.INT8_GROUP == 0:
-        for i in range(c1.shape[0]):
-            lo, a1, a2 = i * K.INT8_GROUP, h1 * c1[i], h2 * c2[i]
-            for k in range(K.INT8_GROUP):
-                acc[lo + k] += a1 * K._widen(r1[lo + k]) + a2 * K._widen(r2[lo + k])
-        return
-    for i in range(c1.shape[0]):
-        lo, hi = i * group, min(i * group + group, d)
-        a, u, v = acc[lo:hi], r1[lo:hi], r2[lo:hi]
-        a1, a2 = h1 * c1[i], h2 * c2[i]
-        for k in range(a.shape[0]):
-            a[k] += a1 * K._widen(u[k]) + a2 * K._widen(v[k])
-
-
-@njit(parallel=True, nogil=True, fastmath=True)
-def paired(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # ReGLU only; neurons two at a time
-    d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, part.shape[0])
-    counter[0] = 0
-    for t in prange(T):
-        acc = part[t]
-        acc[:] = 0.0
-        while True:
-            q0 = K._fetch_add(counter, chunk)
-            if q0 >= k:
-                break
-            q1 = min(q0 + chunk, k)
-            q = q0
-            while q + 1 < q1:
-                j1, j2 = idx[q], idx[q + 1]
-                g1, g2 = _dot2(x, gate[j1], scale[0, j1], gate[j2], scale[0, j2], group)
-                if g1 > 0 and g2 > 0:
-                    u1, u2 = _dot2(x, up[j1], scale[1, j1], up[j2], scale[1, j2], group)
-                    _axpy2(g1 * u1, down_t[j1], scale[2, j1], g2 * u2, down_t[j2], scale[2, j2], group, acc)
-                elif g1 > 0:
-                    K._axpy(g1 * K._dot(x, up[j1], scale[1, j1], group), down_t[j1], scale[2, j1], group, acc)
-                elif g2 > 0:
-                    K._axpy(g2 * K._dot(x, up[j2], scale[1, j2], group), down_t[j2], scale[2, j2], group, acc)
-                q += 2
-            if q < q1:
-                _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
@@ -292,17 +218,11 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                                                        counter, 4),
         ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                       counter, 16),
-        ("bf16", "fused-pair"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                    counter, 4),
-        ("bf16", "fused-pair8"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                     counter, 8),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("int8", "const-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                        counter, 4),
-        ("int8", "const-pair"): lambda R, s: paired(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                    counter, 4),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if only:
