@@ -10,6 +10,7 @@ Writes OUT/kernel_variants.json.
   * static       the kernel with one fixed contiguous share per thread (its form before dynamic sharing)
   * single       one neuron at a time, 4 from the shared counter at once (the kernel before it read four at once)
   * dyn16        one neuron at a time, 16 from the shared counter at once
+  * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   (pair, pair8, two neurons' rows in one pass: development-host figures in bench/NOTES.md, commit 4d4e9b0; removed)
   (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
@@ -45,6 +46,8 @@ import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
 import bench_ceilings as ceil  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 
+REGLU = K.ACT_CODE["reglu"]
+
 
 @intrinsic
 def _prefetch(typingctx, arr, offset):
@@ -67,7 +70,7 @@ def _reglu_row(x, j, gate, up, down_t, scale, group, acc):  # acc += neuron j's 
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
-def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk):  # ReGLU only
+def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, four):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
@@ -78,7 +81,11 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk): 
             q0 = K._fetch_add(counter, chunk)
             if q0 >= k:
                 break
-            for q in range(q0, min(q0 + chunk, k)):
+            q, q1 = q0, min(q0 + chunk, k)
+            while four and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
+                K._gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, REGLU)
+                q += 4
+            for q in range(q, q1):
                 _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
@@ -203,11 +210,10 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     del w
     o = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
-    act = K.ACT_CODE["reglu"]
     counter = np.zeros(1, np.int64)
 
     def kernel(R, s):
-        K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, act)
+        K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, REGLU)
 
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
@@ -215,14 +221,20 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("bf16", "fused-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("bf16", "fused-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4),
+                                                       counter, 4, False),
         ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                      counter, 16),
+                                                      counter, 16, False),
+        ("bf16", "fused-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                   counter, 4, True),
+        ("bf16", "fused-c16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                    counter, 16, True),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("int8", "const-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4),
+                                                       counter, 4, False),
+        ("int8", "const-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                   counter, 4, True),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if only:
