@@ -164,15 +164,18 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
 
 
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
-                 rows=None, activation: str = "reglu", dtype: str = "bf16", flush_bytes: int = 2**31) -> dict:
+                 rows=None, activation: str = "reglu", dtype: str = "bf16", windows: int = 8) -> dict:
     """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
     rows: a layer's kernels.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
     among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
-    rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales). Each repetition draws a
-    new set and, before it, reads `flush_bytes` of other memory, as decode reads the other layers' rows between two
-    calls of one layer: a new set alone shares many rows with the last one, which a large L3 (300 MiB on the H100
-    host) still holds."""
+    rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales).
+
+    As in decode, where the other layers' calls run between two calls of one layer, the rows are laid out `windows`
+    times over (copies, as if of that many layers) and the timed calls take the windows in turn, each with a new set:
+    between two calls on one window, windows - 1 calls read other rows (7 x 70 MB at 5% of a 70B layer, against the
+    H100 host's 300 MiB L3), while the kernel's code and small buffers stay cached as they do in decode. (Reading
+    2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)"""
     from powerinfer.runtime.kernels import ColdRows, ffn_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -181,26 +184,34 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
         rows = ColdRows.from_weights(w(), w(), None, w(), dtype)
     x = torch.randn(d, generator=g).numpy().astype(np.float32)
     positive = np.flatnonzero(rows.float32()["gate"].numpy() @ x > 0)
-    flush = _dram_array(flush_bytes) if flush_bytes else None
+    n = rows.up.shape[0]
+    tile = lambda a: None if a is None else np.tile(a, (windows,) + (1,) * (a.ndim - 1))  # noqa: E731
+    laid = ColdRows(tile(rows.gate), tile(rows.up), tile(rows.down_t), tile(rows.b_up),
+                    np.tile(rows.scale, (1, windows, 1)), rows.group)  # (windows * n, d) rows
     out = np.zeros(d, np.float32)
     part = np.empty((numba.get_num_threads(), d), np.float32)
     rng = np.random.default_rng(seed)
     res = []
     for dens in densities:
         k = min(len(positive), max(1, int(dens * n)))
-        sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps + 1)]
-        call = lambda s: ffn_rows(activation, x, s, rows, out, part)  # noqa: E731
-        call(sets[0])  # compile / warm
+        call = lambda s: ffn_rows(activation, x, s, laid, out, part)  # noqa: E731
+        s0 = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64)
+        call(s0)
+        first = out.copy()
+        for w in range(windows):  # one pass over the windows before the timed ones; the last the first set again
+            call(s0 + w * n if w == windows - 1 else np.sort(rng.choice(positive, k, replace=False)) + w * n)
+        if not np.allclose(out, first, rtol=1e-4, atol=1e-4 * np.abs(first).max()):  # copies: the same sum
+            raise AssertionError(f"kernel_bench: window {windows - 1} gave another sum than window 0")
         times = []
-        for s in sets[1:]:
-            if flush_bytes:
-                _sum_rows(flush, numba.get_num_threads())
+        for i in range(max(reps, windows)):
+            s = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) + (i % windows) * n
             times.append(_timed(lambda s=s: call(s)))
         nbytes = k * 3 * (d * rows.up.itemsize + rows.scale.shape[2] * 4)
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
-                    "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times)})
+                    "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times),
+                    "median_bytes_per_s": nbytes / float(np.median(times))})
     return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "activation": activation,
-            "dtype": rows.dtype, "rows": res}
+            "dtype": rows.dtype, "windows": windows, "rows": res}
 
 
 def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outside_gpu_bytes: int = 0) -> dict:

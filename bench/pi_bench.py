@@ -513,7 +513,7 @@ def stage_bench(args, work: Path) -> dict:
     for key, cold_dtype in (("kernel", "bf16"), ("kernel_int8", "int8")):
         if dl.allows(20, key, skipped):
             d, n = bm.SHAPES[args.shape][:2]
-            res[key] = ceil.kernel_bench(d, n, dtype=cold_dtype, flush_bytes=args.dram_bytes)
+            res[key] = ceil.kernel_bench(d, n, dtype=cold_dtype)
             for r in res[key]["rows"]:
                 r["share_of_dram_bw"] = r["bytes_per_s"] / c["dram"]["best_bytes_per_s"]
     for key, name in (("floor", "hybrid"), ("floor_int8", "hybrid-int8")):
