@@ -463,12 +463,6 @@ def stage_bench(args, work: Path) -> dict:
              args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
              args.tokens, args.reps)]
-    for name in args.systems_order:  # hybrid[-no-pcie]-prefetch-N: RuntimeConfig.prefetch_rows = N
-        if name.startswith(("hybrid-prefetch-", "hybrid-no-pcie-prefetch-")):
-            plan.append((name, RuntimeConfig(device=args.device, dtype=dt, vram=budget,
-                                             pcie_share=0.0 if "no-pcie" in name else None,
-                                             prefetch_rows=int(name.rsplit("-", 1)[1])), placement, P, args.tokens,
-                         args.reps))
     if "dense" in args.systems:
         plan.append(("dense", RuntimeConfig(mode="dense", device=args.device, dtype=dt, vram=budget), placement, None,
                      args.slow_tokens, 1))
@@ -575,16 +569,14 @@ def parse(argv=None):
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
-                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
-                         "'hybrid-prefetch-N' for hybrid with RuntimeConfig.prefetch_rows N (and 'hybrid-no-pcie-prefetch-N')")
+                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")
     ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
     ap.add_argument("--python-version", default="3.12", help="prepare: the device's Python, for the wheels")
     args = ap.parse_args(argv)
-    args.systems_order = list(dict.fromkeys(args.systems.split(",")))
-    args.systems = set(args.systems_order)
+    args.systems = set(args.systems.split(","))
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
     args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "hybrid-int8": 60, "dense": 60, "llama.cpp": 45,

@@ -358,7 +358,6 @@ class StaticDecoder:
                 if prelaunch:
                     self._launch(i + 1)
                     launched = i
-                f.prefetch()  # while the GPU runs layer i's `pre`
                 if clock is not None:
                     clock.append(time.perf_counter())
                 self._graphs[i][1].synchronize()

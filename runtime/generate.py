@@ -51,9 +51,6 @@ class RuntimeConfig:
     # computes from the cold rows in page-locked host RAM, read over PCIe while the CPU reads the rest from DRAM
     # (None: measured at start; 0: off, the CPU reads every cold row)
     pcie_share: float | None = None
-    # static decoder on CUDA, predictor masks: cold neurons a layer whose rows the CPU reads into its caches while the
-    # GPU computes that layer's attention and predictor, the ones marked most often in the first CALIBRATION_TOKENS
-    prefetch_rows: int = 0
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -280,13 +277,7 @@ def tune_mapped_rows(rt: Runtime) -> bool:
     share. With rt.pcie_balance, then BALANCE_ROUNDS timed rounds move the share (next_share); the last round's
     proposal is taken where the GPU overran in it (it comes from that round's own times), else its share stays. True
     when mapped_rows changed. Once a runtime."""
-    if min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
-        return False
-    if rt.cfg.prefetch_rows and rt.fast is not None and all(f.prefetch_ids is None for f in rt.ffns):
-        for f in rt.ffns:
-            if f.mask == "predictor":
-                f.pick_prefetch(rt.cfg.prefetch_rows)
-    if rt.pcie_tuned or rt.pcie_share <= 0:
+    if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
         return False
     b, timing = rt.pcie_balance, rt.fast.timing
     if b is None or timing is None:  # a given share, or no host clock: set once

@@ -320,25 +320,6 @@ def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def touch_rows(gate, up, down_t, ids, threads):
-    """Reads one value in each 64-byte line of the gate (none: gate has 0 rows), up and down_t rows of neurons `ids`,
-    so that lines are in the caches when the cold kernel comes to them. Returns their sum (so that the reads stay)."""
-    k, d = ids.shape[0], up.shape[1]
-    line = max(1, 64 // up.itemsize)  # values per cache line
-    out = np.zeros(threads, np.int64)
-    for t in prange(threads):
-        acc = 0
-        for q in range(t * k // threads, (t + 1) * k // threads):
-            j = ids[q]
-            for i in range(0, d, line):
-                acc += np.int64(up[j, i]) + np.int64(down_t[j, i])
-                if gate.shape[0]:
-                    acc += np.int64(gate[j, i])
-        out[t] = acc
-    return out.sum()
-
-
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _sum_gathered(rows, order, threads):
     """Sum of rows (n, w) float32 visited in `order` (n a multiple of 8), as the cold kernels read rows: threads take

@@ -28,7 +28,7 @@ from torch import nn
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, map_rows,
-                                        neuron_values, touch_rows)
+                                        neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -99,7 +99,6 @@ class HybridFFN(nn.Module):
         self.mapped: dict[str, Any] | None = None
         self.mapped_rows = 0
         self.cold_marks = np.zeros(2)  # decode tokens, marked cold neurons (host tally; picks mapped_rows)
-        self.prefetch_ids: np.ndarray | None = None  # (m,) cold rows read into the caches while `pre` runs (prefetch)
         self.predictor = predictor
         self.use_graphs = True  # CUDA: replay the per-token GPU work as two CUDA graphs (see _decode)
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
@@ -277,23 +276,6 @@ class HybridFFN(nn.Module):
                                         - max(row["cpu_start_ms"], row["gpu_hot_start_ms"]))
             self.timing.append(row)
         return y
-
-    def pick_prefetch(self, m: int) -> None:
-        """prefetch_ids: the m cold neurons the predictor marked most often so far (ascending), or None (m == 0)."""
-        if m <= 0 or not self.n_cold or self._fired is None:
-            self.prefetch_ids = None
-            return
-        fired = self._fired[self.cold_ids].cpu().numpy()  # (n_cold,) firings in decode so far
-        top = np.argsort(-fired, kind="stable")[:m]
-        self.prefetch_ids = np.sort(top).astype(np.int64)
-
-    def prefetch(self) -> None:
-        """Reads prefetch_ids' rows into the caches: called while the GPU computes this layer's attention and predictor
-        (the CPU and DRAM are idle then), so that the cold part finds the rows it is likeliest to need there."""
-        if self.prefetch_ids is not None:
-            c = self.cold
-            touch_rows(c.gate if c.gate is not None else c.up[:0], c.up, c.down_t, self.prefetch_ids,
-                       self._io["part"].shape[0])
 
     def cold_rows(self, x: torch.Tensor) -> np.ndarray:
         """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out"].
