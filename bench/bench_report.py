@@ -154,7 +154,8 @@ def markdown(res: dict) -> str:
     for key, rows in (("kernel", "bf16"), ("kernel_int8", "int8")):
         k = res.get(key)
         if k:
-            lines.append(f"CPU cold-row kernel (ReGLU, {rows} rows, {k.get('threads', '?')} threads): " + ", ".join(
+            order = f", {k['windows']} copies of the layer taken in turn" if k.get("windows") else ""
+            lines.append(f"CPU cold-row kernel (ReGLU, {rows} rows, {k.get('threads', '?')} threads{order}): " + ", ".join(
                 f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% "
                 f"of DRAM)" for r in k["rows"]) + ".")
     for name in ("hybrid", "hybrid-int8"):

@@ -559,7 +559,7 @@ def parse(argv=None):
     ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192); sets the gate rank")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens of the fast systems")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=7, help="timed generations of each fast system (the median is reported)")
     ap.add_argument("--slow-tokens", type=int, default=8, help="decode tokens of layer-split, dense, accelerate")
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--llama-reps", type=int, default=2)
