@@ -11,6 +11,7 @@ Writes OUT/kernel_variants.json.
   * single       one neuron at a time, 4 from the shared counter at once (the kernel before it read four at once)
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
+  int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
   (pair, pair8, two neurons' rows in one pass: development-host figures in bench/NOTES.md, commit 4d4e9b0; removed)
   (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
 Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
@@ -196,6 +197,78 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
+G = K.INT8_GROUP
+
+
+@njit(nogil=True, fastmath=True)
+def _dot8_int8(x, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), read at once
+    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
+    s[:] = 0.0
+    for i in range(x.shape[0] // G):
+        lo = i * G
+        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
+        for k in range(G):
+            xk = x[lo + k]
+            p0 += xk * np.float32(r0[lo + k])
+            p1 += xk * np.float32(r1[lo + k])
+            p2 += xk * np.float32(r2[lo + k])
+            p3 += xk * np.float32(r3[lo + k])
+            p4 += xk * np.float32(r4[lo + k])
+            p5 += xk * np.float32(r5[lo + k])
+            p6 += xk * np.float32(r6[lo + k])
+            p7 += xk * np.float32(r7[lo + k])
+        s[0] += scale[j[0], i] * p0
+        s[1] += scale[j[1], i] * p1
+        s[2] += scale[j[2], i] * p2
+        s[3] += scale[j[3], i] * p3
+        s[4] += scale[j[4], i] * p4
+        s[5] += scale[j[5], i] * p5
+        s[6] += scale[j[6], i] * p6
+        s[7] += scale[j[7], i] * p7
+
+
+@njit(nogil=True, fastmath=True)
+def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[q] (int8, groups of G), read at once
+    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
+    for i in range(acc.shape[0] // G):
+        lo = i * G
+        a0, a1, a2, a3 = h[0] * scale[j[0], i], h[1] * scale[j[1], i], h[2] * scale[j[2], i], h[3] * scale[j[3], i]
+        a4, a5, a6, a7 = h[4] * scale[j[4], i], h[5] * scale[j[5], i], h[6] * scale[j[6], i], h[7] * scale[j[7], i]
+        for k in range(G):
+            acc[lo + k] += (a0 * np.float32(r0[lo + k]) + a1 * np.float32(r1[lo + k]) + a2 * np.float32(r2[lo + k])
+                            + a3 * np.float32(r3[lo + k]) + a4 * np.float32(r4[lo + k]) + a5 * np.float32(r5[lo + k])
+                            + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def int8_eight(x, idx, gate, up, down_t, scale, part, out, counter):  # ReGLU, int8 rows in groups of G, d % G == 0
+    """The kernel with eight neurons' rows read at once (int8 rows are 8 KiB: four at once keep half the bytes of
+    bf16's four in flight); a group of 8 with a gate <= 0 goes through the runtime's one-neuron path."""
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    counter[0] = 0
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        g, u = np.empty(8, np.float32), np.empty(8, np.float32)
+        while True:
+            q0 = K._fetch_add(counter, 8)
+            if q0 >= k:
+                break
+            q = q0
+            if q0 + 8 <= k:
+                j = idx[q0:q0 + 8]
+                _dot8_int8(x, gate, j, scale[0], g)
+                if g.min() > 0:
+                    _dot8_int8(x, up, j, scale[1], u)
+                    _axpy8_int8(g * u, down_t, j, scale[2], acc)
+                    continue
+            for q in range(q0, min(q0 + 8, k)):
+                _reglu_row(x, idx[q], gate, up, down_t, scale, G, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
@@ -235,6 +308,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                                                        counter, 4, False),
         ("int8", "const-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
                                                    counter, 4, True),
+        ("int8", "const-8rows"): lambda R, s: int8_eight(x, s, R.gate, R.up, R.down_t, R.scale, part, o, counter),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if only:
