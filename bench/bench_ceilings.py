@@ -205,7 +205,7 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
         times = []
         for i in range(max(reps, windows)):
             s = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) + (i % windows) * n
-            times.append(_timed(lambda s=s: call(s)))
+            times.append(_timed(functools.partial(call, s)))
         nbytes = k * 3 * (d * rows.up.itemsize + rows.scale.shape[2] * 4)
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
                     "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times),

@@ -86,8 +86,8 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, f
             while four and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
                 K._gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, REGLU)
                 q += 4
-            for q in range(q, q1):
-                _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
+            for r in range(q, q1):
+                _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -255,7 +255,6 @@ def int8_eight(x, idx, gate, up, down_t, scale, part, out, counter):  # ReGLU, i
             q0 = K._fetch_add(counter, 8)
             if q0 >= k:
                 break
-            q = q0
             if q0 + 8 <= k:
                 j = idx[q0:q0 + 8]
                 _dot8_int8(x, gate, j, scale[0], g)
