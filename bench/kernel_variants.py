@@ -70,22 +70,76 @@ def _reglu_row(x, j, gate, up, down_t, scale, group, acc):  # acc += neuron j's 
         K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
 
 
+G = K.INT8_GROUP
+
+
+@njit(nogil=True, fastmath=True)
+def _dot8_int8(x, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), read at once
+    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
+    s[:] = 0.0
+    for i in range(x.shape[0] // G):
+        lo = i * G
+        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
+        for k in range(G):
+            xk = x[lo + k]
+            p0 += xk * np.float32(r0[lo + k])
+            p1 += xk * np.float32(r1[lo + k])
+            p2 += xk * np.float32(r2[lo + k])
+            p3 += xk * np.float32(r3[lo + k])
+            p4 += xk * np.float32(r4[lo + k])
+            p5 += xk * np.float32(r5[lo + k])
+            p6 += xk * np.float32(r6[lo + k])
+            p7 += xk * np.float32(r7[lo + k])
+        s[0] += scale[j[0], i] * p0
+        s[1] += scale[j[1], i] * p1
+        s[2] += scale[j[2], i] * p2
+        s[3] += scale[j[3], i] * p3
+        s[4] += scale[j[4], i] * p4
+        s[5] += scale[j[5], i] * p5
+        s[6] += scale[j[6], i] * p6
+        s[7] += scale[j[7], i] * p7
+
+
+@njit(nogil=True, fastmath=True)
+def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[q] (int8, groups of G), read at once
+    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
+    for i in range(acc.shape[0] // G):
+        lo = i * G
+        a0, a1, a2, a3 = h[0] * scale[j[0], i], h[1] * scale[j[1], i], h[2] * scale[j[2], i], h[3] * scale[j[3], i]
+        a4, a5, a6, a7 = h[4] * scale[j[4], i], h[5] * scale[j[5], i], h[6] * scale[j[6], i], h[7] * scale[j[7], i]
+        for k in range(G):
+            acc[lo + k] += (a0 * np.float32(r0[lo + k]) + a1 * np.float32(r1[lo + k]) + a2 * np.float32(r2[lo + k])
+                            + a3 * np.float32(r3[lo + k]) + a4 * np.float32(r4[lo + k]) + a5 * np.float32(r5[lo + k])
+                            + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
+
+
 @njit(parallel=True, nogil=True, fastmath=True)
-def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, four):  # ReGLU only
+def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width):  # ReGLU only
+    """Threads take `chunk` neurons at a time from a shared counter and read the rows of `width` neurons at once:
+    1 (one row at a time), 4 (the runtime's _gated4) or 8 (int8 rows in groups of G only: _dot8_int8, chunk 8); a
+    group with a gate <= 0, and the claim's tail, go through the one-neuron path."""
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
     for t in prange(T):
         acc = part[t]
         acc[:] = 0.0
+        g, u = np.empty(8, np.float32), np.empty(8, np.float32)
         while True:
             q0 = K._fetch_add(counter, chunk)
             if q0 >= k:
                 break
             q, q1 = q0, min(q0 + chunk, k)
-            while four and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
+            while width == 4 and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
                 K._gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, REGLU)
                 q += 4
+            if width == 8 and q + 8 <= q1:
+                j = idx[q:q + 8]
+                _dot8_int8(x, gate, j, scale[0], g)
+                if g.min() > 0:
+                    _dot8_int8(x, up, j, scale[1], u)
+                    _axpy8_int8(g * u, down_t, j, scale[2], acc)
+                    q += 8
             for r in range(q, q1):
                 _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
     for c in prange(T):
@@ -197,77 +251,6 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
-G = K.INT8_GROUP
-
-
-@njit(nogil=True, fastmath=True)
-def _dot8_int8(x, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), read at once
-    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
-    s[:] = 0.0
-    for i in range(x.shape[0] // G):
-        lo = i * G
-        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
-        for k in range(G):
-            xk = x[lo + k]
-            p0 += xk * np.float32(r0[lo + k])
-            p1 += xk * np.float32(r1[lo + k])
-            p2 += xk * np.float32(r2[lo + k])
-            p3 += xk * np.float32(r3[lo + k])
-            p4 += xk * np.float32(r4[lo + k])
-            p5 += xk * np.float32(r5[lo + k])
-            p6 += xk * np.float32(r6[lo + k])
-            p7 += xk * np.float32(r7[lo + k])
-        s[0] += scale[j[0], i] * p0
-        s[1] += scale[j[1], i] * p1
-        s[2] += scale[j[2], i] * p2
-        s[3] += scale[j[3], i] * p3
-        s[4] += scale[j[4], i] * p4
-        s[5] += scale[j[5], i] * p5
-        s[6] += scale[j[6], i] * p6
-        s[7] += scale[j[7], i] * p7
-
-
-@njit(nogil=True, fastmath=True)
-def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[q] (int8, groups of G), read at once
-    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
-    for i in range(acc.shape[0] // G):
-        lo = i * G
-        a0, a1, a2, a3 = h[0] * scale[j[0], i], h[1] * scale[j[1], i], h[2] * scale[j[2], i], h[3] * scale[j[3], i]
-        a4, a5, a6, a7 = h[4] * scale[j[4], i], h[5] * scale[j[5], i], h[6] * scale[j[6], i], h[7] * scale[j[7], i]
-        for k in range(G):
-            acc[lo + k] += (a0 * np.float32(r0[lo + k]) + a1 * np.float32(r1[lo + k]) + a2 * np.float32(r2[lo + k])
-                            + a3 * np.float32(r3[lo + k]) + a4 * np.float32(r4[lo + k]) + a5 * np.float32(r5[lo + k])
-                            + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
-
-
-@njit(parallel=True, nogil=True, fastmath=True)
-def int8_eight(x, idx, gate, up, down_t, scale, part, out, counter):  # ReGLU, int8 rows in groups of G, d % G == 0
-    """The kernel with eight neurons' rows read at once (int8 rows are 8 KiB: four at once keep half the bytes of
-    bf16's four in flight); a group of 8 with a gate <= 0 goes through the runtime's one-neuron path."""
-    d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, part.shape[0])
-    counter[0] = 0
-    for t in prange(T):
-        acc = part[t]
-        acc[:] = 0.0
-        g, u = np.empty(8, np.float32), np.empty(8, np.float32)
-        while True:
-            q0 = K._fetch_add(counter, 8)
-            if q0 >= k:
-                break
-            if q0 + 8 <= k:
-                j = idx[q0:q0 + 8]
-                _dot8_int8(x, gate, j, scale[0], g)
-                if g.min() > 0:
-                    _dot8_int8(x, up, j, scale[1], u)
-                    _axpy8_int8(g * u, down_t, j, scale[2], acc)
-                    continue
-            for q in range(q0, min(q0 + 8, k)):
-                _reglu_row(x, idx[q], gate, up, down_t, scale, G, acc)
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
@@ -293,21 +276,22 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("bf16", "fused-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("bf16", "fused-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4, False),
+                                                       counter, 4, 1),
         ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                      counter, 16, False),
+                                                      counter, 16, 1),
         ("bf16", "fused-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                   counter, 4, True),
+                                                   counter, 4, 4),
         ("bf16", "fused-c16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                    counter, 16, True),
+                                                    counter, 16, 4),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("int8", "const-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4, False),
+                                                       counter, 4, 1),
         ("int8", "const-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                   counter, 4, True),
-        ("int8", "const-8rows"): lambda R, s: int8_eight(x, s, R.gate, R.up, R.down_t, R.scale, part, o, counter),
+                                                   counter, 4, 4),
+        ("int8", "const-8rows"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
+                                                      counter, 8, 8),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if only:
