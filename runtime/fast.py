@@ -105,34 +105,53 @@ def _check(code: int) -> None:
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's `t * cos + rotate_half(t) * sin` in four kernels instead of six: rotate_half(t) = cat(-b, a) for
+    """HF's `t * cos + rotate_half(t) * sin` in three kernels instead of six: rotate_half(t) = cat(-b, a) for
     t = cat(a, b), so rotate_half(t) * sin = roll(t) * sin_signed, sin_signed = cat(-sin[:half], sin[half:]) (exact:
     only signs move)."""
-    return t * cos + t.roll(t.shape[-1] // 2, -1) * sin_signed
+    return torch.addcmul(t * cos, t.roll(t.shape[-1] // 2, -1), sin_signed)
 
 
-def _rms_norm(norm, h: torch.Tensor) -> torch.Tensor:
-    """LLaMA's RMSNorm (float32 statistics, weight applied in the input's dtype) with torch's fused rms_norm: 3-4
-    kernels instead of 8. Other norms run as they are."""
+def _rms_norm(norm, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """LLaMA's RMSNorm, weight * (x / rms(x) in float32, rounded to x's dtype), in two kernels: torch's fused
+    rms_norm computes in float32 and rounds once, as HF's module does after its casts. Other norms run as they are."""
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or type(norm).__name__ not in RMS_NORMS:
-        return norm(h)
-    return norm.weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+        y = norm(h)
+        return y if out is None else out.copy_(y)
+    return torch.mul(norm.weight, F.rms_norm(h, (h.shape[-1],), eps=eps), out=out)
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
-    """Attention of a few queries over the cache as two batched matmuls and a float32 softmax. For one decode token
-    this beats SDPA's fused kernels, which on CUDA split the work only over batch x heads (8 blocks for 8 kv heads) and
-    took 0.17 ms per layer on a 4096-slot cache on the H100 (bench/NOTES.md).
-    q (1, kv, G, hd); keys, values (1, kv, slots, hd); mask (1, 1, 1, slots) bool or None -> (1, kv, G, hd)."""
-    s = torch.matmul(q * scale, keys.transpose(-1, -2)).float()  # (1, kv, G, slots)
+def _fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ((heads + 2 kv heads) * hd, d) for q, k and v, so that one GEMV reads them: the three Linear
+    modules are re-pointed at row slices of it (same bytes, not a copy kept beside them). Biases likewise."""
+    lins = (attn.q_proj, attn.k_proj, attn.v_proj)
+    w = torch.cat([m.weight.detach() for m in lins])
+    b = None
+    if any(m.bias is not None for m in lins):
+        b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in lins])
+    start = 0
+    for m in lins:
+        rows = slice(start, start + m.out_features)
+        m.weight = torch.nn.Parameter(w[rows], requires_grad=False)
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(b[rows], requires_grad=False)
+        start += m.out_features
+    return w, b
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of a few queries over the cache as two batched matmuls and a softmax (float32 inside, rounded once,
+    as HF's eager attention). For one decode token this beats SDPA's fused kernels, which on CUDA split the work only
+    over batch x heads (8 blocks for 8 kv heads) and took 0.17 ms per layer on a 4096-slot cache on the H100
+    (bench/NOTES.md). q (1, kv, G, hd), already scaled; keys, values (1, kv, slots, hd); mask (1, 1, 1, slots)
+    additive (0 or -inf) or None -> (1, kv, G, hd)."""
+    s = torch.matmul(q, keys.transpose(-1, -2))  # (1, kv, G, slots)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1).to(values.dtype), values)
+        s = s + mask
+    return torch.matmul(torch.softmax(s, dim=-1), values)  # half/bf16 softmax: float32 inside, one rounding
 
 
 class StaticDecoder:
@@ -154,16 +173,23 @@ class StaticDecoder:
         self.k = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]  # (1, kv heads, cap, hd)
         self.v = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]
         d = cfg.hidden_size
+        self.qkv = [_fuse_qkv(layer.self_attn) for layer in self.layers]  # ((heads + 2 kv) * hd, d), bias or None
         self.tok = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) token id
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) its position
         self.slots = torch.arange(self.capacity, device=device)  # (cap,) cache positions
-        self.h2 = [torch.zeros((1, 1, d), device=device, dtype=dtype) for _ in self.layers]  # after attention
+        # h2[i]: layer i's input (the residual), then, after the o_proj GEMM adds into it, its output after attention
+        self.h2 = [torch.zeros((1, 1, d), device=device, dtype=dtype) for _ in self.layers]
+        self.h_last = torch.zeros((1, 1, d), device=device, dtype=dtype)  # the final norm's input
         self.x = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # FFN inputs
         self.hot = [torch.zeros((1, d), device=device, dtype=dtype) for _ in self.layers]  # hot FFN sums
-        rot = (1, 1, 1, self.head_dim)
-        self.cos = torch.zeros(rot, device=device, dtype=dtype)  # (1, 1, 1, hd) the step's rotary cos
-        self.sin_signed = torch.zeros(rot, device=device, dtype=dtype)  # (1, 1, 1, hd) its sin, first half negated
-        self.mask = torch.zeros((1, 1, 1, self.capacity), device=device, dtype=torch.bool)  # (1, 1, 1, cap) filled
+        # RoPE tables per head, q heads' rows times the attention scale (so the scores need no scaling kernel)
+        heads = self.n_heads + self.n_kv
+        self.head_scale = torch.ones((1, heads, 1, 1), device=device)  # (1, heads + kv heads, 1, 1) float32
+        self.head_scale[:, :self.n_heads] = a0.scaling
+        rot = (1, heads, 1, self.head_dim)
+        self.cos = torch.zeros(rot, device=device, dtype=dtype)  # (1, heads + kv, 1, hd) the step's rotary cos
+        self.sin_signed = torch.zeros(rot, device=device, dtype=dtype)  # the same of its sin, first half negated
+        self.mask = torch.zeros((1, 1, 1, self.capacity), device=device, dtype=dtype)  # (1, 1, 1, cap) 0 or -inf
         self.logits: torch.Tensor | None = None
         self._graphs: list[Any] | None = None
         self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on host flags
@@ -174,38 +200,38 @@ class StaticDecoder:
             f._host_io(self.x[0])  # host buffers, made before any capture
 
     # -- the step's pieces (captured as graphs on CUDA) --------------------------------------------------------
-    def _residual(self, i: int) -> torch.Tensor:
-        """Layer i's input: layer i-1's h2 + its FFN output (hot + cold); layer 0: the token's embedding."""
+    def _residual(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """Layer i's input into out (1, 1, d): layer i-1's h2 + its FFN output (hot + the CPU's cold sum, which the
+        kernel reads from the host buffer itself); layer 0: the token's embedding."""
         if i == 0:
-            return self.inner.embed_tokens(self.tok)  # (1, 1, d)
+            return out.copy_(self.inner.embed_tokens(self.tok))
         f = self.ffns[i - 1]
-        y = self.hot[i - 1]
-        if f.n_cold:
-            y = y + f._io["out"].to(self.device, non_blocking=True).to(self.dtype)
-        return self.h2[i - 1] + y[None]
+        torch.add(self.h2[i - 1], self.hot[i - 1], out=out)
+        return out.add_(f._io["out_mapped"]) if f.n_cold else out  # float32 sum, rounded into out once
 
     def _position(self) -> None:
-        """The step's rotary cos/sin and mask of filled cache slots, which all layers share (in layer 0's graph)."""
+        """The step's rotary cos/sin (per head, q's scaled) and additive mask of filled cache slots, which all layers
+        share (in layer 0's graph)."""
         cos, sin = self.inner.rotary_emb(self.cos, self.pos)  # (1, 1, hd) each
         half = self.head_dim // 2
-        self.cos.copy_(cos[:, None])
-        self.sin_signed[..., :half].copy_(-sin[:, None, :, :half])
-        self.sin_signed[..., half:].copy_(sin[:, None, :, half:])
-        self.mask.copy_((self.slots <= self.pos[0])[None, None, None])
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)  # (1, 1, hd)
+        self.cos.copy_(cos[:, None] * self.head_scale)
+        self.sin_signed.copy_(sin_signed[:, None] * self.head_scale)
+        self.mask.copy_(torch.where(self.slots <= self.pos[0], 0.0, float("-inf")))
 
     def _pre(self, i: int) -> None:
         layer, attn = self.layers[i], self.layers[i].self_attn
+        H, K, hd = self.n_heads, self.n_kv, self.head_dim
         if i == 0:
             self._position()
-        h = self._residual(i)  # (1, 1, d)
-        r = _rms_norm(layer.input_layernorm, h)
-        q = attn.q_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, heads, 1, hd)
-        k = attn.k_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)  # (1, kv heads, 1, hd)
-        v = attn.v_proj(r).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        h = self._residual(i, self.h2[i])  # (1, 1, d)
+        w, b = self.qkv[i]
+        qkv = F.linear(_rms_norm(layer.input_layernorm, h), w, b).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
+        qk, v = qkv[:, :H + K], qkv[:, H + K:]  # (1, heads + kv heads, 1, hd), (1, kv heads, 1, hd)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
-            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-        qk = _rope(torch.cat((q, k), 1), self.cos, self.sin_signed)  # (1, heads + kv heads, 1, hd): one RoPE
-        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :H]), _rms_norm(attn.k_norm, qk[:, H:])), 1)
+        qk = _rope(qk, self.cos, self.sin_signed)  # one RoPE for q and k; q comes out scaled
+        q, k = qk[:, :H], qk[:, H:]
         self.k[i].index_copy_(2, self.pos[0], k)
         self.v[i].index_copy_(2, self.pos[0], v)
         # grouped-query attention without repeating the cache: query head kv*G+g attends to kv head kv, so the G
@@ -215,17 +241,20 @@ class StaticDecoder:
             mask, keys, values = self.mask, self.k[i], self.v[i]
         else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
             mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
-        o = _attend(qg, keys, values, mask, attn.scaling)  # (1, kv heads, G, hd)
-        o = attn.o_proj(o.reshape(1, 1, self.n_heads * self.head_dim))
-        self.h2[i].copy_(h + o)
-        self.x[i].copy_(_rms_norm(layer.post_attention_layernorm, self.h2[i])[0])
+        o = _attend(qg, keys, values, mask).reshape(1, H * hd)  # (1, heads * hd)
+        h2 = h.view(1, -1)  # (1, d), h2[i]'s memory
+        if attn.o_proj.bias is None:
+            h2.addmm_(o, attn.o_proj.weight.t())  # h2 = h + o_proj(o): the GEMM adds into h (beta = 1)
+        else:
+            h2.add_(attn.o_proj(o))
+        _rms_norm(layer.post_attention_layernorm, self.h2[i], out=self.x[i].view(1, 1, -1))
         self.ffns[i]._to_host(self.x[i])
 
     def _hot(self, i: int) -> None:
         self.hot[i].copy_(self.ffns[i]._device_part(self.x[i]))
 
     def _final(self) -> torch.Tensor:
-        h = self._residual(len(self.layers))
+        h = self._residual(len(self.layers), self.h_last)
         return self.lm.model.lm_head(_rms_norm(self.inner.norm, h))[0, -1]  # (vocab,)
 
     # -- graphs --------------------------------------------------------------------------------------------------

@@ -543,11 +543,15 @@ def _widest(a: np.ndarray) -> np.ndarray:
     return a.view(np.int8)
 
 
-def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device, register: bool = True) -> torch.Tensor:
     """`view` (a view of the C-contiguous array `a`) as a tensor on `device` over the same memory: on CUDA `a` is
-    registered (page-locked, mapped; unregistered when `a` is freed), so GPU kernels read it over PCIe."""
+    registered (page-locked, mapped; unregistered when `a` is freed), so GPU kernels read and write it over PCIe.
+    register=False: `a` is page-locked already (torch's pinned memory; with unified addressing its host pointer is
+    valid on the GPU)."""
     if device.type != "cuda":
         return torch.from_numpy(view)
+    if not register:
+        return torch.as_tensor(_CudaArrayView(view), device=device)
     rt = torch.cuda.cudart()
     err = int(rt.cudaHostRegister(a.ctypes.data, a.nbytes, 0))
     if err:

@@ -27,8 +27,8 @@ from torch import nn
 
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, map_rows,
-                                        neuron_values)
+from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, host_mapped,
+                                        map_rows, neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -136,8 +136,13 @@ class HybridFFN(nn.Module):
             host_m = torch.zeros(self.n_cold, dtype=torch.bool, pin_memory=pin)  # (n_cold,) cold mask on the host
             host_out = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) CPU partial sum
             part = np.empty((numba.get_num_threads(), self.d_model), np.float32)  # (threads, d) kernel scratch
-            self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": host_x.numpy(), "m_np": host_m.numpy(),
-                        "out_np": host_out.numpy(), "part": part, "graphs": None,
+            x_np, m_np, out_np = host_x.numpy(), host_m.numpy(), host_out.numpy()
+            # the same three buffers as tensors on x's device (CUDA: mapped), so that kernels write x and the mask
+            # and read the CPU's sum over PCIe themselves: no copy nodes and no dtype casts around them
+            mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
+                      (("x_mapped", x_np), ("m_mapped", m_np), ("out_mapped", out_np))}
+            self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": x_np, "m_np": m_np, "out_np": out_np,
+                        **mapped, "part": part, "graphs": None,
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -189,15 +194,15 @@ class HybridFFN(nn.Module):
     def _to_host(self, x: torch.Tensor) -> None:
         """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device."""
         io = self._io
-        io["x"].copy_(x[0], non_blocking=True)
+        io["x_mapped"].copy_(x[0])  # one kernel: cast and write to the host
         if self.mask == "predictor":
             full = self.predictor.mask(x[0].to(self.predictor.fc1.weight.dtype))  # (n,) bool
             self._fired += full
-            if self.n_cold:
-                m = full[self.cold_ids]  # (n_cold,)
-                io["m"].copy_(m, non_blocking=True)
-                if self.mapped_rows:
-                    io["m_dev"].copy_(m)
+            if self.n_cold and self.mapped_rows:  # the device reads the mask too
+                torch.index_select(full, 0, self.cold_ids, out=io["m_dev"])  # (n_cold,)
+                io["m_mapped"].copy_(io["m_dev"])
+            elif self.n_cold:
+                torch.index_select(full, 0, self.cold_ids, out=io["m_mapped"])
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).

@@ -408,3 +408,53 @@ def test_static_decoder_not_for_other_families(tiny_model_dir):
         lm = tiny.load_rounded(tiny_model_dir(family), family)
         rt = build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
         assert rt.fast is None and supported(lm, rt.ffns) is not None
+
+
+def test_static_decoder_reads_q_k_v_as_one_weight_without_a_second_copy(tiny_model_dir):
+    """The fused q/k/v weight is the Linear modules' memory (their weights are row slices of it), so the bytes the
+    runtime counted are the bytes held."""
+    from powerinfer.runtime.layout import count_bytes
+
+    lm = tiny.load_rounded(tiny_model_dir("qwen2-swiglu"), "qwen2-swiglu")  # q/k/v biases
+    rt = build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
+    for layer, (w, b) in zip(lm.layers, rt.fast.qkv):
+        a = layer.self_attn
+        rows = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+        assert w.shape[0] == sum(rows) and b.shape == (sum(rows),)
+        starts = [0, rows[0], rows[0] + rows[1]]
+        for m, s in zip((a.q_proj, a.k_proj, a.v_proj), starts):
+            assert m.weight.data_ptr() == w[s].data_ptr() and m.bias.data_ptr() == b[s:].data_ptr()
+    assert count_bytes(lm, rt.ffns, []) == (rt.bytes_gpu, rt.bytes_cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_static_decoder_norm_and_softmax_round_as_hf(dtype):
+    check_norm_and_softmax(dtype, "cpu", exact_norm=True)
+
+
+@torch.inference_mode()  # as the decoder runs
+def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) -> None:
+    """The two-kernel RMSNorm (torch's fused rms_norm in the input dtype, then the weight) and the softmax in the
+    scores' dtype against HF's forms (float32 inside, then a cast), on fresh random inputs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from powerinfer.runtime.fast import _attend, _rms_norm
+
+    g = torch.Generator().manual_seed(int(zlib.crc32(str(dtype).encode())))
+    norm = LlamaRMSNorm(512, eps=1e-5)
+    norm.weight.data = 1 + 0.1 * torch.randn(512, generator=g)
+    norm = norm.to(device, dtype)
+    same = torch.equal if exact_norm else lambda a, b: torch.testing.assert_close(a, b) is None  # noqa: E731
+    for scale in (0.01, 1.0, 30.0):
+        h = (scale * torch.randn(1, 1, 512, generator=g)).to(device, dtype)
+        assert same(_rms_norm(norm, h), norm(h))
+        out = torch.empty(1, 1, 512, dtype=dtype, device=device)
+        assert _rms_norm(norm, h, out=out) is out and same(out, norm(h))
+    q = torch.randn(1, 2, 3, 16, generator=g).to(device, dtype)  # (1, kv heads, G, hd)
+    keys, values = (torch.randn(1, 2, 10, 16, generator=g).to(device, dtype) for _ in range(2))
+    filled = 7
+    mask = torch.where(torch.arange(10) < filled, 0.0, float("-inf")).to(device, dtype).view(1, 1, 1, 10)
+    s = torch.matmul(q, keys.transpose(-1, -2)).float()[..., :filled]  # HF: float32 softmax of the filled slots
+    ref = torch.matmul(torch.softmax(s, -1).to(dtype), values[:, :, :filled])
+    torch.testing.assert_close(_attend(q, keys, values, mask), ref)
+    torch.testing.assert_close(_attend(q, keys[:, :, :filled], values[:, :, :filled], None), ref)
