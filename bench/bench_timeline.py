@@ -21,21 +21,19 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     steps, rt.fast.timing = rt.fast.timing[1:], None
     mean = lambda key: np.mean([s[key] for s in steps], axis=0)  # noqa: E731
     wait, cold, launch = mean("wait_pre_ms"), mean("cold_ms"), mean("launch_ms")
-    warmed = mean("warmed") if rt.fast.warming else None  # (layers,) neurons read into the caches during the wait
-    extra = {} if warmed is None else {"warmed": warmed.tolist(), "warm_ids": [len(f.warm_ids) for f in rt.ffns]}
-    return {**graph_times(rt.fast), **extra, "steps": len(steps), "step_ms": float(mean("step_ms")),
+    return {**graph_times(rt.fast), "steps": len(steps), "step_ms": float(mean("step_ms")),
             "final_ms": float(mean("final_ms")),
             "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
             "graph_prelaunch": bool(rt.fast.prelaunch),
-            "cold_replay": cold_replay(rt, prompt, tokens, float(wait.mean()), warmed),
+            "cold_replay": cold_replay(rt, prompt, tokens, float(wait.mean())),
             "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
                     "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
                     "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
                     "HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
 
 
-def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float, warmed: np.ndarray | None = None) -> dict:
+def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     """The decode-vs-bench question on the run's own work: one more generation records each CPU cold part's inputs
     (the layer, the indices left to the CPU, x) and time; then the same calls run again, in the same order, three
     ways: back to back with the GPU idle (`replay`); with the host spinning `gap_ms` before each, as it waits for
@@ -43,11 +41,9 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float, warmed: np.nd
     the cold ones, which run during the call) launched and its `pre` waited for, as in decode (`replay_gpu`).
     decode = replay puts the gap in the work (rows, indices); decode = replay_gpu > replay in what the GPU does
     meanwhile; decode > replay_gpu in decode's own Python around the calls. Per call decode / replay ratios tell a
-    uniform slowdown from a few stalled calls. With `warmed` (layers,), the mean neurons decode read into the caches
-    during each layer's wait (RuntimeConfig.warm_rows), also `replay_warm`: before each call, that many of the layer's
-    likeliest rows read, untimed, then the call timed: against `replay`, what the warmed caches save a call."""
+    uniform slowdown from a few stalled calls."""
     from powerinfer.runtime.generate import generate
-    from powerinfer.runtime.kernels import ffn_rows, warm_rows
+    from powerinfer.runtime.kernels import ffn_rows
 
     calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
     for i, f in enumerate(rt.ffns):
@@ -84,14 +80,7 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float, warmed: np.nd
         torch.cuda.synchronize()
         return np.array(ms)
 
-    def warm(i: int) -> None:
-        f = rt.ffns[i]
-        gate = f.cold.gate if f.cold.gate is not None else f.cold.up[:0]
-        warm_rows(gate, f.cold.up, f.cold.down_t, f.warm_ids[:int(round(warmed[i]))], np.zeros(1, np.int32), 0,
-                  f._io["part"].shape[0])
-
     replay, replay_gap, replay_gpu = run(), run(spin), run(gpu)
-    replay_warm = run(warm) if warmed is not None else None
     decode = np.array([c[4] for c in calls])  # (calls,) ms
     n_steps = len(calls) / max(len(rt.ffns), 1)
     ratio = decode / replay
@@ -100,7 +89,6 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float, warmed: np.nd
     return {"decode_ms_per_step": float(decode.sum() / n_steps), "replay_ms_per_step": float(replay.sum() / n_steps),
             "replay_gap_ms_per_step": float(replay_gap.sum() / n_steps),
             "replay_gpu_ms_per_step": float(replay_gpu.sum() / n_steps), "gap_ms": gap_ms,
-            "replay_warm_ms_per_step": None if replay_warm is None else float(replay_warm.sum() / n_steps),
             "cpu_rows_per_step": sum(len(c[2]) for c in calls) / n_steps, "steps": n_steps,
             "per_call_decode_over_replay": {q: float(np.percentile(ratio, p)) for q, p in
                                             (("p10", 10), ("median", 50), ("p90", 90), ("max", 100))},
