@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 SUBPACKAGES = {"profiler": "profiler", "solver": "solver", "predictors": "predictors", "runtime": "runtime"}
-WARM_ROWS = 2048  # hybrid-warm: at most this many likeliest cold neurons a layer read into the caches during the wait
 
 
 def bootstrap() -> None:
@@ -463,11 +462,7 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-no-balance", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens,
              args.reps),
             ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
-             args.tokens, args.reps),
-            ("hybrid-warm", RuntimeConfig(device=args.device, dtype=dt, vram=budget, warm_rows=WARM_ROWS), placement,
-             P, args.tokens, args.reps),
-            ("hybrid-no-pcie-warm", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0,
-                                                  warm_rows=WARM_ROWS), placement, P, args.tokens, args.reps)]
+             args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", RuntimeConfig(mode="dense", device=args.device, dtype=dt, vram=budget), placement, None,
                      args.slow_tokens, 1))
@@ -574,9 +569,7 @@ def parse(argv=None):
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
-                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
-                         "'hybrid-warm' and 'hybrid-no-pcie-warm' for the CPU reading its likeliest cold rows into "
-                         "its caches while it waits for each layer's attention (RuntimeConfig.warm_rows)")
+                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

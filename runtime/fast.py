@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from powerinfer.runtime.layout import HybridFFN, warm_up
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
-RANK_AT = (16, 64, 256, 1024)  # decode steps at which each layer's likeliest cold rows are ranked from its firings
 
 
 def supported(lm, ffns: list[HybridFFN]) -> str | None:
@@ -95,11 +94,6 @@ class HostFlags:
         addr = ctypes.c_uint64(self.dev + 4 * i)
         _check(self._wait(stream, addr, 1, self.EQ))
         _check(self._write(stream, addr, 0, 0))
-
-    def set(self, i: int) -> None:
-        """Recorded into a graph: the GPU sets flag i to 1 (the host polls it, then sets it back to 0)."""
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(self._write(stream, ctypes.c_uint64(self.dev + 4 * i), 1, 0))
 
     def release(self, i: int) -> None:
         self.host[i] = 1
@@ -162,7 +156,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 
 class StaticDecoder:
     def __init__(self, lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
-                 capacity: int = CAPACITY, warm_rows: int = 0):
+                 capacity: int = CAPACITY):
         self.lm, self.ffns, self.device, self.dtype = lm, ffns, device, dtype
         self.layers = list(lm.layers)
         self.inner = lm.model.model
@@ -200,10 +194,6 @@ class StaticDecoder:
         self._graphs: list[Any] | None = None
         self.flags: HostFlags | None = None  # set at capture where the driver can gate graphs on host flags
         self.prelaunch: bool | None = None  # None: where the driver can; False: each graph after the previous cold part
-        # the CPU reads up to warm_rows of each layer's likeliest cold neurons' rows into its caches while it waits
-        # for the layer's `pre`, until the graph sets flag L + i (on where the driver can set flags)
-        self.warm_rows, self.warming = warm_rows, False
-        self._steps = 0  # decode steps of this decoder; the likeliest rows are ranked again at RANK_AT of them
         self._filled: int | None = None  # eager steps: cache slots in use (None while capturing graphs)
         self.timing: list[dict] | None = None  # set to [] to record each graph step's per-layer host times
         for f in ffns:
@@ -291,10 +281,8 @@ class StaticDecoder:
         # oracle mask (a correctness check) counts hot activations there
         if self.prelaunch is not False and all(f.mask != "oracle" for f in self.ffns):
             # all 0 after a whole step (each graph resets the flag it waited for), so a new capture reuses them
-            self.flags = self.flags or HostFlags.open(2 * len(self.layers), self.device)
+            self.flags = self.flags or HostFlags.open(len(self.layers), self.device)
         self.prelaunch = self.flags is not None
-        self.warming = bool(self.warm_rows) and self.prelaunch and all(f.mask == "predictor" for f in self.ffns)
-        L = len(self.layers)
 
         def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
             if self.prelaunch and i > 0:
@@ -307,8 +295,6 @@ class StaticDecoder:
                 with torch.cuda.graph(g, pool=pool):
                     wait_for_flag(i)
                     self._pre(i)
-                    if self.warming:
-                        self.flags.set(L + i)
                     done.record()
                     self._hot(i)
                 pool = g.pool()
@@ -318,8 +304,6 @@ class StaticDecoder:
             with torch.cuda.graph(pre, pool=pool):
                 wait_for_flag(i)
                 self._pre(i)
-                if self.warming:
-                    self.flags.set(L + i)
             pool = pre.pool()
             with torch.cuda.graph(hot, pool=pool):
                 self._hot(i)
@@ -360,10 +344,6 @@ class StaticDecoder:
         self.pos.fill_(position)
         if self.graphs and self._graphs is None:
             self._graphs = self._capture()
-        self._steps += 1
-        if self.warming and self._steps in RANK_AT:
-            for f in self.ffns:
-                f.rank_warm(self.warm_rows)
         if self._graphs is None:  # eager: the same pieces
             self._filled = position + 1
             for i, f in enumerate(self.ffns):
@@ -400,7 +380,6 @@ class StaticDecoder:
         clock = [time.perf_counter()] if self.timing is not None else None
         L, prelaunch = len(self.layers), self.prelaunch
         released = launched = -1  # the last flag released; the last flag a launched graph waits for
-        warmed: list[int] = []  # per layer, the neurons whose rows were read into the caches
         try:
             for i, f in enumerate(self.ffns):
                 if i == 0 or not prelaunch:
@@ -410,11 +389,7 @@ class StaticDecoder:
                     launched = i
                 if clock is not None:
                     clock.append(time.perf_counter())
-                if self.warming:
-                    warmed.append(f.warm(self.flags.host, L + i))
                 self._graphs[i][1].synchronize()
-                if self.warming:
-                    self.flags.host[L + i] = 0  # set again by this layer's next graph, launched after this
                 if clock is not None:
                     clock.append(time.perf_counter())
                 f.cold_rows(self.x[i])
@@ -429,10 +404,10 @@ class StaticDecoder:
         if not prelaunch:
             self._launch(L)
         if clock is not None:
-            self._record(clock, warmed)
+            self._record(clock)
         return self.logits
 
-    def _record(self, clock: list[float], warmed: list[int]) -> None:
+    def _record(self, clock: list[float]) -> None:
         """One step's host timeline, in ms: per layer, the wait for `pre` (its GPU time, behind the previous layer's
         `hot` on the stream), split into the CPU time spent launching graphs before the sync (prelaunched: the next
         layer's, while the GPU runs this one; else this layer's) and the sync; the CPU cold part; the final graph's
@@ -442,12 +417,9 @@ class StaticDecoder:
         ms = [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
         launch, sync, cold = ms[0::3], ms[1::3], ms[2::3]
         self.timing.append({"wait_pre_ms": [a + b for a, b in zip(launch, sync)], "launch_ms": launch,
-                            "cold_ms": cold, "final_ms": 1e3 * (end - clock[-1]), "step_ms": 1e3 * (end - clock[0]),
-                            "warmed": warmed})
+                            "cold_ms": cold, "final_ms": 1e3 * (end - clock[-1]), "step_ms": 1e3 * (end - clock[0])})
 
 
-def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
-          warm_rows: int = 0) -> StaticDecoder | None:
-    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs,
-                                                                      warm_rows=warm_rows)
+def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool) -> StaticDecoder | None:
+    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs)
 

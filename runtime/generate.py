@@ -51,10 +51,6 @@ class RuntimeConfig:
     # computes from the cold rows in page-locked host RAM, read over PCIe while the CPU reads the rest from DRAM
     # (None: measured at start; 0: off, the CPU reads every cold row)
     pcie_share: float | None = None
-    # static decoder with CUDA graphs and predictor masks: while the CPU waits for a layer's attention and predictor,
-    # it reads up to this many of the layer's likeliest cold neurons' rows into its caches, stopping when the GPU is
-    # done (0: off)
-    warm_rows: int = 0
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -186,7 +182,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     if cfg.vram is not None and bytes_gpu > cfg.vram:
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    fast = (build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, cfg.warm_rows)
+    fast = (build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs)
             if cfg.static_decode and cfg.mode != "layer-split" else None)
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = _pcie_share(rt, mask)

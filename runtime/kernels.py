@@ -84,17 +84,6 @@ def _fetch_add(typingctx, counter, inc):
     return types.int64(counter, types.int64), codegen
 
 
-@intrinsic
-def _load(typingctx, flags, i):
-    """flags[i], read from memory each time (an atomic load: another agent, e.g. the GPU, writes it)."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        return builder.load_atomic(ptr, "acquire", flags.dtype.bitwidth // 8)
-
-    return flags.dtype(flags, types.int64), codegen
-
-
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
     d = x.shape[0]
@@ -329,31 +318,6 @@ def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
                               group, acc)
     for c in prange(T):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def warm_rows(gate, up, down_t, ids, flags, which, threads):
-    """Reads the gate (none where it has no rows), up and down_t rows of neurons ids[0], ids[1], ... into the caches,
-    one value per 64-byte line, over `threads` threads taking one neuron at a time, until flags[which] != 0 or the ids
-    run out. Returns (neurons read, a sum of what was read, so that the reads stay)."""
-    k, d = ids.shape[0], up.shape[1]
-    line = max(1, 64 // up.itemsize)  # values per cache line
-    counter = np.zeros(1, np.int64)  # the next unclaimed position in ids
-    done, sums = np.zeros(threads, np.int64), np.zeros(threads, np.int64)
-    for t in prange(threads):
-        acc = 0
-        while _load(flags, which) == 0:
-            q = _fetch_add(counter, 1)
-            if q >= k:
-                break
-            j = ids[q]
-            for i in range(0, d, line):
-                acc += np.int64(up[j, i]) + np.int64(down_t[j, i])
-                if gate.shape[0]:
-                    acc += np.int64(gate[j, i])
-            done[t] += 1
-        sums[t] = acc
-    return done.sum(), sums.sum()
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)

@@ -28,7 +28,7 @@ from torch import nn
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, host_mapped,
-                                        map_rows, neuron_values, warm_rows)
+                                        map_rows, neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -104,7 +104,6 @@ class HybridFFN(nn.Module):
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
         self._io: dict[str, Any] | None = None  # transfer buffers (pinned on CUDA), events, graphs
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
-        self.warm_ids = np.zeros(0, np.int64)  # cold rows to read into the caches before a token's mask, likeliest first
         self._fired: torch.Tensor | None = None  # (n,) int32 predictor firings, summed on the device (no sync)
         self.timing: list[dict] | None = None  # set to a list to record per-call timings
 
@@ -301,21 +300,6 @@ class HybridFFN(nn.Module):
         if self.n_cold:
             ffn_rows(self.activation, io["x_np"], idx, self.cold, io["out_np"], io["part"])
         return idx
-
-    def rank_warm(self, n: int) -> None:
-        """warm_ids = the (at most n) cold neurons the predictor marked most often since the counts were reset, those
-        that fired at all, most often first."""
-        if self._fired is None or not self.n_cold:
-            return
-        fired = self._fired[self.cold_ids].cpu().numpy()  # (n_cold,) firings
-        order = np.argsort(-fired, kind="stable")[:n]
-        self.warm_ids = order[fired[order] > 0].astype(np.int64)
-
-    def warm(self, flags: np.ndarray, which: int) -> int:
-        """Read the rows of warm_ids into the CPU's caches until flags[which] != 0; returns the neurons read."""
-        c = self.cold
-        gate = c.gate if c.gate is not None else c.up[:0]
-        return int(warm_rows(gate, c.up, c.down_t, self.warm_ids, flags, which, self._io["part"].shape[0])[0])
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
         w = self._cold_f32()

@@ -458,35 +458,3 @@ def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) ->
     ref = torch.matmul(torch.softmax(s, -1).to(dtype), values[:, :, :filled])
     torch.testing.assert_close(_attend(q, keys, values, mask), ref)
     torch.testing.assert_close(_attend(q, keys[:, :, :filled], values[:, :, :filled], None), ref)
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_warm_rows_reads_the_rows_it_is_given_until_the_flag(gated):
-    """kernels.warm_rows: the sum of one value per 64-byte line of each neuron's rows (int64 numpy reference), all of
-    `ids` when the flag stays 0, none when it is set; HybridFFN.rank_warm orders the cold neurons by firings."""
-    rng = np.random.default_rng(int(gated))
-    n, d = 64, 96
-    rows = [rng.integers(0, 2**16, (n, d), dtype=np.uint16) for _ in range(3)]
-    gate = rows[0] if gated else rows[0][:0]
-    ids = rng.permutation(n)[:40].astype(np.int64)
-    flags = np.zeros(3, np.int32)
-    got, total = K.warm_rows(gate, rows[1], rows[2], ids, flags, 1, 4)
-    line = 64 // 2
-    ref = sum(int(r[ids][:, ::line].astype(np.int64).sum()) for r in (rows if gated else rows[1:]))
-    assert got == len(ids) and total == ref
-    flags[1] = 1
-    assert K.warm_rows(gate, rows[1], rows[2], ids, flags, 1, 4) == (0, 0)
-
-
-def test_rank_warm_orders_cold_neurons_by_firings(tiny_model_dir):
-    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
-    rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, -1e30))
-    generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), 2)  # makes the counters
-    f = rt.ffns[0]
-    fired = torch.zeros(f.n_neurons, dtype=torch.int32)
-    fired[f.cold_ids[[5, 2, 9]]] = torch.tensor([3, 7, 1], dtype=torch.int32)
-    f._fired.copy_(fired)
-    f.rank_warm(2)
-    assert f.warm_ids.tolist() == [2, 5]
-    f.rank_warm(100)
-    assert f.warm_ids.tolist() == [2, 5, 9]  # never-fired neurons are not read

@@ -6,7 +6,6 @@ Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pin
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
@@ -106,37 +105,6 @@ def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(ti
     c = generate(rt, ids, NEW, keep_logits=True)
     assert c.token_ids == a.token_ids
     assert max(float((x - y).abs().max()) for x, y in zip(c.logits, a.logits)) < CUDA_ATOL
-
-
-def test_cuda_warming_the_likeliest_cold_rows_equals_hf(tiny_model_dir, monkeypatch):
-    """RuntimeConfig.warm_rows: while the CPU waits for each layer's `pre` (here made ~1 ms long by a GPU sleep in
-    it), it reads the layer's likeliest cold rows until the graph sets the layer's flag (or the list ends: a tiny
-    layer's list is short); the tokens and logits stay HF's and rows were read. The CPU test of kernels.warm_rows
-    checks that a set flag stops the reading."""
-    from powerinfer.runtime import fast
-    from test_runtime import hf_greedy
-
-    monkeypatch.setattr(fast, "RANK_AT", (2,))
-    pre = fast.StaticDecoder._pre
-
-    def slow_pre(self, i):
-        torch.cuda._sleep(2_000_000)
-        pre(self, i)
-
-    monkeypatch.setattr(fast.StaticDecoder, "_pre", slow_pre)
-    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
-    ids = list(lm.tokenizer(PROMPT)["input_ids"])
-    want_ids, want_logits = hf_greedy(copy.deepcopy(lm), ids)
-    placement, preds = make_placement(lm, "mixed"), always_on_predictors(lm, -1e30)
-    rt = build_runtime(lm, RuntimeConfig(device="cuda", dtype="float32", warm_rows=64, pcie_share=0.0), placement,
-                       preds)
-    rt.fast.timing = []
-    g = generate(rt, ids, NEW, keep_logits=True)
-    assert g.token_ids == want_ids
-    assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < CUDA_ATOL
-    assert rt.fast.warming and all(0 < len(f.warm_ids) <= 64 for f in rt.ffns if f.n_cold)
-    warmed = np.array([s["warmed"] for s in rt.fast.timing[2:]])  # (steps, layers) after the ranking
-    assert warmed.sum() > 0
 
 
 def test_cuda_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(tiny_model_dir):
