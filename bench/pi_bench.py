@@ -28,6 +28,7 @@ from powerinfer.hardware import openmp_wait_policy  # noqa: E402
 OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
@@ -449,23 +450,17 @@ def stage_bench(args, work: Path) -> dict:
     P = type("Predictors", (), {"layers": preds["layers"]})()
     dt = "float16"  # the solver counted fp16 bytes; on the CPU too, so the --vram check means the same
     systems = {}
-    plan = [("hybrid", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens, args.reps),
-            ("layer-split", RuntimeConfig(mode="layer-split", device=args.device, dtype=dt, vram=budget), None, None,
-             args.slow_tokens, 1),
-            ("all-gpu", RuntimeConfig(mode="dense", device=args.device, dtype=dt), None, None, args.tokens, args.reps),
-            ("hybrid-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P,
-             args.tokens, args.reps),
-            ("hybrid-no-pcie", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0), placement, P,
-             args.tokens, args.reps),
-            ("hybrid-no-pcie-no-prelaunch", RuntimeConfig(device=args.device, dtype=dt, vram=budget, pcie_share=0.0),
-             placement, P, args.tokens, args.reps),
-            ("hybrid-no-balance", RuntimeConfig(device=args.device, dtype=dt, vram=budget), placement, P, args.tokens,
-             args.reps),
-            ("hybrid-int8", RuntimeConfig(device=args.device, dtype=dt, vram=budget, cold_dtype="int8"), placement, P,
-             args.tokens, args.reps)]
+    C = functools.partial(RuntimeConfig, ctx=args.ctx, device=args.device, dtype=dt)  # the solver's --ctx: its KV
+    plan = [("hybrid", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("layer-split", C(mode="layer-split", vram=budget), None, None, args.slow_tokens, 1),
+            ("all-gpu", C(mode="dense"), None, None, args.tokens, args.reps),
+            ("hybrid-no-prelaunch", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("hybrid-no-pcie", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
+            ("hybrid-no-pcie-no-prelaunch", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
+            ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
-        plan.append(("dense", RuntimeConfig(mode="dense", device=args.device, dtype=dt, vram=budget), placement, None,
-                     args.slow_tokens, 1))
+        plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     for name, cfg, pl, pr, n_tok, reps in plan:
         if name not in args.systems or not dl.allows(args.estimates.get(name, 30), name, skipped):
             continue
@@ -553,7 +548,7 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-share", type=float, default=0.30, help="GPU budget as a share of the model's bytes")
-    ap.add_argument("--ctx", type=int, default=512, help="KV cache the solver reserves (tokens)")
+    ap.add_argument("--ctx", type=int, default=512, help="KV cache the solver reserves and our systems hold (tokens)")
     ap.add_argument("--calibration-tokens", type=int, default=2048)
     ap.add_argument("--profile-tokens", type=int, default=4096)
     ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192); sets the gate rank")

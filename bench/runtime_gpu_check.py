@@ -24,6 +24,7 @@ OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardwar
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -113,9 +114,12 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
     ffn = sum(info["params"]["ffn_per_layer"]) * size
     pred_bytes = sum(t.numel() * size for p in pred_layers.values() for t in p.parameters())
     # + predictors, the hot/cold neuron id lists (int64) and 1 MB for small buffers (RoPE)
-    vram = int(fixed + hot_share * ffn + pred_bytes + L * n * 8 + 1e6)
-    all_bytes = info["params"]["total"] * size
     prompt = list(range(100, 116))
+    ctx = len(prompt) + tokens + 1  # the static KV cache: the prompt and the new tokens
+    from powerinfer.runtime.fast import cache_bytes
+
+    vram = int(fixed + hot_share * ffn + pred_bytes + L * n * 8 + 1e6 + cache_bytes(base, ctx, torch.float16))
+    all_bytes = info["params"]["total"] * size
     res = {"shape": shape, "layers": L, "d_model": info["d_model"], "n_neurons": n, "dtype": "float16",
            "vram_budget_bytes": vram, "model_bytes_fp16": all_bytes, "hot_share_of_neurons": hot_share,
            "target_mean_active": float(np.mean([p.mean() for p in probs])), "predictor_hidden": 2 * rank + 2,
@@ -123,12 +127,10 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
            "calibration": model.calibration,
            "note": "random weights, calibrated power-law firing; hottest neurons on the GPU; exact predictors: speed only",
            "modes": {}, "timing": None}
-    runs = {"hybrid": RuntimeConfig(device=DEV, dtype="float16", vram=vram),
-            "hybrid-eager": RuntimeConfig(device=DEV, dtype="float16", vram=vram, cuda_graphs=False),
-            "hybrid-hf-layers": RuntimeConfig(device=DEV, dtype="float16", vram=vram, static_decode=False),
-            "dense": RuntimeConfig(mode="dense", device=DEV, dtype="float16", vram=vram),
-            "layer-split": RuntimeConfig(mode="layer-split", device=DEV, dtype="float16", vram=vram),
-            "all-gpu": RuntimeConfig(mode="dense", device=DEV, dtype="float16")}
+    C = functools.partial(RuntimeConfig, device=DEV, dtype="float16", ctx=ctx)
+    runs = {"hybrid": C(vram=vram), "hybrid-eager": C(vram=vram, cuda_graphs=False),
+            "hybrid-hf-layers": C(vram=vram, static_decode=False), "dense": C(mode="dense", vram=vram),
+            "layer-split": C(mode="layer-split", vram=vram), "all-gpu": C(mode="dense")}
     for name, cfg in runs.items():
         lm = copy.deepcopy(base)
         preds = None

@@ -154,6 +154,23 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return torch.matmul(torch.softmax(s, dim=-1), values)  # half/bf16 softmax: float32 inside, one rounding
 
 
+def static_capacity(model_config, requested: int) -> int:
+    """Tokens the static KV cache holds: `requested`, at most the model's context; positions below a sliding window
+    see every earlier token, so full attention is exact there and the cache stops at the window."""
+    cap = min(requested, int(getattr(model_config, "max_position_embeddings", requested) or requested))
+    window = (getattr(model_config, "sliding_window", None) if getattr(model_config, "use_sliding_window", True)
+              else None)
+    return min(cap, int(window)) if window else cap
+
+
+def cache_bytes(lm, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of the static KV cache StaticDecoder allocates for `capacity` requested tokens."""
+    cfg = lm.model.config
+    slots = static_capacity(cfg, capacity)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(lm.layers) * cfg.num_key_value_heads * slots * lm.layers[0].self_attn.head_dim * itemsize
+
+
 class StaticDecoder:
     def __init__(self, lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
                  capacity: int = CAPACITY):
@@ -164,10 +181,7 @@ class StaticDecoder:
         a0 = self.layers[0].self_attn
         self.n_kv = cfg.num_key_value_heads
         self.n_heads, self.head_dim = cfg.num_attention_heads, a0.head_dim
-        self.capacity = min(capacity, int(getattr(cfg, "max_position_embeddings", capacity) or capacity))
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        if window:  # positions below the window see every earlier token: full attention is exact there
-            self.capacity = min(self.capacity, int(window))
+        self.capacity = static_capacity(cfg, capacity)
         self.graphs = graphs and device.type == "cuda"
         kv = (1, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]  # (1, kv heads, cap, hd)
@@ -420,6 +434,7 @@ class StaticDecoder:
                             "cold_ms": cold, "final_ms": 1e3 * (end - clock[-1]), "step_ms": 1e3 * (end - clock[0])})
 
 
-def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool) -> StaticDecoder | None:
-    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs)
+def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
+          capacity: int = CAPACITY) -> StaticDecoder | None:
+    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs, capacity)
 

@@ -12,9 +12,10 @@ each decoder layer's FFN is replaced by a `HybridFFN` (runtime/layout.py). Modes
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
-from powerinfer.runtime.fast import StaticDecoder
+from powerinfer.runtime.fast import CAPACITY, StaticDecoder, cache_bytes, supported
 from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates
@@ -51,6 +52,9 @@ class RuntimeConfig:
     # computes from the cold rows in page-locked host RAM, read over PCIe while the CPU reads the rest from DRAM
     # (None: measured at start; 0: off, the CPU reads every cold row)
     pcie_share: float | None = None
+    # static decoder: tokens its KV cache holds, on the device and counted by --vram (None: the placement's pi-solve
+    # --ctx when loaded from a run, else fast.CAPACITY); longer generations decode through HF
+    ctx: int | None = None
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -140,6 +144,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
         raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
                          f"or leave it out to measure it")
+    if cfg.ctx is not None and cfg.ctx < 1:
+        raise ValueError(f"--ctx {cfg.ctx}: the static KV cache needs at least 1 token (leave it out for the "
+                         f"placement's)")
     device, dtype = device_and_dtype(cfg)
     threads = set_threads(cfg.threads)
     info, n_layers = lm.info, len(lm.layers)
@@ -179,11 +186,14 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
             layers[i] = cpu_layers[-1]
     lm.model.to(device)
     bytes_gpu, bytes_cpu = count_bytes(lm, ffns, cpu_layers)
+    static = cfg.static_decode and cfg.mode != "layer-split" and supported(lm, ffns) is None
+    ctx = cfg.ctx or CAPACITY
+    bytes_gpu += cache_bytes(lm, ctx, dtype) if static else 0  # the static KV cache, allocated below
     if cfg.vram is not None and bytes_gpu > cfg.vram:
-        raise ValueError(f"the layout needs {bytes_gpu:,} B on {device} but --vram is {cfg.vram:,} B: re-run "
+        cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
+        raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    fast = (build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs)
-            if cfg.static_decode and cfg.mode != "layer-split" else None)
+    fast = build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx) if static else None
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = _pcie_share(rt, mask)
     return rt
@@ -447,6 +457,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
+            "static_ctx": None if rt.fast is None else rt.fast.capacity,
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
             if rt.ffns else 0.0,
@@ -485,6 +496,9 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     placement = predictors = taus = None
     if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
         placement = Placement.from_run(run, lm.info)
+        solved = run / "placement" / "summary.json"  # the KV cache the solver reserved room for
+        if cfg.ctx is None and solved.exists():
+            cfg = replace(cfg, ctx=json.loads(solved.read_text()).get("flags", {}).get("ctx"))
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
         from powerinfer.predictors.train import load_predictors
 

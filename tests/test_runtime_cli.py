@@ -144,3 +144,24 @@ def test_decode_path_flags_give_the_same_tokens(tiny_model_dir, tmp_path):
         assert r.exit_code == 0, r.output
         out[name] = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
     assert out["static"] == out["hf"] == out["eager"] and len(out["static"]) == 6
+
+
+def test_static_cache_holds_the_solvers_ctx_and_counts_in_the_budget(tiny_model_dir, tmp_path):
+    """The static decoder's KV cache holds the tokens pi-solve reserved room for (--ctx in the placement's summary),
+    or --ctx; --vram counts it, and a budget that holds the weights but not the cache names it."""
+    run = make_run(tmp_path / "llama", tiny_model_dir("llama-reglu"), family="llama-reglu")
+    artifacts.write_json(run / "placement" / "summary.json", {"flags": {"ctx": 32}})
+    stats = {}
+    for name, extra in {"solved": [], "flag": ["--ctx", 16]}.items():
+        r = invoke("--run", run, "--json", *extra)
+        assert r.exit_code == 0, r.output
+        stats[name] = json.loads(r.stdout.strip().splitlines()[-1])["stats"]
+    assert stats["solved"]["static_ctx"] == 32 and stats["flag"]["static_ctx"] == 16
+    cfg = load_model(str(tiny_model_dir("llama-reglu")), device="cpu", dtype="float32").model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert stats["solved"]["bytes_gpu"] - stats["flag"]["bytes_gpu"] == 16 * per_token  # float32 on the CPU
+    weights = stats["flag"]["bytes_gpu"] - 16 * per_token
+    r = invoke("--run", run, "--vram", f"{weights + 8 * per_token}B", "--ctx", 16)
+    assert r.exit_code != 0 and "static KV cache of 16 tokens" in r.output, r.output
+    r = invoke("--run", run, "--ctx", 0)
+    assert r.exit_code != 0 and "--ctx 0" in r.output, r.output
