@@ -330,6 +330,8 @@ def tune_mapped_rows(rt: Runtime) -> bool:
 
 def sample(logits: torch.Tensor, history: list[int], s: Sampling, gen: torch.Generator) -> int:
     """One token id from (vocab,) logits (left unchanged)."""
+    if s.temperature <= 0 and s.repetition_penalty == 1.0:  # greedy: the argmax where the logits are (first of ties)
+        return int(torch.argmax(logits.detach()))
     logits = logits.detach().float().cpu().clone()
     if s.repetition_penalty != 1.0 and history:
         ids = torch.tensor(sorted(set(history)))
