@@ -270,28 +270,24 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     def kernel(R, s):
         K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, REGLU)
 
+    def dyn(chunk: int, width: int):  # `dynamic` with `chunk` neurons a claim, `width` neurons' rows at once
+        return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width)
+
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
         ("bf16", "fused"): kernel,
         ("bf16", "fused-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("bf16", "fused-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
-        ("bf16", "fused-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4, 1),
-        ("bf16", "fused-dyn16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                      counter, 16, 1),
-        ("bf16", "fused-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                   counter, 4, 4),
-        ("bf16", "fused-c16"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                    counter, 16, 4),
+        ("bf16", "fused-single"): dyn(4, 1),
+        ("bf16", "fused-dyn16"): dyn(16, 1),
+        ("bf16", "fused-c4"): dyn(4, 4),
+        ("bf16", "fused-c16"): dyn(16, 4),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
-        ("int8", "const-single"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                       counter, 4, 1),
-        ("int8", "const-c4"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                   counter, 4, 4),
-        ("int8", "const-8rows"): lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o,
-                                                      counter, 8, 8),
+        ("int8", "const-single"): dyn(4, 1),
+        ("int8", "const-c4"): dyn(4, 4),
+        ("int8", "const-8rows"): dyn(8, 8),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if only:
