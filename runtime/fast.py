@@ -432,9 +432,3 @@ class StaticDecoder:
         launch, sync, cold = ms[0::3], ms[1::3], ms[2::3]
         self.timing.append({"wait_pre_ms": [a + b for a, b in zip(launch, sync)], "launch_ms": launch,
                             "cold_ms": cold, "final_ms": 1e3 * (end - clock[-1]), "step_ms": 1e3 * (end - clock[0])})
-
-
-def build(lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
-          capacity: int = CAPACITY) -> StaticDecoder | None:
-    return None if supported(lm, ffns) is not None else StaticDecoder(lm, ffns, device, dtype, graphs, capacity)
-

@@ -27,7 +27,6 @@ from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
 from powerinfer.runtime.fast import CAPACITY, StaticDecoder, cache_bytes, supported
-from powerinfer.runtime.fast import build as build_static
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates
 
@@ -193,7 +192,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    fast = build_static(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx) if static else None
+    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx) if static else None
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = _pcie_share(rt, mask)
     return rt
