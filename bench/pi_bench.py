@@ -28,8 +28,8 @@ from powerinfer.hardware import openmp_wait_policy  # noqa: E402
 OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402

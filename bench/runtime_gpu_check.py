@@ -40,6 +40,7 @@ import bench_ceilings  # noqa: E402
 import bench_model as bm  # noqa: E402
 import tiny  # noqa: E402
 from powerinfer.models import load_model  # noqa: E402
+from powerinfer.runtime.fast import cache_bytes  # noqa: E402
 from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
                                          layer_split_count)
 from powerinfer.runtime.layout import Placement  # noqa: E402
@@ -116,8 +117,6 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
     # + predictors, the hot/cold neuron id lists (int64) and 1 MB for small buffers (RoPE)
     prompt = list(range(100, 116))
     ctx = len(prompt) + tokens + 1  # the static KV cache: the prompt and the new tokens
-    from powerinfer.runtime.fast import cache_bytes
-
     vram = int(fixed + hot_share * ffn + pred_bytes + L * n * 8 + 1e6 + cache_bytes(base, ctx, torch.float16))
     all_bytes = info["params"]["total"] * size
     res = {"shape": shape, "layers": L, "d_model": info["d_model"], "n_neurons": n, "dtype": "float16",
