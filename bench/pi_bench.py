@@ -458,7 +458,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-no-pcie", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
             ("hybrid-no-pcie-no-prelaunch", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
             ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps)]
+            ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
+            ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     for name, cfg, pl, pr, n_tok, reps in plan:
@@ -564,7 +565,8 @@ def parse(argv=None):
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
-                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds)")
+                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
+                         "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

@@ -63,6 +63,8 @@ def runtime_options(f):
                      "by --vram; longer generations decode through HF [the run's pi-solve --ctx, else 4096]."),
         click.option("--no-cuda-graphs", is_flag=True, help="CUDA: launch the per-token GPU work eagerly (slower; "
                      "for checks and profiling)."),
+        click.option("--compile", "compile_ops", is_flag=True, help="CUDA: the small ops of each layer's attention "
+                     "step through torch.compile (fewer GPU kernels; a few seconds at start)."),
         click.option("--hf-decode", is_flag=True, help="Decode through the HF decoder layers instead of the static "
                      "decoder (LLaMA family; slower; for checks)."),
         click.option("--trust-remote-code", is_flag=True),
@@ -73,14 +75,15 @@ def runtime_options(f):
 
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
-                 threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, hf_decode, trust_remote_code) -> Runtime:
+                 threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, compile_ops, hf_decode,
+                 trust_remote_code) -> Runtime:
     """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
     if run_dir is None and model is None:
         raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     try:
         cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
                             threads=threads, vram=_bytes(vram), gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
-                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx)
+                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, compile=compile_ops)
         return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
                             trust_remote_code=trust_remote_code, recall=recall)
     except (ArtifactError, ValueError) as e:

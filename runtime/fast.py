@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,14 +113,34 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return torch.addcmul(t * cos, t.roll(t.shape[-1] // 2, -1), sin_signed)
 
 
-def _rms_norm(norm, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """LLaMA's RMSNorm, weight * (x / rms(x) in float32, rounded to x's dtype), in two kernels: torch's fused
-    rms_norm computes in float32 and rounds once, as HF's module does after its casts. Other norms run as they are."""
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or type(norm).__name__ not in RMS_NORMS:
+def _weighted_rms(h: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """LLaMA's RMSNorm, w * (h / rms(h) in float32, rounded to h's dtype), in two kernels: torch's fused rms_norm
+    computes in float32 and rounds once, as HF's module does after its casts."""
+    return torch.mul(w, F.rms_norm(h, (h.shape[-1],), eps=eps), out=out)
+
+
+def _residual_norm(h2_prev: torch.Tensor, hot_prev: torch.Tensor, cold: torch.Tensor | None, w: torch.Tensor,
+                   eps: float, out: torch.Tensor) -> torch.Tensor:
+    """A layer's input into out: the previous layer's h2 + its hot sum (+ the CPU's float32 cold sum, read where it
+    is); returns its RMSNorm (_weighted_rms)."""
+    torch.add(h2_prev, hot_prev, out=out)
+    if cold is not None:
+        out.add_(cold)
+    return _weighted_rms(out, w, eps)
+
+
+def _rms_eps(norm) -> float | None:
+    """The epsilon of a LLaMA-form RMSNorm module (weight * x / rms(x)); None for other norms."""
+    return getattr(norm, "variance_epsilon", None) if type(norm).__name__ in RMS_NORMS else None
+
+
+def _rms_norm(norm, h: torch.Tensor, out: torch.Tensor | None = None, weighted=_weighted_rms) -> torch.Tensor:
+    """`norm`(h): LLaMA-form RMSNorms through _weighted_rms (or `weighted`, its compiled twin); others as they are."""
+    eps = _rms_eps(norm)
+    if eps is None:
         y = norm(h)
         return y if out is None else out.copy_(y)
-    return torch.mul(norm.weight, F.rms_norm(h, (h.shape[-1],), eps=eps), out=out)
+    return weighted(h, norm.weight, eps, out)
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
@@ -171,9 +193,25 @@ def cache_bytes(lm, capacity: int, dtype: torch.dtype) -> int:
     return 2 * len(lm.layers) * cfg.num_key_value_heads * slots * lm.layers[0].self_attn.head_dim * itemsize
 
 
+@dataclass(frozen=True)
+class Ops:
+    """The pointwise and norm pieces of `pre`, as functions of tensors: plain (the reference, and what the CPU runs), or
+    through torch.compile on CUDA, where Inductor fuses each into one or a few kernels (the GEMVs stay cuBLAS): 218 ->
+    181 us a layer at the 70B shape on the H100 (bench/pre_compile.py)."""
+
+    residual_norm: Callable = _residual_norm
+    weighted_rms: Callable = _weighted_rms
+    rope: Callable = _rope
+    attend: Callable = _attend
+
+    @classmethod
+    def compiled(cls) -> "Ops":
+        return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope, _attend)))
+
+
 class StaticDecoder:
     def __init__(self, lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
-                 capacity: int = CAPACITY):
+                 capacity: int = CAPACITY, compile: bool = False):
         self.lm, self.ffns, self.device, self.dtype = lm, ffns, device, dtype
         self.layers = list(lm.layers)
         self.inner = lm.model.model
@@ -183,6 +221,7 @@ class StaticDecoder:
         self.n_heads, self.head_dim = cfg.num_attention_heads, a0.head_dim
         self.capacity = static_capacity(cfg, capacity)
         self.graphs = graphs and device.type == "cuda"
+        self.ops = Ops.compiled() if compile and self.graphs else Ops()
         kv = (1, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]  # (1, kv heads, cap, hd)
         self.v = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]
@@ -238,13 +277,21 @@ class StaticDecoder:
         H, K, hd = self.n_heads, self.n_kv, self.head_dim
         if i == 0:
             self._position()
-        h = self._residual(i, self.h2[i])  # (1, 1, d)
+        ops, h = self.ops, self.h2[i]  # h2[i]: the layer's input h until o_proj's GEMM adds into it
+        eps = _rms_eps(layer.input_layernorm)
+        if i > 0 and eps is not None:  # the residual sum and the norm in one piece
+            f = self.ffns[i - 1]
+            r = ops.residual_norm(self.h2[i - 1], self.hot[i - 1], f._io["out_mapped"] if f.n_cold else None,
+                                  layer.input_layernorm.weight, eps, h)
+        else:
+            r = _rms_norm(layer.input_layernorm, self._residual(i, h), weighted=ops.weighted_rms)
         w, b = self.qkv[i]
-        qkv = F.linear(_rms_norm(layer.input_layernorm, h), w, b).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
+        qkv = F.linear(r, w, b).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
         qk, v = qkv[:, :H + K], qkv[:, H + K:]  # (1, heads + kv heads, 1, hd), (1, kv heads, 1, hd)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
-            qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :H]), _rms_norm(attn.k_norm, qk[:, H:])), 1)
-        qk = _rope(qk, self.cos, self.sin_signed)  # one RoPE for q and k; q comes out scaled
+            qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :H], weighted=ops.weighted_rms),
+                            _rms_norm(attn.k_norm, qk[:, H:], weighted=ops.weighted_rms)), 1)
+        qk = ops.rope(qk, self.cos, self.sin_signed)  # one RoPE for q and k; q comes out scaled
         q, k = qk[:, :H], qk[:, H:]
         self.k[i].index_copy_(2, self.pos[0], k)
         self.v[i].index_copy_(2, self.pos[0], v)
@@ -255,13 +302,13 @@ class StaticDecoder:
             mask, keys, values = self.mask, self.k[i], self.v[i]
         else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
             mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
-        o = _attend(qg, keys, values, mask).reshape(1, H * hd)  # (1, heads * hd)
+        o = ops.attend(qg, keys, values, mask).reshape(1, H * hd)  # (1, heads * hd)
         h2 = h.view(1, -1)  # (1, d), h2[i]'s memory
         if attn.o_proj.bias is None:
             h2.addmm_(o, attn.o_proj.weight.t())  # h2 = h + o_proj(o): the GEMM adds into h (beta = 1)
         else:
             h2.add_(attn.o_proj(o))
-        _rms_norm(layer.post_attention_layernorm, self.h2[i], out=self.x[i].view(1, 1, -1))
+        _rms_norm(layer.post_attention_layernorm, self.h2[i], self.x[i].view(1, 1, -1), ops.weighted_rms)
         self.ffns[i]._to_host(self.x[i])
 
     def _hot(self, i: int) -> None:
@@ -285,7 +332,15 @@ class StaticDecoder:
                 self._hot(i)
             self._final()
 
-        warm_up(self.device, step)
+        try:
+            warm_up(self.device, step)
+        except Exception as e:  # noqa: BLE001 - torch.compile can fail for want of a compiler; plain ops then
+            if self.ops == Ops():
+                raise
+            warnings.warn(f"torch.compile failed ({type(e).__name__}: {e}); the static decoder runs plain ops",
+                          stacklevel=2)
+            self.ops = Ops()
+            warm_up(self.device, step)
         try:  # an event recorded inside a graph, waited for by the host
             torch.cuda.Event(external=True)
             external = True

@@ -54,6 +54,9 @@ class RuntimeConfig:
     # static decoder: tokens its KV cache holds, on the device and counted by --vram (None: the placement's pi-solve
     # --ctx when loaded from a run, else fast.CAPACITY); longer generations decode through HF
     ctx: int | None = None
+    # static decoder with CUDA graphs: the pointwise and norm pieces of each layer's attention step through
+    # torch.compile (a few seconds at the first step; fewer GPU kernels a layer, bench/pre_compile.py)
+    compile: bool = False
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -192,7 +195,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx) if static else None
+    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, cfg.compile) if static else None
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = _pcie_share(rt, mask)
     return rt
