@@ -97,6 +97,12 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
             "best": max(res, key=res.get)}
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -164,7 +170,8 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
 
 
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
-                 rows=None, activation: str = "reglu", dtype: str = "bf16", windows: int = 8) -> dict:
+                 rows=None, activation: str = "reglu", dtype: str = "bf16", windows: int = 8,
+                 gap_ms: float = 0.0) -> dict:
     """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
     rows: a layer's kernels.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
@@ -175,7 +182,9 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
     times over (copies, as if of that many layers) and the timed calls take the windows in turn, each with a new set:
     between two calls on one window, windows - 1 calls read other rows (7 x 70 MB at 5% of a 70B layer, against the
     H100 host's 300 MiB L3), while the kernel's code and small buffers stay cached as they do in decode. (Reading
-    2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)"""
+    2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)
+
+    gap_ms: the main thread spins this long before each timed call (untimed), as it waits for `pre` in decode."""
     from powerinfer.runtime.kernels import ColdRows, ffn_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -205,13 +214,14 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
         times = []
         for i in range(max(reps, windows)):
             s = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) + (i % windows) * n
+            _spin(gap_ms / 1e3)
             times.append(_timed(functools.partial(call, s)))
         nbytes = k * 3 * (d * rows.up.itemsize + rows.scale.shape[2] * 4)
         res.append({"density": dens, "active_rows": k, "bytes": nbytes, "best_s": min(times),
                     "median_s": float(np.median(times)), "bytes_per_s": nbytes / min(times),
                     "median_bytes_per_s": nbytes / float(np.median(times))})
     return {"d_model": d, "n_neurons": n, "threads": numba.get_num_threads(), "activation": activation,
-            "dtype": rows.dtype, "windows": windows, "rows": res}
+            "dtype": rows.dtype, "windows": windows, "gap_ms": gap_ms, "rows": res}
 
 
 def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outside_gpu_bytes: int = 0) -> dict:
