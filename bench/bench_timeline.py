@@ -10,6 +10,8 @@ import time
 import numpy as np
 import torch
 
+from bench_ceilings import _spin
+
 
 def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     """One more generation with the static decoder's host clock on: per layer, the mean over decode steps (the first
@@ -40,30 +42,40 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     `pre` in decode (`replay_gap`); and after the layer's own graph (`pre`, then the hot rows and the GPU's share of
     the cold ones, which run during the call) launched and its `pre` waited for, as in decode (`replay_gpu`).
     decode = replay puts the gap in the work (rows, indices); decode = replay_gpu > replay in what the GPU does
-    meanwhile; decode > replay_gpu in decode's own Python around the calls. Per call decode / replay ratios tell a
-    uniform slowdown from a few stalled calls."""
+    meanwhile; decode > replay_gpu in decode's own Python around the calls, which `decode_kernel` (the Numba call
+    alone, timed inside decode) separates. Per call decode / replay ratios tell a uniform slowdown from a few stalled
+    calls."""
+    from powerinfer.runtime import layout
     from powerinfer.runtime.generate import generate
     from powerinfer.runtime.kernels import ffn_rows
 
-    calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
+    calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms, of which the kernel's ms)
+    kernel_ms: list[float] = []
+
+    def timed_kernel(*args):  # the Numba call inside cold_rows, without the mask -> indices and Python around it
+        t = time.perf_counter()
+        ffn_rows(*args)
+        kernel_ms.append(1e3 * (time.perf_counter() - t))
+
     for i, f in enumerate(rt.ffns):
         def record(x, i=i, f=f, cold_rows=f.cold_rows):
-            t = time.perf_counter()
+            n, t = len(kernel_ms), time.perf_counter()
             idx = cold_rows(x)
-            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
+            ms = 1e3 * (time.perf_counter() - t)
+            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), ms, sum(kernel_ms[n:])))
             return idx
         f.cold_rows = record
+    layout.ffn_rows = timed_kernel
     try:
         generate(rt, prompt, tokens, stop_at_eos=False)
     finally:
+        layout.ffn_rows = ffn_rows
         for f in rt.ffns:
             del f.cold_rows  # the class's method again
     fast = rt.fast
 
     def spin(i: int) -> None:
-        end = time.perf_counter() + gap_ms / 1e3
-        while time.perf_counter() < end:
-            pass
+        _spin(gap_ms / 1e3)
 
     def gpu(i: int) -> None:
         fast.replay_alone(i)
@@ -71,7 +83,7 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
 
     def run(before=None) -> np.ndarray:  # (calls,) ms
         ms = []
-        for i, f, idx, x, _ in calls:
+        for i, f, idx, x, *_ in calls:
             if before is not None:
                 before(i)
             t = time.perf_counter()
@@ -86,7 +98,10 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     ratio = decode / replay
     layer = np.array([c[0] for c in calls])
     per_layer = lambda ms: [float(ms[layer == i].mean()) for i in range(len(rt.ffns))]  # noqa: E731
-    return {"decode_ms_per_step": float(decode.sum() / n_steps), "replay_ms_per_step": float(replay.sum() / n_steps),
+    kernel = np.array([c[5] for c in calls])  # (calls,) ms
+    return {"decode_ms_per_step": float(decode.sum() / n_steps),
+            "decode_kernel_ms_per_step": float(kernel.sum() / n_steps),
+            "replay_ms_per_step": float(replay.sum() / n_steps),
             "replay_gap_ms_per_step": float(replay_gap.sum() / n_steps),
             "replay_gpu_ms_per_step": float(replay_gpu.sum() / n_steps), "gap_ms": gap_ms,
             "cpu_rows_per_step": sum(len(c[2]) for c in calls) / n_steps, "steps": n_steps,
