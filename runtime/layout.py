@@ -28,7 +28,7 @@ from torch import nn
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, host_mapped,
-                                        map_rows, neuron_values)
+                                        map_rows, mask_indices, mask_words, neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -142,7 +142,8 @@ class HybridFFN(nn.Module):
             mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
                       (("x_mapped", x_np), ("m_mapped", m_np), ("out_mapped", out_np))}
             self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": x_np, "m_np": m_np, "out_np": out_np,
-                        **mapped, "part": part, "graphs": None,
+                        **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
+                        "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -284,14 +285,15 @@ class HybridFFN(nn.Module):
 
     def cold_rows(self, x: torch.Tensor) -> np.ndarray:
         """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out"].
-        Returns the active cold row indices. `x` (1, d) on the device is read only by the oracle's hot count: other
+        Returns the active cold row indices (with the predictor: a view of a buffer that the next call overwrites).
+        `x` (1, d) on the device is read only by the oracle's hot count: other
         masks must not touch the GPU here, whose stream the static decoder holds meanwhile (runtime/fast.py)."""
         io = self._io
         if self.mask == "dense":
             idx = self.all_cold
             self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
         elif self.mask == "predictor":
-            idx = np.flatnonzero(io["m_np"]) if self.n_cold else self.all_cold
+            idx = io["idx"][:mask_indices(io["m_np"], io["m_words"], io["idx"])] if self.n_cold else self.all_cold
             self.counts[0] += 1
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
             idx = self._oracle(x, io["x"])
