@@ -141,7 +141,7 @@ class HybridFFN(nn.Module):
             # and read the CPU's sum over PCIe themselves: no copy nodes and no dtype casts around them
             mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
                       (("x_mapped", x_np), ("m_mapped", m_np), ("out_mapped", out_np))}
-            self._io = {"x": host_x, "m": host_m, "out": host_out, "x_np": x_np, "m_np": m_np, "out_np": out_np,
+            self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
                         **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
@@ -284,7 +284,7 @@ class HybridFFN(nn.Module):
         return y
 
     def cold_rows(self, x: torch.Tensor) -> np.ndarray:
-        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out"].
+        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out_np"].
         Returns the active cold row indices (with the predictor: a view of a buffer that the next call overwrites).
         `x` (1, d) on the device is read only by the oracle's hot count: other
         masks must not touch the GPU here, whose stream the static decoder holds meanwhile (runtime/fast.py)."""
