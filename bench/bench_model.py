@@ -251,7 +251,9 @@ def model_bytes(shape: str, layers: int, size: float = 2) -> dict:
 
 
 def gpu_layers_for(budget: int, shape: str, layers: int, size: float = 2) -> int:
-    """Whole layers that fit in `budget` after embeddings, head and final norm (llama.cpp -ngl, layer-split), at
-    `size` bytes per weight (2: fp16; 34/32: llama.cpp's Q8_0)."""
+    """Whole layers that fit in `budget` after the LM head and final norm (llama.cpp -ngl, layer-split), at `size`
+    bytes per weight (2: fp16; 34/32: llama.cpp's Q8_0). The input embedding stays in CPU RAM, in llama.cpp as in
+    our runtime."""
+    d, _, _, _, vocab = SHAPES[shape]
     b = model_bytes(shape, layers, size)
-    return max(0, min(layers, int((budget - b["outside_layers"]) // b["layer"])))
+    return max(0, min(layers, int((budget - b["outside_layers"] + vocab * d * size) // b["layer"])))

@@ -4,9 +4,10 @@ Through HF, a decode step is ~40 small kernel launches per decoder layer (norms,
 ~1 ms of CPU per layer, and in hybrid mode the CPU kernel cannot start before they are launched. Here each layer's
 GPU work is replayed from graphs over static buffers and a static KV cache:
 
-  pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding, and the step's rotary cos/sin
-           and attention mask, which every layer shares); attention with the cache; h2[i] = h + attn; x[i] =
-           post-attention norm; the predictor; x and the cold mask copied to the host; an event the CPU waits for
+  pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding, an untied one's row looked up
+           on the host and copied in; and the step's rotary cos/sin and attention mask, which every layer shares);
+           attention with the cache; h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold
+           mask copied to the host; an event the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
   CPU:     the Numba kernel over the active cold rows (HybridFFN.cold_rows), writing a pinned host buffer
   final:   h = last h2 + hot + cold; norm; lm_head -> logits
@@ -35,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from powerinfer.runtime.layout import HybridFFN, warm_up
+from powerinfer.runtime.layout import HybridFFN, OnCPUEmbedding, warm_up
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
 
@@ -228,6 +229,12 @@ class StaticDecoder:
         d = cfg.hidden_size
         self.qkv = [_fuse_qkv(layer.self_attn) for layer in self.layers]  # ((heads + 2 kv) * hd, d), bias or None
         self.tok = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) token id
+        # an untied embedding in CPU RAM (layout.OnCPUEmbedding): the host looks the token's row up into a pinned
+        # buffer, which layer 0's graph copies to the device
+        self.emb_cpu = self.inner.embed_tokens if isinstance(self.inner.embed_tokens, OnCPUEmbedding) else None
+        self.tok_cpu = torch.zeros((1, 1), dtype=torch.long)  # (1, 1) token id on the host
+        self.emb_row = (torch.zeros((1, 1, d), dtype=dtype, pin_memory=device.type == "cuda")  # (1, 1, d) host
+                        if self.emb_cpu is not None else None)
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1) its position
         self.slots = torch.arange(self.capacity, device=device)  # (cap,) cache positions
         # h2[i]: layer i's input (the residual), then, after the o_proj GEMM adds into it, its output after attention
@@ -257,6 +264,8 @@ class StaticDecoder:
         """Layer i's input into out (1, 1, d): layer i-1's h2 + its FFN output (hot + the CPU's cold sum, which the
         kernel reads from the host buffer itself); layer 0: the token's embedding."""
         if i == 0:
+            if self.emb_row is not None:
+                return out.copy_(self.emb_row, non_blocking=True)  # a host-to-device copy node in the graph
             return out.copy_(self.inner.embed_tokens(self.tok))
         f = self.ffns[i - 1]
         torch.add(self.h2[i - 1], self.hot[i - 1], out=out)
@@ -409,7 +418,11 @@ class StaticDecoder:
         """Logits (vocab,) after `token` at `position` (all earlier positions in the cache)."""
         if position >= self.capacity:
             raise ValueError(f"position {position} is past the static cache ({self.capacity} tokens)")
-        self.tok.fill_(token)
+        if self.emb_row is None:
+            self.tok.fill_(token)
+        else:  # free to overwrite: each step waits for every layer's `pre`, so layer 0's copy of it is done
+            self.tok_cpu.fill_(token)
+            self.emb_row.copy_(self.emb_cpu.inner(self.tok_cpu))
         self.pos.fill_(position)
         if self.graphs and self._graphs is None:
             self._graphs = self._capture()

@@ -28,7 +28,8 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
                                text_config)
 from powerinfer.runtime.fast import CAPACITY, StaticDecoder, cache_bytes, supported
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
-from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, install, measure_pcie_rates
+from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install,
+                                      measure_pcie_rates)
 
 MODES = ("hybrid", "dense", "layer-split")
 
@@ -121,10 +122,11 @@ def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None,
         raise ValueError("layer-split needs a budget: pass --vram (e.g. 8GB) or --gpu-layers N")
     size = torch.tensor([], dtype=dtype).element_size()
     per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
-    fixed = sum(p.numel() for p in lm.model.parameters()) * size - sum(per_layer)
+    on_cpu = lm.info["params"]["embedding"] if lm.info["params"]["lm_head"] else 0  # an untied input embedding
+    fixed = (sum(p.numel() for p in lm.model.parameters()) - on_cpu) * size - sum(per_layer)
     if vram < fixed:
-        raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the embeddings, head and norms need on the "
-                         f"device: raise --vram")
+        raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the LM head, norms (and a tied embedding) need "
+                         f"on the device: raise --vram")
     k, used = 0, fixed
     while k < n_layers and used + per_layer[k] <= vram:
         used += per_layer[k]
@@ -186,6 +188,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
             layers = lm.layers
             cpu_layers.append(OnCPULayer(layers[i], device, dtype))
             layers[i] = cpu_layers[-1]
+    embedding_to_cpu(lm, device)  # untied: one row a token is read, from CPU RAM (pi-solve counts it there)
     lm.model.to(device)
     bytes_gpu, bytes_cpu = count_bytes(lm, ffns, cpu_layers)
     static = cfg.static_decode and cfg.mode != "layer-split" and supported(lm, ffns) is None

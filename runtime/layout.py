@@ -392,6 +392,39 @@ class OnCPULayer(nn.Module):
         return self._move(out, self.home, self.home_dtype)
 
 
+class OnCPUEmbedding(nn.Module):
+    """An untied model's input embedding kept in CPU RAM: a token reads one row of it, so the row is looked up on
+    the CPU and copied to the device (llama.cpp keeps its input embedding on the CPU for the same reason), and the
+    table's bytes (LLaMA-2-70B: 0.5 GB) go to hot neurons instead. pi-solve counts it there (solver/cost.py).
+
+    The wrapped module is kept out of the module tree so that `model.to(device)` leaves it in CPU RAM."""
+
+    def __init__(self, embedding: nn.Module, device: torch.device | str):
+        super().__init__()
+        object.__setattr__(self, "inner", embedding.to("cpu"))
+        self.home = torch.device(device)
+
+    def __getattr__(self, name: str):  # e.g. num_embeddings, weight
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["inner"], name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids.to("cpu")).to(self.home)
+
+
+def embedding_to_cpu(lm: LoadedModel, device: torch.device | str) -> OnCPUEmbedding | None:
+    """Keep an untied model's input embedding in CPU RAM (OnCPUEmbedding); tied ones are the LM head too and stay."""
+    emb = lm.model.get_input_embeddings()
+    if isinstance(emb, OnCPUEmbedding):
+        return emb
+    if not lm.info["params"]["lm_head"]:
+        return None
+    lm.model.set_input_embeddings(OnCPUEmbedding(emb, device))
+    return lm.model.get_input_embeddings()
+
+
 def install(lm: LoadedModel, layer: int, module: nn.Module) -> None:
     """Put `module` in place of layer `layer`'s FFN, dropping the original FFN weights."""
     block = lm.layers[layer]
@@ -405,7 +438,9 @@ def install(lm: LoadedModel, layer: int, module: nn.Module) -> None:
 
 
 def count_bytes(lm: LoadedModel, ffns: list[HybridFFN], cpu_layers: list[OnCPULayer]) -> tuple[int, int]:
-    """(bytes on the compute device incl. predictors, bytes in CPU RAM: cold rows and CPU-side layers)."""
+    """(bytes on the compute device incl. predictors, bytes in CPU RAM: cold rows, CPU-side layers and an untied
+    input embedding)."""
     dev = nbytes(lm.model)
     cpu = sum(f.cold_bytes() for f in ffns) + sum(nbytes(c.inner) for c in cpu_layers)
-    return dev, cpu
+    emb = lm.model.get_input_embeddings()
+    return dev, cpu + (nbytes(emb.inner) if isinstance(emb, OnCPUEmbedding) else 0)

@@ -116,6 +116,12 @@ def workspace_bytes(shape: ModelShape, ctx: int) -> int:
     return int(2 * 4 * floats)
 
 
+def embedding_on_cpu(shape: ModelShape) -> bool:
+    """An untied model's input embedding stays in CPU RAM (runtime/layout.py OnCPUEmbedding: a token reads one row of
+    it); a tied one is the LM head too and is on the GPU."""
+    return shape.lm_head_params > 0
+
+
 def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int,
                  kv_bytes: float | None = None) -> dict[str, int]:
     """What the GPU must hold before any FFN neuron, in bytes, in the order the runtime allocates it.
@@ -126,7 +132,7 @@ def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, 
         "attention": int(sum(shape.attention_params) * dtype_bytes),  # incl. each layer's norms
         "ffn_fixed": int(sum(shape.ffn_fixed_params(l) for l in range(L)) * dtype_bytes),
         "final_norm_and_other": int(shape.other_params * kv_bytes),
-        "embedding": int(shape.embedding_params * dtype_bytes),
+        "embedding": 0 if embedding_on_cpu(shape) else int(shape.embedding_params * dtype_bytes),
         "lm_head": int(shape.lm_head_params * dtype_bytes),
         "predictors": int(predictor_bytes),
         "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * kv_bytes * ctx),

@@ -15,7 +15,8 @@ from powerinfer.hardware import HardwareSpec
 from powerinfer.units import format_bytes, format_size_arg
 
 from .cost import (ACT_BYTES, COLD_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem,
-                   estimate_predictor_params, evaluate, layer_tables, memory_items, predictor_hidden, safetensors_bytes)
+                   embedding_on_cpu, estimate_predictor_params, evaluate, layer_tables, memory_items, predictor_hidden,
+                   safetensors_bytes)
 from .ilp import OBJECTIVES, IlpResult, solve_ilp
 
 
@@ -152,6 +153,8 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
         })
     all_cpu = evaluate(p, np.zeros(p.n_layers, np.int64), t)
     gpu_total = (sum(items.values()) + ffn_gpu) if hw.has_gpu else 0
+    # bytes of an untied input embedding, which memory_items leaves off the GPU
+    emb_cpu = int(shape.embedding_params * DTYPE_BYTES[flags["dtype"]]) if embedding_on_cpu(shape) else 0
     return {
         "model": shape.name,
         "budget": {"vram_bytes": int(hw.vram_bytes), "vram": format_bytes(hw.vram_bytes),
@@ -161,12 +164,14 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
             "gpu": {**({k_: int(v) for k_, v in items.items()} if hw.has_gpu else {}), "ffn_neurons": int(ffn_gpu),
                     "total": int(gpu_total), "free": int(hw.vram_bytes - gpu_total) if hw.has_gpu else 0},
             "cpu": {"ffn_neurons": int((total_ffn - ffn_gpu) * cold_scale),  # stored as --cold-dtype
-                    **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"})},
+                    **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"}),
+                    **({"embedding": emb_cpu} if emb_cpu else {})},
             "predictors_source": pred_source,
             "bytes_per_neuron": float(p.bytes_per_neuron[0]), "rows_per_neuron": shape.rows,
         },
         "bytes_per_device": {"gpu": int(gpu_total),
-                             "cpu": int(total_ffn - ffn_gpu) + (0 if hw.has_gpu else int(sum(items.values())))},
+                             "cpu": int(total_ffn - ffn_gpu) + emb_cpu
+                                    + (0 if hw.has_gpu else int(sum(items.values())))},
         "gpu_activation_share": ev["gpu_activation_share"],
         "gpu_neuron_share": float(gpu_neurons.sum() / t.neurons[:, -1].sum()),
         "expected_latency_ms": ev["latency_ms"],

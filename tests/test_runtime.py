@@ -203,7 +203,9 @@ def test_oracle_equals_hf(family, where, tiny_model_dir):
     s = g.stats
     assert s["mode"] == "oracle" and 0 < s["ffn_sparsity"] < 1
     assert s["gpu_activation_share"] == pytest.approx({"gpu": 1.0, "cpu": 0.0}.get(where, s["gpu_activation_share"]))
-    assert (s["bytes_cpu"] == 0) == (where == "gpu")
+    p = lm.info["params"]
+    untied_embedding = 4 * p["embedding"] if p["lm_head"] else 0  # float32 bytes, kept in CPU RAM
+    assert (s["bytes_cpu"] == untied_embedding) == (where == "gpu")
 
 
 @pytest.mark.parametrize("family", ["llama-swiglu", "qwen2-swiglu", "gemma-geglu", "falcon-gelu"])
@@ -220,6 +222,33 @@ def test_layer_split_equals_hf(family, tiny_model_dir):
     assert g.stats["gpu_activation_share"] == 0.5 and g.stats["bytes_cpu"] > 0
 
 
+@pytest.mark.parametrize("family", ["llama-reglu", "opt"])
+def test_untied_input_embedding_stays_in_cpu_ram(family, tiny_model_dir):
+    """An untied embedding is looked up on the CPU (the static decoder: into a host row layer 0 copies in), and
+    neither the runtime nor layer-split counts it on the device; a tied one (OPT's) is the LM head and stays."""
+    from powerinfer.runtime.generate import layer_split_count
+    from powerinfer.runtime.layout import OnCPUEmbedding
+
+    lm = tiny.load_rounded(tiny_model_dir(family), family)
+    p, size = lm.info["params"], 4  # float32
+    untied = p["lm_head"] > 0
+    assert untied == (family == "llama-reglu")
+    per_layer = sum(t.numel() for t in lm.layers[0].parameters()) * size
+    fixed = (p["total"] - p["embedding"] * untied) * size - len(lm.layers) * per_layer  # head, norms (tied: emb)
+    assert layer_split_count(lm, fixed + per_layer, None, torch.float32) == 1
+    assert layer_split_count(lm, fixed + per_layer - 1, None, torch.float32) == 0
+    with pytest.raises(ValueError, match="raise --vram"):
+        layer_split_count(lm, fixed - 1, None, torch.float32)
+    g = check_equal(lm, RuntimeConfig(oracle=True, device="cpu"), make_placement(lm, "gpu"))
+    emb = lm.model.get_input_embeddings()
+    assert isinstance(emb, OnCPUEmbedding) == untied
+    assert g.stats["bytes_cpu"] == p["embedding"] * size * untied
+    if untied:
+        assert emb.weight.device.type == "cpu" and emb.num_embeddings == lm.info["vocab_size"]
+        on_device = [*lm.model.parameters(), *lm.model.buffers()]  # what model.to(device) moves
+        assert all(t.data_ptr() != emb.weight.data_ptr() for t in on_device)
+
+
 @pytest.mark.parametrize("family,cfg,where", [
     ("llama-reglu", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "cpu"),
     ("opt", RuntimeConfig(oracle=True, device="cpu", cold_dtype="int8"), "mixed"),
@@ -234,11 +263,14 @@ def test_int8_cold_rows_equal_hf_on_the_weights_they_stand_for(family, cfg, wher
 
 def test_int8_cold_rows_halve_the_cpu_bytes(tiny_model_dir):
     family = "llama-reglu"
-    b = {t: build_runtime(tiny.load_rounded(tiny_model_dir(family), family),
-                          RuntimeConfig(mode="dense", device="cpu", cold_dtype=t),
-                          make_placement(tiny.load_rounded(tiny_model_dir(family), family), "cpu")).bytes_cpu
-         for t in ("bf16", "int8")}
+    rts = {t: build_runtime(tiny.load_rounded(tiny_model_dir(family), family),
+                            RuntimeConfig(mode="dense", device="cpu", cold_dtype=t),
+                            make_placement(tiny.load_rounded(tiny_model_dir(family), family), "cpu"))
+           for t in ("bf16", "int8")}
+    b = {t: sum(f.cold_bytes() for f in rt.ffns) for t, rt in rts.items()}  # bytes_cpu less the untied embedding
     assert b["int8"] < 0.55 * b["bf16"]
+    emb = 4 * rts["bf16"].lm.info["params"]["embedding"]  # float32, in CPU RAM
+    assert all(rt.bytes_cpu == b[t] + emb for t, rt in rts.items())
     with pytest.raises(ValueError, match="unknown cold-row dtype 'int4'"):
         build_runtime(tiny.load_rounded(tiny_model_dir(family), family), RuntimeConfig(device="cpu", cold_dtype="int4"))
 

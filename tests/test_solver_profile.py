@@ -27,8 +27,11 @@ def test_profile_then_solve(family, tiny_model_dir, text_corpus, tmp_path):
                         dtype="fp32", ctx=8, reserve_bytes=0, objective="activations")
     g = s["memory"]["gpu"]
     weights = (g["attention"] + g["ffn_fixed"] + g["final_norm_and_other"] + g["embedding"] + g["lm_head"]
-               + g["ffn_neurons"] + s["memory"]["cpu"]["ffn_neurons"])
+               + g["ffn_neurons"] + s["memory"]["cpu"]["ffn_neurons"] + s["memory"]["cpu"].get("embedding", 0))
     assert weights == 4 * p["total"]  # every parameter accounted once, in fp32
+    # an untied input embedding is in CPU RAM (the runtime reads one row a token), a tied one on the GPU
+    assert (g["embedding"], s["memory"]["cpu"].get("embedding", 0)) == (
+        (0, 4 * p["embedding"]) if p["lm_head"] else (4 * p["embedding"], 0))
     assert s["memory"]["rows_per_neuron"] == (3 if meta["model"]["gated"] else 2)
     df = pd.read_parquet(tmp_path / "placement" / "placement.parquet")
     assert len(df) == meta["model"]["n_layers"] * meta["model"]["n_neurons"] and df["gpu"].any()
