@@ -35,3 +35,51 @@ def test_profile_then_solve(family, tiny_model_dir, text_corpus, tmp_path):
     assert s["memory"]["rows_per_neuron"] == (3 if meta["model"]["gated"] else 2)
     df = pd.read_parquet(tmp_path / "placement" / "placement.parquet")
     assert len(df) == meta["model"]["n_layers"] * meta["model"]["n_neurons"] and df["gpu"].any()
+
+
+@pytest.mark.parametrize("family", ["opt", "llama-reglu"])  # tied, untied embedding
+def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_corpus, tmp_path):
+    """pi-generate at pi-solve's --vram holds what the solver placed: every byte the runtime puts on the device (its
+    weights, predictors, neuron ids, static KV cache) is counted by the solver."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from powerinfer import artifacts
+    from powerinfer.runtime.generate import RuntimeConfig, load_runtime
+
+    cfg = profiler.ProfileConfig(model=str(tiny_model_dir(family)), dataset=str(text_corpus), tokens=300,
+                                 seq_len=48, batch_size=3, samples_per_layer=0, dtype="float32")
+    profiler.profile_model(cfg, tmp_path, progress=False)
+    _, meta = read_profile(tmp_path)
+    info, L = meta["model"], meta["model"]["n_layers"]
+    (tmp_path / "predictors").mkdir()
+    torch.manual_seed(0)
+    t = {}
+    for i in range(L):
+        t[f"layers.{i}.fc1.weight"] = torch.randn(8, info["d_model"])
+        t[f"layers.{i}.fc2.weight"] = torch.randn(info["n_neurons"], 8)
+        t[f"layers.{i}.threshold"] = torch.tensor([0.0])
+    save_file(t, str(tmp_path / "predictors" / "predictors.safetensors"))
+    sha = artifacts.sha256_file(tmp_path / "profile" / "meta.json")
+    artifacts.write_json(tmp_path / "predictors" / "meta.json", {
+        **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": sha}}), "model": info})
+    artifacts.write_json(tmp_path / "predictors" / "summary.json", {"layers": [
+        {"layer": i, "thresholds_by_recall": {"0.9": 0.0}} for i in range(L)]})
+    hw = get_hardware("rtx4090")
+    least = solve_placement(tmp_path, hw, vram_bytes=10**9, dtype="fp32", ctx=16, reserve_bytes=0,
+                            write=False)["budget"]["fixed_gpu_bytes"]
+    rows = 3 if info["gated"] else 2
+    for extra in np.random.default_rng(0).integers(0, 4 * info["n_neurons"] * rows * info["d_model"], 3):
+        vram = int(least + extra)
+        s = solve_placement(tmp_path, hw, vram_bytes=vram, dtype="fp32", ctx=16, reserve_bytes=0)
+        rt = load_runtime(tmp_path, RuntimeConfig(device="cpu", dtype="float32", vram=vram),
+                          trust_remote_code=False)
+        g = s["memory"]["gpu"]
+        assert g["total"] <= vram
+        # the workspace: buffers the runtime makes as it runs; RoPE's frequency tables (bytes) are the only
+        # buffers the solver leaves to it
+        rope = sum(b.nbytes for n, b in rt.lm.model.named_buffers() if "rotary_emb" in n)
+        assert rt.bytes_gpu <= g["total"] - g["workspace"] + rope
+        if family == "llama-reglu":  # the static decoder, whose KV cache of the solver's --ctx counts
+            assert rt.fast is not None and rt.fast.capacity == 16
