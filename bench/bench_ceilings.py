@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from powerinfer.runtime.kernels import _fetch_add, row_gather_bw
+from powerinfer.runtime.dram import row_gather_bw
+from powerinfer.runtime.kernels import _fetch_add
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -131,7 +132,7 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
                    seconds: float = 0.5) -> dict:
     """The GPU reading page-locked host rows in place (the runtime's --pcie-share path: torch index_select of
     random `row_bytes` rows over PCIe, kernels.host_mapped), alone and while the CPU reads its own array as the cold
-    kernel reads rows (`kernels.row_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at
+    kernel reads rows (`dram.row_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at
     once beyond the CPU alone, the bandwidth the PCIe path adds to the cold rows' floor."""
     from powerinfer.runtime.kernels import host_mapped
 

@@ -20,7 +20,7 @@ import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
 import numba  # noqa: E402
 
 import bench_ceilings as ceil  # noqa: E402
-from powerinfer.runtime.kernels import row_gather_bw  # noqa: E402
+from powerinfer.runtime.dram import row_gather_bw  # noqa: E402
 
 
 def main(out: Path, threads: list[int], densities: tuple[float, ...], d: int = 8192, n: int = 28672) -> dict:

@@ -123,14 +123,16 @@ def test_mask_indices_equal_flatnonzero(n):
 
 
 def test_row_gather_sums_every_row_once():
-    """The DRAM ceiling's read (kernels.row_gather_bw) covers every row it times, whatever the thread count."""
+    """The DRAM ceiling's read (dram.row_gather_bw) covers every row it times, whatever the thread count."""
+    from powerinfer.runtime import dram
+
     rng = np.random.default_rng(2)
     rows = rng.standard_normal((40, 96)).astype(np.float32)  # 40 rows: five groups of 8
     order = rng.permutation(40).astype(np.int64)
     for threads in (1, 3, 16):
-        np.testing.assert_allclose(K._sum_gathered(rows, order, threads), rows.astype(np.float64).sum(),
+        np.testing.assert_allclose(dram._sum_gathered(rows, order, threads), rows.astype(np.float64).sum(),
                                    rtol=0, atol=1e-6 * np.abs(rows).sum())  # float32 sums in another order
-    assert K.row_gather_bw(rng.standard_normal(2**17).astype(np.float32), 2) > 0
+    assert dram.row_gather_bw(rng.standard_normal(2**17).astype(np.float32), 2) > 0
 
 
 def test_bf16_round_trip():
