@@ -58,15 +58,17 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
         kernel_ms.append(1e3 * (time.perf_counter() - t))
 
     indices_ms: list[tuple[float, float]] = []  # the mask -> indices (on the mask the GPU wrote), and again at once
-    mask_indices = layout.mask_indices
+    scans = {name: getattr(layout, name) for name in ("mask_indices", "mask_indices_sliced")}  # serial, CUDA's
 
-    def timed_indices(*args):
-        t = time.perf_counter()
-        k = mask_indices(*args)
-        t1 = time.perf_counter()
-        mask_indices(*args)  # the repeat is taken out of the call's decode time below
-        indices_ms.append((1e3 * (t1 - t), 1e3 * (time.perf_counter() - t1)))
-        return k
+    def timed(scan):
+        def timed_indices(*args):
+            t = time.perf_counter()
+            k = scan(*args)
+            t1 = time.perf_counter()
+            scan(*args)  # the repeat is taken out of the call's decode time below
+            indices_ms.append((1e3 * (t1 - t), 1e3 * (time.perf_counter() - t1)))
+            return k
+        return timed_indices
 
     for i, f in enumerate(rt.ffns):
         def record(x, i=i, f=f, cold_rows=f.cold_rows):
@@ -76,11 +78,15 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
             calls.append((i, f, idx.copy(), f._io["x_np"].copy(), ms, sum(kernel_ms[n:])))
             return idx
         f.cold_rows = record
-    layout.ffn_rows, layout.mask_indices = timed_kernel, timed_indices
+    layout.ffn_rows = timed_kernel
+    for name, scan in scans.items():
+        setattr(layout, name, timed(scan))
     try:
         generate(rt, prompt, tokens, stop_at_eos=False)
     finally:
-        layout.ffn_rows, layout.mask_indices = ffn_rows, mask_indices
+        layout.ffn_rows = ffn_rows
+        for name, scan in scans.items():
+            setattr(layout, name, scan)
         for f in rt.ffns:
             del f.cold_rows  # the class's method again
     fast = rt.fast

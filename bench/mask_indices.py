@@ -1,7 +1,9 @@
 """The cold mask -> active indices step of HybridFFN.cold_rows, alone: np.flatnonzero against kernels.mask_indices,
 on a plain numpy mask and on a pinned one (as decode's, which the GPU writes), with Numba's OpenMP threads spinning
-(a parallel call just before, as in decode) or asleep. In decode on the H100 host this step took ~70 us a layer,
-the same on a second call over the same (cached) mask (bench_timeline's decode_flatnonzero_ms_per_step).
+(a parallel call just before, as in decode) or asleep; mask_indices serial and with the words in slices, one per
+thread (mask_indices_sliced, the runtime's on CUDA). In decode on the H100 host np.flatnonzero took ~70 us a layer, the same on a
+second call over the same (cached) mask; the serial mask_indices ~40 (bench_timeline's
+decode_mask_indices_ms_per_step).
 
 Usage: python bench/mask_indices.py OUT.json [--n 27200] [--density 0.06]"""
 
@@ -17,11 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pi_bench  # noqa: E402,F401  (powerinfer.* from this checkout; the OpenMP policy unless set)
 
+import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from powerinfer.runtime.kernels import mask_indices, mask_words  # noqa: E402
+from powerinfer.runtime.kernels import mask_indices, mask_indices_sliced, mask_words  # noqa: E402
 
 
 @njit(parallel=True, nogil=True)
@@ -39,13 +42,16 @@ def main(out: Path, n: int, density: float, reps: int = 200) -> dict:
     idx = np.empty(n, np.int64)
     scratch = np.zeros(64, np.float64)
     _touch(scratch)
+    slices = np.empty(numba.get_num_threads(), np.int64)
     ways = {"np.flatnonzero": lambda m, w: np.flatnonzero(m),
-            "mask_indices": lambda m, w: mask_indices(m, w, idx)}
+            "mask_indices": lambda m, w: mask_indices(m, w, idx),
+            "mask_indices_sliced": lambda m, w: mask_indices_sliced(m, w, idx, slices)}  # the runtime's on CUDA
     res = {"command": "python " + " ".join(sys.argv), "cores": os.cpu_count(), "n": n, "density": density,
            "numpy": np.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "us": {}}
     for mname, m in masks.items():
         w = mask_words(m)
         assert np.array_equal(idx[:mask_indices(m, w, idx)], np.flatnonzero(m))
+        assert np.array_equal(idx[:mask_indices_sliced(m, w, idx, slices)], np.flatnonzero(m))
         for wname, fn in ways.items():
             for threads in ("spinning", "asleep"):
                 us = []

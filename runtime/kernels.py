@@ -319,21 +319,48 @@ def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
 
 
 @njit(nogil=True, cache=True)
-def mask_indices(mask, words, out):
-    """out[:k] = the positions of the true entries of mask (n,) bool, ascending (np.flatnonzero's); returns k. words:
-    mask[:n - n % 8] viewed as uint64, so that runs of eight false entries cost one test. out: (n,) int64.
-    np.flatnonzero took ~70 us on a 27k-neuron mask on the H100 host (9 us on the development host), per layer and
-    token (bench/NOTES.md)."""
-    k = 0
-    for w in range(words.shape[0]):
+def _scan_words(mask, words, lo, hi, out, k):  # words[lo:hi]'s set positions written from out[k] on; returns the new k
+    for w in range(lo, hi):
         if words[w] != 0:
             for i in range(8 * w, 8 * w + 8):  # branch-free: write the position, advance past it if set
                 out[k] = i
                 k += np.int64(mask[i])
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _scan_tail(mask, words, out, k):  # the last n % 8 entries, after the words
     for i in range(8 * words.shape[0], mask.shape[0]):
         out[k] = i
         k += np.int64(mask[i])
     return k
+
+
+@njit(nogil=True, cache=True)
+def mask_indices(mask, words, out):
+    """out[:k] = the positions of the true entries of mask (n,) bool, ascending (np.flatnonzero's); returns k. words:
+    mask[:n - n % 8] viewed as uint64, so that runs of eight false entries cost one test. out: (n,) int64.
+    np.flatnonzero took ~70 us on a 27k-neuron mask on the H100 host (9 us on the development host), per layer and
+    token; this ~40 in decode (bench/NOTES.md)."""
+    return _scan_tail(mask, words, out, _scan_words(mask, words, 0, words.shape[0], out, 0))
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def mask_indices_sliced(mask, words, out, counts):
+    """mask_indices with the words in T slices scanned at once (counts: (T,) int64 scratch): each slice's positions
+    are written from the slice's own first position on (the i-th set entry never lands past i), then moved down after
+    the earlier slices'. A parallel region more: for runs whose OpenMP threads spin between calls (CUDA)."""
+    T, W = counts.shape[0], words.shape[0]
+    for t in prange(T):
+        lo = t * W // T
+        counts[t] = _scan_words(mask, words, lo, (t + 1) * W // T, out, 8 * lo) - 8 * lo
+    k = counts[0]
+    for t in range(1, T):  # moved down: k <= the slice's start, so a forward copy is safe
+        src = 8 * (t * W // T)
+        for j in range(counts[t]):
+            out[k + j] = out[src + j]
+        k += counts[t]
+    return _scan_tail(mask, words, out, k)
 
 
 def mask_words(mask: np.ndarray) -> np.ndarray:

@@ -28,7 +28,8 @@ from torch import nn
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, host_mapped,
-                                        map_rows, mask_indices, mask_words, neuron_values)
+                                        map_rows, mask_indices, mask_indices_sliced, mask_words,
+                                        neuron_values)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -144,6 +145,9 @@ class HybridFFN(nn.Module):
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
                         **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
+                        # (threads,) mask_indices_sliced's scratch; None on CPU runs, whose OpenMP threads sleep
+                        # between parallel regions (each wakes them): one serial scan there
+                        "slices": np.empty(part.shape[0], np.int64) if pin else None,
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -293,7 +297,12 @@ class HybridFFN(nn.Module):
             idx = self.all_cold
             self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
         elif self.mask == "predictor":
-            idx = io["idx"][:mask_indices(io["m_np"], io["m_words"], io["idx"])] if self.n_cold else self.all_cold
+            if not self.n_cold:
+                idx = self.all_cold
+            elif io["slices"] is None:
+                idx = io["idx"][:mask_indices(io["m_np"], io["m_words"], io["idx"])]
+            else:
+                idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["slices"])]
             self.counts[0] += 1
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
             idx = self._oracle(x, io["x"])

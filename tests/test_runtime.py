@@ -111,15 +111,19 @@ def test_kernel_threads_do_not_change_the_result(dtype):
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1003])
 def test_mask_indices_equal_flatnonzero(n):
-    """The cold mask -> active positions (kernels.mask_indices, eight entries a test) as np.flatnonzero gives them, at
-    densities from none to all, a mask whose length is not a multiple of 8 included; nothing written past out[:n]."""
+    """The cold mask -> active positions (kernels.mask_indices, eight entries a test, slices of the mask in parallel)
+    as np.flatnonzero gives them, at densities from none to all, a mask whose length is not a multiple of 8 included;
+    nothing written past out[:n]."""
     rng = np.random.default_rng(n)
     for p in (0.0, 0.06, 0.5, 1.0):
         m = rng.random(n) < p
-        out = np.full(n + 1, -7, np.int64)
-        k = K.mask_indices(m, K.mask_words(m), out[:n])
-        np.testing.assert_array_equal(out[:k], np.flatnonzero(m))
-        assert out[n] == -7
+        for threads in (None, 1, 3, 16):  # serial; slices of the words, more than there are words too
+            out = np.full(n + 1, -7, np.int64)
+            w = K.mask_words(m)
+            k = (K.mask_indices(m, w, out[:n]) if threads is None
+                 else K.mask_indices_sliced(m, w, out[:n], np.empty(threads, np.int64)))
+            np.testing.assert_array_equal(out[:k], np.flatnonzero(m))
+            assert out[n] == -7
 
 
 def test_row_gather_sums_every_row_once():
