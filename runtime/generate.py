@@ -122,8 +122,9 @@ def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None,
         raise ValueError("layer-split needs a budget: pass --vram (e.g. 8GB) or --gpu-layers N")
     size = torch.tensor([], dtype=dtype).element_size()
     per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
-    on_cpu = lm.info["params"]["embedding"] if lm.info["params"]["lm_head"] else 0  # an untied input embedding
-    fixed = (sum(p.numel() for p in lm.model.parameters()) - on_cpu) * size - sum(per_layer)
+    params = lm.info["params"]  # as loaded, whether the embedding has left the module tree yet or not
+    on_cpu = params["embedding"] if params["lm_head"] else 0  # an untied input embedding (layout.embedding_to_cpu)
+    fixed = (params["total"] - on_cpu) * size - sum(per_layer)
     if vram < fixed:
         raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the LM head, norms (and a tied embedding) need "
                          f"on the device: raise --vram")

@@ -368,21 +368,28 @@ def warm_up(device: torch.device, fn, times: int = 2) -> None:
     torch.cuda.synchronize(device)
 
 
-class OnCPULayer(nn.Module):
-    """A whole decoder layer run on the CPU in float32 (layer-split mode); inputs and outputs hop devices.
+class _OnCPU(nn.Module):
+    """A module `inner` kept in CPU RAM, out of the module tree (so that `model.to(device)` leaves it there), whose
+    outputs go to the `home` device; its attributes read through (those the model reads, e.g. attention_type)."""
 
-    The wrapped layer is kept out of the module tree so that `model.to(device)` leaves it in CPU RAM."""
-
-    def __init__(self, layer: nn.Module, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, inner: nn.Module, device: torch.device | str):
         super().__init__()
-        object.__setattr__(self, "inner", layer.to("cpu", torch.float32))
-        self.home, self.home_dtype = torch.device(device), dtype
+        object.__setattr__(self, "inner", inner)
+        self.home = torch.device(device)
 
-    def __getattr__(self, name: str):  # attributes the model loop reads (e.g. attention_type)
+    def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["inner"], name)
+
+
+class OnCPULayer(_OnCPU):
+    """A whole decoder layer run on the CPU in float32 (layer-split mode); inputs and outputs hop devices."""
+
+    def __init__(self, layer: nn.Module, device: torch.device | str, dtype: torch.dtype):
+        super().__init__(layer.to("cpu", torch.float32), device)
+        self.home_dtype = dtype
 
     @staticmethod
     def _move(obj, device, dtype=None):
@@ -401,23 +408,13 @@ class OnCPULayer(nn.Module):
         return self._move(out, self.home, self.home_dtype)
 
 
-class OnCPUEmbedding(nn.Module):
+class OnCPUEmbedding(_OnCPU):
     """An untied model's input embedding kept in CPU RAM: a token reads one row of it, so the row is looked up on
     the CPU and copied to the device (llama.cpp keeps its input embedding on the CPU for the same reason), and the
-    table's bytes (LLaMA-2-70B: 0.5 GB) go to hot neurons instead. pi-solve counts it there (solver/cost.py).
-
-    The wrapped module is kept out of the module tree so that `model.to(device)` leaves it in CPU RAM."""
+    table's bytes (LLaMA-2-70B: 0.5 GB) go to hot neurons instead. pi-solve counts it there (solver/cost.py)."""
 
     def __init__(self, embedding: nn.Module, device: torch.device | str):
-        super().__init__()
-        object.__setattr__(self, "inner", embedding.to("cpu"))
-        self.home = torch.device(device)
-
-    def __getattr__(self, name: str):  # e.g. num_embeddings, weight
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["inner"], name)
+        super().__init__(embedding.to("cpu"), device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner(ids.to("cpu")).to(self.home)
