@@ -5,9 +5,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 from click.testing import CliRunner
-from safetensors.torch import save_file
 
 import tiny
 from powerinfer import artifacts
@@ -19,25 +17,14 @@ def make_run(run, folder, family="opt", threshold=-1e30, predictors=True):
     """RUN/placement (half the neurons per layer on the device) and RUN/predictors (firing everywhere with the
     default threshold), written by hand so the test needs no profiling or training."""
     lm = load_model(str(folder), device="cpu", dtype="float32", activation=tiny.ACTIVATION_OVERRIDE.get(family))
-    info, L, n, d = lm.info, lm.info["n_layers"], lm.info["n_neurons"], lm.info["d_model"]
+    info, L, n = lm.info, lm.info["n_layers"], lm.info["n_neurons"]
     rng = np.random.default_rng(0)
     rows = [(i, j, bool(g)) for i in range(L) for j, g in enumerate(rng.random(n) < 0.5)]
     (run / "placement").mkdir(parents=True)
     pd.DataFrame(rows, columns=["layer", "neuron", "gpu"]).to_parquet(run / "placement" / "placement.parquet")
     artifacts.write_json(run / "placement" / "meta.json", {**artifacts.base_meta("placement"), "model": info})
     if predictors:
-        (run / "predictors").mkdir()
-        torch.manual_seed(0)
-        t = {}
-        for i in range(L):
-            t[f"layers.{i}.fc1.weight"] = torch.randn(8, d)
-            t[f"layers.{i}.fc2.weight"] = torch.randn(n, 8)
-            t[f"layers.{i}.threshold"] = torch.tensor([threshold])
-        save_file(t, str(run / "predictors" / "predictors.safetensors"))
-        artifacts.write_json(run / "predictors" / "summary.json", {"layers": [
-            {"layer": i, "thresholds_by_recall": {"0.9": threshold}} for i in range(L)]})
-        artifacts.write_json(run / "predictors" / "meta.json", {
-            **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": "none"}}), "model": info})
+        tiny.write_predictors(run, info, threshold)
     return run
 
 

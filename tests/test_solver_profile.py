@@ -42,9 +42,8 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
     """pi-generate at pi-solve's --vram holds what the solver placed: every byte the runtime puts on the device (its
     weights, predictors, neuron ids, static KV cache) is counted by the solver."""
     import numpy as np
-    import torch
-    from safetensors.torch import save_file
 
+    import tiny
     from powerinfer import artifacts
     from powerinfer.runtime.generate import RuntimeConfig, load_runtime
 
@@ -52,20 +51,8 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
                                  seq_len=48, batch_size=3, samples_per_layer=0, dtype="float32")
     profiler.profile_model(cfg, tmp_path, progress=False)
     _, meta = read_profile(tmp_path)
-    info, L = meta["model"], meta["model"]["n_layers"]
-    (tmp_path / "predictors").mkdir()
-    torch.manual_seed(0)
-    t = {}
-    for i in range(L):
-        t[f"layers.{i}.fc1.weight"] = torch.randn(8, info["d_model"])
-        t[f"layers.{i}.fc2.weight"] = torch.randn(info["n_neurons"], 8)
-        t[f"layers.{i}.threshold"] = torch.tensor([0.0])
-    save_file(t, str(tmp_path / "predictors" / "predictors.safetensors"))
-    sha = artifacts.sha256_file(tmp_path / "profile" / "meta.json")
-    artifacts.write_json(tmp_path / "predictors" / "meta.json", {
-        **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": sha}}), "model": info})
-    artifacts.write_json(tmp_path / "predictors" / "summary.json", {"layers": [
-        {"layer": i, "thresholds_by_recall": {"0.9": 0.0}} for i in range(L)]})
+    info = meta["model"]
+    tiny.write_predictors(tmp_path, info, 0.0, artifacts.sha256_file(tmp_path / "profile" / "meta.json"))
     hw = get_hardware("rtx4090")
     least = solve_placement(tmp_path, hw, vram_bytes=10**9, dtype="fp32", ctx=16, reserve_bytes=0,
                             write=False)["budget"]["fixed_gpu_bytes"]
