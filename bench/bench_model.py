@@ -9,6 +9,15 @@ a constant C for every token (embedding column 0 = C; row 0 of every o_proj and 
 it), each layer's post-attention RMSNorm weight[0] scales it so that the FFN input x[0] is 1 on average, and gate
 column 0 then acts as the gate bias: gate_j . x = gate[j, 0] * x[0] + sum_{k>0} gate[j, k] x[k].
 
+Why unit-variance token embeddings (EMBED_STD): with every weight at std 0.02, a LLaMA-2-70B-shaped layer's attention
+output at position t is ~0.02^2 * d / sqrt(t) per channel (near-uniform attention averages t random value vectors),
+~3.3 at t = 1 and ~0.2 at t = 256, against 0.02 for the token embedding. The residual stream was then attention noise
+that shrinks with position, and the firing statistics moved with it: calibrated over positions 0-255, a
+LLaMA-2-7B-shaped model fired 25% of its neurons at positions 0-16, 15% at 16-48 (where pi_bench decodes) and 7% at
+256-512 (where most profile tokens sit), so decode missed the calibrated 10% and the hot set the profile found. With
+embeddings of std 1 the token sets the residual stream, as in a trained model: 10% at every position, within 1%
+(`active_by_position`, tests/test_bench.py).
+
 Calibration, layer by layer on random tokens: with the earlier layers already calibrated, take layer l's FFN inputs,
 fit each neuron's gate pre-activation without channel 0 as a Gaussian (mean mu_j, sd s_j) and set
 gate[j, 0] = -(mu_j + s_j * ndtri(1 - p_j)), so P(gate_j . x > 0) = p_j, where p is `power_law` (mean 0.10, the top
@@ -36,6 +45,7 @@ SHAPES = {  # d_model, n_neurons, heads, kv heads, vocab
     "tiny": (128, 1536, 4, 2, 320),  # CPU tests of the harness (run them with --ctx 64)
 }
 CONST = 1.0  # the constant channel's value in the residual stream
+EMBED_STD = 1.0  # token embeddings (channels 1..); the other weights have std `std` (module docstring)
 P_CLIP = (1e-5, 1 - 1e-5)  # firing probabilities kept off 0 and 1 (ndtri is infinite there)
 
 
@@ -119,7 +129,8 @@ def exact_predictor(lm, shape: str, layer: int, seed: int, rank: int):
     return p.half()
 
 
-def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float = 0.02, gate_rank: int | None = None):
+def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float = 0.02, gate_rank: int | None = None,
+                embed_std: float = EMBED_STD):
     """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated);
     gate_rank: gate columns 1.. of rank `gate_rank` (gate_factors), for exact_predictor."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -143,7 +154,7 @@ def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0.0, std, generator=gen)
+                p.normal_(0.0, embed_std if name == "model.embed_tokens.weight" else std, generator=gen)
             else:
                 p.fill_(1.0)  # RMSNorm weights
         model.model.embed_tokens.weight[:, 0] = CONST
@@ -210,7 +221,8 @@ def calibrate(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 0,
     info = {"method": "constant residual channel 0 + gate column 0 (see bench/bench_model.py)",
             "tokens": int(ids.numel()), "seq": seq, "layers": rows,
             "target_mean_active": float(np.mean([p.mean() for p in targets])),
-            "target_top20_share": float(np.mean([share_of_top(p) for p in targets]))}
+            "target_top20_share": float(np.mean([share_of_top(p) for p in targets])),
+            "active_by_position": active_by_position(lm, shape)}
     return BenchModel(lm, shape, len(lm.layers), targets, info)
 
 
@@ -234,6 +246,29 @@ def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) 
         for h in hooks:
             h.remove()
     return [(c / ids.numel()).cpu().numpy() for c in counts]
+
+
+@torch.no_grad()
+def active_by_position(lm, shape: str, edges: tuple[int, ...] = (0, 16, 64, 256), seqs: int = 4,
+                       seed: int = 7) -> list[dict]:
+    """Share of FFN neurons that fire (relu(gate . x) > 0, all layers) at positions edges[i]..edges[i+1] of `seqs`
+    fresh random sequences of edges[-1] tokens: a model whose statistics hold at every position reads ~the same."""
+    *_, vocab = SHAPES[shape]
+    dev = next(lm.model.parameters()).device
+    ids = torch.randint(0, vocab, (seqs, edges[-1]), device=dev, generator=torch.Generator(dev).manual_seed(seed))
+    fired = torch.zeros(edges[-1], device=dev)  # (positions,) firings summed over sequences, layers, neurons
+
+    def count(_mod, _args, out):
+        fired.add_((out > 0).float().sum((0, 2)))
+
+    hooks = [layer.mlp.gate_proj.register_forward_hook(count) for layer in lm.layers]
+    try:
+        lm.model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    per = fired.cpu().numpy() / (seqs * len(lm.layers) * SHAPES[shape][1])  # (positions,)
+    return [{"positions": f"{a}-{b}", "mean_active": float(per[a:b].mean())} for a, b in zip(edges, edges[1:])]
 
 
 def model_bytes(shape: str, layers: int, size: float = 2) -> dict:

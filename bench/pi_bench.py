@@ -101,7 +101,8 @@ def _free(device: str) -> None:
 
 def model_key(args) -> str:
     d, n, heads, kv, vocab = bm.SHAPES[args.shape]
-    return f"{args.shape}-{d}x{n}x{heads}x{kv}x{vocab}-{args.layers}L-rank{args.gate_rank}-seed{args.seed}"
+    return (f"{args.shape}-{d}x{n}x{heads}x{kv}x{vocab}-{args.layers}L-rank{args.gate_rank}-seed{args.seed}"
+            f"-emb{args.embed_std:g}")
 
 
 def calibrated_model(args, work: Path) -> bm.BenchModel:
@@ -110,7 +111,8 @@ def calibrated_model(args, work: Path) -> bm.BenchModel:
     from safetensors.torch import load_file, save_file
 
     t0 = time.perf_counter()
-    lm = bm.build_model(args.shape, args.layers, args.device, args.seed, gate_rank=args.gate_rank)
+    lm = bm.build_model(args.shape, args.layers, args.device, args.seed, gate_rank=args.gate_rank,
+                        embed_std=args.embed_std)
     path = work / f"calibration-{model_key(args)}.safetensors"
     if path.exists():
         saved = load_file(str(path))
@@ -431,7 +433,8 @@ def stage_bench(args, work: Path) -> dict:
     mb = bm.model_bytes(args.shape, args.layers)
     budget = int(args.budget_share * mb["total"])
     res["model"] = {"shape": args.shape, "layers": args.layers, "dims": bm.SHAPES[args.shape], "bytes": mb,
-                    "budget_bytes": budget, "budget_share": args.budget_share, "weights": "random, fp16"}
+                    "budget_bytes": budget, "budget_share": args.budget_share, "weights": "random, fp16",
+                    "embed_std": args.embed_std}
     model = calibrated_model(args, work)
     res["calibration"] = model.calibration
     run = work / f"run-{args.shape}-{args.layers}"
@@ -551,6 +554,8 @@ def parse(argv=None):
     ap.add_argument("--budget-share", type=float, default=0.30, help="GPU budget as a share of the model's bytes")
     ap.add_argument("--ctx", type=int, default=512, help="KV cache the solver reserves and our systems hold (tokens)")
     ap.add_argument("--calibration-tokens", type=int, default=2048)
+    ap.add_argument("--embed-std", type=float, default=bm.EMBED_STD,
+                    help="token embeddings' std (0.02: the bench model before, whose statistics moved with position)")
     ap.add_argument("--profile-tokens", type=int, default=4096)
     ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192); sets the gate rank")
     ap.add_argument("--prompt-tokens", type=int, default=16)

@@ -40,6 +40,20 @@ def test_calibration_hits_power_law_targets():
         assert float(layer.self_attn.o_proj.weight.detach()[0].abs().max()) == 0.0
 
 
+def test_firing_statistics_hold_at_every_position(monkeypatch):
+    """A shape wide enough that random attention outputs (~0.02^2 * d / sqrt(position) a channel) would swamp
+    std-0.02 embeddings at early positions: calibrated over positions 0-255, the model fires ~10% of its neurons
+    at the first positions too (where pi_bench decodes), not only on average."""
+    monkeypatch.setitem(bm.SHAPES, "wide", (1024, 2816, 8, 2, 512))
+    torch.manual_seed(0)
+    lm = bm.build_model("wide", 2, "cpu", seed=3)
+    bm.calibrate(lm, "wide", tokens=1024, seq=256, seed=3)
+    rows = bm.active_by_position(lm, "wide", edges=(0, 16, 64, 256), seqs=4)
+    assert [r["positions"] for r in rows] == ["0-16", "16-64", "64-256"]
+    for r in rows:
+        assert abs(r["mean_active"] - 0.10) < 0.012, rows
+
+
 def test_exact_predictor_marks_the_neurons_that_fire():
     lm = bm.build_model("tiny", 2, "cpu", seed=2, gate_rank=7)
     model = bm.calibrate(lm, "tiny", tokens=512, seq=128, seed=2)
