@@ -170,6 +170,10 @@ def markdown(res: dict) -> str:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "
                      f"neurons active per token, top 20% of neurons cover {100 * p['top20pct_share']:.0f}% of firings; "
                      f"{100 * p['share_of_neurons_covering_80pct']:.0f}% of neurons cover 80%.")
+    by_pos = (res.get("calibration") or {}).get("active_by_position")
+    if by_pos:
+        lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(
+            f"{r['positions']}: {100 * r['mean_active']:.1f}%" for r in by_pos) + ".")
     g = res.get("goals") or goals(res)
     lines += ["", "| goal (issue #6) | value | target | met |", "|---|---|---|---|"]
     for name, row in g.items():

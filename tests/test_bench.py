@@ -163,6 +163,7 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     files = sorted(p.name for p in (tmp_path / "results").iterdir())
     assert len(files) == 2 and files[0].endswith("-cpu" + str(res["machine"]["nproc"]) + ".json")
     assert json.loads((tmp_path / "results" / files[0]).read_text())["goals"] == merged["goals"]
+    assert "Firing by position" in (tmp_path / "results" / files[1]).read_text()
     # the calibration is saved in --work and reused: a second bench gives the model the same weights
     assert any(work.glob("calibration-*.safetensors"))
     assert time.perf_counter() - t0 < 120
