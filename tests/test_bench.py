@@ -54,6 +54,18 @@ def test_firing_statistics_hold_at_every_position(monkeypatch):
         assert abs(r["mean_active"] - 0.10) < 0.012, rows
 
 
+def test_position_stats_script(tmp_path):
+    import position_stats
+
+    out = tmp_path / "pos.json"
+    res = position_stats.main(["--shape", "tiny", "--layers", "1", "--seqs", "1", "--decode-tokens", "2",
+                               "--device", "cpu", "--out", str(out)])
+    assert json.loads(out.read_text())["by_position"] == res["by_position"]
+    assert [r["positions"] for r in res["by_position"]] == ["0-16", "16-48", "48-128", "128-256", "256-512"]
+    assert abs(res["profile"]["mean_active"] - 0.10) < 0.015
+    assert 0.0 < res["profile"]["hot_share_of_firings"] < 1.0 and len(res["greedy_decode"]["tokens"]) == 2
+
+
 def test_exact_predictor_marks_the_neurons_that_fire():
     lm = bm.build_model("tiny", 2, "cpu", seed=2, gate_rank=7)
     model = bm.calibrate(lm, "tiny", tokens=512, seq=128, seed=2)
