@@ -170,6 +170,12 @@ def markdown(res: dict) -> str:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "
                      f"neurons active per token, top 20% of neurons cover {100 * p['top20pct_share']:.0f}% of firings; "
                      f"{100 * p['share_of_neurons_covering_80pct']:.0f}% of neurons cover 80%.")
+    il = res.get("interleaved")
+    if il:
+        lines.append(f"Interleaved: {', '.join(il['systems'])} built side by side and timed in {il['reps']} rounds of one "
+                     f"generation each; per-round tok/s ratio to {il['ratio_to']}, median (rounds above 1): " + ", ".join(
+                         f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
+                         if k != il["ratio_to"]) + ".")
     by_pos = (res.get("calibration") or {}).get("active_by_position")
     if by_pos:
         lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(

@@ -292,10 +292,8 @@ def topk_placement(run: Path, budget: int, args) -> dict:
 # Systems
 
 
-def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
-             dram_bytes: int | None = None) -> dict:
-    """One of our systems: build, warm up, `reps` timed generations; `dram_bytes`: also the DRAM read ceiling before
-    the first and after each timed generation (the VMs' bandwidth drifts within minutes: bench/NOTES.md)."""
+def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
+    """One of our systems built and warmed up; returns (runtime, build seconds)."""
     from powerinfer.runtime.generate import TUNING_TOKENS, build_runtime, generate
 
     lm = copy.deepcopy(base)
@@ -308,22 +306,43 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
         rt.pcie_balance = rt.fast.timing = None
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
     generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
+    return rt, build_s
+
+
+def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None) -> dict:
+    """`reps` rounds of one timed generation of each runtime in `rts` (the order rotated each round, so that none is
+    always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
+    VMs' bandwidth drifts within minutes: bench/NOTES.md). Returns per name (generations, [(ceiling just before,
+    just after)] for each)."""
+    from powerinfer.runtime.generate import generate
+
     dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
-    drams = [dram()] if dram_bytes else []
-    gens = []
-    for _ in range(reps):
-        gens.append(generate(rt, prompt, tokens, stop_at_eos=False))
-        if dram_bytes:
-            drams.append(dram())
+    last = dram() if dram_bytes else None
+    out = {name: ([], []) for name in rts}
+    names = list(rts)
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gens, around = out[name]
+            gens.append(generate(rts[name], prompt, tokens, stop_at_eos=False))
+            if dram_bytes:
+                now = dram()
+                around.append((last, now))
+                last = now
+    return out
+
+
+def row_ours(name: str, rt, build_s: float, gens: list, around: list[tuple[float, float]], prompt: list[int],
+             tokens: int) -> dict:
+    """A system's results row: the median of its timed generations, counts, the ceiling around each, the timeline."""
     rates = [g.stats["decode_tokens_per_s"] for g in gens]
     per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
                       layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
     row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
            "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
            "host_memory": host_memory()}
-    if dram_bytes:
-        row["dram_around_bytes_per_s"] = {"before": drams[0], "after": drams[-1],
-                                          "per_rep": [(a + b) / 2 for a, b in zip(drams, drams[1:])]}
+    if around:
+        row["dram_around_bytes_per_s"] = {"before": around[0][0], "after": around[-1][1],
+                                          "per_rep": [(a + b) / 2 for a, b in around]}
     if rt.fast is not None and rt.fast.graphs:
         try:
             row["step_timeline"] = tl.step_timeline(rt, prompt, tokens)
@@ -331,8 +350,35 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
             row["step_timeline"] = {"error": f"{type(e).__name__}: {e}"}
     print("ours", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
                                               "bytes_gpu", "bytes_cpu")}, flush=True)
+    return row
+
+
+def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
+             dram_bytes: int | None = None) -> dict:
+    """One of our systems: build, warm up, `reps` timed generations (timed_ours)."""
+    rt, build_s = build_ours(name, base, cfg, placement, preds, prompt)
+    gens, around = timed_ours({name: rt}, prompt, tokens, reps, dram_bytes)[name]
+    row = row_ours(name, rt, build_s, gens, around, prompt, tokens)
     extra = {"rt": rt} if name == "hybrid" else {}
     return row, extra
+
+
+def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None) -> tuple[dict, dict]:
+    """Our systems of `plan` built side by side and timed in rounds, one generation of each a round, so that a
+    pair's generations share the machine's DRAM bandwidth of the moment (it drifts by 10-30% within minutes); small
+    changes show in the per-round ratios to the first system long before they show in medians of separate runs."""
+    built = {name: build_ours(name, base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
+    n_tok, reps = plan[0][4], plan[0][5]
+    timed = timed_ours({name: rt for name, (rt, _) in built.items()}, prompt, n_tok, reps, dram_bytes)
+    rows = {name: row_ours(name, rt, build_s, *timed[name], prompt, n_tok) for name, (rt, build_s) in built.items()}
+    first = plan[0][0]
+    base_rates = rows[first]["decode_tokens_per_s_reps"]
+    ratios = {name: [a / b for a, b in zip(r["decode_tokens_per_s_reps"], base_rates)] for name, r in rows.items()}
+    summary = {"systems": list(rows), "reps": reps, "tokens": n_tok, "ratio_to": first,
+               "ratios_per_round": ratios, "median_ratio": {k: float(np.median(v)) for k, v in ratios.items()},
+               "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratios.items()}}
+    extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
+    return rows, {"interleaved": summary, **extra}
 
 
 def host_memory() -> dict:
@@ -465,12 +511,23 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
+    plan = [p for p in plan if p[0] in args.systems]
+    together = [p for p in plan if args.interleave and p[0].startswith("hybrid")]
+    if len(together) > 1:  # one entry that times the hybrid systems in rounds, where the first of them stood
+        plan = [p for p in plan if p not in together[1:]]
     for name, cfg, pl, pr, n_tok, reps in plan:
-        if name not in args.systems or not dl.allows(args.estimates.get(name, 30), name, skipped):
+        group = together if len(together) > 1 and name == together[0][0] else [(name, cfg, pl, pr, n_tok, reps)]
+        if not dl.allows(sum(args.estimates.get(g[0], 30) for g in group), name, skipped):
             continue
         try:
-            row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps,
-                                  args.dram_bytes if name.startswith("hybrid") else None)
+            if len(group) > 1:
+                rows, extra = run_interleaved(group, base, prompt, args.dram_bytes)
+                res["interleaved"] = extra.pop("interleaved")
+                systems.update(rows)
+                row = rows[name]
+            else:
+                row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps,
+                                      args.dram_bytes if name.startswith("hybrid") else None)
         except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
             row, extra = {"error": f"{type(e).__name__}: {e}"}, {}
             print(name, "failed:", row["error"], flush=True)
@@ -572,6 +629,9 @@ def parse(argv=None):
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
                          "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
+                         "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment)")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

@@ -179,3 +179,26 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     # the calibration is saved in --work and reused: a second bench gives the model the same weights
     assert any(work.glob("calibration-*.safetensors"))
     assert time.perf_counter() - t0 < 120
+
+
+def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path):
+    """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
+    ratios to the first."""
+    import pi_bench
+
+    res = pi_bench.main(["--stage", "all", "--device", "cpu", "--shape", "tiny", "--layers", "2", "--work",
+                         str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--dram-bytes", str(16 * 2**20),
+                         "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
+                         "--calibration-tokens", "256", "--systems", "hybrid,hybrid-no-balance,all-gpu",
+                         "--interleave"])["bench"]
+    assert list(res["systems"]) == ["hybrid", "hybrid-no-balance", "all-gpu"]
+    il = res["interleaved"]
+    assert il["systems"] == ["hybrid", "hybrid-no-balance"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
+    for name in il["systems"]:
+        row = res["systems"][name]
+        assert len(row["decode_tokens_per_s_reps"]) == 3 and len(row["dram_around_bytes_per_s"]["per_rep"]) == 3
+        assert il["ratios_per_round"][name] == pytest.approx(
+            [a / b for a, b in zip(row["decode_tokens_per_s_reps"], res["systems"]["hybrid"]["decode_tokens_per_s_reps"])])
+    assert il["median_ratio"]["hybrid"] == 1.0 and il["rounds_above_1"]["hybrid"] == 0
+    assert "dram_around_bytes_per_s" not in res["systems"]["all-gpu"]  # timed on its own, as before
+    assert "Interleaved: hybrid, hybrid-no-balance" in report.markdown(res)
