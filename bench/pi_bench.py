@@ -28,7 +28,6 @@ from powerinfer.hardware import openmp_wait_policy  # noqa: E402
 OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
@@ -71,7 +70,7 @@ import bench_llamacpp as lcpp  # noqa: E402
 import bench_model as bm  # noqa: E402
 import bench_timeline as tl  # noqa: E402
 from bench_report import goals, markdown, write_results  # noqa: E402
-
+from bench_systems import run_accelerate, run_interleaved, run_ours  # noqa: E402
 
 
 class Deadline:
@@ -289,142 +288,7 @@ def topk_placement(run: Path, budget: int, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Systems
-
-
-def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
-    """One of our systems built and warmed up; returns (runtime, build seconds)."""
-    from powerinfer.runtime.generate import TUNING_TOKENS, build_runtime, generate
-
-    lm = copy.deepcopy(base)
-    t0 = time.perf_counter()
-    rt = build_runtime(lm, cfg, placement, preds)
-    build_s = time.perf_counter() - t0
-    if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
-        rt.fast.prelaunch = False
-    if name.endswith("no-balance") and rt.pcie_balance is not None:  # an A/B of the share's balancing rounds
-        rt.pcie_balance = rt.fast.timing = None
-    # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
-    generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
-    return rt, build_s
-
-
-def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None) -> dict:
-    """`reps` rounds of one timed generation of each runtime in `rts` (the order rotated each round, so that none is
-    always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
-    VMs' bandwidth drifts within minutes: bench/NOTES.md). Returns per name (generations, [(ceiling just before,
-    just after)] for each)."""
-    from powerinfer.runtime.generate import generate
-
-    dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
-    last = dram() if dram_bytes else None
-    out = {name: ([], []) for name in rts}
-    names = list(rts)
-    for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            gens, around = out[name]
-            gens.append(generate(rts[name], prompt, tokens, stop_at_eos=False))
-            if dram_bytes:
-                now = dram()
-                around.append((last, now))
-                last = now
-    return out
-
-
-def row_ours(name: str, rt, build_s: float, gens: list, around: list[tuple[float, float]], prompt: list[int],
-             tokens: int) -> dict:
-    """A system's results row: the median of its timed generations, counts, the ceiling around each, the timeline."""
-    rates = [g.stats["decode_tokens_per_s"] for g in gens]
-    per_layer = [dict(zip(("tokens", "active", "active_hot", "active_cold"), map(float, f.read_counts())),
-                      layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
-    row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
-           "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
-           "host_memory": host_memory()}
-    if around:
-        row["dram_around_bytes_per_s"] = {"before": around[0][0], "after": around[-1][1],
-                                          "per_rep": [(a + b) / 2 for a, b in around]}
-    if rt.fast is not None and rt.fast.graphs:
-        try:
-            row["step_timeline"] = tl.step_timeline(rt, prompt, tokens)
-        except Exception as e:  # noqa: BLE001 - a diagnostic must not lose the measurement above
-            row["step_timeline"] = {"error": f"{type(e).__name__}: {e}"}
-    print("ours", name, {k: row[k] for k in ("decode_tokens_per_s", "ffn_sparsity", "gpu_activation_share",
-                                              "bytes_gpu", "bytes_cpu")}, flush=True)
-    return row
-
-
-def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
-             dram_bytes: int | None = None) -> dict:
-    """One of our systems: build, warm up, `reps` timed generations (timed_ours)."""
-    rt, build_s = build_ours(name, base, cfg, placement, preds, prompt)
-    gens, around = timed_ours({name: rt}, prompt, tokens, reps, dram_bytes)[name]
-    row = row_ours(name, rt, build_s, gens, around, prompt, tokens)
-    extra = {"rt": rt} if name == "hybrid" else {}
-    return row, extra
-
-
-def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None) -> tuple[dict, dict]:
-    """Our systems of `plan` built side by side and timed in rounds, one generation of each a round, so that a
-    pair's generations share the machine's DRAM bandwidth of the moment (it drifts by 10-30% within minutes); small
-    changes show in the per-round ratios to the first system long before they show in medians of separate runs."""
-    built = {name: build_ours(name, base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
-    n_tok, reps = plan[0][4], plan[0][5]
-    timed = timed_ours({name: rt for name, (rt, _) in built.items()}, prompt, n_tok, reps, dram_bytes)
-    rows = {name: row_ours(name, rt, build_s, *timed[name], prompt, n_tok) for name, (rt, build_s) in built.items()}
-    first = plan[0][0]
-    base_rates = rows[first]["decode_tokens_per_s_reps"]
-    ratios = {name: [a / b for a, b in zip(r["decode_tokens_per_s_reps"], base_rates)] for name, r in rows.items()}
-    summary = {"systems": list(rows), "reps": reps, "tokens": n_tok, "ratio_to": first,
-               "ratios_per_round": ratios, "median_ratio": {k: float(np.median(v)) for k, v in ratios.items()},
-               "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratios.items()}}
-    extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
-    return rows, {"interleaved": summary, **extra}
-
-
-def host_memory() -> dict:
-    """/proc/meminfo's figures that tell memory pressure and huge-page use, in GiB."""
-    keys = ("MemTotal", "MemAvailable", "Cached", "AnonPages", "AnonHugePages", "SwapTotal")
-    try:
-        rows = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-    except OSError:
-        return {}
-    return {k: int(rows[k].split()[0]) / 2**20 for k in keys if k in rows}
-
-
-def run_accelerate(base_model, budget: int, device: str, prompt: list[int], tokens: int) -> dict:
-    """HF transformers + accelerate: device_map offload with max_memory = the budget (weights stream over PCIe)."""
-    model = copy.deepcopy(base_model)
-    row: dict = {}
-    if device == "cuda":
-        from accelerate import dispatch_model, infer_auto_device_map
-
-        dm = infer_auto_device_map(model, max_memory={0: budget, "cpu": 200 * 2**30},
-                                   no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float16)
-        model = dispatch_model(model, device_map=dm, main_device=0)
-        row["device_map_gpu_entries"] = sum(v == 0 or v == "cuda:0" for v in dm.values())
-        row["device_map_cpu_entries"] = sum(v == "cpu" for v in dm.values())
-        row["device_map"] = {k: str(v) for k, v in dm.items()}
-    else:
-        row["device_map"] = {"": "cpu"}
-    dev = "cuda:0" if device == "cuda" else "cpu"
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt], device=dev), use_cache=True)
-        cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
-            cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
-        seconds = time.perf_counter() - t0
-    import accelerate
-    import transformers
-
-    row.update(decode_tokens_per_s=tokens / seconds, tokens=tokens, seconds=seconds,
-               versions={"accelerate": accelerate.__version__, "transformers": transformers.__version__})
-    print("accelerate", row["decode_tokens_per_s"], flush=True)
-    del model
-    return row
+# The floor (our systems' and accelerate's runners: bench_systems.py)
 
 
 def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
