@@ -24,13 +24,34 @@ def _bytes(text: str | None) -> int | None:
         raise click.BadParameter(str(e), param_hint="--vram")
 
 
+SHARE_WARN = 0.8  # decode's GPU share of activations below this fraction of the profile's: say so
+SHARE_WARN_STEPS = 16  # ... once this many tokens were decoded (fewer say little)
+
+
 def format_stats(s: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    return (f"[{s['mode']} on {s['device']} ({s['dtype']}, cold rows {s['cold_dtype']}), {s['threads']} CPU "
+    profile = s.get("profile_gpu_activation_share")
+    text = (f"[{s['mode']} on {s['device']} ({s['dtype']}, cold rows {s['cold_dtype']}), {s['threads']} CPU "
             f"threads] prefill "
             f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "
-            f"FFN sparsity {s['ffn_sparsity']:.3f}, GPU share of activations {s['gpu_activation_share']:.3f}, "
+            f"FFN sparsity {s['ffn_sparsity']:.3f}, GPU share of activations {s['gpu_activation_share']:.3f}"
+            + (f" (the profile's: {profile:.3f})" if profile is not None and s["mode"] == "hybrid" else "") + ", "
             f"{s['bytes_gpu'] / 1e6:.1f} MB on the device, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
+    warning = share_warning(s)
+    return text if warning is None else f"{text}\nwarning: {warning}"
+
+
+def share_warning(s: dict) -> str | None:
+    """A hint when decode's activations fell on the GPU's neurons much less often than the profile's did: the
+    profile's corpus then fires other neurons than this text, and the placement keeps the wrong ones on the GPU."""
+    profile = s.get("profile_gpu_activation_share")
+    if s["mode"] != "hybrid" or not profile or s.get("decode_steps", 0) < SHARE_WARN_STEPS:
+        return None
+    if s["gpu_activation_share"] >= SHARE_WARN * profile:
+        return None
+    return (f"decode put {s['gpu_activation_share']:.0%} of the FFN activations on the GPU's neurons, the profile "
+            f"{profile:.0%}: this text fires other neurons than the profiled corpus. Profile text like it "
+            f"(pi-profile --dataset) and run pi-solve again to put more of them on the GPU")
 
 
 def runtime_options(f):

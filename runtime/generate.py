@@ -105,6 +105,8 @@ class Runtime:
     pcie_share: float = 0.0  # see RuntimeConfig; the FFNs' mapped_rows are set from it after CALIBRATION_TOKENS
     pcie_tuned: bool = False  # the share is final
     pcie_balance: ShareBalance | None = None  # a measured share on CUDA graphs: moved by timed rounds first
+    # the placement's GPU share of the profile's activations (pi-solve's summary.json), to compare decode's with
+    profile_gpu_share: float | None = None
 
     @property
     def mode(self) -> str:
@@ -462,6 +464,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
     return {"prefill_tokens_per_s": n_prompt / t_prefill if t_prefill else None,
             "decode_tokens_per_s": steps / t_decode if steps and t_decode else None,
             "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
+            "profile_gpu_activation_share": rt.profile_gpu_share,
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
@@ -502,11 +505,13 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
                                trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
     placement = predictors = taus = None
+    solved: dict = {}  # pi-solve's summary, where the placement came from pi-solve
     if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
         placement = Placement.from_run(run, lm.info)
-        solved = run / "placement" / "summary.json"  # the KV cache the solver reserved room for
-        if cfg.ctx is None and solved.exists():
-            cfg = replace(cfg, ctx=json.loads(solved.read_text()).get("flags", {}).get("ctx"))
+        if (run / "placement" / "summary.json").exists():
+            solved = json.loads((run / "placement" / "summary.json").read_text())
+        if cfg.ctx is None:  # the KV cache the solver reserved room for
+            cfg = replace(cfg, ctx=solved.get("flags", {}).get("ctx"))
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
         from powerinfer.predictors.train import load_predictors
 
@@ -520,7 +525,9 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         _, pmeta = artifacts.read_profile(run)
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
         taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
-    return build_runtime(lm, cfg, placement, predictors, taus)
+    rt = build_runtime(lm, cfg, placement, predictors, taus)
+    rt.profile_gpu_share = solved.get("gpu_activation_share")
+    return rt
 
 
 def prompt_ids(rt: Runtime, prompt: str | list[dict], chat: bool = False) -> list[int]:

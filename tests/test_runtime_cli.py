@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import tiny
 from powerinfer import artifacts
 from powerinfer.models import load_model
-from powerinfer.runtime.cli import main
+from powerinfer.runtime.cli import SHARE_WARN_STEPS, format_stats, main, share_warning
 
 
 def make_run(run, folder, family="opt", threshold=-1e30, predictors=True):
@@ -152,3 +152,31 @@ def test_static_cache_holds_the_solvers_ctx_and_counts_in_the_budget(tiny_model_
     assert r.exit_code != 0 and "static KV cache of 16 tokens" in r.output, r.output
     r = invoke("--run", run, "--ctx", 0)
     assert r.exit_code != 0 and "--ctx 0" in r.output, r.output
+
+
+def test_stats_compare_decode_gpu_share_with_the_profile(opt_run, tmp_path):
+    """With pi-solve's summary in the run, stats carry the profile's GPU share of activations, and the text output
+    warns when decode's falls well below it (the profiled corpus fires other neurons than this text)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(opt_run, run)
+    r = invoke("--run", run, "--json")
+    assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["profile_gpu_activation_share"] is None
+    artifacts.write_json(run / "placement" / "summary.json", {"gpu_activation_share": 0.99})
+    r = CliRunner().invoke(main, ["--device", "cpu", "-n", "20", "--prompt", "The quick brown fox", "--run", str(run)])
+    assert r.exit_code == 0, r.output
+    # half the neurons on the device and a predictor firing everywhere: decode's share is ~0.5
+    assert "(the profile's: 0.990)" in r.output and "warning: decode put" in r.output and "pi-profile" in r.output
+
+
+def test_share_warning_rule():
+    s = {"mode": "hybrid", "decode_steps": SHARE_WARN_STEPS, "gpu_activation_share": 0.5,
+         "profile_gpu_activation_share": 0.7, "device": "cpu", "dtype": "float32", "cold_dtype": "bf16",
+         "threads": 2, "prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 2.0, "ffn_sparsity": 0.9,
+         "bytes_gpu": 0, "bytes_cpu": 0}
+    assert "50%" in share_warning(s) and "70%" in share_warning(s) and "warning:" in format_stats(s)
+    assert share_warning({**s, "gpu_activation_share": 0.57}) is None  # above 0.8 of the profile's
+    assert share_warning({**s, "decode_steps": SHARE_WARN_STEPS - 1}) is None  # too few tokens to say
+    assert share_warning({**s, "mode": "dense"}) is None and share_warning({**s, "profile_gpu_activation_share": None}) is None
+    assert "warning" not in format_stats({**s, "profile_gpu_activation_share": None})
