@@ -378,7 +378,8 @@ def stage_bench(args, work: Path) -> dict:
     plan = [p for p in plan if p[0] in args.systems]
     together = [p for p in plan if args.interleave and p[0].startswith("hybrid")]
     if len(together) > 1:  # one entry that times the hybrid systems in rounds, where the first of them stood
-        plan = [p for p in plan if p not in together[1:]]
+        later = {p[0] for p in together[1:]}
+        plan = [p for p in plan if p[0] not in later]
     for name, cfg, pl, pr, n_tok, reps in plan:
         group = together if len(together) > 1 and name == together[0][0] else [(name, cfg, pl, pr, n_tok, reps)]
         if not dl.allows(sum(args.estimates.get(g[0], 30) for g in group), name, skipped):
