@@ -88,6 +88,17 @@ def _fmt(v, nd=2) -> str:
     return f"{v:,.{nd}f}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+def _dram_note(row: dict) -> str:
+    """The DRAM read ceiling measured around a system's timed run (hybrid: each generation; llama.cpp: before and
+    after), since CPU-bound systems follow it and it drifts within minutes."""
+    around = row.get("dram_around_bytes_per_s")
+    if not around:
+        return ""
+    vals = around.get("per_rep") or [around["before"], around["after"]]
+    lo, hi = min(vals) / 1e9, max(vals) / 1e9
+    return f"DRAM around it {lo:.0f} GB/s" if round(lo) == round(hi) else f"DRAM around it {lo:.0f}-{hi:.0f} GB/s"
+
+
 def markdown(res: dict) -> str:
     """The results table (README quotes it)."""
     s = res.get("systems", {})
@@ -115,6 +126,7 @@ def markdown(res: dict) -> str:
                                               f"neurons' rows a layer over PCIe (share {row['pcie_share']:.2f})")
         elif name == "layer-split" or name.startswith(SPLIT):
             note = f"{row.get('gpu_layers', row.get('n_gpu_layers'))} layers on the GPU"
+        note = ", ".join(x for x in (note, _dram_note(row)) if x)
         lines.append(f"| {name} | {_fmt(r)} | {_fmt(r / llama if r and llama else None)} | "
                      f"{_fmt(r / floor_tps if r and floor_tps else None)} | {note} |")
     for name, why in res.get("skipped", {}).items():
@@ -210,6 +222,7 @@ def eight_bit_table(res: dict) -> list[str]:
                     f"{row.get('gpu_activation_share', 0):.3f}")
         elif name.startswith(SPLIT_Q8):
             note = f"{row.get('n_gpu_layers')} layers on the GPU"
+        note = ", ".join(x for x in (note, _dram_note(row)) if x)
         lines.append(f"| {name} | {_fmt(r)} | {_fmt(r / llama8 if r and llama8 else None)} | "
                      f"{_fmt(r / floor8 if r and floor8 else None)} | {note} |")
     if floor8:

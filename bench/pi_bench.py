@@ -419,8 +419,12 @@ def stage_bench(args, work: Path) -> dict:
                 runs.append((f"llama.cpp Q8_0 -ngl {ngl8}", ngl8, q8_path(args, work)))
             for label, k, path in runs:
                 if dl.allows(args.estimates.get("llama.cpp", 60), label, skipped):
+                    # the DRAM ceiling around it as around the hybrid's generations: both CPU sides follow it
+                    before = ceil.dram_read_bw(args.dram_bytes, repeats=3)["best_bytes_per_s"]
                     systems[label] = lcpp.llama_bench(str(binary), path, k, threads, args.llama_tokens,
                                                       args.llama_reps, max(30, dl.left()))
+                    systems[label]["dram_around_bytes_per_s"] = {
+                        "before": before, "after": ceil.dram_read_bw(args.dram_bytes, repeats=3)["best_bytes_per_s"]}
                     print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
     if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
         try:

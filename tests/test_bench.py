@@ -109,8 +109,11 @@ def test_gpu_layers_for_budget():
 
 
 def test_goals_and_table():
-    res = {"systems": {"hybrid": {"decode_tokens_per_s": 80.0, "ffn_sparsity": 0.9, "gpu_activation_share": 0.7},
-                       "llama.cpp -ngl 3": {"decode_tokens_per_s": 4.0, "n_gpu_layers": 3},
+    res = {"systems": {"hybrid": {"decode_tokens_per_s": 80.0, "ffn_sparsity": 0.9, "gpu_activation_share": 0.7,
+                                  "dram_around_bytes_per_s": {"before": 1.2e11, "after": 1.4e11,
+                                                              "per_rep": [1.25e11, 1.31e11]}},
+                       "llama.cpp -ngl 3": {"decode_tokens_per_s": 4.0, "n_gpu_layers": 3,
+                                            "dram_around_bytes_per_s": {"before": 1.5e11, "after": 1.5e11}},
                        "accelerate offload": {"decode_tokens_per_s": 1.0}},
            "floor": {"tokens_per_s": 100.0},
            "kernel": {"rows": [{"density": 0.05, "bytes_per_s": 1, "share_of_dram_bw": 0.7},
@@ -125,6 +128,7 @@ def test_goals_and_table():
     assert g["predictor_share_of_decode"]["value"] == pytest.approx(0.04) and g["predictor_share_of_decode"]["met"]
     md = report.markdown({**res, "goals": g})
     assert "| hybrid | 80.00 | 20.00 | 0.80 |" in md and "NOT met" in md
+    assert "DRAM around it 125-131 GB/s" in md and "3 layers on the GPU, DRAM around it 150 GB/s" in md
 
 
 def test_gguf_round_trip(tmp_path):
