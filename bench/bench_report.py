@@ -46,6 +46,8 @@ def goals(res: dict) -> dict:
     llama8 = _rate(s, split8) if split8 else None
     floor8 = (res.get("floor_int8") or {}).get("tokens_per_s")
     kern8 = (res.get("kernel_int8") or {}).get("rows") or []
+    paired = {label: m["hybrid"] for label, m in ((res.get("interleaved") or {}).get("median_ratio_to_others") or {}).items()
+              if label.startswith(SPLIT) and "hybrid" in m}  # hybrid / llama-bench, each round's pair
 
     def ratio(a, b):
         return a / b if a and b else None
@@ -62,6 +64,9 @@ def goals(res: dict) -> dict:
     return {
         "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 20, True,
                                                 f"hybrid tok/s / {split or 'llama.cpp -ngl (budget)'} tok/s"),
+        **{"hybrid_vs_llamacpp_layer_split_paired": _goal(
+            v, 20, True, f"hybrid tok/s / {label} tok/s, each round's pair (llama-bench run after each round of "
+                         f"--interleave), median of the rounds") for label, v in paired.items()},
         "bound_serial_floor_vs_llamacpp_layer_split": _goal(
             ratio(serial, llama), 20, True, f"bound on the first goal: serial floor tok/s / {split or 'llama.cpp -ngl'} "
                                             "tok/s (no runtime that runs a layer's attention before its FFN can pass it)"),
@@ -188,6 +193,9 @@ def markdown(res: dict) -> str:
                      f"generation each; per-round tok/s ratio to {il['ratio_to']}, median (rounds above 1): " + ", ".join(
                          f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
                          if k != il["ratio_to"]) + ".")
+        for label, m in (il.get("median_ratio_to_others") or {}).items():
+            lines.append(f"Paired with {label} run after each round: median per-round tok/s ratio " + ", ".join(
+                f"{k} {v:.2f}x" for k, v in m.items()) + ".")
     by_pos = (res.get("calibration") or {}).get("active_by_position")
     if by_pos:
         lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(

@@ -30,11 +30,12 @@ def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
     return rt, build_s
 
 
-def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None) -> dict:
+def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None,
+               after_round=None) -> dict:
     """`reps` rounds of one timed generation of each runtime in `rts` (the order rotated each round, so that none is
     always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
-    VMs' bandwidth drifts within minutes: bench/NOTES.md). Returns per name (generations, [(ceiling just before,
-    just after)] for each)."""
+    VMs' bandwidth drifts within minutes: bench/NOTES.md); `after_round()` after each round. Returns per name
+    (generations, [(ceiling just before, just after)] for each)."""
     from powerinfer.runtime.generate import generate
 
     dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
@@ -49,6 +50,9 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
                 now = dram()
                 around.append((last, now))
                 last = now
+        if after_round is not None:
+            after_round()
+            last = dram() if dram_bytes else None  # the next generation's "before" is after the other system
     return out
 
 
@@ -84,20 +88,38 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
     return row, extra
 
 
-def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None) -> tuple[dict, dict]:
+def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
+                    others: dict | None = None) -> tuple[dict, dict]:
     """Our systems of `plan` built side by side and timed in rounds, one generation of each a round, so that a
     pair's generations share the machine's DRAM bandwidth of the moment (it drifts by 10-30% within minutes); small
-    changes show in the per-round ratios to the first system long before they show in medians of separate runs."""
+    changes show in the per-round ratios to the first system long before they show in medians of separate runs.
+    `others`: label -> a function that runs another system once and returns its row (decode_tokens_per_s), run after
+    our systems in each round (llama-bench), so that our systems' ratios to it are paired too."""
     built = {name: build_ours(name, base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
     n_tok, reps = plan[0][4], plan[0][5]
-    timed = timed_ours({name: rt for name, (rt, _) in built.items()}, prompt, n_tok, reps, dram_bytes)
+    others = others or {}
+    other_rows: dict = {label: [] for label in others}
+
+    def after_round() -> None:
+        for label, run in others.items():
+            other_rows[label].append(run())
+
+    timed = timed_ours({name: rt for name, (rt, _) in built.items()}, prompt, n_tok, reps, dram_bytes, after_round)
     rows = {name: row_ours(name, rt, build_s, *timed[name], prompt, n_tok) for name, (rt, build_s) in built.items()}
     first = plan[0][0]
-    base_rates = rows[first]["decode_tokens_per_s_reps"]
-    ratios = {name: [a / b for a, b in zip(r["decode_tokens_per_s_reps"], base_rates)] for name, r in rows.items()}
+    per_round = {name: r["decode_tokens_per_s_reps"] for name, r in rows.items()}
+    per_round.update({label: [x.get("decode_tokens_per_s", float("nan")) for x in xs]
+                      for label, xs in other_rows.items()})
+
+    def ratios(to: str) -> dict:
+        return {name: [a / b for a, b in zip(v, per_round[to])] for name, v in per_round.items() if name in rows}
+
     summary = {"systems": list(rows), "reps": reps, "tokens": n_tok, "ratio_to": first,
-               "ratios_per_round": ratios, "median_ratio": {k: float(np.median(v)) for k, v in ratios.items()},
-               "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratios.items()}}
+               "ratios_per_round": ratios(first), "others": {label: other_rows[label] for label in others}}
+    summary["median_ratio"] = {k: float(np.median(v)) for k, v in summary["ratios_per_round"].items()}
+    summary["rounds_above_1"] = {k: int(sum(x > 1 for x in v)) for k, v in summary["ratios_per_round"].items()}
+    summary["median_ratio_to_others"] = {label: {k: float(np.median(v)) for k, v in ratios(label).items()}
+                                         for label in others}
     extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
     return rows, {"interleaved": summary, **extra}
 

@@ -376,17 +376,28 @@ def stage_bench(args, work: Path) -> dict:
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
+    ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
+    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=DTYPE_BYTES["q8_0"])
+    binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
+    gpath = work / f"model-{model_key(args)}.gguf"
+    threads = args.threads or os.cpu_count()
+    others = {}  # with --interleave: llama-bench once after each round, so that hybrid's ratio to it is paired
+    if args.interleave and "llama.cpp" in args.systems and binary.exists() and gpath.exists():
+        others[f"llama.cpp -ngl {ngl}"] = functools.partial(lcpp.llama_bench, str(binary), gpath, ngl, threads,
+                                                            args.llama_tokens, 1, 120)
     together = [p for p in plan if args.interleave and p[0].startswith("hybrid")]
-    if len(together) > 1:  # one entry that times the hybrid systems in rounds, where the first of them stood
+    rounds = len(together) > 1 or (len(together) == 1 and bool(others))  # else nothing to pair
+    if rounds:  # one entry that times the hybrid systems in rounds, where the first of them stood
         later = {p[0] for p in together[1:]}
         plan = [p for p in plan if p[0] not in later]
     for name, cfg, pl, pr, n_tok, reps in plan:
-        group = together if len(together) > 1 and name == together[0][0] else [(name, cfg, pl, pr, n_tok, reps)]
+        in_rounds = rounds and name == together[0][0]
+        group = together if in_rounds else [(name, cfg, pl, pr, n_tok, reps)]
         if not dl.allows(sum(args.estimates.get(g[0], 30) for g in group), name, skipped):
             continue
         try:
-            if len(group) > 1:
-                rows, extra = run_interleaved(group, base, prompt, args.dram_bytes)
+            if in_rounds:
+                rows, extra = run_interleaved(group, base, prompt, args.dram_bytes, others)
                 res["interleaved"] = extra.pop("interleaved")
                 systems.update(rows)
                 row = rows[name]
@@ -404,16 +415,11 @@ def stage_bench(args, work: Path) -> dict:
         del extra
         _free(args.device)
 
-    ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
-    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=DTYPE_BYTES["q8_0"])
     res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = ngl, ngl8
-    binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
-    gpath = work / f"model-{model_key(args)}.gguf"
     if "llama.cpp" in args.systems:
         if not (binary.exists() and gpath.exists()):
             skipped["llama.cpp"] = f"not built in {work}: run --stage build on this machine first"
         else:
-            threads = args.threads or os.cpu_count()
             runs = [(f"llama.cpp -ngl {ngl}", ngl, gpath), ("llama.cpp all layers on the GPU", args.layers + 1, gpath)]
             if q8_path(args, work).exists():
                 runs.append((f"llama.cpp Q8_0 -ngl {ngl8}", ngl8, q8_path(args, work)))
@@ -501,7 +507,9 @@ def parse(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "
-                         "holds its cold rows in RAM at once: at the 70B shape two bf16 hybrids fit in 128 GiB, three did not")
+                         "holds its cold rows in RAM at once: at the 70B shape two bf16 hybrids fit in 128 GiB, three did not; "
+                         "with llama.cpp in --systems and built, llama-bench -ngl at the budget runs once after each round, "
+                         "so that hybrid's ratio to it is paired too")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")

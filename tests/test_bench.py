@@ -185,17 +185,27 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert time.perf_counter() - t0 < 120
 
 
-def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path):
+def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
-    ratios to the first."""
+    ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
     import pi_bench
 
-    res = pi_bench.main(["--stage", "all", "--device", "cpu", "--shape", "tiny", "--layers", "2", "--work",
-                         str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--dram-bytes", str(16 * 2**20),
-                         "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
-                         "--calibration-tokens", "256", "--systems", "hybrid,hybrid-no-balance,all-gpu",
-                         "--interleave"])["bench"]
-    assert list(res["systems"]) == ["hybrid", "hybrid-no-balance", "all-gpu"]
+    calls = []
+
+    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout):
+        calls.append((ngl, reps))
+        return {"decode_tokens_per_s": 2.0 + len(calls), "n_gpu_layers": ngl}
+
+    monkeypatch.setattr(pi_bench.lcpp, "llama_bench", fake_llama_bench)
+    work = tmp_path / "work"
+    argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(tmp_path / "out"),
+            "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
+            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-no-balance,all-gpu,llama.cpp", "--interleave"]
+    (work / "build-cpu" / "bin").mkdir(parents=True)
+    (work / "build-cpu" / "bin" / "llama-bench").write_text("")  # "built": the stand-in above runs instead
+    (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
+    res = pi_bench.main(["--stage", "bench", *argv])["bench"]
+    assert list(res["systems"])[:3] == ["hybrid", "hybrid-no-balance", "all-gpu"]
     il = res["interleaved"]
     assert il["systems"] == ["hybrid", "hybrid-no-balance"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
     for name in il["systems"]:
@@ -205,4 +215,13 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path):
             [a / b for a, b in zip(row["decode_tokens_per_s_reps"], res["systems"]["hybrid"]["decode_tokens_per_s_reps"])])
     assert il["median_ratio"]["hybrid"] == 1.0 and il["rounds_above_1"]["hybrid"] == 0
     assert "dram_around_bytes_per_s" not in res["systems"]["all-gpu"]  # timed on its own, as before
-    assert "Interleaved: hybrid, hybrid-no-balance" in report.markdown(res)
+    # llama-bench once a round (one repetition each), then once more for each of its usual rows
+    label = f"llama.cpp -ngl {res['llama_cpp_ngl_at_budget']}"
+    assert calls[:3] == [(res["llama_cpp_ngl_at_budget"], 1)] * 3
+    assert [x["decode_tokens_per_s"] for x in il["others"][label]] == [3.0, 4.0, 5.0]
+    hybrid = res["systems"]["hybrid"]["decode_tokens_per_s_reps"]
+    assert il["median_ratio_to_others"][label]["hybrid"] == pytest.approx(
+        float(np.median([a / b for a, b in zip(hybrid, [3.0, 4.0, 5.0])])))
+    assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
+    md = report.markdown(res)
+    assert "Interleaved: hybrid, hybrid-no-balance" in md and f"Paired with {label} run after each round" in md
