@@ -189,10 +189,11 @@ def markdown(res: dict) -> str:
                      f"{100 * p['share_of_neurons_covering_80pct']:.0f}% of neurons cover 80%.")
     il = res.get("interleaved")
     if il:
-        lines.append(f"Interleaved: {', '.join(il['systems'])} built side by side and timed in {il['reps']} rounds of one "
-                     f"generation each; per-round tok/s ratio to {il['ratio_to']}, median (rounds above 1): " + ", ".join(
-                         f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
-                         if k != il["ratio_to"]) + ".")
+        rest = [f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
+                if k != il["ratio_to"]]
+        lines.append(f"Interleaved: {', '.join(il['systems'])} timed in {il['reps']} rounds of one generation each"
+                     + (f" (built side by side); per-round tok/s ratio to {il['ratio_to']}, median (rounds above 1): "
+                        + ", ".join(rest) if rest else "") + ".")
         for label, m in (il.get("median_ratio_to_others") or {}).items():
             lines.append(f"Paired with {label} run after each round: median per-round tok/s ratio " + ", ".join(
                 f"{k} {v:.2f}x" for k, v in m.items()) + ".")

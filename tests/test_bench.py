@@ -224,4 +224,4 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
         float(np.median([a / b for a, b in zip(hybrid, [3.0, 4.0, 5.0])])))
     assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
     md = report.markdown(res)
-    assert "Interleaved: hybrid, hybrid-no-balance" in md and f"Paired with {label} run after each round" in md
+    assert "Interleaved: hybrid, hybrid-no-balance timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
