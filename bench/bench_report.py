@@ -196,7 +196,7 @@ def markdown(res: dict) -> str:
                         + ", ".join(rest) if rest else "") + ".")
         for label, m in (il.get("median_ratio_to_others") or {}).items():
             lines.append(f"Paired with {label} run after each round: median per-round tok/s ratio " + ", ".join(
-                f"{k} {v:.2f}x" for k, v in m.items()) + ".")
+                f"{k} {_fmt(v)}x" for k, v in m.items()) + ".")
     by_pos = (res.get("calibration") or {}).get("active_by_position")
     if by_pos:
         lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(

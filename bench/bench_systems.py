@@ -111,14 +111,18 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
     per_round.update({label: [x.get("decode_tokens_per_s", float("nan")) for x in xs]
                       for label, xs in other_rows.items()})
 
-    def ratios(to: str) -> dict:
-        return {name: [a / b for a, b in zip(v, per_round[to])] for name, v in per_round.items() if name in rows}
+    def ratios(to: str) -> dict:  # per round; a round whose other system failed (no tok/s) drops out
+        return {name: [a / b for a, b in zip(v, per_round[to]) if b == b and b > 0]
+                for name, v in per_round.items() if name in rows}
+
+    def median(v: list) -> float | None:
+        return float(np.median(v)) if v else None
 
     summary = {"systems": list(rows), "reps": reps, "tokens": n_tok, "ratio_to": first,
                "ratios_per_round": ratios(first), "others": {label: other_rows[label] for label in others}}
-    summary["median_ratio"] = {k: float(np.median(v)) for k, v in summary["ratios_per_round"].items()}
+    summary["median_ratio"] = {k: median(v) for k, v in summary["ratios_per_round"].items()}
     summary["rounds_above_1"] = {k: int(sum(x > 1 for x in v)) for k, v in summary["ratios_per_round"].items()}
-    summary["median_ratio_to_others"] = {label: {k: float(np.median(v)) for k, v in ratios(label).items()}
+    summary["median_ratio_to_others"] = {label: {k: median(v) for k, v in ratios(label).items()}
                                          for label in others}
     extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
     return rows, {"interleaved": summary, **extra}
