@@ -227,17 +227,13 @@ def calibrate(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 0,
 
 
 @torch.no_grad()
-def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) -> list[np.ndarray]:
-    """Per layer (n,) firing frequencies of relu(gate . x) > 0 on fresh random tokens (a quick check)."""
-    d, n, *_, vocab = SHAPES[shape]
-    dev = next(lm.model.parameters()).device
-    g = torch.Generator(dev).manual_seed(seed)
-    ids = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=dev, generator=g)
-    counts = [torch.zeros(n, device=dev) for _ in lm.layers]
+def with_gate_outputs(lm, ids: torch.Tensor, each) -> None:
+    """Run the model on ids (batch, tokens) with each(layer index, gate pre-activations (batch, tokens, n)) called
+    at every layer's gate_proj; the outputs are left unchanged."""
     def hook(i):
-        def count(_mod, _args, out):
-            counts[i].add_((out.reshape(-1, n) > 0).sum(0))  # returns None: the output is left unchanged
-        return count
+        def call(_mod, _args, out) -> None:  # a hook that returns something replaces the output: this one does not
+            each(i, out)
+        return call
 
     hooks = [layer.mlp.gate_proj.register_forward_hook(hook(i)) for i, layer in enumerate(lm.layers)]
     try:
@@ -245,6 +241,17 @@ def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) 
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.no_grad()
+def realised(lm, shape: str, tokens: int = 2048, seq: int = 256, seed: int = 7) -> list[np.ndarray]:
+    """Per layer (n,) firing frequencies of relu(gate . x) > 0 on fresh random tokens (a quick check)."""
+    d, n, *_, vocab = SHAPES[shape]
+    dev = next(lm.model.parameters()).device
+    g = torch.Generator(dev).manual_seed(seed)
+    ids = torch.randint(0, vocab, (max(1, tokens // seq), seq), device=dev, generator=g)
+    counts = [torch.zeros(n, device=dev) for _ in lm.layers]
+    with_gate_outputs(lm, ids, lambda i, out: counts[i].add_((out.reshape(-1, n) > 0).sum(0)))
     return [(c / ids.numel()).cpu().numpy() for c in counts]
 
 
@@ -257,16 +264,7 @@ def active_by_position(lm, shape: str, edges: tuple[int, ...] = (0, 16, 64, 256)
     dev = next(lm.model.parameters()).device
     ids = torch.randint(0, vocab, (seqs, edges[-1]), device=dev, generator=torch.Generator(dev).manual_seed(seed))
     fired = torch.zeros(edges[-1], device=dev)  # (positions,) firings summed over sequences, layers, neurons
-
-    def count(_mod, _args, out):
-        fired.add_((out > 0).float().sum((0, 2)))
-
-    hooks = [layer.mlp.gate_proj.register_forward_hook(count) for layer in lm.layers]
-    try:
-        lm.model.model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    with_gate_outputs(lm, ids, lambda _i, out: fired.add_((out > 0).float().sum((0, 2))))
     per = fired.cpu().numpy() / (seqs * len(lm.layers) * SHAPES[shape][1])  # (positions,)
     return [{"positions": f"{a}-{b}", "mean_active": float(per[a:b].mean())} for a, b in zip(edges, edges[1:])]
 

@@ -21,17 +21,10 @@ import bench_model as bm  # noqa: E402
 EDGES = (0, 16, 48, 128, 256, 512)
 
 
-@torch.no_grad()
 def fires(lm, ids: torch.Tensor) -> torch.Tensor:
     """(layers, tokens, neurons) float 0/1: relu(gate . x) > 0 for each token of ids (1, tokens)."""
     out = []
-    hooks = [layer.mlp.gate_proj.register_forward_hook(lambda _m, _a, o: out.append((o[0] > 0).float()))
-             for layer in lm.layers]
-    try:
-        lm.model.model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    bm.with_gate_outputs(lm, ids, lambda _i, o: out.append((o[0] > 0).float()))
     return torch.stack(out)
 
 
