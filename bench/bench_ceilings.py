@@ -98,6 +98,11 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
             "best": max(res, key=res.get)}
 
 
+def dram_now(nbytes: int) -> float:
+    """The DRAM read ceiling in bytes/s, read quickly (3 repeats) between timed runs: it drifts within minutes."""
+    return dram_read_bw(nbytes, repeats=3)["best_bytes_per_s"]
+
+
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

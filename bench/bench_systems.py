@@ -38,8 +38,7 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
     (generations, [(ceiling just before, just after)] for each)."""
     from powerinfer.runtime.generate import generate
 
-    dram = lambda: ceil.dram_read_bw(dram_bytes, repeats=3)["best_bytes_per_s"]  # noqa: E731
-    last = dram() if dram_bytes else None
+    last = ceil.dram_now(dram_bytes) if dram_bytes else None
     out = {name: ([], []) for name in rts}
     names = list(rts)
     for r in range(reps):
@@ -47,12 +46,12 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
             gens, around = out[name]
             gens.append(generate(rts[name], prompt, tokens, stop_at_eos=False))
             if dram_bytes:
-                now = dram()
+                now = ceil.dram_now(dram_bytes)
                 around.append((last, now))
                 last = now
         if after_round is not None:
             after_round()
-            last = dram() if dram_bytes else None  # the next generation's "before" is after the other system
+            last = ceil.dram_now(dram_bytes) if dram_bytes else None  # the next "before": after the other system
     return out
 
 

@@ -426,11 +426,11 @@ def stage_bench(args, work: Path) -> dict:
             for label, k, path in runs:
                 if dl.allows(args.estimates.get("llama.cpp", 60), label, skipped):
                     # the DRAM ceiling around it as around the hybrid's generations: both CPU sides follow it
-                    before = ceil.dram_read_bw(args.dram_bytes, repeats=3)["best_bytes_per_s"]
+                    before = ceil.dram_now(args.dram_bytes)
                     systems[label] = lcpp.llama_bench(str(binary), path, k, threads, args.llama_tokens,
                                                       args.llama_reps, max(30, dl.left()))
-                    systems[label]["dram_around_bytes_per_s"] = {
-                        "before": before, "after": ceil.dram_read_bw(args.dram_bytes, repeats=3)["best_bytes_per_s"]}
+                    systems[label]["dram_around_bytes_per_s"] = {"before": before,
+                                                                 "after": ceil.dram_now(args.dram_bytes)}
                     print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
     if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
         try:
