@@ -107,11 +107,10 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
     rows = {name: row_ours(name, rt, build_s, *timed[name], prompt, n_tok) for name, (rt, build_s) in built.items()}
     first = plan[0][0]
     per_round = {name: r["decode_tokens_per_s_reps"] for name, r in rows.items()}
-    per_round.update({label: [x.get("decode_tokens_per_s", float("nan")) for x in xs]
-                      for label, xs in other_rows.items()})
+    per_round.update({label: [x.get("decode_tokens_per_s") for x in xs] for label, xs in other_rows.items()})
 
     def ratios(to: str) -> dict:  # per round; a round whose other system failed (no tok/s) drops out
-        return {name: [a / b for a, b in zip(v, per_round[to]) if b == b and b > 0]
+        return {name: [a / b for a, b in zip(v, per_round[to]) if b]
                 for name, v in per_round.items() if name in rows}
 
     def median(v: list) -> float | None:
