@@ -25,9 +25,35 @@ def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
         rt.fast.prelaunch = False
     if name.endswith("no-balance") and rt.pcie_balance is not None:  # an A/B of the share's balancing rounds
         rt.pcie_balance = rt.fast.timing = None
+    if name.endswith("split-cold") and rt.fast is not None:  # an A/B of kernels.cold_layer
+        split_cold(rt)
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
     generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
     return rt, build_s
+
+
+def split_cold(rt) -> None:
+    """Each layer's CPU part as it ran before kernels.cold_layer (commit 53c5b17), for an A/B in rounds: the host waits
+    for the layer's CUDA event, then Python runs the mask -> indices and the kernel as two Numba calls and releases
+    the flag. For the bench's configuration: predictor masks, cold rows in every layer, CUDA."""
+    from powerinfer.runtime.kernels import ffn_rows, mask_indices_sliced
+
+    fast = rt.fast
+    for f in rt.ffns:
+        def cold_rows(x, flags=None, i=-1, f=f):
+            io = f._io
+            if flags is not None:
+                fast._graphs[i][1].synchronize()  # recorded after the ready signal, which has landed then
+                flags.ready[i] = 0
+            idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["slices"])]
+            f.counts[0] += 1
+            f.cold_marks += (1, len(idx))
+            idx = idx[f.mapped_rows:]
+            ffn_rows(f.activation, io["x_np"], idx, f.cold, io["out_np"], io["part"])
+            if flags is not None:
+                flags.release(i)
+            return idx
+        f.cold_rows = cold_rows
 
 
 def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None,

@@ -32,63 +32,41 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
             "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
                     "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
                     "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
-                    "HybridFFN.cold_rows (mask -> indices, Numba kernel)"}
+                    "HybridFFN.cold_rows (one Numba call: the wait for the GPU's ready signal, mask -> indices, kernel; "
+                    "with the host clock on, the wait is taken first, in wait_pre)"}
 
 
 def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     """The decode-vs-bench question on the run's own work: one more generation records each CPU cold part's inputs
-    (the layer, the indices left to the CPU, x) and time; then the same calls run again, in the same order, three
-    ways: back to back with the GPU idle (`replay`); with the host spinning `gap_ms` before each, as it waits for
-    `pre` in decode (`replay_gap`); and after the layer's own graph (`pre`, then the hot rows and the GPU's share of
-    the cold ones, which run during the call) launched and its `pre` waited for, as in decode (`replay_gpu`).
-    decode = replay puts the gap in the work (rows, indices); decode = replay_gpu > replay in what the GPU does
-    meanwhile; decode > replay_gpu in decode's own Python around the calls, which `decode_kernel` (the Numba call
-    alone, timed inside decode) separates. Per call decode / replay ratios tell a uniform slowdown from a few stalled
-    calls."""
-    from powerinfer.runtime import layout
+    (the layer, the indices left to the CPU, x) and time (the one Numba call of HybridFFN.cold_rows: the mask ->
+    indices and the kernel, timed once the GPU's ready signal is seen); then the same rows run again through the
+    kernel alone, in the same order, three ways: back to back with the GPU idle (`replay`); with the host spinning
+    `gap_ms` before each, as it waits for `pre` in decode (`replay_gap`); and after the layer's own graph (`pre`, then
+    the hot rows and the GPU's share of the cold ones, which run during the call) launched and its `pre` waited for,
+    as in decode (`replay_gpu`). decode = replay puts the gap in the work (rows, indices); decode = replay_gpu >
+    replay in what the GPU does meanwhile; decode > replay_gpu in the mask -> indices and what else decode's call
+    does around the kernel. Per call decode / replay ratios tell a uniform slowdown from a few stalled calls."""
     from powerinfer.runtime.generate import generate
     from powerinfer.runtime.kernels import ffn_rows
 
-    calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms, of which the kernel's ms)
-    kernel_ms: list[float] = []
-
-    def timed_kernel(*args):  # the Numba call inside cold_rows, without the mask -> indices and Python around it
-        t = time.perf_counter()
-        ffn_rows(*args)
-        kernel_ms.append(1e3 * (time.perf_counter() - t))
-
-    indices_ms: list[tuple[float, float]] = []  # the mask -> indices (on the mask the GPU wrote), and again at once
-    scans = {name: getattr(layout, name) for name in ("mask_indices", "mask_indices_sliced")}  # serial, CUDA's
-
-    def timed(scan):
-        def timed_indices(*args):
-            t = time.perf_counter()
-            k = scan(*args)
-            t1 = time.perf_counter()
-            scan(*args)  # the repeat is taken out of the call's decode time below
-            indices_ms.append((1e3 * (t1 - t), 1e3 * (time.perf_counter() - t1)))
-            return k
-        return timed_indices
-
+    calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
+    before = [f.__dict__.get("cold_rows") for f in rt.ffns]  # an A/B's own cold part (bench_systems.split_cold)
     for i, f in enumerate(rt.ffns):
-        def record(x, i=i, f=f, cold_rows=f.cold_rows):
-            n, m, t = len(kernel_ms), len(indices_ms), time.perf_counter()
-            idx = cold_rows(x)
-            ms = 1e3 * (time.perf_counter() - t) - sum(again for _, again in indices_ms[m:])
-            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), ms, sum(kernel_ms[n:])))
+        def record(x, flags=None, layer=-1, i=i, f=f, cold_rows=f.cold_rows):
+            while flags is not None and flags.ready[layer] == 0:  # the GPU's part, outside the timed call
+                pass
+            t = time.perf_counter()
+            idx = cold_rows(x, flags, layer)
+            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
             return idx
         f.cold_rows = record
-    layout.ffn_rows = timed_kernel
-    for name, scan in scans.items():
-        setattr(layout, name, timed(scan))
     try:
         generate(rt, prompt, tokens, stop_at_eos=False)
     finally:
-        layout.ffn_rows = ffn_rows
-        for name, scan in scans.items():
-            setattr(layout, name, scan)
-        for f in rt.ffns:
-            del f.cold_rows  # the class's method again
+        for f, c in zip(rt.ffns, before):
+            del f.cold_rows  # the class's method again, or the A/B's
+            if c is not None:
+                f.cold_rows = c
     fast = rt.fast
 
     def spin(i: int) -> None:
@@ -115,10 +93,7 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     ratio = decode / replay
     layer = np.array([c[0] for c in calls])
     per_layer = lambda ms: [float(ms[layer == i].mean()) for i in range(len(rt.ffns))]  # noqa: E731
-    kernel = np.array([c[5] for c in calls])  # (calls,) ms
     return {"decode_ms_per_step": float(decode.sum() / n_steps),
-            "decode_kernel_ms_per_step": float(kernel.sum() / n_steps),
-            "decode_mask_indices_ms_per_step": [float(sum(c[j] for c in indices_ms) / n_steps) for j in (0, 1)],
             "replay_ms_per_step": float(replay.sum() / n_steps),
             "replay_gap_ms_per_step": float(replay_gap.sum() / n_steps),
             "replay_gpu_ms_per_step": float(replay_gpu.sum() / n_steps), "gap_ms": gap_ms,

@@ -3,7 +3,7 @@ on a plain numpy mask and on a pinned one (as decode's, which the GPU writes), w
 (a parallel call just before, as in decode) or asleep; mask_indices serial and with the words in slices, one per
 thread (mask_indices_sliced, the runtime's on CUDA). In decode on the H100 host np.flatnonzero took ~70 us a layer, the same on a
 second call over the same (cached) mask; the serial mask_indices ~40 (bench_timeline's
-decode_mask_indices_ms_per_step).
+decode_mask_indices_ms_per_step, before the scan moved into kernels.cold_layer).
 
 Usage: python bench/mask_indices.py OUT.json [--n 27200] [--density 0.06]"""
 

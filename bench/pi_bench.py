@@ -372,7 +372,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-no-pcie-no-prelaunch", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
             ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
-            ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps)]
+            ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps),
+            ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -503,7 +504,8 @@ def parse(argv=None):
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
-                         "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops)")
+                         "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops), "
+                         "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer")
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "

@@ -58,10 +58,12 @@ def supported(lm, ffns: list[HybridFFN]) -> str | None:
 
 
 class HostFlags:
-    """Flags in pinned host memory that a captured graph waits for on the GPU: `wait(i)`, recorded into a graph,
-    holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. Uses the
-    driver's stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32) through ctypes. `open` returns
-    None where they are missing or fail a probe (a captured wait released by the host)."""
+    """Flags in pinned host memory, both ways between the CPU and captured graphs. `wait(i)`, recorded into a graph,
+    holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. `signal(i)`,
+    recorded into a graph, sets ready[i] to 1 once the work before it is done and its writes are visible to the host
+    (the driver's default memory barrier); the CPU spins on it (kernels.cold_layer) and resets it. Uses the driver's
+    stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32) through ctypes. `open` returns None where
+    they are missing or fail a probe (a captured wait released by the host, then a captured signal)."""
 
     EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 
@@ -69,14 +71,21 @@ class HostFlags:
         self.n = n
         self.flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) the last one for the probe
         self.host = self.flags.numpy()
-        ptr = ctypes.c_uint64()
-        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(self.flags.data_ptr()), 0))
-        self.dev = ptr.value  # the flags' address as the GPU sees it
+        self.ready_flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) GPU -> CPU
+        self.ready = self.ready_flags.numpy()
+        self.dev, self.ready_dev = (self._device_pointer(lib, t) for t in (self.flags, self.ready_flags))
         self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
         self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         for fn in (self._wait, self._write):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             fn.restype = ctypes.c_int
+
+    @staticmethod
+    def _device_pointer(lib: ctypes.CDLL, t: torch.Tensor) -> int:
+        """The pinned tensor's address as the GPU sees it."""
+        ptr = ctypes.c_uint64()
+        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(t.data_ptr()), 0))
+        return ptr.value
 
     @classmethod
     def open(cls, n: int, device: torch.device) -> HostFlags | None:
@@ -85,18 +94,26 @@ class HostFlags:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 flags.wait(n)
+                flags.signal(n)
             flags.release(n)
             g.replay()
             torch.cuda.synchronize(device)
-            return flags if flags.host[n] == 0 else None
+            ok = flags.host[n] == 0 and flags.ready[n] == 1
+            flags.ready[n] = 0
+            return flags if ok else None
         except (OSError, AttributeError, RuntimeError):
             return None
 
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
     def wait(self, i: int) -> None:
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         addr = ctypes.c_uint64(self.dev + 4 * i)
-        _check(self._wait(stream, addr, 1, self.EQ))
-        _check(self._write(stream, addr, 0, 0))
+        _check(self._wait(self._stream(), addr, 1, self.EQ))
+        _check(self._write(self._stream(), addr, 0, 0))
+
+    def signal(self, i: int) -> None:
+        _check(self._write(self._stream(), ctypes.c_uint64(self.ready_dev + 4 * i), 1, 0))
 
     def release(self, i: int) -> None:
         self.host[i] = 1
@@ -366,6 +383,10 @@ class StaticDecoder:
             if self.prelaunch and i > 0:
                 self.flags.wait(i - 1)
 
+        def signal(i: int) -> None:  # after layer i's pre: x and the cold mask are on the host
+            if self.prelaunch:
+                self.flags.signal(i)
+
         graphs, pool = [], None
         for i in range(len(self.layers)):
             if external:
@@ -373,6 +394,7 @@ class StaticDecoder:
                 with torch.cuda.graph(g, pool=pool):
                     wait_for_flag(i)
                     self._pre(i)
+                    signal(i)
                     done.record()
                     self._hot(i)
                 pool = g.pool()
@@ -382,6 +404,7 @@ class StaticDecoder:
             with torch.cuda.graph(pre, pool=pool):
                 wait_for_flag(i)
                 self._pre(i)
+                signal(i)
             pool = pre.pool()
             with torch.cuda.graph(hot, pool=pool):
                 self._hot(i)
@@ -450,7 +473,8 @@ class StaticDecoder:
 
     def replay_alone(self, i: int) -> None:
         """Layer i's graph(s) on their own (i == L: the final graph), e.g. to time them: the flag it waits for is
-        released first, so no earlier launch of them may still be pending (it would take the release)."""
+        released first, so no earlier launch of them may still be pending (it would take the release). Its ready
+        signal stays set until the next step clears it."""
         if self.prelaunch and i > 0:
             self.flags.release(i - 1)
         self._launch(i)
@@ -462,6 +486,9 @@ class StaticDecoder:
         clock = [time.perf_counter()] if self.timing is not None else None
         L, prelaunch = len(self.layers), self.prelaunch
         released = launched = -1  # the last flag released; the last flag a launched graph waits for
+        flags = self.flags if prelaunch else None
+        if prelaunch:  # signals of graphs replayed alone (replay_alone), which no cold part consumed
+            flags.ready[:] = 0
         try:
             for i, f in enumerate(self.ffns):
                 if i == 0 or not prelaunch:
@@ -471,18 +498,20 @@ class StaticDecoder:
                     launched = i
                 if clock is not None:
                     clock.append(time.perf_counter())
-                self._graphs[i][1].synchronize()
+                if clock is not None or not prelaunch:  # prelaunched: cold_rows waits for the graph's signal
+                    self._graphs[i][1].synchronize()
                 if clock is not None:
                     clock.append(time.perf_counter())
-                f.cold_rows(self.x[i])
-                if prelaunch:
-                    self.flags.release(i)
-                    released = i
+                f.cold_rows(self.x[i], flags, i)  # prelaunched: waits for ready[i], then releases flag i
+                released = i if prelaunch else released
                 if clock is not None:
                     clock.append(time.perf_counter())
         finally:  # an error in a cold part: let the launched graphs run out, so that the stream does not hang
             for j in range(released + 1, launched + 1):
                 self.flags.release(j)
+            if launched > released:  # and clear their ready signals, which no cold part will consume
+                torch.cuda.synchronize(self.device)
+                self.flags.ready[:] = 0
         if not prelaunch:
             self._launch(L)
         if clock is not None:

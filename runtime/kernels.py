@@ -82,6 +82,28 @@ def _fetch_add(typingctx, counter, inc):
     return types.int64(counter, types.int64), codegen
 
 
+@intrinsic
+def _load_acquire(typingctx, flags, i):
+    """flags[i] read with acquire order (int32 flags that another agent writes): later reads stay after it."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.load_atomic(ptr, "acquire", 4)
+
+    return types.int32(flags, types.int64), codegen
+
+
+@intrinsic
+def _store_release(typingctx, flags, i, v):
+    """flags[i] = v with release order: every earlier write is visible to whoever then reads flags[i] = v."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), "release", 4)
+        return context.get_dummy_value()
+
+    return types.none(flags, types.int64, types.int32), codegen
+
+
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
 def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
     d = x.shape[0]
@@ -361,6 +383,55 @@ def mask_indices_sliced(mask, words, out, counts):
             out[k + j] = out[src + j]
         k += counts[t]
     return _scan_tail(mask, words, out, k)
+
+
+SPINS = 1 << 33  # reads of a ready flag before giving up (seconds; a layer's GPU part takes well under 1 ms)
+
+
+@njit(nogil=True, cache=True)
+def wait_ready(ready, i, spins):
+    """Spin until ready[i] is 1 (written by the GPU after the host-visible writes before it), then reset it to 0 and
+    return True; False after `spins` reads of 0 (a GPU that failed would otherwise hang the host)."""
+    for _ in range(spins):
+        if _load_acquire(ready, i) != 0:
+            ready[i] = 0
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
+def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out,
+               act, gated, marks):
+    """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
+    decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read; bench/NOTES.md):
+
+      i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
+      the marked cold positions of mask (n_cold,) bool -> idx[:k] (mask_indices, or mask_indices_sliced over the
+      (T,) `slices` scratch when it has more than one row); the first `skip` are the device's (its PCIe share);
+      out (d,) float32 = the rows' sum (gated_ffn or ungated_ffn over idx[skip:k]);
+      marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out is written first).
+
+    `gate` stands in for itself in ungated FFNs (any array of up's type: never read). Returns k, or -1 (nothing done)
+    when no signal came within SPINS reads."""
+    if i >= 0 and not wait_ready(ready, i, SPINS):
+        return -1
+    if slices.shape[0] > 1:
+        k = mask_indices_sliced(mask, words, idx, slices)
+    else:
+        k = mask_indices(mask, words, idx)
+    marks[0] += 1
+    marks[1] += k
+    rows = idx[min(skip, k):k]
+    if gated:
+        gated_ffn(x, rows, gate, up, down_t, scale, group, part, out, act)
+    else:
+        ungated_ffn(x, rows, up, b_up, down_t, scale, group, part, out, act)
+    if i >= 0:
+        _store_release(release, i, np.int32(1))
+    return k
+
+
+NO_FLAGS = np.zeros(0, np.int32)  # cold_layer's ready / release when there is nothing to wait for or release
 
 
 def mask_words(mask: np.ndarray) -> np.ndarray:

@@ -27,9 +27,9 @@ from torch import nn
 
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.kernels import (GATED, ColdRows, ffn_rows, ffn_rows_mapped, ffn_rows_torch, host_mapped,
-                                        map_rows, mask_indices, mask_indices_sliced, mask_words,
-                                        neuron_values)
+from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, ColdRows, cold_layer, ffn_rows,
+                                        ffn_rows_mapped, ffn_rows_torch, host_mapped, map_rows, mask_words,
+                                        neuron_values, wait_ready)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -145,9 +145,9 @@ class HybridFFN(nn.Module):
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
                         **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
-                        # (threads,) mask_indices_sliced's scratch; None on CPU runs, whose OpenMP threads sleep
-                        # between parallel regions (each wakes them): one serial scan there
-                        "slices": np.empty(part.shape[0], np.int64) if pin else None,
+                        # (threads,) mask_indices_sliced's scratch; one row on CPU runs, whose OpenMP threads
+                        # sleep between parallel regions (each wakes them): one serial scan there
+                        "slices": np.empty(part.shape[0] if pin else 1, np.int64),
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -287,22 +287,33 @@ class HybridFFN(nn.Module):
             self.timing.append(row)
         return y
 
-    def cold_rows(self, x: torch.Tensor) -> np.ndarray:
+    def cold_rows(self, x: torch.Tensor, flags=None, i: int = -1) -> np.ndarray:
         """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out_np"].
         Returns the active cold row indices (with the predictor: a view of a buffer that the next call overwrites).
+        `flags` (fast.HostFlags) and layer `i`: first wait for the GPU's ready[i], and release flag i once the sum is
+        written (the static decoder's prelaunched graphs); with the predictor both happen inside the one Numba call.
         `x` (1, d) on the device is read only by the oracle's hot count: other
         masks must not touch the GPU here, whose stream the static decoder holds meanwhile (runtime/fast.py)."""
         io = self._io
+        ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
+        if self.mask == "predictor" and self.n_cold:
+            c = self.cold
+            k = cold_layer(ready, release, i if flags is not None else -1, io["m_np"], io["m_words"], io["slices"],
+                           io["idx"], self.mapped_rows, io["x_np"], c.up if c.gate is None else c.gate, c.up, c.b_up,
+                           c.down_t, c.scale, c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.gated,
+                           self.cold_marks)
+            if k < 0:
+                raise RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within "
+                                   f"{SPINS:,} reads of the flag: a failed or stalled CUDA graph")
+            self.counts[0] += 1
+            return io["idx"][min(self.mapped_rows, k):k]
+        if flags is not None and not wait_ready(ready, i, SPINS):
+            raise RuntimeError(f"layer {self.layer}: the GPU did not signal its x within {SPINS:,} reads of the flag")
         if self.mask == "dense":
             idx = self.all_cold
             self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
-        elif self.mask == "predictor":
-            if not self.n_cold:
-                idx = self.all_cold
-            elif io["slices"] is None:
-                idx = io["idx"][:mask_indices(io["m_np"], io["m_words"], io["idx"])]
-            else:
-                idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["slices"])]
+        elif self.mask == "predictor":  # no cold rows
+            idx = self.all_cold
             self.counts[0] += 1
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
             idx = self._oracle(x, io["x"])
@@ -310,6 +321,8 @@ class HybridFFN(nn.Module):
         idx = idx[self.mapped_rows:]  # the device computed the first mapped_rows
         if self.n_cold:
             ffn_rows(self.activation, io["x_np"], idx, self.cold, io["out_np"], io["part"])
+        if flags is not None:
+            flags.release(i)
         return idx
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:

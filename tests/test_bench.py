@@ -202,14 +202,14 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     work = tmp_path / "work"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(tmp_path / "out"),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
-            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-no-balance,all-gpu,llama.cpp", "--interleave"]
+            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-split-cold,all-gpu,llama.cpp", "--interleave"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")  # "built": the stand-in above runs instead
     (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
     res = pi_bench.main(["--stage", "bench", *argv])["bench"]
-    assert list(res["systems"])[:3] == ["hybrid", "hybrid-no-balance", "all-gpu"]
+    assert list(res["systems"])[:3] == ["hybrid", "hybrid-split-cold", "all-gpu"]
     il = res["interleaved"]
-    assert il["systems"] == ["hybrid", "hybrid-no-balance"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
+    assert il["systems"] == ["hybrid", "hybrid-split-cold"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
     for name in il["systems"]:
         row = res["systems"][name]
         assert len(row["decode_tokens_per_s_reps"]) == 3 and len(row["dram_around_bytes_per_s"]["per_rep"]) == 3
@@ -225,4 +225,4 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     assert il["median_ratio_to_others"][label]["hybrid"] == pytest.approx((hybrid[0] / 3.0 + hybrid[2] / 5.0) / 2)
     assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
     md = report.markdown(res)
-    assert "Interleaved: hybrid, hybrid-no-balance timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
+    assert "Interleaved: hybrid, hybrid-split-cold timed in 3 rounds" in md and f"Paired with {label} run after each round" in md

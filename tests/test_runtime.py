@@ -126,6 +126,70 @@ def test_mask_indices_equal_flatnonzero(n):
             assert out[n] == -7
 
 
+def _cold_layer(rows: K.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, slices: int, marks: np.ndarray,
+                ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1) -> tuple[int, np.ndarray]:
+    """kernels.cold_layer over fresh scratch (NaN-filled: its contents must not matter) -> (k, out)."""
+    n, d = m.shape[0], x.shape[0]
+    out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
+    gated = act in K.GATED
+    k = K.cold_layer(ready, release, i, m, K.mask_words(m), np.empty(slices, np.int64), np.full(n, -1, np.int64),
+                     skip, x, rows.gate if gated else rows.up, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group,
+                     part, out, K.ACT_CODE[act], gated, marks)
+    return k, out
+
+
+@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
+@pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
+def test_cold_layer_equals_float64_reference(act, dtype):
+    """One decode layer's CPU part in one Numba call (the mask -> positions, the device's first `skip` left out, the
+    kernel; serial and sliced scans) against the float64 reference over np.flatnonzero(mask)[skip:]; the tally."""
+    rng = np.random.default_rng(zlib.crc32(repr((act, dtype)).encode()))
+    d, n = 72, 203  # a mask length that is not a multiple of 8
+    rows = random_rows(rng, act, d, n, dtype)
+    x = rng.standard_normal(d).astype(np.float32)
+    marks = np.zeros(2)
+    calls = 0
+    for p in (0.0, 0.1, 0.6):
+        m = rng.random(n) < p
+        for skip in (0, 5, n + 1):  # none, some, more than are marked
+            for slices in (1, 3):
+                k, out = _cold_layer(rows, act, m, x, skip, slices, marks)
+                calls += 1
+                assert k == m.sum()
+                np.testing.assert_allclose(out, reference(act, x, np.flatnonzero(m)[skip:], rows), rtol=1e-4,
+                                           atol=1e-5)
+    assert marks[0] == calls
+
+
+def test_cold_layer_waits_for_the_ready_signal_then_releases():
+    """With a layer index, cold_layer spins until ready[i] is set (here by another thread, which writes x and the
+    mask first, as the GPU does), resets it, computes from what was written before the signal and sets release[i]."""
+    import threading
+    import time
+
+    rng = np.random.default_rng(5)
+    d, n = 64, 96
+    rows = random_rows(rng, "reglu", d, n, "bf16")
+    x, m = np.zeros(d, np.float32), np.zeros(n, bool)  # what the host buffers hold before the GPU writes them
+    x_new, m_new = rng.standard_normal(d).astype(np.float32), rng.random(n) < 0.3
+    ready, release = np.zeros(3, np.int32), np.zeros(3, np.int32)
+
+    def gpu() -> None:
+        time.sleep(0.2)
+        x[:], m[:] = x_new, m_new
+        ready[1] = 1
+
+    t = threading.Thread(target=gpu)
+    t.start()
+    k, out = _cold_layer(rows, "reglu", m, x, 0, 3, np.zeros(2), ready, release, 1)  # nogil: the thread runs
+    t.join()
+    assert k == m_new.sum() and ready.tolist() == [0, 0, 0] and release.tolist() == [0, 1, 0]
+    np.testing.assert_allclose(out, reference("reglu", x_new, np.flatnonzero(m_new), rows), rtol=1e-4, atol=1e-5)
+    assert not K.wait_ready(ready, 1, 1000)  # no signal: gives up instead of hanging
+    ready[2] = 1
+    assert K.wait_ready(ready, 2, 1000) and ready[2] == 0
+
+
 def test_row_gather_sums_every_row_once():
     """The DRAM ceiling's read (dram.row_gather_bw) covers every row it times, whatever the thread count."""
     from powerinfer.runtime import dram

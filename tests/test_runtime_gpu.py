@@ -108,7 +108,7 @@ def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(ti
     f = rt.ffns[0]
     real = f.cold_rows
 
-    def broken(x):
+    def broken(x, *flags_and_layer):
         raise KeyboardInterrupt("stopped in a cold part")
 
     f.cold_rows = broken
