@@ -373,7 +373,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
             ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps),
-            ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps)]
+            ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -505,7 +506,8 @@ def parse(argv=None):
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
                          "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops), "
-                         "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer")
+                         "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
+                         "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it")
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "
