@@ -363,7 +363,8 @@ def stage_bench(args, work: Path) -> dict:
     P = type("Predictors", (), {"layers": preds["layers"]})()
     dt = "float16"  # the solver counted fp16 bytes; on the CPU too, so the --vram check means the same
     systems = {}
-    C = functools.partial(RuntimeConfig, ctx=args.ctx, device=args.device, dtype=dt)  # the solver's --ctx: its KV
+    C = functools.partial(RuntimeConfig, ctx=args.ctx, device=args.device, dtype=dt,  # the solver's --ctx: its KV
+                          **({} if args.pcie_share is None else {"pcie_share": args.pcie_share}))
     plan = [("hybrid", C(vram=budget), placement, P, args.tokens, args.reps),
             ("layer-split", C(mode="layer-split", vram=budget), None, None, args.slow_tokens, 1),
             ("all-gpu", C(mode="dense"), None, None, args.tokens, args.reps),
@@ -508,6 +509,10 @@ def parse(argv=None):
                          "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops), "
                          "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
                          "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it")
+    ap.add_argument("--pcie-share", type=float, default=None,
+                    help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
+                         "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "
+                         "between two builds does not decide it)")
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "
