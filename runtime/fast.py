@@ -9,7 +9,7 @@ GPU work is replayed from graphs over static buffers and a static KV cache:
            attention with the cache; h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold
            mask copied to the host; an event the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
-  CPU:     the Numba kernel over the active cold rows (HybridFFN.cold_rows), writing a pinned host buffer
+  CPU:     one Numba call (HybridFFN.cold_rows -> kernels.cold_layer): the active cold rows into a pinned host buffer
   final:   h = last h2 + hot + cold; norm; lm_head -> logits
 
 pre[i] and hot[i] are one graph with the event recorded between them (an external event: torch.cuda.Event(
@@ -20,7 +20,8 @@ Launching a layer's graph costs the CPU 0.06-0.16 ms (bench/NOTES.md). So that i
 cold part and the next layer's GPU work, the graph of layer i+1 is launched before the CPU computes layer i's cold
 rows, and its first node waits on the GPU for a flag in pinned host memory (`HostFlags`: the driver's stream memory
 operations, cuStreamWaitValue32, captured into the graph) that the CPU sets once the cold sum is written. Where the
-driver lacks them, each graph is launched after the previous cold part. The same functions run eagerly without CUDA
+driver lacks them, each graph is launched after the previous cold part. With them, each layer's graph also sets a
+ready flag after `pre` (cuStreamWriteValue32), which the CPU's Numba call spins on instead of a CUDA event wait. The same functions run eagerly without CUDA
 (tests check them there against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the
 static cache.
 """

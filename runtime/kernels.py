@@ -24,7 +24,9 @@ Two kernels, the activation passed as an integer code (ACT_CODE):
   gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act)    reglu, drelu, swiglu, geglu:
                                                                        h = act(gate_j . x) * up_j . x
                                                                        (drelu: relu(gate_j . x) * relu(up_j . x))
-`scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows.
+`scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows. `cold_layer` runs one decode
+layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> positions (mask_indices), one of the two
+kernels, the release flag.
 `part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]. The down bias is added by the caller once.
