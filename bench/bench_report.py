@@ -118,6 +118,8 @@ def markdown(res: dict) -> str:
              f"{m.get('budget_bytes', 0) / 1e9:.2f} GB ({100 * m.get('budget_share', 0):.0f}% of the model bytes).", "",
              "| system | decode tok/s | x llama.cpp layer split | share of the floor | notes |",
              "|---|---|---|---|---|"]
+    if res.get("partial"):
+        lines[2:2] = [f"PARTIAL: {res['partial']}.", ""]
     for name, row in s.items():
         if name in EIGHT_BIT or name.startswith(SPLIT_Q8):
             continue

@@ -321,6 +321,14 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
                                     "LM head once"}}
 
 
+def checkpoint(args, res: dict, systems: dict, skipped: dict) -> None:
+    """The bench stage's JSON as it stands (args.save, set by main), marked partial: a run stopped by a timeout keeps
+    the systems measured before it."""
+    if getattr(args, "save", None) is not None:
+        args.save({**res, "systems": systems, "skipped": skipped,
+                   "partial": "the bench stage stopped before its end: the systems measured until then"})
+
+
 def stage_bench(args, work: Path) -> dict:
     from powerinfer.runtime.generate import RuntimeConfig, layer_split_count
     from powerinfer.runtime.layout import Placement
@@ -396,7 +404,10 @@ def stage_bench(args, work: Path) -> dict:
     for name, cfg, pl, pr, n_tok, reps in plan:
         in_rounds = rounds and name == together[0][0]
         group = together if in_rounds else [(name, cfg, pl, pr, n_tok, reps)]
-        if not dl.allows(sum(args.estimates.get(g[0], 30) for g in group), name, skipped):
+        need = sum(args.estimates.get(g[0], 30) for g in group)
+        if in_rounds:  # llama-bench once a round
+            need += len(others) * group[0][5] * args.estimates["llama.cpp round"]
+        if not dl.allows(need, name, skipped):
             continue
         try:
             if in_rounds:
@@ -417,6 +428,7 @@ def stage_bench(args, work: Path) -> dict:
             res["predictor_time"] = tl.predictor_time(P, bm.SHAPES[args.shape][0], args.device)
         del extra
         _free(args.device)
+        checkpoint(args, res, systems, skipped)
 
     res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = ngl, ngl8
     if "llama.cpp" in args.systems:
@@ -435,12 +447,14 @@ def stage_bench(args, work: Path) -> dict:
                     systems[label]["dram_around_bytes_per_s"] = {"before": before,
                                                                  "after": ceil.dram_now(args.dram_bytes)}
                     print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
+                    checkpoint(args, res, systems, skipped)
     if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
         try:
             systems["accelerate offload"] = run_accelerate(base.model, budget, args.device, prompt, args.slow_tokens)
         except Exception as e:  # noqa: BLE001
             systems["accelerate offload"] = {"error": f"{type(e).__name__}: {e}"}
         _free(args.device)
+        checkpoint(args, res, systems, skipped)
     res["systems"] = systems
     del base, model
     _free(args.device)
@@ -529,7 +543,7 @@ def parse(argv=None):
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
     args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "hybrid-int8": 60, "dense": 60, "llama.cpp": 45,
-                      "accelerate": 60}
+                      "accelerate": 60, "llama.cpp round": 10}  # seconds; a round: one llama-bench -r 1 (--interleave)
     if args.device == "cpu" or args.shape == "tiny":
         args.estimates = {k: 1 for k in args.estimates}
     return args
@@ -563,12 +577,20 @@ def main(argv=None) -> dict:
     stages = ["build", "bench"] if args.stage == "all" else [args.stage]
     for stage in stages:
         t0 = time.perf_counter()
+        path = out / f"pi_bench_{stage}.json"
+
+        def save(res: dict, path: Path = path) -> None:  # a temp file, then a rename: never a half-written file
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(res, indent=1, default=_json))
+            os.replace(tmp, path)
+
+        args.save = (lambda res, t0=t0: save({**common, **res, "stage_seconds": time.perf_counter() - t0})) \
+            if stage == "bench" else None
         res = stage_build(args, args.work) if stage == "build" else stage_bench(args, args.work)
         res = {**common, **res, "stage_seconds": time.perf_counter() - t0}
         if stage == "bench":
             res["goals"] = goals(res)
-        path = out / f"pi_bench_{stage}.json"
-        path.write_text(json.dumps(res, indent=1, default=_json))
+        save(res)
         print("wrote", path, flush=True)
         done[stage] = res
         _free(args.device)

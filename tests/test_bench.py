@@ -185,6 +185,29 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert time.perf_counter() - t0 < 120
 
 
+def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The bench stage writes its JSON after each system (a temp file, then a rename), marked partial: a run that a
+    timeout stops keeps the systems measured before it, and the report says it is partial."""
+    import pi_bench
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt("the device's timeout")
+
+    monkeypatch.setattr(pi_bench, "run_accelerate", stopped)
+    out = tmp_path / "out"
+    argv = ["--stage", "bench", "--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(tmp_path / "work"),
+            "--out", str(out), "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "1",
+            "--profile-tokens", "512", "--calibration-tokens", "256", "--systems", "hybrid,accelerate"]
+    with pytest.raises(KeyboardInterrupt):
+        pi_bench.main(argv)
+    assert sorted(p.name for p in out.iterdir()) == ["pi_bench_bench.json"]  # no temp file left
+    res = json.loads((out / "pi_bench_bench.json").read_text())
+    assert res["partial"] and res["systems"]["hybrid"]["decode_tokens_per_s"] > 0 and "accelerate offload" not in \
+        res["systems"]
+    merged = report.write_results([out], tmp_path / "results")
+    assert report.markdown(merged).splitlines()[2].startswith("PARTIAL: the bench stage stopped")
+
+
 def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
     ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
