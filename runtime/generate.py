@@ -213,6 +213,8 @@ BALANCE_TOKENS = 4  # the CPU's; each times this many tokens after one that capt
 TUNING_TOKENS = CALIBRATION_TOKENS + BALANCE_ROUNDS * (BALANCE_TOKENS + 1)
 OVERRUN_TOL_MS = 0.02  # a layer's wait this much past its wait without a share: the GPU's part ended after the CPU's
 MIN_OVERRUNS = 3  # samples of a round that must show it before the GPU part's time is read from them
+STALL_X = 3.0  # a CPU part over this many times the round's median is counted at that: a stall (a page fault, the OS)
+#                does not shrink with the rows the CPU keeps, and one of 20 ms in 48 samples drove the share to its cap
 
 
 @dataclass
@@ -262,8 +264,10 @@ def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_m
     device_rows_per_ms): the CPU's times keep their spread from layer to layer and token to token, so the best split
     lets the GPU overrun now and then rather than never. With fewer, the GPU ended first: K rises by the most that
     could balance the mean, as if the hot rows took no time, to no more than halfway to `ceiling` (the lowest share
-    seen to overrun); the next round corrects an overshoot."""
+    seen to overrun); the next round corrects an overshoot. CPU samples over STALL_X times their median count at
+    that (stalls, which moving rows does not shorten)."""
     k = share * marked  # rows
+    cold_ms = np.minimum(cold_ms, STALL_X * float(np.median(cold_ms)))
     cpu_rows = max(marked - k, 1.0)
     over = overrun_ms > OVERRUN_TOL_MS
     if over.sum() >= MIN_OVERRUNS:
@@ -320,6 +324,7 @@ def tune_mapped_rows(rt: Runtime) -> bool:
         share = next_share(rt.pcie_share, marked, b.device_rows_per_ms, over, cold, b.ceiling)
         n_over = int((over > OVERRUN_TOL_MS).sum())
         b.rounds.append({"share": rt.pcie_share, "marked": marked, "cold_ms": float(cold.mean()),
+                         "cold_ms_median": float(np.median(cold)), "cold_ms_max": float(cold.max()),  # stalls show
                          "overrun_ms": float(np.maximum(over, 0).mean()), "overruns": n_over / over.size})
         if n_over >= MIN_OVERRUNS:
             b.ceiling = min(b.ceiling or 1.0, rt.pcie_share)

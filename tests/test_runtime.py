@@ -512,6 +512,18 @@ def test_next_share_from_overruns_lands_on_the_balance():
     assert abs((a + new / g) - (marked - new) / c) < 2 * (marked / 256) * (1 / g + 1 / c)
 
 
+def test_next_share_is_not_moved_by_one_stalled_cpu_part():
+    """One CPU part stalled for 20 ms among a round's 48 samples (a page fault, the OS) does not send the share to its
+    cap: the stall does not shrink with the rows the CPU keeps (bench/NOTES.md, machine BD)."""
+    import powerinfer.runtime.generate as G
+
+    rng = np.random.default_rng(0)
+    over, cold = np.abs(rng.normal(0.5, 0.2, (4, 12))), np.abs(rng.normal(0.15, 0.03, (4, 12)))
+    calm = G.next_share(0.855, 1142.0, 1000.0, over, cold, 0.418)
+    cold[1, 3] = 20.0
+    assert calm < 0.855 and G.next_share(0.855, 1142.0, 1000.0, over, cold, 0.418) == pytest.approx(calm, abs=0.02)
+
+
 def test_pcie_share_out_of_range_is_refused(tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     with pytest.raises(ValueError, match="--pcie-share 1.5 is out of range"):
