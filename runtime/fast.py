@@ -21,8 +21,8 @@ cold part and the next layer's GPU work, the graph of layer i+1 is launched befo
 rows, and its first node waits on the GPU for a flag in pinned host memory (`HostFlags`: the driver's stream memory
 operations, cuStreamWaitValue32, captured into the graph) that the CPU sets once the cold sum is written. Where the
 driver lacks them, each graph is launched after the previous cold part. With them, each layer's graph also sets a
-ready flag after `pre` (cuStreamWriteValue32), which the CPU's Numba call spins on instead of a CUDA event wait. The same functions run eagerly without CUDA
-(tests check them there against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the
+ready flag after `pre` (cuStreamWriteValue32), which the CPU's Numba call spins on instead of a CUDA event wait. The
+same functions run eagerly without CUDA (tests check them there against HF). The prompt is prefilled through HF (dense) and its keys/values copied into the
 static cache.
 """
 

@@ -405,7 +405,8 @@ def wait_ready(ready, i, spins):
 def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out,
                act, gated, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
-    decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read; bench/NOTES.md):
+    decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
+    bench/NOTES.md):
 
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
       the marked cold positions of mask (n_cold,) bool -> idx[:k] (mask_indices, or mask_indices_sliced over the
