@@ -559,6 +559,7 @@ def main(argv=None) -> dict:
         return write_results(args.inputs, args.results)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu for a smoke test")
+    from powerinfer import artifacts
     from powerinfer.hardware import machine_info
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -580,9 +581,7 @@ def main(argv=None) -> dict:
         path = out / f"pi_bench_{stage}.json"
 
         def save(res: dict, path: Path = path) -> None:  # a temp file, then a rename: never a half-written file
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(res, indent=1, default=_json))
-            os.replace(tmp, path)
+            artifacts.atomic_write_bytes(path, json.dumps(res, indent=1, default=_json).encode())
 
         args.save = (lambda res, t0=t0: save({**common, **res, "stage_seconds": time.perf_counter() - t0})) \
             if stage == "bench" else None
