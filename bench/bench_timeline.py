@@ -63,9 +63,10 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     try:
         generate(rt, prompt, tokens, stop_at_eos=False)
     finally:
-        for f, c in zip(rt.ffns, before):
-            del f.cold_rows  # the class's method again, or the A/B's
-            if c is not None:
+        for f, c in zip(rt.ffns, before):  # the class's method again, or the A/B's
+            if c is None:
+                del f.cold_rows
+            else:
                 f.cold_rows = c
     fast = rt.fast
 
