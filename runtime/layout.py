@@ -303,12 +303,11 @@ class HybridFFN(nn.Module):
                            c.down_t, c.scale, c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.gated,
                            self.cold_marks)
             if k < 0:
-                raise RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within "
-                                   f"{SPINS:,} reads of the flag: a failed or stalled CUDA graph")
+                raise self._no_signal()
             self.counts[0] += 1
             return io["idx"][min(self.mapped_rows, k):k]
         if flags is not None and not wait_ready(ready, i, SPINS):
-            raise RuntimeError(f"layer {self.layer}: the GPU did not signal its x within {SPINS:,} reads of the flag")
+            raise self._no_signal()
         if self.mask == "dense":
             idx = self.all_cold
             self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
@@ -324,6 +323,10 @@ class HybridFFN(nn.Module):
         if flags is not None:
             flags.release(i)
         return idx
+
+    def _no_signal(self) -> RuntimeError:
+        return RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within {SPINS:,} reads "
+                            f"of the flag: a failed or stalled CUDA graph")
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
         w = self._cold_f32()
