@@ -22,11 +22,18 @@ between two calls of a layer): results from before that (bench/results up to 202
 rows of the previous variant's or set's call.
 Results from an earlier form of this script (torch vs numpy row memory, prefetch of 1 line): results/2026-11-22-h100-
 kernel-variants.json, commit 16d962e.
-Usage: python bench/kernel_variants.py OUT [n d] [--reps 8] [--variants fused,fused-dyn4,...]"""
+  other          with --other-kernels FILE: that file's kernel (another version of runtime/kernels.py, e.g. from
+                 `git show REV:runtime/kernels.py > FILE`), for an A/B of a change to the kernel; its gated_ffn
+                 where it has no cold_ffn
+With --rounds R the variants are timed R times in turn at each density (A, B, A, B, ...), so that a drift of the
+machine's speed does not fall on one of them.
+Usage: python bench/kernel_variants.py OUT [n d] [--reps 8] [--rounds 1] [--variants fused,fused-dyn4,...]
+       [--other-kernels FILE]"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -251,7 +258,20 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
-def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = ()) -> dict:
+def _other_kernel(path: Path):
+    """fn(x, idx, R, part, out, act) from another version of runtime/kernels.py at `path`."""
+    spec = importlib.util.spec_from_file_location("other_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    if hasattr(mod, "cold_ffn"):
+        return lambda x, s, R, part, o, act: mod.cold_ffn(x, s, R.gate, R.up, R.b_up, R.down_t, R.scale, R.group,
+                                                          part, o, act)
+    return lambda x, s, R, part, o, act: mod.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, act)
+
+
+def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = (), rounds: int = 1,
+         other: Path | None = None) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
     flush = ceil._dram_array(2 * 2**30)
@@ -268,7 +288,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     counter = np.zeros(1, np.int64)
 
     def kernel(R, s):
-        K.gated_ffn(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, REGLU)
+        K.cold_ffn(x, s, R.gate, R.up, R.b_up, R.down_t, R.scale, R.group, part, o, REGLU)
 
     def dyn(chunk: int, width: int):  # `dynamic` with `chunk` neurons a claim, `width` neurons' rows at once
         return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width)
@@ -290,6 +310,10 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("int8", "const-8rows"): dyn(8, 8),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
+    if other is not None:
+        other_fn = _other_kernel(other)
+        res["other_kernels"] = str(other)
+        variants[("bf16", "other")] = variants[("int8", "other")] = lambda R, s: other_fn(x, s, R, part, o, REGLU)
     if only:
         variants = {key: fn for key, fn in variants.items() if key[1] in only}
     rng = np.random.default_rng(0)
@@ -297,10 +321,11 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     for dens in (16 / n, 0.05, 0.065, 0.10, 0.20):
         k = int(round(dens * n))
         first = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64)  # every variant's check
-        for (dt, name), fn in variants.items():
+        for rnd, ((dt, name), fn) in ((r, v) for r in range(rounds) for v in variants.items()):
             R = rows[dt]
             fn(R, first)
-            checks.setdefault((dt, dens), []).append(o.copy())
+            if rnd == 0:
+                checks.setdefault((dt, dens), []).append(o.copy())
             # fresh sets for each variant: a set the previous variant just read may still sit in the L3
             sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps)]
             ts = []
@@ -310,7 +335,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                 fn(R, s)
                 ts.append(time.perf_counter() - t0)
             nbytes = k * 3 * (d * R.up.itemsize + 4 * R.scale.shape[2])
-            table.append({"density": dens, "dtype": dt, "variant": name, "active_rows": k,
+            table.append({"density": dens, "dtype": dt, "variant": name, "round": rnd, "active_rows": k,
                           "best_ms": 1e3 * min(ts), "median_ms": 1e3 * float(np.median(ts)),
                           "GBps": nbytes / min(ts) / 1e9, "G_weights_per_s": k * 3 * d / min(ts) / 1e9,
                           "share_of_dram": nbytes / min(ts) / res["dram"]["best_bytes_per_s"]})
@@ -331,5 +356,7 @@ if __name__ == "__main__":
     ap.add_argument("d", type=int, nargs="?", default=8192)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--variants", default="", help="comma list of variant names (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed in turn at each density")
+    ap.add_argument("--other-kernels", type=Path, help="another version of runtime/kernels.py: variant 'other'")
     a = ap.parse_args()
-    main(a.out, a.n, a.d, a.reps, tuple(v for v in a.variants.split(",") if v))
+    main(a.out, a.n, a.d, a.reps, tuple(v for v in a.variants.split(",") if v), a.rounds, a.other_kernels)

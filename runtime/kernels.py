@@ -19,14 +19,14 @@ bandwidth; four rows at once read 1.35-1.41x (bf16) and 1.31-1.46x (int8) faster
 on the 2-core development host (bench/kernel_variants.py fused against fused-single, bench/NOTES.md). A group of four with a zero ReLU gate (a neuron marked active that is not)
 finishes each neuron alone, so inactive neurons still skip their up and down rows.
 
-Two kernels, the activation passed as an integer code (ACT_CODE):
-  ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act)  relu, gelu:  h = act(up_j . x + b_j)
-  gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act)    reglu, drelu, swiglu, geglu:
-                                                                       h = act(gate_j . x) * up_j . x
-                                                                       (drelu: relu(gate_j . x) * relu(up_j . x))
+One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST_GATED on):
+  cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act)
+    relu, gelu (ungated):                 h = act(up_j . x + b_j)
+    reglu, drelu, swiglu, geglu (gated):  h = act(gate_j . x) * up_j . x   (drelu: relu(gate_j . x) * relu(up_j . x))
+`gate` stands in for itself in ungated FFNs (any array of up's type: never read); `b_up` is read only by ungated ones.
 `scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows. `cold_layer` runs one decode
-layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> positions (mask_indices), one of the two
-kernels, the release flag.
+layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> positions (mask_indices), the kernel,
+the release flag.
 `part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]. The down bias is added by the caller once.
@@ -229,10 +229,11 @@ def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernels: one for gated FFNs, one for ungated ones; the activation is a loop-invariant integer code, so the branch
-# on it costs nothing next to the row reads.
+# The kernel, gated and ungated FFNs alike: the activation is a loop-invariant integer code, so the branches on it
+# cost nothing next to the row reads.
 
 ACT_CODE = {"relu": 0, "gelu": 1, "reglu": 2, "drelu": 3, "swiglu": 4, "geglu": 5}
+FIRST_GATED = 2  # codes from here on are gated activations
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -272,29 +273,6 @@ def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # fou
            scale[2, j2], scale[2, j3], group, acc)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def gated_ffn(x, idx, gate, up, down_t, scale, group, part, out, act):
-    d, k = x.shape[0], idx.shape[0]
-    T = _n_chunks(k, part.shape[0])
-    counter = np.zeros(1, np.int64)  # the next unclaimed position in idx
-    for t in prange(T):
-        acc = part[t]  # (d,) this thread's partial sum
-        acc[:] = 0.0
-        while True:
-            q0 = _fetch_add(counter, CHUNK)
-            if q0 >= k:
-                break
-            q, q1 = q0, min(q0 + CHUNK, k)
-            while q + 4 <= q1:
-                _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, act)
-                q += 4
-            for q in range(q, q1):
-                j = idx[q]
-                _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
-    for c in prange(T):  # the partial rows summed by all threads, one slice of d each
-        _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
 @njit(nogil=True, cache=True, fastmath=True)
 def _ungated_value(a, act):
     return _relu(a) if act == 0 else _gelu_erf(a)
@@ -306,13 +284,30 @@ def _ungated_rest(h, j, down_t, scale, group, acc):
         _axpy(h, down_t[j], scale[2, j], group, acc)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _ungated4(x, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
+    a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2], scale[1, j3],
+                           group)
+    h0, h1 = _ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act)
+    h2, h3 = _ungated_value(a2 + b_up[j2], act), _ungated_value(a3 + b_up[j3], act)
+    if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
+        _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
+               scale[2, j2], scale[2, j3], group, acc)
+        return
+    _ungated_rest(h0, j0, down_t, scale, group, acc)  # an inactive neuron (a wrong guess): each on its own, skipping
+    _ungated_rest(h1, j1, down_t, scale, group, acc)  # its down row
+    _ungated_rest(h2, j2, down_t, scale, group, acc)
+    _ungated_rest(h3, j3, down_t, scale, group, acc)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
+def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
+    gated = act >= FIRST_GATED
     T = _n_chunks(k, part.shape[0])
-    counter = np.zeros(1, np.int64)
+    counter = np.zeros(1, np.int64)  # the next unclaimed position in idx
     for t in prange(T):
-        acc = part[t]
+        acc = part[t]  # (d,) this thread's partial sum
         acc[:] = 0.0
         while True:
             q0 = _fetch_add(counter, CHUNK)
@@ -320,25 +315,19 @@ def ungated_ffn(x, idx, up, b_up, down_t, scale, group, part, out, act):
                 break
             q, q1 = q0, min(q0 + CHUNK, k)
             while q + 4 <= q1:
-                j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
-                a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
-                                       scale[1, j3], group)
-                h0, h1 = _ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act)
-                h2, h3 = _ungated_value(a2 + b_up[j2], act), _ungated_value(a3 + b_up[j3], act)
-                if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
-                    _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
-                           scale[2, j2], scale[2, j3], group, acc)
-                else:  # an inactive neuron (a wrong guess): each on its own, skipping its down row
-                    _ungated_rest(h0, j0, down_t, scale, group, acc)
-                    _ungated_rest(h1, j1, down_t, scale, group, acc)
-                    _ungated_rest(h2, j2, down_t, scale, group, acc)
-                    _ungated_rest(h3, j3, down_t, scale, group, acc)
+                if gated:
+                    _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, act)
+                else:
+                    _ungated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], up, b_up, down_t, scale, group, acc, act)
                 q += 4
             for q in range(q, q1):
                 j = idx[q]
-                _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
-                              group, acc)
-    for c in prange(T):
+                if gated:
+                    _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
+                else:
+                    _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
+                                  scale, group, acc)
+    for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
@@ -403,7 +392,7 @@ def wait_ready(ready, i, spins):
 
 @njit(nogil=True, cache=True)
 def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out,
-               act, gated, marks):
+               act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
     decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
     bench/NOTES.md):
@@ -411,11 +400,10 @@ def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
       the marked cold positions of mask (n_cold,) bool -> idx[:k] (mask_indices, or mask_indices_sliced over the
       (T,) `slices` scratch when it has more than one row); the first `skip` are the device's (its PCIe share);
-      out (d,) float32 = the rows' sum (gated_ffn or ungated_ffn over idx[skip:k]);
+      out (d,) float32 = the rows' sum (cold_ffn over idx[skip:k]);
       marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out is written first).
 
-    `gate` stands in for itself in ungated FFNs (any array of up's type: never read). Returns k, or -1 (nothing done)
-    when no signal came within SPINS reads."""
+    Returns k, or -1 (nothing done) when no signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
     if slices.shape[0] > 1:
@@ -424,11 +412,7 @@ def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b
         k = mask_indices(mask, words, idx)
     marks[0] += 1
     marks[1] += k
-    rows = idx[min(skip, k):k]
-    if gated:
-        gated_ffn(x, rows, gate, up, down_t, scale, group, part, out, act)
-    else:
-        ungated_ffn(x, rows, up, b_up, down_t, scale, group, part, out, act)
+    cold_ffn(x, idx[min(skip, k):k], gate, up, b_up, down_t, scale, group, part, out, act)
     if i >= 0:
         _store_release(release, i, np.int32(1))
     return k
@@ -450,10 +434,8 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", 
     number of threads that share the active list."""
     if part is None:
         part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
-    if activation in GATED:
-        gated_ffn(x, idx, rows.gate, rows.up, rows.down_t, rows.scale, rows.group, part, out, ACT_CODE[activation])
-    else:
-        ungated_ffn(x, idx, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out, ACT_CODE[activation])
+    cold_ffn(x, idx, rows.up if rows.gate is None else rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale,
+             rows.group, part, out, ACT_CODE[activation])
     return out
 
 

@@ -96,6 +96,12 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_gated_codes_are_the_gated_activations():
+    """cold_ffn tells gated FFNs from ungated ones by their code alone."""
+    assert {a for a, c in K.ACT_CODE.items() if c >= K.FIRST_GATED} == set(K.GATED)
+    assert set(K.ACT_CODE) == set(K.GATED) | set(K.UNGATED)
+
+
 @pytest.mark.parametrize("dtype", K.COLD_DTYPES)
 def test_kernel_threads_do_not_change_the_result(dtype):
     rng = np.random.default_rng(1)
@@ -131,10 +137,9 @@ def _cold_layer(rows: K.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: 
     """kernels.cold_layer over fresh scratch (NaN-filled: its contents must not matter) -> (k, out)."""
     n, d = m.shape[0], x.shape[0]
     out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
-    gated = act in K.GATED
     k = K.cold_layer(ready, release, i, m, K.mask_words(m), np.empty(slices, np.int64), np.full(n, -1, np.int64),
-                     skip, x, rows.gate if gated else rows.up, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group,
-                     part, out, K.ACT_CODE[act], gated, marks)
+                     skip, x, rows.up if rows.gate is None else rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale,
+                     rows.group, part, out, K.ACT_CODE[act], marks)
     return k, out
 
 
