@@ -15,7 +15,8 @@ import bench_timeline as tl
 
 def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
     """One of our systems built and warmed up; returns (runtime, build seconds)."""
-    from powerinfer.runtime.generate import TUNING_TOKENS, build_runtime, generate
+    from powerinfer.runtime.balance import TUNING_TOKENS
+    from powerinfer.runtime.generate import build_runtime, generate
 
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,10 +25,10 @@ from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
+from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from powerinfer.runtime.fast import CAPACITY, StaticDecoder, cache_bytes, supported
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
-from powerinfer.runtime.layout import (HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install,
-                                      measure_pcie_rates)
+from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
 
 MODES = ("hybrid", "dense", "layer-split")
 
@@ -103,7 +102,7 @@ class Runtime:
     threads: int
     fast: StaticDecoder | None = None  # decode steps without HF's per-layer launches (LLaMA family)
     pcie_share: float = 0.0  # see RuntimeConfig; the FFNs' mapped_rows are set from it after CALIBRATION_TOKENS
-    pcie_tuned: bool = False  # the share is final
+    pcie_tuned: bool = False  # the share's series of balancing rounds is over (re-checks may start another)
     pcie_balance: ShareBalance | None = None  # a measured share on CUDA graphs: moved by timed rounds first
     # the placement's GPU share of the profile's activations (pi-solve's summary.json), to compare decode's with
     profile_gpu_share: float | None = None
@@ -203,138 +202,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
                          f"pi-solve with this budget, or raise --vram")
     fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, cfg.compile) if static else None
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
-    rt.pcie_share = _pcie_share(rt, mask)
+    rt.pcie_share = pcie_share(rt, mask)
     return rt
-
-
-CALIBRATION_TOKENS = 16  # decoded tokens without a share: each FFN's mean marked cold neurons, the step without it
-BALANCE_ROUNDS = 3  # then (share measured, CUDA graphs) rounds that move the share to where the GPU's part ends with
-BALANCE_TOKENS = 4  # the CPU's; each times this many tokens after one that captures the graphs again
-TUNING_TOKENS = CALIBRATION_TOKENS + BALANCE_ROUNDS * (BALANCE_TOKENS + 1)
-OVERRUN_TOL_MS = 0.02  # a layer's wait this much past its wait without a share: the GPU's part ended after the CPU's
-MIN_OVERRUNS = 3  # samples of a round that must show it before the GPU part's time is read from them
-STALL_X = 3.0  # a CPU part over this many times the round's median is counted at that: a stall (a page fault, the OS)
-#                does not shrink with the rows the CPU keeps, and one of 20 ms in 48 samples drove the share to its cap
-
-
-@dataclass
-class ShareBalance:
-    """The share's balancing rounds (tune_mapped_rows). The share measured at start times the GPU and the CPU each
-    alone, but in decode the GPU's part also holds the hot rows and the two share DRAM: on the H100 machine the GPU's
-    part once ended ~0.2 ms a layer after the CPU's (bench/NOTES.md). So the decode steps themselves are timed
-    (StaticDecoder.timing, on while balancing)."""
-    device_rows_per_ms: float  # the GPU's rate over PCIe, measured at start
-    base_ms: np.ndarray | None = None  # (layers + 1,) ms: each wait for `pre` and the final graph's, without a share
-    ceiling: float | None = None  # the lowest share seen to run past the CPU
-    start: int = 0  # StaticDecoder.timing index where this round's steps begin
-    rounds: list[dict] = field(default_factory=list)
-
-
-def _pcie_share(rt: Runtime, mask: str) -> float:
-    """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any. A
-    measured share on CUDA graphs is balanced in decode (rt.pcie_balance)."""
-    cold = [f for f in rt.ffns if f.n_cold]
-    if rt.fast is None or mask == "oracle" or not cold or rt.cfg.pcie_share == 0:
-        return 0.0
-    if rt.cfg.pcie_share is None and rt.device.type != "cuda":
-        return 0.0  # no PCIe to share: the CPU reads everything
-    try:
-        for f in cold:
-            f.map_cold(rt.device)
-    except RuntimeError as e:
-        warnings.warn(str(e), stacklevel=2)
-        return 0.0
-    if rt.cfg.pcie_share is not None:
-        return rt.cfg.pcie_share
-    device_rate, cpu_rate = measure_pcie_rates(max(cold, key=lambda f: f.n_cold))  # rows/s
-    if rt.fast.graphs and BALANCE_ROUNDS > 0:
-        rt.pcie_balance = ShareBalance(device_rate / 1e3)
-        rt.fast.timing = []
-    return device_rate / (device_rate + cpu_rate)
-
-
-def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_ms: np.ndarray, cold_ms: np.ndarray,
-               ceiling: float | None = None) -> float:
-    """The share for the next round, from one at `share` (K = share x marked rows a layer on the GPU): per (step,
-    layer) sample, the CPU's cold part `cold_ms` and how long the layer's GPU part (hot rows, then the K rows) ran past
-    it, `overrun_ms` (<= OVERRUN_TOL_MS: it ended first, by a margin the host clock cannot see).
-
-    Each sample that overran times the GPU's part: G = cold + overrun. With MIN_OVERRUNS of them, G is their median and
-    the next K minimises the mean over the samples of max(G + dK / g, cold x (marked - K - dK) / (marked - K)) (g =
-    device_rows_per_ms): the CPU's times keep their spread from layer to layer and token to token, so the best split
-    lets the GPU overrun now and then rather than never. With fewer, the GPU ended first: K rises by the most that
-    could balance the mean, as if the hot rows took no time, to no more than halfway to `ceiling` (the lowest share
-    seen to overrun); the next round corrects an overshoot. CPU samples over STALL_X times their median count at
-    that (stalls, which moving rows does not shorten)."""
-    k = share * marked  # rows
-    cold_ms = np.minimum(cold_ms, STALL_X * float(np.median(cold_ms)))
-    cpu_rows = max(marked - k, 1.0)
-    over = overrun_ms > OVERRUN_TOL_MS
-    if over.sum() >= MIN_OVERRUNS:
-        gpu_ms = float(np.median(cold_ms[over] + overrun_ms[over]))
-        dk = np.linspace(-k, cpu_rows, 257)[:, None]  # (candidates, 1) rows moved to the GPU
-        step = np.maximum(gpu_ms + dk / device_rows_per_ms, cold_ms.ravel() * (cpu_rows - dk) / cpu_rows)  # ms
-        new = (k + float(dk[np.argmin(step.mean(axis=1)), 0])) / marked
-    else:
-        cold = float(np.mean(cold_ms))
-        slope = 1 / device_rows_per_ms + cold / cpu_rows  # ms of difference per row moved
-        new = (k + max(0.0, cold - k / device_rows_per_ms) / slope) / marked
-        if ceiling is not None:
-            new = min(new, (share + ceiling) / 2)
-    return float(min(max(new, 0.0), 0.95))
-
-
-def _set_mapped_rows(rt: Runtime, share: float) -> None:
-    """Each FFN's mapped_rows = share x its mean marked cold neurons a token; graphs captured again at the next step."""
-    rt.fast.reset_graphs()  # waits for the GPU: no graph runs while any is dropped
-    rt.pcie_share = share
-    for f in rt.ffns:
-        f.mapped_rows = int(round(share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
-        if f._io is not None:
-            f._io["graphs"] = None
-
-
-def tune_mapped_rows(rt: Runtime) -> bool:
-    """Called after each decode step. Once every FFN has seen CALIBRATION_TOKENS tokens: sets mapped_rows from the
-    share. With rt.pcie_balance, then BALANCE_ROUNDS timed rounds move the share (next_share); the last round's
-    proposal is taken where the GPU overran in it (it comes from that round's own times), else its share stays. True
-    when mapped_rows changed. Once a runtime."""
-    if rt.pcie_tuned or rt.pcie_share <= 0 or min(f.cold_marks[0] for f in rt.ffns) < CALIBRATION_TOKENS:
-        return False
-    b, timing = rt.pcie_balance, rt.fast.timing
-    if b is None or timing is None:  # a given share, or no host clock: set once
-        _set_mapped_rows(rt, rt.pcie_share)
-        rt.pcie_tuned = True
-        return True
-
-    def waits(steps: list[dict]) -> np.ndarray:  # (steps, layers + 1) ms: each wait for `pre`, the final graph's
-        return np.array([s["wait_pre_ms"] + [s["final_ms"]] for s in steps])
-
-    steps = timing[b.start:]
-    if b.base_ms is None:  # the calibration tokens: no share yet
-        b.base_ms = np.median(waits(steps[len(steps) // 2:]), axis=0)  # the later half: the first replays warm up
-        share = rt.pcie_share
-    else:
-        if len(steps) < BALANCE_TOKENS + 1:
-            return False
-        steps = steps[1:]  # the first step of a round captured the graphs
-        marked = float(np.mean([f.cold_marks[1] / f.cold_marks[0] for f in rt.ffns if f.mapped is not None]))
-        over = (waits(steps) - b.base_ms)[:, 1:]  # (steps, layers): layer i's GPU part delays what comes after it
-        cold = np.array([s["cold_ms"] for s in steps])  # (steps, layers)
-        share = next_share(rt.pcie_share, marked, b.device_rows_per_ms, over, cold, b.ceiling)
-        n_over = int((over > OVERRUN_TOL_MS).sum())
-        b.rounds.append({"share": rt.pcie_share, "marked": marked, "cold_ms": float(cold.mean()),
-                         "cold_ms_median": float(np.median(cold)), "cold_ms_max": float(cold.max()),  # stalls show
-                         "overrun_ms": float(np.maximum(over, 0).mean()), "overruns": n_over / over.size})
-        if n_over >= MIN_OVERRUNS:
-            b.ceiling = min(b.ceiling or 1.0, rt.pcie_share)
-        if len(b.rounds) == BALANCE_ROUNDS:
-            rt.pcie_tuned, rt.fast.timing = True, None
-            if n_over < MIN_OVERRUNS:  # the GPU ended first: no unmeasured step up at the end
-                return False
-    _set_mapped_rows(rt, share)
-    b.start = len(timing)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------

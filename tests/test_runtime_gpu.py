@@ -136,11 +136,11 @@ def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_d
     """After the calibration tokens the GPU computes the first marked cold neurons of each token from page-locked,
     mapped host rows (graphs captured again with that shape), the CPU the rest: HF's tokens and logits. The share is
     measured (pcie_share None), then moved by two timed balancing rounds, each with graphs captured again."""
-    import powerinfer.runtime.generate as G
+    import powerinfer.runtime.balance as B
 
-    monkeypatch.setattr(G, "CALIBRATION_TOKENS", 4)
-    monkeypatch.setattr(G, "BALANCE_ROUNDS", 2)
-    monkeypatch.setattr(G, "BALANCE_TOKENS", 2)
+    monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
+    monkeypatch.setattr(B, "BALANCE_ROUNDS", 2)
+    monkeypatch.setattr(B, "BALANCE_TOKENS", 2)
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     if int8:
         tiny.round_ffns_to_int8(lm)
@@ -150,3 +150,18 @@ def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_d
     rounds = g.stats["pcie_balance"]
     assert len(rounds) == 2 and 0 < rounds[0]["share"] < 1 and rounds[0]["cold_ms"] > 0
     assert 0 <= g.stats["pcie_share"] <= 0.95 and g.stats["graph_prelaunch"]
+
+
+def test_cuda_share_rechecks_equal_hf(tiny_model_dir, monkeypatch):
+    """Re-checks of the balanced share on CUDA (every step, each starting a new series: graphs captured again from
+    a re-check's host clock): HF's tokens and logits."""
+    import powerinfer.runtime.balance as B
+
+    for name, v in (("CALIBRATION_TOKENS", 2), ("BALANCE_ROUNDS", 1), ("BALANCE_TOKENS", 1), ("RECHECK_TOKENS", 1),
+                    ("RECHECK_GAIN", 0.0)):
+        monkeypatch.setattr(B, name, v)
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    cfg = RuntimeConfig(device="cuda", dtype="float32")
+    g = check_equal(lm, cfg, make_placement(lm, "mixed"), always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
+    rounds = g.stats["pcie_balance"]
+    assert sum(bool(r.get("recheck")) for r in rounds) >= 2 and g.stats["graph_prelaunch"]
