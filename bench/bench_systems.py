@@ -26,6 +26,8 @@ def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
         rt.fast.prelaunch = False
     if name.endswith("no-balance") and rt.pcie_balance is not None:  # an A/B of the share's balancing rounds
         rt.pcie_balance = rt.fast.timing = None
+    if name.endswith("no-recheck") and rt.pcie_balance is not None:  # an A/B of their re-checks
+        rt.pcie_balance.recheck = False
     if name.endswith("split-cold") and rt.fast is not None:  # an A/B of kernels.cold_layer
         split_cold(rt)
     if name.endswith("event-wait") and rt.fast is not None:  # an A/B of its wait for the GPU's ready signal

@@ -383,7 +383,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
             ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps),
             ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps)]
+            ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -522,7 +523,8 @@ def parse(argv=None):
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
                          "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops), "
                          "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
-                         "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it")
+                         "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
+                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
                          "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "

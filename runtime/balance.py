@@ -48,6 +48,7 @@ class ShareBalance:
     series: int = 0  # index in `rounds` of the current series' first round (the first series, or a re-check's)
     since: int = 0  # decode steps since the last series ended or re-check passed
     clock: list | None = None  # the StaticDecoder.timing list a re-check turned on (another one is not its own)
+    recheck: bool = True  # False: the first series' share is kept for life (an A/B, bench/pi_bench.py)
 
 
 def pcie_share(rt: Runtime, mask: str) -> float:
@@ -132,7 +133,7 @@ def tune_mapped_rows(rt: Runtime) -> bool:
         return False
     b = rt.pcie_balance
     if rt.pcie_tuned:
-        return _recheck(rt) if b is not None else False
+        return _recheck(rt) if b is not None and b.recheck else False
     timing = rt.fast.timing
     if b is None or timing is None:  # a given share, or no host clock: set once
         _set_mapped_rows(rt, rt.pcie_share)
