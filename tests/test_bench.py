@@ -74,8 +74,8 @@ def test_exact_predictor_marks_the_neurons_that_fire():
         p = bm.exact_predictor(lm, "tiny", i, seed=2, rank=7).float()
         assert p.fc1.weight.shape == (16, 128)  # 2 * rank + 2 hidden units
         x = bm._ffn_input(lm, i, ids)  # (64, d) float32
-        gate = x.double() @ lm.layers[i].mlp.gate_proj.weight.double().T  # float64 reference
         with torch.no_grad():
+            gate = x.double() @ lm.layers[i].mlp.gate_proj.weight.double().T  # float64 reference
             logits = p(x)
         assert torch.allclose(logits.double(), gate, atol=2e-3 * float(gate.abs().max()))
         agree = (p.mask(x) == (gate > 0)).float().mean()
