@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402  (sets the OpenMP policy, imports powerinfer.* from this checkout)
+import pi_bench  # noqa: E402,F401  (sets the OpenMP policy, imports powerinfer.* from this checkout)
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402

@@ -10,7 +10,6 @@ Train and test close together = the size limits it, not the number of samples. W
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 

@@ -8,7 +8,6 @@ the median decode tok/s is reported with every rep and the measured FFN sparsity
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -13,7 +13,6 @@ measure speed, not quality.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -39,7 +38,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 import bench_ceilings  # noqa: E402
 import bench_model as bm  # noqa: E402
 import tiny  # noqa: E402
-from powerinfer.models import load_model  # noqa: E402
 from powerinfer.runtime.fast import cache_bytes  # noqa: E402
 from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
                                          layer_split_count)
