@@ -99,7 +99,7 @@ def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_m
         dk = np.linspace(-k, cpu_rows, 257)[:, None]  # (candidates, 1) rows moved to the GPU
         step = np.maximum(gpu_ms + dk / device_rows_per_ms, cold_ms.ravel() * (cpu_rows - dk) / cpu_rows)  # ms
         best = int(np.argmin(step.mean(axis=1)))
-        new = (k + float(dk[best, 0])) / marked
+        new = min(max((k + float(dk[best, 0])) / marked, 0.0), 0.95)
         gain = 1 - float(step[best].mean()) / float(np.maximum(gpu_ms, cold_ms).mean())
     else:
         cold = float(np.mean(cold_ms))
@@ -110,7 +110,7 @@ def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_m
         new = min(max(new, 0.0), 0.95)
         moved = new * marked - k  # rows
         gain = 1 - max(new * marked / device_rows_per_ms, cold * (cpu_rows - moved) / cpu_rows) / cold if cold else 0.0
-    return float(min(max(new, 0.0), 0.95)), max(float(gain), 0.0)
+    return float(new), max(float(gain), 0.0)
 
 
 def _set_mapped_rows(rt: Runtime, share: float) -> None:
