@@ -434,8 +434,8 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", 
     number of threads that share the active list."""
     if part is None:
         part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
-    cold_ffn(x, idx, rows.up if rows.gate is None else rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale,
-             rows.group, part, out, ACT_CODE[activation])
+    cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
+             ACT_CODE[activation])
     return out
 
 
@@ -554,6 +554,11 @@ class ColdRows:
     @property
     def dtype(self) -> str:
         return "int8" if self.up.dtype == np.int8 else "bf16"
+
+    @property
+    def gate_arg(self) -> np.ndarray:
+        """What cold_ffn's `gate` takes: the gate rows, or for ungated FFNs up's (of the type it needs, never read)."""
+        return self.up if self.gate is None else self.gate
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.gate, self.up, self.down_t, self.b_up, self.scale) if a is not None)

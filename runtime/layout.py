@@ -299,9 +299,8 @@ class HybridFFN(nn.Module):
         if self.mask == "predictor" and self.n_cold:
             c = self.cold
             k = cold_layer(ready, release, i if flags is not None else -1, io["m_np"], io["m_words"], io["slices"],
-                           io["idx"], self.mapped_rows, io["x_np"], c.up if c.gate is None else c.gate, c.up, c.b_up,
-                           c.down_t, c.scale, c.group, io["part"], io["out_np"], ACT_CODE[self.activation],
-                           self.cold_marks)
+                           io["idx"], self.mapped_rows, io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t, c.scale,
+                           c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.cold_marks)
             if k < 0:
                 raise self._no_signal()
             self.counts[0] += 1

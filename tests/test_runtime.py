@@ -138,8 +138,8 @@ def _cold_layer(rows: K.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: 
     n, d = m.shape[0], x.shape[0]
     out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
     k = K.cold_layer(ready, release, i, m, K.mask_words(m), np.empty(slices, np.int64), np.full(n, -1, np.int64),
-                     skip, x, rows.up if rows.gate is None else rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale,
-                     rows.group, part, out, K.ACT_CODE[act], marks)
+                     skip, x, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
+                     K.ACT_CODE[act], marks)
     return k, out
 
 
