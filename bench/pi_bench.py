@@ -381,7 +381,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-no-pcie-no-prelaunch", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
             ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
-            ("hybrid-compiled", C(vram=budget, compile=True), placement, P, args.tokens, args.reps),
+            ("hybrid-compiled", C(vram=budget, ops="compile"), placement, P, args.tokens, args.reps),
+            ("hybrid-torch-ops", C(vram=budget, ops="torch"), placement, P, args.tokens, args.reps),
             ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
@@ -521,7 +522,8 @@ def parse(argv=None):
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
-                         "'hybrid-compiled' for hybrid with RuntimeConfig.compile (torch.compile on pre's small ops), "
+                         "'hybrid-compiled' for hybrid with torch.compile on pre's small ops (RuntimeConfig.ops), "
+                         "'hybrid-torch-ops' for hybrid with torch's kernels there instead of runtime/fused.py's, "
                          "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
                          "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
                          "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")

@@ -1,10 +1,11 @@
-"""What torch.compile would save on a layer's `pre` (runtime/fast.py): its ops at the LLaMA-2-70B shape (d 8192, 64
-heads, 8 KV heads, a --slots cache (512: pi_bench's), 28672 neurons, a d/8 predictor), random fp16 weights, as one CUDA
-graph eagerly (the runtime's ops, in its order) and through torch.compile (Inductor fuses the pointwise and norm
-kernels; the GEMVs stay cuBLAS); GPU time per replay (CUDA events, median over the replays). Both write the same
-outputs, checked against each other.
+"""What fused small ops save on a layer's `pre` (runtime/fast.py): its ops at the LLaMA-2-70B shape (d 8192, 64 heads,
+8 KV heads, a --slots cache (512: pi_bench's) filled up to --pos, 28672 neurons, a d/8 predictor), random fp16
+weights, as one CUDA graph with torch's kernels (the runtime's ops, in its order: "eager"), the same function through
+torch.compile (Inductor fuses the pointwise and norm kernels; the GEMVs stay cuBLAS: "compiled") and with
+runtime/fused.py's Triton kernels ("triton"); GPU time per replay (CUDA events, median over the replays). All write
+the same outputs, checked against the first.
 
-Usage: python bench/pre_compile.py OUT.json [--slots 512] [--reps 200]"""
+Usage: python bench/pre_compile.py OUT.json [--slots 512] [--pos 47] [--reps 200]"""
 
 from __future__ import annotations
 
@@ -17,31 +18,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from powerinfer.runtime.fast import Ops
+
 D, H, K, HD, N, R = 8192, 64, 8, 128, 28672, 1024  # d_model, heads, kv heads, head dim, neurons, predictor hidden
 
 
 def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, mask, o_w, w_post, fc1, fc2, thr,
-        cold_ids, h2, x, x_host, m_host, fired):
-    """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, as plain ops."""
-    torch.add(h2_prev, hot_prev, out=h2)
-    h2.add_(cold)
-    qkv = F.linear(w_in * F.rms_norm(h2, (D,), eps=1e-5), qkv_w).view(1, H + 2 * K, 1, HD)
-    qk, v = qkv[:, :H + K], qkv[:, H + K:]
-    qk = torch.addcmul(qk * cos, qk.roll(HD // 2, -1), sin)
-    q, k = qk[:, :H], qk[:, H:]
-    k_cache.index_copy_(2, pos, k)
-    v_cache.index_copy_(2, pos, v)
-    s = torch.matmul(q.reshape(1, K, -1, HD), k_cache.transpose(-1, -2)) + mask
-    o = torch.matmul(torch.softmax(s, dim=-1), v_cache).reshape(1, H * HD)
+        cold_ids, h2, x, x_host, m_host, fired, ops=Ops()):
+    """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, through `ops`."""
+    r = ops.residual_norm(h2_prev, hot_prev, cold, w_in, 1e-5, h2)
+    qkv = F.linear(r, qkv_w).view(1, H + 2 * K, 1, HD)
+    q = ops.rope_cache(qkv[:, :H + K], qkv[:, H + K:], cos, sin, k_cache, v_cache, pos)
+    o = ops.attend(q.reshape(1, K, -1, HD), k_cache, v_cache, mask, pos).reshape(1, H * HD)
     h2.view(1, D).addmm_(o, o_w.t())
-    torch.mul(w_post, F.rms_norm(h2, (D,), eps=1e-5), out=x.view(1, 1, D))
+    ops.weighted_rms(h2, w_post, 1e-5, x.view(1, 1, D))
     x_host.copy_(x[0])
     full = F.linear(torch.relu(F.linear(x[0], fc1)), fc2) >= thr
     fired += full
     torch.index_select(full, 0, cold_ids, out=m_host)
 
 
-def main(out: Path, slots: int, reps: int) -> dict:
+def main(out: Path, slots: int, pos: int, reps: int) -> dict:
     dev, dt = torch.device("cuda"), torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
     r = lambda *s, scale=0.02: (torch.randn(*s, generator=g, device=dev) * scale).to(dt)  # noqa: E731
@@ -50,18 +47,20 @@ def main(out: Path, slots: int, reps: int) -> dict:
     cold_host.normal_()
     as_dev = lambda t: torch.as_tensor(_View(t), device=dev)  # noqa: E731  (UVA: pinned memory seen by the GPU)
     mask = torch.zeros(1, 1, 1, slots, device=dev, dtype=dt)
-    mask[..., 48:] = float("-inf")
+    mask[..., pos + 1:] = float("-inf")
     args = dict(h2_prev=r(1, 1, D, scale=1), hot_prev=r(1, D, scale=1), cold=as_dev(cold_host), w_in=r(D, scale=1),
                 qkv_w=r((H + 2 * K) * HD, D), cos=r(1, H + K, 1, HD, scale=1), sin=r(1, H + K, 1, HD, scale=1),
                 k_cache=r(1, K, slots, HD, scale=1), v_cache=r(1, K, slots, HD, scale=1),
-                pos=torch.tensor([47], device=dev), mask=mask, o_w=r(D, H * HD), w_post=r(D, scale=1),
+                pos=torch.tensor([pos], device=dev), mask=mask, o_w=r(D, H * HD), w_post=r(D, scale=1),
                 fc1=r(R, D), fc2=r(N, R), thr=torch.zeros(N, device=dev, dtype=dt),
                 cold_ids=torch.arange(1472, N, device=dev), h2=r(1, 1, D), x=r(1, D),
                 x_host=as_dev(x_host), m_host=as_dev(m_host), fired=torch.zeros(N, dtype=torch.int32, device=dev))
-    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "slots": slots,
+    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "slots": slots, "pos": pos,
            "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     outs = {}
-    for name, fn in (("eager", pre), ("compiled", torch.compile(pre))):
+    triton_ops = Ops.named("triton")
+    variants = (("eager", pre), ("compiled", torch.compile(pre)), ("triton", lambda **a: pre(**a, ops=triton_ops)))
+    for name, fn in variants:
         t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -88,11 +87,13 @@ def main(out: Path, slots: int, reps: int) -> dict:
         res[name] = {"median_us": 1e3 * ms[len(ms) // 2], "p10_us": 1e3 * ms[len(ms) // 10],
                      "warm_up_and_compile_s": warm_s}
         print(name, res[name], flush=True)
-    (xe, me, he), (xc, mc, hc) = outs["eager"], outs["compiled"]
-    res["max_abs_diff_x"] = float((xe.float() - xc.float()).abs().max())
-    res["max_abs_diff_h2"] = float((he.float() - hc.float()).abs().max())
-    res["mask_disagreement"] = float((me != mc).float().mean())
-    res["saved_us_per_layer"] = res["eager"]["median_us"] - res["compiled"]["median_us"]
+    xe, me, he = outs["eager"]
+    for name in ("compiled", "triton"):
+        xc, mc, hc = outs[name]
+        res[name]["max_abs_diff_x"] = float((xe.float() - xc.float()).abs().max())
+        res[name]["max_abs_diff_h2"] = float((he.float() - hc.float()).abs().max())
+        res[name]["mask_disagreement"] = float((me != mc).float().mean())
+        res[name]["saved_us_per_layer"] = res["eager"]["median_us"] - res[name]["median_us"]
     out.write_text(json.dumps(res, indent=1))
     return res
 
@@ -111,6 +112,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--slots", type=int, default=512)
+    ap.add_argument("--pos", type=int, default=47, help="the query's position: the slots up to it are filled")
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
-    main(a.out, a.slots, a.reps)
+    main(a.out, a.slots, a.pos, a.reps)

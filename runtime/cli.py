@@ -8,6 +8,7 @@ import sys
 import click
 
 from powerinfer.artifacts import ArtifactError
+from powerinfer.runtime.fast import OPS
 from powerinfer.runtime.kernels import COLD_DTYPES
 from powerinfer.runtime.generate import (MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime,
                                          prompt_ids)
@@ -84,8 +85,10 @@ def runtime_options(f):
                      "by --vram; longer generations decode through HF [the run's pi-solve --ctx, else 4096]."),
         click.option("--no-cuda-graphs", is_flag=True, help="CUDA: launch the per-token GPU work eagerly (slower; "
                      "for checks and profiling)."),
-        click.option("--compile", "compile_ops", is_flag=True, help="CUDA: the small ops of each layer's attention "
-                     "step through torch.compile (fewer GPU kernels; a few seconds at start)."),
+        click.option("--ops", type=click.Choice(("auto",) + OPS), default="auto", show_default=True,
+                     help="CUDA graphs: what computes the small ops between each layer's attention GEMVs. triton: "
+                          "fused kernels (runtime/fused.py); torch: torch's kernels; compile: torch.compile (a few "
+                          "seconds at start); auto: triton where it imports, else torch."),
         click.option("--hf-decode", is_flag=True, help="Decode through the HF decoder layers instead of the static "
                      "decoder (LLaMA family; slower; for checks)."),
         click.option("--trust-remote-code", is_flag=True),
@@ -96,7 +99,7 @@ def runtime_options(f):
 
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
-                 threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, compile_ops, hf_decode,
+                 threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
                  trust_remote_code) -> Runtime:
     """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
     if run_dir is None and model is None:
@@ -104,7 +107,7 @@ def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, 
     try:
         cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
                             threads=threads, vram=_bytes(vram), gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
-                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, compile=compile_ops)
+                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, ops=ops)
         return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
                             trust_remote_code=trust_remote_code, recall=recall)
     except (ArtifactError, ValueError) as e:

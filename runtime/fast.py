@@ -183,12 +183,25 @@ def _fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, b
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _rope_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One RoPE for the q and k heads, qk (1, heads + kv, 1, hd) (q comes out scaled where cos and sin are); k and
+    v (1, kv, 1, hd) written into the caches (1, kv, slots, hd) at pos (1,); returns q (1, heads, 1, hd)."""
+    H = qk.shape[1] - k_cache.shape[1]
+    qk = _rope(qk, cos, sin_signed)
+    k_cache.index_copy_(2, pos, qk[:, H:])
+    v_cache.index_copy_(2, pos, v)
+    return qk[:, :H]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            pos: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a few queries over the cache as two batched matmuls and a softmax (float32 inside, rounded once,
     as HF's eager attention). For one decode token this beats SDPA's fused kernels, which on CUDA split the work only
     over batch x heads (8 blocks for 8 kv heads) and took 0.17 ms per layer on a 4096-slot cache on the H100
     (bench/NOTES.md). q (1, kv, G, hd), already scaled; keys, values (1, kv, slots, hd); mask (1, 1, 1, slots)
-    additive (0 or -inf) or None -> (1, kv, G, hd)."""
+    additive (0 or -inf) or None -> (1, kv, G, hd). pos, the query's position, says what the mask says (the slots
+    up to it are open); this op reads the mask, fused.attend reads pos."""
     s = torch.matmul(q, keys.transpose(-1, -2))  # (1, kv, G, slots)
     if mask is not None:
         s = s + mask
@@ -214,23 +227,46 @@ def cache_bytes(lm, capacity: int, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Ops:
-    """The pointwise and norm pieces of `pre`, as functions of tensors: plain (the reference, and what the CPU runs), or
-    through torch.compile on CUDA, where Inductor fuses each into one or a few kernels (the GEMVs stay cuBLAS): 218 ->
-    181 us a layer at the 70B shape on the H100 (bench/pre_compile.py)."""
+    """The pieces of `pre` between its GEMVs, as functions of tensors, by name in OPS: "torch" (the reference, and what
+    the CPU runs); "compile", through torch.compile, where Inductor fuses each into one or a few kernels: 218 -> 181 us
+    a layer at the 70B shape on the H100 (bench/pre_compile.py); "triton", the hand-fused kernels of runtime/fused.py
+    (one or two kernels each). The GEMVs stay cuBLAS in all three."""
 
     residual_norm: Callable = _residual_norm
     weighted_rms: Callable = _weighted_rms
-    rope: Callable = _rope
+    rope_cache: Callable = _rope_cache
     attend: Callable = _attend
 
     @classmethod
-    def compiled(cls) -> "Ops":
-        return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope, _attend)))
+    def named(cls, name: str) -> "Ops":
+        if name == "torch":
+            return cls()
+        if name == "compile":
+            return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope_cache, _attend)))
+        if name == "triton":
+            from powerinfer.runtime import fused
+
+            return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend)
+        raise ValueError(f"unknown ops {name!r}: known are {', '.join(OPS)}")
+
+
+OPS = ("torch", "compile", "triton")
+
+
+def default_ops(device: torch.device) -> str:
+    """"triton" on CUDA where Triton imports (it comes with torch's CUDA builds), else "torch"."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 class StaticDecoder:
     def __init__(self, lm, ffns: list[HybridFFN], device: torch.device, dtype: torch.dtype, graphs: bool,
-                 capacity: int = CAPACITY, compile: bool = False):
+                 capacity: int = CAPACITY, ops: str = "torch"):
         self.lm, self.ffns, self.device, self.dtype = lm, ffns, device, dtype
         self.layers = list(lm.layers)
         self.inner = lm.model.model
@@ -240,7 +276,8 @@ class StaticDecoder:
         self.n_heads, self.head_dim = cfg.num_attention_heads, a0.head_dim
         self.capacity = static_capacity(cfg, capacity)
         self.graphs = graphs and device.type == "cuda"
-        self.ops = Ops.compiled() if compile and self.graphs else Ops()
+        self.ops_name = ops if self.graphs else "torch"  # eager steps read only the filled slots already
+        self.ops = Ops.named(self.ops_name)
         kv = (1, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]  # (1, kv heads, cap, hd)
         self.v = [torch.zeros(kv, device=device, dtype=dtype) for _ in self.layers]
@@ -318,10 +355,7 @@ class StaticDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
             qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :H], weighted=ops.weighted_rms),
                             _rms_norm(attn.k_norm, qk[:, H:], weighted=ops.weighted_rms)), 1)
-        qk = ops.rope(qk, self.cos, self.sin_signed)  # one RoPE for q and k; q comes out scaled
-        q, k = qk[:, :H], qk[:, H:]
-        self.k[i].index_copy_(2, self.pos[0], k)
-        self.v[i].index_copy_(2, self.pos[0], v)
+        q = ops.rope_cache(qk, v, self.cos, self.sin_signed, self.k[i], self.v[i], self.pos[0])  # q comes out scaled
         # grouped-query attention without repeating the cache: query head kv*G+g attends to kv head kv, so the G
         # query heads of one kv head go in the query-length dimension
         qg = q.reshape(1, self.n_kv, -1, self.head_dim)  # (1, kv heads, G, hd)
@@ -329,7 +363,7 @@ class StaticDecoder:
             mask, keys, values = self.mask, self.k[i], self.v[i]
         else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
             mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
-        o = ops.attend(qg, keys, values, mask).reshape(1, H * hd)  # (1, heads * hd)
+        o = ops.attend(qg, keys, values, mask, self.pos[0]).reshape(1, H * hd)  # (1, heads * hd)
         h2 = h.view(1, -1)  # (1, d), h2[i]'s memory
         if attn.o_proj.bias is None:
             h2.addmm_(o, attn.o_proj.weight.t())  # h2 = h + o_proj(o): the GEMM adds into h (beta = 1)
@@ -361,12 +395,12 @@ class StaticDecoder:
 
         try:
             warm_up(self.device, step)
-        except Exception as e:  # noqa: BLE001 - torch.compile can fail for want of a compiler; plain ops then
-            if self.ops == Ops():
+        except Exception as e:  # noqa: BLE001 - torch.compile and Triton need a C compiler; plain ops then
+            if self.ops_name == "torch":
                 raise
-            warnings.warn(f"torch.compile failed ({type(e).__name__}: {e}); the static decoder runs plain ops",
-                          stacklevel=2)
-            self.ops = Ops()
+            warnings.warn(f"{self.ops_name} ops failed ({type(e).__name__}: {e}); the static decoder runs the torch "
+                          f"ops", stacklevel=2)
+            self.ops_name, self.ops = "torch", Ops()
             warm_up(self.device, step)
         try:  # an event recorded inside a graph, waited for by the host
             torch.cuda.Event(external=True)

@@ -26,7 +26,7 @@ from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
 from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
-from powerinfer.runtime.fast import CAPACITY, StaticDecoder, cache_bytes, supported
+from powerinfer.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
 from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
 
@@ -54,9 +54,10 @@ class RuntimeConfig:
     # static decoder: tokens its KV cache holds, on the device and counted by --vram (None: the placement's pi-solve
     # --ctx when loaded from a run, else fast.CAPACITY); longer generations decode through HF
     ctx: int | None = None
-    # static decoder with CUDA graphs: the pointwise and norm pieces of each layer's attention step through
-    # torch.compile (a few seconds at the first step; fewer GPU kernels a layer, bench/pre_compile.py)
-    compile: bool = False
+    # static decoder with CUDA graphs: what computes the small ops between each layer's attention GEMVs (fast.OPS):
+    # "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or "compile" (torch.compile; a few
+    # seconds at the first step). auto: triton where it imports (torch's CUDA builds bring it), else torch
+    ops: str = "auto"
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -147,6 +148,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
     if cfg.cold_dtype not in COLD_DTYPES:
         raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
+    if cfg.ops != "auto" and cfg.ops not in OPS:
+        raise ValueError(f"unknown --ops '{cfg.ops}': choose one of auto, {', '.join(OPS)}")
     if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
         raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
                          f"or leave it out to measure it")
@@ -200,7 +203,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, cfg.compile) if static else None
+    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
+    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops) if static else None
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = pcie_share(rt, mask)
     return rt
@@ -343,6 +347,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
             "static_ctx": None if rt.fast is None else rt.fast.capacity,
+            "ops": None if rt.fast is None else rt.fast.ops_name,
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
             if rt.ffns else 0.0,

@@ -72,17 +72,19 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
     assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"]
 
 
+@pytest.mark.parametrize("ops", ["triton", "torch", "compile"])
 @pytest.mark.parametrize("family", ["llama-reglu", "qwen3-swiglu"])
-def test_cuda_compiled_pre_ops_equal_hf(family, tiny_model_dir):
-    """RuntimeConfig.compile: `pre`'s norm, residual, RoPE and attention pieces through torch.compile, captured in
-    the layers' graphs: the tokens and logits of HF generate (Qwen3: its per-head q/k norms too)."""
+def test_cuda_pre_ops_equal_hf(family, ops, tiny_model_dir):
+    """RuntimeConfig.ops: `pre`'s norm, residual, RoPE and attention pieces as runtime/fused.py's Triton kernels,
+    torch's kernels or through torch.compile, captured in the layers' graphs: the tokens and logits of HF generate
+    (Qwen3: its per-head q/k norms too)."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     preds = always_on_predictors(lm, -1e30) if family == "llama-reglu" else None
-    cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense", compile=True)
+    cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense", ops=ops)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch.compile failed")  # no quiet fallback to the plain ops
+        warnings.filterwarnings("error", message=".* ops failed")  # no quiet fallback to the torch ops
         g = check_equal(lm, cfg, make_placement(lm, "mixed"), preds, atol=CUDA_ATOL)
-    assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"]
+    assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"] and g.stats["ops"] == ops
 
 
 def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(tiny_model_dir):

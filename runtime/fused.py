@@ -1,0 +1,209 @@
+"""Triton kernels for the small ops of a decode layer's `pre` (runtime/fast.py), one kernel where torch runs several.
+
+The same four functions as fast.py's plain ops (`Ops`), with the same arguments and the same roundings where
+torch rounds (each torch kernel's output is rounded to the model dtype; the kernels here round at the same
+points), so that a step through them gives the plain step's outputs up to the order of float32 sums:
+
+  residual_norm  h = h2_prev + hot (+ the CPU's float32 cold sum, read over PCIe), then RMSNorm: 1 kernel, not 4
+  weighted_rms   RMSNorm with its weight: 1 kernel, not 2
+  rope_cache     RoPE on the q and k heads, k and v written into the caches at the step's position: 1, not 5
+  attend         a decode query's attention over the cache slots up to its position (split over the slots, then
+                 the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
+                 the whole static cache behind a mask
+
+Used inside CUDA graphs (RuntimeConfig.ops == "triton"); on machines without CUDA the tests run the same kernels in
+Triton's interpreter (TRITON_INTERPRET=1) against the plain ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SPLITS = 16  # attention: slot ranges per kv head, so that kv heads x splits fill the GPU on a long cache
+MIN_SLOTS = 64  # attention: slots per range at least (and per loop step), so that short caches take few programs
+# Triton's interpreter (3.9) multiplies half-precision tl.dot operands as their raw bits: there they are widened to
+# float32 first (the products are exact either way; the sums are float32 in both)
+WIDEN_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _rms_kernel(a_ptr, b_ptr, c_ptr, w_ptr, h_ptr, r_ptr, d, eps,
+                RESIDUAL: tl.constexpr, COLD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of d. RESIDUAL: h = a + b (+ c, float32), rounded as torch's add and add_ round, stored
+    into h_ptr; else h = a. Then r = w * rms_norm(h), rounded after the norm and after the weight."""
+    row = tl.program_id(0).to(tl.int64) * d
+    o = tl.arange(0, BLOCK)
+    m = o < d
+    dt = r_ptr.dtype.element_ty
+    h = tl.load(a_ptr + row + o, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        h = (h + tl.load(b_ptr + row + o, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        if COLD:
+            h = (h + tl.load(c_ptr + row + o, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(h_ptr + row + o, h.to(dt), mask=m)
+    n = (h * tl.math.rsqrt(tl.sum(h * h, axis=0) / d + eps)).to(dt).to(tl.float32)  # torch's fused rms_norm
+    w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(r_ptr + row + o, (w * n).to(dt), mask=m)
+
+
+def _rows(t: torch.Tensor, d: int) -> int:
+    if not t.is_contiguous() or t.numel() % d:
+        raise ValueError(f"expected a contiguous tensor of rows of {d}, got shape {tuple(t.shape)}")
+    return t.numel() // d
+
+
+def _rms(a, b, c, w, eps, h, r) -> torch.Tensor:
+    d = w.numel()
+    n = _rows(a, d)
+    _rms_kernel[(n,)](a, a if b is None else b, a if c is None else c, w, a if h is None else h, r, d, eps,
+                      RESIDUAL=b is not None, COLD=c is not None, BLOCK=_pow2(d), num_warps=8 if d >= 4096 else 4)
+    return r
+
+
+def residual_norm(h2_prev: torch.Tensor, hot_prev: torch.Tensor, cold: torch.Tensor | None, w: torch.Tensor,
+                  eps: float, out: torch.Tensor) -> torch.Tensor:
+    """fast._residual_norm in one kernel: out = h2_prev + hot_prev (+ cold), returns w * rms_norm(out)."""
+    return _rms(h2_prev, hot_prev, cold, w, eps, out, torch.empty_like(out))
+
+
+def weighted_rms(h: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fast._weighted_rms in one kernel: w * rms_norm(h), into out if given."""
+    return _rms(h, None, None, w, eps, None, torch.empty_like(h) if out is None else out)
+
+
+@triton.jit
+def _rope_cache_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, H, K, cap, hd,
+                       BLOCK: tl.constexpr):
+    """One program per head of q, k, then v: q and k rotated (t * cos + roll(t, hd / 2) * sin_signed, rounded as
+    torch's mul and addcmul round), q into q_ptr, k and v into slot `pos` of their caches."""
+    p = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    m = j < hd
+    pos = tl.load(pos_ptr)
+    dt = q_ptr.dtype.element_ty
+    if p < H + K:
+        t = tl.load(qk_ptr + p * hd + j, mask=m, other=0.0).to(tl.float32)
+        rolled = tl.load(qk_ptr + p * hd + (j + hd // 2) % hd, mask=m, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + p * hd + j, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + p * hd + j, mask=m, other=0.0).to(tl.float32)
+        y = ((t * c).to(dt).to(tl.float32) + rolled * s).to(dt)
+        if p < H:
+            tl.store(q_ptr + p * hd + j, y, mask=m)
+        else:
+            tl.store(kc_ptr + ((p - H) * cap + pos) * hd + j, y, mask=m)
+    else:
+        kv = p - H - K
+        tl.store(vc_ptr + (kv * cap + pos) * hd + j, tl.load(v_ptr + kv * hd + j, mask=m, other=0.0), mask=m)
+
+
+def rope_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """fast._rope_cache in one kernel: qk (1, heads + kv, 1, hd), v (1, kv, 1, hd), caches (1, kv, slots, hd), pos
+    (1,) on the device -> q (1, heads, 1, hd), rotated (and scaled where cos and sin are)."""
+    _, K, cap, hd = k_cache.shape
+    H = qk.shape[1] - K
+    for t in (qk, v, cos, sin_signed, k_cache, v_cache):
+        _rows(t, hd)
+    q = qk.new_empty((1, H, 1, hd))
+    _rope_cache_kernel[(H + 2 * K,)](qk, v, cos, sin_signed, q, k_cache, v_cache, pos, H, K, cap, hd,
+                                     BLOCK=_pow2(hd), num_warps=1)
+    return q
+
+
+@triton.jit
+def _attend_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, G, cap, hd, slots,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                         WIDEN: tl.constexpr):
+    """Program (kv head, split): the G query heads of one kv head over the split's slots up to pos (online softmax,
+    float32): the running max m, the sum l of exp(s - m) and acc = sum exp(s - m) v, unnormalised."""
+    kv, split = tl.program_id(0), tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_D)
+    jm = j < hd
+    q = tl.load(q_ptr + (kv * G + g[:, None]) * hd + j[None, :], mask=(g[:, None] < G) & jm[None, :], other=0.0)
+    dt = q.dtype
+    if WIDEN:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    start = split * slots
+    end = tl.minimum(start + slots, tl.load(pos_ptr).to(tl.int32) + 1)
+    base = kv.to(tl.int64) * cap * hd
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < end
+        kt = tl.load(k_ptr + base + n[None, :] * hd + j[:, None], mask=nm[None, :] & jm[:, None], other=0.0)
+        if WIDEN:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee" if IEEE else "tf32")  # (G, N) float32
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + base + n[:, None] * hd + j[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
+        pv = p.to(dt)  # the probabilities in the model dtype, as the plain op's softmax output
+        if WIDEN:
+            vt, pv = vt.to(tl.float32), pv.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision="ieee" if IEEE else "tf32")
+        m_i = m_new
+    at = (kv * n_splits + split) * BLOCK_G + g
+    tl.store(m_ptr + at, m_i)
+    tl.store(l_ptr + at, l_i)
+    tl.store(acc_ptr + at[:, None] * BLOCK_D + j[None, :], acc)
+
+
+@triton.jit
+def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, G, hd, n_splits,
+                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program kv head: its splits' partial softmaxes combined, o = acc / l at a common max, rounded once."""
+    kv = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_D)
+    m_run = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for split in range(n_splits):
+        at = (kv * n_splits + split) * BLOCK_G + g
+        m = tl.load(m_ptr + at)
+        m_new = tl.maximum(m_run, m)
+        # a split past the position holds m = -inf: its weight is 0 (split 0 always holds slot 0, so m_new is finite)
+        keep, take = tl.exp(m_run - m_new), tl.exp(m - m_new)
+        l_run = l_run * keep + tl.load(l_ptr + at) * take
+        acc = acc * keep[:, None] + tl.load(acc_ptr + at[:, None] * BLOCK_D + j[None, :]) * take[:, None]
+        m_run = m_new
+    o = acc / l_run[:, None]
+    tl.store(o_ptr + (kv * G + g[:, None]) * hd + j[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(g[:, None] < G) & (j[None, :] < hd))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           pos: torch.Tensor) -> torch.Tensor:
+    """fast._attend over the slots up to pos (1,) (the slots `mask` leaves open; the mask itself is not read):
+    q (1, kv, G, hd), already scaled; keys, values (1, kv, slots, hd) -> (1, kv, G, hd)."""
+    _, K, G, hd = q.shape
+    cap = keys.shape[2]
+    for t in (q, keys, values):
+        _rows(t, hd)
+    slots = max(MIN_SLOTS, triton.cdiv(cap, SPLITS))
+    n_splits = triton.cdiv(cap, slots)
+    bg, bd = _pow2(G, 16), _pow2(hd, 16)  # tl.dot takes blocks of 16 and more
+    m = torch.empty((K, n_splits, bg), dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty((K, n_splits, bg, bd), dtype=torch.float32, device=q.device)
+    _attend_split_kernel[(K, n_splits)](q, keys, values, pos, m, l_, acc, G, cap, hd, slots, BLOCK_G=bg,
+                                        BLOCK_N=MIN_SLOTS, BLOCK_D=bd, IEEE=q.dtype == torch.float32,
+                                        WIDEN=WIDEN_DOT)
+    o = torch.empty_like(q)
+    _attend_combine_kernel[(K,)](m, l_, acc, o, G, hd, n_splits, BLOCK_G=bg, BLOCK_D=bd)
+    return o

@@ -1,0 +1,119 @@
+"""runtime/fused.py's Triton kernels against fast.py's torch ops (the reference) and float64, on fresh random inputs.
+
+Without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on CUDA as compiled kernels: the
+same checks either way. Tolerances: outputs that torch rounds at the same points as the kernels (residual sums, RoPE,
+cache writes) are equal; sums over a row (the norm, the softmax) may add in another order: one or two units of the
+dtype's rounding. Triton's interpreter rounds float32 to bfloat16 by truncation (compiled kernels round to
+nearest even, as torch does): there bfloat16 outputs are held to two units instead of equality."""
+
+import math
+
+import pytest
+import torch
+
+from powerinfer.runtime import fast
+
+triton = pytest.importorskip("triton")
+fused = pytest.importorskip("powerinfer.runtime.fused")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal, or (bfloat16 in the interpreter, which truncates) within two units of bfloat16's rounding of the
+    largest value (a sum that cancels keeps its operands' rounding)."""
+    if a.dtype == torch.bfloat16 and DEVICE == "cpu":
+        torch.testing.assert_close(a, b, atol=2 ** -6 * float(b.abs().max()), rtol=2 ** -6)
+    else:
+        assert torch.equal(a, b)
+
+
+def rand(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
+
+
+def rms64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return w.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [96, 257])  # a power of two's fraction, and one that leaves most of a block masked
+@pytest.mark.parametrize("with_cold", [True, False])
+def test_residual_norm_equals_torch(dtype, d, with_cold):
+    g = torch.Generator().manual_seed(d + 7 * with_cold + DTYPES.index(dtype))
+    h2, hot, w = rand(g, 1, 1, d, dtype=dtype), rand(g, 1, d, dtype=dtype, scale=0.3), rand(g, d, dtype=dtype)
+    cold = rand(g, d, dtype=torch.float32, scale=0.1) if with_cold else None  # the CPU's sum is float32
+    out_ref, out = (torch.full((1, 1, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
+    r_ref = fast._residual_norm(h2, hot, cold, w, 1e-5, out_ref)
+    r = fused.residual_norm(h2, hot, cold, w, 1e-5, out)
+    same(out, out_ref)  # the residual: the same two roundings
+    torch.testing.assert_close(r, r_ref, **TOL[dtype])
+    torch.testing.assert_close(r.double(), rms64(out, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weighted_rms_by_rows_equals_torch(dtype):
+    """Qwen3's per-head norms: (1, heads, 1, hd) rows under one weight of hd; into out or a new tensor."""
+    g = torch.Generator().manual_seed(11 + DTYPES.index(dtype))
+    h, w = rand(g, 1, 6, 1, 16, dtype=dtype, scale=3.0), rand(g, 16, dtype=dtype)
+    ref = fast._weighted_rms(h, w, 1e-6)
+    torch.testing.assert_close(fused.weighted_rms(h, w, 1e-6), ref, **TOL[dtype])
+    out = torch.empty_like(h)
+    assert fused.weighted_rms(h, w, 1e-6, out) is out
+    torch.testing.assert_close(out.double(), rms64(h, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv,hd", [(4, 2, 8), (9, 3, 64), (8, 8, 16)])
+def test_rope_cache_equals_torch(dtype, heads, kv, hd):
+    g = torch.Generator().manual_seed(heads * 100 + hd + DTYPES.index(dtype))
+    cap, pos = 20, torch.tensor([13], device=DEVICE)
+    qkv = rand(g, 1, heads + 2 * kv, 1, hd, dtype=dtype)
+    qk, v = qkv[:, :heads + kv], qkv[:, heads + kv:]
+    cos, sin = rand(g, 1, heads + kv, 1, hd, dtype=dtype), rand(g, 1, heads + kv, 1, hd, dtype=dtype)
+    caches = [rand(g, 1, kv, cap, hd, dtype=dtype) for _ in range(2)]
+    kc_ref, vc_ref = (c.clone() for c in caches)
+    q_ref = fast._rope_cache(qk, v, cos, sin, kc_ref, vc_ref, pos)
+    q = fused.rope_cache(qk, v, cos, sin, *caches, pos)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(caches[0], kc_ref, **TOL[dtype])
+    assert torch.equal(caches[1], vc_ref)  # v is copied, not rotated
+    others = torch.arange(cap, device=DEVICE) != pos
+    assert torch.equal(caches[0][:, :, others], kc_ref[:, :, others])  # only slot pos is written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv,G,hd,cap,pos", [(2, 2, 8, 20, 0), (2, 2, 8, 20, 19), (3, 3, 64, 300, 150),
+                                             (1, 8, 16, 2000, 1700)])
+def test_attend_reads_only_the_filled_slots(dtype, kv, G, hd, cap, pos):
+    """The slots past pos hold NaN: the kernel must not read them. Against torch's op over the filled slots and a
+    float64 softmax; the long cache spreads over several splits (fused.SPLITS)."""
+    g = torch.Generator().manual_seed(cap + pos + hd + DTYPES.index(dtype))
+    q = rand(g, 1, kv, G, hd, dtype=dtype, scale=1 / math.sqrt(hd))
+    keys, values = rand(g, 1, kv, cap, hd, dtype=dtype), rand(g, 1, kv, cap, hd, dtype=dtype)
+    keys[:, :, pos + 1:] = values[:, :, pos + 1:] = float("nan")
+    o = fused.attend(q, keys, values, None, torch.tensor([pos], device=DEVICE))
+    n = pos + 1
+    ref = fast._attend(q, keys[:, :, :n], values[:, :, :n], None)
+    torch.testing.assert_close(o, ref, **TOL[dtype])
+    s = torch.matmul(q.double(), keys[:, :, :n].double().transpose(-1, -2))
+    ref64 = torch.matmul(torch.softmax(s, -1), values[:, :, :n].double())
+    torch.testing.assert_close(o.double(), ref64, **TOL[dtype])
+
+
+def test_ops_by_name():
+    assert fast.Ops.named("torch") == fast.Ops()
+    assert fast.Ops.named("triton").attend is fused.attend
+    with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
+        fast.Ops.named("cutlass")
+    assert fast.default_ops(torch.device("cpu")) == "torch"
+
+
+def test_rows_must_be_contiguous():
+    keys = torch.zeros(1, 2, 10, 8)
+    with pytest.raises(ValueError, match=r"contiguous tensor of rows of 8, got shape \(1, 2, 5, 8\)"):
+        fused.attend(torch.zeros(1, 2, 2, 8), keys[:, :, :5], keys[:, :, :5], None, torch.tensor([3]))
