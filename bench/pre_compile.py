@@ -24,8 +24,9 @@ D, H, K, HD, N, R = 8192, 64, 8, 128, 28672, 1024  # d_model, heads, kv heads, h
 
 
 def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, mask, o_w, w_post, fc1, fc2, thr,
-        cold_ids, h2, x, x_host, m_host, fired, ops=Ops()):
-    """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, through `ops`."""
+        cold_ids, h2, x, x_host, m_host, fired, ops=None):
+    """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, through `ops` (torch's by default)."""
+    ops = ops or Ops()
     r = ops.residual_norm(h2_prev, hot_prev, cold, w_in, 1e-5, h2)
     qkv = F.linear(r, qkv_w).view(1, H + 2 * K, 1, HD)
     q = ops.rope_cache(qkv[:, :H + K], qkv[:, H + K:], cos, sin, k_cache, v_cache, pos)
