@@ -163,10 +163,12 @@ def gguf_tensors(model) -> list[tuple[str, object]]:
 
 def write_gguf(model, path: Path, gguf) -> dict:
     """The model's weights as an fp16 GGUF (arch llama, norms fp32, a placeholder vocabulary), streamed tensor by
-    tensor (the whole model never sits in host memory twice)."""
+    tensor (the whole model never sits in host memory twice), to a temp name and renamed (a stopped build leaves no
+    GGUF that a later one would take for whole)."""
     cfg = model.config
     t0 = time.perf_counter()
-    w = gguf.GGUFWriter(str(path), "llama")
+    tmp = path.with_suffix(".gguf-partial")
+    w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name("pi-bench random ReLU-gated llama")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -205,6 +207,7 @@ def write_gguf(model, path: Path, gguf) -> dict:
         w.write_tensor_data(a)
         nbytes += a.nbytes
     w.close()
+    tmp.replace(path)
     return {"path": str(path), "tensor_bytes": nbytes, "file_bytes": path.stat().st_size,
             "seconds": time.perf_counter() - t0}
 

@@ -34,9 +34,7 @@ def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, m
     h2.view(1, D).addmm_(o, o_w.t())
     ops.weighted_rms(h2, w_post, 1e-5, x.view(1, 1, D))
     x_host.copy_(x[0])
-    full = F.linear(torch.relu(F.linear(x[0], fc1)), fc2) >= thr
-    fired += full
-    torch.index_select(full, 0, cold_ids, out=m_host)
+    ops.predictor_mask(F.linear(torch.relu(F.linear(x[0], fc1)), fc2), thr, cold_ids, fired, None, m_host)
 
 
 def main(out: Path, slots: int, pos: int, reps: int) -> dict:
@@ -53,7 +51,7 @@ def main(out: Path, slots: int, pos: int, reps: int) -> dict:
                 qkv_w=r((H + 2 * K) * HD, D), cos=r(1, H + K, 1, HD, scale=1), sin=r(1, H + K, 1, HD, scale=1),
                 k_cache=r(1, K, slots, HD, scale=1), v_cache=r(1, K, slots, HD, scale=1),
                 pos=torch.tensor([pos], device=dev), mask=mask, o_w=r(D, H * HD), w_post=r(D, scale=1),
-                fc1=r(R, D), fc2=r(N, R), thr=torch.zeros(N, device=dev, dtype=dt),
+                fc1=r(R, D), fc2=r(N, R), thr=torch.zeros(1, device=dev),
                 cold_ids=torch.arange(1472, N, device=dev), h2=r(1, 1, D), x=r(1, D),
                 x_host=as_dev(x_host), m_host=as_dev(m_host), fired=torch.zeros(N, dtype=torch.int32, device=dev))
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "slots": slots, "pos": pos,

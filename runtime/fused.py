@@ -1,6 +1,6 @@
 """Triton kernels for the small ops of a decode layer's `pre` (runtime/fast.py), one kernel where torch runs several.
 
-The same four functions as fast.py's plain ops (`Ops`), with the same arguments and the same roundings where
+The same functions as fast.py's plain ops (`Ops`), with the same arguments and the same roundings where
 torch rounds (each torch kernel's output is rounded to the model dtype; the kernels here round at the same
 points), so that a step through them gives the plain step's outputs up to the order of float32 sums:
 
@@ -10,6 +10,8 @@ points), so that a step through them gives the plain step's outputs up to the or
   attend         a decode query's attention over the cache slots up to its position (split over the slots, then
                  the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
                  the whole static cache behind a mask
+  predictor_mask the predictor's decision, counted into the firings and gathered into the cold masks on the device
+                 and the host (layout.predictor_mask): 1 kernel, not 5
 
 Used inside CUDA graphs (RuntimeConfig.ops == "triton"); on machines without CUDA the tests run the same kernels in
 Triton's interpreter (TRITON_INTERPRET=1) against the plain ops.
@@ -207,3 +209,35 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     o = torch.empty_like(q)
     _attend_combine_kernel[(K,)](m, l_, acc, o, G, hd, n_splits, BLOCK_G=bg, BLOCK_D=bd)
     return o
+
+
+@triton.jit
+def _predictor_mask_kernel(logits_ptr, thr_ptr, ids_ptr, fired_ptr, mdev_ptr, mhost_ptr, n, n_cold,
+                           DEV: tl.constexpr, HOST: tl.constexpr, BLOCK: tl.constexpr):
+    """Program b: neurons [b * BLOCK, ...) fired += logit >= threshold (rounded to the logits' dtype, as
+    Predictor.mask compares); cold positions [b * BLOCK, ...) their neuron's decision into the masks."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    thr = tl.load(thr_ptr).to(logits_ptr.dtype.element_ty).to(tl.float32)
+    m = o < n
+    fire = tl.load(logits_ptr + o, mask=m, other=0.0).to(tl.float32) >= thr
+    tl.store(fired_ptr + o, tl.load(fired_ptr + o, mask=m, other=0) + fire.to(tl.int32), mask=m)
+    if DEV or HOST:
+        mc = o < n_cold
+        ids = tl.load(ids_ptr + o, mask=mc, other=0)
+        cold = tl.load(logits_ptr + ids, mask=mc, other=0.0).to(tl.float32) >= thr
+        if DEV:
+            tl.store(mdev_ptr + o, cold.to(tl.int8), mask=mc)
+        if HOST:
+            tl.store(mhost_ptr + o, cold.to(tl.int8), mask=mc)
+
+
+def predictor_mask(logits: torch.Tensor, threshold: torch.Tensor, cold_ids: torch.Tensor, fired: torch.Tensor,
+                   m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
+    """layout.predictor_mask in one kernel (the bool masks written as bytes of 0 and 1)."""
+    n, n_cold = logits.numel(), cold_ids.numel()
+    block = 1024
+    masks = [t.view(torch.int8) if t is not None else None for t in (m_dev, m_host)]
+    _predictor_mask_kernel[(triton.cdiv(max(n, n_cold), block),)](
+        logits, threshold, cold_ids, fired, masks[0] if masks[0] is not None else fired,
+        masks[1] if masks[1] is not None else fired, n, n_cold, DEV=m_dev is not None, HOST=m_host is not None,
+        BLOCK=block, num_warps=4)

@@ -196,18 +196,16 @@ class HybridFFN(nn.Module):
             return y.reshape(shape)
         return self._decode(x2).reshape(shape)
 
-    def _to_host(self, x: torch.Tensor) -> None:
-        """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device."""
+    def _to_host(self, x: torch.Tensor, mask_op=None) -> None:
+        """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device.
+        mask_op: predictor_mask (torch's kernels) or its Triton twin, fused.predictor_mask (one kernel)."""
         io = self._io
         io["x_mapped"].copy_(x[0])  # one kernel: cast and write to the host
         if self.mask == "predictor":
-            full = self.predictor.mask(x[0].to(self.predictor.fc1.weight.dtype))  # (n,) bool
-            self._fired += full
-            if self.n_cold and self.mapped_rows:  # the device reads the mask too
-                torch.index_select(full, 0, self.cold_ids, out=io["m_dev"])  # (n_cold,)
-                io["m_mapped"].copy_(io["m_dev"])
-            elif self.n_cold:
-                torch.index_select(full, 0, self.cold_ids, out=io["m_mapped"])
+            logits = self.predictor(x[0].to(self.predictor.fc1.weight.dtype))  # (n,)
+            (mask_op or predictor_mask)(logits, self.predictor.threshold, self.cold_ids, self._fired,
+                                        io["m_dev"] if self.n_cold and self.mapped_rows else None,  # read on device
+                                        io["m_mapped"] if self.n_cold else None)
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).
@@ -370,6 +368,20 @@ def measure_pcie_rates(f: HybridFFN, rows: int = 2048, reps: int = 5) -> tuple[f
     device_s = min(timed(device_call, s) for s in sets[2:2 + reps])  # s
     cpu_s = min(timed(cpu_call, s) for s in sets[2 + reps:])  # s
     return k / device_s, k / cpu_s
+
+
+def predictor_mask(logits: torch.Tensor, threshold: torch.Tensor, cold_ids: torch.Tensor, fired: torch.Tensor,
+                   m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
+    """The predictor's decision (Predictor.mask: logits >= threshold in the logits' dtype) for one token: fired (n,)
+    int32 += it; the cold neurons' part (cold_ids (n_cold,)) into m_dev and m_host (n_cold,) bool, where given."""
+    full = logits >= threshold.to(logits.dtype)  # (n,) bool
+    fired += full
+    if m_dev is not None:
+        torch.index_select(full, 0, cold_ids, out=m_dev)  # (n_cold,)
+        if m_host is not None:
+            m_host.copy_(m_dev)
+    elif m_host is not None:
+        torch.index_select(full, 0, cold_ids, out=m_host)
 
 
 def warm_up(device: torch.device, fn, times: int = 2) -> None:

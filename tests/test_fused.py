@@ -105,9 +105,36 @@ def test_attend_reads_only_the_filled_slots(dtype, kv, G, hd, cap, pos):
     torch.testing.assert_close(o.double(), ref64, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,n_cold,where", [(3000, 2100, "both"), (3000, 2100, "host"), (700, 0, "none"),
+                                            (1500, 1500, "device")])
+def test_predictor_mask_equals_torch(dtype, n, n_cold, where):
+    """The decision, counted into the firings and gathered into the cold masks, over more than one block; logits
+    on the threshold itself (ties fire), a threshold that the logits' dtype rounds."""
+    from powerinfer.runtime.layout import predictor_mask
+
+    g = torch.Generator().manual_seed(n + n_cold + DTYPES.index(dtype))
+    threshold = torch.tensor([0.1234567], device=DEVICE)  # float32, as Predictor's buffer
+    logits = rand(g, n, dtype=dtype)
+    logits[::7] = threshold.to(dtype)
+    cold_ids = torch.randperm(n, generator=g)[:n_cold].to(DEVICE)
+    fired = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32).to(DEVICE)
+    outs = []
+    for op in (predictor_mask, fused.predictor_mask):
+        f = fired.clone()
+        m_dev = torch.zeros(n_cold, dtype=torch.bool, device=DEVICE) if where in ("both", "device") else None
+        m_host = torch.zeros(n_cold, dtype=torch.bool, device=DEVICE) if where in ("both", "host") else None
+        op(logits, threshold, cold_ids, f, m_dev, m_host)
+        outs.append((f, m_dev, m_host))
+    for a, b in zip(*outs):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert int((outs[1][0] - fired).sum()) == int((logits >= threshold.to(dtype)).sum()) > n // 7
+
+
 def test_ops_by_name():
     assert fast.Ops.named("torch") == fast.Ops()
     assert fast.Ops.named("triton").attend is fused.attend
+    assert fast.Ops.named("triton").predictor_mask is fused.predictor_mask
     with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
         fast.Ops.named("cutlass")
     assert fast.default_ops(torch.device("cpu")) == "torch"
