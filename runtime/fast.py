@@ -29,6 +29,7 @@ static cache.
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
 import warnings
 from dataclasses import dataclass
@@ -527,6 +528,12 @@ class StaticDecoder:
         flags = self.flags if prelaunch else None
         if prelaunch:  # signals of graphs replayed alone (replay_alone), which no cold part consumed
             flags.ready[:] = 0
+        # no garbage collection while a launched graph waits on the GPU for a host flag: a collection can run the
+        # finalizer that unregisters another runtime's page-locked rows (kernels.host_mapped), and
+        # cudaHostUnregister waits for the device, which waits for this thread's flag: a deadlock (seen in the GPU
+        # tests, a Numba compile's garbage collected inside a cold part)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             for i, f in enumerate(self.ffns):
                 if i == 0 or not prelaunch:
@@ -550,6 +557,8 @@ class StaticDecoder:
             if launched > released:  # and clear their ready signals, which no cold part will consume
                 torch.cuda.synchronize(self.device)
                 self.flags.ready[:] = 0
+            if collecting:
+                gc.enable()
         if not prelaunch:
             self._launch(L)
         if clock is not None:
