@@ -5,6 +5,7 @@ Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pin
 """
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -87,6 +88,22 @@ def test_cuda_pre_ops_equal_hf(family, ops, tiny_model_dir):
     assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"] and g.stats["ops"] == ops
 
 
+def test_cuda_no_garbage_collection_while_a_graph_waits_for_the_host(tiny_model_dir):
+    """A collection inside a cold part could run the finalizer that unregisters another runtime's page-locked rows
+    (kernels.host_mapped); cudaHostUnregister waits for the device, which waits for the flag this thread sets after
+    the cold part: a deadlock (seen in this suite). So automatic collection is off during each step's cold parts."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    rt = build_runtime(lm, RuntimeConfig(device="cuda", dtype="float32"), make_placement(lm, "mixed"),
+                       always_on_predictors(lm, -1e30))
+    seen = []
+    for f in rt.ffns:
+        real = f.cold_rows
+        f.cold_rows = lambda *a, _real=real: (seen.append(gc.isenabled()), _real(*a))[1]
+    g = generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), NEW)
+    assert g.stats["graph_prelaunch"] and len(seen) >= len(rt.ffns) * (NEW - 1)
+    assert not any(seen) and gc.isenabled()
+
+
 def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(tiny_model_dir):
     """The same steps with and without prelaunch give the same tokens and logits (up to the last float32 bits, which
     the cold kernel's dynamic work sharing moves); an error in a cold part while the next graph waits on the GPU for
@@ -116,6 +133,7 @@ def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(ti
     f.cold_rows = broken
     with pytest.raises(KeyboardInterrupt):
         generate(rt, ids, NEW)
+    assert gc.isenabled()  # the step turned automatic collection off, and on again on its way out
     f.cold_rows = real
     torch.cuda.synchronize()  # would hang if the graph launched before the error still waited for its flag
     c = generate(rt, ids, NEW, keep_logits=True)
