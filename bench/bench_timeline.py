@@ -142,14 +142,29 @@ def graph_times(fast, reps: int = 20) -> dict:
 
 
 @torch.inference_mode()
-def predictor_time(preds, d: int, device: str, reps: int = 50) -> dict:
+def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
     """ms per token of all layers' predictor masks, for the 'predictor <= 5% of decode' goal. On CUDA, as the runtime
-    runs them: replayed inside a CUDA graph (GPU time, no launch cost); `ms_per_token_eager` adds the launches."""
+    runs them: replayed inside a CUDA graph (GPU time, no launch cost); `ms_per_token_eager` adds the launches. With
+    `rt` (a hybrid runtime on the static decoder), each layer's predictor GEMVs and then the decoder's decision op
+    (fast.Ops.predictor_mask: the firing counts and the cold masks for the device and the host, into scratch copies
+    and the host buffer that each step rewrites), as its `pre` runs them; else Predictor.mask alone."""
     x = torch.randn(d, device=device, dtype=torch.float16)
     layers = list(preds.layers.values())
     for p in layers:
         p.to(device)
         p.mask(x)
+    ops = rt.fast.ops if rt is not None and rt.fast is not None else None
+    if ops is None:
+        def masks() -> None:
+            for p in layers:
+                p.mask(x)
+    else:  # the runtime's predictors and decision op; its counts and device masks left as they are
+        scratch = [(f, torch.zeros_like(f._fired), f._io["m_dev"].clone()) for f in rt.ffns if f.mask == "predictor"]
+
+        def masks() -> None:
+            for f, fired, m_dev in scratch:
+                ops.predictor_mask(f.predictor(x), f.predictor.threshold, f.cold_ids, fired,
+                                   m_dev if f.mapped_rows else None, f._io["m_mapped"] if f.n_cold else None)
 
     def timed(run) -> float:
         if device == "cuda":
@@ -161,15 +176,16 @@ def predictor_time(preds, d: int, device: str, reps: int = 50) -> dict:
             torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t0) / reps
 
-    eager = timed(lambda: [p.mask(x) for p in layers])
-    out = {"ms_per_token": eager, "ms_per_token_eager": eager, "layers": len(layers), "in_graph": False}
+    eager = timed(masks)
+    out = {"ms_per_token": eager, "ms_per_token_eager": eager, "layers": len(layers), "in_graph": False,
+           "what": f"predictor GEMVs + the decoder's decision op ({rt.fast.ops_name} ops)" if ops is not None
+           else "Predictor.mask"}
     if device == "cuda":
         from powerinfer.runtime.layout import warm_up
 
         graph = torch.cuda.CUDAGraph()
-        warm_up(x.device, lambda: [p.mask(x) for p in layers], times=1)
+        warm_up(x.device, masks, times=1)
         with torch.cuda.graph(graph):
-            for p in layers:
-                p.mask(x)
+            masks()
         out.update(ms_per_token=timed(graph.replay), in_graph=True)
     return out

@@ -427,7 +427,7 @@ def stage_bench(args, work: Path) -> dict:
             row["gpu_layers"] = layer_split_count(base, budget, None, torch.float16)
         systems[name] = row
         if "rt" in extra:
-            res["predictor_time"] = tl.predictor_time(P, bm.SHAPES[args.shape][0], args.device)
+            res["predictor_time"] = tl.predictor_time(P, bm.SHAPES[args.shape][0], args.device, rt=extra["rt"])
         del extra
         _free(args.device)
         checkpoint(args, res, systems, skipped)
