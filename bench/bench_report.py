@@ -190,7 +190,12 @@ def markdown(res: dict) -> str:
                      f"neurons active per token, top 20% of neurons cover {100 * p['top20pct_share']:.0f}% of firings; "
                      f"{100 * p['share_of_neurons_covering_80pct']:.0f}% of neurons cover 80%.")
     il = res.get("interleaved")
-    if il:
+    if il and "partial" in il:  # stopped within the rounds: what they measured, unsummarised
+        pr = il["partial"]
+        lines.append(f"Interleaved, stopped after {pr['rounds_done']} rounds: tok/s per round " + "; ".join(
+            f"{k} {', '.join(_fmt(x) for x in v)}" for k, v in pr["decode_tokens_per_s"].items()) + "; " + "; ".join(
+            f"{k} {', '.join(_fmt(x.get('decode_tokens_per_s')) for x in v)}" for k, v in pr["others"].items()) + ".")
+    elif il:
         rest = [f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
                 if k != il["ratio_to"]]
         lines.append(f"Interleaved: {', '.join(il['systems'])} timed in {il['reps']} rounds of one generation each"

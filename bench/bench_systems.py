@@ -77,8 +77,8 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
                after_round=None) -> dict:
     """`reps` rounds of one timed generation of each runtime in `rts` (the order rotated each round, so that none is
     always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
-    VMs' bandwidth drifts within minutes: bench/NOTES.md); `after_round()` after each round. Returns per name
-    (generations, [(ceiling just before, just after)] for each)."""
+    VMs' bandwidth drifts within minutes: bench/NOTES.md); `after_round(out)` after each round, with the results so
+    far. Returns per name (generations, [(ceiling just before, just after)] for each)."""
     from powerinfer.runtime.generate import generate
 
     last = ceil.dram_now(dram_bytes) if dram_bytes else None
@@ -93,7 +93,7 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
                 around.append((last, now))
                 last = now
         if after_round is not None:
-            after_round()
+            after_round(out)
             last = ceil.dram_now(dram_bytes) if dram_bytes else None  # the next "before": after the other system
     return out
 
@@ -131,20 +131,30 @@ def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: 
 
 
 def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
-                    others: dict | None = None) -> tuple[dict, dict]:
+                    others: dict | None = None, on_round=None) -> tuple[dict, dict]:
     """Our systems of `plan` built side by side and timed in rounds, one generation of each a round, so that a
     pair's generations share the machine's DRAM bandwidth of the moment (it drifts by 10-30% within minutes); small
     changes show in the per-round ratios to the first system long before they show in medians of separate runs.
     `others`: label -> a function that runs another system once and returns its row (decode_tokens_per_s), run after
-    our systems in each round (llama-bench), so that our systems' ratios to it are paired too."""
+    our systems in each round (llama-bench), so that our systems' ratios to it are paired too. `on_round(partial)`
+    after each round gets the rounds so far (tok/s of each generation, the other systems' rows), so that a run stopped
+    by a timeout keeps them; each round also prints a line."""
     built = {name: build_ours(name, base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
     n_tok, reps = plan[0][4], plan[0][5]
     others = others or {}
     other_rows: dict = {label: [] for label in others}
 
-    def after_round() -> None:
+    def after_round(out: dict) -> None:
         for label, run in others.items():
             other_rows[label].append(run())
+        partial = {"rounds_done": len(next(iter(out.values()))[0]),
+                   "decode_tokens_per_s": {name: [g.stats["decode_tokens_per_s"] for g in gens]
+                                           for name, (gens, _) in out.items()},
+                   "others": {label: list(rows) for label, rows in other_rows.items()}}
+        print("round", partial["rounds_done"], {k: round(v[-1], 2) for k, v in partial["decode_tokens_per_s"].items()},
+              {k: v[-1].get("decode_tokens_per_s", v[-1].get("error")) for k, v in other_rows.items()}, flush=True)
+        if on_round is not None:
+            on_round(partial)
 
     timed = timed_ours({name: rt for name, (rt, _) in built.items()}, prompt, n_tok, reps, dram_bytes, after_round)
     rows = {name: row_ours(name, rt, build_s, *timed[name], prompt, n_tok) for name, (rt, build_s) in built.items()}

@@ -413,7 +413,11 @@ def stage_bench(args, work: Path) -> dict:
             continue
         try:
             if in_rounds:
-                rows, extra = run_interleaved(group, base, prompt, args.dram_bytes, others)
+                def on_round(partial: dict) -> None:  # the rounds so far, kept if a timeout stops the run
+                    res["interleaved"] = {"partial": partial}
+                    checkpoint(args, res, systems, skipped)
+
+                rows, extra = run_interleaved(group, base, prompt, args.dram_bytes, others, on_round)
                 res["interleaved"] = extra.pop("interleaved")
                 systems.update(rows)
                 row = rows[name]

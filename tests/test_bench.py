@@ -211,6 +211,38 @@ def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     assert report.markdown(merged).splitlines()[2].startswith("PARTIAL: the bench stage stopped")
 
 
+def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
+    """--interleave writes the rounds so far after each round: a timeout inside the second round's llama-bench keeps
+    the first round's generations and llama-bench row, and the report lists them."""
+    import pi_bench
+
+    calls = []
+
+    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout):
+        calls.append(ngl)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the device's timeout")
+        return {"decode_tokens_per_s": 4.0, "n_gpu_layers": ngl}
+
+    monkeypatch.setattr(pi_bench.lcpp, "llama_bench", fake_llama_bench)
+    work, out = tmp_path / "work", tmp_path / "out"
+    argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(out),
+            "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
+            "--calibration-tokens", "256", "--systems", "hybrid,llama.cpp", "--interleave"]
+    (work / "build-cpu" / "bin").mkdir(parents=True)
+    (work / "build-cpu" / "bin" / "llama-bench").write_text("")
+    (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
+    with pytest.raises(KeyboardInterrupt):
+        pi_bench.main(["--stage", "bench", *argv])
+    res = json.loads((out / "pi_bench_bench.json").read_text())
+    partial = res["interleaved"]["partial"]
+    assert res["partial"] and partial["rounds_done"] == 1 and len(partial["decode_tokens_per_s"]["hybrid"]) == 1
+    assert partial["decode_tokens_per_s"]["hybrid"][0] > 0
+    assert partial["others"] == {f"llama.cpp -ngl {calls[0]}": [{"decode_tokens_per_s": 4.0, "n_gpu_layers": calls[0]}]}
+    merged = report.write_results([out], tmp_path / "results")
+    assert "Interleaved, stopped after 1 rounds: tok/s per round hybrid " in report.markdown(merged)
+
+
 def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
     ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
