@@ -236,8 +236,10 @@ def predictor_mask(logits: torch.Tensor, threshold: torch.Tensor, cold_ids: torc
     """layout.predictor_mask in one kernel (the bool masks written as bytes of 0 and 1)."""
     n, n_cold = logits.numel(), cold_ids.numel()
     block = 1024
-    masks = [t.view(torch.int8) if t is not None else None for t in (m_dev, m_host)]
+
+    def as_bytes(t: torch.Tensor | None) -> torch.Tensor:  # an absent mask: any pointer, never written (DEV, HOST)
+        return fired if t is None else t.view(torch.int8)
+
     _predictor_mask_kernel[(triton.cdiv(max(n, n_cold), block),)](
-        logits, threshold, cold_ids, fired, masks[0] if masks[0] is not None else fired,
-        masks[1] if masks[1] is not None else fired, n, n_cold, DEV=m_dev is not None, HOST=m_host is not None,
-        BLOCK=block, num_warps=4)
+        logits, threshold, cold_ids, fired, as_bytes(m_dev), as_bytes(m_host), n, n_cold, DEV=m_dev is not None,
+        HOST=m_host is not None, BLOCK=block, num_warps=4)
