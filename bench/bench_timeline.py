@@ -163,8 +163,7 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
 
         def masks() -> None:
             for f, fired, m_dev in scratch:
-                ops.predictor_mask(f.predictor(x), f.predictor.threshold, f.cold_ids, fired,
-                                   m_dev if f.mapped_rows else None, f._io["m_mapped"] if f.n_cold else None)
+                f._decide(x, ops.predictor_mask, fired, m_dev)
 
     def timed(run) -> float:
         if device == "cuda":

@@ -199,13 +199,20 @@ class HybridFFN(nn.Module):
     def _to_host(self, x: torch.Tensor, mask_op=None) -> None:
         """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device.
         mask_op: predictor_mask (torch's kernels) or its Triton twin, fused.predictor_mask (one kernel)."""
-        io = self._io
-        io["x_mapped"].copy_(x[0])  # one kernel: cast and write to the host
+        self._io["x_mapped"].copy_(x[0])  # one kernel: cast and write to the host
         if self.mask == "predictor":
-            logits = self.predictor(x[0].to(self.predictor.fc1.weight.dtype))  # (n,)
-            (mask_op or predictor_mask)(logits, self.predictor.threshold, self.cold_ids, self._fired,
-                                        io["m_dev"] if self.n_cold and self.mapped_rows else None,  # read on device
-                                        io["m_mapped"] if self.n_cold else None)
+            self._decide(x[0], mask_op or predictor_mask)
+
+    def _decide(self, x: torch.Tensor, mask_op, fired: torch.Tensor | None = None,
+                m_dev: torch.Tensor | None = None) -> None:
+        """The predictor on x (d,) and its decision (mask_op) into the firing counts and the cold masks: the host's,
+        and the device's where the device reads cold rows (mapped_rows). fired, m_dev: other buffers than the FFN's
+        (a timing that must leave its counts alone)."""
+        io = self._io
+        logits = self.predictor(x.to(self.predictor.fc1.weight.dtype))  # (n,)
+        mask_op(logits, self.predictor.threshold, self.cold_ids, self._fired if fired is None else fired,
+                (io["m_dev"] if m_dev is None else m_dev) if self.n_cold and self.mapped_rows else None,
+                io["m_mapped"] if self.n_cold else None)
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).
