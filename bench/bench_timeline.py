@@ -145,9 +145,9 @@ def graph_times(fast, reps: int = 20) -> dict:
 def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
     """ms per token of all layers' predictor masks, for the 'predictor <= 5% of decode' goal. On CUDA, as the runtime
     runs them: replayed inside a CUDA graph (GPU time, no launch cost); `ms_per_token_eager` adds the launches. With
-    `rt` (a hybrid runtime on the static decoder), each layer's predictor GEMVs and then the decoder's decision op
-    (fast.Ops.predictor_mask: the firing counts and the cold masks for the device and the host, into scratch copies
-    and the host buffer that each step rewrites), as its `pre` runs them; else Predictor.mask alone."""
+    `rt` (a hybrid runtime on the static decoder), each layer's predictor through the decoder's op (fast.Ops.predict:
+    the GEMVs, the firing counts and the cold masks for the device and the host, into scratch copies and the host
+    buffer that each step rewrites), as its `pre` runs them; else Predictor.mask alone."""
     x = torch.randn(d, device=device, dtype=torch.float16)
     layers = list(preds.layers.values())
     for p in layers:
@@ -158,12 +158,12 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
         def masks() -> None:
             for p in layers:
                 p.mask(x)
-    else:  # the runtime's predictors and decision op; its counts and device masks left as they are
+    else:  # the runtime's predictors through its op; its counts and device masks left as they are
         scratch = [(f, torch.zeros_like(f._fired), f._io["m_dev"].clone()) for f in rt.ffns if f.mask == "predictor"]
 
         def masks() -> None:
             for f, fired, m_dev in scratch:
-                f._decide(x, ops.predictor_mask, fired, m_dev)
+                f._decide(x, ops.predict, fired, m_dev)
 
     def timed(run) -> float:
         if device == "cuda":
@@ -177,7 +177,7 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
 
     eager = timed(masks)
     out = {"ms_per_token": eager, "ms_per_token_eager": eager, "layers": len(layers), "in_graph": False,
-           "what": f"predictor GEMVs + the decoder's decision op ({rt.fast.ops_name} ops)" if ops is not None
+           "what": f"the decoder's predict op ({rt.fast.ops_name} ops)" if ops is not None
            else "Predictor.mask"}
     if device == "cuda":
         from powerinfer.runtime.layout import warm_up

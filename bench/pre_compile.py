@@ -24,7 +24,7 @@ D, H, K, HD, N, R = 8192, 64, 8, 128, 28672, 1024  # d_model, heads, kv heads, h
 
 
 def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, mask, o_w, w_post, fc1, fc2, thr,
-        cold_ids, h2, x, x_host, m_host, fired, ops=None):
+        h2, x, x_host, m_host, fired, ops=None):
     """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, through `ops` (torch's by default)."""
     ops = ops or Ops()
     r = ops.residual_norm(h2_prev, hot_prev, cold, w_in, 1e-5, h2)
@@ -34,7 +34,7 @@ def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, m
     h2.view(1, D).addmm_(o, o_w.t())
     ops.weighted_rms(h2, w_post, 1e-5, x.view(1, 1, D))
     x_host.copy_(x[0])
-    ops.predictor_mask(F.linear(torch.relu(F.linear(x[0], fc1)), fc2), thr, cold_ids, fired, None, m_host)
+    ops.predict(x[0], fc1, fc2, thr, fired, None, m_host)
 
 
 def main(out: Path, slots: int, pos: int, reps: int) -> dict:
@@ -52,7 +52,7 @@ def main(out: Path, slots: int, pos: int, reps: int) -> dict:
                 k_cache=r(1, K, slots, HD, scale=1), v_cache=r(1, K, slots, HD, scale=1),
                 pos=torch.tensor([pos], device=dev), mask=mask, o_w=r(D, H * HD), w_post=r(D, scale=1),
                 fc1=r(R, D), fc2=r(N, R), thr=torch.zeros(1, device=dev),
-                cold_ids=torch.arange(1472, N, device=dev), h2=r(1, 1, D), x=r(1, D),
+                h2=r(1, 1, D), x=r(1, D),
                 x_host=as_dev(x_host), m_host=as_dev(m_host), fired=torch.zeros(N, dtype=torch.int32, device=dev))
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "slots": slots, "pos": pos,
            "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}

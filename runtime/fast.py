@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from powerinfer.runtime.layout import HybridFFN, OnCPUEmbedding, predictor_mask, warm_up
+from powerinfer.runtime.layout import HybridFFN, OnCPUEmbedding, predict, warm_up
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
 
@@ -237,20 +237,19 @@ class Ops:
     weighted_rms: Callable = _weighted_rms
     rope_cache: Callable = _rope_cache
     attend: Callable = _attend
-    predictor_mask: Callable = predictor_mask
+    predict: Callable = predict
 
     @classmethod
     def named(cls, name: str) -> "Ops":
         if name == "torch":
             return cls()
         if name == "compile":
-            return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope_cache, _attend,
-                                                    predictor_mask)))
+            return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope_cache, _attend, predict)))
         if name == "triton":
             from powerinfer.runtime import fused
 
             return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend,
-                       fused.predictor_mask)
+                       fused.predict)
         raise ValueError(f"unknown ops {name!r}: known are {', '.join(OPS)}")
 
 
@@ -374,7 +373,7 @@ class StaticDecoder:
         else:
             h2.add_(attn.o_proj(o))
         _rms_norm(layer.post_attention_layernorm, self.h2[i], self.x[i].view(1, 1, -1), ops.weighted_rms)
-        self.ffns[i]._to_host(self.x[i], ops.predictor_mask)
+        self.ffns[i]._to_host(self.x[i], ops.predict)
 
     def _hot(self, i: int) -> None:
         self.hot[i].copy_(self.ffns[i]._device_part(self.x[i]))

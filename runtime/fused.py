@@ -10,8 +10,8 @@ points), so that a step through them gives the plain step's outputs up to the or
   attend         a decode query's attention over the cache slots up to its position (split over the slots, then
                  the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
                  the whole static cache behind a mask
-  predictor_mask the predictor's decision, counted into the firings and gathered into the cold masks on the device
-                 and the host (layout.predictor_mask): 1 kernel, not 5
+  predict        the predictor's two GEMVs, its ReLU and its decision, counted into the firings and written into the
+                 cold masks on the device and the host (layout.predict): 2 kernels, not 6
 
 Used inside CUDA graphs (RuntimeConfig.ops == "triton"); on machines without CUDA the tests run the same kernels in
 Triton's interpreter (TRITON_INTERPRET=1) against the plain ops.
@@ -212,34 +212,60 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 
 @triton.jit
-def _predictor_mask_kernel(logits_ptr, thr_ptr, ids_ptr, fired_ptr, mdev_ptr, mhost_ptr, n, n_cold,
-                           DEV: tl.constexpr, HOST: tl.constexpr, BLOCK: tl.constexpr):
-    """Program b: neurons [b * BLOCK, ...) fired += logit >= threshold (rounded to the logits' dtype, as
-    Predictor.mask compares); cold positions [b * BLOCK, ...) their neuron's decision into the masks."""
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    thr = tl.load(thr_ptr).to(logits_ptr.dtype.element_ty).to(tl.float32)
-    m = o < n
-    fire = tl.load(logits_ptr + o, mask=m, other=0.0).to(tl.float32) >= thr
-    tl.store(fired_ptr + o, tl.load(fired_ptr + o, mask=m, other=0) + fire.to(tl.int32), mask=m)
-    if DEV or HOST:
-        mc = o < n_cold
-        ids = tl.load(ids_ptr + o, mask=mc, other=0)
-        cold = tl.load(logits_ptr + ids, mask=mc, other=0.0).to(tl.float32) >= thr
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mhost_ptr, rows, cols, n_cold,
+                 RELU: tl.constexpr, DECIDE: tl.constexpr, DEV: tl.constexpr, HOST: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program b: rows [b * BLOCK_R, ...) of w (rows, cols) times x (cols,), summed in float32 and rounded to w's
+    dtype (nn.Linear's output). RELU: relu of it into out. DECIDE: fired += it >= threshold (rounded to the same
+    dtype, as Predictor.mask compares), and rows under n_cold their decision into the masks (DEV, HOST)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < rows
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
+    at = w_ptr + r[:, None].to(tl.int64) * cols + k[None, :]
+    for k0 in range(0, cols, BLOCK_K):
+        km = k0 + k < cols
+        w = tl.load(at + k0, mask=rm[:, None] & km[None, :], other=0.0)
+        acc += w.to(tl.float32) * tl.load(x_ptr + k0 + k, mask=km, other=0.0).to(tl.float32)[None, :]
+    dt = w_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=1).to(dt).to(tl.float32)  # (BLOCK_R,) rounded; max and compare in float32: Triton's
+    # interpreter takes the max of bfloat16 values by their raw bits
+    if RELU:
+        y = tl.maximum(y, 0.0)
+    if DECIDE:
+        fire = y >= tl.load(thr_ptr).to(dt).to(tl.float32)
+        tl.store(fired_ptr + r, tl.load(fired_ptr + r, mask=rm, other=0) + fire.to(tl.int32), mask=rm)
+        mc = r < n_cold
         if DEV:
-            tl.store(mdev_ptr + o, cold.to(tl.int8), mask=mc)
+            tl.store(mdev_ptr + r, fire.to(tl.int8), mask=mc)
         if HOST:
-            tl.store(mhost_ptr + o, cold.to(tl.int8), mask=mc)
+            tl.store(mhost_ptr + r, fire.to(tl.int8), mask=mc)
+    else:
+        tl.store(out_ptr + r, y.to(out_ptr.dtype.element_ty), mask=rm)
 
 
-def predictor_mask(logits: torch.Tensor, threshold: torch.Tensor, cold_ids: torch.Tensor, fired: torch.Tensor,
-                   m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
-    """layout.predictor_mask in one kernel (the bool masks written as bytes of 0 and 1)."""
-    n, n_cold = logits.numel(), cold_ids.numel()
-    block = 1024
+# (BLOCK_R, BLOCK_K, num_warps) by (rows, cols) of the predictor's two GEMVs: bench/predictor_gemv.py's sweep
+def gemv_config(rows: int, cols: int) -> tuple[int, int, int]:
+    return (4, 1024, 4) if cols >= 4 * rows else (16, _pow2(min(cols, 1024)), 4)
+
+
+def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
+            m_dev: torch.Tensor | None, m_host: torch.Tensor | None, configs=None) -> None:
+    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the bool masks written as bytes
+    of 0 and 1). configs: (BLOCK_R, BLOCK_K, num_warps) for each GEMV, else gemv_config's."""
+    (hidden, d), (rows, _) = fc1.shape, fc2.shape
+    if not (x.is_contiguous() and fc1.is_contiguous() and fc2.is_contiguous()):
+        raise ValueError("predict: x, fc1 and fc2 must be contiguous")
+    n_cold = next((m.numel() for m in (m_dev, m_host) if m is not None), 0)
+    (r1, k1, w1), (r2, k2, w2) = configs or (gemv_config(hidden, d), gemv_config(rows, hidden))
+    h = torch.empty(hidden, dtype=fc1.dtype, device=x.device)  # (hidden,)
 
     def as_bytes(t: torch.Tensor | None) -> torch.Tensor:  # an absent mask: any pointer, never written (DEV, HOST)
         return fired if t is None else t.view(torch.int8)
 
-    _predictor_mask_kernel[(triton.cdiv(max(n, n_cold), block),)](
-        logits, threshold, cold_ids, fired, as_bytes(m_dev), as_bytes(m_host), n, n_cold, DEV=m_dev is not None,
-        HOST=m_host is not None, BLOCK=block, num_warps=4)
+    _gemv_kernel[(triton.cdiv(hidden, r1),)](x, fc1, h, threshold, fired, fired, fired, hidden, d, 0, RELU=True,
+                                             DECIDE=False, DEV=False, HOST=False, BLOCK_R=r1, BLOCK_K=k1,
+                                             num_warps=w1)
+    _gemv_kernel[(triton.cdiv(rows, r2),)](h, fc2, h, threshold, fired, as_bytes(m_dev), as_bytes(m_host), rows,
+                                           hidden, n_cold, RELU=False, DECIDE=True, DEV=m_dev is not None,
+                                           HOST=m_host is not None, BLOCK_R=r2, BLOCK_K=k2, num_warps=w2)

@@ -23,6 +23,7 @@ from typing import Any
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from powerinfer.models import LoadedModel
@@ -100,12 +101,17 @@ class HybridFFN(nn.Module):
         self.mapped: dict[str, Any] | None = None
         self.mapped_rows = 0
         self.cold_marks = np.zeros(2)  # decode tokens, marked cold neurons (host tally; picks mapped_rows)
-        self.predictor = predictor
+        # the predictor's weights, fc2's rows in the order cold neurons, then hot ones: a token's cold masks are then
+        # its first n_cold decisions, with no gather (predict)
+        p = predictor
+        self.register_buffer("pred_fc1", None if p is None else p.fc1.weight.detach())  # (hidden, d)
+        self.register_buffer("pred_fc2", None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))])  # (n, hidden)
+        self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
         self.use_graphs = True  # CUDA: replay the per-token GPU work as two CUDA graphs (see _decode)
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
         self._io: dict[str, Any] | None = None  # transfer buffers (pinned on CUDA), events, graphs
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
-        self._fired: torch.Tensor | None = None  # (n,) int32 predictor firings, summed on the device (no sync)
+        self._fired: torch.Tensor | None = None  # (n,) int32 predictor firings, cold neurons first, summed on the device
         self.timing: list[dict] | None = None  # set to a list to record per-call timings
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
@@ -120,8 +126,8 @@ class HybridFFN(nn.Module):
     def read_counts(self) -> np.ndarray:
         c = self.counts.copy()
         if self.mask == "predictor" and self._fired is not None:
-            fired = self._fired.double()
-            c[1:] += torch.stack([fired.sum(), fired[self.hot_ids].sum(), fired[self.cold_ids].sum()]).cpu().numpy()
+            fired = self._fired.double()  # (n,) pred_fc2's order: cold neurons, then hot ones
+            c[1:] += torch.stack([fired.sum(), fired[self.n_cold:].sum(), fired[:self.n_cold].sum()]).cpu().numpy()
         return c
 
     def _cold_f32(self) -> dict[str, torch.Tensor]:
@@ -196,23 +202,23 @@ class HybridFFN(nn.Module):
             return y.reshape(shape)
         return self._decode(x2).reshape(shape)
 
-    def _to_host(self, x: torch.Tensor, mask_op=None) -> None:
+    def _to_host(self, x: torch.Tensor, predict_op=None) -> None:
         """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device.
-        mask_op: predictor_mask (torch's kernels) or its Triton twin, fused.predictor_mask (one kernel)."""
+        predict_op: predict (torch's kernels) or its Triton twin, fused.predict (two kernels)."""
         self._io["x_mapped"].copy_(x[0])  # one kernel: cast and write to the host
         if self.mask == "predictor":
-            self._decide(x[0], mask_op or predictor_mask)
+            self._decide(x[0], predict_op or predict)
 
-    def _decide(self, x: torch.Tensor, mask_op, fired: torch.Tensor | None = None,
+    def _decide(self, x: torch.Tensor, predict_op, fired: torch.Tensor | None = None,
                 m_dev: torch.Tensor | None = None) -> None:
-        """The predictor on x (d,) and its decision (mask_op) into the firing counts and the cold masks: the host's,
-        and the device's where the device reads cold rows (mapped_rows). fired, m_dev: other buffers than the FFN's
-        (a timing that must leave its counts alone)."""
+        """The predictor on x (d,) and its decision (predict_op) into the firing counts and the cold masks: the
+        host's, and the device's where the device reads cold rows (mapped_rows). fired, m_dev: other buffers than the
+        FFN's (a timing that must leave its counts alone)."""
         io = self._io
-        logits = self.predictor(x.to(self.predictor.fc1.weight.dtype))  # (n,)
-        mask_op(logits, self.predictor.threshold, self.cold_ids, self._fired if fired is None else fired,
-                (io["m_dev"] if m_dev is None else m_dev) if self.n_cold and self.mapped_rows else None,
-                io["m_mapped"] if self.n_cold else None)
+        predict_op(x.to(self.pred_fc1.dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
+                   self._fired if fired is None else fired,
+                   (io["m_dev"] if m_dev is None else m_dev) if self.n_cold and self.mapped_rows else None,
+                   io["m_mapped"] if self.n_cold else None)
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).
@@ -377,18 +383,19 @@ def measure_pcie_rates(f: HybridFFN, rows: int = 2048, reps: int = 5) -> tuple[f
     return k / device_s, k / cpu_s
 
 
-def predictor_mask(logits: torch.Tensor, threshold: torch.Tensor, cold_ids: torch.Tensor, fired: torch.Tensor,
-                   m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
-    """The predictor's decision (Predictor.mask: logits >= threshold in the logits' dtype) for one token: fired (n,)
-    int32 += it; the cold neurons' part (cold_ids (n_cold,)) into m_dev and m_host (n_cold,) bool, where given."""
-    full = logits >= threshold.to(logits.dtype)  # (n,) bool
+def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
+            m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
+    """The predictor on one token and its decision. x (d,), fc1 (hidden, d), fc2 (rows, hidden), all in the model
+    dtype: logits = fc2 relu(fc1 x), each rounded to that dtype as nn.Linear rounds; a row fires where its logit >=
+    threshold (float32 (1,), rounded to the logits' dtype, as Predictor.mask compares). fired (rows,) int32 += the
+    decisions; the first n_cold rows' decisions (HybridFFN orders fc2's rows cold neurons first) into m_dev and m_host
+    (n_cold,) bool, where given."""
+    logits = F.linear(torch.relu(F.linear(x, fc1)), fc2)  # (rows,)
+    full = logits >= threshold.to(logits.dtype)  # (rows,) bool
     fired += full
-    if m_dev is not None:
-        torch.index_select(full, 0, cold_ids, out=m_dev)  # (n_cold,)
-        if m_host is not None:
-            m_host.copy_(m_dev)
-    elif m_host is not None:
-        torch.index_select(full, 0, cold_ids, out=m_host)
+    for m in (m_dev, m_host):
+        if m is not None:
+            m.copy_(full[:m.numel()])
 
 
 def warm_up(device: torch.device, fn, times: int = 2) -> None:

@@ -106,35 +106,48 @@ def test_attend_reads_only_the_filled_slots(dtype, kv, G, hd, cap, pos):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,n_cold,where", [(3000, 2100, "both"), (3000, 2100, "host"), (700, 0, "none"),
-                                            (1500, 1500, "device")])
-def test_predictor_mask_equals_torch(dtype, n, n_cold, where):
-    """The decision, counted into the firings and gathered into the cold masks, over more than one block; logits
-    on the threshold itself (ties fire), a threshold that the logits' dtype rounds."""
-    from powerinfer.runtime.layout import predictor_mask
+@pytest.mark.parametrize("d,hidden,rows,n_cold,where,thr", [
+    (2500, 48, 3000, 2100, "both", 0.1234567),  # fc1 over three blocks of columns, the last one part full
+    (2500, 48, 3000, 2100, "host", 0.0),  # rows of zeros give logits on the threshold: ties fire
+    (96, 33, 700, 0, "none", 0.1234567),
+    (257, 64, 1500, 1500, "device", 0.0)])
+def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where, thr):
+    """The predictor's GEMVs and decision (fc2's rows cold first): every row whose float64 logit is clear of the
+    threshold by the rounding bound decides as float64 says; firings += the decisions; the masks are the first n_cold
+    decisions. The bound: the dtype's rounding of h and of the logit (its unit, eps), each GEMV's float32 sum, and
+    the interpreter's bfloat16 truncation (two units)."""
+    from powerinfer.runtime.layout import predict
 
-    g = torch.Generator().manual_seed(n + n_cold + DTYPES.index(dtype))
-    threshold = torch.tensor([0.1234567], device=DEVICE)  # float32, as Predictor's buffer
-    logits = rand(g, n, dtype=dtype)
-    logits[::7] = threshold.to(dtype)
-    cold_ids = torch.randperm(n, generator=g)[:n_cold].to(DEVICE)
-    fired = torch.randint(0, 5, (n,), generator=g, dtype=torch.int32).to(DEVICE)
-    outs = []
-    for op in (predictor_mask, fused.predictor_mask):
-        f = fired.clone()
+    g = torch.Generator().manual_seed(d + hidden + n_cold + DTYPES.index(dtype))
+    x, fc1 = rand(g, d, dtype=dtype), rand(g, hidden, d, dtype=dtype, scale=d ** -0.5)
+    fc2 = rand(g, rows, hidden, dtype=dtype, scale=hidden ** -0.5)
+    fc2[::9] = 0  # logit 0
+    threshold = torch.tensor([thr], device=DEVICE)  # float32, as Predictor's buffer; 0.1234567 rounds in each dtype
+    h64 = torch.relu(fc1.double() @ x.double())  # (hidden,)
+    logit64 = fc2.double() @ h64  # (rows,)
+    eps = 2 * torch.finfo(dtype).eps  # two units: the interpreter truncates bfloat16
+    bound = eps * (fc2.double().abs() @ (h64 + eps * (fc1.double().abs() @ x.double().abs()))) + 1e-6
+    thr64 = float(threshold.to(dtype))
+    clear = ((logit64 - thr64).abs() > bound) | (fc2 == 0).all(1)  # (rows,)
+    fired0 = torch.randint(0, 5, (rows,), generator=g, dtype=torch.int32).to(DEVICE)
+    for op in (predict, fused.predict):
+        fired = fired0.clone()
         m_dev = torch.zeros(n_cold, dtype=torch.bool, device=DEVICE) if where in ("both", "device") else None
         m_host = torch.zeros(n_cold, dtype=torch.bool, device=DEVICE) if where in ("both", "host") else None
-        op(logits, threshold, cold_ids, f, m_dev, m_host)
-        outs.append((f, m_dev, m_host))
-    for a, b in zip(*outs):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-    assert int((outs[1][0] - fired).sum()) == int((logits >= threshold.to(dtype)).sum()) > n // 7
+        op(x, fc1, fc2, threshold, fired, m_dev, m_host)
+        fire = fired - fired0
+        assert set(fire.unique().tolist()) <= {0, 1}
+        assert torch.equal(fire.bool()[clear], (logit64 >= thr64)[clear]), op.__module__
+        assert bool(fire.bool()[::9].all()) == (thr <= 0)  # the zero rows: ties fire
+        for m in (m_dev, m_host):
+            assert m is None or torch.equal(m, fire[:n_cold].bool())
+    assert int(clear.sum()) > 0.9 * rows
 
 
 def test_ops_by_name():
     assert fast.Ops.named("torch") == fast.Ops()
     assert fast.Ops.named("triton").attend is fused.attend
-    assert fast.Ops.named("triton").predictor_mask is fused.predictor_mask
+    assert fast.Ops.named("triton").predict is fused.predict
     with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
         fast.Ops.named("cutlass")
     assert fast.default_ops(torch.device("cpu")) == "torch"

@@ -372,7 +372,7 @@ def test_build_runtime_leaves_the_callers_predictors_alone(tiny_model_dir):
     rt = build_runtime(copy.deepcopy(lm), RuntimeConfig(device="cpu", dtype="bfloat16"), make_placement(lm, "mixed"),
                        preds)
     assert all(preds.layers[i].fc1.weight is w and w.dtype == torch.float32 for i, w in before.items())
-    assert all(f.predictor.fc1.weight.dtype == torch.bfloat16 for f in rt.ffns)
+    assert all(f.pred_fc1.dtype == f.pred_fc2.dtype == torch.bfloat16 for f in rt.ffns)
 
 
 def test_predictor_that_never_fires_keeps_only_hot_neurons(tiny_model_dir):

@@ -1,0 +1,130 @@
+"""The predictor's share of a decode step (runtime/layout.py predict; fused.py's Triton twin): all --layers layers'
+predictors at the LLaMA-2-70B shape (d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random
+fp16 weights, each layer its own (so that no layer reads another's from L2), as one CUDA graph; GPU time per replay
+(CUDA events, median). Variants: "torch" (cuBLAS GEMVs and torch's decision kernels), "compile" (the same through
+torch.compile), "triton" (fused.predict at gemv_config's blocks); then each GEMV alone, cuBLAS and Triton over a grid of
+(BLOCK_R, BLOCK_K, num_warps), as a share of the HBM read rate of a device-to-device copy measured here.
+
+Usage: python bench/predictor_gemv.py OUT.json [--layers 12] [--reps 100]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer.runtime import fused
+from powerinfer.runtime.kernels import host_mapped
+from powerinfer.runtime.layout import predict
+
+D, HIDDEN, N = 8192, 1024, 28672  # d_model, predictor width, neurons
+
+
+def gpu_us(fn, reps: int) -> float:
+    """Median GPU time (us) of fn captured as one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    us = []
+    for _ in range(reps):
+        torch.cuda._sleep(1_000_000)  # the stream stays busy while the host launches: the events time the GPU
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        us.append(1e3 * a.elapsed_time(b))
+    return sorted(us)[len(us) // 2]
+
+
+def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
+    dev, dt = torch.device("cuda"), torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    fc1 = [(torch.randn(HIDDEN, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]
+    fc2 = [(torch.randn(N, HIDDEN, generator=g, device=dev) * HIDDEN ** -0.5).to(dt) for _ in range(layers)]
+    x = torch.randn(D, generator=g, device=dev).to(dt)
+    thr = torch.full((1,), 0.5, device=dev)
+    fired = torch.zeros(N, dtype=torch.int32, device=dev)
+    m_dev = torch.zeros(n_cold, dtype=torch.bool, device=dev)
+    m_host = torch.zeros(n_cold, dtype=torch.bool, pin_memory=True)
+    m_np = m_host.numpy()
+    m_mapped = host_mapped(m_np, m_np, dev, register=False)  # what the runtime writes: page-locked host memory
+    bytes_per_layer = 2 * HIDDEN * (D + N)
+    big = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    copy_us = gpu_us(lambda: big[1 << 30:].copy_(big[:1 << 30]), 20)
+    hbm = (1 << 30) / (copy_us * 1e-6)  # bytes/s read (and as many written)
+    del big
+    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "layers": layers, "shape": {"d": D, "hidden": HIDDEN, "neurons": N, "cold": n_cold},
+           "bytes_per_layer": bytes_per_layer, "hbm_copy_read_bytes_per_s": hbm, "variants": {}, "gemv": {}}
+
+    def step(op) -> None:
+        for i in range(layers):
+            op(x, fc1[i], fc2[i], thr, fired, m_dev, m_mapped)
+
+    ref = None
+    for name, op in (("torch", predict), ("compile", torch.compile(predict)), ("triton", fused.predict)):
+        us = gpu_us(lambda: step(op), reps)
+        fired.zero_()
+        op(x, fc1[-1], fc2[-1], thr, fired, m_dev, m_mapped)
+        torch.cuda.synchronize()
+        got = (fired.clone(), m_host.clone())
+        ref = ref or got
+        res["variants"][name] = {"us_per_layer": us / layers, "ms_per_token": us / 1e3,
+                                 "share_of_hbm": bytes_per_layer * layers / (us * 1e-6) / hbm,
+                                 "decisions_differing_from_torch": int((got[0] != ref[0]).sum()),
+                                 "cold_mask_equals_first_decisions": bool(torch.equal(got[1], got[0][:n_cold].bool().cpu()))}
+        print(name, res["variants"][name], flush=True)
+    h = torch.empty(HIDDEN, dtype=dt, device=dev)
+    for which, w, v in (("fc1", fc1, x), ("fc2", fc2, h)):
+        rows, cols = w[0].shape
+        row = {"rows": rows, "cols": cols}
+        us = gpu_us(lambda: [F.linear(v, w[i]) for i in range(layers)], reps) / layers
+        row["cublas"] = {"us": us, "share_of_hbm": 2 * rows * cols / (us * 1e-6) / hbm}
+        grid = []
+        for br, bk, nw in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)):
+            if bk > max(256, cols) or br * bk > 32768:
+                continue
+            cfg = (br, bk, nw)
+
+            def run(cfg=cfg) -> None:
+                for i in range(layers):
+                    fused._gemv_kernel[(-(-rows // cfg[0]),)](
+                        v, w[i], h if which == "fc1" else fired, thr, fired, fired, fired, rows, cols, n_cold,
+                        RELU=which == "fc1", DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0],
+                        BLOCK_K=cfg[1], num_warps=cfg[2])
+
+            us = gpu_us(run, reps // 2) / layers
+            grid.append({"block_r": br, "block_k": bk, "num_warps": nw, "us": us,
+                         "share_of_hbm": 2 * rows * cols / (us * 1e-6) / hbm})
+        grid.sort(key=lambda r: r["us"])
+        row["triton_best"], row["triton_grid"] = grid[0], grid
+        row["default"] = dict(zip(("block_r", "block_k", "num_warps"), fused.gemv_config(rows, cols)))
+        res["gemv"][which] = row
+        print(which, row["cublas"], grid[:3], flush=True)
+    out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--cold", type=int, default=25000, help="cold neurons of the 28672")
+    ap.add_argument("--reps", type=int, default=100)
+    a = ap.parse_args()
+    main(a.out, a.layers, a.cold, a.reps)
