@@ -2,8 +2,8 @@
 predictors at the LLaMA-2-70B shape (d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random
 fp16 weights, each layer its own (so that no layer reads another's from L2), as one CUDA graph; GPU time per replay
 (CUDA events, median). Variants: "torch" (cuBLAS GEMVs and torch's decision kernels), "compile" (the same through
-torch.compile), "triton" (fused.predict at gemv_config's blocks); then each GEMV alone, cuBLAS and Triton over a grid of
-(BLOCK_R, BLOCK_K, num_warps), as a share of the HBM read rate of a device-to-device copy measured here.
+torch.compile), "triton" (fused.predict at gemv_config's blocks); then each GEMV alone (the predictor's, and the
+attention's q/k/v and o projections), cuBLAS and Triton over a grid of (BLOCK_R, BLOCK_K, num_warps), as a share of the HBM rate measured here as pi-solve --measure does.
 
 Usage: python bench/predictor_gemv.py OUT.json [--layers 12] [--reps 100]"""
 
@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from powerinfer.hardware import _measure_cuda
 from powerinfer.runtime import fused
 from powerinfer.runtime.kernels import host_mapped
 from powerinfer.runtime.layout import predict
 
-D, HIDDEN, N = 8192, 1024, 28672  # d_model, predictor width, neurons
+D, KV, HIDDEN, N = 8192, 1024, 1024, 28672  # d_model, kv heads x head dim, predictor width, neurons
 
 
 def gpu_us(fn, reps: int) -> float:
@@ -63,14 +64,11 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
     m_np = m_host.numpy()
     m_mapped = host_mapped(m_np, m_np, dev, register=False)  # what the runtime writes: page-locked host memory
     bytes_per_layer = 2 * HIDDEN * (D + N)
-    big = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    copy_us = gpu_us(lambda: big[1 << 30:].copy_(big[:1 << 30]), 20)
-    hbm = (1 << 30) / (copy_us * 1e-6)  # bytes/s read (and as many written)
-    del big
+    hbm = _measure_cuda()["gpu_bw"]  # bytes/s, as the solver and pi_bench measure it (a device copy, best of 5)
     res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "layers": layers, "shape": {"d": D, "hidden": HIDDEN, "neurons": N, "cold": n_cold},
-           "bytes_per_layer": bytes_per_layer, "hbm_copy_read_bytes_per_s": hbm, "variants": {}, "gemv": {}}
+           "bytes_per_layer": bytes_per_layer, "hbm_bytes_per_s": hbm, "variants": {}, "gemv": {}}
 
     def step(op) -> None:
         for i in range(layers):
@@ -90,13 +88,18 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
                                  "cold_mask_equals_first_decisions": bool(torch.equal(got[1], got[0][:n_cold].bool().cpu()))}
         print(name, res["variants"][name], flush=True)
     h = torch.empty(HIDDEN, dtype=dt, device=dev)
-    for which, w, v in (("fc1", fc1, x), ("fc2", fc2, h)):
+    qkv = [(torch.randn(D + 2 * KV, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]
+    o = [(torch.randn(D, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]
+    y = torch.empty(D + 2 * KV, dtype=dt, device=dev)
+    for which, w, v in (("fc1", fc1, x), ("fc2", fc2, h), ("qkv_proj", qkv, x), ("o_proj", o, x)):
         rows, cols = w[0].shape
         row = {"rows": rows, "cols": cols}
         us = gpu_us(lambda: [F.linear(v, w[i]) for i in range(layers)], reps) / layers
         row["cublas"] = {"us": us, "share_of_hbm": 2 * rows * cols / (us * 1e-6) / hbm}
         grid = []
-        for br, bk, nw in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)):
+        wide = cols >= 4096  # few rows of many columns, or the reverse
+        for br, bk, nw in itertools.product((1, 2, 4, 8) if wide else (4, 8, 16, 32),
+                                            (512, 1024, 2048) if wide else (256, 512, 1024), (2, 4, 8)):
             if bk > max(256, cols) or br * bk > 32768:
                 continue
             cfg = (br, bk, nw)
@@ -104,9 +107,8 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
             def run(cfg=cfg) -> None:
                 for i in range(layers):
                     fused._gemv_kernel[(-(-rows // cfg[0]),)](
-                        v, w[i], h if which == "fc1" else fired, thr, fired, fired, fired, rows, cols, n_cold,
-                        RELU=which == "fc1", DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0],
-                        BLOCK_K=cfg[1], num_warps=cfg[2])
+                        v, w[i], y, thr, fired, fired, fired, rows, cols, n_cold, RELU=which == "fc1",
+                        DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2])
 
             us = gpu_us(run, reps // 2) / layers
             grid.append({"block_r": br, "block_k": bk, "num_warps": nw, "us": us,
