@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from powerinfer.runtime.fast import Ops
 
@@ -28,10 +27,10 @@ def pre(h2_prev, hot_prev, cold, w_in, qkv_w, cos, sin, k_cache, v_cache, pos, m
     """runtime/fast.py StaticDecoder._pre for layer i > 0 and HybridFFN._to_host, through `ops` (torch's by default)."""
     ops = ops or Ops()
     r = ops.residual_norm(h2_prev, hot_prev, cold, w_in, 1e-5, h2)
-    qkv = F.linear(r, qkv_w).view(1, H + 2 * K, 1, HD)
+    qkv = ops.linear(r, qkv_w, None).view(1, H + 2 * K, 1, HD)
     q = ops.rope_cache(qkv[:, :H + K], qkv[:, H + K:], cos, sin, k_cache, v_cache, pos)
     o = ops.attend(q.reshape(1, K, -1, HD), k_cache, v_cache, mask, pos).reshape(1, H * HD)
-    h2.view(1, D).addmm_(o, o_w.t())
+    ops.add_linear(h2, o, o_w, None)
     ops.weighted_rms(h2, w_post, 1e-5, x.view(1, 1, D))
     x_host.copy_(x[0])
     ops.predict(x[0], fc1, fc2, thr, fired, None, m_host)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from powerinfer.runtime.layout import HybridFFN, OnCPUEmbedding, predict, warm_up
 
@@ -209,6 +210,15 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return torch.matmul(torch.softmax(s, dim=-1), values)  # half/bf16 softmax: float32 inside, one rounding
 
 
+def _add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """h += linear(x, w, b) for one token, into h's memory: without a bias one GEMM that adds into h (beta = 1)."""
+    h2 = h.view(1, -1)  # (1, rows)
+    if b is None:
+        h2.addmm_(x.view(1, -1), w.t())
+    else:
+        h2.add_(F.linear(x.view(1, -1), w, b))
+
+
 def static_capacity(model_config, requested: int) -> int:
     """Tokens the static KV cache holds: `requested`, at most the model's context; positions below a sliding window
     see every earlier token, so full attention is exact there and the cache stops at the window."""
@@ -228,16 +238,19 @@ def cache_bytes(lm, capacity: int, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Ops:
-    """The pieces of `pre` between its GEMVs, as functions of tensors, by name in OPS: "torch" (the reference, and what
-    the CPU runs); "compile", through torch.compile, where Inductor fuses each into one or a few kernels: 218 -> 181 us
-    a layer at the 70B shape on the H100 (bench/pre_compile.py); "triton", the hand-fused kernels of runtime/fused.py
-    (one or two kernels each). The GEMVs stay cuBLAS in all three."""
+    """The ops of a decode step's graphs, as functions of tensors, by name in OPS: "torch" (the reference, and what the
+    CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each into one or a few kernels
+    (the GEMVs stay cuBLAS): 218 -> 181 us a layer's `pre` at the 70B shape on the H100 (bench/pre_compile.py);
+    "triton", the hand-fused kernels of runtime/fused.py, GEMVs included (one or two kernels each; 167 us with the
+    predictor's GEMVs, bench/NOTES.md)."""
 
     residual_norm: Callable = _residual_norm
     weighted_rms: Callable = _weighted_rms
     rope_cache: Callable = _rope_cache
     attend: Callable = _attend
     predict: Callable = predict
+    linear: Callable = F.linear
+    add_linear: Callable = _add_linear
 
     @classmethod
     def named(cls, name: str) -> "Ops":
@@ -248,8 +261,8 @@ class Ops:
         if name == "triton":
             from powerinfer.runtime import fused
 
-            return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend,
-                       fused.predict)
+            return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend, fused.predict,
+                       fused.linear, fused.add_linear)
         raise ValueError(f"unknown ops {name!r}: known are {', '.join(OPS)}")
 
 
@@ -329,6 +342,16 @@ class StaticDecoder:
         torch.add(self.h2[i - 1], self.hot[i - 1], out=out)
         return out.add_(f._io["out_mapped"]) if f.n_cold else out  # float32 sum, rounded into out once
 
+    def _residual_normed(self, i: int, norm: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        """Layer i's input (i = layers: the final norm's) into out, and `norm` of it: the residual sum and a LLaMA-form
+        norm in one op."""
+        eps = _rms_eps(norm)
+        if i > 0 and eps is not None:
+            f = self.ffns[i - 1]
+            return self.ops.residual_norm(self.h2[i - 1], self.hot[i - 1], f._io["out_mapped"] if f.n_cold else None,
+                                          norm.weight, eps, out)
+        return _rms_norm(norm, self._residual(i, out), weighted=self.ops.weighted_rms)
+
     def _position(self) -> None:
         """The step's rotary cos/sin (per head, q's scaled) and additive mask of filled cache slots, which all layers
         share (in layer 0's graph)."""
@@ -345,15 +368,9 @@ class StaticDecoder:
         if i == 0:
             self._position()
         ops, h = self.ops, self.h2[i]  # h2[i]: the layer's input h until o_proj's GEMM adds into it
-        eps = _rms_eps(layer.input_layernorm)
-        if i > 0 and eps is not None:  # the residual sum and the norm in one piece
-            f = self.ffns[i - 1]
-            r = ops.residual_norm(self.h2[i - 1], self.hot[i - 1], f._io["out_mapped"] if f.n_cold else None,
-                                  layer.input_layernorm.weight, eps, h)
-        else:
-            r = _rms_norm(layer.input_layernorm, self._residual(i, h), weighted=ops.weighted_rms)
+        r = self._residual_normed(i, layer.input_layernorm, h)
         w, b = self.qkv[i]
-        qkv = F.linear(r, w, b).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
+        qkv = ops.linear(r, w, b).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
         qk, v = qkv[:, :H + K], qkv[:, H + K:]  # (1, heads + kv heads, 1, hd), (1, kv heads, 1, hd)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
             qk = torch.cat((_rms_norm(attn.q_norm, qk[:, :H], weighted=ops.weighted_rms),
@@ -367,11 +384,7 @@ class StaticDecoder:
         else:  # eager: only the filled slots (on a CPU, reading the whole cache would cost more than the rest)
             mask, keys, values = None, self.k[i][:, :, :self._filled], self.v[i][:, :, :self._filled]
         o = ops.attend(qg, keys, values, mask, self.pos[0]).reshape(1, H * hd)  # (1, heads * hd)
-        h2 = h.view(1, -1)  # (1, d), h2[i]'s memory
-        if attn.o_proj.bias is None:
-            h2.addmm_(o, attn.o_proj.weight.t())  # h2 = h + o_proj(o): the GEMM adds into h (beta = 1)
-        else:
-            h2.add_(attn.o_proj(o))
+        ops.add_linear(h, o, attn.o_proj.weight, attn.o_proj.bias)  # h2[i] = h + o_proj(o), into h's memory
         _rms_norm(layer.post_attention_layernorm, self.h2[i], self.x[i].view(1, 1, -1), ops.weighted_rms)
         self.ffns[i]._to_host(self.x[i], ops.predict)
 
@@ -379,8 +392,9 @@ class StaticDecoder:
         self.hot[i].copy_(self.ffns[i]._device_part(self.x[i]))
 
     def _final(self) -> torch.Tensor:
-        h = self._residual(len(self.layers), self.h_last)
-        return self.lm.model.lm_head(_rms_norm(self.inner.norm, h))[0, -1]  # (vocab,)
+        head = self.lm.model.lm_head
+        r = self._residual_normed(len(self.layers), self.inner.norm, self.h_last)
+        return self.ops.linear(r, head.weight, head.bias)[0, -1]  # (vocab,)
 
     # -- graphs --------------------------------------------------------------------------------------------------
     def _capture(self) -> list[Any]:

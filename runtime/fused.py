@@ -212,12 +212,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mhost_ptr, rows, cols, n_cold,
-                 RELU: tl.constexpr, DECIDE: tl.constexpr, DEV: tl.constexpr, HOST: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program b: rows [b * BLOCK_R, ...) of w (rows, cols) times x (cols,), summed in float32 and rounded to w's
-    dtype (nn.Linear's output). RELU: relu of it into out. DECIDE: fired += it >= threshold (rounded to the same
-    dtype, as Predictor.mask compares), and rows under n_cold their decision into the masks (DEV, HOST)."""
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mhost_ptr, rows, cols, n_cold,
+                 BIAS: tl.constexpr, ADD: tl.constexpr, RELU: tl.constexpr, DECIDE: tl.constexpr, DEV: tl.constexpr,
+                 HOST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program p: rows [p * BLOCK_R, ...) of w (rows, cols) times x (cols,), summed in float32 (+ b), rounded to w's
+    dtype once, as nn.Linear rounds. ADD: out += it, rounded once as torch's addmm_ rounds (with b: the linear's
+    output rounded first, as out.add_(linear(x)) rounds). RELU: its relu. DECIDE: no output; fired += it >= threshold
+    (rounded to the same dtype, as Predictor.mask compares), and rows under n_cold their decision into the masks
+    (DEV, HOST); else it into out."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < rows
     k = tl.arange(0, BLOCK_K)
@@ -228,8 +230,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mhost_ptr,
         w = tl.load(at + k0, mask=rm[:, None] & km[None, :], other=0.0)
         acc += w.to(tl.float32) * tl.load(x_ptr + k0 + k, mask=km, other=0.0).to(tl.float32)[None, :]
     dt = w_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=1).to(dt).to(tl.float32)  # (BLOCK_R,) rounded; max and compare in float32: Triton's
-    # interpreter takes the max of bfloat16 values by their raw bits
+    y = tl.sum(acc, axis=1)  # (BLOCK_R,) float32
+    if BIAS:
+        y += tl.load(b_ptr + r, mask=rm, other=0.0).to(tl.float32)
+    if ADD:
+        if BIAS:
+            y = y.to(dt).to(tl.float32)
+        y += tl.load(out_ptr + r, mask=rm, other=0.0).to(tl.float32)
+    # rounded; then max and compare in float32: Triton's interpreter takes the max of bfloat16 values by their raw bits
+    y = y.to(dt).to(tl.float32)
     if RELU:
         y = tl.maximum(y, 0.0)
     if DECIDE:
@@ -245,29 +254,50 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mhost_ptr,
 
 
 def gemv_config(rows: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_K, num_warps) of a GEMV of w (rows, cols). The bests of bench/predictor_gemv.py's sweep on an
-    H100 at the 70B shape: fc1 (1024, 8192) one row a program, 7.9 us (cuBLAS 11.0); fc2 (28672, 1024) 16 rows, 21.6 us
-    (cuBLAS 22.5)."""
-    return (1, 1024, 8) if cols >= 4 * rows else (16, 256, 4)
+    """(BLOCK_R, BLOCK_K, num_warps) of a GEMV of w (rows, cols), from bench/gemv_sweep.py's sweep on an H100 at
+    the 70B shape: rows of 8192 columns (q/k/v and o projections, the predictor's fc1), 2 rows a program, within 1% of
+    the best of each; the predictor's fc2 (1024 columns), 16 rows (the best)."""
+    return (2, min(2048, _pow2(cols)), 8) if cols >= 2048 else (16, min(256, _pow2(cols, 16)), 4)
 
 
-def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
-            m_dev: torch.Tensor | None, m_host: torch.Tensor | None, configs=None) -> None:
-    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the bool masks written as bytes
-    of 0 and 1). configs: (BLOCK_R, BLOCK_K, num_warps) for each GEMV, else gemv_config's."""
-    (hidden, d), (rows, _) = fc1.shape, fc2.shape
-    if not (x.is_contiguous() and fc1.is_contiguous() and fc2.is_contiguous()):
-        raise ValueError("predict: x, fc1 and fc2 must be contiguous")
+def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, add: bool = False,
+          relu: bool = False, decide: tuple | None = None, config: tuple[int, int, int] | None = None) -> None:
+    """_gemv_kernel's launch: x (cols,) or (1, .., cols), w (rows, cols), out (rows,) or any of rows elements.
+    decide: (threshold, fired, m_dev, m_host)."""
+    rows, cols = w.shape
+    if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()) or x.numel() != cols or \
+            out.numel() != rows:
+        raise ValueError(f"a GEMV of one token: expected contiguous x of {cols} and out of {rows} elements, got "
+                         f"{tuple(x.shape)} and {tuple(out.shape)}")
+    br, bk, nw = config or gemv_config(rows, cols)
+    thr, fired, m_dev, m_host = decide or (out, out, None, None)
     n_cold = next((m.numel() for m in (m_dev, m_host) if m is not None), 0)
-    (r1, k1, w1), (r2, k2, w2) = configs or (gemv_config(hidden, d), gemv_config(rows, hidden))
-    h = torch.empty(hidden, dtype=fc1.dtype, device=x.device)  # (hidden,)
 
     def as_bytes(t: torch.Tensor | None) -> torch.Tensor:  # an absent mask: any pointer, never written (DEV, HOST)
         return fired if t is None else t.view(torch.int8)
 
-    _gemv_kernel[(triton.cdiv(hidden, r1),)](x, fc1, h, threshold, fired, fired, fired, hidden, d, 0, RELU=True,
-                                             DECIDE=False, DEV=False, HOST=False, BLOCK_R=r1, BLOCK_K=k1,
-                                             num_warps=w1)
-    _gemv_kernel[(triton.cdiv(rows, r2),)](h, fc2, h, threshold, fired, as_bytes(m_dev), as_bytes(m_host), rows,
-                                           hidden, n_cold, RELU=False, DECIDE=True, DEV=m_dev is not None,
-                                           HOST=m_host is not None, BLOCK_R=r2, BLOCK_K=k2, num_warps=w2)
+    _gemv_kernel[(triton.cdiv(rows, br),)](x, w, w if b is None else b, out, thr, fired, as_bytes(m_dev),
+                                           as_bytes(m_host), rows, cols, n_cold, BIAS=b is not None, ADD=add,
+                                           RELU=relu, DECIDE=decide is not None, DEV=m_dev is not None,
+                                           HOST=m_host is not None, BLOCK_R=br, BLOCK_K=bk, num_warps=nw)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of one token in one kernel: x (..., cols) -> (..., rows)."""
+    out = x.new_empty((*x.shape[:-1], w.shape[0]))
+    _gemv(x, w, b, out)
+    return out
+
+
+def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """fast._add_linear in one kernel: h += linear(x, w, b), one token."""
+    _gemv(x, w, b, h, add=True)
+
+
+def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
+            m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
+    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the bool masks written as bytes
+    of 0 and 1)."""
+    h = x.new_empty(fc1.shape[0])  # (hidden,)
+    _gemv(x, fc1, None, h, relu=True)
+    _gemv(h, fc2, None, fired, decide=(threshold, fired, m_dev, m_host))

@@ -144,10 +144,46 @@ def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where,
     assert int(clear.sum()) > 0.9 * rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,bias", [(40, 2500, False), (300, 96, True), (33, 4100, True)])
+@pytest.mark.parametrize("add", [False, True])
+def test_linear_equals_torch_and_float64(dtype, rows, cols, bias, add):
+    """One token's GEMV (the q/k/v projection, the LM head; add: o_proj adding into the residual), over one and
+    several blocks of columns and rows, with and without a bias: within the dtype's rounding of torch's result and of
+    the float64 one (the sums' order differs: one unit, two in the interpreter, which truncates bfloat16)."""
+    g = torch.Generator().manual_seed(rows + cols + 2 * bias + add + 7 * DTYPES.index(dtype))
+    x, w = rand(g, 1, 1, cols, dtype=dtype), rand(g, rows, cols, dtype=dtype, scale=cols ** -0.5)
+    b = rand(g, rows, dtype=dtype) if bias else None
+    h = rand(g, 1, 1, rows, dtype=dtype)
+    y64 = w.double() @ x.double().flatten() + (0 if b is None else b.double())  # (rows,)
+    if add:
+        ref, out = h.clone(), h.clone()
+        fast._add_linear(ref, x.view(1, cols), w, b)
+        fused.add_linear(out, x.view(1, cols), w, b)
+        y64 = y64 + h.double().flatten()
+    else:
+        ref, out = torch.nn.functional.linear(x, w, b), fused.linear(x, w, b)
+    assert out.shape == ref.shape == (1, 1, rows) and out.dtype == dtype
+    eps = 2 * torch.finfo(dtype).eps
+    scale = (w.double().abs() @ x.double().abs().flatten() + h.double().abs().flatten() * add + (
+        0 if b is None else b.double().abs()))  # (rows,) the bound's magnitude
+    for got in (ref, out):
+        assert bool(((got.double().flatten() - y64).abs() <= 2 * eps * scale + 1e-6).all())
+    assert bool(((out.double() - ref.double()).abs().flatten() <= 2 * eps * scale + 1e-6).all())
+
+
+def test_linear_takes_one_token():
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="a GEMV of one token: expected contiguous x of 16 and out of 8 elements, got "
+                                         r"\(2, 16\)"):
+        fused.linear(torch.zeros(2, 16, device=DEVICE), w, None)
+
+
 def test_ops_by_name():
     assert fast.Ops.named("torch") == fast.Ops()
     assert fast.Ops.named("triton").attend is fused.attend
     assert fast.Ops.named("triton").predict is fused.predict
+    assert fast.Ops.named("triton").add_linear is fused.add_linear
     with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
         fast.Ops.named("cutlass")
     assert fast.default_ops(torch.device("cpu")) == "torch"

@@ -1,11 +1,12 @@
-"""The predictor's share of a decode step (runtime/layout.py predict; fused.py's Triton twin): all --layers layers'
-predictors at the LLaMA-2-70B shape (d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random
+"""A decode step's GEMVs on the GPU, cuBLAS against runtime/fused.py's Triton GEMV; first the predictor (runtime/layout.py
+predict; fused.py's Triton twin): all --layers layers' predictors at the LLaMA-2-70B shape (d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random
 fp16 weights, each layer its own (so that no layer reads another's from L2), as one CUDA graph; GPU time per replay
 (CUDA events, median). Variants: "torch" (cuBLAS GEMVs and torch's decision kernels), "compile" (the same through
 torch.compile), "triton" (fused.predict at gemv_config's blocks); then each GEMV alone (the predictor's, and the
-attention's q/k/v and o projections), cuBLAS and Triton over a grid of (BLOCK_R, BLOCK_K, num_warps), as a share of the HBM rate measured here as pi-solve --measure does.
+attention's q/k/v and o projections; the LM head at one config), cuBLAS and Triton over a grid of (BLOCK_R, BLOCK_K,
+num_warps), as a share of the HBM rate measured here as pi-solve --measure does.
 
-Usage: python bench/predictor_gemv.py OUT.json [--layers 12] [--reps 100]"""
+Usage: python bench/gemv_sweep.py OUT.json [--layers 12] [--reps 100]"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from powerinfer.runtime import fused
 from powerinfer.runtime.kernels import host_mapped
 from powerinfer.runtime.layout import predict
 
-D, KV, HIDDEN, N = 8192, 1024, 1024, 28672  # d_model, kv heads x head dim, predictor width, neurons
+D, KV, HIDDEN, N, VOCAB = 8192, 1024, 1024, 28672, 32000  # d_model, kv heads x head dim, predictor width, neurons
 
 
 def gpu_us(fn, reps: int) -> float:
@@ -90,27 +91,29 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
     h = torch.empty(HIDDEN, dtype=dt, device=dev)
     qkv = [(torch.randn(D + 2 * KV, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]
     o = [(torch.randn(D, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]
-    y = torch.empty(D + 2 * KV, dtype=dt, device=dev)
-    for which, w, v in (("fc1", fc1, x), ("fc2", fc2, h), ("qkv_proj", qkv, x), ("o_proj", o, x)):
+    head = [(torch.randn(VOCAB, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(2)]
+    y = torch.empty(VOCAB, dtype=dt, device=dev)
+    for which, w, v in (("fc1", fc1, x), ("fc2", fc2, h), ("qkv_proj", qkv, x), ("o_proj", o, x), ("lm_head", head, x)):
         rows, cols = w[0].shape
         row = {"rows": rows, "cols": cols}
-        us = gpu_us(lambda: [F.linear(v, w[i]) for i in range(layers)], reps) / layers
+        us = gpu_us(lambda: [F.linear(v, wi) for wi in w], reps) / len(w)
         row["cublas"] = {"us": us, "share_of_hbm": 2 * rows * cols / (us * 1e-6) / hbm}
         grid = []
         wide = cols >= 4096  # few rows of many columns, or the reverse
         for br, bk, nw in itertools.product((1, 2, 4, 8) if wide else (4, 8, 16, 32),
                                             (512, 1024, 2048) if wide else (256, 512, 1024), (2, 4, 8)):
-            if bk > max(256, cols) or br * bk > 32768:
+            if bk > max(256, cols) or br * bk > 32768 or (which == "lm_head" and (br, bk, nw) != (2, 2048, 8)):
                 continue
             cfg = (br, bk, nw)
 
             def run(cfg=cfg) -> None:
-                for i in range(layers):
+                for wi in w:
                     fused._gemv_kernel[(-(-rows // cfg[0]),)](
-                        v, w[i], y, thr, fired, fired, fired, rows, cols, n_cold, RELU=which == "fc1",
-                        DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0], BLOCK_K=cfg[1], num_warps=cfg[2])
+                        v, wi, wi, y, thr, fired, fired, fired, rows, cols, n_cold, BIAS=False, ADD=False,
+                        RELU=which == "fc1", DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0],
+                        BLOCK_K=cfg[1], num_warps=cfg[2])
 
-            us = gpu_us(run, reps // 2) / layers
+            us = gpu_us(run, reps // 2) / len(w)
             grid.append({"block_r": br, "block_k": bk, "num_warps": nw, "us": us,
                          "share_of_hbm": 2 * rows * cols / (us * 1e-6) / hbm})
         grid.sort(key=lambda r: r["us"])
