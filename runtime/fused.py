@@ -1,4 +1,4 @@
-"""Triton kernels for the small ops of a decode layer's `pre` (runtime/fast.py), one kernel where torch runs several.
+"""Triton kernels for a decode step's ops on the GPU (runtime/fast.py), one kernel where torch runs several.
 
 The same functions as fast.py's plain ops (`Ops`), with the same arguments and the same roundings where
 torch rounds (each torch kernel's output is rounded to the model dtype; the kernels here round at the same
@@ -11,7 +11,9 @@ points), so that a step through them gives the plain step's outputs up to the or
                  the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
                  the whole static cache behind a mask
   predict        the predictor's two GEMVs, its ReLU and its decision, counted into the firings and written into the
-                 cold masks on the device and the host (layout.predict): 2 kernels, not 6
+                 cold masks on the device and the host (layout.predict): 2 kernels, not 8
+  linear         one token's GEMV (+ bias), rounded once as cuBLAS rounds: the q/k/v projection, the LM head
+  add_linear     the same added into the residual, as addmm_ (o_proj)
 
 Used inside CUDA graphs (RuntimeConfig.ops == "triton"); on machines without CUDA the tests run the same kernels in
 Triton's interpreter (TRITON_INTERPRET=1) against the plain ops.
