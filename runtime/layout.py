@@ -85,8 +85,6 @@ class HybridFFN(nn.Module):
         gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
         hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
         self.n_hot, self.n_cold = len(hot), len(cold)
-        self.register_buffer("hot_ids", hot)  # (n_hot,) neuron ids, for predictor masks and stats
-        self.register_buffer("cold_ids", cold)  # (n_cold,)
         self.register_buffer("up_hot", up[hot].clone())  # (n_hot, d)
         self.register_buffer("gate_hot", gate[hot].clone() if self.gated else None)  # (n_hot, d)
         self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].clone())  # (n_hot,)
@@ -105,13 +103,14 @@ class HybridFFN(nn.Module):
         # its first n_cold decisions, with no gather (predict)
         p = predictor
         self.register_buffer("pred_fc1", None if p is None else p.fc1.weight.detach())  # (hidden, d)
-        self.register_buffer("pred_fc2", None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))])  # (n, hidden)
+        fc2 = None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))]  # (n, hidden)
+        self.register_buffer("pred_fc2", fc2)
         self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
         self.use_graphs = True  # CUDA: replay the per-token GPU work as two CUDA graphs (see _decode)
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
         self._io: dict[str, Any] | None = None  # transfer buffers (pinned on CUDA), events, graphs
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
-        self._fired: torch.Tensor | None = None  # (n,) int32 predictor firings, cold neurons first, summed on the device
+        self._fired: torch.Tensor | None = None  # (n,) int32 predictor firings, pred_fc2's order, summed on device
         self.timing: list[dict] | None = None  # set to a list to record per-call timings
 
     # -- bookkeeping -------------------------------------------------------------------------------------------

@@ -135,7 +135,6 @@ def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, 
         "embedding": 0 if embedding_on_cpu(shape) else int(shape.embedding_params * dtype_bytes),
         "lm_head": int(shape.lm_head_params * dtype_bytes),
         "predictors": int(predictor_bytes),
-        "neuron_ids": 8 * L * shape.n_neurons,  # int64 ids of each layer's hot and cold neurons (runtime HybridFFN)
         "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * kv_bytes * ctx),
         "workspace": workspace_bytes(shape, ctx),
         "reserve": int(reserve),
