@@ -86,9 +86,10 @@ def runtime_options(f):
         click.option("--no-cuda-graphs", is_flag=True, help="CUDA: launch the per-token GPU work eagerly (slower; "
                      "for checks and profiling)."),
         click.option("--ops", type=click.Choice(("auto",) + OPS), default="auto", show_default=True,
-                     help="CUDA graphs: what computes the small ops between each layer's attention GEMVs. triton: "
-                          "fused kernels (runtime/fused.py); torch: torch's kernels; compile: torch.compile (a few "
-                          "seconds at start); auto: triton where it imports, else torch."),
+                     help="CUDA graphs: what computes a decode step's GPU ops (norms, RoPE, attention, the "
+                          "predictor, one token's GEMVs). triton: fused kernels (runtime/fused.py); torch: torch's "
+                          "kernels; compile: torch.compile on the small ops (a few seconds at start); auto: triton "
+                          "where it imports, else torch."),
         click.option("--hf-decode", is_flag=True, help="Decode through the HF decoder layers instead of the static "
                      "decoder (LLaMA family; slower; for checks)."),
         click.option("--trust-remote-code", is_flag=True),

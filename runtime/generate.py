@@ -54,9 +54,10 @@ class RuntimeConfig:
     # static decoder: tokens its KV cache holds, on the device and counted by --vram (None: the placement's pi-solve
     # --ctx when loaded from a run, else fast.CAPACITY); longer generations decode through HF
     ctx: int | None = None
-    # static decoder with CUDA graphs: what computes the small ops between each layer's attention GEMVs (fast.OPS):
-    # "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or "compile" (torch.compile; a few
-    # seconds at the first step). auto: triton where it imports (torch's CUDA builds bring it), else torch
+    # static decoder with CUDA graphs: what computes a step's GPU ops, the norms, RoPE, attention, the predictor and
+    # one token's GEMVs (fast.OPS): "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or
+    # "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it imports
+    # (torch's CUDA builds bring it), else torch
     ops: str = "auto"
 
 
