@@ -198,9 +198,12 @@ def markdown(res: dict) -> str:
     elif il:
         rest = [f"{k} {v:.3f} ({il['rounds_above_1'][k]}/{il['reps']})" for k, v in il["median_ratio"].items()
                 if k != il["ratio_to"]]
+        steps = [f"{k} {v:.3f}" for k, v in (il.get("median_step_ratio") or {}).items()
+                 if k != il["ratio_to"] and v is not None]
         lines.append(f"Interleaved: {', '.join(il['systems'])} timed in {il['reps']} rounds of one generation each"
                      + (f" (built side by side); per-round tok/s ratio to {il['ratio_to']}, median (rounds above 1): "
-                        + ", ".join(rest) if rest else "") + ".")
+                        + ", ".join(rest) if rest else "")
+                     + (f"; the same from each generation's median step: {', '.join(steps)}" if steps else "") + ".")
         for label, m in (il.get("median_ratio_to_others") or {}).items():
             lines.append(f"Paired with {label} run after each round: median per-round tok/s ratio " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in m.items()) + ".")

@@ -175,6 +175,12 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
     summary["rounds_above_1"] = {k: int(sum(x > 1 for x in v)) for k, v in summary["ratios_per_round"].items()}
     summary["median_ratio_to_others"] = {label: {k: median(v) for k, v in ratios(label).items()}
                                          for label in others}
+    # the same ratios from each generation's median step (1 / step, so > 1 is faster than `first`): rounds where a
+    # few steps stalled move less
+    steps = {name: [g.stats["decode_step_ms_median"] for g in timed[name][0]] for name in rows}
+    summary["step_ratios_per_round"] = {name: [b / a for a, b in zip(v, steps[first]) if a and b]
+                                        for name, v in steps.items()}
+    summary["median_step_ratio"] = {k: median(v) for k, v in summary["step_ratios_per_round"].items()}
     extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
     return rows, {"interleaved": summary, **extra}
 

@@ -297,7 +297,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     ids: list[int] = []
     kept: list[torch.Tensor] = []
     shown, steps, stopped = "", 0, False
-    t1 = time.perf_counter()
+    step_s: list[float] = []  # each step's wall time: its sampling waits for the logits, so each is one token's
+    t1 = t_step = time.perf_counter()
     for _ in range(max_new):
         if keep_logits:
             kept.append(logits.float().cpu())
@@ -320,13 +321,18 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
             logits = out.logits[0, -1]
         steps += 1
         tune_mapped_rows(rt)
+        step_s.append(time.perf_counter() - t_step)
+        t_step = time.perf_counter()
     _sync(rt.device)
     t_decode = time.perf_counter() - t1
     text = tok.decode(ids, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown):
         on_text(text[len(shown):])
+    # the median step: a rate that a few stalled steps (another process, the OS) do not move; the first is left out,
+    # as its sampling found the prefill's logits ready while later ones wait for the step before
+    median_ms = 1e3 * float(np.median(step_s[1:])) if len(step_s) > 1 else None
     return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps, t_decode), "new_tokens": len(ids),
-                                      "stopped": stopped},
+                                      "stopped": stopped, "decode_step_ms_median": median_ms},
                       kept)
 
 

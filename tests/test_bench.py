@@ -274,6 +274,9 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
         assert il["ratios_per_round"][name] == pytest.approx(
             [a / b for a, b in zip(row["decode_tokens_per_s_reps"], res["systems"]["hybrid"]["decode_tokens_per_s_reps"])])
     assert il["median_ratio"]["hybrid"] == 1.0 and il["rounds_above_1"]["hybrid"] == 0
+    # the same ratios from each generation's median step
+    assert il["median_step_ratio"]["hybrid"] == 1.0 and len(il["step_ratios_per_round"]["hybrid-split-cold"]) == 3
+    assert all(r > 0 for r in il["step_ratios_per_round"]["hybrid-split-cold"])
     assert "dram_around_bytes_per_s" not in res["systems"]["all-gpu"]  # timed on its own, as before
     # llama-bench once a round (one repetition each), then once more for each of its usual rows
     label = f"llama.cpp -ngl {res['llama_cpp_ngl_at_budget']}"
@@ -284,3 +287,4 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
     md = report.markdown(res)
     assert "Interleaved: hybrid, hybrid-split-cold timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
+    assert "the same from each generation's median step: hybrid-split-cold " in md

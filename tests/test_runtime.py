@@ -380,6 +380,9 @@ def test_predictor_that_never_fires_keeps_only_hot_neurons(tiny_model_dir):
     rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, 1e30))
     g = generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), 4)
     assert g.stats["ffn_sparsity"] == 1.0 and len(g.token_ids) == 4
+    # 3 decode steps, the first left out of the median step; one token decodes no step, so it has none
+    assert g.stats["decode_step_ms_median"] > 0
+    assert generate(rt, list(lm.tokenizer(PROMPT)["input_ids"]), 1).stats["decode_step_ms_median"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
