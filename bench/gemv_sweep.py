@@ -111,10 +111,8 @@ def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:
 
             def run(cfg=cfg) -> None:
                 for wi in w:
-                    fused._gemv_kernel[(-(-rows // cfg[0]),)](
-                        v, wi, wi, y, thr, fired, fired, fired, rows, cols, n_cold, BIAS=False, ADD=False,
-                        RELU=which == "fc1", DECIDE=which == "fc2", DEV=False, HOST=False, BLOCK_R=cfg[0],
-                        BLOCK_K=cfg[1], num_warps=cfg[2])
+                    fused._gemv(v, wi, None, fired if which == "fc2" else y[:rows], relu=which == "fc1",
+                                decide=(thr, fired, None, None) if which == "fc2" else None, config=cfg)
 
             us = gpu_us(run, reps // 2) / len(w)
             grid.append({"block_r": br, "block_k": bk, "num_warps": nw, "us": us,

@@ -263,15 +263,16 @@ def gemv_config(rows: int, cols: int) -> tuple[int, int, int]:
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, add: bool = False,
-          relu: bool = False, decide: tuple | None = None) -> None:
+          relu: bool = False, decide: tuple | None = None, config: tuple[int, int, int] | None = None) -> None:
     """_gemv_kernel's launch: x (cols,) or (1, .., cols), w (rows, cols), out (rows,) or any of rows elements.
-    decide: (threshold, fired, m_dev, m_host)."""
+    decide: (threshold, fired, m_dev, m_host). config: (BLOCK_R, BLOCK_K, num_warps), else gemv_config's (the sweep
+    in bench/gemv_sweep.py gives others)."""
     rows, cols = w.shape
     if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()) or x.numel() != cols or \
             out.numel() != rows:
         raise ValueError(f"a GEMV of one token: expected contiguous x of {cols} and out of {rows} elements, got "
                          f"{tuple(x.shape)} and {tuple(out.shape)}")
-    br, bk, nw = gemv_config(rows, cols)
+    br, bk, nw = config or gemv_config(rows, cols)
     thr, fired, m_dev, m_host = decide or (out, out, None, None)
     n_cold = next((m.numel() for m in (m_dev, m_host) if m is not None), 0)
 
