@@ -357,6 +357,31 @@ def always_on_predictors(lm, threshold: float) -> Predictors:
     return Predictors(layers, {"layers": []}, {})
 
 
+def exact_predictors(lm) -> Predictors:
+    """Predictors whose logits are each neuron's gate pre-activation: fc1 = [I; -I], fc2 = [G, -G], so that
+    G relu(x) - G relu(-x) = G x; threshold 0. They mark exactly the neurons the ReLU gate opens, so computing only
+    those is exact, and a mask given to the wrong neurons is not."""
+    d, n = lm.info["d_model"], lm.info["n_neurons"]
+    layers = {}
+    for i, layer in enumerate(lm.layers):
+        g = lm.adapter.layer_ffn(layer)["gate"].weight.detach().float()  # (n, d)
+        p = Predictor(d, 2 * d, n, 0.0).eval()
+        with torch.no_grad():
+            p.fc1.weight.copy_(torch.cat((torch.eye(d), -torch.eye(d))))
+            p.fc2.weight.copy_(torch.cat((g, -g), 1))
+        layers[i] = p
+    return Predictors(layers, {"layers": []}, {})
+
+
+def test_exact_predictor_equals_hf(tiny_model_dir):
+    """The predictor's masks reach the neurons they are for (fc2's rows are reordered cold first in HybridFFN): with a
+    predictor that marks exactly the open gates, hybrid is HF's dense model while it skips half the neurons."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    g = check_equal(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), exact_predictors(lm))
+    assert g.stats["mode"] == "hybrid" and 0.3 < g.stats["ffn_sparsity"] < 0.7
+    assert 0 < g.stats["gpu_activation_share"] < 1
+
+
 def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     g = check_equal(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, -1e30))

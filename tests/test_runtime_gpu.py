@@ -14,7 +14,7 @@ import torch
 import tiny
 from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
 from test_runtime import (NEW, PROMPT, RELU, always_on_predictors, check_equal, check_norm_and_softmax,
-                          make_placement)
+                          exact_predictors, make_placement)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
@@ -76,16 +76,17 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
 @pytest.mark.parametrize("ops", ["triton", "torch", "compile"])
 @pytest.mark.parametrize("family", ["llama-reglu", "qwen3-swiglu"])
 def test_cuda_pre_ops_equal_hf(family, ops, tiny_model_dir):
-    """RuntimeConfig.ops: `pre`'s norm, residual, RoPE and attention pieces as runtime/fused.py's Triton kernels,
-    torch's kernels or through torch.compile, captured in the layers' graphs: the tokens and logits of HF generate
-    (Qwen3: its per-head q/k norms too)."""
+    """RuntimeConfig.ops: the step's norms, residual, RoPE, attention, GEMVs and predictor as runtime/fused.py's Triton
+    kernels, torch's kernels or through torch.compile, captured in the layers' graphs: the tokens and logits of HF
+    generate (Qwen3: its per-head q/k norms too). LLaMA-ReGLU with exact predictors: the masks reach their neurons."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
-    preds = always_on_predictors(lm, -1e30) if family == "llama-reglu" else None
+    preds = exact_predictors(lm) if family == "llama-reglu" else None
     cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense", ops=ops)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".* ops failed")  # no quiet fallback to the torch ops
         g = check_equal(lm, cfg, make_placement(lm, "mixed"), preds, atol=CUDA_ATOL)
     assert g.stats["decode_steps"] > 0 and g.stats["graph_prelaunch"] and g.stats["ops"] == ops
+    assert (0.3 < g.stats["ffn_sparsity"] < 0.7) if preds else g.stats["ffn_sparsity"] == 0.0
 
 
 def test_cuda_no_garbage_collection_while_a_graph_waits_for_the_host(tiny_model_dir):
