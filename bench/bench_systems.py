@@ -106,7 +106,7 @@ def row_ours(name: str, rt, build_s: float, gens: list, around: list[tuple[float
                       layer=f.layer, n_hot=f.n_hot, n_cold=f.n_cold) for f in rt.ffns]
     row = {**gens[-1].stats, "build_s": build_s, "decode_tokens_per_s_reps": rates,
            "decode_tokens_per_s": float(np.median(rates)), "per_layer_counts": per_layer, "tokens": tokens,
-           "host_memory": host_memory()}
+           "decode_step_ms_median_reps": [g.stats["decode_step_ms_median"] for g in gens], "host_memory": host_memory()}
     if around:
         row["dram_around_bytes_per_s"] = {"before": around[0][0], "after": around[-1][1],
                                           "per_rep": [(a + b) / 2 for a, b in around]}
@@ -177,7 +177,7 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
                                          for label in others}
     # the same ratios from each generation's median step (1 / step, so > 1 is faster than `first`): rounds where a
     # few steps stalled move less
-    steps = {name: [g.stats["decode_step_ms_median"] for g in timed[name][0]] for name in rows}
+    steps = {name: r["decode_step_ms_median_reps"] for name, r in rows.items()}
     summary["step_ratios_per_round"] = {name: [b / a for a, b in zip(v, steps[first]) if a and b]
                                         for name, v in steps.items()}
     summary["median_step_ratio"] = {k: median(v) for k, v in summary["step_ratios_per_round"].items()}

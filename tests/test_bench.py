@@ -277,6 +277,8 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     # the same ratios from each generation's median step
     assert il["median_step_ratio"]["hybrid"] == 1.0 and len(il["step_ratios_per_round"]["hybrid-split-cold"]) == 3
     assert all(r > 0 for r in il["step_ratios_per_round"]["hybrid-split-cold"])
+    steps = [res["systems"][k]["decode_step_ms_median_reps"] for k in ("hybrid", "hybrid-split-cold")]
+    assert il["step_ratios_per_round"]["hybrid-split-cold"] == pytest.approx([a / b for a, b in zip(*steps)])
     assert "dram_around_bytes_per_s" not in res["systems"]["all-gpu"]  # timed on its own, as before
     # llama-bench once a round (one repetition each), then once more for each of its usual rows
     label = f"llama.cpp -ngl {res['llama_cpp_ngl_at_budget']}"
