@@ -25,32 +25,15 @@ from powerinfer.hardware import _measure_cuda
 from powerinfer.runtime import fused
 from powerinfer.runtime.kernels import host_mapped
 from powerinfer.runtime.layout import predict
+from pre_compile import replay_us
 
 D, KV, HIDDEN, N, VOCAB = 8192, 1024, 1024, 28672, 32000  # d_model, kv heads x head dim, predictor width, neurons
 
 
 def gpu_us(fn, reps: int) -> float:
     """Median GPU time (us) of fn captured as one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    us = []
-    for _ in range(reps):
-        torch.cuda._sleep(1_000_000)  # the stream stays busy while the host launches: the events time the GPU
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        us.append(1e3 * a.elapsed_time(b))
-    return sorted(us)[len(us) // 2]
+    us, _ = replay_us(fn, reps)
+    return us[len(us) // 2]
 
 
 def main(out: Path, layers: int, n_cold: int, reps: int) -> dict:

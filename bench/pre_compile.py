@@ -59,30 +59,13 @@ def main(out: Path, slots: int, pos: int, reps: int) -> dict:
     triton_ops = Ops.named("triton")
     variants = (("eager", pre), ("compiled", torch.compile(pre)), ("triton", lambda **a: pre(**a, ops=triton_ops)))
     for name, fn in variants:
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(3):
+        def call(fn=fn) -> None:
+            with torch.inference_mode():
                 fn(**args)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        warm_s = time.perf_counter() - t0
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
-            fn(**args)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ms = []
-        for _ in range(reps):
-            torch.cuda._sleep(1_000_000)  # the stream stays busy while the host launches: the events time the GPU
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            ms.append(a.elapsed_time(b))
-        ms.sort()
+
+        us, warm_s = replay_us(call, reps, warm=3)
         outs[name] = (args["x"].clone(), m_host.clone(), args["h2"].clone())
-        res[name] = {"median_us": 1e3 * ms[len(ms) // 2], "p10_us": 1e3 * ms[len(ms) // 10],
+        res[name] = {"median_us": us[len(us) // 2], "p10_us": us[len(us) // 10],
                      "warm_up_and_compile_s": warm_s}
         print(name, res[name], flush=True)
     xe, me, he = outs["eager"]
@@ -94,6 +77,33 @@ def main(out: Path, slots: int, pos: int, reps: int) -> dict:
         res[name]["saved_us_per_layer"] = res["eager"]["median_us"] - res[name]["median_us"]
     out.write_text(json.dumps(res, indent=1))
     return res
+
+
+def replay_us(fn, reps: int, warm: int = 2) -> tuple[list[float], float]:
+    """GPU times (us, sorted) of `reps` replays of fn captured as one CUDA graph, after `warm` calls on a side stream
+    (lazy inits, autotuning, compiles); and the seconds those took."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    us = []
+    for _ in range(reps):
+        torch.cuda._sleep(1_000_000)  # the stream stays busy while the host launches: the events time the GPU
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        us.append(1e3 * a.elapsed_time(b))
+    return sorted(us), warm_s
 
 
 class _View:
