@@ -12,9 +12,14 @@ Writes OUT/kernel_variants.json.
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
+  * -tl          timeline: the kernel's claims (fused-tl, const-tl), or 8 (guided-tl) or 16 (guided16-tl) at a time
+                 and the last 8 per thread 4 at a time, each thread's start and end read from the time-stamp
+                 counter: `timeline_us_median` splits a call into the threads' start, their claims, the tail (the
+                 last thread's end after the mean end) and the partial rows' sum and return
   (pair, pair8, two neurons' rows in one pass: development-host figures in bench/NOTES.md, commit 4d4e9b0; removed)
   (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
-Densities include 16 rows (one a thread: the call's fixed cost) and 6.5% (~1,880 rows, what decode marks per layer).
+Densities include 16 rows (one a thread: the call's fixed cost), 2-3.5% and 6.5% (~600-1,880 rows, what decode marks per
+layer).
 
 Active rows are drawn among neurons whose gate is positive for x, so each reads its gate, up and down rows. Each
 variant draws its own sets, and 2 GiB of other memory is read before each call (decode reads the other layers' rows
@@ -120,23 +125,57 @@ def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[
                             + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
 
 
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(nogil=True)
+def cycles():
+    return _cycles()
+
+
+NO_STAMPS = np.zeros((0, 2), np.int64)
+
+
 @njit(parallel=True, nogil=True, fastmath=True)
-def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width):  # ReGLU only
+def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width, tail=0, stamps=NO_STAMPS):
     """Threads take `chunk` neurons at a time from a shared counter and read the rows of `width` neurons at once:
     1 (one row at a time), 4 (the runtime's _gated4) or 8 (int8 rows in groups of G only: _dot8_int8, chunk 8); a
-    group with a gate <= 0, and the claim's tail, go through the one-neuron path."""
+    group with a gate <= 0, and the claim's tail, go through the one-neuron path.
+
+    tail > 0: the last `tail` positions are claimed 4 at a time (the counter then counts claims), so that the threads
+    end closer together. stamps (T, 2): each thread's time-stamp counter when it starts and when its claims end."""
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
+    head = max(0, k - tail) // chunk * chunk  # positions claimed `chunk` at a time
     for t in prange(T):
+        if stamps.shape[0] > 0:
+            stamps[t, 0] = _cycles()
         acc = part[t]
         acc[:] = 0.0
         g, u = np.empty(8, np.float32), np.empty(8, np.float32)
         while True:
-            q0 = K._fetch_add(counter, chunk)
+            if tail > 0:
+                c = K._fetch_add(counter, 1)
+                if c < head // chunk:
+                    q0, q1 = c * chunk, c * chunk + chunk
+                else:
+                    q0 = head + (c - head // chunk) * 4
+                    q1 = min(q0 + 4, k)
+            else:
+                q0 = K._fetch_add(counter, chunk)
+                q1 = min(q0 + chunk, k)
             if q0 >= k:
                 break
-            q, q1 = q0, min(q0 + chunk, k)
+            q = q0
             while width == 4 and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
                 K._gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, REGLU)
                 q += 4
@@ -149,6 +188,8 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
                     q += 8
             for r in range(q, q1):
                 _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
+        if stamps.shape[0] > 0:
+            stamps[t, 1] = _cycles()
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -290,8 +331,12 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     def kernel(R, s):
         K.cold_ffn(x, s, R.gate, R.up, R.b_up, R.down_t, R.scale, R.group, part, o, REGLU)
 
-    def dyn(chunk: int, width: int):  # `dynamic` with `chunk` neurons a claim, `width` neurons' rows at once
-        return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width)
+    stamps = np.zeros((numba.get_num_threads(), 2), np.int64)
+
+    def dyn(chunk: int, width: int, tail: int = 0, stamped: bool = False):  # `dynamic` with `chunk` neurons a claim,
+        st = stamps if stamped else NO_STAMPS                                # `width` neurons' rows at once
+        return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width,
+                                    tail, st)
 
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
@@ -302,12 +347,17 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused-dyn16"): dyn(16, 1),
         ("bf16", "fused-c4"): dyn(4, 4),
         ("bf16", "fused-c16"): dyn(16, 4),
+        ("bf16", "fused-tl"): dyn(8, 4, 0, True),
+        ("bf16", "guided-tl"): dyn(8, 4, 8 * len(stamps), True),
+        ("bf16", "guided16-tl"): dyn(16, 4, 8 * len(stamps), True),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
         ("int8", "const-single"): dyn(4, 1),
         ("int8", "const-c4"): dyn(4, 4),
         ("int8", "const-8rows"): dyn(8, 8),
+        ("int8", "const-tl"): dyn(8, 4, 0, True),
+        ("int8", "guided-tl"): dyn(8, 4, 8 * len(stamps), True),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if other is not None:
@@ -316,9 +366,14 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         variants[("bf16", "other")] = variants[("int8", "other")] = lambda R, s: other_fn(x, s, R, part, o, REGLU)
     if only:
         variants = {key: fn for key, fn in variants.items() if key[1] in only}
+    c0, t0 = cycles(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        pass
+    tick_us = 1e6 * (time.perf_counter() - t0) / (cycles() - c0)  # us per time-stamp tick
+    res["tsc_ticks_per_us"] = 1 / tick_us
     rng = np.random.default_rng(0)
     table, checks = [], {}
-    for dens in (16 / n, 0.05, 0.065, 0.10, 0.20):
+    for dens in (16 / n, 0.02, 0.035, 0.05, 0.065, 0.10, 0.20):
         k = int(round(dens * n))
         first = np.sort(rng.choice(positive, k, replace=False)).astype(np.int64)  # every variant's check
         for rnd, ((dt, name), fn) in ((r, v) for r in range(rounds) for v in variants.items()):
@@ -328,17 +383,29 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                 checks.setdefault((dt, dens), []).append(o.copy())
             # fresh sets for each variant: a set the previous variant just read may still sit in the L3
             sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps)]
-            ts = []
+            ts, parts = [], []
             for s in sets:
                 ceil._sum_rows(flush, numba.get_num_threads())  # the L3 (300 MiB on the H100 host) emptied of rows
-                t0 = time.perf_counter()
+                stamps[:] = 0
+                c0, t0 = cycles(), time.perf_counter()
                 fn(R, s)
                 ts.append(time.perf_counter() - t0)
+                c1 = cycles()
+                used = stamps[stamps[:, 0] > 0]
+                if len(used):  # a stamped variant: where the call's time went, in us
+                    ends = used[:, 1]
+                    parts.append({"start": (used[:, 0].min() - c0) * tick_us,
+                                  "work_mean": float((ends - used[:, 0]).mean()) * tick_us,
+                                  "tail": (ends.max() - ends.mean()) * tick_us,
+                                  "spread": (ends.max() - ends.min()) * tick_us, "after": (c1 - ends.max()) * tick_us})
             nbytes = k * 3 * (d * R.up.itemsize + 4 * R.scale.shape[2])
             table.append({"density": dens, "dtype": dt, "variant": name, "round": rnd, "active_rows": k,
                           "best_ms": 1e3 * min(ts), "median_ms": 1e3 * float(np.median(ts)),
                           "GBps": nbytes / min(ts) / 1e9, "G_weights_per_s": k * 3 * d / min(ts) / 1e9,
                           "share_of_dram": nbytes / min(ts) / res["dram"]["best_bytes_per_s"]})
+            if parts:  # medians over the calls: thread start after the call began, a thread's claims, the last
+                table[-1]["timeline_us_median"] = {  # thread's end after the mean end, first to last end, then
+                    key: float(np.median([p[key] for p in parts])) for key in parts[0]}  # the sum and return
             print(table[-1], flush=True)
     # every variant of a dtype computes the same sum (float32, another order)
     res["max_rel_diff_within_dtype"] = float(max(np.abs(a - v[0]).max() / np.abs(v[0]).max()

@@ -115,6 +115,25 @@ def test_kernel_threads_do_not_change_the_result(dtype):
         np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_kernel_claims_cover_each_position_once(threads):
+    """cold_ffn's claims (kernels._claim): claim numbers 0, 1, ... take [0, k) in order, each position once, CHUNK at
+    a time and 4 at a time over the last TAIL * threads positions (nothing past k: the claims after the last are
+    empty)."""
+    for k in (0, 1, 3, 4, 5, 8, 9, 31, 32, 33, K.TAIL * threads, K.TAIL * threads + 5, 1433):
+        head = max(0, k - K.TAIL * threads) // K.CHUNK * K.CHUNK
+        spans, c = [], 0
+        while True:
+            q0, q1 = K._claim(c, k, head)
+            if q0 >= k:
+                break
+            spans.append((q0, q1))
+            c += 1
+        assert [q for a, b in spans for q in range(a, b)] == list(range(k))
+        assert all(b - a == (K.CHUNK if a < head else min(4, k - a)) for a, b in spans)
+        assert k - head <= K.TAIL * threads + K.CHUNK
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1003])
 def test_mask_indices_equal_flatnonzero(n):
     """The cold mask -> active positions (kernels.mask_indices, eight entries a test, slices of the mask in parallel)
