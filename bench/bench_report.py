@@ -207,6 +207,12 @@ def markdown(res: dict) -> str:
         for label, m in (il.get("median_ratio_to_others") or {}).items():
             lines.append(f"Paired with {label} run after each round: median per-round tok/s ratio " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in m.items()) + ".")
+    sw = res.get("share_sweep")
+    if sw:
+        lines.append(f"PCIe shares in rounds within the hybrid runtime ({sw['reps']} rounds): balanced "
+                     f"{sw['shares']['balanced']:.3f}; per-round tok/s ratio to it, median (rounds above 1): "
+                     + ", ".join(f"{k} {sw['median_ratio'][k]:.3f} ({sw['rounds_above_1'][k]}/{sw['reps']})"
+                                 for k in sw["shares"] if k != "balanced") + ".")
     by_pos = (res.get("calibration") or {}).get("active_by_position")
     if by_pos:
         lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(

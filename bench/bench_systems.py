@@ -185,6 +185,45 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
     return rows, {"interleaved": summary, **extra}
 
 
+def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[float]) -> dict:
+    """hybrid's decode at fixed PCIe shares, in rounds within one runtime (the H100 host's RAM holds two runtimes of
+    the bench model side by side, not five): each round the balanced share and each of `shares` in turn (the order
+    rotated each round), each a short generation once set (its graphs are captured again), then a timed one. The
+    balancing's re-checks are off meanwhile; the balanced share is set again at the end. Whether the balancing lands
+    where decode is fastest: the per-round tok/s and median-step ratios of each share to the balanced one."""
+    from powerinfer.runtime.balance import _set_mapped_rows
+    from powerinfer.runtime.generate import generate
+
+    balanced, b = rt.pcie_share, rt.pcie_balance
+    recheck = b.recheck if b is not None else None
+    points = {"balanced": balanced, **{f"{x:g}": x for x in shares}}
+    names = list(points)
+    rates: dict = {k: [] for k in names}
+    steps: dict = {k: [] for k in names}
+    if b is not None:
+        b.recheck = False
+    try:
+        for r in range(reps):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                _set_mapped_rows(rt, points[name])
+                generate(rt, prompt, 4, stop_at_eos=False)  # captures the graphs at this share
+                st = generate(rt, prompt, tokens, stop_at_eos=False).stats
+                rates[name].append(st["decode_tokens_per_s"])
+                steps[name].append(st["decode_step_ms_median"])
+            print("share sweep round", r + 1, {k: round(v[-1], 2) for k, v in rates.items()}, flush=True)
+    finally:
+        _set_mapped_rows(rt, balanced)
+        if b is not None:
+            b.recheck = recheck
+    ratio = {k: [a / c for a, c in zip(v, rates["balanced"])] for k, v in rates.items()}
+    step_ratio = {k: [c / a for a, c in zip(v, steps["balanced"]) if a and c] for k, v in steps.items()}
+    return {"shares": points, "reps": reps, "tokens": tokens, "decode_tokens_per_s_reps": rates,
+            "decode_step_ms_median_reps": steps, "ratios_per_round": ratio,
+            "median_ratio": {k: float(np.median(v)) for k, v in ratio.items()},
+            "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratio.items()},
+            "median_step_ratio": {k: float(np.median(v)) if v else None for k, v in step_ratio.items()}}
+
+
 def host_memory() -> dict:
     """/proc/meminfo's figures that tell memory pressure and huge-page use, in GiB."""
     keys = ("MemTotal", "MemAvailable", "Cached", "AnonPages", "AnonHugePages", "SwapTotal")

@@ -70,7 +70,7 @@ import bench_llamacpp as lcpp  # noqa: E402
 import bench_model as bm  # noqa: E402
 import bench_timeline as tl  # noqa: E402
 from bench_report import goals, markdown, write_results  # noqa: E402
-from bench_systems import run_accelerate, run_interleaved, run_ours  # noqa: E402
+from bench_systems import run_accelerate, run_interleaved, run_ours, share_sweep  # noqa: E402
 
 
 class Deadline:
@@ -432,6 +432,8 @@ def stage_bench(args, work: Path) -> dict:
         systems[name] = row
         if "rt" in extra:
             res["predictor_time"] = tl.predictor_time(P, bm.SHAPES[args.shape][0], args.device, rt=extra["rt"])
+            if args.share_sweep:
+                res["share_sweep"] = share_sweep(extra["rt"], prompt, n_tok, args.reps, args.share_sweep)
         del extra
         _free(args.device)
         checkpoint(args, res, systems, skipped)
@@ -535,6 +537,9 @@ def parse(argv=None):
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
                          "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "
                          "between two builds does not decide it)")
+    ap.add_argument("--share-sweep", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                    help="comma list of PCIe shares: after hybrid's timed generations, the same runtime at the "
+                         "balanced share and at each of these in rounds (bench_systems.share_sweep)")
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "

@@ -158,7 +158,7 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     common = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(out),
               "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "4", "--reps", "1", "--slow-tokens", "2",
               "--profile-tokens", "1024", "--calibration-tokens", "512",
-              "--systems", "hybrid,layer-split,all-gpu,llama.cpp,accelerate"]
+              "--systems", "hybrid,layer-split,all-gpu,llama.cpp,accelerate", "--share-sweep", "0.2"]
     done = pi_bench.main(["--stage", "all", *common])
     res = done["bench"]
     assert set(res["systems"]) == {"hybrid", "layer-split", "all-gpu", "accelerate offload"}
@@ -176,6 +176,10 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     per_rep = res["floor_per_rep"]  # each timed generation against the DRAM ceiling measured around it
     assert len(per_rep["share"]) == 1 and per_rep["median_share"] == pytest.approx(
         res["systems"]["hybrid"]["decode_tokens_per_s"] / per_rep["floor_tokens_per_s"][0])
+    # the share sweep: the balanced share (none on a CPU) and 0.2 in rounds, ratios to the balanced one
+    sw = res["share_sweep"]
+    assert sw["shares"] == {"balanced": 0.0, "0.2": 0.2} and sw["median_ratio"]["balanced"] == 1.0
+    assert [len(v) for v in sw["decode_tokens_per_s_reps"].values()] == [1, 1]
     if "gguf" in done["build"]:
         assert Path(done["build"]["gguf"]["path"]).exists()
     merged = report.write_results([out], tmp_path / "results")
@@ -183,6 +187,8 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert len(files) == 2 and files[0].endswith("-cpu" + str(res["machine"]["nproc"]) + ".json")
     assert json.loads((tmp_path / "results" / files[0]).read_text())["goals"] == merged["goals"]
     assert "Firing by position" in (tmp_path / "results" / files[1]).read_text()
+    assert "PCIe shares in rounds within the hybrid runtime (1 rounds): balanced 0.000" in (
+        tmp_path / "results" / files[1]).read_text()
     # the calibration is saved in --work and reused: a second bench gives the model the same weights
     assert any(work.glob("calibration-*.safetensors"))
     assert time.perf_counter() - t0 < 120
