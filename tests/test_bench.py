@@ -102,6 +102,33 @@ def test_floor_arithmetic():
     assert f["serial_seconds_per_token"] == pytest.approx(want + 1e-3)
 
 
+def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
+    """A row gather that read less than the cold kernel in the same run is no ceiling: the floors and the kernel's
+    shares take the kernel's best rate (the per-generation floors too), and the read kernels' figure is kept."""
+    import pi_bench
+
+    hybrid = {"cold_dtype": "bf16", "pcie_share": 0.0, "decode_tokens_per_s_reps": [100.0],
+              "per_layer_counts": [{"tokens": 10, "n_hot": 64, "active_cold": 1000}],
+              "dram_around_bytes_per_s": {"before": 90e9, "after": 110e9, "per_rep": [100e9]}}
+
+    def run(kernel_rate):
+        c = {"dram": {"best_bytes_per_s": 120e9, "best": "gather"}, "hbm_bytes_per_s": 3e12}
+        res = {"systems": {"hybrid": hybrid}, "kernel": {"rows": [{"bytes_per_s": kernel_rate}]}}
+        pi_bench.add_floors(res, c, "tiny", 1, 0)
+        return res, c
+
+    res, c = run(100e9)  # below the gather: the ceilings stand
+    assert c["dram"]["best_bytes_per_s"] == 120e9 and res["kernel"]["rows"][0]["share_of_dram_bw"] == 100 / 120
+    assert res["floor_per_rep"]["dram_bytes_per_s"] == [100e9]
+    low = res["floor"]["tokens_per_s"]
+    res, c = run(130e9)
+    assert c["dram"]["best_bytes_per_s"] == 130e9 and c["dram"]["read_kernels_best_bytes_per_s"] == 120e9
+    assert res["kernel"]["rows"][0]["share_of_dram_bw"] == 1.0 and res["floor"]["tokens_per_s"] > low
+    assert res["floor"]["inputs"]["dram_bytes_per_s"] == 130e9
+    assert res["floor_around_run"]["inputs"]["dram_bytes_per_s"] == 130e9  # the around-run mean, 100e9, raised
+    assert res["floor_per_rep"]["floor_tokens_per_s"] == [res["floor"]["tokens_per_s"]]
+
+
 def test_gpu_layers_for_budget():
     b = bm.model_bytes("llama-2-70b", 12)
     assert b["total"] == pytest.approx(21.6e9, rel=0.01)  # the issue's 21.6 GB
