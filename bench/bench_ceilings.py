@@ -136,10 +136,10 @@ def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
 def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384, rows: int = 4096,
                    seconds: float = 0.5) -> dict:
     """The GPU reading page-locked host rows in place (the runtime's --pcie-share path: torch index_select of
-    random `row_bytes` rows over PCIe, kernels.host_mapped), alone and while the CPU reads its own array as the cold
+    random `row_bytes` rows over PCIe, cold_rows.host_mapped), alone and while the CPU reads its own array as the cold
     kernel reads rows (`dram.row_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at
     once beyond the CPU alone, the bandwidth the PCIe path adds to the cold rows' floor."""
-    from powerinfer.runtime.kernels import host_mapped
+    from powerinfer.runtime.cold_rows import host_mapped
 
     a = np.random.default_rng(1).integers(0, 2**62, nbytes // 8, dtype=np.int64)  # touches every page
     t = host_mapped(a, a.reshape(-1, row_bytes // 8), torch.device("cuda"))  # (n_rows, row / 8) int64
@@ -180,7 +180,7 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
                  gap_ms: float = 0.0) -> dict:
     """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
-    rows: a layer's kernels.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
+    rows: a layer's cold_rows.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
     among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
     rows: bytes = 3 * (d * itemsize + 4 * groups) per active neuron (a row and its scales).
 
@@ -191,7 +191,8 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
     2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)
 
     gap_ms: the main thread spins this long before each timed call (untimed), as it waits for `pre` in decode."""
-    from powerinfer.runtime.kernels import ColdRows, ffn_rows
+    from powerinfer.runtime.cold_rows import ColdRows
+    from powerinfer.runtime.kernels import ffn_rows
 
     g = torch.Generator().manual_seed(seed)
     if rows is None:

@@ -37,6 +37,7 @@ from numba import njit, prange  # noqa: E402
 
 import bench_ceilings as ceil  # noqa: E402
 from powerinfer.hardware import machine_info  # noqa: E402
+from powerinfer.runtime import cold_rows as C  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 from powerinfer.runtime.fast import HostFlags  # noqa: E402
 
@@ -60,16 +61,16 @@ def bundled_reglu(x, idx, rows, part, out):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-def layer_copies(rows: K.ColdRows, layers: int) -> list[K.ColdRows]:
+def layer_copies(rows: C.ColdRows, layers: int) -> list[C.ColdRows]:
     """`rows` and layers - 1 copies in their own memory (a token reads one per layer, across GBs as decode does)."""
-    return [rows] + [K.ColdRows(rows.gate.copy(), rows.up.copy(), rows.down_t.copy(), rows.b_up, rows.scale,
+    return [rows] + [C.ColdRows(rows.gate.copy(), rows.up.copy(), rows.down_t.copy(), rows.b_up, rows.scale,
                                 rows.group) for _ in range(layers - 1)]
 
 
-def active_sets(base: K.ColdRows, x: np.ndarray, active: int, layers: int, steps: int) -> list[list[np.ndarray]]:
+def active_sets(base: C.ColdRows, x: np.ndarray, active: int, layers: int, steps: int) -> list[list[np.ndarray]]:
     """steps x layers sorted sets of `active` neurons among those whose gate is positive for x, as an exact
     predictor marks them."""
-    positive = np.flatnonzero(K.from_bf16_bits(base.gate).numpy() @ x > 0)
+    positive = np.flatnonzero(C.from_bf16_bits(base.gate).numpy() @ x > 0)
     rng = np.random.default_rng(0)
     return [[np.sort(rng.choice(positive, active, replace=False)).astype(np.int64) for _ in range(layers)]
             for _ in range(steps)]
@@ -100,11 +101,11 @@ def main() -> dict:
            "omp_wait_policy": pi_bench.OMP_WAIT_POLICY, "threads": numba.get_num_threads(),
            "dram": ceil.dram_read_bw(2 * 2**30), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cases": {}}
     g = torch.Generator().manual_seed(0)
-    base = K.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
+    base = C.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
                                    torch.randn(n, d, generator=g) * 0.02)
     layers = layer_copies(base, L)
-    w = [K.from_bf16_bits(a) for a in (base.gate, base.up, base.down_t)]
-    int8 = layer_copies(K.ColdRows.from_weights(w[0], w[1], None, w[2], "int8"), L)
+    w = [C.from_bf16_bits(a) for a in (base.gate, base.up, base.down_t)]
+    int8 = layer_copies(C.ColdRows.from_weights(w[0], w[1], None, w[2], "int8"), L)
     del w
     bundled = []
     for r in layers:

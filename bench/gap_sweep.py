@@ -41,7 +41,7 @@ def child(out: Path, gap_ms: float, densities: tuple[float, ...], rounds: int, r
     import torch
 
     import bench_ceilings as ceil
-    from powerinfer.runtime.kernels import ColdRows
+    from powerinfer.runtime.cold_rows import ColdRows
 
     g = torch.Generator().manual_seed(0)
     w = lambda: torch.randn(n, d, generator=g) * 0.02  # noqa: E731

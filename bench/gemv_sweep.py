@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from powerinfer.hardware import _measure_cuda
 from powerinfer.runtime import fused
-from powerinfer.runtime.kernels import host_mapped
+from powerinfer.runtime.cold_rows import host_mapped
 from powerinfer.runtime.layout import predict
 from pre_compile import replay_us
 

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
 
 import bench_ceilings as ceil  # noqa: E402
+from powerinfer.runtime import cold_rows as C  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 
 REGLU = K.ACT_CODE["reglu"]
@@ -320,7 +321,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
            "command": "python " + " ".join(sys.argv)}
     g = torch.Generator().manual_seed(0)
     w = {k: torch.randn(n, d, generator=g).mul_(0.02) for k in ("gate", "up", "down_t")}
-    rows = {dt: K.ColdRows.from_weights(w["gate"], w["up"], None, w["down_t"], dt) for dt in K.COLD_DTYPES}
+    rows = {dt: C.ColdRows.from_weights(w["gate"], w["up"], None, w["down_t"], dt) for dt in C.COLD_DTYPES}
     x = torch.randn(d, generator=g).numpy()
     positive = np.flatnonzero(w["gate"].numpy() @ x > 0)
     del w

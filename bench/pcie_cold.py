@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import bench_ceilings as ceil  # noqa: E402
 from decode_cpu_side import active_sets, layer_args, layer_copies  # noqa: E402
 from powerinfer.hardware import machine_info  # noqa: E402
+from powerinfer.runtime import cold_rows as C  # noqa: E402
 from powerinfer.runtime import kernels as K  # noqa: E402
 
 
@@ -70,9 +71,9 @@ def gpu_cold(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, up: torch.T
     return (h @ dn).float()
 
 
-def reglu_reference(base: K.ColdRows, s: np.ndarray, x: torch.Tensor) -> np.ndarray:
+def reglu_reference(base: C.ColdRows, s: np.ndarray, x: torch.Tensor) -> np.ndarray:
     """float64 numpy: sum over rows s of relu(gate . x) * (up . x) * down_t."""
-    w = {k: K.from_bf16_bits(getattr(base, k)[s]).double().numpy() for k in ("gate", "up", "down_t")}
+    w = {k: C.from_bf16_bits(getattr(base, k)[s]).double().numpy() for k in ("gate", "up", "down_t")}
     xb = x.double().cpu().numpy()
     return (np.maximum(w["gate"] @ xb, 0) * (w["up"] @ xb)) @ w["down_t"]
 
@@ -112,7 +113,7 @@ def main() -> dict:
            "args": vars(args) | {"out": str(args.out)}, "machine": machine_info("numba"),
            "threads": numba.get_num_threads(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "cases": {}}
     g = torch.Generator().manual_seed(0)
-    base = K.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
+    base = C.ColdRows.from_weights(*(torch.randn(n, d, generator=g) * 0.02 for _ in range(2)), None,
                                    torch.randn(n, d, generator=g) * 0.02)
     layers = layer_copies(base, L)
     t0 = time.perf_counter()

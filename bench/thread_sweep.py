@@ -26,7 +26,7 @@ from powerinfer.runtime.dram import row_gather_bw  # noqa: E402
 def main(out: Path, threads: list[int], densities: tuple[float, ...], d: int = 8192, n: int = 28672) -> dict:
     import torch
 
-    from powerinfer.runtime.kernels import ColdRows
+    from powerinfer.runtime.cold_rows import ColdRows
 
     a = ceil._dram_array(2 * 2**30)
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import click
 
 from powerinfer.artifacts import ArtifactError
 from powerinfer.runtime.fast import OPS
-from powerinfer.runtime.kernels import COLD_DTYPES
+from powerinfer.runtime.cold_rows import COLD_DTYPES
 from powerinfer.runtime.generate import (MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime,
                                          prompt_ids)
 

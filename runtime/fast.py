@@ -541,7 +541,7 @@ class StaticDecoder:
         if prelaunch:  # signals of graphs replayed alone (replay_alone), which no cold part consumed
             flags.ready[:] = 0
         # no garbage collection while a launched graph waits on the GPU for a host flag: a collection can run the
-        # finalizer that unregisters another runtime's page-locked rows (kernels.host_mapped), and
+        # finalizer that unregisters another runtime's page-locked rows (cold_rows.host_mapped), and
         # cudaHostUnregister waits for the device, which waits for this thread's flag: a deadlock (seen in the GPU
         # tests, a Numba compile's garbage collected inside a cold part)
         collecting = gc.isenabled()

@@ -27,7 +27,8 @@ from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_
                                text_config)
 from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from powerinfer.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
-from powerinfer.runtime.kernels import COLD_DTYPES, set_threads
+from powerinfer.runtime.cold_rows import COLD_DTYPES
+from powerinfer.runtime.kernels import set_threads
 from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
 
 MODES = ("hybrid", "dense", "layer-split")
@@ -41,7 +42,7 @@ class RuntimeConfig:
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
     dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
-    cold_dtype: str = "bf16"  # storage of the rows in CPU RAM (kernels.COLD_DTYPES): bf16, or int8 (half the bytes)
+    cold_dtype: str = "bf16"  # storage of the rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, or int8 (half the bytes)
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)

@@ -1,6 +1,6 @@
 """Numba kernels for the cold FFN neurons of one batch-1 token, and their torch twin for the hot ones.
 
-Cold rows live in CPU RAM (`ColdRows`), one contiguous row per neuron and matrix: `gate` and `up` rows
+Cold rows live in CPU RAM (`cold_rows.ColdRows`), one contiguous row per neuron and matrix: `gate` and `up` rows
 (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active neuron
 reads three contiguous rows. They are stored as bfloat16 bit patterns (uint16: Numba has no 16-bit float type), or
 as int8 with a float32 scale per group of INT8_GROUP weights of a row (1.0625 bytes a weight, as llama.cpp's Q8_0).
@@ -35,8 +35,6 @@ sum_j h_j * down_t[j]. The down bias is added by the caller once.
 from __future__ import annotations
 
 import math
-import weakref
-from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -486,186 +484,8 @@ def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, 
     return neuron_values(activation, x, gate, up, b_up) @ down_t  # (tokens, n) @ (n, d)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Cold-row storage: bf16 (default) or int8 with a scale per group of INT8_GROUP weights
-
-COLD_DTYPES = ("bf16", "int8")
-QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
-
-
-def to_bf16_bits(w: torch.Tensor) -> np.ndarray:
-    """Any float tensor -> C-contiguous uint16 numpy array of its bfloat16 bit patterns (round to nearest even).
-
-    The array is numpy's own: numpy asks the kernel for 2 MiB pages for large arrays (madvise), torch does not.
-    Cold rows are read at random row offsets across many GB, where 4 KiB pages cost a page walk per 4 KiB read."""
-    out = np.empty(tuple(w.shape), np.uint16)
-    torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).copy_(w.detach())  # converts and moves in one copy
-    return out
-
-
-def from_bf16_bits(bits: np.ndarray) -> torch.Tensor:
-    """uint16 bf16 patterns -> float32 torch tensor (a copy)."""
-    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
-
-
-def to_int8_groups(w: torch.Tensor, group: int = INT8_GROUP) -> tuple[np.ndarray, np.ndarray]:
-    """(n, d) float -> (n, d) int8 (numpy-owned, as to_bf16_bits) and (n, ceil(d / group)) float32 scales: symmetric
-    per group of `group` weights along d (the last group may be shorter), scale = max|w| / 127, q = round(w / scale).
-    Computed on w's device, QUANT_CHUNK rows at a time."""
-    n, d = w.shape
-    ng = -(-d // group)
-    q, scale = np.empty((n, d), np.int8), np.empty((n, ng), np.float32)
-    for s in range(0, n, QUANT_CHUNK):
-        c = torch.nn.functional.pad(w[s:s + QUANT_CHUNK].detach().float(), (0, ng * group - d))  # (rows, ng * group)
-        c = c.view(c.shape[0], ng, group)
-        sc = c.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127  # (rows, ng); zero groups stay 0
-        qc = torch.round(c / sc[:, :, None]).clamp_(-127, 127).to(torch.int8).view(c.shape[0], ng * group)[:, :d]
-        torch.from_numpy(q[s:s + QUANT_CHUNK]).copy_(qc)
-        scale[s:s + QUANT_CHUNK] = sc.cpu().numpy()
-    return q, scale
-
-
-def from_int8_groups(q: np.ndarray, scale: np.ndarray, group: int) -> torch.Tensor:
-    """The float32 weights (n, d) that int8 rows and their group scales stand for (a torch tensor, a copy)."""
-    n, d = q.shape
-    per_weight = torch.from_numpy(scale).repeat_interleave(group, dim=1)[:, :d]  # (n, d)
-    return torch.from_numpy(q).float() * per_weight
-
-
-@dataclass(frozen=True)
-class ColdRows:
-    """One layer's cold neurons in CPU RAM, one contiguous row per neuron and matrix, as the kernels read them.
-
-    bf16: rows are bfloat16 bit patterns (uint16), one group of d per row, `scale` all ones. int8: rows are int8 with a
-    float32 scale per `group` weights (w ~ scale * q, an error of at most scale / 2 per weight): 1.0625 bytes a weight,
-    so a token reads about half the bytes from DRAM."""
-
-    gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
-    up: np.ndarray  # (n, d)
-    down_t: np.ndarray  # (n, d): down.weight[:, cold].T
-    b_up: np.ndarray  # (n,) float32, zeros when the FFN has no up bias
-    scale: np.ndarray  # (3, n, groups) float32: gate, up, down_t scales (gate's unused by ungated FFNs)
-    group: int  # weights per scale along d
-
-    @classmethod
-    def from_weights(cls, gate: torch.Tensor | None, up: torch.Tensor, b_up: torch.Tensor | None,
-                     down_t: torch.Tensor, dtype: str = "bf16") -> "ColdRows":
-        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES)."""
-        if dtype not in COLD_DTYPES:
-            raise ValueError(f"unknown cold-row dtype '{dtype}': choose one of {', '.join(COLD_DTYPES)}")
-        n, d = up.shape
-        bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
-        group = d if dtype == "bf16" else min(INT8_GROUP, max(d, 1))
-        ones = np.ones((n, -(-d // group)), np.float32)
-        store = (lambda w: (to_bf16_bits(w), ones)) if dtype == "bf16" else to_int8_groups  # noqa: E731
-        (g, sg), (u, su), (dt, sd) = (store(gate) if gate is not None else (None, ones)), store(up), store(down_t)
-        return cls(g, u, dt, bias, np.stack([sg, su, sd]), group)
-
-    @property
-    def dtype(self) -> str:
-        return "int8" if self.up.dtype == np.int8 else "bf16"
-
-    @property
-    def gate_arg(self) -> np.ndarray:
-        """What cold_ffn's `gate` takes: the gate rows, or for ungated FFNs up's (of the type it needs, never read)."""
-        return self.up if self.gate is None else self.gate
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.gate, self.up, self.down_t, self.b_up, self.scale) if a is not None)
-
-    def float32(self) -> dict[str, torch.Tensor | None]:
-        """The weights the rows stand for, float32 torch tensors on the CPU (copies): gate, up, down_t, b_up."""
-        def wide(a: np.ndarray | None, s: np.ndarray) -> torch.Tensor | None:
-            if a is None:
-                return None
-            return from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)
-
-        return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
-                "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up)}
-
-
 def set_threads(n: int | None) -> int:
     """Numba CPU threads for the cold kernels (None: all of Numba's default); returns the number in use."""
     if n:
         numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
     return numba.get_num_threads()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Cold rows the compute device reads in place. On CUDA the arrays are page-locked and mapped into the GPU's address
-# space (cudaHostRegister), so a GPU kernel reads them over PCIe while the CPU reads other rows from DRAM: on the H100
-# host the two reads add up (47 GB/s over PCIe while the CPU kept 72 of its 80 GB/s; bench/NOTES.md). On the CPU the
-# "mapped" tensors are plain views, which tests use.
-
-
-class _CudaArrayView:
-    """A registered host array as the CUDA array interface describes device memory (its pointer is valid on the GPU)."""
-
-    def __init__(self, a: np.ndarray):
-        self.a = a  # kept alive by the tensor made from this
-        self.__cuda_array_interface__ = {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
-                                         "version": 3, "strides": None}
-
-
-def _widest(a: np.ndarray) -> np.ndarray:
-    """(n, d) rows viewed as the widest integer type that divides a row: wider loads keep more bytes in flight."""
-    for t in (np.int64, np.int32, np.int16):
-        if a.shape[1] * a.itemsize % np.dtype(t).itemsize == 0:
-            return a.view(t)
-    return a.view(np.int8)
-
-
-def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device, register: bool = True) -> torch.Tensor:
-    """`view` (a view of the C-contiguous array `a`) as a tensor on `device` over the same memory: on CUDA `a` is
-    registered (page-locked, mapped; unregistered when `a` is freed), so GPU kernels read and write it over PCIe.
-    register=False: `a` is page-locked already (torch's pinned memory; with unified addressing its host pointer is
-    valid on the GPU)."""
-    if device.type != "cuda":
-        return torch.from_numpy(view)
-    if not register:
-        return torch.as_tensor(_CudaArrayView(view), device=device)
-    rt = torch.cuda.cudart()
-    err = int(rt.cudaHostRegister(a.ctypes.data, a.nbytes, 0))
-    if err:
-        raise RuntimeError(f"cudaHostRegister of {a.nbytes:,} B of cold rows failed (CUDA error {err}): run with "
-                           f"--pcie-share 0 (the CPU reads every cold row)")
-    weakref.finalize(a, rt.cudaHostUnregister, a.ctypes.data)  # runs before numpy frees the memory
-    return torch.as_tensor(_CudaArrayView(view), device=device)
-
-
-def map_rows(rows: ColdRows, device: torch.device) -> dict[str, torch.Tensor | str | int | None]:
-    """rows' arrays as tensors on `device` over the same memory (CUDA: registered and mapped; CPU: views)."""
-    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "group": rows.group,
-                                                       "d": rows.up.shape[1]}
-    for name in ("gate", "up", "down_t", "scale"):
-        a = getattr(rows, name)
-        if a is None:
-            out[name] = None
-            continue
-        out[name] = host_mapped(a, a if name == "scale" else _widest(a), device)
-    out["b_up"] = torch.from_numpy(rows.b_up).to(device)  # (n,) float32, small: a device copy
-    return out
-
-
-def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows `ids` of mapped[name] as float32 (K, d), read over PCIe on CUDA; int8 rows times their group scales."""
-    a = mapped[name]
-    if a is None:
-        return None
-    r = a.index_select(0, ids)  # (K, row bytes / itemsize)
-    if mapped["dtype"] == "bf16":
-        return r.view(torch.int16).view(torch.bfloat16).float()
-    s = mapped["scale"][which].index_select(0, ids)  # (K, groups)
-    q, group, d = r.view(torch.int8).float(), mapped["group"], mapped["d"]  # (K, d)
-    if d % group == 0:  # a broadcast product: no (K, d) tensor of repeated scales (0.18 of 0.75 ms at K = 849)
-        return (q.view(len(ids), -1, group) * s[:, :, None]).view(len(ids), d)
-    return q * s.repeat_interleave(group, dim=1)[:, :d]
-
-
-def ffn_rows_mapped(activation: str, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
-                    mapped: dict) -> torch.Tensor:
-    """Device backend of `ffn_rows` over rows read in place: (1, d) x, (K,) row ids and (K,) valid (False: padding,
-    contributes nothing) -> (1, d) float32 sum of h_j * down_t[j]. Static shapes, so it can be a CUDA graph's part."""
-    h = neuron_values(activation, x.float(), _take(mapped, "gate", 0, ids), _take(mapped, "up", 1, ids),
-                      mapped["b_up"].index_select(0, ids))  # (1, K)
-    return (h * valid) @ _take(mapped, "down_t", 2, ids)  # (1, K) @ (K, d)

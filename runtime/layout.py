@@ -3,7 +3,7 @@
 Per layer, `HybridFFN` holds
 - hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
   `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
-- cold neurons in CPU RAM, `cold` (kernels.ColdRows): one contiguous row per neuron of gate, up and down.T,
+- cold neurons in CPU RAM, `cold` (cold_rows.ColdRows): one contiguous row per neuron of gate, up and down.T,
   (n_cold, d_model) each, as bfloat16 bit patterns or int8 with a scale per 64 weights (`cold_dtype`), read by Numba.
 The original FFN modules are dropped, so the dense FFN weights never reach the device.
 
@@ -28,9 +28,9 @@ from torch import nn
 
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, ColdRows, cold_layer, ffn_rows,
-                                        ffn_rows_mapped, ffn_rows_torch, host_mapped, map_rows, mask_words,
-                                        neuron_values, wait_ready)
+from powerinfer.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
+from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, ffn_rows_torch,
+                                        mask_words, neuron_values, wait_ready)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)

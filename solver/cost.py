@@ -21,7 +21,7 @@ from powerinfer.hardware import HardwareSpec
 # only: the KV cache, norms and workspace stay 16-bit with them.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 ACT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 2.0, "q4_0": 2.0}  # KV cache, norms
-# bytes per weight of the cold rows in CPU RAM, as pi-generate --cold-dtype stores them (runtime/kernels.ColdRows:
+# bytes per weight of the cold rows in CPU RAM, as pi-generate --cold-dtype stores them (runtime/cold_rows.ColdRows:
 # int8 with a float32 scale per 64 weights)
 COLD_BYTES: dict[str, float] = {"bf16": 2.0, "int8": 1 + 4 / 64}
 

@@ -14,6 +14,7 @@ import torch
 import tiny
 from powerinfer.models import load_model
 from powerinfer.predictors.train import Predictor, Predictors
+from powerinfer.runtime import cold_rows as C
 from powerinfer.runtime import kernels as K
 from powerinfer.runtime.generate import RuntimeConfig, Sampling, build_runtime, generate, sample
 from powerinfer.runtime.layout import Placement
@@ -28,7 +29,7 @@ PROMPT = "The quick brown fox"
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
-    return K.to_bf16_bits(torch.from_numpy(a))
+    return C.to_bf16_bits(torch.from_numpy(a))
 
 
 def _widen64(rows: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
@@ -39,7 +40,7 @@ def _widen64(rows: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
     return (rows.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def reference(act: str, x, idx, rows: K.ColdRows) -> np.ndarray:
+def reference(act: str, x, idx, rows: C.ColdRows) -> np.ndarray:
     """float64 numpy: sum over j in idx of h_j(x) * down_t[j], from the weights the stored rows stand for."""
     from math import erf
 
@@ -55,14 +56,14 @@ def reference(act: str, x, idx, rows: K.ColdRows) -> np.ndarray:
     return h @ _widen64(rows.down_t, rows.scale[2], rows.group)[idx]
 
 
-def random_rows(rng, act: str, d: int, n: int, dtype: str) -> K.ColdRows:
+def random_rows(rng, act: str, d: int, n: int, dtype: str) -> C.ColdRows:
     w = lambda: torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d))  # noqa: E731
     gated = act in K.GATED
     b_up = None if gated else torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.1)
-    return K.ColdRows.from_weights(w() if gated else None, w(), b_up, w(), dtype)
+    return C.ColdRows.from_weights(w() if gated else None, w(), b_up, w(), dtype)
 
 
-@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
+@pytest.mark.parametrize("dtype", C.COLD_DTYPES)
 @pytest.mark.parametrize("act", list(K.ACT_CODE))
 @pytest.mark.parametrize("d,n", [(37, 23), (64, 129), (192, 17), (200, 40)])  # int8 groups: 1 short, 1, 3, 3 + a short
 @pytest.mark.parametrize("which", ["empty", "all", "random", "one", "active"])
@@ -92,7 +93,7 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     pad = 3
     ids = torch.from_numpy(np.concatenate([idx, np.zeros(pad, np.int64)]))
     valid = torch.arange(len(ids)) < len(idx)
-    y = K.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, K.map_rows(rows, torch.device("cpu")))[0]
+    y = C.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, C.map_rows(rows, torch.device("cpu")))[0]
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -102,7 +103,7 @@ def test_gated_codes_are_the_gated_activations():
     assert set(K.ACT_CODE) == set(K.GATED) | set(K.UNGATED)
 
 
-@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
+@pytest.mark.parametrize("dtype", C.COLD_DTYPES)
 def test_kernel_threads_do_not_change_the_result(dtype):
     rng = np.random.default_rng(1)
     d, n = 48, 200
@@ -151,7 +152,7 @@ def test_mask_indices_equal_flatnonzero(n):
             assert out[n] == -7
 
 
-def _cold_layer(rows: K.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, slices: int, marks: np.ndarray,
+def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, slices: int, marks: np.ndarray,
                 ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1) -> tuple[int, np.ndarray]:
     """kernels.cold_layer over fresh scratch (NaN-filled: its contents must not matter) -> (k, out)."""
     n, d = m.shape[0], x.shape[0]
@@ -162,7 +163,7 @@ def _cold_layer(rows: K.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: 
     return k, out
 
 
-@pytest.mark.parametrize("dtype", K.COLD_DTYPES)
+@pytest.mark.parametrize("dtype", C.COLD_DTYPES)
 @pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
 def test_cold_layer_equals_float64_reference(act, dtype):
     """One decode layer's CPU part in one Numba call (the mask -> positions, the device's first `skip` left out, the
@@ -229,19 +230,19 @@ def test_row_gather_sums_every_row_once():
 
 def test_bf16_round_trip():
     w = torch.randn(5, 7)
-    assert torch.equal(K.from_bf16_bits(K.to_bf16_bits(w)), w.bfloat16().float())
+    assert torch.equal(C.from_bf16_bits(C.to_bf16_bits(w)), w.bfloat16().float())
 
 
 def test_int8_groups_round_within_half_a_step():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(9000, 33, generator=g) * torch.logspace(-3, 1, 9000)[:, None]  # rows of very different sizes
     w[5, 8:16] = 0  # an all-zero group stays zero
-    q, scale = K.to_int8_groups(w, group=8)  # groups 0-7, ..., 24-31 and a short one, 32
+    q, scale = C.to_int8_groups(w, group=8)  # groups 0-7, ..., 24-31 and a short one, 32
     assert q.dtype == np.int8 and q.shape == (9000, 33) and scale.shape == (9000, 5)
     per_weight = torch.from_numpy(np.repeat(scale, 8, axis=1)[:, :33]).double()
     err = (torch.from_numpy(q).double() * per_weight - w.double()).abs()
     assert bool((err <= per_weight * (0.5 + 1e-5)).all())
-    assert torch.equal(K.from_int8_groups(q, scale, 8), torch.from_numpy(q).float() * per_weight.float())
+    assert torch.equal(C.from_int8_groups(q, scale, 8), torch.from_numpy(q).float() * per_weight.float())
     peak = np.abs(q.astype(np.int32))
     peak = np.stack([peak[:, i:i + 8].max(axis=1) for i in range(0, 33, 8)], axis=1)  # (n, groups)
     assert peak[5, 1] == 0 and (np.delete(peak.ravel(), 5 * 5 + 1) == 127).all()  # nonzero groups use the full range

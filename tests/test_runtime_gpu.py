@@ -91,7 +91,7 @@ def test_cuda_pre_ops_equal_hf(family, ops, tiny_model_dir):
 
 def test_cuda_no_garbage_collection_while_a_graph_waits_for_the_host(tiny_model_dir):
     """A collection inside a cold part could run the finalizer that unregisters another runtime's page-locked rows
-    (kernels.host_mapped); cudaHostUnregister waits for the device, which waits for the flag this thread sets after
+    (cold_rows.host_mapped); cudaHostUnregister waits for the device, which waits for the flag this thread sets after
     the cold part: a deadlock (seen in this suite). So automatic collection is off during each step's cold parts."""
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     rt = build_runtime(lm, RuntimeConfig(device="cuda", dtype="float32"), make_placement(lm, "mixed"),

@@ -83,7 +83,7 @@ def test_int8_cold_rows_make_the_cpu_cheaper(run):
     the GPU, the CPU RAM figure shrinks, and the flag is recorded; the bytes are what the runtime stores."""
     import torch
 
-    from powerinfer.runtime.kernels import ColdRows
+    from powerinfer.runtime.cold_rows import ColdRows
     from powerinfer.solver.cost import COLD_BYTES
 
     rows = ColdRows.from_weights(*(torch.randn(64, 128) for _ in range(2)), None, torch.randn(64, 128), "int8")
