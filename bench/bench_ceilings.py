@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+import bench_model as bm
 from powerinfer.runtime.dram import row_gather_bw
 from powerinfer.runtime.kernels import _fetch_add
 
@@ -255,3 +256,69 @@ def floor(layers: list[dict], hbm_bw: float, dram_bw: float, sync_s: float, outs
                                                         for r in layers),
             "serial_seconds_per_token": total_serial,
             "serial_tokens_per_s": 1 / total_serial if total_serial > 0 else float("inf")}
+
+
+def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
+                      dram: float | None = None, pcie: bool = True) -> dict:
+    """The floor for the hybrid run's configuration, from its actual per-layer active cold neurons and the bytes its
+    cold rows take (pi-solve's COLD_BYTES: bf16, or int8 + a float32 scale per 64 weights); `dram` replaces the run's
+    DRAM ceiling. Where the run had the GPU read some cold rows over PCIe (pcie_share > 0) and `pcie`, the cold rows
+    are read at the DRAM ceiling plus what PCIe adds to it (ceilings' zero_copy extra_bytes_per_s)."""
+    from powerinfer.solver.cost import COLD_BYTES
+
+    d, n, heads, kv, vocab = bm.SHAPES[shape]
+    mb = bm.model_bytes(shape, layers)
+    per_neuron = 3 * d * 2  # gate, up, down rows in fp16 on the GPU
+    per_cold = 3 * d * COLD_BYTES[hybrid.get("cold_dtype", "bf16")]  # bytes per active cold neuron
+    rows = []
+    for r in hybrid["per_layer_counts"]:
+        tok = max(r["tokens"], 1)
+        before_ffn = mb["attention_per_layer"] + 4 * d + pred_bytes / layers  # attention, norms, predictor
+        rows.append({"gpu_bytes": before_ffn + r["n_hot"] * per_neuron, "serial_gpu_bytes": before_ffn,
+                     "cold_bytes": r["active_cold"] / tok * per_cold})
+    hbm = c.get("hbm_bytes_per_s", c["dram"]["best_bytes_per_s"])
+    sync = c.get("sync_round_trip_s", 0.0)
+    dram = dram or c["dram"]["best_bytes_per_s"]
+    extra = (c.get("zero_copy") or {}).get("extra_bytes_per_s", 0.0) if pcie and hybrid.get("pcie_share") else 0.0
+    f = floor(rows, hbm, dram + extra, sync, outside_gpu_bytes=vocab * d * 2 + d * 2)
+    return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": dram, "pcie_extra_bytes_per_s": extra,
+                            "sync_s": sync,
+                            "layers": rows, "lm_head_bytes": vocab * d * 2,
+                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer (serial: all but the hot rows); "
+                                    "LM head once"}}
+
+
+def add_floors(res: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> None:
+    """The kernel rows' shares of the DRAM ceiling and the floors of hybrid and hybrid-int8 (res["systems"]), into res.
+
+    A ceiling below what the cold kernel itself read in the same run is no ceiling (on one machine the row gather read
+    117.7 GB/s and the kernel 124.3): the DRAM ceiling is then the kernel's best rate, here and in the floors from the
+    ceiling measured around each generation, so that a low reading of the gather cannot lift a share over a goal."""
+    systems = res["systems"]
+    kernel_best = max((r["bytes_per_s"] for key in ("kernel", "kernel_int8") for r in res.get(key, {}).get("rows", [])),
+                      default=0.0)
+    gather = c["dram"]["best_bytes_per_s"]
+    if kernel_best > gather:
+        c["dram"].update(best_bytes_per_s=kernel_best, read_kernels_best_bytes_per_s=gather,
+                         best=f"the cold kernel's best rate; the read kernels' best was {gather / 1e9:.1f} GB/s")
+    for key in ("kernel", "kernel_int8"):
+        for r in res.get(key, {}).get("rows", []):
+            r["share_of_dram_bw"] = r["bytes_per_s"] / c["dram"]["best_bytes_per_s"]
+    for key, name in (("floor", "hybrid"), ("floor_int8", "hybrid-int8")):
+        if name in systems and "error" not in systems[name]:
+            res[key] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes)
+            res[key + "_dram_only"] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes, pcie=False)
+            around = systems[name].get("dram_around_bytes_per_s")
+            if around:  # the same floor with the DRAM ceiling measured around this system's timed generations
+                res[key + "_around_run"] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes,
+                                                             max(kernel_best, (around["before"] + around["after"]) / 2))
+                floors = [floor_from_hybrid(systems[name], c, shape, layers, pred_bytes, max(kernel_best, d))
+                          ["tokens_per_s"] for d in around.get("per_rep", [])]
+                shares = [r / f for r, f in zip(systems[name]["decode_tokens_per_s_reps"], floors)]
+                if shares:
+                    res[key + "_per_rep"] = {"dram_bytes_per_s": around["per_rep"], "floor_tokens_per_s": floors,
+                                             "share": shares, "median_share": float(np.median(shares)),
+                                             "note": "each timed generation against the floor from the DRAM ceiling "
+                                                     "measured just before and after it (mean of the two; at least "
+                                                     "the cold kernel's best rate), plus what PCIe adds where the run "
+                                                     "used it"}

@@ -105,8 +105,6 @@ def test_floor_arithmetic():
 def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
     """A row gather that read less than the cold kernel in the same run is no ceiling: the floors and the kernel's
     shares take the kernel's best rate (the per-generation floors too), and the read kernels' figure is kept."""
-    import pi_bench
-
     hybrid = {"cold_dtype": "bf16", "pcie_share": 0.0, "decode_tokens_per_s_reps": [100.0],
               "per_layer_counts": [{"tokens": 10, "n_hot": 64, "active_cold": 1000}],
               "dram_around_bytes_per_s": {"before": 90e9, "after": 110e9, "per_rep": [100e9]}}
@@ -114,7 +112,7 @@ def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
     def run(kernel_rate):
         c = {"dram": {"best_bytes_per_s": 120e9, "best": "gather"}, "hbm_bytes_per_s": 3e12}
         res = {"systems": {"hybrid": hybrid}, "kernel": {"rows": [{"bytes_per_s": kernel_rate}]}}
-        pi_bench.add_floors(res, c, "tiny", 1, 0)
+        ceil.add_floors(res, c, "tiny", 1, 0)
         return res, c
 
     res, c = run(100e9)  # below the gather: the ceilings stand
