@@ -417,11 +417,17 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     return res
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser with OUT and one layer's neurons n and width d (a LLaMA-2-70B layer's by default)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("n", type=int, nargs="?", default=28672)
     ap.add_argument("d", type=int, nargs="?", default=8192)
+    return ap
+
+
+if __name__ == "__main__":
+    ap = layer_parser(__doc__)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--variants", default="", help="comma list of variant names (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed in turn at each density")
