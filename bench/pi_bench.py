@@ -503,6 +503,9 @@ def parse(argv=None):
     ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
     ap.add_argument("--python-version", default="3.12", help="prepare: the device's Python, for the wheels")
     args = ap.parse_args(argv)
+    bad = [v for v in args.share_sweep if not 0 <= v < 1]
+    if bad:
+        ap.error(f"--share-sweep {bad[0]:g}: give shares in [0, 1), e.g. 0.1,0.2,0.3")
     args.systems = set(args.systems.split(","))
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2

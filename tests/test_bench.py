@@ -215,6 +215,8 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     per_rep = res["floor_per_rep"]  # each timed generation against the DRAM ceiling measured around it
     assert len(per_rep["share"]) == 1 and per_rep["median_share"] == pytest.approx(
         res["systems"]["hybrid"]["decode_tokens_per_s"] / per_rep["floor_tokens_per_s"][0])
+    with pytest.raises(SystemExit):  # a share out of [0, 1) is refused before anything runs
+        pi_bench.parse(["--stage", "bench", "--share-sweep", "0.2,1.5"])
     # the share sweep: the balanced share (none on a CPU) and 0.2 in rounds, ratios to the balanced one
     sw = res["share_sweep"]
     assert sw["shares"] == {"balanced": 0.0, "0.2": 0.2} and sw["median_ratio"]["balanced"] == 1.0
