@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import numba
@@ -94,10 +93,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
     idx, slices = np.empty(n, np.int64), np.empty(threads, np.int64)
     part, o = np.empty((threads, d), np.float32), np.empty(d, np.float32)
     counter, stamps = np.zeros(1, np.int64), np.zeros((threads, 2), np.int64)
-    c0, t0 = kv.cycles(), time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        pass
-    ticks_per_us = (kv.cycles() - c0) / (1e6 * (time.perf_counter() - t0))
+    ticks_per_us = kv.ticks_per_us()
     res = {"command": "python " + " ".join(sys.argv), "threads": threads, "n": n, "d": d, "density": density,
            "active_rows": k, "windows": windows, "calls": calls, "tsc_ticks_per_us": ticks_per_us, "runs": []}
     row_bytes = 3 * (d * 2 + 4)  # gate, up, down rows and their scales

@@ -142,6 +142,14 @@ def cycles():
     return _cycles()
 
 
+def ticks_per_us(seconds: float = 0.2) -> float:
+    """The time-stamp counter's rate, against time.perf_counter over a spin of `seconds`."""
+    c0, t0 = cycles(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    return (cycles() - c0) / (1e6 * (time.perf_counter() - t0))
+
+
 NO_STAMPS = np.zeros((0, 2), np.int64)
 
 
@@ -367,11 +375,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         variants[("bf16", "other")] = variants[("int8", "other")] = lambda R, s: other_fn(x, s, R, part, o, REGLU)
     if only:
         variants = {key: fn for key, fn in variants.items() if key[1] in only}
-    c0, t0 = cycles(), time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        pass
-    tick_us = 1e6 * (time.perf_counter() - t0) / (cycles() - c0)  # us per time-stamp tick
-    res["tsc_ticks_per_us"] = 1 / tick_us
+    res["tsc_ticks_per_us"] = ticks_per_us()
+    tick_us = 1 / res["tsc_ticks_per_us"]  # us per time-stamp tick
     rng = np.random.default_rng(0)
     table, checks = [], {}
     for dens in (16 / n, 0.02, 0.035, 0.05, 0.065, 0.10, 0.20):
