@@ -166,23 +166,29 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
         return {name: [a / b for a, b in zip(v, per_round[to]) if b]
                 for name, v in per_round.items() if name in rows}
 
-    def median(v: list) -> float | None:
-        return float(np.median(v)) if v else None
-
     summary = {"systems": list(rows), "reps": reps, "tokens": n_tok, "ratio_to": first,
-               "ratios_per_round": ratios(first), "others": {label: other_rows[label] for label in others}}
-    summary["median_ratio"] = {k: median(v) for k, v in summary["ratios_per_round"].items()}
-    summary["rounds_above_1"] = {k: int(sum(x > 1 for x in v)) for k, v in summary["ratios_per_round"].items()}
-    summary["median_ratio_to_others"] = {label: {k: median(v) for k, v in ratios(label).items()}
+               **round_ratios({name: r["decode_tokens_per_s_reps"] for name, r in rows.items()},
+                              {name: r["decode_step_ms_median_reps"] for name, r in rows.items()}, first),
+               "others": {label: other_rows[label] for label in others}}
+    summary["median_ratio_to_others"] = {label: {k: _median(v) for k, v in ratios(label).items()}
                                          for label in others}
-    # the same ratios from each generation's median step (1 / step, so > 1 is faster than `first`): rounds where a
-    # few steps stalled move less
-    steps = {name: r["decode_step_ms_median_reps"] for name, r in rows.items()}
-    summary["step_ratios_per_round"] = {name: [b / a for a, b in zip(v, steps[first]) if a and b]
-                                        for name, v in steps.items()}
-    summary["median_step_ratio"] = {k: median(v) for k, v in summary["step_ratios_per_round"].items()}
     extra = {"rt": built["hybrid"][0]} if "hybrid" in built else {}
     return rows, {"interleaved": summary, **extra}
+
+
+def _median(v: list) -> float | None:
+    return float(np.median(v)) if v else None
+
+
+def round_ratios(rates: dict, steps: dict, first: str) -> dict:
+    """Per round, each system's tok/s over `first`'s (a round without a figure drops out) and `first`'s median step
+    over each one's (> 1 is faster than `first`; a round where a few steps stalled moves less), their medians and the
+    rounds above 1. rates, steps: name -> one figure a round."""
+    ratio = {k: [a / b for a, b in zip(v, rates[first]) if b] for k, v in rates.items()}
+    step = {k: [b / a for a, b in zip(v, steps[first]) if a and b] for k, v in steps.items()}
+    return {"ratios_per_round": ratio, "median_ratio": {k: _median(v) for k, v in ratio.items()},
+            "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratio.items()},
+            "step_ratios_per_round": step, "median_step_ratio": {k: _median(v) for k, v in step.items()}}
 
 
 def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[float]) -> dict:
@@ -215,13 +221,8 @@ def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[floa
         _set_mapped_rows(rt, balanced)
         if b is not None:
             b.recheck = recheck
-    ratio = {k: [a / c for a, c in zip(v, rates["balanced"])] for k, v in rates.items()}
-    step_ratio = {k: [c / a for a, c in zip(v, steps["balanced"]) if a and c] for k, v in steps.items()}
     return {"shares": points, "reps": reps, "tokens": tokens, "decode_tokens_per_s_reps": rates,
-            "decode_step_ms_median_reps": steps, "ratios_per_round": ratio,
-            "median_ratio": {k: float(np.median(v)) for k, v in ratio.items()},
-            "rounds_above_1": {k: int(sum(x > 1 for x in v)) for k, v in ratio.items()},
-            "median_step_ratio": {k: float(np.median(v)) if v else None for k, v in step_ratio.items()}}
+            "decode_step_ms_median_reps": steps, **round_ratios(rates, steps, "balanced")}
 
 
 def host_memory() -> dict:
