@@ -173,12 +173,7 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
         g, u = np.empty(8, np.float32), np.empty(8, np.float32)
         while True:
             if tail > 0:
-                c = K._fetch_add(counter, 1)
-                if c < head // chunk:
-                    q0, q1 = c * chunk, c * chunk + chunk
-                else:
-                    q0 = head + (c - head // chunk) * 4
-                    q1 = min(q0 + 4, k)
+                q0, q1 = K._claim(K._fetch_add(counter, 1), k, head, chunk)
             else:
                 q0 = K._fetch_add(counter, chunk)
                 q1 = min(q0 + chunk, k)

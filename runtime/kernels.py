@@ -301,10 +301,10 @@ def _ungated4(x, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # f
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _claim(c, k, head):  # claim number c -> positions [q0, q1) of idx: CHUNK at a time below `head`, then 4
-    if c < head // CHUNK:
-        return c * CHUNK, c * CHUNK + CHUNK
-    q0 = head + (c - head // CHUNK) * 4
+def _claim(c, k, head, chunk=CHUNK):  # claim number c -> positions [q0, q1) of idx: chunk at a time below `head`,
+    if c < head // chunk:               # then 4
+        return c * chunk, c * chunk + chunk
+    q0 = head + (c - head // chunk) * 4
     return q0, min(q0 + 4, k)
 
 
