@@ -12,6 +12,8 @@ Writes OUT/kernel_variants.json.
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
+  * pagesL       the kernel's claims and four rows at once, each phase preceded by a software prefetch of the first L
+                 cache lines of each 4 KiB page of the rows the next phase reads (pagesL-l2: into the L2 only)
   * -tl          timeline: the kernel's claims (fused-tl, const-tl), or 8 (guided-tl) or 16 (guided16-tl) at a time
                  and the last 8 per thread 4 at a time, each thread's start and end read from the time-stamp
                  counter: `timeline_us_median` splits a call into the threads' start, their claims, the tail (the
@@ -74,6 +76,88 @@ def _prefetch(typingctx, arr, offset):
         return context.get_dummy_value()
 
     return types.void(arr, types.intp), codegen
+
+
+@intrinsic
+def _prefetch_l2(typingctx, arr, offset):  # as _prefetch, with locality 2 (prefetcht1: into the L2, not the L1)
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
+        builder.call(fn, [ptr] + [ir.Constant(ir.IntType(32), v) for v in (0, 2, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp), codegen
+
+
+@njit(nogil=True, fastmath=True)
+def _page_starts(m, j0, j1, j2, j3, lines, l2):  # the first `lines` cache lines of each 4 KiB page of 4 rows of m
+    page, line = 4096 // m.itemsize, 64 // m.itemsize
+    for off in range(0, m.shape[1], page):
+        for q in range(lines):
+            o = off + q * line
+            if l2:
+                _prefetch_l2(m[j0], o)
+                _prefetch_l2(m[j1], o)
+                _prefetch_l2(m[j2], o)
+                _prefetch_l2(m[j3], o)
+            else:
+                _prefetch(m[j0], o)
+                _prefetch(m[j1], o)
+                _prefetch(m[j2], o)
+                _prefetch(m[j3], o)
+
+
+@njit(nogil=True, fastmath=True)
+def _gated4_pages(x, idx, q, q1, gate, up, down_t, scale, group, acc, lines, l2):
+    """The runtime's _gated4 (ReGLU) on idx[q:q+4], each phase preceded by a software prefetch of the page starts of
+    the rows the next phase reads (up's during gate's dot, down's during up's, the next four gate rows during the
+    axpy when the claim has them): the hardware prefetcher stops at each 4 KiB page and must see misses again."""
+    j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
+    _page_starts(up, j0, j1, j2, j3, lines, l2)
+    g0, g1, g2, g3 = K._dot4(x, gate[j0], gate[j1], gate[j2], gate[j3], scale[0, j0], scale[0, j1], scale[0, j2],
+                             scale[0, j3], group)
+    if g0 <= 0 or g1 <= 0 or g2 <= 0 or g3 <= 0:
+        K._gated_rest(x, j0, g0, up, down_t, scale, group, acc, REGLU)
+        K._gated_rest(x, j1, g1, up, down_t, scale, group, acc, REGLU)
+        K._gated_rest(x, j2, g2, up, down_t, scale, group, acc, REGLU)
+        K._gated_rest(x, j3, g3, up, down_t, scale, group, acc, REGLU)
+        return
+    _page_starts(down_t, j0, j1, j2, j3, lines, l2)
+    u0, u1, u2, u3 = K._dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
+                             scale[1, j3], group)
+    if q + 8 <= q1:
+        _page_starts(gate, idx[q + 4], idx[q + 5], idx[q + 6], idx[q + 7], lines, l2)
+    K._axpy4(g0 * u0, g1 * u1, g2 * u2, g3 * u3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0],
+             scale[2, j1], scale[2, j2], scale[2, j3], group, acc)
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def paged(x, idx, gate, up, down_t, scale, group, part, out, counter, tail, lines, l2):
+    """`dynamic` with the kernel's claims (CHUNK, the last `tail` positions 4 at a time) and _gated4_pages; the first
+    group of a claim prefetches its own gate rows' page starts."""
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    counter[0] = 0
+    head = max(0, k - tail) // K.CHUNK * K.CHUNK
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        while True:
+            q0, q1 = K._claim(K._fetch_add(counter, 1), k, head)
+            if q0 >= k:
+                break
+            q = q0
+            if q + 4 <= q1:
+                _page_starts(gate, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], lines, l2)
+            while q + 4 <= q1:
+                _gated4_pages(x, idx, q, q1, gate, up, down_t, scale, group, acc, lines, l2)
+                q += 4
+            for r in range(q, q1):
+                _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
 @njit(nogil=True, fastmath=True, inline="always")
@@ -342,6 +426,11 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width,
                                     tail, st)
 
+    tail = 8 * len(stamps)  # the kernel's: TAIL per thread
+
+    def pages(lines: int, l2: bool):  # `paged` with `lines` lines a page start, into the L2 (l2) or the L1
+        return lambda R, s: paged(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, tail, lines, l2)
+
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
         ("bf16", "fused"): kernel,
@@ -352,8 +441,15 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused-c4"): dyn(4, 4),
         ("bf16", "fused-c16"): dyn(16, 4),
         ("bf16", "fused-tl"): dyn(8, 4, 0, True),
-        ("bf16", "guided-tl"): dyn(8, 4, 8 * len(stamps), True),
-        ("bf16", "guided16-tl"): dyn(16, 4, 8 * len(stamps), True),
+        ("bf16", "guided-tl"): dyn(8, 4, tail, True),
+        ("bf16", "guided16-tl"): dyn(16, 4, tail, True),
+        ("bf16", "pages1"): pages(1, False),
+        ("bf16", "pages2"): pages(2, False),
+        ("bf16", "pages4"): pages(4, False),
+        ("bf16", "pages2-l2"): pages(2, True),
+        ("int8", "pages1"): pages(1, False),
+        ("int8", "pages2"): pages(2, False),
+        ("int8", "pages2-l2"): pages(2, True),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
@@ -361,7 +457,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("int8", "const-c4"): dyn(4, 4),
         ("int8", "const-8rows"): dyn(8, 8),
         ("int8", "const-tl"): dyn(8, 4, 0, True),
-        ("int8", "guided-tl"): dyn(8, 4, 8 * len(stamps), True),
+        ("int8", "guided-tl"): dyn(8, 4, tail, True),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
     }
     if other is not None:
