@@ -8,11 +8,9 @@ import time
 
 import numpy as np
 import torch
-from numba import njit
 
 import bench_ceilings as ceil
 import bench_timeline as tl
-from powerinfer.runtime import kernels as K
 
 
 def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
@@ -34,8 +32,6 @@ def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
         split_cold(rt)
     if name.endswith("event-wait") and rt.fast is not None:  # an A/B of its wait for the GPU's ready signal
         event_wait(rt)
-    if name.endswith("three-regions") and rt.fast is not None:  # an A/B of kernels.cold_region
-        three_regions(rt)
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
     generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
     return rt, build_s
@@ -54,7 +50,7 @@ def split_cold(rt) -> None:
             if flags is not None:
                 fast._graphs[i][1].synchronize()  # recorded after the ready signal, which has landed then
                 flags.ready[i] = 0
-            idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["counts"])]
+            idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["slices"])]
             f.counts[0] += 1
             f.cold_marks += (1, len(idx))
             idx = idx[f.mapped_rows:]
@@ -62,37 +58,6 @@ def split_cold(rt) -> None:
             if flags is not None:
                 flags.release(i)
             return idx
-        f.cold_rows = cold_rows
-
-
-@njit(nogil=True)
-def cold_layer_three_regions(ready, release, i, mask, words, counts, idx, skip, x, gate, up, b_up, down_t, scale,
-                             group, part, out, act, marks):
-    """kernels.cold_layer as it was before kernels.cold_region (commit 1d3b273): the sliced mask scan in a parallel
-    region, then cold_ffn's claims and its sum in two more."""
-    if i >= 0 and not K.wait_ready(ready, i, K.SPINS):
-        return -1
-    k = K.mask_indices_sliced(mask, words, idx, counts)
-    marks[0] += 1
-    marks[1] += k
-    K.cold_ffn(x, idx[min(skip, k):k], gate, up, b_up, down_t, scale, group, part, out, act)
-    if i >= 0:
-        K._store_release(release, i, np.int32(1))
-    return k
-
-
-def three_regions(rt) -> None:
-    """Each layer's CPU part in three parallel regions, as before kernels.cold_region, for an A/B in rounds. For the
-    bench's configuration: predictor masks, cold rows in every layer, CUDA."""
-    for f in rt.ffns:
-        def cold_rows(x, flags=None, i=-1, f=f):
-            io, c = f._io, f.cold
-            k = cold_layer_three_regions(flags.ready, flags.host, i, io["m_np"], io["m_words"], io["counts"],
-                                         io["idx"], f.mapped_rows, io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t,
-                                         c.scale, c.group, io["part"], io["out_np"], K.ACT_CODE[f.activation],
-                                         f.cold_marks)
-            f.counts[0] += 1
-            return io["idx"][min(f.mapped_rows, k):k]
         f.cold_rows = cold_rows
 
 

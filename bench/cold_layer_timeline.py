@@ -11,17 +11,12 @@ counter (medians over the calls, us):
   after  the last thread's end to the kernel's return (the partial rows' sum, a second parallel region, the join)
   call   scan to return
 
-Then, in rounds, each call as decode makes it, timed whole: kernels.cold_layer (the scan, the kernel and the sum in one
-parallel region, two spin barriers between them) against the form before it (the sliced scan's region, then
-cold_ffn's claims and its sum in two more).
-
 The kernel is kernel_variants.dynamic with its stamps, claiming as cold_ffn does (8 neurons at a time, the last 8 per
 thread 4 at a time; ReGLU, bf16 rows), so the figures are cold_ffn's as decode calls it, less the ready-flag spin and
 the marks tally. The other layers' rows are what evicts a layer's rows between its calls, as in decode (8 copies of a
 70B layer: 11 GB at 5%, against the H100 host's 300 MiB L3).
 
-Usage: python bench/cold_layer_timeline.py OUT.json [--density 0.05] [--calls 96] [--gap-us 0,160] [--rounds 4]
-       [n d]"""
+Usage: python bench/cold_layer_timeline.py OUT.json [--density 0.05] [--calls 96] [--gap-us 0,160] [n d]"""
 
 from __future__ import annotations
 
@@ -37,12 +32,9 @@ from numba import njit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_variants as kv  # noqa: E402  (imports powerinfer.* from this checkout)
 
-import bench_systems as bs  # noqa: E402
-
 from powerinfer.runtime import kernels as K  # noqa: E402
 from powerinfer.runtime.cold_rows import ColdRows  # noqa: E402
 
-REGLU = K.ACT_CODE["reglu"]
 PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 
@@ -77,53 +69,8 @@ def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, cou
         phases[c, 4], phases[c, 5], phases[c, 6] = t2 - last, t2 - t0, k
 
 
-@njit(nogil=True)
-def _layer_calls(masks, words, idx, slices, sync, x, gate, up, b_up, down_t, scale, part, out, marks, ticks, n, gap,
-                 one_region):
-    """As _calls, each call as decode makes it, timed whole (ticks[c]): kernels.cold_layer (one parallel region), or
-    with one_region False the form before it (bench_systems.cold_layer_three_regions)."""
-    windows = gate.shape[0] // n
-    for c in range(masks.shape[0]):
-        t = kv._cycles()
-        while kv._cycles() - t < gap:
-            pass
-        lo = (c % windows) * n
-        t0 = kv._cycles()
-        if one_region:
-            K.cold_layer(K.NO_FLAGS, K.NO_FLAGS, -1, masks[c], words[c], slices, sync, idx, 0, x, gate[lo:lo + n],
-                         up[lo:lo + n], b_up, down_t[lo:lo + n], scale[:, lo:lo + n], down_t.shape[1], part, out,
-                         REGLU, marks)
-        else:
-            bs.cold_layer_three_regions(K.NO_FLAGS, K.NO_FLAGS, -1, masks[c], words[c], slices, idx, 0, x,
-                                        gate[lo:lo + n], up[lo:lo + n], b_up, down_t[lo:lo + n], scale[:, lo:lo + n],
-                                        down_t.shape[1], part, out, REGLU, marks)
-        ticks[c] = kv._cycles() - t0
-
-
-def _regions_ab(masks, words, idx, slices, x, gate, up, b_up, down_t, scale, part, o, n, gap, rounds, ticks_per_us,
-                ref) -> dict:
-    """_layer_calls with three regions and with one, `rounds` times in turn: the calls' median us per form (the first
-    pass over the windows of each round left out), the per-round ratio one / three, and the last sums' error."""
-    windows, calls = gate.shape[0] // n, masks.shape[0]
-    sync, marks, ticks = np.zeros(5, np.int64), np.zeros(2), np.zeros(calls, np.int64)
-    us = {"three_regions": [], "one_region": []}
-    err = {}
-    for r in range(rounds):
-        for name in (list(us) if r % 2 == 0 else list(us)[::-1]):
-            _layer_calls(masks, words, idx, slices, sync, x, gate, up, b_up, down_t, scale, part, o, marks, ticks, n,
-                         gap, name == "one_region")
-            us[name].append(ticks[windows:] / ticks_per_us)
-            err[name] = float(np.abs(o - ref).max() / np.abs(ref).max())
-    if max(err.values()) > 1e-4 or sync[K.FAILED]:
-        raise AssertionError(f"cold_layer_timeline: a form's sum is off float64's ({err}) or a barrier failed")
-    per_round = [float(np.median(a) / np.median(b)) for a, b in zip(us["one_region"], us["three_regions"])]
-    return {"rounds": rounds, "median_call_us": {k: float(np.median(np.concatenate(v))) for k, v in us.items()},
-            "p90_call_us": {k: float(np.percentile(np.concatenate(v), 90)) for k, v in us.items()},
-            "one_over_three_per_round": per_round, "max_rel_err_vs_float64": err}
-
-
 def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls: int = 96,
-         gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8, rounds: int = 4) -> dict:
+         gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8) -> dict:
     if n % 8:
         raise SystemExit(f"n {n}: give a multiple of 8 (the mask scan reads 8 entries at a time)")
     g = torch.Generator().manual_seed(0)
@@ -135,7 +82,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
     gate, up, down_t = tile(one.gate), tile(one.up), tile(one.down_t)
     scale = np.tile(one.scale, (1, windows, 1))
     wide = {name: t.double().numpy() for name, t in one.float32().items() if t is not None}  # the float64 reference's
-    b_up = one.b_up
     del one
     threads = numba.get_num_threads()
     k = min(len(positive), max(1, int(density * n)))
@@ -149,7 +95,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
     counter, stamps = np.zeros(1, np.int64), np.zeros((threads, 2), np.int64)
     ticks_per_us = kv.ticks_per_us()
     res = {"command": "python " + " ".join(sys.argv), "threads": threads, "n": n, "d": d, "density": density,
-           "threading_layer": None,
            "active_rows": k, "windows": windows, "calls": calls, "tsc_ticks_per_us": ticks_per_us, "runs": []}
     row_bytes = 3 * (d * 2 + 4)  # gate, up, down rows and their scales
     for gap in gaps_us:
@@ -157,7 +102,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
         args = (masks, words, idx, slices, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
                 int(gap * ticks_per_us), 8 * threads)
         _calls(*args)  # compiles, and a first pass over the windows
-        res["threading_layer"] = numba.threading_layer()
         _calls(*args)
         j = np.flatnonzero(masks[-1])  # the last call's sum against float64 (its window's rows are copies of one)
         xd = x.astype(np.float64)
@@ -172,9 +116,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
                             "call_bytes_per_s": k * row_bytes / (med["call"] * 1e-6),
                             "work_bytes_per_s": k * row_bytes / ((med["work"] + med["tail"]) * 1e-6)})
         print({"gap_us": gap, **{p: round(v, 1) for p, v in med.items()}}, flush=True)
-        res["runs"][-1]["regions"] = _regions_ab(masks, words, idx, slices, x, gate, up, b_up, down_t, scale, part, o,
-                                                 n, int(gap * ticks_per_us), rounds, ticks_per_us, ref)
-        print({"gap_us": gap, **res["runs"][-1]["regions"]["median_call_us"]}, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     return res
@@ -186,6 +127,5 @@ if __name__ == "__main__":
     ap.add_argument("--calls", type=int, default=96)
     ap.add_argument("--gap-us", default="0,160", help="comma list: the host's spin before each call, us")
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=4, help="turns of each form in the regions A/B")
     a = ap.parse_args()
-    main(a.out, a.n, a.d, a.density, a.calls, tuple(float(v) for v in a.gap_us.split(",")), a.windows, a.rounds)
+    main(a.out, a.n, a.d, a.density, a.calls, tuple(float(v) for v in a.gap_us.split(",")), a.windows)

@@ -355,7 +355,6 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-torch-ops", C(vram=budget, ops="torch"), placement, P, args.tokens, args.reps),
             ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-three-regions", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
@@ -484,8 +483,6 @@ def parse(argv=None):
                          "'hybrid-torch-ops' for hybrid with torch's kernels there instead of runtime/fused.py's, "
                          "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
                          "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
-                         "'hybrid-three-regions' for hybrid with each layer's CPU part in three parallel regions "
-                         "(as before kernels.cold_region), "
                          "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "

@@ -76,24 +76,23 @@ def _widen(typingctx, v):
 
 @intrinsic
 def _fetch_add(typingctx, counter, inc):
-    """counter[0] += inc atomically (an LLVM atomicrmw, acquire-release: what this thread wrote before is visible to
-    a thread that then reads the new count with _load_acquire); returns the value before."""
+    """counter[0] += inc atomically (an LLVM atomicrmw); returns the value before."""
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, args[1], "acq_rel")
+        return builder.atomic_rmw("add", ary.data, args[1], "monotonic")
 
     return types.int64(counter, types.int64), codegen
 
 
 @intrinsic
 def _load_acquire(typingctx, flags, i):
-    """flags[i] read with acquire order (flags or counters that another agent writes): later reads stay after it."""
+    """flags[i] read with acquire order (int32 flags that another agent writes): later reads stay after it."""
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         ptr = builder.gep(ary.data, [args[1]])
-        return builder.load_atomic(ptr, "acquire", signature.return_type.bitwidth // 8)
+        return builder.load_atomic(ptr, "acquire", 4)
 
-    return flags.dtype(flags, types.int64), codegen
+    return types.int32(flags, types.int64), codegen
 
 
 @intrinsic
@@ -309,27 +308,10 @@ def _claim(c, k, head, chunk=CHUNK):  # claim number c -> positions [q0, q1) of 
     return q0, min(q0 + 4, k)
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _claimed_rows(x, js, gate, up, b_up, down_t, scale, group, acc, act):  # acc += the neurons js's outputs
-    q, n = 0, js.shape[0]
-    while q + 4 <= n:
-        if act >= FIRST_GATED:
-            _gated4(x, js[q], js[q + 1], js[q + 2], js[q + 3], gate, up, down_t, scale, group, acc, act)
-        else:
-            _ungated4(x, js[q], js[q + 1], js[q + 2], js[q + 3], up, b_up, down_t, scale, group, acc, act)
-        q += 4
-    for q in range(q, n):
-        j = js[q]
-        if act >= FIRST_GATED:
-            _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
-        else:
-            _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
-                          group, acc)
-
-
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
+    gated = act >= FIRST_GATED
     T = _n_chunks(k, part.shape[0])
     head = max(0, k - TAIL * T) // CHUNK * CHUNK  # positions taken CHUNK at a time; the rest 4 at a time
     counter = np.zeros(1, np.int64)  # claims taken
@@ -340,7 +322,20 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
             q0, q1 = _claim(_fetch_add(counter, 1), k, head)
             if q0 >= k:
                 break
-            _claimed_rows(x, idx[q0:q1], gate, up, b_up, down_t, scale, group, acc, act)
+            q = q0
+            while q + 4 <= q1:
+                if gated:
+                    _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, act)
+                else:
+                    _ungated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], up, b_up, down_t, scale, group, acc, act)
+                q += 4
+            for q in range(q, q1):
+                j = idx[q]
+                if gated:
+                    _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
+                else:
+                    _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
+                                  scale, group, acc)
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -381,27 +376,13 @@ def mask_indices_sliced(mask, words, out, counts):
     for t in prange(T):
         lo = t * W // T
         counts[t] = _scan_words(mask, words, lo, (t + 1) * W // T, out, 8 * lo) - 8 * lo
-    return _scan_tail(mask, words, out, _move_down(out, counts, T, W))
-
-
-@njit(nogil=True, cache=True)
-def _move_down(out, counts, T, W):  # slice t's counts[t] positions, written from 8 * (t * W // T) on, moved down after
-    k = counts[0]                   # the earlier slices' (k <= the slice's start: a forward copy is safe); returns k
-    for t in range(1, T):
+    k = counts[0]
+    for t in range(1, T):  # moved down: k <= the slice's start, so a forward copy is safe
         src = 8 * (t * W // T)
         for j in range(counts[t]):
             out[k + j] = out[src + j]
         k += counts[t]
-    return k
-
-
-@njit(nogil=True, cache=True)
-def _position(out, counts, T, W, p):  # the p-th set position of the mask, from the slices before _move_down
-    for t in range(T):
-        if p < counts[t]:
-            return out[8 * (t * W // T) + p]
-        p -= counts[t]
-    return -1
+    return _scan_tail(mask, words, out, k)
 
 
 SPINS = 1 << 33  # reads of a ready flag before giving up (seconds; a layer's GPU part takes well under 1 ms)
@@ -418,94 +399,31 @@ def wait_ready(ready, i, spins):
     return False
 
 
-SCANNED, CLAIMS, FINISHED, SUMS, FAILED = range(5)  # cold_region's counters, in `sync`
-BARRIER_SPINS = 1 << 22  # reads of a counter before cold_region's threads give up waiting for the others (~5 ms)
-
-
 @njit(nogil=True, cache=True)
-def _arrive(sync, i, T, spins):
-    """This thread done with a phase: sync[i] += 1, then spin until all T threads are (True). False at once when
-    another thread gave up, or after `spins` reads (then sync[FAILED] is set): a thread that never came."""
-    _fetch_add(sync[i:i + 1], 1)
-    for _ in range(spins):
-        if _load_acquire(sync, i) >= T:
-            return True
-        if _load_acquire(sync, FAILED) != 0:
-            return False
-    _fetch_add(sync[FAILED:FAILED + 1], 1)
-    return False
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def cold_region(mask, words, idx, counts, sync, skip, x, gate, up, b_up, down_t, scale, group, part, out, act,
-                spins):
-    """The mask -> positions, the kernel (cold_ffn's claims) over the set positions from the skip-th on, and the
-    partial rows' sum, in one parallel region of T = part.shape[0] threads: two spin barriers (`_arrive`) stand where
-    cold_ffn's second region and a scan's own region started and joined (~60 us a layer on the H100 host;
-    bench/NOTES.md). Each thread scans one slice of the words (the last one the n % 8 entries after them too) into
-    idx from the slice's own first position on, its count into counts[t]; once all have, the claims map positions
-    through the slices (`_position`); once all claims are done, the threads sum slices of d. Returns the number of set
-    positions k (idx left in slices: `_move_down` compacts it), or -1 when a thread gave up waiting for the others
-    (the T threads did not all run at once: more rows in part than Numba threads); out is then not the sum.
-    counts (T,) and sync (5,) int64 scratch."""
-    T, W, d = part.shape[0], words.shape[0], x.shape[0]
-    sync[:] = 0
-    for t in prange(T):
-        acc = part[t]  # (d,) this thread's partial sum
-        acc[:] = 0.0
-        lo = t * W // T
-        end = _scan_words(mask, words, lo, (t + 1) * W // T, idx, 8 * lo)
-        counts[t] = (_scan_tail(mask, words, idx, end) if t == T - 1 else end) - 8 * lo
-        if _arrive(sync, SCANNED, T, spins):
-            k = counts[:T].sum()
-            first = min(skip, k)  # positions before it are the device's
-            head = max(0, k - first - TAIL * T) // CHUNK * CHUNK
-            js = np.empty(CHUNK, np.int64)  # (CHUNK,) this claim's neurons
-            while True:
-                q0, q1 = _claim(_fetch_add(sync[CLAIMS:CLAIMS + 1], 1), k - first, head)
-                if q0 >= k - first:
-                    break
-                for q in range(q0, q1):
-                    js[q - q0] = _position(idx, counts, T, W, first + q)
-                _claimed_rows(x, js[:q1 - q0], gate, up, b_up, down_t, scale, group, acc, act)
-            if _arrive(sync, FINISHED, T, spins):
-                while True:
-                    c = _fetch_add(sync[SUMS:SUMS + 1], 1)
-                    if c >= T:
-                        break
-                    _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-    return -1 if sync[FAILED] else counts[:T].sum()
-
-
-@njit(nogil=True, cache=True)
-def cold_layer(ready, release, i, mask, words, counts, sync, idx, skip, x, gate, up, b_up, down_t, scale, group, part,
-               out, act, marks):
+def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out,
+               act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
     decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
     bench/NOTES.md):
 
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
-      out (d,) float32 = the sum of the rows of the mask's (n_cold,) bool set positions but the first `skip` (the
-      device's: its PCIe share), in one parallel region (cold_region; should its threads not all run at once, the
-      serial scan and cold_ffn instead);
-      marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out is written first);
-      idx[:k] = the set positions, ascending (written after the release: the GPU does not wait for it).
+      the marked cold positions of mask (n_cold,) bool -> idx[:k] (mask_indices, or mask_indices_sliced over the
+      (T,) `slices` scratch when it has more than one row); the first `skip` are the device's (its PCIe share);
+      out (d,) float32 = the rows' sum (cold_ffn over idx[skip:k]);
+      marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out is written first).
 
     Returns k, or -1 (nothing done) when no signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
-    T = part.shape[0]
-    k = cold_region(mask, words, idx, counts, sync, skip, x, gate, up, b_up, down_t, scale, group, part, out, act,
-                    BARRIER_SPINS)
-    if k < 0:
+    if slices.shape[0] > 1:
+        k = mask_indices_sliced(mask, words, idx, slices)
+    else:
         k = mask_indices(mask, words, idx)
-        cold_ffn(x, idx[min(skip, k):k], gate, up, b_up, down_t, scale, group, part, out, act)
     marks[0] += 1
     marks[1] += k
+    cold_ffn(x, idx[min(skip, k):k], gate, up, b_up, down_t, scale, group, part, out, act)
     if i >= 0:
         _store_release(release, i, np.int32(1))
-    if sync[FAILED] == 0:
-        _move_down(idx, counts, T, words.shape[0])
     return k
 
 

@@ -150,8 +150,9 @@ class HybridFFN(nn.Module):
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
                         **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
-                        # kernels.cold_region's scratch: (threads,) set positions per slice of the mask, counters
-                        "counts": np.empty(part.shape[0], np.int64), "sync": np.zeros(5, np.int64),
+                        # (threads,) mask_indices_sliced's scratch; one row on CPU runs, whose OpenMP threads
+                        # sleep between parallel regions (each wakes them): one serial scan there
+                        "slices": np.empty(part.shape[0] if pin else 1, np.int64),
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -307,9 +308,9 @@ class HybridFFN(nn.Module):
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
         if self.mask == "predictor" and self.n_cold:
             c = self.cold
-            k = cold_layer(ready, release, i if flags is not None else -1, io["m_np"], io["m_words"], io["counts"],
-                           io["sync"], io["idx"], self.mapped_rows, io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t,
-                           c.scale, c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.cold_marks)
+            k = cold_layer(ready, release, i if flags is not None else -1, io["m_np"], io["m_words"], io["slices"],
+                           io["idx"], self.mapped_rows, io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t, c.scale,
+                           c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.cold_marks)
             if k < 0:
                 raise self._no_signal()
             self.counts[0] += 1

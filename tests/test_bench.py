@@ -128,20 +128,16 @@ def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
 
 
 def test_cold_layer_timeline_splits_a_call(tmp_path):
-    """bench/cold_layer_timeline.py on a small layer: each call's phases lie within the call, and the timed loops'
-    sums (the phases', cold_layer's in one region and in three) equal float64's (the script checks them)."""
+    """bench/cold_layer_timeline.py on a small layer: each call's phases lie within the call, and the timed loop's
+    sum equals float64's (the script checks it)."""
     import cold_layer_timeline as clt
 
-    res = clt.main(tmp_path / "t.json", n=512, d=256, density=0.1, calls=12, gaps_us=(0.0, 20.0), windows=2,
-                   rounds=3)
+    res = clt.main(tmp_path / "t.json", n=512, d=256, density=0.1, calls=12, gaps_us=(0.0, 20.0), windows=2)
     assert res["active_rows"] == 51 and [r["gap_us"] for r in res["runs"]] == [0.0, 20.0]
     for r in res["runs"]:
         m = r["median_us"]
         assert all(v >= 0 for v in m.values()) and r["max_rel_err_vs_float64"] < 1e-4
         assert m["scan"] <= m["call"] and m["work"] <= m["call"]  # each call's parts are within it, so their medians
-        ab = r["regions"]
-        assert len(ab["one_over_three_per_round"]) == 3 and max(ab["max_rel_err_vs_float64"].values()) < 1e-4
-        assert all(v > 0 for v in ab["median_call_us"].values())
     assert json.loads((tmp_path / "t.json").read_text())["calls"] == 12
 
 
