@@ -12,6 +12,8 @@ Writes OUT/kernel_variants.json.
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
+  bf16 two-pass  the kernel's claims; each group's gate and up rows in one pass (8 rows at once), then its down rows
+  bf16 pipe12    as two-pass, with a group's down rows read in the pass of the next group's gate and up rows (12 at once)
   * pagesL       the kernel's claims and four rows at once, each phase preceded by a software prefetch of the first L
                  cache lines of each 4 KiB page of the rows the next phase reads (pagesL-l2: into the L2 only)
   * -tl          timeline: the kernel's claims (fused-tl, const-tl), or 8 (guided-tl) or 16 (guided16-tl) at a time
@@ -32,6 +34,7 @@ kernel-variants.json, commit 16d962e.
   other          with --other-kernels FILE: that file's kernel (another version of runtime/kernels.py, e.g. from
                  `git show REV:runtime/kernels.py > FILE`), for an A/B of a change to the kernel; its gated_ffn
                  where it has no cold_ffn
+With --cached the calls read rows that the call before read (their rate as far as the caches hold the rows).
 With --rounds R the variants are timed R times in turn at each density (A, B, A, B, ...), so that a drift of the
 machine's speed does not fall on one of them.
 Usage: python bench/kernel_variants.py OUT [n d] [--reps 8] [--rounds 1] [--variants fused,fused-dyn4,...]
@@ -158,6 +161,97 @@ def paged(x, idx, gate, up, down_t, scale, group, part, out, counter, tail, line
                 _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+@njit(nogil=True, fastmath=True)
+def _dot8_bf16(x, a0, a1, a2, a3, b0, b1, b2, b3):  # eight bf16 rows' dots with x in one pass (scale 1)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        s0 += xk * K._widen(a0[k])
+        s1 += xk * K._widen(a1[k])
+        s2 += xk * K._widen(a2[k])
+        s3 += xk * K._widen(a3[k])
+        s4 += xk * K._widen(b0[k])
+        s5 += xk * K._widen(b1[k])
+        s6 += xk * K._widen(b2[k])
+        s7 += xk * K._widen(b3[k])
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@njit(nogil=True, fastmath=True)
+def _axpy4_dot8_bf16(h0, h1, h2, h3, d0, d1, d2, d3, acc, x, a0, a1, a2, a3, b0, b1, b2, b3):
+    """acc += four bf16 rows d x h and the dots of x with eight rows a, b, in one pass over d (12 rows at once)."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        acc[k] += (h0 * K._widen(d0[k]) + h1 * K._widen(d1[k]) + h2 * K._widen(d2[k]) + h3 * K._widen(d3[k]))
+        s0 += xk * K._widen(a0[k])
+        s1 += xk * K._widen(a1[k])
+        s2 += xk * K._widen(a2[k])
+        s3 += xk * K._widen(a3[k])
+        s4 += xk * K._widen(b0[k])
+        s5 += xk * K._widen(b1[k])
+        s6 += xk * K._widen(b2[k])
+        s7 += xk * K._widen(b3[k])
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@njit(nogil=True, fastmath=True)
+def _relu_times(g, u):
+    return g * u if g > 0 else np.float32(0.0)
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def passes(x, idx, gate, up, down_t, part, out, counter, tail, pipelined):
+    """ReGLU over bf16 rows (scale 1) with the kernel's claims, each group of four neurons' gate and up rows read in
+    one pass (8 rows at once), then their down rows (4) in another: two passes a group instead of three. pipelined:
+    the down rows of a claim's group read in the same pass as the next group's gate and up rows (12 rows at once), so
+    a claim of 8 takes 3 passes instead of 6. A zero gate's down row is still read (h = 0): the neurons here are drawn
+    among positive gates."""
+    d, k = x.shape[0], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    counter[0] = 0
+    head = max(0, k - tail) // K.CHUNK * K.CHUNK
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        while True:
+            q0, q1 = K._claim(K._fetch_add(counter, 1), k, head)
+            if q0 >= k:
+                break
+            q, have = q0, False
+            h0 = h1 = h2 = h3 = np.float32(0.0)
+            p0 = p1 = p2 = p3 = 0
+            while q + 4 <= q1:
+                j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
+                if have and pipelined:
+                    g0, g1, g2, g3, u0, u1, u2, u3 = _axpy4_dot8_bf16(
+                        h0, h1, h2, h3, down_t[p0], down_t[p1], down_t[p2], down_t[p3], acc, x,
+                        gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3])
+                else:
+                    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8_bf16(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0],
+                                                                up[j1], up[j2], up[j3])
+                h0, h1, h2, h3 = _relu_times(g0, u0), _relu_times(g1, u1), _relu_times(g2, u2), _relu_times(g3, u3)
+                p0, p1, p2, p3, have = j0, j1, j2, j3, True
+                if not pipelined:
+                    K._axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], NO_SCALE, NO_SCALE,
+                             NO_SCALE, NO_SCALE, d, acc)
+                    have = False
+                q += 4
+            if have:
+                K._axpy4(h0, h1, h2, h3, down_t[p0], down_t[p1], down_t[p2], down_t[p3], NO_SCALE, NO_SCALE,
+                         NO_SCALE, NO_SCALE, d, acc)
+            for r in range(q, q1):
+                j = idx[r]
+                g = K._dot(x, gate[j], NO_SCALE, d)
+                if g > 0:
+                    K._axpy(g * K._dot(x, up[j], NO_SCALE, d), down_t[j], NO_SCALE, d, acc)
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+NO_SCALE = np.ones(1, np.float32)  # one group of d with scale 1: bf16 rows
 
 
 @njit(nogil=True, fastmath=True, inline="always")
@@ -400,12 +494,12 @@ def _other_kernel(path: Path):
 
 
 def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[str, ...] = (), rounds: int = 1,
-         other: Path | None = None) -> dict:
+         other: Path | None = None, cached: bool = False) -> dict:
     facts = {cmd: subprocess.run(cmd.split(), capture_output=True, text=True).stdout[-3000:]
              for cmd in ("cat /sys/kernel/mm/transparent_hugepage/enabled", "lscpu", "free -g")}
     flush = ceil._dram_array(2 * 2**30)
     res = {"facts": facts, "threads": numba.get_num_threads(), "dram": ceil.dram_read_bw(flush.nbytes),
-           "command": "python " + " ".join(sys.argv)}
+           "command": "python " + " ".join(sys.argv), "cached": cached}
     g = torch.Generator().manual_seed(0)
     w = {k: torch.randn(n, d, generator=g).mul_(0.02) for k in ("gate", "up", "down_t")}
     rows = {dt: C.ColdRows.from_weights(w["gate"], w["up"], None, w["down_t"], dt) for dt in C.COLD_DTYPES}
@@ -450,6 +544,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("int8", "pages1"): pages(1, False),
         ("int8", "pages2"): pages(2, False),
         ("int8", "pages2-l2"): pages(2, True),
+        ("bf16", "two-pass"): lambda R, s: passes(x, s, R.gate, R.up, R.down_t, part, o, counter, tail, False),
+        ("bf16", "pipe12"): lambda R, s: passes(x, s, R.gate, R.up, R.down_t, part, o, counter, tail, True),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),
@@ -480,9 +576,12 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                 checks.setdefault((dt, dens), []).append(o.copy())
             # fresh sets for each variant: a set the previous variant just read may still sit in the L3
             sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps)]
+            if cached:
+                sets = [first] * reps  # read just before: in the caches as far as they hold them
             ts, parts = [], []
             for s in sets:
-                ceil._sum_rows(flush, numba.get_num_threads())  # the L3 (300 MiB on the H100 host) emptied of rows
+                if not cached:
+                    ceil._sum_rows(flush, numba.get_num_threads())  # the L3 (300 MiB on the H100 host) emptied of rows
                 stamps[:] = 0
                 c0, t0 = cycles(), time.perf_counter()
                 fn(R, s)
@@ -528,5 +627,8 @@ if __name__ == "__main__":
     ap.add_argument("--variants", default="", help="comma list of variant names (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="times each variant is timed in turn at each density")
     ap.add_argument("--other-kernels", type=Path, help="another version of runtime/kernels.py: variant 'other'")
+    ap.add_argument("--cached", action="store_true",
+                    help="each call reads the rows of the call before (no 2 GiB read between): the variants' rate with "
+                         "the rows in the caches as far as they fit (the L2s hold 2 MiB each, the L3 300 MiB)")
     a = ap.parse_args()
-    main(a.out, a.n, a.d, a.reps, tuple(v for v in a.variants.split(",") if v), a.rounds, a.other_kernels)
+    main(a.out, a.n, a.d, a.reps, tuple(v for v in a.variants.split(",") if v), a.rounds, a.other_kernels, a.cached)
