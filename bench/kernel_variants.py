@@ -2,7 +2,8 @@
 Writes OUT/kernel_variants.json.
 
   bf16 scratch   the kernel before the fused widening: each row widened into a per-thread scratch row, then dot/axpy
-  bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops; four neurons' rows at once)
+  bf16 fused     runtime/kernels.py (the widening inside the dot and axpy loops; four neurons' gate and up rows at
+                 once, then their down rows)
   int8 slice     int8 groups of 64 through a loop over slices of unknown length (the kernel's general path)
   int8 const     runtime/kernels.py: the group loop with a constant trip count
   * pf4          the kernel + software prefetch of the next neuron's rows (4 cache lines per 4 KiB page), with one
@@ -12,16 +13,15 @@ Writes OUT/kernel_variants.json.
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
-  bf16 two-pass  the kernel's claims; each group's gate and up rows in one pass (8 rows at once), then its down rows
-  bf16 pipe12    as two-pass, with a group's down rows read in the pass of the next group's gate and up rows (12 at once)
-  * pagesL       the kernel's claims and four rows at once, each phase preceded by a software prefetch of the first L
-                 cache lines of each 4 KiB page of the rows the next phase reads (pagesL-l2: into the L2 only)
   * -tl          timeline: the kernel's claims (fused-tl, const-tl), or 8 (guided-tl) or 16 (guided16-tl) at a time
                  and the last 8 per thread 4 at a time, each thread's start and end read from the time-stamp
                  counter: `timeline_us_median` splits a call into the threads' start, their claims, the tail (the
                  last thread's end after the mean end) and the partial rows' sum and return
   (pair, pair8, two neurons' rows in one pass: development-host figures in bench/NOTES.md, commit 4d4e9b0; removed)
   (quad8 in results/2026-11-22-h100-four-rows-ab: the runtime's four-row kernel's bf16-only prototype, since removed)
+  (pagesL: a software prefetch of each 4 KiB page's first lines of the rows the next phase reads, commit 1d3b273;
+  two-pass and pipe12, the kernel's gate and up rows in one pass, and also a group's down rows in the next group's
+  pass, commit 7e503b5: results/2026-11-23-h100-kernel-passes.json and bench/NOTES.md; removed)
 Densities include 16 rows (one a thread: the call's fixed cost), 2-3.5% and 6.5% (~600-1,880 rows, what decode marks per
 layer).
 
@@ -79,179 +79,6 @@ def _prefetch(typingctx, arr, offset):
         return context.get_dummy_value()
 
     return types.void(arr, types.intp), codegen
-
-
-@intrinsic
-def _prefetch_l2(typingctx, arr, offset):  # as _prefetch, with locality 2 (prefetcht1: into the L2, not the L1)
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
-        builder.call(fn, [ptr] + [ir.Constant(ir.IntType(32), v) for v in (0, 2, 1)])
-        return context.get_dummy_value()
-
-    return types.void(arr, types.intp), codegen
-
-
-@njit(nogil=True, fastmath=True)
-def _page_starts(m, j0, j1, j2, j3, lines, l2):  # the first `lines` cache lines of each 4 KiB page of 4 rows of m
-    page, line = 4096 // m.itemsize, 64 // m.itemsize
-    for off in range(0, m.shape[1], page):
-        for q in range(lines):
-            o = off + q * line
-            if l2:
-                _prefetch_l2(m[j0], o)
-                _prefetch_l2(m[j1], o)
-                _prefetch_l2(m[j2], o)
-                _prefetch_l2(m[j3], o)
-            else:
-                _prefetch(m[j0], o)
-                _prefetch(m[j1], o)
-                _prefetch(m[j2], o)
-                _prefetch(m[j3], o)
-
-
-@njit(nogil=True, fastmath=True)
-def _gated4_pages(x, idx, q, q1, gate, up, down_t, scale, group, acc, lines, l2):
-    """The runtime's _gated4 (ReGLU) on idx[q:q+4], each phase preceded by a software prefetch of the page starts of
-    the rows the next phase reads (up's during gate's dot, down's during up's, the next four gate rows during the
-    axpy when the claim has them): the hardware prefetcher stops at each 4 KiB page and must see misses again."""
-    j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
-    _page_starts(up, j0, j1, j2, j3, lines, l2)
-    g0, g1, g2, g3 = K._dot4(x, gate[j0], gate[j1], gate[j2], gate[j3], scale[0, j0], scale[0, j1], scale[0, j2],
-                             scale[0, j3], group)
-    if g0 <= 0 or g1 <= 0 or g2 <= 0 or g3 <= 0:
-        K._gated_rest(x, j0, g0, up, down_t, scale, group, acc, REGLU)
-        K._gated_rest(x, j1, g1, up, down_t, scale, group, acc, REGLU)
-        K._gated_rest(x, j2, g2, up, down_t, scale, group, acc, REGLU)
-        K._gated_rest(x, j3, g3, up, down_t, scale, group, acc, REGLU)
-        return
-    _page_starts(down_t, j0, j1, j2, j3, lines, l2)
-    u0, u1, u2, u3 = K._dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
-                             scale[1, j3], group)
-    if q + 8 <= q1:
-        _page_starts(gate, idx[q + 4], idx[q + 5], idx[q + 6], idx[q + 7], lines, l2)
-    K._axpy4(g0 * u0, g1 * u1, g2 * u2, g3 * u3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0],
-             scale[2, j1], scale[2, j2], scale[2, j3], group, acc)
-
-
-@njit(parallel=True, nogil=True, fastmath=True)
-def paged(x, idx, gate, up, down_t, scale, group, part, out, counter, tail, lines, l2):
-    """`dynamic` with the kernel's claims (CHUNK, the last `tail` positions 4 at a time) and _gated4_pages; the first
-    group of a claim prefetches its own gate rows' page starts."""
-    d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, part.shape[0])
-    counter[0] = 0
-    head = max(0, k - tail) // K.CHUNK * K.CHUNK
-    for t in prange(T):
-        acc = part[t]
-        acc[:] = 0.0
-        while True:
-            q0, q1 = K._claim(K._fetch_add(counter, 1), k, head)
-            if q0 >= k:
-                break
-            q = q0
-            if q + 4 <= q1:
-                _page_starts(gate, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], lines, l2)
-            while q + 4 <= q1:
-                _gated4_pages(x, idx, q, q1, gate, up, down_t, scale, group, acc, lines, l2)
-                q += 4
-            for r in range(q, q1):
-                _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
-@njit(nogil=True, fastmath=True)
-def _dot8_bf16(x, a0, a1, a2, a3, b0, b1, b2, b3):  # eight bf16 rows' dots with x in one pass (scale 1)
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    for k in range(x.shape[0]):
-        xk = x[k]
-        s0 += xk * K._widen(a0[k])
-        s1 += xk * K._widen(a1[k])
-        s2 += xk * K._widen(a2[k])
-        s3 += xk * K._widen(a3[k])
-        s4 += xk * K._widen(b0[k])
-        s5 += xk * K._widen(b1[k])
-        s6 += xk * K._widen(b2[k])
-        s7 += xk * K._widen(b3[k])
-    return s0, s1, s2, s3, s4, s5, s6, s7
-
-
-@njit(nogil=True, fastmath=True)
-def _axpy4_dot8_bf16(h0, h1, h2, h3, d0, d1, d2, d3, acc, x, a0, a1, a2, a3, b0, b1, b2, b3):
-    """acc += four bf16 rows d x h and the dots of x with eight rows a, b, in one pass over d (12 rows at once)."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    for k in range(x.shape[0]):
-        xk = x[k]
-        acc[k] += (h0 * K._widen(d0[k]) + h1 * K._widen(d1[k]) + h2 * K._widen(d2[k]) + h3 * K._widen(d3[k]))
-        s0 += xk * K._widen(a0[k])
-        s1 += xk * K._widen(a1[k])
-        s2 += xk * K._widen(a2[k])
-        s3 += xk * K._widen(a3[k])
-        s4 += xk * K._widen(b0[k])
-        s5 += xk * K._widen(b1[k])
-        s6 += xk * K._widen(b2[k])
-        s7 += xk * K._widen(b3[k])
-    return s0, s1, s2, s3, s4, s5, s6, s7
-
-
-@njit(nogil=True, fastmath=True)
-def _relu_times(g, u):
-    return g * u if g > 0 else np.float32(0.0)
-
-
-@njit(parallel=True, nogil=True, fastmath=True)
-def passes(x, idx, gate, up, down_t, part, out, counter, tail, pipelined):
-    """ReGLU over bf16 rows (scale 1) with the kernel's claims, each group of four neurons' gate and up rows read in
-    one pass (8 rows at once), then their down rows (4) in another: two passes a group instead of three. pipelined:
-    the down rows of a claim's group read in the same pass as the next group's gate and up rows (12 rows at once), so
-    a claim of 8 takes 3 passes instead of 6. A zero gate's down row is still read (h = 0): the neurons here are drawn
-    among positive gates."""
-    d, k = x.shape[0], idx.shape[0]
-    T = K._n_chunks(k, part.shape[0])
-    counter[0] = 0
-    head = max(0, k - tail) // K.CHUNK * K.CHUNK
-    for t in prange(T):
-        acc = part[t]
-        acc[:] = 0.0
-        while True:
-            q0, q1 = K._claim(K._fetch_add(counter, 1), k, head)
-            if q0 >= k:
-                break
-            q, have = q0, False
-            h0 = h1 = h2 = h3 = np.float32(0.0)
-            p0 = p1 = p2 = p3 = 0
-            while q + 4 <= q1:
-                j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
-                if have and pipelined:
-                    g0, g1, g2, g3, u0, u1, u2, u3 = _axpy4_dot8_bf16(
-                        h0, h1, h2, h3, down_t[p0], down_t[p1], down_t[p2], down_t[p3], acc, x,
-                        gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3])
-                else:
-                    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8_bf16(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0],
-                                                                up[j1], up[j2], up[j3])
-                h0, h1, h2, h3 = _relu_times(g0, u0), _relu_times(g1, u1), _relu_times(g2, u2), _relu_times(g3, u3)
-                p0, p1, p2, p3, have = j0, j1, j2, j3, True
-                if not pipelined:
-                    K._axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], NO_SCALE, NO_SCALE,
-                             NO_SCALE, NO_SCALE, d, acc)
-                    have = False
-                q += 4
-            if have:
-                K._axpy4(h0, h1, h2, h3, down_t[p0], down_t[p1], down_t[p2], down_t[p3], NO_SCALE, NO_SCALE,
-                         NO_SCALE, NO_SCALE, d, acc)
-            for r in range(q, q1):
-                j = idx[r]
-                g = K._dot(x, gate[j], NO_SCALE, d)
-                if g > 0:
-                    K._axpy(g * K._dot(x, up[j], NO_SCALE, d), down_t[j], NO_SCALE, d, acc)
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
-
-
-NO_SCALE = np.ones(1, np.float32)  # one group of d with scale 1: bf16 rows
 
 
 @njit(nogil=True, fastmath=True, inline="always")
@@ -522,9 +349,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
 
     tail = 8 * len(stamps)  # the kernel's: TAIL per thread
 
-    def pages(lines: int, l2: bool):  # `paged` with `lines` lines a page start, into the L2 (l2) or the L1
-        return lambda R, s: paged(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, tail, lines, l2)
-
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),
         ("bf16", "fused"): kernel,
@@ -537,15 +361,6 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("bf16", "fused-tl"): dyn(8, 4, 0, True),
         ("bf16", "guided-tl"): dyn(8, 4, tail, True),
         ("bf16", "guided16-tl"): dyn(16, 4, tail, True),
-        ("bf16", "pages1"): pages(1, False),
-        ("bf16", "pages2"): pages(2, False),
-        ("bf16", "pages4"): pages(4, False),
-        ("bf16", "pages2-l2"): pages(2, True),
-        ("int8", "pages1"): pages(1, False),
-        ("int8", "pages2"): pages(2, False),
-        ("int8", "pages2-l2"): pages(2, True),
-        ("bf16", "two-pass"): lambda R, s: passes(x, s, R.gate, R.up, R.down_t, part, o, counter, tail, False),
-        ("bf16", "pipe12"): lambda R, s: passes(x, s, R.gate, R.up, R.down_t, part, o, counter, tail, True),
         ("int8", "slice"): lambda R, s: int8_slices(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
         ("int8", "const"): kernel,
         ("int8", "const-pf4"): lambda R, s: prefetched(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, 4),

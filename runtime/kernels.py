@@ -14,11 +14,12 @@ accumulates its neurons' `h_j * down_t[j]` into its own row of `part`; then ever
 those rows. Which thread sums which neuron varies from call to call, so results vary in the last float32 bits. The GIL
 is released, so the GPU (or another Python thread) keeps working.
 
-Four rows at once: a thread reads the gate (then up, then down) rows of four neurons in one loop (`_dot4`, `_axpy4`).
-One core alone keeps too few reads in flight over one 16 KiB row at a random place to fill its share of DRAM
-bandwidth; four rows at once read 1.35-1.41x (bf16) and 1.31-1.46x (int8) faster than one on the H100 host, 1.5-1.7x
-on the 2-core development host (bench/kernel_variants.py fused against fused-single, bench/NOTES.md). A group of four with a zero ReLU gate (a neuron marked active that is not)
-finishes each neuron alone, so inactive neurons still skip their up and down rows.
+Several rows at once: a thread reads the gate and up rows of four neurons in one loop (`_dot8`: eight rows), then
+their down rows (`_axpy4`); ungated FFNs read four up rows (`_dot4`), then four down rows. One core alone keeps too few
+reads in flight over one 16 KiB row at a random place to fill its share of DRAM bandwidth: four rows at once read
+1.35-1.41x (bf16) and 1.31-1.46x (int8) faster than one on the H100 host, and the gate and up rows in one pass
+another 7-10% (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose activation is zero (a wrong
+guess) skips its down row; under a ReLU gate it has read its up row for nothing.
 
 One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST_GATED on):
   cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act)
@@ -176,6 +177,47 @@ def _dot4(x, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one p
 
 
 @njit(nogil=True, cache=True, fastmath=True)
+def _dot8(x, r0, r1, r2, r3, r4, r5, r6, r7, c0, c1, c2, c3, c4, c5, c6, c7, group):  # eight rows' dots, one pass
+    d = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    if group == INT8_GROUP and d % INT8_GROUP == 0:
+        for i in range(c0.shape[0]):
+            lo = i * INT8_GROUP
+            p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
+            for k in range(INT8_GROUP):
+                xk = x[lo + k]
+                p0 += xk * _widen(r0[lo + k])
+                p1 += xk * _widen(r1[lo + k])
+                p2 += xk * _widen(r2[lo + k])
+                p3 += xk * _widen(r3[lo + k])
+                p4 += xk * _widen(r4[lo + k])
+                p5 += xk * _widen(r5[lo + k])
+                p6 += xk * _widen(r6[lo + k])
+                p7 += xk * _widen(r7[lo + k])
+            s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
+            s4, s5, s6, s7 = s4 + c4[i] * p4, s5 + c5[i] * p5, s6 + c6[i] * p6, s7 + c7[i] * p7
+        return s0, s1, s2, s3, s4, s5, s6, s7
+    for i in range(c0.shape[0]):
+        lo, hi = i * group, min(i * group + group, d)
+        xs, a0, a1, a2, a3 = x[lo:hi], r0[lo:hi], r1[lo:hi], r2[lo:hi], r3[lo:hi]
+        a4, a5, a6, a7 = r4[lo:hi], r5[lo:hi], r6[lo:hi], r7[lo:hi]
+        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
+        for k in range(xs.shape[0]):
+            xk = xs[k]
+            p0 += xk * _widen(a0[k])
+            p1 += xk * _widen(a1[k])
+            p2 += xk * _widen(a2[k])
+            p3 += xk * _widen(a3[k])
+            p4 += xk * _widen(a4[k])
+            p5 += xk * _widen(a5[k])
+            p6 += xk * _widen(a6[k])
+            p7 += xk * _widen(a7[k])
+        s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
+        s4, s5, s6, s7 = s4 + c4[i] * p4, s5 + c5[i] * p5, s6 + c6[i] * p6, s7 + c7[i] * p7
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@njit(nogil=True, cache=True, fastmath=True)
 def _axpy4(h0, h1, h2, h3, r0, r1, r2, r3, c0, c1, c2, c3, group, acc):  # acc += four rows x h in one pass
     d = acc.shape[0]
     if group == INT8_GROUP and d % INT8_GROUP == 0:
@@ -251,26 +293,38 @@ def _gated_value(act, g, u):
 def _gated_rest(x, j, g, up, down_t, scale, group, acc, act):  # neuron j of a gated FFN, its gate value g known
     if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
         return
-    h = _gated_value(act, g, _dot(x, up[j], scale[1, j], group))
+    _down1(_gated_value(act, g, _dot(x, up[j], scale[1, j], group)), j, down_t, scale, group, acc)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _down1(h, j, down_t, scale, group, acc):
     if h != 0:
         _axpy(h, down_t[j], scale[2, j], group, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
-    g0, g1, g2, g3 = _dot4(x, gate[j0], gate[j1], gate[j2], gate[j3], scale[0, j0], scale[0, j1], scale[0, j2],
-                           scale[0, j3], group)
-    if act <= 3 and (g0 <= 0 or g1 <= 0 or g2 <= 0 or g3 <= 0):  # a zero gate (a wrong guess): each on its own
-        _gated_rest(x, j0, g0, up, down_t, scale, group, acc, act)
-        _gated_rest(x, j1, g1, up, down_t, scale, group, acc, act)
-        _gated_rest(x, j2, g2, up, down_t, scale, group, acc, act)
-        _gated_rest(x, j3, g3, up, down_t, scale, group, acc, act)
+def _down4(h0, h1, h2, h3, j0, j1, j2, j3, down_t, scale, group, acc):  # acc += four neurons' down rows x h
+    if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
+        _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
+               scale[2, j2], scale[2, j3], group, acc)
         return
-    u0, u1, u2, u3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
-                           scale[1, j3], group)
-    _axpy4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
-           _gated_value(act, g3, u3), down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
-           scale[2, j2], scale[2, j3], group, acc)
+    _down1(h0, j0, down_t, scale, group, acc)  # an inactive neuron (a wrong guess): each on its own, skipping its
+    _down1(h1, j1, down_t, scale, group, acc)  # down row
+    _down1(h2, j2, down_t, scale, group, acc)
+    _down1(h3, j3, down_t, scale, group, acc)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
+    """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: on the H100 host
+    7-10% faster from DRAM than gate, up and down in three passes of four rows (bench/kernel_variants.py two-pass,
+    bench/NOTES.md). A neuron marked active whose ReLU gate is zero (a wrong guess) has read its up row for nothing
+    (one row more than reading the gates first: worth it above a predictor precision of ~0.8)."""
+    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3],
+                                           scale[0, j0], scale[0, j1], scale[0, j2], scale[0, j3], scale[1, j0],
+                                           scale[1, j1], scale[1, j2], scale[1, j3], group)
+    _down4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
+           _gated_value(act, g3, u3), j0, j1, j2, j3, down_t, scale, group, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -279,25 +333,11 @@ def _ungated_value(a, act):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _ungated_rest(h, j, down_t, scale, group, acc):
-    if h != 0:
-        _axpy(h, down_t[j], scale[2, j], group, acc)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
 def _ungated4(x, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
     a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2], scale[1, j3],
                            group)
-    h0, h1 = _ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act)
-    h2, h3 = _ungated_value(a2 + b_up[j2], act), _ungated_value(a3 + b_up[j3], act)
-    if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
-        _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], scale[2, j0], scale[2, j1],
-               scale[2, j2], scale[2, j3], group, acc)
-        return
-    _ungated_rest(h0, j0, down_t, scale, group, acc)  # an inactive neuron (a wrong guess): each on its own, skipping
-    _ungated_rest(h1, j1, down_t, scale, group, acc)  # its down row
-    _ungated_rest(h2, j2, down_t, scale, group, acc)
-    _ungated_rest(h3, j3, down_t, scale, group, acc)
+    _down4(_ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act), _ungated_value(a2 + b_up[j2], act),
+           _ungated_value(a3 + b_up[j3], act), j0, j1, j2, j3, down_t, scale, group, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -334,8 +374,8 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
                 if gated:
                     _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
                 else:
-                    _ungated_rest(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
-                                  scale, group, acc)
+                    _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
+                           group, acc)
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
