@@ -93,29 +93,9 @@ G = K.INT8_GROUP
 
 @njit(nogil=True, fastmath=True)
 def _dot8_int8(x, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), read at once
-    r0, r1, r2, r3, r4, r5, r6, r7 = m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]]
-    s[:] = 0.0
-    for i in range(x.shape[0] // G):
-        lo = i * G
-        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
-        for k in range(G):
-            xk = x[lo + k]
-            p0 += xk * np.float32(r0[lo + k])
-            p1 += xk * np.float32(r1[lo + k])
-            p2 += xk * np.float32(r2[lo + k])
-            p3 += xk * np.float32(r3[lo + k])
-            p4 += xk * np.float32(r4[lo + k])
-            p5 += xk * np.float32(r5[lo + k])
-            p6 += xk * np.float32(r6[lo + k])
-            p7 += xk * np.float32(r7[lo + k])
-        s[0] += scale[j[0], i] * p0
-        s[1] += scale[j[1], i] * p1
-        s[2] += scale[j[2], i] * p2
-        s[3] += scale[j[3], i] * p3
-        s[4] += scale[j[4], i] * p4
-        s[5] += scale[j[5], i] * p5
-        s[6] += scale[j[6], i] * p6
-        s[7] += scale[j[7], i] * p7
+    s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7] = K._dot8(
+        x, m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]], scale[j[0]], scale[j[1]],
+        scale[j[2]], scale[j[3]], scale[j[4]], scale[j[5]], scale[j[6]], scale[j[7]], G)
 
 
 @njit(nogil=True, fastmath=True)
@@ -347,7 +327,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         return lambda R, s: dynamic(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o, counter, chunk, width,
                                     tail, st)
 
-    tail = 8 * len(stamps)  # the kernel's: TAIL per thread
+    tail = K.TAIL * len(stamps)  # the kernel's
 
     variants = {
         ("bf16", "scratch"): lambda R, s: bf16_scratch(x, s, R.gate, R.up, R.down_t, part, o),

@@ -18,7 +18,7 @@ Several rows at once: a thread reads the gate and up rows of four neurons in one
 their down rows (`_axpy4`); ungated FFNs read four up rows (`_dot4`), then four down rows. One core alone keeps too few
 reads in flight over one 16 KiB row at a random place to fill its share of DRAM bandwidth: four rows at once read
 1.35-1.41x (bf16) and 1.31-1.46x (int8) faster than one on the H100 host, and the gate and up rows in one pass
-another 7-10% (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose activation is zero (a wrong
+another 8-11% for bf16 (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose activation is zero (a wrong
 guess) skips its down row; under a ReLU gate it has read its up row for nothing.
 
 One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST_GATED on):
@@ -317,8 +317,8 @@ def _down4(h0, h1, h2, h3, j0, j1, j2, j3, down_t, scale, group, acc):  # acc +=
 @njit(nogil=True, cache=True, fastmath=True)
 def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
     """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: on the H100 host
-    7-10% faster from DRAM than gate, up and down in three passes of four rows (bench/kernel_variants.py two-pass,
-    bench/NOTES.md). A neuron marked active whose ReLU gate is zero (a wrong guess) has read its up row for nothing
+    8-11% faster from DRAM than gate, up and down in three passes of four rows (bf16 at 3.5-20% of a layer;
+    bench/results/2026-11-23-h100-kernel-dot8-ab.json, bench/NOTES.md). A neuron marked active whose ReLU gate is zero (a wrong guess) has read its up row for nothing
     (one row more than reading the gates first: worth it above a predictor precision of ~0.8)."""
     g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3],
                                            scale[0, j0], scale[0, j1], scale[0, j2], scale[0, j3], scale[1, j0],
