@@ -11,12 +11,17 @@ counter (medians over the calls, us):
   after  the last thread's end to the kernel's return (the partial rows' sum, a second parallel region, the join)
   call   scan to return
 
+--sums picks what follows the claims (kernel_variants.SUMS, timed in turn, --rounds times): `sum` (cold_ffn's: all
+threads sum a slice of d of the partial rows each), `none` (the rows left for a reader elsewhere, e.g. the GPU over
+PCIe), `nt` (each thread copies its row out of its caches with non-temporal stores, and the sum reads the copies).
+
 The kernel is kernel_variants.dynamic with its stamps, claiming as cold_ffn does (8 neurons at a time, the last 8 per
 thread 4 at a time; ReGLU, bf16 rows), so the figures are cold_ffn's as decode calls it, less the ready-flag spin and
 the marks tally. The other layers' rows are what evicts a layer's rows between its calls, as in decode (8 copies of a
 70B layer: 11 GB at 5%, against the H100 host's 300 MiB L3).
 
-Usage: python bench/cold_layer_timeline.py OUT.json [--density 0.05] [--calls 96] [--gap-us 0,160] [n d]"""
+Usage: python bench/cold_layer_timeline.py OUT.json [--density 0.05] [--calls 96] [--gap-us 0,160] [--sums sum]
+       [--rounds 1] [n d]"""
 
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 @njit(nogil=True)
 def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap,
-           tail):
+           tail, sums, spare):
     """Call c: spin `gap` ticks, then the scan of masks[c] and the kernel on window c % windows; phases[c] = the
     ticks of each phase (PHASES) and the active count."""
     windows = gate.shape[0] // n
@@ -54,7 +59,7 @@ def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, cou
         t1 = kv._cycles()
         stamps[:] = 0
         kv.dynamic(x, idx[:k], gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], scale[:, lo:lo + n], down_t.shape[1],
-                   part, out, counter, K.CHUNK, 4, tail, stamps)
+                   part, out, counter, K.CHUNK, 4, tail, stamps, sums, spare)
         t2 = kv._cycles()
         first, last, ends, work, used = t2, t0, 0.0, 0.0, 0
         for r in range(stamps.shape[0]):
@@ -70,7 +75,8 @@ def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, cou
 
 
 def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls: int = 96,
-         gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8) -> dict:
+         gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8, sums: tuple[str, ...] = ("sum",),
+         rounds: int = 1) -> dict:
     if n % 8:
         raise SystemExit(f"n {n}: give a multiple of 8 (the mask scan reads 8 entries at a time)")
     g = torch.Generator().manual_seed(0)
@@ -97,25 +103,31 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
     res = {"command": "python " + " ".join(sys.argv), "threads": threads, "n": n, "d": d, "density": density,
            "active_rows": k, "windows": windows, "calls": calls, "tsc_ticks_per_us": ticks_per_us, "runs": []}
     row_bytes = 3 * (d * 2 + 4)  # gate, up, down rows and their scales
-    for gap in gaps_us:
-        phases = np.zeros((calls, 7))
-        args = (masks, words, idx, slices, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
-                int(gap * ticks_per_us), 8 * threads)
-        _calls(*args)  # compiles, and a first pass over the windows
-        _calls(*args)
-        j = np.flatnonzero(masks[-1])  # the last call's sum against float64 (its window's rows are copies of one)
-        xd = x.astype(np.float64)
-        ref = (np.maximum(wide["gate"][j] @ xd, 0) * (wide["up"][j] @ xd)) @ wide["down_t"][j]
-        err = float(np.abs(o - ref).max() / np.abs(ref).max())
-        if err > 1e-4:
-            raise AssertionError(f"cold_layer_timeline: the timed calls' sum is off by {err:.2g} of float64's")
-        us = phases[windows:, :6] / ticks_per_us  # the first pass over the windows left out
-        med = {p: float(np.median(us[:, i])) for i, p in enumerate(PHASES)}
-        res["runs"].append({"gap_us": gap, "max_rel_err_vs_float64": err, "median_us": med, "p90_us": {p: float(np.percentile(us[:, i], 90))
-                                                                          for i, p in enumerate(PHASES)},
-                            "call_bytes_per_s": k * row_bytes / (med["call"] * 1e-6),
-                            "work_bytes_per_s": k * row_bytes / ((med["work"] + med["tail"]) * 1e-6)})
-        print({"gap_us": gap, **{p: round(v, 1) for p, v in med.items()}}, flush=True)
+    spare = np.empty((threads, d), np.float32)
+    xd = x.astype(np.float64)
+    for r in range(rounds):
+        for gap in gaps_us:
+            for mode in sums:
+                phases = np.zeros((calls, 7))
+                args = (masks, words, idx, slices, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
+                        int(gap * ticks_per_us), 8 * threads, kv.SUMS.index(mode), spare)
+                _calls(*args)  # compiles, and a first pass over the windows
+                _calls(*args)
+                j = np.flatnonzero(masks[-1])  # the last call's sum against float64 (its window's rows are copies of one)
+                ref = (np.maximum(wide["gate"][j] @ xd, 0) * (wide["up"][j] @ xd)) @ wide["down_t"][j]
+                got = part[:min(threads, k)].sum(0) if mode == "none" else o
+                err = float(np.abs(got - ref).max() / np.abs(ref).max())
+                if err > 1e-4:
+                    raise AssertionError(f"cold_layer_timeline: the timed calls' sum is off by {err:.2g} of float64's")
+                us = phases[windows:, :6] / ticks_per_us  # the first pass over the windows left out
+                med = {p: float(np.median(us[:, i])) for i, p in enumerate(PHASES)}
+                res["runs"].append({"round": r, "gap_us": gap, "sums": mode, "max_rel_err_vs_float64": err,
+                                    "median_us": med,
+                                    "p90_us": {p: float(np.percentile(us[:, i], 90)) for i, p in enumerate(PHASES)},
+                                    "call_bytes_per_s": k * row_bytes / (med["call"] * 1e-6),
+                                    "work_bytes_per_s": k * row_bytes / ((med["work"] + med["tail"]) * 1e-6)})
+                print({"round": r, "gap_us": gap, "sums": mode, **{p: round(v, 1) for p, v in med.items()}},
+                      flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     return res
@@ -127,5 +139,11 @@ if __name__ == "__main__":
     ap.add_argument("--calls", type=int, default=96)
     ap.add_argument("--gap-us", default="0,160", help="comma list: the host's spin before each call, us")
     ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--sums", default="sum", help=f"comma list of {', '.join(kv.SUMS)}")
+    ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args()
-    main(a.out, a.n, a.d, a.density, a.calls, tuple(float(v) for v in a.gap_us.split(",")), a.windows)
+    modes = tuple(a.sums.split(","))
+    if bad := [m for m in modes if m not in kv.SUMS]:
+        raise SystemExit(f"--sums {','.join(bad)}: unknown; known: {', '.join(kv.SUMS)}")
+    main(a.out, a.n, a.d, a.density, a.calls, tuple(float(v) for v in a.gap_us.split(",")), a.windows, modes,
+         a.rounds)

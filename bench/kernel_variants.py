@@ -127,6 +127,25 @@ def cycles():
     return _cycles()
 
 
+@intrinsic
+def _store_nt4(typingctx, dst, src, i):
+    """dst[i:i + 4] = src[i:i + 4] (float32) as one non-temporal 16-byte store (MOVNTPS: to memory, past the caches;
+    dst 16-byte aligned, as numpy's arrays are). LLVM does not vectorise a loop of scalar non-temporal stores."""
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(ir.FloatType(), 4)
+        d = context.make_array(sig.args[0])(context, builder, args[0])
+        s = context.make_array(sig.args[1])(context, builder, args[1])
+        v = builder.load(builder.bitcast(builder.gep(s.data, [args[2]]), vec.as_pointer()), align=4)
+        st = builder.store(v, builder.bitcast(builder.gep(d.data, [args[2]]), vec.as_pointer()), align=16)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.none(dst, src, types.int64), codegen
+
+
+SUMS = ("none", "sum", "nt")  # dynamic's `sums`: what follows the claims (see there)
+
+
 def ticks_per_us(seconds: float = 0.2) -> float:
     """The time-stamp counter's rate, against time.perf_counter over a spin of `seconds`."""
     c0, t0 = cycles(), time.perf_counter()
@@ -136,16 +155,22 @@ def ticks_per_us(seconds: float = 0.2) -> float:
 
 
 NO_STAMPS = np.zeros((0, 2), np.int64)
+NO_ROWS = np.zeros((0, 1), np.float32)
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
-def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width, tail=0, stamps=NO_STAMPS):
+def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width, tail=0, stamps=NO_STAMPS,
+            sums=1, spare=NO_ROWS):
     """Threads take `chunk` neurons at a time from a shared counter and read the rows of `width` neurons at once:
     1 (one row at a time), 4 (the runtime's _gated4) or 8 (int8 rows in groups of G only: _dot8_int8, chunk 8); a
     group with a gate <= 0, and the claim's tail, go through the one-neuron path.
 
     tail > 0: the last `tail` positions are claimed 4 at a time (the counter then counts claims), so that the threads
-    end closer together. stamps (T, 2): each thread's time-stamp counter when it starts and when its claims end."""
+    end closer together. stamps (T, 2): each thread's time-stamp counter when it starts and when its claims end.
+    sums (SUMS' index): after the claims, 0 no sum (the partial rows left in `part`, for a reader elsewhere); 1 the
+    partial rows summed by all threads, one slice of d each (cold_ffn's); 2 each thread copies its row into spare
+    (T, d) with non-temporal stores, and the sum reads spare (CLDEMOTE, the other way out of the core's caches, needs
+    inline assembly, which Numba's LLVM cannot assemble)."""
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
@@ -179,8 +204,15 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
                 _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
         if stamps.shape[0] > 0:
             stamps[t, 1] = _cycles()
-    for c in prange(T):
-        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+        if sums == 2:
+            for i in range(0, d - d % 4, 4):  # d % 4 == 0 in the bench's shapes; a rest would go by plain stores
+                _store_nt4(spare[t], acc, i)
+            for i in range(d - d % 4, d):
+                spare[t, i] = acc[i]
+    if sums > 0:
+        rows = spare if sums == 2 else part
+        for c in prange(T):
+            K._sum_rows(rows, T, out, c * d // T, (c + 1) * d // T)
 
 
 @njit(parallel=True, nogil=True, fastmath=True)

@@ -355,7 +355,8 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-torch-ops", C(vram=budget, ops="torch"), placement, P, args.tokens, args.reps),
             ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
+            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps),
+            ("hybrid-cpu-sum", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -483,7 +484,9 @@ def parse(argv=None):
                          "'hybrid-torch-ops' for hybrid with torch's kernels there instead of runtime/fused.py's, "
                          "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
                          "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
-                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
+                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life, "
+                         "'hybrid-cpu-sum' for hybrid with the CPU adding up its threads' partial sums of the cold "
+                         "rows (HybridFFN.sum_on_device off)")
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
                          "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "

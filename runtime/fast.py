@@ -9,12 +9,13 @@ GPU work is replayed from graphs over static buffers and a static KV cache:
            attention with the cache; h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold
            mask copied to the host; an event the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
-  CPU:     one Numba call (HybridFFN.cold_rows -> kernels.cold_layer): the active cold rows into a pinned host buffer
+  CPU:     one Numba call (HybridFFN.cold_rows -> kernels.cold_layer): the active cold rows' per-thread partial sums
+           into a pinned host buffer
   final:   h = last h2 + hot + cold; norm; lm_head -> logits
 
 pre[i] and hot[i] are one graph with the event recorded between them (an external event: torch.cuda.Event(
-external=True)); torch versions without external events get two graphs per layer. The cold partial sum of layer i is
-copied to the device as the first node of pre[i+1].
+external=True)); torch versions without external events get two graphs per layer. pre[i+1]'s first kernel reads layer
+i's partial sums over PCIe and adds them up (HybridFFN.cold_sum), no copy node.
 
 Launching a layer's graph costs the CPU 0.06-0.16 ms (bench/NOTES.md). So that it is not spent between a layer's
 cold part and the next layer's GPU work, the graph of layer i+1 is launched before the CPU computes layer i's cold
@@ -339,7 +340,7 @@ class StaticDecoder:
             return out.copy_(self.inner.embed_tokens(self.tok))
         f = self.ffns[i - 1]
         torch.add(self.h2[i - 1], self.hot[i - 1], out=out)
-        return out.add_(f._io["out_mapped"]) if f.n_cold else out  # float32 sum, rounded into out once
+        return out.add_(f.cold_sum()) if f.n_cold else out  # float32 sum, rounded into out once
 
     def _residual_normed(self, i: int, norm: nn.Module, out: torch.Tensor) -> torch.Tensor:
         """Layer i's input (i = layers: the final norm's) into out, and `norm` of it: the residual sum and a LLaMA-form
@@ -347,7 +348,7 @@ class StaticDecoder:
         eps = _rms_eps(norm)
         if i > 0 and eps is not None:
             f = self.ffns[i - 1]
-            return self.ops.residual_norm(self.h2[i - 1], self.hot[i - 1], f._io["out_mapped"] if f.n_cold else None,
+            return self.ops.residual_norm(self.h2[i - 1], self.hot[i - 1], f.cold_sum() if f.n_cold else None,
                                           norm.weight, eps, out)
         return _rms_norm(norm, self._residual(i, out), weighted=self.ops.weighted_rms)
 

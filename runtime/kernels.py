@@ -31,7 +31,10 @@ layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> pos
 the release flag.
 `part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
-sum_j h_j * down_t[j]. The down bias is added by the caller once.
+sum_j h_j * down_t[j]; or, with `out` of shape (0,), that sum is left in `part` as its rows' sum (the rows of threads
+that took no neurons zeroed), for the GPU to add up: it reads the 16 rows of a 70B layer over PCIe in ~13 us more than
+one, where the CPU's sum (a second parallel region, each row in another core's cache) takes ~33 us (H100 host,
+bench/results/2026-11-23-h100-cold-sum-gpu.json). The down bias is added by the caller once.
 """
 
 from __future__ import annotations
@@ -376,6 +379,9 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
                 else:
                     _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
                            group, acc)
+    if out.shape[0] == 0:  # the caller sums part's rows (the GPU, reading them over PCIe); those past T are zero
+        part[T:] = 0.0
+        return
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 

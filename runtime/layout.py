@@ -65,6 +65,10 @@ def nbytes(module: nn.Module) -> int:
 class HybridFFN(nn.Module):
     """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
 
+    # CUDA: the GPU adds up the CPU threads' partial sums of the cold rows, read over PCIe (kernels.cold_ffn; False:
+    # the CPU adds them, and the GPU reads the one row). Read when the host buffers are made (the first decode).
+    sum_on_device = True
+
     def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
                  predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16"):
         super().__init__()
@@ -140,13 +144,15 @@ class HybridFFN(nn.Module):
             pin = x.device.type == "cuda"
             host_x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) FFN input on the host
             host_m = torch.zeros(self.n_cold, dtype=torch.bool, pin_memory=pin)  # (n_cold,) cold mask on the host
-            host_out = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) CPU partial sum
-            part = np.empty((numba.get_num_threads(), self.d_model), np.float32)  # (threads, d) kernel scratch
-            x_np, m_np, out_np = host_x.numpy(), host_m.numpy(), host_out.numpy()
-            # the same three buffers as tensors on x's device (CUDA: mapped), so that kernels write x and the mask
-            # and read the CPU's sum over PCIe themselves: no copy nodes and no dtype casts around them
+            # (threads, d) the kernel's per-thread partial sums; (d,) their sum, unless the GPU adds them up itself
+            host_part = torch.zeros((numba.get_num_threads(), self.d_model), dtype=torch.float32, pin_memory=pin)
+            on_device = pin and self.sum_on_device
+            host_out = torch.empty(0 if on_device else self.d_model, dtype=torch.float32, pin_memory=pin)
+            x_np, m_np, out_np, part = host_x.numpy(), host_m.numpy(), host_out.numpy(), host_part.numpy()
+            # the same buffers as tensors on x's device (CUDA: mapped), so that kernels write x and the mask and read
+            # the CPU's sums over PCIe themselves: no copy nodes and no dtype casts around them
             mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
-                      (("x_mapped", x_np), ("m_mapped", m_np), ("out_mapped", out_np))}
+                      (("x_mapped", x_np), ("m_mapped", m_np), ("cold", part if on_device else out_np[None]))}
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
                         **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
@@ -156,6 +162,12 @@ class HybridFFN(nn.Module):
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
+
+    def cold_sum(self) -> torch.Tensor:
+        """(d,) float32 on the compute device: the CPU's cold rows' sum for the token, from the host buffers (CUDA:
+        the GPU reads them over PCIe; the threads' partial sums, added up here, where sum_on_device)."""
+        c = self._io["cold"]  # (rows, d): the threads' partial sums, or their sum
+        return c[0] if c.shape[0] == 1 else c.sum(0)
 
     def map_cold(self, device: torch.device) -> None:
         """Make the cold rows readable by `device` in place (CUDA: page-locked, mapped); mapped_rows may then be set."""
@@ -279,7 +291,7 @@ class HybridFFN(nn.Module):
         if y is None:
             y = self._device_part(x)
         if self.n_cold:
-            y = y + io["out_mapped"].to(y.dtype)  # CUDA: a kernel reads the CPU's sum over PCIe, no copy node
+            y = y + self.cold_sum().to(y.dtype)  # CUDA: kernels read the CPU's sums over PCIe, no copy node
         elif cuda:
             y = y.clone()  # a graph's static output is overwritten by the next token
         if self.timing is not None:
@@ -298,7 +310,8 @@ class HybridFFN(nn.Module):
         return y
 
     def cold_rows(self, x: torch.Tensor, flags=None, i: int = -1) -> np.ndarray:
-        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows into io["out_np"].
+        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows' sum into io["out_np"],
+        or (CUDA, sum_on_device) as the threads' partial sums into io["part"].
         Returns the active cold row indices (with the predictor: a view of a buffer that the next call overwrites).
         `flags` (fast.HostFlags) and layer `i`: first wait for the GPU's ready[i], and release flag i once the sum is
         written (the static decoder's prelaunched graphs); with the predictor both happen inside the one Numba call.

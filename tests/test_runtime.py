@@ -83,6 +83,11 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     K.ffn_rows(act, x, idx, rows, out, part)
     ref = reference(act, x, idx, rows)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    # out of shape (0,): the sum left in the partial rows, for the GPU to add up; rows of threads with no neurons
+    # (more rows than active neurons: "empty", "one") zeroed over stale values
+    part = np.full((5, d), np.nan, np.float32)
+    K.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
+    np.testing.assert_allclose(part.sum(0), ref, rtol=1e-4, atol=1e-5)
     # the torch backend (hot neurons) against the same reference, on the same weights
     w = rows.float32()
     t = lambda name: None if w[name] is None else w[name][idx].double()  # noqa: E731
