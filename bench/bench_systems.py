@@ -46,7 +46,7 @@ def split_cold(rt) -> None:
     """Each layer's CPU part as it ran before kernels.cold_layer (commit 53c5b17), for an A/B in rounds: the host waits
     for the layer's CUDA event, then Python runs the mask -> indices and the kernel as two Numba calls and releases
     the flag. For the bench's configuration: predictor masks, cold rows in every layer, CUDA."""
-    from powerinfer.runtime.kernels import ffn_rows, mask_indices_sliced
+    from powerinfer.runtime.kernels import bit_indices, ffn_rows
 
     fast = rt.fast
     for f in rt.ffns:
@@ -55,7 +55,7 @@ def split_cold(rt) -> None:
             if flags is not None:
                 fast._graphs[i][1].synchronize()  # recorded after the ready signal, which has landed then
                 flags.ready[i] = 0
-            idx = io["idx"][:mask_indices_sliced(io["m_np"], io["m_words"], io["idx"], io["slices"])]
+            idx = io["idx"][:bit_indices(io["m_words"], f.n_cold, io["idx"])]
             f.counts[0] += 1
             f.cold_marks += (1, len(idx))
             idx = idx[f.mapped_rows:]

@@ -1,10 +1,10 @@
 """Where one decode layer's CPU part spends its time, with no Python between the calls: a compiled loop runs what
-kernels.cold_layer runs (the cold mask -> positions over one slice of the mask per thread, then the kernel over those
-rows) on `windows` copies of a LLaMA-2-70B-shaped layer taken in turn, a new mask each call, the host spinning
-`--gap-us` before each call as it waits for the GPU's `pre` in decode. Each phase is read from the CPU's time-stamp
-counter (medians over the calls, us):
+kernels.cold_layer runs (the packed cold mask -> positions, serially, then the kernel over those rows) on `windows`
+copies of a LLaMA-2-70B-shaped layer taken in turn, a new mask each call, the host spinning `--gap-us` before each
+call as it waits for the GPU's `pre` in decode. Each phase is read from the CPU's time-stamp counter (medians over
+the calls, us):
 
-  scan   the mask -> positions (kernels.mask_indices_sliced, one parallel region)
+  scan   the packed mask -> positions (kernels.bit_indices, serial)
   fork   the scan's end to the first kernel thread's start
   work   a thread's claims, mean over the threads
   tail   the last thread's end after the mean end
@@ -44,18 +44,17 @@ PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 
 @njit(nogil=True)
-def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap,
-           tail, sums, spare):
-    """Call c: spin `gap` ticks, then the scan of masks[c] and the kernel on window c % windows; phases[c] = the
-    ticks of each phase (PHASES) and the active count."""
+def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap, tail, sums, spare):
+    """Call c: spin `gap` ticks, then the scan of words[c] (a packed mask of n) and the kernel on window
+    c % windows; phases[c] = the ticks of each phase (PHASES) and the active count."""
     windows = gate.shape[0] // n
-    for c in range(masks.shape[0]):
+    for c in range(words.shape[0]):
         t = kv._cycles()
         while kv._cycles() - t < gap:
             pass
         lo = (c % windows) * n
         t0 = kv._cycles()
-        k = K.mask_indices_sliced(masks[c], words[c], idx, slices)
+        k = K.bit_indices(words[c], n, idx)
         t1 = kv._cycles()
         stamps[:] = 0
         kv.dynamic(x, idx[:k], gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], scale[:, lo:lo + n], down_t.shape[1],
@@ -77,8 +76,6 @@ def _calls(masks, words, idx, slices, x, gate, up, down_t, scale, part, out, cou
 def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls: int = 96,
          gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8, sums: tuple[str, ...] = ("sum",),
          rounds: int = 1) -> dict:
-    if n % 8:
-        raise SystemExit(f"n {n}: give a multiple of 8 (the mask scan reads 8 entries at a time)")
     g = torch.Generator().manual_seed(0)
     w = lambda: torch.randn(n, d, generator=g) * 0.02  # noqa: E731
     one = ColdRows.from_weights(w(), w(), None, w(), "bf16")
@@ -95,8 +92,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
     masks = np.zeros((calls, n), np.bool_)
     for c in range(calls):
         masks[c, rng.choice(positive, k, replace=False)] = True
-    words = masks.view(np.uint64)  # (calls, n / 8)
-    idx, slices = np.empty(n, np.int64), np.empty(threads, np.int64)
+    words = np.stack([K.pack_mask(m) for m in masks]).view(np.uint64)  # (calls, ceil(n / 64)) as the GPU writes them
+    idx = np.empty(n, np.int64)
     part, o = np.empty((threads, d), np.float32), np.empty(d, np.float32)
     counter, stamps = np.zeros(1, np.int64), np.zeros((threads, 2), np.int64)
     ticks_per_us = kv.ticks_per_us()
@@ -109,7 +106,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
         for gap in gaps_us:
             for mode in sums:
                 phases = np.zeros((calls, 7))
-                args = (masks, words, idx, slices, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
+                args = (words, idx, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
                         int(gap * ticks_per_us), 8 * threads, kv.SUMS.index(mode), spare)
                 _calls(*args)  # compiles, and a first pass over the windows
                 _calls(*args)

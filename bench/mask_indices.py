@@ -1,9 +1,10 @@
-"""The cold mask -> active indices step of HybridFFN.cold_rows, alone: np.flatnonzero against kernels.mask_indices,
-on a plain numpy mask and on a pinned one (as decode's, which the GPU writes), with Numba's OpenMP threads spinning
-(a parallel call just before, as in decode) or asleep; mask_indices serial and with the words in slices, one per
-thread (mask_indices_sliced, the runtime's on CUDA). In decode on the H100 host np.flatnonzero took ~70 us a layer, the same on a
-second call over the same (cached) mask; the serial mask_indices ~40 (bench_timeline's
-decode_mask_indices_ms_per_step, before the scan moved into kernels.cold_layer).
+"""The cold mask -> active indices step of HybridFFN.cold_rows, alone: np.flatnonzero over a bool mask against
+kernels.bit_indices over the same mask packed as bits (the host mask the GPU writes: one bit a cold neuron, a serial
+count-trailing-zeros scan), each on a plain numpy buffer and on a pinned one (as decode's, which the GPU writes), with
+Numba's OpenMP threads spinning (a parallel call just before, as in decode) or asleep. In decode on the H100 host
+np.flatnonzero took ~70 us a layer, the same on a second call over the same (cached) mask; the byte-mask scans that
+bit_indices replaced: serial (kernels.mask_indices, eight entries a test) ~40, one slice of the mask per thread
+(mask_indices_sliced, a parallel region) 13-16 (bench_timeline, bench/NOTES.md).
 
 Usage: python bench/mask_indices.py OUT.json [--n 27200] [--density 0.06]"""
 
@@ -24,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from powerinfer.runtime.kernels import mask_indices, mask_indices_sliced, mask_words  # noqa: E402
+from powerinfer.runtime.kernels import bit_indices, pack_mask  # noqa: E402
 
 
 @njit(parallel=True, nogil=True)
@@ -36,22 +37,25 @@ def _touch(a):  # a parallel region, after which the OpenMP threads spin (ACTIVE
 def main(out: Path, n: int, density: float, reps: int = 200) -> dict:
     rng = np.random.default_rng(0)
     pin = torch.cuda.is_available()
-    plain = rng.random(n) < density
-    pinned = torch.from_numpy(plain.copy()).pin_memory() if pin else torch.from_numpy(plain.copy())
-    masks = {"plain": plain, "pinned" if pin else "plain-again": pinned.numpy()}
+    plain = rng.random(n) < density  # (n,) bool
+    bits = pack_mask(plain)  # (ceil(n / 64) * 8,) uint8, as the GPU writes the host mask
+
+    def buffers(a: np.ndarray) -> dict[str, np.ndarray]:  # a plain copy and a pinned one (CUDA; else another plain)
+        t = torch.from_numpy(a.copy())
+        return {"plain": a, "pinned" if pin else "plain-again": (t.pin_memory() if pin else t).numpy()}
+
+    masks, packed = buffers(plain), buffers(bits)
     idx = np.empty(n, np.int64)
     scratch = np.zeros(64, np.float64)
     _touch(scratch)
-    slices = np.empty(numba.get_num_threads(), np.int64)
-    ways = {"np.flatnonzero": lambda m, w: np.flatnonzero(m),
-            "mask_indices": lambda m, w: mask_indices(m, w, idx),
-            "mask_indices_sliced": lambda m, w: mask_indices_sliced(m, w, idx, slices)}  # the runtime's on CUDA
+    ways = {"np.flatnonzero": lambda m, b: np.flatnonzero(m),
+            "bit_indices": lambda m, b: bit_indices(b, n, idx)}  # the runtime's (kernels.cold_layer)
     res = {"command": "python " + " ".join(sys.argv), "cores": os.cpu_count(), "n": n, "density": density,
-           "numpy": np.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "us": {}}
+           "threads": numba.get_num_threads(), "numpy": np.__version__,
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "us": {}}
     for mname, m in masks.items():
-        w = mask_words(m)
-        assert np.array_equal(idx[:mask_indices(m, w, idx)], np.flatnonzero(m))
-        assert np.array_equal(idx[:mask_indices_sliced(m, w, idx, slices)], np.flatnonzero(m))
+        w = packed[mname].view(np.uint64)  # (ceil(n / 64),) bit_indices' words
+        assert np.array_equal(idx[:bit_indices(w, n, idx)], np.flatnonzero(m))
         for wname, fn in ways.items():
             for threads in ("spinning", "asleep"):
                 us = []

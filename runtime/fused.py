@@ -11,7 +11,7 @@ points), so that a step through them gives the plain step's outputs up to the or
                  the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
                  the whole static cache behind a mask
   predict        the predictor's two GEMVs, its ReLU and its decision, counted into the firings and written into the
-                 cold masks on the device and the host (layout.predict): 2 kernels, not 8
+                 cold masks on the device (bytes) and the host (bits) (layout.predict): 2 kernels, not 8
   linear         one token's GEMV (+ bias), rounded once as cuBLAS rounds: the q/k/v projection, the LM head
   add_linear     the same added into the residual, as addmm_ (o_proj)
 
@@ -220,8 +220,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mho
     """Program p: rows [p * BLOCK_R, ...) of w (rows, cols) times x (cols,), summed in float32 (+ b), rounded to w's
     dtype once, as nn.Linear rounds. ADD: out += it, rounded once as torch's addmm_ rounds (with b: the linear's
     output rounded first, as out.add_(linear(x)) rounds). RELU: its relu. DECIDE: no output; fired += it >= threshold
-    (rounded to the same dtype, as Predictor.mask compares), and rows under n_cold their decision into the masks
-    (DEV, HOST); else it into out."""
+    (rounded to the same dtype, as Predictor.mask compares), and rows under n_cold their decision into the masks:
+    DEV a byte a row, HOST a bit a row (bit b of byte i = row 8 i + b; BLOCK_R a multiple of 8, so that a program
+    owns whole bytes); else it into out."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < rows
     k = tl.arange(0, BLOCK_K)
@@ -249,8 +250,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mho
         mc = r < n_cold
         if DEV:
             tl.store(mdev_ptr + r, fire.to(tl.int8), mask=mc)
-        if HOST:
-            tl.store(mhost_ptr + r, fire.to(tl.int8), mask=mc)
+        if HOST:  # the rows' bits, 8 to a byte; rows at n_cold and past (hot neurons) give 0 bits
+            bits = tl.reshape((fire & mc).to(tl.int32), (BLOCK_R // 8, 8)) << tl.arange(0, 8)[None, :]
+            i = tl.program_id(0) * (BLOCK_R // 8) + tl.arange(0, BLOCK_R // 8)  # (BLOCK_R // 8,) byte indices
+            # bytes past ceil(n_cold / 8) are not written: the host's zero padding up to whole uint64 words stays
+            tl.store(mhost_ptr + i, tl.sum(bits, axis=1).to(tl.uint8), mask=8 * i < n_cold)
     else:
         tl.store(out_ptr + r, y.to(out_ptr.dtype.element_ty), mask=rm)
 
@@ -265,24 +269,27 @@ def gemv_config(rows: int, cols: int) -> tuple[int, int, int]:
 def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, add: bool = False,
           relu: bool = False, decide: tuple | None = None, config: tuple[int, int, int] | None = None) -> None:
     """_gemv_kernel's launch: x (cols,) or (1, .., cols), w (rows, cols), out (rows,) or any of rows elements.
-    decide: (threshold, fired, m_dev, m_host). config: (BLOCK_R, BLOCK_K, num_warps), else gemv_config's (the sweep
-    in bench/gemv_sweep.py gives others)."""
+    decide: (threshold, fired, m_dev, m_host, n_cold): m_dev (n_cold,) bool, m_host (>= ceil(n_cold / 8),) uint8
+    bits. config: (BLOCK_R, BLOCK_K, num_warps), else gemv_config's (the sweep in bench/gemv_sweep.py gives others);
+    with m_host, BLOCK_R below 8 is raised to 8 (BLOCK_K lowered as much: the same tile)."""
     rows, cols = w.shape
     if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()) or x.numel() != cols or \
             out.numel() != rows:
         raise ValueError(f"a GEMV of one token: expected contiguous x of {cols} and out of {rows} elements, got "
                          f"{tuple(x.shape)} and {tuple(out.shape)}")
     br, bk, nw = config or gemv_config(rows, cols)
-    thr, fired, m_dev, m_host = decide or (out, out, None, None)
-    n_cold = next((m.numel() for m in (m_dev, m_host) if m is not None), 0)
+    thr, fired, m_dev, m_host, n_cold = decide or (out, out, None, None, 0)
+    if m_host is not None and br < 8:  # the host mask's bits: each program writes whole bytes
+        br, bk = 8, max(16, bk * br // 8)
 
-    def as_bytes(t: torch.Tensor | None) -> torch.Tensor:  # an absent mask: any pointer, never written (DEV, HOST)
-        return fired if t is None else t.view(torch.int8)
+    def as_bytes(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # absent: any pointer, never written
+        return fired if t is None else t.view(dtype)
 
-    _gemv_kernel[(triton.cdiv(rows, br),)](x, w, w if b is None else b, out, thr, fired, as_bytes(m_dev),
-                                           as_bytes(m_host), rows, cols, n_cold, BIAS=b is not None, ADD=add,
-                                           RELU=relu, DECIDE=decide is not None, DEV=m_dev is not None,
-                                           HOST=m_host is not None, BLOCK_R=br, BLOCK_K=bk, num_warps=nw)
+    _gemv_kernel[(triton.cdiv(rows, br),)](x, w, w if b is None else b, out, thr, fired,
+                                           as_bytes(m_dev, torch.int8), as_bytes(m_host, torch.uint8), rows, cols,
+                                           n_cold, BIAS=b is not None, ADD=add, RELU=relu, DECIDE=decide is not None,
+                                           DEV=m_dev is not None, HOST=m_host is not None, BLOCK_R=br, BLOCK_K=bk,
+                                           num_warps=nw)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -298,9 +305,9 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 
 def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
-            m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
-    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the bool masks written as bytes
-    of 0 and 1)."""
+            m_dev: torch.Tensor | None, m_host: torch.Tensor | None, n_cold: int) -> None:
+    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the device's bool mask written
+    as bytes of 0 and 1, the host's as bits)."""
     h = x.new_empty(fc1.shape[0])  # (hidden,)
     _gemv(x, fc1, None, h, relu=True)
-    _gemv(h, fc2, None, fired, decide=(threshold, fired, m_dev, m_host))
+    _gemv(h, fc2, None, fired, decide=(threshold, fired, m_dev, m_host, n_cold))

@@ -27,8 +27,10 @@ One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST
     reglu, drelu, swiglu, geglu (gated):  h = act(gate_j . x) * up_j . x   (drelu: relu(gate_j . x) * relu(up_j . x))
 `gate` stands in for itself in ungated FFNs (any array of up's type: never read); `b_up` is read only by ungated ones.
 `scale` (3, n, groups) float32 and `group` (weights per scale) come from ColdRows. `cold_layer` runs one decode
-layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> positions (mask_indices), the kernel,
-the release flag.
+layer's CPU part in one call: the wait for the GPU's ready flag, the mask -> positions, the kernel, the release flag.
+The cold mask reaches the host packed, one bit a cold neuron (bit b of byte i = neuron 8 i + b, zero padded to whole
+uint64 words: `mask_bytes`, `pack_mask`), and `bit_indices` turns it into the ascending active positions serially,
+one count-trailing-zeros per set bit.
 `part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]; or, with `out` of shape (0,), that sum is left in `part` as its rows' sum (the rows of threads
@@ -108,6 +110,18 @@ def _store_release(typingctx, flags, i, v):
         return context.get_dummy_value()
 
     return types.none(flags, types.int64, types.int32), codegen
+
+
+@intrinsic
+def _ctz(typingctx, v):
+    """The index of the lowest set bit of a nonzero uint64 (LLVM's cttz: one tzcnt/bsf instruction)."""
+    if v != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.cttz(args[0], ir.Constant(ir.IntType(1), 1)), ir.IntType(64))
+
+    return types.int64(v), codegen
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -387,48 +401,23 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
 
 
 @njit(nogil=True, cache=True)
-def _scan_words(mask, words, lo, hi, out, k):  # words[lo:hi]'s set positions written from out[k] on; returns the new k
-    for w in range(lo, hi):
-        if words[w] != 0:
-            for i in range(8 * w, 8 * w + 8):  # branch-free: write the position, advance past it if set
-                out[k] = i
-                k += np.int64(mask[i])
+def bit_indices(words, n, out):
+    """out[:k] = the positions of the set bits of a packed mask of n entries, ascending (np.flatnonzero's of the
+    unpacked mask); returns k. words: (ceil(n / 64),) uint64, bit j of word w = entry 64 w + j (the host mask's
+    bytes, bit b of byte i = entry 8 i + b, viewed as little-endian uint64); bits at n and past are left out. out:
+    (n,) int64. Serial, one count-trailing-zeros per set bit: the GPU writes ~3 KB of bits for a 70B layer's ~25k cold
+    neurons, ~1,100 of them set; the byte mask it replaced (24 KB) took a parallel region's fork and join to scan,
+    13-16 us a layer on the H100 host."""
+    k = 0
+    for w in range(min(words.shape[0], (n + 63) // 64)):
+        b = words[w]
+        if 64 * w + 64 > n:  # the last word: only its first n - 64 w bits are entries
+            b &= (np.uint64(1) << np.uint64(n - 64 * w)) - np.uint64(1)
+        while b != 0:
+            out[k] = 64 * w + _ctz(b)
+            k += 1
+            b &= b - np.uint64(1)  # the lowest set bit cleared
     return k
-
-
-@njit(nogil=True, cache=True)
-def _scan_tail(mask, words, out, k):  # the last n % 8 entries, after the words
-    for i in range(8 * words.shape[0], mask.shape[0]):
-        out[k] = i
-        k += np.int64(mask[i])
-    return k
-
-
-@njit(nogil=True, cache=True)
-def mask_indices(mask, words, out):
-    """out[:k] = the positions of the true entries of mask (n,) bool, ascending (np.flatnonzero's); returns k. words:
-    mask[:n - n % 8] viewed as uint64, so that runs of eight false entries cost one test. out: (n,) int64.
-    np.flatnonzero took ~70 us on a 27k-neuron mask on the H100 host (9 us on the development host), per layer and
-    token; this ~40 in decode (bench/NOTES.md)."""
-    return _scan_tail(mask, words, out, _scan_words(mask, words, 0, words.shape[0], out, 0))
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def mask_indices_sliced(mask, words, out, counts):
-    """mask_indices with the words in T slices scanned at once (counts: (T,) int64 scratch): each slice's positions
-    are written from the slice's own first position on (the i-th set entry never lands past i), then moved down after
-    the earlier slices'. A parallel region more: for runs whose OpenMP threads spin between calls (CUDA)."""
-    T, W = counts.shape[0], words.shape[0]
-    for t in prange(T):
-        lo = t * W // T
-        counts[t] = _scan_words(mask, words, lo, (t + 1) * W // T, out, 8 * lo) - 8 * lo
-    k = counts[0]
-    for t in range(1, T):  # moved down: k <= the slice's start, so a forward copy is safe
-        src = 8 * (t * W // T)
-        for j in range(counts[t]):
-            out[k + j] = out[src + j]
-        k += counts[t]
-    return _scan_tail(mask, words, out, k)
 
 
 SPINS = 1 << 33  # reads of a ready flag before giving up (seconds; a layer's GPU part takes well under 1 ms)
@@ -446,25 +435,22 @@ def wait_ready(ready, i, spins):
 
 
 @njit(nogil=True, cache=True)
-def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out,
-               act, marks):
+def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out, act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
     decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
     bench/NOTES.md):
 
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
-      the marked cold positions of mask (n_cold,) bool -> idx[:k] (mask_indices, or mask_indices_sliced over the
-      (T,) `slices` scratch when it has more than one row); the first `skip` are the device's (its PCIe share);
-      out (d,) float32 = the rows' sum (cold_ffn over idx[skip:k]);
-      marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out is written first).
+      the set bits of the packed cold mask `words` (ceil(n_cold / 64),) uint64 -> idx[:k] ascending (bit_indices;
+      idx: (n_cold,) int64, its length the mask's); the first `skip` are the device's (its PCIe share);
+      out (d,) float32 = the rows' sum (cold_ffn over idx[skip:k]), or with out of shape (0,) part's rows (the
+      threads' partial sums, which the GPU adds up);
+      marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out or part is written first).
 
     Returns k, or -1 (nothing done) when no signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
-    if slices.shape[0] > 1:
-        k = mask_indices_sliced(mask, words, idx, slices)
-    else:
-        k = mask_indices(mask, words, idx)
+    k = bit_indices(words, idx.shape[0], idx)
     marks[0] += 1
     marks[1] += k
     cold_ffn(x, idx[min(skip, k):k], gate, up, b_up, down_t, scale, group, part, out, act)
@@ -476,9 +462,18 @@ def cold_layer(ready, release, i, mask, words, slices, idx, skip, x, gate, up, b
 NO_FLAGS = np.zeros(0, np.int32)  # cold_layer's ready / release when there is nothing to wait for or release
 
 
-def mask_words(mask: np.ndarray) -> np.ndarray:
-    """mask_indices' `words` view of a contiguous (n,) bool mask (its first n - n % 8 entries as uint64)."""
-    return mask[:mask.shape[0] - mask.shape[0] % 8].view(np.uint64)
+def mask_bytes(n: int) -> int:
+    """Bytes of the packed host mask of n cold neurons: whole uint64 words (bit_indices' view), the bits past n zero."""
+    return -(-n // 64) * 8
+
+
+def pack_mask(mask: np.ndarray) -> np.ndarray:
+    """(n,) bool -> (mask_bytes(n),) uint8, bit b of byte i = mask[8 i + b]: the host mask as the GPU writes it
+    (layout.predict, fused.predict), for tests and benches."""
+    out = np.zeros(mask_bytes(mask.shape[0]), np.uint8)
+    packed = np.packbits(mask, bitorder="little")  # (ceil(n / 8),)
+    out[:packed.shape[0]] = packed
+    return out
 
 
 def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", out: np.ndarray,

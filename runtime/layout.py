@@ -30,7 +30,7 @@ from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
 from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, ffn_rows_torch,
-                                        mask_words, neuron_values, wait_ready)
+                                        mask_bytes, neuron_values, wait_ready)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -143,7 +143,9 @@ class HybridFFN(nn.Module):
         if self._io is None:
             pin = x.device.type == "cuda"
             host_x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,) FFN input on the host
-            host_m = torch.zeros(self.n_cold, dtype=torch.bool, pin_memory=pin)  # (n_cold,) cold mask on the host
+            # (mask_bytes(n_cold),) the cold mask on the host as bits (bit b of byte i = cold neuron 8 i + b), zero
+            # padded to whole uint64 words; the GPU writes the first ceil(n_cold / 8) bytes, the padding stays zero
+            host_m = torch.zeros(mask_bytes(self.n_cold), dtype=torch.uint8, pin_memory=pin)
             # (threads, d) the kernel's per-thread partial sums; (d,) their sum, unless the GPU adds them up itself
             host_part = torch.zeros((numba.get_num_threads(), self.d_model), dtype=torch.float32, pin_memory=pin)
             on_device = pin and self.sum_on_device
@@ -154,11 +156,9 @@ class HybridFFN(nn.Module):
             mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
                       (("x_mapped", x_np), ("m_mapped", m_np), ("cold", part if on_device else out_np[None]))}
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
-                        **mapped, "part": part, "graphs": None, "m_words": mask_words(m_np),
+                        **mapped, "part": part, "graphs": None,
+                        "m_words": m_np.view(np.uint64),  # (ceil(n_cold / 64),) the mask's bits as bit_indices reads
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
-                        # (threads,) mask_indices_sliced's scratch; one row on CPU runs, whose OpenMP threads
-                        # sleep between parallel regions (each wakes them): one serial scan there
-                        "slices": np.empty(part.shape[0] if pin else 1, np.int64),
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
             self._fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=x.device)
         return self._io
@@ -229,7 +229,7 @@ class HybridFFN(nn.Module):
         predict_op(x.to(self.pred_fc1.dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
                    self._fired if fired is None else fired,
                    (io["m_dev"] if m_dev is None else m_dev) if self.n_cold and self.mapped_rows else None,
-                   io["m_mapped"] if self.n_cold else None)
+                   io["m_mapped"] if self.n_cold else None, self.n_cold)
 
     def _capture(self, x: torch.Tensor) -> dict[str, Any]:
         """Two CUDA graphs per layer: `pre` (predictor, cold mask and x to the host) and `hot` (the hot rows).
@@ -321,9 +321,9 @@ class HybridFFN(nn.Module):
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
         if self.mask == "predictor" and self.n_cold:
             c = self.cold
-            k = cold_layer(ready, release, i if flags is not None else -1, io["m_np"], io["m_words"], io["slices"],
-                           io["idx"], self.mapped_rows, io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t, c.scale,
-                           c.group, io["part"], io["out_np"], ACT_CODE[self.activation], self.cold_marks)
+            k = cold_layer(ready, release, i if flags is not None else -1, io["m_words"], io["idx"], self.mapped_rows,
+                           io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t, c.scale, c.group, io["part"], io["out_np"],
+                           ACT_CODE[self.activation], self.cold_marks)
             if k < 0:
                 raise self._no_signal()
             self.counts[0] += 1
@@ -396,18 +396,25 @@ def measure_pcie_rates(f: HybridFFN, rows: int = 2048, reps: int = 5) -> tuple[f
 
 
 def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
-            m_dev: torch.Tensor | None, m_host: torch.Tensor | None) -> None:
+            m_dev: torch.Tensor | None, m_host: torch.Tensor | None, n_cold: int) -> None:
     """The predictor on one token and its decision. x (d,), fc1 (hidden, d), fc2 (rows, hidden), all in the model
     dtype: logits = fc2 relu(fc1 x), each rounded to that dtype as nn.Linear rounds; a row fires where its logit >=
     threshold (float32 (1,), rounded to the logits' dtype, as Predictor.mask compares). fired (rows,) int32 += the
-    decisions; the first n_cold rows' decisions (HybridFFN orders fc2's rows cold neurons first) into m_dev and m_host
-    (n_cold,) bool, where given."""
+    decisions; the first n_cold rows' decisions (HybridFFN orders fc2's rows cold neurons first), where given, into
+    m_dev (n_cold,) bool and into m_host packed as bits, bit b of byte i = row 8 i + b (uint8, at least
+    ceil(n_cold / 8) bytes: the first ceil(n_cold / 8) written, the bits past n_cold zero, the bytes after left
+    alone; kernels.bit_indices reads them). fused.predict is its Triton twin."""
     logits = F.linear(torch.relu(F.linear(x, fc1)), fc2)  # (rows,)
     full = logits >= threshold.to(logits.dtype)  # (rows,) bool
     fired += full
-    for m in (m_dev, m_host):
-        if m is not None:
-            m.copy_(full[:m.numel()])
+    if m_dev is not None:
+        m_dev.copy_(full[:n_cold])
+    if m_host is not None:
+        nb = -(-n_cold // 8)  # bytes of bits
+        bits = F.pad(full[:n_cold].to(torch.uint8), (0, 8 * nb - n_cold)).view(nb, 8)  # (nb, 8) 0 or 1, zero padded
+        # disjoint bits: their sum is their or
+        torch.sum(bits << torch.arange(8, dtype=torch.uint8, device=bits.device), 1, dtype=torch.uint8,
+                  out=m_host[:nb])
 
 
 def warm_up(device: torch.device, fn, times: int = 2) -> None:

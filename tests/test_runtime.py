@@ -140,41 +140,84 @@ def test_kernel_claims_cover_each_position_once(threads):
         assert k - head <= K.TAIL * threads + K.CHUNK
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1003])
-def test_mask_indices_equal_flatnonzero(n):
-    """The cold mask -> active positions (kernels.mask_indices, eight entries a test, slices of the mask in parallel)
-    as np.flatnonzero gives them, at densities from none to all, a mask whose length is not a multiple of 8 included;
-    nothing written past out[:n]."""
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 128, 1003, 25001])
+def test_bit_indices_equal_flatnonzero(n):
+    """The packed cold mask -> active positions (kernels.bit_indices, one count-trailing-zeros per set bit) as
+    np.flatnonzero gives them from the bool mask, at densities from none to all, lengths that are not a multiple of
+    64 (or of 8) included; the packing as numpy's (little bit order); nothing written past out[:n]."""
     rng = np.random.default_rng(n)
-    for p in (0.0, 0.06, 0.5, 1.0):
+    for p in (0.0, 0.01, 0.06, 0.5, 0.97, 1.0):
         m = rng.random(n) < p
-        for threads in (None, 1, 3, 16):  # serial; slices of the words, more than there are words too
-            out = np.full(n + 1, -7, np.int64)
-            w = K.mask_words(m)
-            k = (K.mask_indices(m, w, out[:n]) if threads is None
-                 else K.mask_indices_sliced(m, w, out[:n], np.empty(threads, np.int64)))
-            np.testing.assert_array_equal(out[:k], np.flatnonzero(m))
-            assert out[n] == -7
+        bits = K.pack_mask(m)
+        assert bits.shape == (K.mask_bytes(n),) and K.mask_bytes(n) % 8 == 0 and 8 * K.mask_bytes(n) >= n
+        np.testing.assert_array_equal(np.unpackbits(bits, bitorder="little")[:n], m)
+        assert not np.unpackbits(bits, bitorder="little")[n:].any()  # the padding is zero
+        out = np.full(n + 1, -7, np.int64)
+        k = K.bit_indices(bits.view(np.uint64), n, out[:n])
+        np.testing.assert_array_equal(out[:k], np.flatnonzero(m))
+        assert out[n] == -7
 
 
-def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, slices: int, marks: np.ndarray,
-                ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1) -> tuple[int, np.ndarray]:
-    """kernels.cold_layer over fresh scratch (NaN-filled: its contents must not matter) -> (k, out)."""
+def test_bit_indices_leaves_out_bits_past_n():
+    """Set bits at n and past (the padding, which the GPU never writes) are not positions: every bit set."""
+    words = np.full(3, np.iinfo(np.uint64).max, np.uint64)  # 192 bits
+    for n in (0, 1, 63, 64, 65, 130, 192):
+        out = np.full(200, -7, np.int64)
+        k = K.bit_indices(words, n, out)
+        np.testing.assert_array_equal(out[:k], np.arange(n))
+        assert (out[k:] == -7).all()
+
+
+@pytest.mark.parametrize("n_cold", [0, 1, 7, 8, 63, 64, 65, 203, 1000])
+def test_predict_packs_the_host_mask_as_bits(n_cold):
+    """layout.predict (the torch ops' predictor, fused.predict's twin): the host mask's first ceil(n_cold / 8) bytes
+    are np.packbits of the first n_cold decisions (little bit order), stale bits overwritten, the bits of the hot rows
+    after them zero (here every hot row fires), the buffer's bytes after them left alone; bit_indices reads them back
+    as the decisions' positions; the device mask is the decisions; firings += the decisions."""
+    from powerinfer.runtime.layout import predict
+
+    g = torch.Generator().manual_seed(n_cold)
+    d, hidden, rows = 40, 24, n_cold + 37
+    x, fc1 = torch.randn(d, generator=g), torch.randn(hidden, d, generator=g)
+    fc2 = torch.randn(rows, hidden, generator=g)
+    fc2[n_cold:] = 0  # hot rows: logit 0, on the threshold: they fire
+    fired0 = torch.randint(0, 5, (rows,), generator=g, dtype=torch.int32)
+    fired, m_dev = fired0.clone(), torch.zeros(n_cold, dtype=torch.bool)
+    m_host = torch.full((K.mask_bytes(n_cold),), 0xA5, dtype=torch.uint8)  # stale bits, then the padding
+    predict(x, fc1, fc2, torch.zeros(1), fired, m_dev, m_host, n_cold)
+    fire = (fired - fired0).numpy()  # (rows,) the decisions
+    assert set(np.unique(fire)) <= {0, 1} and fire[n_cold:].all()
+    assert n_cold < 8 or 0 < fire[:n_cold].sum() < n_cold  # some cold rows fire, some do not
+    nb = -(-n_cold // 8)
+    np.testing.assert_array_equal(m_host[:nb].numpy(), np.packbits(fire[:n_cold].astype(bool), bitorder="little"))
+    assert bool((m_host[nb:] == 0xA5).all())
+    np.testing.assert_array_equal(m_dev.numpy(), fire[:n_cold].astype(bool))
+    bits = m_host.numpy().copy()
+    bits[nb:] = 0  # the runtime's buffer starts zeroed and only the first nb bytes are written
+    out = np.empty(n_cold, np.int64)
+    np.testing.assert_array_equal(out[:K.bit_indices(bits.view(np.uint64), n_cold, out)], np.flatnonzero(fire[:n_cold]))
+
+
+def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, marks: np.ndarray,
+                ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1,
+                bits: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    """kernels.cold_layer on the bool mask m packed (or on `bits`, its packed buffer, written elsewhere), over fresh
+    scratch (NaN-filled: its contents must not matter) -> (k, out)."""
     n, d = m.shape[0], x.shape[0]
     out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
-    k = K.cold_layer(ready, release, i, m, K.mask_words(m), np.empty(slices, np.int64), np.full(n, -1, np.int64),
-                     skip, x, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
-                     K.ACT_CODE[act], marks)
+    words = (K.pack_mask(m) if bits is None else bits).view(np.uint64)
+    k = K.cold_layer(ready, release, i, words, np.full(n, -1, np.int64), skip, x, rows.gate_arg, rows.up, rows.b_up,
+                     rows.down_t, rows.scale, rows.group, part, out, K.ACT_CODE[act], marks)
     return k, out
 
 
 @pytest.mark.parametrize("dtype", C.COLD_DTYPES)
 @pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
 def test_cold_layer_equals_float64_reference(act, dtype):
-    """One decode layer's CPU part in one Numba call (the mask -> positions, the device's first `skip` left out, the
-    kernel; serial and sliced scans) against the float64 reference over np.flatnonzero(mask)[skip:]; the tally."""
+    """One decode layer's CPU part in one Numba call (the packed mask -> positions, the device's first `skip` left
+    out, the kernel) against the float64 reference over np.flatnonzero(mask)[skip:]; the tally."""
     rng = np.random.default_rng(zlib.crc32(repr((act, dtype)).encode()))
-    d, n = 72, 203  # a mask length that is not a multiple of 8
+    d, n = 72, 203  # a mask length that is not a multiple of 8 (nor of 64)
     rows = random_rows(rng, act, d, n, dtype)
     x = rng.standard_normal(d).astype(np.float32)
     marks = np.zeros(2)
@@ -182,12 +225,10 @@ def test_cold_layer_equals_float64_reference(act, dtype):
     for p in (0.0, 0.1, 0.6):
         m = rng.random(n) < p
         for skip in (0, 5, n + 1):  # none, some, more than are marked
-            for slices in (1, 3):
-                k, out = _cold_layer(rows, act, m, x, skip, slices, marks)
-                calls += 1
-                assert k == m.sum()
-                np.testing.assert_allclose(out, reference(act, x, np.flatnonzero(m)[skip:], rows), rtol=1e-4,
-                                           atol=1e-5)
+            k, out = _cold_layer(rows, act, m, x, skip, marks)
+            calls += 1
+            assert k == m.sum()
+            np.testing.assert_allclose(out, reference(act, x, np.flatnonzero(m)[skip:], rows), rtol=1e-4, atol=1e-5)
     assert marks[0] == calls
 
 
@@ -200,18 +241,19 @@ def test_cold_layer_waits_for_the_ready_signal_then_releases():
     rng = np.random.default_rng(5)
     d, n = 64, 96
     rows = random_rows(rng, "reglu", d, n, "bf16")
-    x, m = np.zeros(d, np.float32), np.zeros(n, bool)  # what the host buffers hold before the GPU writes them
+    x, bits = np.zeros(d, np.float32), np.zeros(K.mask_bytes(n), np.uint8)  # the host buffers before the GPU writes
     x_new, m_new = rng.standard_normal(d).astype(np.float32), rng.random(n) < 0.3
     ready, release = np.zeros(3, np.int32), np.zeros(3, np.int32)
 
     def gpu() -> None:
         time.sleep(0.2)
-        x[:], m[:] = x_new, m_new
+        x[:], bits[:] = x_new, K.pack_mask(m_new)
         ready[1] = 1
 
     t = threading.Thread(target=gpu)
     t.start()
-    k, out = _cold_layer(rows, "reglu", m, x, 0, 3, np.zeros(2), ready, release, 1)  # nogil: the thread runs
+    k, out = _cold_layer(rows, "reglu", np.zeros(n, bool), x, 0, np.zeros(2), ready, release, 1,
+                         bits=bits)  # nogil: the thread runs
     t.join()
     assert k == m_new.sum() and ready.tolist() == [0, 0, 0] and release.tolist() == [0, 1, 0]
     np.testing.assert_allclose(out, reference("reglu", x_new, np.flatnonzero(m_new), rows), rtol=1e-4, atol=1e-5)
