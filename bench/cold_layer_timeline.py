@@ -35,6 +35,7 @@ import torch
 from numba import njit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_model as bm  # noqa: E402
 import kernel_variants as kv  # noqa: E402  (imports powerinfer.* from this checkout)
 
 from powerinfer.runtime import kernels as K  # noqa: E402
@@ -44,21 +45,45 @@ PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 
 @njit(nogil=True)
-def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap, tail, sums, spare):
-    """Call c: spin `gap` ticks, then the scan of words[c] (a packed mask of n) and the kernel on window
-    c % windows; phases[c] = the ticks of each phase (PHASES) and the active count."""
+def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap, tail, sums, spare,
+           skip, warm, sink, owner, own, own_n, rest):
+    """Call c: spin `gap` ticks (odd calls: reading the rows of the neurons warm[:] of window c % windows into the
+    caches meanwhile, kernels.warm_rows, until the gap is over; the even calls are their control), then the scan of words[c] (a packed mask of n) and the kernel on
+    window c % windows over the active positions past the first `skip`; phases[c] = the ticks of each phase (PHASES),
+    the active count and the warm neurons read whole. With own_n of T rows, the active positions whose owner[j] >= 0
+    (the thread that warmed them) go to that thread first (kv.dynamic's own) and the rest are claimed; the split
+    is timed in the scan."""
     windows = gate.shape[0] // n
     for c in range(words.shape[0]):
+        lo = (c % windows) * n
         t = kv._cycles()
+        warmed = 0
+        if warm.shape[0] > 0 and c % 2 == 1:  # odd calls only: the even ones are the same loop's control
+            warmed = K.warm_rows(K.NO_FLAGS, -1, warm, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], True, sink,
+                                 t + gap)
         while kv._cycles() - t < gap:
             pass
-        lo = (c % windows) * n
         t0 = kv._cycles()
         k = K.bit_indices(words[c], n, idx)
+        active = idx[min(skip, k):k]
+        if own_n.shape[0] > 0 and c % 2 == 1:
+            own_n[:] = 0
+            m = 0
+            for j in active:
+                o = owner[j]
+                if o >= 0:
+                    own[o, own_n[o]] = j
+                    own_n[o] += 1
+                else:
+                    rest[m] = j
+                    m += 1
+            active = rest[:m]
+        elif own_n.shape[0] > 0:
+            own_n[:] = 0
         t1 = kv._cycles()
         stamps[:] = 0
-        kv.dynamic(x, idx[:k], gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], scale[:, lo:lo + n], down_t.shape[1],
-                   part, out, counter, K.CHUNK, 4, tail, stamps, sums, spare)
+        kv.dynamic(x, active, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], scale[:, lo:lo + n],
+                   down_t.shape[1], part, out, counter, K.CHUNK, 4, tail, stamps, sums, spare, own, own_n)
         t2 = kv._cycles()
         first, last, ends, work, used = t2, t0, 0.0, 0.0, 0
         for r in range(stamps.shape[0]):
@@ -70,61 +95,100 @@ def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, p
         used = max(used, 1)
         phases[c, 0], phases[c, 1] = t1 - t0, first - t1
         phases[c, 2], phases[c, 3] = work / used, last - ends / used
-        phases[c, 4], phases[c, 5], phases[c, 6] = t2 - last, t2 - t0, k
+        phases[c, 4], phases[c, 5], phases[c, 6], phases[c, 7] = t2 - last, t2 - t0, k - min(skip, k), warmed
+
+
+def cold_rates(n: int, rng: np.random.Generator, hot: float = 0.085, mean: float = 0.10) -> np.ndarray:
+    """Firing rates of a layer's n cold neurons in pi_bench's model: its power law (bench_model.power_law) over
+    n / (1 - hot) neurons, the likeliest `hot` share left out (the GPU's), in a random order."""
+    p = np.sort(np.clip(bm.power_law(int(round(n / (1 - hot))), seed=0, mean=mean), *bm.P_CLIP))[::-1]
+    return rng.permutation(p[p.shape[0] - n:])
 
 
 def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls: int = 96,
          gaps_us: tuple[float, ...] = (0.0, 160.0), windows: int = 8, sums: tuple[str, ...] = ("sum",),
-         rounds: int = 1) -> dict:
+         rounds: int = 1, firing: str = "uniform", skip_share: float = 0.0, warms: tuple[int, ...] = (0,),
+         owns: tuple[bool, ...] = (False,)) -> dict:
     g = torch.Generator().manual_seed(0)
     w = lambda: torch.randn(n, d, generator=g) * 0.02  # noqa: E731
     one = ColdRows.from_weights(w(), w(), None, w(), "bf16")
     x = torch.randn(d, generator=g).numpy().astype(np.float32)
-    positive = np.flatnonzero(one.float32()["gate"].numpy() @ x > 0)  # what a predictor marks: every row is read
+    rng = np.random.default_rng(0)
+    if firing == "power":  # a layer's cold neurons in decode: what a predictor marks fires, so every row is read
+        negative = one.float32()["gate"].numpy() @ x <= 0
+        one.gate[negative] ^= np.uint16(0x8000)  # those gate rows negated (the bf16 sign bit)
+        rate = cold_rates(n, rng)
+        masks = rng.random((calls, n)) < rate  # (calls, n)
+    else:
+        positive = np.flatnonzero(one.float32()["gate"].numpy() @ x > 0)  # what a predictor marks: every row is read
+        rate = np.full(n, density)
+        k = min(len(positive), max(1, int(density * n)))
+        masks = np.zeros((calls, n), np.bool_)
+        for c in range(calls):
+            masks[c, rng.choice(positive, k, replace=False)] = True
     tile = lambda a: np.tile(a, (windows, 1))  # noqa: E731  (windows * n, d) rows
     gate, up, down_t = tile(one.gate), tile(one.up), tile(one.down_t)
     scale = np.tile(one.scale, (1, windows, 1))
     wide = {name: t.double().numpy() for name, t in one.float32().items() if t is not None}  # the float64 reference's
     del one
     threads = numba.get_num_threads()
-    k = min(len(positive), max(1, int(density * n)))
-    rng = np.random.default_rng(0)
-    masks = np.zeros((calls, n), np.bool_)
-    for c in range(calls):
-        masks[c, rng.choice(positive, k, replace=False)] = True
+    skip = int(round(skip_share * masks.sum(1).mean()))  # the device's share: the first `skip` marked of a call
+    k = int(round(masks.sum(1).mean())) - skip  # the CPU's rows per call, mean
     words = np.stack([K.pack_mask(m) for m in masks]).view(np.uint64)  # (calls, ceil(n / 64)) as the GPU writes them
     idx = np.empty(n, np.int64)
     part, o = np.empty((threads, d), np.float32), np.empty(d, np.float32)
     counter, stamps = np.zeros(1, np.int64), np.zeros((threads, 2), np.int64)
     ticks_per_us = kv.ticks_per_us()
     res = {"command": "python " + " ".join(sys.argv), "threads": threads, "n": n, "d": d, "density": density,
-           "active_rows": k, "windows": windows, "calls": calls, "tsc_ticks_per_us": ticks_per_us, "runs": []}
+           "firing": firing, "skip": skip, "active_rows": k, "windows": windows, "calls": calls,
+           "tsc_ticks_per_us": ticks_per_us, "runs": []}
     row_bytes = 3 * (d * 2 + 4)  # gate, up, down rows and their scales
-    spare = np.empty((threads, d), np.float32)
+    spare, sink = np.empty((threads, d), np.float32), np.zeros(threads, np.int64)
     xd = x.astype(np.float64)
-    j = np.flatnonzero(masks[-1])  # the last call's sum against float64 (its window's rows are copies of one)
+    j = np.flatnonzero(masks[-1])[skip:]  # the last call's sum against float64 (its window's rows are copies of one)
     ref = (np.maximum(wide["gate"][j] @ xd, 0) * (wide["up"][j] @ xd)) @ wide["down_t"][j]
     for r in range(rounds):
         for gap in gaps_us:
             for mode in sums:
-                phases = np.zeros((calls, 7))
-                args = (words, idx, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
-                        int(gap * ticks_per_us), 8 * threads, kv.SUMS.index(mode), spare)
-                _calls(*args)  # compiles, and a first pass over the windows
-                _calls(*args)
-                got = part[:min(threads, k)].sum(0) if mode == "none" else o
-                err = float(np.abs(got - ref).max() / np.abs(ref).max())
-                if err > 1e-4:
-                    raise AssertionError(f"cold_layer_timeline: the timed calls' sum is off by {err:.2g} of float64's")
-                us = phases[windows:, :6] / ticks_per_us  # the first pass over the windows left out
-                med = {p: float(np.median(us[:, i])) for i, p in enumerate(PHASES)}
-                res["runs"].append({"round": r, "gap_us": gap, "sums": mode, "max_rel_err_vs_float64": err,
-                                    "median_us": med,
-                                    "p90_us": {p: float(np.percentile(us[:, i], 90)) for i, p in enumerate(PHASES)},
-                                    "call_bytes_per_s": k * row_bytes / (med["call"] * 1e-6),
-                                    "work_bytes_per_s": k * row_bytes / ((med["work"] + med["tail"]) * 1e-6)})
-                print({"round": r, "gap_us": gap, "sums": mode, **{p: round(v, 1) for p, v in med.items()}},
-                      flush=True)
+                for n_warm, owned in ((w_, o_) for w_ in warms for o_ in owns if w_ > 0 or not o_):
+                    warm = K.warm_set(rate, skip, n_warm)
+                    owner = np.full(n, -1, np.int64)
+                    owner[warm] = np.arange(warm.shape[0]) // 2 % threads  # warm_rows: pair p on thread p % T
+                    own = np.empty((threads, max(1, -(-warm.shape[0] // (2 * threads)) * 2)), np.int64)
+                    own_n = np.zeros(threads if owned else 0, np.int64)
+                    phases = np.zeros((calls, 8))
+                    args = (words, idx, x, gate, up, down_t, scale, part, o, counter, stamps, phases, n,
+                            int(gap * ticks_per_us), 8 * threads, kv.SUMS.index(mode), spare, skip, warm, sink,
+                            owner, own, own_n, np.empty(n, np.int64))
+                    _calls(*args)  # compiles, and a first pass over the windows
+                    _calls(*args)
+                    got = part[:min(threads, len(j))].sum(0) if mode == "none" else o
+                    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+                    if err > 1e-4:
+                        raise AssertionError(f"cold_layer_timeline: the timed calls' sum is off by {err:.2g} of "
+                                             f"float64's")
+                    us = phases[windows:, :6] / ticks_per_us  # the first pass over the windows left out
+                    rows = float(phases[windows:, 6].mean())
+                    med = {p: float(np.median(us[:, i])) for i, p in enumerate(PHASES)}
+                    run = {"round": r, "gap_us": gap, "sums": mode, "warm": n_warm, "owned": owned,
+                           "rows_mean": rows, "max_rel_err_vs_float64": err, "median_us": med,
+                           "mean_call_us": float(us[:, 5].mean()),
+                           "p90_us": {p: float(np.percentile(us[:, i], 90)) for i, p in enumerate(PHASES)},
+                           "call_bytes_per_s": rows * row_bytes / (us[:, 5].mean() * 1e-6),
+                           "work_bytes_per_s": k * row_bytes / ((med["work"] + med["tail"]) * 1e-6)}
+                    if n_warm:  # odd calls warmed, even ones not, in the same loop: their medians and ratio
+                        odd = np.arange(windows, calls) % 2 == 1
+                        run.update({"warm_read_median": float(np.median(phases[windows:, 7][odd])),
+                                    "warm_rows_active_mean": float(np.mean([masks[c, warm].sum() for c in
+                                                                             range(windows + 1, calls, 2)])),
+                                    "warmed_call_us_median": float(np.median(us[odd, 5])),
+                                    "control_call_us_median": float(np.median(us[~odd, 5])),
+                                    "warmed_work_us_median": float(np.median(us[odd, 2])),
+                                    "control_work_us_median": float(np.median(us[~odd, 2]))})
+                        run["warmed_over_control"] = run["warmed_call_us_median"] / run["control_call_us_median"]
+                    res["runs"].append(run)
+                    print({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in run.items()
+                           if not isinstance(v, dict)}, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     return res
@@ -138,9 +202,16 @@ if __name__ == "__main__":
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--sums", default="sum", help=f"comma list of {', '.join(kv.SUMS)}")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--firing", choices=("uniform", "power"), default="uniform",
+                    help="uniform: --density of the rows each call; power: pi_bench's cold firing rates (~4%%)")
+    ap.add_argument("--skip-share", type=float, default=0.0,
+                    help="the share of a call's marked rows left to the device (the first ones), as its PCIe share")
+    ap.add_argument("--warm", default="0", help="comma list: neurons whose rows are read into the caches in the gap")
+    ap.add_argument("--own", default="0", help="comma list of 0/1: 1 = each thread computes the warm rows it read")
     a = ap.parse_args()
     modes = tuple(a.sums.split(","))
     if bad := [m for m in modes if m not in kv.SUMS]:
         raise SystemExit(f"--sums {','.join(bad)}: unknown; known: {', '.join(kv.SUMS)}")
     main(a.out, a.n, a.d, a.density, a.calls, tuple(float(v) for v in a.gap_us.split(",")), a.windows, modes,
-         a.rounds)
+         a.rounds, a.firing, a.skip_share, tuple(int(v) for v in a.warm.split(",")),
+         tuple(bool(int(v)) for v in a.own.split(",")))

@@ -111,15 +111,7 @@ def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[
                             + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
 
 
-@intrinsic
-def _cycles(typingctx):
-    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                            "llvm.readcyclecounter")
-        return builder.call(fn, [])
-
-    return types.int64(), codegen
+_cycles = K._cycles  # the time-stamp counter, an intrinsic shared with the runtime
 
 
 @njit(nogil=True)
@@ -156,11 +148,12 @@ def ticks_per_us(seconds: float = 0.2) -> float:
 
 NO_STAMPS = np.zeros((0, 2), np.int64)
 NO_ROWS = np.zeros((0, 1), np.float32)
+NO_OWN, NO_OWN_N = np.zeros((0, 1), np.int64), np.zeros(0, np.int64)
 
 
 @njit(parallel=True, nogil=True, fastmath=True)
 def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, width, tail=0, stamps=NO_STAMPS,
-            sums=1, spare=NO_ROWS):
+            sums=1, spare=NO_ROWS, own=NO_OWN, own_n=NO_OWN_N):
     """Threads take `chunk` neurons at a time from a shared counter and read the rows of `width` neurons at once:
     1 (one row at a time), 4 (the runtime's _gated4) or 8 (int8 rows in groups of G only: _dot8_int8, chunk 8); a
     group with a gate <= 0, and the claim's tail, go through the one-neuron path.
@@ -170,7 +163,9 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
     sums (SUMS' index): after the claims, 0 no sum (the partial rows left in `part`, for a reader elsewhere); 1 the
     partial rows summed by all threads, one slice of d each (cold_ffn's); 2 each thread copies its row into spare
     (T, d) with non-temporal stores, and the sum reads spare (CLDEMOTE, the other way out of the core's caches, needs
-    inline assembly, which Numba's LLVM cannot assemble)."""
+    inline assembly, which Numba's LLVM cannot assemble).
+    own (T, m) int64, own_n (T,): thread t first computes the positions own[t, :own_n[t]] (rows it read into its own
+    caches before, kernels.warm_rows), four at a time, then claims from idx."""
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
@@ -181,6 +176,14 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
         acc = part[t]
         acc[:] = 0.0
         g, u = np.empty(8, np.float32), np.empty(8, np.float32)
+        if t < own_n.shape[0]:
+            mine = own[t, :own_n[t]]
+            q = 0
+            while q + 4 <= mine.shape[0]:
+                K._gated4(x, mine[q], mine[q + 1], mine[q + 2], mine[q + 3], gate, up, down_t, scale, group, acc, REGLU)
+                q += 4
+            for r in range(q, mine.shape[0]):
+                _reglu_row(x, mine[r], gate, up, down_t, scale, group, acc)
         while True:
             if tail > 0:
                 q0, q1 = K._claim(K._fetch_add(counter, 1), k, head, chunk)
