@@ -20,8 +20,16 @@ thread 4 at a time; ReGLU, bf16 rows), so the figures are cold_ffn's as decode c
 the marks tally. The other layers' rows are what evicts a layer's rows between its calls, as in decode (8 copies of a
 70B layer: 11 GB at 5%, against the H100 host's 300 MiB L3).
 
+--firing power draws each call's mask from pi_bench's cold firing rates (its power law less the likeliest 8.5%, the
+GPU's: ~4% of the cold neurons a call) instead of --density uniformly, and --skip-share leaves the first marked rows
+of a call to the device, as the runtime's PCIe share does. --warm N1,N2 reads the rows of the N likeliest cold
+neurons past the device's usual share into the caches during the gap of every odd call (`warm_rows`, stopped by the
+gap's end), the even calls being the control in the same loop (`warmed_over_control`); --own 1 then has each
+thread compute the warm rows it read before it claims others. The read-ahead was tried in decode and reverted
+(bench/NOTES.md); this is its record.
+
 Usage: python bench/cold_layer_timeline.py OUT.json [--density 0.05] [--calls 96] [--gap-us 0,160] [--sums sum]
-       [--rounds 1] [n d]"""
+       [--rounds 1] [--firing power --skip-share 0.22 --warm 0,500 --own 0,1] [n d]"""
 
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bm  # noqa: E402
@@ -44,11 +52,56 @@ from powerinfer.runtime.cold_rows import ColdRows  # noqa: E402
 PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 
+NEVER = np.iinfo(np.int64).max  # warm_rows' deadline when only the ready flag ends it
+WARM_BLOCK = 2048  # weights of each row read between two looks at the ready flag (4 KiB of bf16)
+
+
+@njit(parallel=True, nogil=True)
+def warm_rows(ready, i, warm, gate, up, down_t, gated, sink, deadline):
+    """Read the rows of the cold neurons `warm` (positions, likeliest first) into the caches, as the host could while
+    it waits for a layer's GPU part: one load per 64-byte line of each neuron's gate (gated FFNs), up and down rows,
+    the threads taking two neurons at a time in turn, so that the likeliest are read first whenever it stops. It
+    stops at the first look (every WARM_BLOCK weights of a row) that finds ready[i] set (i >= 0) or the time-stamp
+    counter past `deadline`. sink (threads,) int64: what the loads added up (so that they are not dropped). Returns
+    the neurons read whole."""
+    T, n, d = sink.shape[0], warm.shape[0], up.shape[1]
+    line = max(1, 64 // up.itemsize)  # weights per cache line
+    read = np.zeros(T, np.int64)
+    for t in prange(T):
+        s, got = 0, 0
+        for p in range(t, (n + 1) // 2, T):
+            j0, j1 = warm[2 * p], warm[min(2 * p + 1, n - 1)]
+            stop = False
+            for b in range(0, d, WARM_BLOCK):
+                if (i >= 0 and K._load_acquire(ready, i) != 0) or kv._cycles() > deadline:
+                    stop = True
+                    break
+                for e in range(b, min(b + WARM_BLOCK, d), line):
+                    s += int(up[j0, e]) + int(down_t[j0, e]) + int(up[j1, e]) + int(down_t[j1, e])
+                    if gated:
+                        s += int(gate[j0, e]) + int(gate[j1, e])
+            if stop:
+                break
+            got += min(2, n - 2 * p)
+        sink[t] = s
+        read[t] = got
+    return read.sum()
+
+
+def warm_set(rate: np.ndarray, skip: int, n: int) -> np.ndarray:
+    """The `n` cold positions for warm_rows, likeliest first: the highest marking rates `rate` (n_cold,) (marks per
+    token), among the positions past where the device's share usually ends (it computes the first `skip` marked
+    positions of a token: those where the marks expected before them exceed 2 skip are left to the CPU)."""
+    rate = np.asarray(rate, np.float64)
+    past = np.flatnonzero(np.cumsum(rate) - rate >= 2 * skip) if skip > 0 else np.arange(rate.shape[0])
+    return past[np.argsort(-rate[past], kind="stable")[:max(0, n)]].astype(np.int64)
+
+
 @njit(nogil=True)
 def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap, tail, sums, spare,
            skip, warm, sink, owner, own, own_n, rest):
     """Call c: spin `gap` ticks (odd calls: reading the rows of the neurons warm[:] of window c % windows into the
-    caches meanwhile, kernels.warm_rows, until the gap is over; the even calls are their control), then the scan of words[c] (a packed mask of n) and the kernel on
+    caches meanwhile, warm_rows, until the gap is over; the even calls are their control), then the scan of words[c] (a packed mask of n) and the kernel on
     window c % windows over the active positions past the first `skip`; phases[c] = the ticks of each phase (PHASES),
     the active count and the warm neurons read whole. With own_n of T rows, the active positions whose owner[j] >= 0
     (the thread that warmed them) go to that thread first (kv.dynamic's own) and the rest are claimed; the split
@@ -59,7 +112,7 @@ def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, p
         t = kv._cycles()
         warmed = 0
         if warm.shape[0] > 0 and c % 2 == 1:  # odd calls only: the even ones are the same loop's control
-            warmed = K.warm_rows(K.NO_FLAGS, -1, warm, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], True, sink,
+            warmed = warm_rows(K.NO_FLAGS, -1, warm, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], True, sink,
                                  t + gap)
         while kv._cycles() - t < gap:
             pass
@@ -151,7 +204,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, density: float = 0.05, calls:
         for gap in gaps_us:
             for mode in sums:
                 for n_warm, owned in ((w_, o_) for w_ in warms for o_ in owns if w_ > 0 or not o_):
-                    warm = K.warm_set(rate, skip, n_warm)
+                    warm = warm_set(rate, skip, n_warm)
                     owner = np.full(n, -1, np.int64)
                     owner[warm] = np.arange(warm.shape[0]) // 2 % threads  # warm_rows: pair p on thread p % T
                     own = np.empty((threads, max(1, -(-warm.shape[0] // (2 * threads)) * 2)), np.int64)

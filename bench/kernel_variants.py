@@ -111,7 +111,15 @@ def _axpy8_int8(h, m, j, scale, acc):  # acc += sum over the 8 rows m[j[q]] x h[
                             + a6 * np.float32(r6[lo + k]) + a7 * np.float32(r7[lo + k]))
 
 
-_cycles = K._cycles  # the time-stamp counter, an intrinsic shared with the runtime
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
 
 
 @njit(nogil=True)
@@ -165,7 +173,7 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
     (T, d) with non-temporal stores, and the sum reads spare (CLDEMOTE, the other way out of the core's caches, needs
     inline assembly, which Numba's LLVM cannot assemble).
     own (T, m) int64, own_n (T,): thread t first computes the positions own[t, :own_n[t]] (rows it read into its own
-    caches before, kernels.warm_rows), four at a time, then claims from idx."""
+    caches before, cold_layer_timeline.warm_rows), four at a time, then claims from idx."""
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0

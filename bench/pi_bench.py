@@ -356,8 +356,7 @@ def stage_bench(args, work: Path) -> dict:
             ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
             ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-cpu-sum", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-no-warm", C(vram=budget, warm_rows_mb=0.0), placement, P, args.tokens, args.reps)]
+            ("hybrid-cpu-sum", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -487,8 +486,7 @@ def parse(argv=None):
                          "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
                          "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life, "
                          "'hybrid-cpu-sum' for hybrid with the CPU adding up its threads' partial sums of the cold "
-                         "rows (HybridFFN.sum_on_device off), "
-                         "'hybrid-no-warm' for hybrid with no cold rows read ahead in the host's waits (warm_rows_mb 0)")
+                         "rows (HybridFFN.sum_on_device off)")
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
                          "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "

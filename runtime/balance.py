@@ -156,17 +156,6 @@ def tune_mapped_rows(rt: Runtime) -> bool:
     return True
 
 
-def tune_warm_rows(rt: Runtime) -> None:
-    """Called after each decode step: each FFN's rows to read ahead (HybridFFN.choose_warm, rt.cfg.warm_rows_mb), once
-    it has seen CALIBRATION_TOKENS tokens and again whenever its mapped_rows changed. Only where the static decoder
-    signals the host (prelaunched graphs with host flags), the one place they are read."""
-    if rt.fast is None or rt.fast.flags is None or rt.cfg.warm_rows_mb <= 0:
-        return
-    for f in rt.ffns:
-        if f.warm_skip != f.mapped_rows and f.counts[0] >= CALIBRATION_TOKENS:
-            f.choose_warm(int(rt.cfg.warm_rows_mb * 2 ** 20))
-
-
 def _waits(steps: list[dict]) -> np.ndarray:
     """(steps, layers + 1) ms: each wait for `pre`, then the final graph's."""
     return np.array([s["wait_pre_ms"] + [s["final_ms"]] for s in steps])

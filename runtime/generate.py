@@ -25,7 +25,7 @@ from powerinfer import artifacts
 from powerinfer.artifacts import ArtifactError
 from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
                                text_config)
-from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows, tune_warm_rows
+from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from powerinfer.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
 from powerinfer.runtime.cold_rows import COLD_DTYPES
 from powerinfer.runtime.kernels import set_threads
@@ -60,10 +60,6 @@ class RuntimeConfig:
     # "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it imports
     # (torch's CUDA builds bring it), else torch
     ops: str = "auto"
-    # static decoder on CUDA, predictor masks: MB of each layer's likeliest cold rows that the CPU reads into its
-    # caches while it waits for the layer's attention and predictor on the GPU, stopping when the GPU signals
-    # (kernels.warm_rows; 0: off)
-    warm_rows_mb: float = 24.0
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -156,8 +152,6 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
     if cfg.ops != "auto" and cfg.ops not in OPS:
         raise ValueError(f"unknown --ops '{cfg.ops}': choose one of auto, {', '.join(OPS)}")
-    if not cfg.warm_rows_mb >= 0:
-        raise ValueError(f"warm_rows_mb {cfg.warm_rows_mb} is negative: give MB of rows to read ahead, or 0 for none")
     if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
         raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
                          f"or leave it out to measure it")
@@ -328,7 +322,6 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
             logits = out.logits[0, -1]
         steps += 1
         tune_mapped_rows(rt)
-        tune_warm_rows(rt)
         step_s.append(time.perf_counter() - t_step)
         t_step = time.perf_counter()
     _sync(rt.device)
@@ -366,7 +359,6 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
             if rt.ffns else 0.0,
-            "warm_rows_per_layer": float(np.mean([len(f.warm) for f in rt.ffns])) if rt.ffns else 0.0,
             "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
 
 

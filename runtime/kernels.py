@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 GATED = ("reglu", "drelu", "swiglu", "geglu")
@@ -111,17 +110,6 @@ def _store_release(typingctx, flags, i, v):
         return context.get_dummy_value()
 
     return types.none(flags, types.int64, types.int32), codegen
-
-
-@intrinsic
-def _cycles(typingctx):
-    """The CPU's time-stamp counter (llvm.readcyclecounter: rdtsc on x86)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                            "llvm.readcyclecounter")
-        return builder.call(fn, [])
-
-    return types.int64(), codegen
 
 
 @intrinsic
@@ -432,52 +420,6 @@ def bit_indices(words, n, out):
     return k
 
 
-NEVER = np.iinfo(np.int64).max  # warm_rows' deadline when only the ready flag ends it
-WARM_BLOCK = 2048  # weights of each row read between two looks at the ready flag (4 KiB of bf16)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def warm_rows(ready, i, warm, gate, up, down_t, gated, sink, deadline):
-    """Read the rows of the cold neurons `warm` (positions, likeliest first) into the caches while the host waits for
-    the GPU: one load per 64-byte line of each neuron's gate (gated FFNs), up and down rows, the threads taking two
-    neurons at a time in turn, so that the likeliest are read first whenever it stops. It stops at the first look
-    (every WARM_BLOCK weights of a row) that finds ready[i] set (i >= 0; left set, for wait_ready) or the time-stamp
-    counter past `deadline`. sink (threads,) int64: what the loads added up (so that they are not dropped).
-    Returns the neurons read whole."""
-    T, n, d = sink.shape[0], warm.shape[0], up.shape[1]
-    line = max(1, 64 // up.itemsize)  # weights per cache line
-    read = np.zeros(T, np.int64)
-    for t in prange(T):
-        s, got = 0, 0
-        for p in range(t, (n + 1) // 2, T):
-            j0, j1 = warm[2 * p], warm[min(2 * p + 1, n - 1)]
-            stop = False
-            for b in range(0, d, WARM_BLOCK):
-                if (i >= 0 and _load_acquire(ready, i) != 0) or _cycles() > deadline:
-                    stop = True
-                    break
-                for e in range(b, min(b + WARM_BLOCK, d), line):
-                    s += int(up[j0, e]) + int(down_t[j0, e]) + int(up[j1, e]) + int(down_t[j1, e])
-                    if gated:
-                        s += int(gate[j0, e]) + int(gate[j1, e])
-            if stop:
-                break
-            got += min(2, n - 2 * p)
-        sink[t] = s
-        read[t] = got
-    return read.sum()
-
-
-def warm_set(rate: np.ndarray, skip: int, n: int) -> np.ndarray:
-    """The `n` cold positions for warm_rows, likeliest first: the highest marking rates `rate` (n_cold,) (marks per
-    token), among the positions past where the device's share usually ends (it computes the first `skip` marked
-    positions of a token: those where the marks expected before them exceed 2 skip are left to the CPU)."""
-    rate = np.asarray(rate, np.float64)
-    past = np.flatnonzero(np.cumsum(rate) - rate >= 2 * skip) if skip > 0 else np.arange(rate.shape[0])
-    top = past[np.argsort(-rate[past], kind="stable")[:max(0, n)]]
-    return top.astype(np.int64)
-
-
 SPINS = 1 << 33  # reads of a ready flag before giving up (seconds; a layer's GPU part takes well under 1 ms)
 
 
@@ -493,15 +435,12 @@ def wait_ready(ready, i, spins):
 
 
 @njit(nogil=True, cache=True)
-def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out, act, marks,
-               warm, sink):
+def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out, act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
     decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
     bench/NOTES.md):
 
-      i >= 0: read the rows of the cold neurons `warm` into the caches until ready[i] is set (warm_rows: the host
-      has nothing else to do while the GPU runs the layer's attention and predictor; sink: its (threads,) scratch);
-      wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
+      i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
       the set bits of the packed cold mask `words` (ceil(n_cold / 64),) uint64 -> idx[:k] ascending (bit_indices;
       idx: (n_cold,) int64, its length the mask's); the first `skip` are the device's (its PCIe share);
       out (d,) float32 = the rows' sum (cold_ffn over idx[skip:k]), or with out of shape (0,) part's rows (the
@@ -509,8 +448,6 @@ def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, s
       marks += (1, k); i >= 0: release[i] = 1 (the GPU's next graph waits for it; out or part is written first).
 
     Returns k, or -1 (nothing done) when no signal came within SPINS reads."""
-    if i >= 0 and warm.shape[0] > 0:
-        warm_rows(ready, i, warm, gate, up, down_t, act >= FIRST_GATED, sink, NEVER)
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
     k = bit_indices(words, idx.shape[0], idx)
@@ -523,7 +460,6 @@ def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, s
 
 
 NO_FLAGS = np.zeros(0, np.int32)  # cold_layer's ready / release when there is nothing to wait for or release
-NO_WARM = np.zeros(0, np.int64)  # cold_layer's warm when no rows are read ahead
 
 
 def mask_bytes(n: int) -> int:

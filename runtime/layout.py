@@ -29,8 +29,8 @@ from torch import nn
 from powerinfer.models import LoadedModel
 from powerinfer.profiler.hooks import active_mask
 from powerinfer.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
-from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, NO_WARM, SPINS, cold_layer, ffn_rows,
-                                        ffn_rows_torch, mask_bytes, neuron_values, wait_ready, warm_set)
+from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, ffn_rows_torch,
+                                        mask_bytes, neuron_values, wait_ready)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -103,9 +103,6 @@ class HybridFFN(nn.Module):
         self.mapped: dict[str, Any] | None = None
         self.mapped_rows = 0
         self.cold_marks = np.zeros(2)  # decode tokens, marked cold neurons (host tally; picks mapped_rows)
-        # the cold positions whose rows the CPU reads into its caches while it waits for the layer's GPU part, the
-        # likeliest marked first (choose_warm; read only where the static decoder signals the host: kernels.cold_layer)
-        self.warm, self.warm_skip = NO_WARM, -1  # positions (m,) int64; the mapped_rows they were chosen for
         # the predictor's weights, fc2's rows in the order cold neurons, then hot ones: a token's cold masks are then
         # its first n_cold decisions, with no gather (predict)
         p = predictor
@@ -159,7 +156,7 @@ class HybridFFN(nn.Module):
             mapped = {k: host_mapped(a, a, x.device, register=False) for k, a in
                       (("x_mapped", x_np), ("m_mapped", m_np), ("cold", part if on_device else out_np[None]))}
             self._io = {"x": host_x, "x_np": x_np, "m_np": m_np, "out_np": out_np,  # the views hold the buffers alive
-                        **mapped, "part": part, "graphs": None, "sink": np.zeros(part.shape[0], np.int64),
+                        **mapped, "part": part, "graphs": None,
                         "m_words": m_np.view(np.uint64),  # (ceil(n_cold / 64),) the mask's bits as bit_indices reads
                         "idx": np.empty(self.n_cold, np.int64),  # (n_cold,) the active cold positions, first k
                         "m_dev": torch.ones(self.n_cold, dtype=torch.bool, device=x.device)}  # (n_cold,) on device
@@ -171,19 +168,6 @@ class HybridFFN(nn.Module):
         the GPU reads them over PCIe; the threads' partial sums, added up here, where sum_on_device)."""
         c = self._io["cold"]  # (rows, d): the threads' partial sums, or their sum
         return c[0] if c.shape[0] == 1 else c.sum(0)
-
-    def choose_warm(self, n_bytes: int) -> None:
-        """warm = the cold neurons the predictor marked most often per decoded token (its firing counts), up to n_bytes
-        of their rows, among those the device's share (the first mapped_rows marked) seldom reaches
-        (kernels.warm_set); nothing without a predictor or counted tokens."""
-        tokens = self.counts[0]
-        self.warm_skip = self.mapped_rows
-        if self.mask != "predictor" or not self.n_cold or self._fired is None or tokens == 0 or n_bytes <= 0:
-            self.warm = NO_WARM
-            return
-        per_neuron = self.cold.nbytes() // self.n_cold  # bytes of a neuron's rows (and scales)
-        rate = self._fired[:self.n_cold].double().cpu().numpy() / tokens  # (n_cold,) pred_fc2's order: cold first
-        self.warm = warm_set(rate, self.mapped_rows, n_bytes // per_neuron)
 
     def map_cold(self, device: torch.device) -> None:
         """Make the cold rows readable by `device` in place (CUDA: page-locked, mapped); mapped_rows may then be set."""
@@ -339,7 +323,7 @@ class HybridFFN(nn.Module):
             c = self.cold
             k = cold_layer(ready, release, i if flags is not None else -1, io["m_words"], io["idx"], self.mapped_rows,
                            io["x_np"], c.gate_arg, c.up, c.b_up, c.down_t, c.scale, c.group, io["part"], io["out_np"],
-                           ACT_CODE[self.activation], self.cold_marks, self.warm, io["sink"])
+                           ACT_CODE[self.activation], self.cold_marks)
             if k < 0:
                 raise self._no_signal()
             self.counts[0] += 1

@@ -144,6 +144,47 @@ def test_cold_layer_timeline_splits_a_call(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["calls"] == 12
 
 
+def test_cold_layer_timeline_reads_rows_ahead_in_the_gap(tmp_path):
+    """--firing power with the device's share and warm rows (shared, and computed by the thread that read them): the
+    timed sums equal float64's (the script checks), the warmed calls read the warm set whole in a long gap."""
+    import cold_layer_timeline as clt
+
+    res = clt.main(tmp_path / "w.json", n=512, d=256, calls=12, gaps_us=(2000.0,), windows=2, firing="power",
+                   skip_share=0.2, warms=(0, 40), owns=(False, True))
+    assert [(r["warm"], r["owned"]) for r in res["runs"]] == [(0, False), (40, False), (40, True)]
+    assert res["skip"] > 0 and res["active_rows"] > 0
+    for r in res["runs"][1:]:
+        assert r["warm_read_median"] == 40 and r["max_rel_err_vs_float64"] < 1e-4 and r["warmed_over_control"] > 0
+
+
+def test_warm_rows_reads_every_line_until_the_signal():
+    """cold_layer_timeline.warm_rows: one load per 64-byte line of each listed neuron's rows (gate only where gated),
+    summed into the sink; nothing once the ready flag is set or the deadline has passed."""
+    import cold_layer_timeline as clt
+
+    rng = np.random.default_rng(11)
+    d, n = 4160, 50  # rows of several WARM_BLOCKs and a short one
+    gate, up, down = (rng.integers(0, 1 << 16, (n, d)).astype(np.uint16) for _ in range(3))
+    warm = rng.permutation(n)[:20]
+    for gated in (True, False):
+        want = sum(int(a[j, ::32].astype(np.int64).sum()) for j in warm for a in [up, down] + [gate] * gated)
+        sink = np.zeros(3, np.int64)
+        assert clt.warm_rows(np.zeros(2, np.int32), 1, warm, gate, up, down, gated, sink, clt.NEVER) == 20
+        assert sink.sum() == want
+    assert clt.warm_rows(np.array([0, 1], np.int32), 1, warm, gate, up, down, True, sink, clt.NEVER) == 0
+    assert clt.warm_rows(np.zeros(0, np.int32), -1, warm, gate, up, down, True, sink, 0) == 0
+
+
+def test_warm_set_ranks_rates_past_the_device_share():
+    import cold_layer_timeline as clt
+
+    rate = np.array([0.9, 0.1, 0.8, 0.2, 0.7, 0.05, 0.6, 0.3])
+    assert clt.warm_set(rate, 0, 3).tolist() == [0, 2, 4]
+    # skip 1: the positions whose expected marks before them reach 2 (from position 4 on) are the CPU's
+    assert clt.warm_set(rate, 1, 3).tolist() == [4, 6, 7]
+    assert clt.warm_set(rate, 1, 0).tolist() == [] and clt.warm_set(rate, 0, 99).tolist() == [0, 2, 4, 6, 7, 3, 1, 5]
+
+
 def test_gpu_layers_for_budget():
     b = bm.model_bytes("llama-2-70b", 12)
     assert b["total"] == pytest.approx(21.6e9, rel=0.01)  # the issue's 21.6 GB

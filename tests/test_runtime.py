@@ -5,7 +5,6 @@ compute with identical weights; logits then agree within LOGIT_ATOL (float32 sum
 """
 
 import copy
-import dataclasses
 import zlib
 
 import numpy as np
@@ -201,15 +200,14 @@ def test_predict_packs_the_host_mask_as_bits(n_cold):
 
 def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, marks: np.ndarray,
                 ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1,
-                bits: np.ndarray | None = None, warm: np.ndarray = K.NO_WARM) -> tuple[int, np.ndarray]:
+                bits: np.ndarray | None = None) -> tuple[int, np.ndarray]:
     """kernels.cold_layer on the bool mask m packed (or on `bits`, its packed buffer, written elsewhere), over fresh
-    scratch (NaN-filled: its contents must not matter), reading the rows of `warm` ahead -> (k, out)."""
+    scratch (NaN-filled: its contents must not matter) -> (k, out)."""
     n, d = m.shape[0], x.shape[0]
     out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
     words = (K.pack_mask(m) if bits is None else bits).view(np.uint64)
     k = K.cold_layer(ready, release, i, words, np.full(n, -1, np.int64), skip, x, rows.gate_arg, rows.up, rows.b_up,
-                     rows.down_t, rows.scale, rows.group, part, out, K.ACT_CODE[act], marks, warm,
-                     np.zeros(3, np.int64))
+                     rows.down_t, rows.scale, rows.group, part, out, K.ACT_CODE[act], marks)
     return k, out
 
 
@@ -255,42 +253,13 @@ def test_cold_layer_waits_for_the_ready_signal_then_releases():
     t = threading.Thread(target=gpu)
     t.start()
     k, out = _cold_layer(rows, "reglu", np.zeros(n, bool), x, 0, np.zeros(2), ready, release, 1,
-                         bits=bits, warm=rng.permutation(n))  # nogil: the thread runs; the rows read ahead meanwhile
+                         bits=bits)  # nogil: the thread runs
     t.join()
     assert k == m_new.sum() and ready.tolist() == [0, 0, 0] and release.tolist() == [0, 1, 0]
     np.testing.assert_allclose(out, reference("reglu", x_new, np.flatnonzero(m_new), rows), rtol=1e-4, atol=1e-5)
     assert not K.wait_ready(ready, 1, 1000)  # no signal: gives up instead of hanging
     ready[2] = 1
     assert K.wait_ready(ready, 2, 1000) and ready[2] == 0
-
-
-@pytest.mark.parametrize("act,dtype", [("reglu", "bf16"), ("relu", "int8")])
-def test_warm_rows_reads_every_line_until_the_signal(act, dtype):
-    """kernels.warm_rows: one load per 64-byte line of each listed neuron's rows (gate only where gated), summed into
-    the sink; nothing once the ready flag is set or the deadline has passed."""
-    rng = np.random.default_rng(11)
-    d, n = 4160, 50  # rows of several WARM_BLOCKs and a short one
-    rows = random_rows(rng, act, d, n, dtype)
-    warm = rng.permutation(n)[:20]
-    line = 64 // rows.up.itemsize
-    mats = [rows.up, rows.down_t] + ([rows.gate] if act in K.GATED else [])
-    want = sum(int(a[j, ::line].astype(np.int64).sum()) for j in warm for a in mats)
-    sink = np.zeros(3, np.int64)
-    assert K.warm_rows(np.zeros(2, np.int32), 1, warm, rows.gate_arg, rows.up, rows.down_t, act in K.GATED, sink,
-                       K.NEVER) == 20
-    assert sink.sum() == want
-    ready = np.array([0, 1], np.int32)
-    assert K.warm_rows(ready, 1, warm, rows.gate_arg, rows.up, rows.down_t, act in K.GATED, sink, K.NEVER) == 0
-    assert ready[1] == 1  # left set for wait_ready
-    assert K.warm_rows(K.NO_FLAGS, -1, warm, rows.gate_arg, rows.up, rows.down_t, act in K.GATED, sink, 0) == 0
-
-
-def test_warm_set_ranks_rates_past_the_device_share():
-    rate = np.array([0.9, 0.1, 0.8, 0.2, 0.7, 0.05, 0.6, 0.3])
-    assert K.warm_set(rate, 0, 3).tolist() == [0, 2, 4]
-    # skip 1: the positions whose expected marks before them reach 2 (from position 4 on) are the CPU's
-    assert K.warm_set(rate, 1, 3).tolist() == [4, 6, 7]
-    assert K.warm_set(rate, 1, 0).tolist() == [] and K.warm_set(rate, 0, 99).tolist() == [0, 2, 4, 6, 7, 3, 1, 5]
 
 
 def test_row_gather_sums_every_row_once():
@@ -478,43 +447,6 @@ def test_exact_predictor_equals_hf(tiny_model_dir):
     g = check_equal(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), exact_predictors(lm))
     assert g.stats["mode"] == "hybrid" and 0.3 < g.stats["ffn_sparsity"] < 0.7
     assert 0 < g.stats["gpu_activation_share"] < 1
-
-
-def test_warm_rows_chosen_from_the_predictor_s_firings(tiny_model_dir, monkeypatch):
-    """tune_warm_rows, where the static decoder signals the host: after the calibration tokens each layer's warm rows
-    are its cold neurons the predictor marked most per token (cold positions: fc2's first n_cold rows), as many as
-    warm_rows_mb holds; chosen again when mapped_rows moves; none with warm_rows_mb 0."""
-    from types import SimpleNamespace
-
-    import powerinfer.runtime.balance as B
-
-    monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
-    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
-    rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), exact_predictors(lm))
-    ids = list(lm.tokenizer(PROMPT)["input_ids"])
-    assert generate(rt, ids, NEW).stats["warm_rows_per_layer"] == 0  # no host flags on the CPU: nothing to wait in
-    f = rt.ffns[0]
-    per_neuron = f.cold.nbytes() // f.n_cold
-    mb = (f.n_cold // 3) * per_neuron / 2 ** 20  # a third of a layer's cold rows
-    rt.cfg = dataclasses.replace(rt.cfg, warm_rows_mb=mb)
-    rt.fast.flags = SimpleNamespace()  # as where graphs signal the host
-    B.tune_warm_rows(rt)
-    for f in rt.ffns:
-        rate = f._fired[:f.n_cold].double().numpy() / f.counts[0]
-        want = min(int(mb * 2 ** 20) // per_neuron, f.n_cold)
-        assert 0 < want < f.n_cold
-        assert len(f.warm) == want and len(set(f.warm.tolist())) == want and f.warm_skip == 0
-        others = np.setdiff1d(np.arange(f.n_cold), f.warm)
-        assert rate[f.warm].min() >= rate[others].max() and np.all(np.diff(rate[f.warm]) <= 0)
-    f = rt.ffns[0]
-    rate = f._fired[:f.n_cold].double().numpy() / f.counts[0]
-    f.mapped_rows = 2
-    B.tune_warm_rows(rt)
-    assert f.warm_skip == 2 and len(f.warm) and ((np.cumsum(rate) - rate)[f.warm] >= 4).all()
-    rt.cfg = dataclasses.replace(rt.cfg, warm_rows_mb=0.0)
-    f.mapped_rows = 0
-    B.tune_warm_rows(rt)
-    assert f.warm_skip == 2  # off: nothing chosen again
 
 
 def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):

@@ -173,21 +173,6 @@ def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_d
     assert 0 <= g.stats["pcie_share"] <= 0.95 and g.stats["graph_prelaunch"]
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_cuda_cold_rows_read_ahead_equal_hf(int8, tiny_model_dir, monkeypatch):
-    """After the calibration tokens the host reads each layer's likeliest cold rows into its caches while it waits for
-    the layer's GPU part (kernels.warm_rows inside cold_layer, stopped by the ready signal): HF's tokens and logits."""
-    import powerinfer.runtime.balance as B
-
-    monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
-    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
-    if int8:
-        tiny.round_ffns_to_int8(lm)
-    cfg = RuntimeConfig(device="cuda", dtype="float32", pcie_share=0.0, cold_dtype="int8" if int8 else "bf16")
-    g = check_equal(lm, cfg, make_placement(lm, "mixed"), always_on_predictors(lm, -1e30), atol=CUDA_ATOL)
-    assert g.stats["warm_rows_per_layer"] > 0 and g.stats["graph_prelaunch"]
-
-
 def test_cuda_share_rechecks_equal_hf(tiny_model_dir, monkeypatch):
     """Re-checks of the balanced share on CUDA (one step after each series, each starting a new series: graphs
     captured again after a re-check's host clock): HF's tokens and logits."""
