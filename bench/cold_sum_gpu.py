@@ -8,13 +8,19 @@ kernel leaves them (dirty in each core's caches), then times (medians, us):
   gpu_rows     a captured graph that sums the T pinned rows and adds them to a device row (torch: a reduction kernel)
 
 So the CPU saves cpu_sum a layer and the GPU pays gpu_rows - gpu_one. Writes OUT.json.
-Usage: python bench/cold_sum_gpu.py OUT.json [--d 8192] [--reps 400]"""
+
+--cpu-load also times the two graphs (rows left clean) with the CPU idle and then with threads-1 Numba threads
+streaming DRAM (one load per 64-byte line of 2 GiB, `_stream`, from a background thread) meanwhile, and a graph that
+writes one row to the host (gpu_write_row, as `pre` ends by writing x): how much the GPU's PCIe reads and writes of
+host memory slow down while the CPU reads DRAM, as it would if it read rows ahead during `pre` (bench/NOTES.md).
+Usage: python bench/cold_sum_gpu.py OUT.json [--d 8192] [--reps 400] [--cpu-load]"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +49,47 @@ def _cpu_sum(part, out):  # kernels.cold_ffn's second region
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
-def main(out: Path, d: int = 8192, reps: int = 400) -> dict:
+@njit(parallel=True, nogil=True)
+def _stream(buf, stop, sink):  # each of buf's rows on its own thread: one load a 64-byte line, again, until stop[0]
+    for t in prange(buf.shape[0]):
+        s = 0
+        while K._load_acquire(stop, 0) == 0:
+            for e in range(0, buf.shape[1], 32):
+                s += buf[t, e]
+        sink[t] = s
+
+
+def _timed(graph, reps: int) -> list[float]:
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps):
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        out.append(1e3 * e0.elapsed_time(e1))
+    return out
+
+
+def under_load(graphs: dict, reps: int, T: int) -> dict:
+    """Median us of each graph with the CPU idle, then with T - 1 threads streaming 2 GiB of DRAM meanwhile."""
+    buf = np.ones((max(1, T - 1), (1 << 30) // max(1, T - 1)), np.uint16)  # 2 GiB, a row a thread
+    stop, sink = np.zeros(1, np.int32), np.zeros(buf.shape[0], np.int64)
+    _stream(buf[:, :64], np.ones(1, np.int32), sink)  # compiled before the timings
+    res = {"idle": {k: float(np.median(_timed(g, reps))) for k, g in graphs.items()}}
+    th = threading.Thread(target=_stream, args=(buf, stop, sink))
+    th.start()
+    time.sleep(0.2)  # the threads are streaming
+    try:
+        res["cpu_streaming"] = {k: float(np.median(_timed(g, reps))) for k, g in graphs.items()}
+    finally:
+        stop[0] = 1
+        th.join()
+    res["stream_threads"] = buf.shape[0]
+    return res
+
+
+def main(out: Path, d: int = 8192, reps: int = 400, cpu_load: bool = False) -> dict:
     dev = torch.device("cuda")
     T = numba.get_num_threads()
     part_t = torch.zeros((T, d), dtype=torch.float32, pin_memory=True)  # (T, d) partial rows, page-locked
@@ -87,6 +133,13 @@ def main(out: Path, d: int = 8192, reps: int = 400) -> dict:
            "p90_us": {k: float(np.percentile(v, 90)) for k, v in times.items()},
            "gpu_rows_rel_err_vs_float64": err,
            "saved_us_a_layer": med["cpu_sum"] - (med["gpu_rows"] - med["gpu_one"])}
+    if cpu_load:  # and a graph writing a row to the host, as `pre` ends by writing x there
+        g = torch.cuda.CUDAGraph()
+        one_m.copy_(h)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            one_m.copy_(h)
+        res["under_cpu_load_median_us"] = under_load({**graphs, "gpu_write_row": g}, reps, T)
     print(json.dumps(res, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -98,7 +151,8 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     ap.add_argument("--d", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=400)
+    ap.add_argument("--cpu-load", action="store_true", help="also time the graphs while the CPU streams DRAM")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cold_sum_gpu.py: needs CUDA (it times a GPU reading host rows)")
-    main(a.out, a.d, a.reps)
+    main(a.out, a.d, a.reps, a.cpu_load)
