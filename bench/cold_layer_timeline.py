@@ -52,18 +52,17 @@ from powerinfer.runtime.cold_rows import ColdRows  # noqa: E402
 PHASES = ("scan", "fork", "work", "tail", "after", "call")
 
 
-NEVER = np.iinfo(np.int64).max  # warm_rows' deadline when only the ready flag ends it
-WARM_BLOCK = 2048  # weights of each row read between two looks at the ready flag (4 KiB of bf16)
+WARM_BLOCK = 2048  # weights of each row read between two looks at the clock (4 KiB of bf16)
 
 
 @njit(parallel=True, nogil=True)
-def warm_rows(ready, i, warm, gate, up, down_t, gated, sink, deadline):
+def warm_rows(warm, gate, up, down_t, gated, sink, deadline):
     """Read the rows of the cold neurons `warm` (positions, likeliest first) into the caches, as the host could while
     it waits for a layer's GPU part: one load per 64-byte line of each neuron's gate (gated FFNs), up and down rows,
     the threads taking two neurons at a time in turn, so that the likeliest are read first whenever it stops. It
-    stops at the first look (every WARM_BLOCK weights of a row) that finds ready[i] set (i >= 0) or the time-stamp
-    counter past `deadline`. sink (threads,) int64: what the loads added up (so that they are not dropped). Returns
-    the neurons read whole."""
+    stops at the first look (every WARM_BLOCK weights of a row) that finds the time-stamp counter past `deadline`
+    (the end of the gap; in decode it would be the GPU's ready signal: db8df82). sink (threads,) int64: what the
+    loads added up (so that they are not dropped). Returns the neurons read whole."""
     T, n, d = sink.shape[0], warm.shape[0], up.shape[1]
     line = max(1, 64 // up.itemsize)  # weights per cache line
     read = np.zeros(T, np.int64)
@@ -73,7 +72,7 @@ def warm_rows(ready, i, warm, gate, up, down_t, gated, sink, deadline):
             j0, j1 = warm[2 * p], warm[min(2 * p + 1, n - 1)]
             stop = False
             for b in range(0, d, WARM_BLOCK):
-                if (i >= 0 and K._load_acquire(ready, i) != 0) or kv._cycles() > deadline:
+                if kv._cycles() > deadline:
                     stop = True
                     break
                 for e in range(b, min(b + WARM_BLOCK, d), line):
@@ -101,19 +100,18 @@ def warm_set(rate: np.ndarray, skip: int, n: int) -> np.ndarray:
 def _calls(words, idx, x, gate, up, down_t, scale, part, out, counter, stamps, phases, n, gap, tail, sums, spare,
            skip, warm, sink, owner, own, own_n, rest):
     """Call c: spin `gap` ticks (odd calls: reading the rows of the neurons warm[:] of window c % windows into the
-    caches meanwhile, warm_rows, until the gap is over; the even calls are their control), then the scan of words[c] (a packed mask of n) and the kernel on
-    window c % windows over the active positions past the first `skip`; phases[c] = the ticks of each phase (PHASES),
-    the active count and the warm neurons read whole. With own_n of T rows, the active positions whose owner[j] >= 0
-    (the thread that warmed them) go to that thread first (kv.dynamic's own) and the rest are claimed; the split
-    is timed in the scan."""
+    caches meanwhile, warm_rows, until the gap is over; the even calls are their control), then the scan of words[c]
+    (a packed mask of n) and the kernel on window c % windows over the active positions past the first `skip`;
+    phases[c] = the ticks of each phase (PHASES), the active count and the warm neurons read whole. With own_n of T
+    rows, the active positions whose owner[j] >= 0 (the thread that warmed them) go to that thread first (kv.dynamic's
+    own) and the rest are claimed; the split is timed in the scan."""
     windows = gate.shape[0] // n
     for c in range(words.shape[0]):
         lo = (c % windows) * n
         t = kv._cycles()
         warmed = 0
         if warm.shape[0] > 0 and c % 2 == 1:  # odd calls only: the even ones are the same loop's control
-            warmed = warm_rows(K.NO_FLAGS, -1, warm, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], True, sink,
-                                 t + gap)
+            warmed = warm_rows(warm, gate[lo:lo + n], up[lo:lo + n], down_t[lo:lo + n], True, sink, t + gap)
         while kv._cycles() - t < gap:
             pass
         t0 = kv._cycles()

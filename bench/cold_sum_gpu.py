@@ -107,7 +107,6 @@ def main(out: Path, d: int = 8192, reps: int = 400, cpu_load: bool = False) -> d
         with torch.cuda.graph(g):
             fn()
         graphs[name] = g
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times: dict[str, list[float]] = {"cpu_sum": [], "gpu_one": [], "gpu_rows": []}
     _dirty(part, np.float32(1.0))
     _cpu_sum(part, one)
@@ -119,11 +118,7 @@ def main(out: Path, d: int = 8192, reps: int = 400, cpu_load: bool = False) -> d
                 _cpu_sum(part, one)
                 times[name].append(1e6 * (time.perf_counter() - t0))
                 continue
-            e0.record()
-            graphs[name].replay()
-            e1.record()
-            e1.synchronize()
-            times[name].append(1e3 * e0.elapsed_time(e1))
+            times[name] += _timed(graphs[name], 1)
     ref = part.astype(np.float64).sum(0) + h.double().cpu().numpy()
     graphs["gpu_rows"].replay()
     err = float(np.abs(dst.double().cpu().numpy() - ref).max() / np.abs(ref).max())
