@@ -288,6 +288,41 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
                                     "LM head once"}}
 
 
+def floor_bound(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int, kernel_rows: list[dict],
+                floor_tps: float, goal: float = 0.70) -> dict:
+    """What the floor's goal asks of the cold kernel, and where a runtime with the measured one stands at best.
+
+    `bound`: the serial floor (each layer's attention and predictor before its FFN, as the layer order requires)
+    with the cold rows read at the cold kernel's own rate at its sparsest measured density (plus what PCIe adds where
+    the run used it), the GPU at the HBM ceiling and no fixed cost: each part at its best rate measured in the run.
+    Decode marks fewer rows than that density (~4% of a 70B layer's cold neurons against 5%), where the kernel is
+    slower, so the bound is generous. `kernel_share_needed`: the cold rows' read rate, as a share of the DRAM
+    ceiling, at which the serial floor alone (nothing else lost) reaches `goal` of the floor; above 1 no runtime
+    that keeps the layer order can."""
+    sparsest = min(kernel_rows, key=lambda r: r["density"])
+    dram = c["dram"]["best_bytes_per_s"]
+    bound = floor_from_hybrid(hybrid, c, shape, layers, pred_bytes, sparsest["bytes_per_s"])
+
+    def serial_at(rate: float) -> float:
+        return floor_from_hybrid(hybrid, c, shape, layers, pred_bytes, rate)["serial_tokens_per_s"]
+
+    lo, hi = 1e6, 8 * dram  # serial_at rises with the rate: bisect for goal * floor
+    if serial_at(hi) < goal * floor_tps:
+        needed = float("inf")
+    else:
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if serial_at(mid) < goal * floor_tps else (lo, mid)
+        needed = hi / dram
+    return {"kernel_density": sparsest["density"], "kernel_bytes_per_s": sparsest["bytes_per_s"],
+            "kernel_share_of_dram": sparsest["bytes_per_s"] / dram,
+            "serial_tokens_per_s": bound["serial_tokens_per_s"], "share_of_floor": bound["serial_tokens_per_s"] / floor_tps,
+            "goal": goal, "kernel_share_needed": needed,
+            "note": "serial floor with the cold rows at the cold kernel's rate at its sparsest measured density (+ what "
+                    "PCIe adds), the GPU at the HBM ceiling, no fixed costs; kernel_share_needed: the cold rows' rate "
+                    "(share of the DRAM ceiling) at which the serial floor reaches goal x the floor"}
+
+
 def add_floors(res: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> None:
     """The kernel rows' shares of the DRAM ceiling and the floors of hybrid and hybrid-int8 (res["systems"]), into res.
 
@@ -308,6 +343,10 @@ def add_floors(res: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> 
         if name in systems and "error" not in systems[name]:
             res[key] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes)
             res[key + "_dram_only"] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes, pcie=False)
+            kern = res.get("kernel" if name == "hybrid" else "kernel_int8", {}).get("rows")
+            if kern:
+                res[key + "_bound"] = floor_bound(systems[name], c, shape, layers, pred_bytes, kern,
+                                                  res[key]["tokens_per_s"])
             around = systems[name].get("dram_around_bytes_per_s")
             if around:  # the same floor with the DRAM ceiling measured around this system's timed generations
                 res[key + "_around_run"] = floor_from_hybrid(systems[name], c, shape, layers, pred_bytes,

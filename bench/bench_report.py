@@ -38,6 +38,7 @@ def goals(res: dict) -> dict:
     acc = _rate(s, "accelerate offload")
     floor_tps = (res.get("floor") or {}).get("tokens_per_s")
     serial = (res.get("floor") or {}).get("serial_tokens_per_s")
+    bound = res.get("floor_bound") or {}
     per_rep = (res.get("floor_per_rep") or {}).get("median_share")
     kern = (res.get("kernel") or {}).get("rows") or []
     pred = (res.get("predictor_time") or {}).get("ms_per_token")
@@ -79,6 +80,11 @@ def goals(res: dict) -> dict:
         "hybrid_share_of_serial_floor": _goal(ratio(hybrid, serial), 0.70, True,
                                               "context: hybrid tok/s / serial floor tok/s (the floor with each layer's "
                                               "attention and predictor before its FFN, as the layer order requires)"),
+        "bound_floor_share_at_kernel_rate": _goal(
+            bound.get("share_of_floor"), 0.70, True,
+            "bound on the floor goal: serial floor tok/s with the cold rows at the cold kernel's own rate at "
+            f"{100 * bound.get('kernel_density', 0.05):.0f}% density, the GPU at the HBM ceiling and no fixed costs / floor "
+            "tok/s (below 0.7: no runtime with this kernel that runs a layer's attention before its FFN meets the goal)"),
         "cpu_kernel_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern) if kern else None, 0.80, True,
                                              "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
         "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
@@ -154,6 +160,14 @@ def markdown(res: dict) -> str:
         if serial:
             lines.append(f"| serial floor (each layer's attention and predictor before its FFN) | {_fmt(serial)} | "
                          f"{_fmt(serial / llama if llama else None)} | {_fmt(serial / floor_tps)} | |")
+        b = res.get("floor_bound")
+        if b:
+            lines.append(f"| serial floor, the cold rows at the cold kernel's own rate at {100 * b['kernel_density']:.0f}% "
+                         f"density ({b['kernel_bytes_per_s'] / 1e9:.1f} GB/s), no fixed costs | "
+                         f"{_fmt(b['serial_tokens_per_s'])} | "
+                         f"{_fmt(b['serial_tokens_per_s'] / llama if llama else None)} | {_fmt(b['share_of_floor'])} | "
+                         f"0.7 of the floor needs the cold rows at {_fmt(b['kernel_share_needed'])} of the DRAM "
+                         f"ceiling with nothing else lost; the kernel reads {_fmt(b['kernel_share_of_dram'])} |")
     lines += eight_bit_table(res)
     c = res.get("ceilings", {})
     if c:

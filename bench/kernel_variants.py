@@ -13,6 +13,13 @@ Writes OUT/kernel_variants.json.
   * dyn16        one neuron at a time, 16 from the shared counter at once
   * c4, c16      the kernel's four rows at once, 4 or 16 neurons from the shared counter at once (the kernel: CHUNK 8)
   int8 const-8rows  eight neurons' rows at once, 8 from the shared counter (int8 rows are half as long as bf16's)
+  int8 const-inline  the kernel on rows that carry their own scales: one (3, n, d + 4 groups) int8 array, each row's
+                 float32 group scales right after its d weights, so a neuron reads three streams instead of six
+                 (its scale rows, 512 bytes each at d 8192, are otherwise random reads of their own)
+  * reads        the kernel's reads without its arithmetic (rows xor-ed, one vector op per 64 bytes), the same
+                 claims and the same sum of partial rows: how fast a kernel with free arithmetic reads the same rows
+  int8 const-noscale  the kernel with every neuron's scales one (3, 1, groups) row broadcast, always in cache: a bound
+                 on what the scale rows' reads cost (its sums differ; not checked against the others)
   * -tl          timeline: the kernel's claims (fused-tl, const-tl), or 8 (guided-tl) or 16 (guided16-tl) at a time
                  and the last 8 per thread 4 at a time, each thread's start and end read from the time-stamp
                  counter: `timeline_us_median` splits a call into the threads' start, their claims, the tail (the
@@ -226,6 +233,60 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
             K._sum_rows(rows, T, out, c * d // T, (c + 1) * d // T)
 
 
+@njit(nogil=True, fastmath=True)
+def _xor_rows(r0, r1, r2, r3, r4, r5, r6, r7):  # the rows' elements xor-ed together: one vector op per 64 bytes of row
+    s = r0[0] ^ r0[0]
+    for k in range(r0.shape[0]):
+        s ^= r0[k] ^ r1[k] ^ r2[k] ^ r3[k] ^ r4[k] ^ r5[k] ^ r6[k] ^ r7[k]
+    return s
+
+
+@njit(nogil=True, fastmath=True)
+def _xor4(r0, r1, r2, r3):  # as _xor_rows; each row passed once (a row xor-ed with itself would fold to no read)
+    s = r0[0] ^ r0[0]
+    for k in range(r0.shape[0]):
+        s ^= r0[k] ^ r1[k] ^ r2[k] ^ r3[k]
+    return s
+
+
+@njit(nogil=True, fastmath=True)
+def _xor3(r0, r1, r2):
+    s = r0[0] ^ r0[0]
+    for k in range(r0.shape[0]):
+        s ^= r0[k] ^ r1[k] ^ r2[k]
+    return s
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def reads_only(idx, gate, up, down_t, part, out, counter):
+    """The kernel's reads without its arithmetic: the same claims (the kernel's CHUNK, TAIL and _claim), each claim's
+    gate and up rows four neurons at once, then their down rows, xor-ed together (one vector op per 64 bytes instead
+    of a widening and a multiply-add per 16 weights), then the partial rows' sum over threads. What is left of a
+    call's time is its reads, its threads' start and end and the sum: the rate a kernel with free arithmetic reads."""
+    d, k = part.shape[1], idx.shape[0]
+    T = K._n_chunks(k, part.shape[0])
+    head = max(0, k - K.TAIL * T) // K.CHUNK * K.CHUNK
+    counter[0] = 0
+    for t in prange(T):
+        acc = part[t]
+        acc[:] = 0.0
+        s = 0
+        while True:
+            q0, q1 = K._claim(K._fetch_add(counter, 1), k, head)
+            if q0 >= k:
+                break
+            for q in range(q0, q1 - 3, 4):
+                j0, j1, j2, j3 = idx[q], idx[q + 1], idx[q + 2], idx[q + 3]
+                s ^= int(_xor_rows(gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3]))
+                s ^= int(_xor4(down_t[j0], down_t[j1], down_t[j2], down_t[j3]))
+            for q in range(q0 + (q1 - q0) // 4 * 4, q1):
+                j = idx[q]
+                s ^= int(_xor3(gate[j], up[j], down_t[j]))
+        acc[0] = s
+    for c in prange(T):
+        K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
 @njit(parallel=True, nogil=True, fastmath=True)
 def static_shares(x, idx, gate, up, down_t, scale, group, part, out):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
@@ -331,6 +392,24 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     K._sum_rows(part, T, out, 0, d)
 
 
+def inline_scales(R: C.ColdRows) -> C.ColdRows:
+    """int8 rows R with each row's float32 group scales stored right after its d weights, in one (3, n, d + 4 groups)
+    int8 array; `scale` is a float32 view into it (3, n, groups), so the kernel runs unchanged (d is x's length)."""
+    n, d = R.up.shape
+    ng = R.scale.shape[2]
+    comb = np.empty((3, n, d + 4 * ng), np.int8)
+    for i, a in enumerate((R.gate, R.up, R.down_t)):
+        comb[i, :, :d] = a
+    sc = comb.view(np.float32)[:, :, d // 4:]  # (3, n, groups), each row inside its weights' row
+    sc[:] = R.scale
+    return C.ColdRows(comb[0], comb[1], comb[2], R.b_up, sc, R.group)
+
+
+def broadcast_scales(R: C.ColdRows) -> C.ColdRows:
+    """R with every neuron's scales those of neuron 0 (a stride-0 view): the scale reads always hit the cache."""
+    return C.ColdRows(R.gate, R.up, R.down_t, R.b_up, np.broadcast_to(R.scale[:, :1], R.scale.shape), R.group)
+
+
 def _other_kernel(path: Path):
     """fn(x, idx, R, part, out, act) from another version of runtime/kernels.py at `path`."""
     spec = importlib.util.spec_from_file_location("other_kernels", path)
@@ -353,6 +432,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
     g = torch.Generator().manual_seed(0)
     w = {k: torch.randn(n, d, generator=g).mul_(0.02) for k in ("gate", "up", "down_t")}
     rows = {dt: C.ColdRows.from_weights(w["gate"], w["up"], None, w["down_t"], dt) for dt in C.COLD_DTYPES}
+    rows_inline, rows_noscale = inline_scales(rows["int8"]), broadcast_scales(rows["int8"])
     x = torch.randn(d, generator=g).numpy()
     positive = np.flatnonzero(w["gate"].numpy() @ x > 0)
     del w
@@ -390,6 +470,10 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         ("int8", "const-single"): dyn(4, 1),
         ("int8", "const-c4"): dyn(4, 4),
         ("int8", "const-8rows"): dyn(8, 8),
+        ("int8", "const-inline"): lambda R, s: kernel(rows_inline, s),
+        ("int8", "const-noscale"): lambda R, s: kernel(rows_noscale, s),
+        ("bf16", "reads"): lambda R, s: reads_only(s, R.gate, R.up, R.down_t, part, o, counter),
+        ("int8", "reads"): lambda R, s: reads_only(s, R.gate, R.up, R.down_t, part, o, counter),
         ("int8", "const-tl"): dyn(8, 4, 0, True),
         ("int8", "guided-tl"): dyn(8, 4, tail, True),
         ("int8", "const-static"): lambda R, s: static_shares(x, s, R.gate, R.up, R.down_t, R.scale, R.group, part, o),
@@ -410,7 +494,7 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
         for rnd, ((dt, name), fn) in ((r, v) for r in range(rounds) for v in variants.items()):
             R = rows[dt]
             fn(R, first)
-            if rnd == 0:
+            if rnd == 0 and name not in ("const-noscale", "reads"):
                 checks.setdefault((dt, dens), []).append(o.copy())
             # fresh sets for each variant: a set the previous variant just read may still sit in the L3
             sets = [np.sort(rng.choice(positive, k, replace=False)).astype(np.int64) for _ in range(reps)]
@@ -442,8 +526,8 @@ def main(out: Path, n: int = 28672, d: int = 8192, reps: int = 8, only: tuple[st
                     key: float(np.median([p[key] for p in parts])) for key in parts[0]}  # the sum and return
             print(table[-1], flush=True)
     # every variant of a dtype computes the same sum (float32, another order)
-    res["max_rel_diff_within_dtype"] = float(max(np.abs(a - v[0]).max() / np.abs(v[0]).max()
-                                                 for v in checks.values() for a in v[1:]))
+    res["max_rel_diff_within_dtype"] = float(max((np.abs(a - v[0]).max() / np.abs(v[0]).max()
+                                                 for v in checks.values() for a in v[1:]), default=0.0))
     res["rows"] = table
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_variants.json").write_text(json.dumps(res, indent=1))

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
 
     def run(kernel_rate):
         c = {"dram": {"best_bytes_per_s": 120e9, "best": "gather"}, "hbm_bytes_per_s": 3e12}
-        res = {"systems": {"hybrid": hybrid}, "kernel": {"rows": [{"bytes_per_s": kernel_rate}]}}
+        res = {"systems": {"hybrid": hybrid}, "kernel": {"rows": [{"density": 0.05, "bytes_per_s": kernel_rate}]}}
         ceil.add_floors(res, c, "tiny", 1, 0)
         return res, c
 
@@ -190,6 +191,26 @@ def test_gpu_layers_for_budget():
     assert bm.gpu_layers_for(int(0.3 * b["total"]), "llama-2-70b", 12) == 3  # the issue's -ngl 3
 
 
+def test_floor_bound_reads_cold_rows_at_the_kernels_rate():
+    """floor_bound: the serial floor with the cold rows at the sparsest kernel row's rate; the rate that the goal
+    needs puts the serial floor at 0.7 of the floor (by hand from floor()); none where even endless DRAM cannot."""
+    d = bm.SHAPES["tiny"][0]
+    hybrid = {"cold_dtype": "bf16", "pcie_share": 0.0,
+              "per_layer_counts": [{"tokens": 4, "n_hot": 64, "active_cold": 4000}] * 2}
+    c = {"dram": {"best_bytes_per_s": 100e9}, "hbm_bytes_per_s": 2e12, "sync_round_trip_s": 20e-6}
+    kern = [{"density": 0.2, "bytes_per_s": 95e9}, {"density": 0.05, "bytes_per_s": 80e9}]
+    floor = ceil.floor_from_hybrid(hybrid, c, "tiny", 2, 1000)
+    b = ceil.floor_bound(hybrid, c, "tiny", 2, 1000, kern, floor["tokens_per_s"])
+    assert b["kernel_density"] == 0.05 and b["kernel_share_of_dram"] == pytest.approx(0.8)
+    at80 = ceil.floor_from_hybrid(hybrid, c, "tiny", 2, 1000, 80e9)
+    assert b["serial_tokens_per_s"] == pytest.approx(at80["serial_tokens_per_s"])
+    assert b["share_of_floor"] == pytest.approx(at80["serial_tokens_per_s"] / floor["tokens_per_s"])
+    rows, outside = at80["inputs"]["layers"], at80["inputs"]["lm_head_bytes"] + 2 * d
+    need = ceil.floor(rows, 2e12, b["kernel_share_needed"] * 100e9, 20e-6, outside)["serial_tokens_per_s"]
+    assert need == pytest.approx(0.7 * floor["tokens_per_s"], rel=1e-6)
+    assert ceil.floor_bound(hybrid, c, "tiny", 2, 1000, kern, 1e9)["kernel_share_needed"] == float("inf")
+
+
 def test_goals_and_table():
     res = {"systems": {"hybrid": {"decode_tokens_per_s": 80.0, "ffn_sparsity": 0.9, "gpu_activation_share": 0.7,
                                   "dram_around_bytes_per_s": {"before": 1.2e11, "after": 1.4e11,
@@ -200,8 +221,11 @@ def test_goals_and_table():
            "floor": {"tokens_per_s": 100.0},
            "kernel": {"rows": [{"density": 0.05, "bytes_per_s": 1, "share_of_dram_bw": 0.7},
                                {"density": 0.2, "bytes_per_s": 1, "share_of_dram_bw": 0.9}]},
-           "predictor_time": {"ms_per_token": 0.5}, "floor_per_rep": {"median_share": 0.65}}
+           "predictor_time": {"ms_per_token": 0.5}, "floor_per_rep": {"median_share": 0.65},
+           "floor_bound": {"kernel_density": 0.05, "kernel_bytes_per_s": 1.1e11, "kernel_share_of_dram": 0.85,
+                           "serial_tokens_per_s": 66.0, "share_of_floor": 0.66, "kernel_share_needed": 0.93}}
     g = report.goals(res)
+    assert g["bound_floor_share_at_kernel_rate"]["value"] == 0.66 and not g["bound_floor_share_at_kernel_rate"]["met"]
     assert g["hybrid_share_of_floor_dram_around_each_rep"]["met"] is False
     assert g["hybrid_vs_llamacpp_layer_split"]["value"] == 20 and g["hybrid_vs_llamacpp_layer_split"]["met"]
     assert g["hybrid_vs_accelerate_offload"]["met"] is False
@@ -210,6 +234,8 @@ def test_goals_and_table():
     assert g["predictor_share_of_decode"]["value"] == pytest.approx(0.04) and g["predictor_share_of_decode"]["met"]
     md = report.markdown({**res, "goals": g})
     assert "| hybrid | 80.00 | 20.00 | 0.80 |" in md and "NOT met" in md
+    assert "| serial floor, the cold rows at the cold kernel's own rate at 5% density (110.0 GB/s), no fixed costs | " \
+           "66.00 | 16.50 | 0.66 | 0.7 of the floor needs the cold rows at 0.93 of the DRAM ceiling" in md
     assert "DRAM around it 125-131 GB/s" in md and "3 layers on the GPU, DRAM around it 150 GB/s" in md
 
 
@@ -252,6 +278,7 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
     assert 0.8 < res["systems"]["hybrid"]["ffn_sparsity"] < 0.97
     assert res["predictors"]["agreement_with_gate"]["recall"] > 0.99
     assert res["floor"]["tokens_per_s"] > 0 and len(res["kernel"]["rows"]) == 3
+    assert 0 < res["floor_bound"]["share_of_floor"] <= res["floor"]["serial_tokens_per_s"] / res["floor"]["tokens_per_s"]
     # the predictor timed as the hybrid runtime's static decoder runs it (its op: GEMVs and decision)
     assert res["predictor_time"]["what"] == "the decoder's predict op (torch ops)"
     assert res["predictor_time"]["ms_per_token"] > 0 and res["predictor_time"]["layers"] == 2
@@ -380,3 +407,52 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     md = report.markdown(res)
     assert "Interleaved: hybrid, hybrid-split-cold timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
     assert "the same from each generation's median step: hybrid-split-cold " in md
+
+
+def test_int8_rows_with_inline_scales_give_the_same_sums():
+    """kernel_variants.inline_scales: int8 rows that carry their group scales after their weights; the runtime's
+    kernel on them sums exactly what it sums on the separate arrays (the same values, the same order of work per
+    thread is not fixed: float32 tolerance), and every neuron's scales read back."""
+    import kernel_variants as kv
+    from powerinfer.runtime import cold_rows as C
+    from powerinfer.runtime import kernels as K
+
+    g = torch.Generator().manual_seed(3)
+    n, d = 96, 256
+    w = [torch.randn(n, d, generator=g) * 0.02 for _ in range(3)]
+    R = C.ColdRows.from_weights(w[0], w[1], None, w[2], "int8")
+    RI = kv.inline_scales(R)
+    assert RI.gate.shape == (n, d + 4 * (d // K.INT8_GROUP)) and np.array_equal(RI.scale, R.scale)
+    assert np.array_equal(RI.up[:, :d], R.up) and np.array_equal(RI.down_t[:, :d], R.down_t)
+    x = torch.randn(d, generator=g).numpy()
+    idx = np.sort(np.random.default_rng(0).choice(n, 30, replace=False)).astype(np.int64)
+    part = np.empty((numba.get_num_threads(), d), np.float32)
+    outs = []
+    for rows in (R, RI):
+        out = np.zeros(d, np.float32)
+        K.cold_ffn(x, idx, rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
+                   K.ACT_CODE["reglu"])
+        outs.append(out)
+    f = R.float32()
+    h = np.maximum(f["gate"].double().numpy()[idx] @ x, 0) * (f["up"].double().numpy()[idx] @ x)
+    want = h @ f["down_t"].double().numpy()[idx]  # float64 reference
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert kv.broadcast_scales(R).scale.strides[1] == 0
+
+
+def test_reads_only_reads_every_row_of_the_active_neurons():
+    """kernel_variants.reads_only (the kernel's reads without its arithmetic): with one thread its sum is the xor of
+    every element of the active neurons' gate, up and down rows, for bf16 bits and int8 rows alike."""
+    import kernel_variants as kv
+
+    rng = np.random.default_rng(5)
+    n, d = 64, 256
+    for dtype in (np.uint16, np.int8):
+        info = np.iinfo(dtype)
+        g, u, dn = (rng.integers(info.min, info.max, (n, d), endpoint=True).astype(dtype) for _ in range(3))
+        idx = np.sort(rng.choice(n, 23, replace=False)).astype(np.int64)  # claims of 4 and a rest of 3
+        part, out = np.zeros((1, d), np.float32), np.zeros(d, np.float32)
+        kv.reads_only(idx, g, u, dn, part, out, np.zeros(1, np.int64))
+        want = np.bitwise_xor.reduce(np.concatenate([a[idx].ravel() for a in (g, u, dn)]))
+        assert out[0] == int(want)
