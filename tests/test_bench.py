@@ -234,7 +234,7 @@ def test_goals_and_table():
     assert g["predictor_share_of_decode"]["value"] == pytest.approx(0.04) and g["predictor_share_of_decode"]["met"]
     md = report.markdown({**res, "goals": g})
     assert "| hybrid | 80.00 | 20.00 | 0.80 |" in md and "NOT met" in md
-    assert "| serial floor, the cold rows at the cold kernel's own rate at 5% density (110.0 GB/s), no fixed costs | " \
+    assert "| serial floor, the cold rows at the cold kernel's own rate at 5% density (110.0 GB/s), the rest at its floor | " \
            "66.00 | 16.50 | 0.66 | 0.7 of the floor needs the cold rows at 0.93 of the DRAM ceiling" in md
     assert "DRAM around it 125-131 GB/s" in md and "3 layers on the GPU, DRAM around it 150 GB/s" in md
 
