@@ -48,16 +48,15 @@ def bundled_reglu(x, idx, rows, part, out):
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     one = np.ones(1, np.float32)
-    xq, sx = np.zeros(0, np.int16), one[:0]  # bf16 rows: the float dots
     for t in prange(T):
         acc = part[t]
         acc[:] = 0.0
         for q in range(t * k // T, (t + 1) * k // T):
             j = 3 * idx[q]
-            g = K._dot(x, xq, sx, rows[j], one, d)
+            g = K._dot(x, rows[j], one, d)
             if g <= 0:
                 continue
-            K._axpy(g * K._dot(x, xq, sx, rows[j + 1], one, d), rows[j + 2], one, d, acc)
+            K._axpy(g * K._dot(x, rows[j + 1], one, d), rows[j + 2], one, d, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 

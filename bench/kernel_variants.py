@@ -89,19 +89,19 @@ def _prefetch(typingctx, arr, offset):
 
 
 @njit(nogil=True, fastmath=True, inline="always")
-def _reglu_row(x, xq, sx, j, gate, up, down_t, scale, group, acc):  # acc += neuron j's ReGLU output, the runtime's
-    g = K._dot(x, xq, sx, gate[j], scale[0, j], group)                  # _dot and _axpy
+def _reglu_row(x, j, gate, up, down_t, scale, group, acc):  # acc += neuron j's ReGLU output, the runtime's _dot/_axpy
+    g = K._dot(x, gate[j], scale[0, j], group)
     if g > 0:
-        K._axpy(g * K._dot(x, xq, sx, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
+        K._axpy(g * K._dot(x, up[j], scale[1, j], group), down_t[j], scale[2, j], group, acc)
 
 
 G = K.INT8_GROUP
 
 
 @njit(nogil=True, fastmath=True)
-def _dot8_int8(x, xq, sx, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), at once
+def _dot8_int8(x, m, j, scale, s):  # s (8,) = the dots of x with rows m[j[0..7]] (int8, groups of G), read at once
     s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7] = K._dot8(
-        x, xq, sx, m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]], scale[j[0]], scale[j[1]],
+        x, m[j[0]], m[j[1]], m[j[2]], m[j[3]], m[j[4]], m[j[5]], m[j[6]], m[j[7]], scale[j[0]], scale[j[1]],
         scale[j[2]], scale[j[3]], scale[j[4]], scale[j[5]], scale[j[6]], scale[j[7]], G)
 
 
@@ -184,7 +184,6 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
     counter[0] = 0
-    xq, sx = K.x_int16(x, up, group)  # as cold_ffn: int8 rows' dots in integers
     head = max(0, k - tail) // chunk * chunk  # positions claimed `chunk` at a time
     for t in prange(T):
         if stamps.shape[0] > 0:
@@ -196,11 +195,10 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
             mine = own[t, :own_n[t]]
             q = 0
             while q + 4 <= mine.shape[0]:
-                K._gated4(x, xq, sx, mine[q], mine[q + 1], mine[q + 2], mine[q + 3], gate, up, down_t, scale, group,
-                          acc, REGLU)
+                K._gated4(x, mine[q], mine[q + 1], mine[q + 2], mine[q + 3], gate, up, down_t, scale, group, acc, REGLU)
                 q += 4
             for r in range(q, mine.shape[0]):
-                _reglu_row(x, xq, sx, mine[r], gate, up, down_t, scale, group, acc)
+                _reglu_row(x, mine[r], gate, up, down_t, scale, group, acc)
         while True:
             if tail > 0:
                 q0, q1 = K._claim(K._fetch_add(counter, 1), k, head, chunk)
@@ -211,18 +209,17 @@ def dynamic(x, idx, gate, up, down_t, scale, group, part, out, counter, chunk, w
                 break
             q = q0
             while width == 4 and q + 4 <= q1:  # the runtime's four-at-once path, with another claim size
-                K._gated4(x, xq, sx, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc,
-                          REGLU)
+                K._gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, REGLU)
                 q += 4
             if width == 8 and q + 8 <= q1:
                 j = idx[q:q + 8]
-                _dot8_int8(x, xq, sx, gate, j, scale[0], g)
+                _dot8_int8(x, gate, j, scale[0], g)
                 if g.min() > 0:
-                    _dot8_int8(x, xq, sx, up, j, scale[1], u)
+                    _dot8_int8(x, up, j, scale[1], u)
                     _axpy8_int8(g * u, down_t, j, scale[2], acc)
                     q += 8
             for r in range(q, q1):
-                _reglu_row(x, xq, sx, idx[r], gate, up, down_t, scale, group, acc)
+                _reglu_row(x, idx[r], gate, up, down_t, scale, group, acc)
         if stamps.shape[0] > 0:
             stamps[t, 1] = _cycles()
         if sums == 2:
@@ -294,12 +291,11 @@ def reads_only(idx, gate, up, down_t, part, out, counter):
 def static_shares(x, idx, gate, up, down_t, scale, group, part, out):  # ReGLU only
     d, k = x.shape[0], idx.shape[0]
     T = K._n_chunks(k, part.shape[0])
-    xq, sx = K.x_int16(x, up, group)
     for t in prange(T):
         acc = part[t]
         acc[:] = 0.0
         for q in range(t * k // T, (t + 1) * k // T):
-            _reglu_row(x, xq, sx, idx[q], gate, up, down_t, scale, group, acc)
+            _reglu_row(x, idx[q], gate, up, down_t, scale, group, acc)
     for c in prange(T):
         K._sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
@@ -381,7 +377,6 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
     T = K._n_chunks(k, part.shape[0])
     page = 4096 // gate.itemsize  # elements per 4 KiB
     line = 64 // gate.itemsize
-    xq, sx = K.x_int16(x, up, group)
     for t in prange(T):
         part[t] = 0
         lo, hi = t * k // T, (t + 1) * k // T
@@ -393,7 +388,7 @@ def prefetched(x, idx, gate, up, down_t, scale, group, part, out, lines):  # ReG
                         _prefetch(gate[jn], off + line * m)
                         _prefetch(up[jn], off + line * m)
                         _prefetch(down_t[jn], off + line * m)
-            _reglu_row(x, xq, sx, idx[q], gate, up, down_t, scale, group, part[t])
+            _reglu_row(x, idx[q], gate, up, down_t, scale, group, part[t])
     K._sum_rows(part, T, out, 0, d)
 
 

@@ -5,9 +5,7 @@ Cold rows live in CPU RAM (`cold_rows.ColdRows`), one contiguous row per neuron 
 reads three contiguous rows. They are stored as bfloat16 bit patterns (uint16: Numba has no 16-bit float type), or
 as int8 with a float32 scale per group of INT8_GROUP weights of a row (1.0625 bytes a weight, as llama.cpp's Q8_0).
 Each element is widened to float32 inside the dot and axpy loops, each group's scale is applied once per group (bf16:
-one group of d with scale 1), and the arithmetic is float32; except int8 rows' dots (gate and up) in groups of
-INT8_GROUP, which take x as int16 per group (`x_int16`, once a call) and multiply and add integers, then apply the
-two scales once a group.
+one group of d with scale 1), and all arithmetic is float32.
 
 Work split: threads take CHUNK neurons of the active list at a time from a shared atomic counter (a fixed contiguous
 share each left the call waiting for its slowest thread: 8-21% slower on the H100 host, bench/NOTES.md), and the last
@@ -126,41 +124,17 @@ def _ctz(typingctx, v):
     return types.int64(v), codegen
 
 
-@njit(nogil=True, cache=True)
-def x_int16(x, up, group):
-    """x (d,) float32 -> (xq (d,) int16, sx (groups,) float32), x ~ sx * xq per group of INT8_GROUP (round to nearest;
-    a step of max|x_group| / 32767, an error of ~2e-5 of a dot, where int8 rows themselves err ~1e-2), for int8 rows
-    (`up` of int8) in groups of INT8_GROUP with d a multiple of it; otherwise two empty arrays. The int8 dots then
-    multiply and add integers (int16 x int8 into int32: 64 products stay below 2^31), which the CPU does in fewer
-    instructions than widening each weight to float32 (pmaddwd: 32 products a 512-bit instruction): the int8 kernel
-    was bound partly by that arithmetic (its reads alone ran 11-25% faster; bench/NOTES.md)."""
-    d = x.shape[0]
-    if not (up.itemsize == 1 and group == INT8_GROUP and d % INT8_GROUP == 0):
-        return np.zeros(0, np.int16), np.zeros(0, np.float32)
-    xq, sx = np.empty(d, np.int16), np.empty(d // INT8_GROUP, np.float32)
-    for i in range(sx.shape[0]):
-        lo = i * INT8_GROUP
-        m = np.float32(0.0)
-        for k in range(INT8_GROUP):
-            m = max(m, abs(x[lo + k]))
-        step = m / np.float32(32767.0) if m > 0 else np.float32(1.0)
-        sx[i] = step
-        for k in range(INT8_GROUP):
-            xq[lo + k] = np.int16(np.round(x[lo + k] / step))
-    return xq, sx
-
-
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _dot(x, xq, sx, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
+def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
     d = x.shape[0]
     s = np.float32(0.0)
-    if xq.shape[0] > 0:  # int8 rows, x as int16 (x_int16): integer products, one float multiply a group
-        for i in range(sc.shape[0]):
+    if group == INT8_GROUP and d % INT8_GROUP == 0:  # a constant trip count: 1.4x the weights/s of the loop below
+        for i in range(sc.shape[0]):                # (bench/NOTES.md)
             lo = i * INT8_GROUP
-            p = np.int32(0)
+            p = np.float32(0.0)
             for k in range(INT8_GROUP):
-                p += np.int32(xq[lo + k]) * np.int32(row[lo + k])
-            s += sc[i] * sx[i] * np.float32(p)
+                p += x[lo + k] * _widen(row[lo + k])
+            s += sc[i] * p
         return s
     for i in range(sc.shape[0]):
         lo = i * group
@@ -190,22 +164,20 @@ def _axpy(h, row, sc, group, acc):  # acc (d,) float32 += h * (d,) stored row wi
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _dot4(x, xq, sx, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one pass over x (see _dot)
+def _dot4(x, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots in one pass over x (see _dot)
     d = x.shape[0]
     s0 = s1 = s2 = s3 = np.float32(0.0)
-    if xq.shape[0] > 0:
+    if group == INT8_GROUP and d % INT8_GROUP == 0:
         for i in range(c0.shape[0]):
             lo = i * INT8_GROUP
-            p0 = p1 = p2 = p3 = np.int32(0)
+            p0 = p1 = p2 = p3 = np.float32(0.0)
             for k in range(INT8_GROUP):
-                xk = np.int32(xq[lo + k])
-                p0 += xk * np.int32(r0[lo + k])
-                p1 += xk * np.int32(r1[lo + k])
-                p2 += xk * np.int32(r2[lo + k])
-                p3 += xk * np.int32(r3[lo + k])
-            f = sx[i]
-            s0, s1, s2, s3 = (s0 + c0[i] * f * np.float32(p0), s1 + c1[i] * f * np.float32(p1),
-                              s2 + c2[i] * f * np.float32(p2), s3 + c3[i] * f * np.float32(p3))
+                xk = x[lo + k]
+                p0 += xk * _widen(r0[lo + k])
+                p1 += xk * _widen(r1[lo + k])
+                p2 += xk * _widen(r2[lo + k])
+                p3 += xk * _widen(r3[lo + k])
+            s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
         return s0, s1, s2, s3
     for i in range(c0.shape[0]):
         lo, hi = i * group, min(i * group + group, d)
@@ -222,28 +194,25 @@ def _dot4(x, xq, sx, r0, r1, r2, r3, c0, c1, c2, c3, group):  # four rows' dots 
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _dot8(x, xq, sx, r0, r1, r2, r3, r4, r5, r6, r7, c0, c1, c2, c3, c4, c5, c6, c7, group):  # eight rows, one pass
+def _dot8(x, r0, r1, r2, r3, r4, r5, r6, r7, c0, c1, c2, c3, c4, c5, c6, c7, group):  # eight rows' dots, one pass
     d = x.shape[0]
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    if xq.shape[0] > 0:
+    if group == INT8_GROUP and d % INT8_GROUP == 0:
         for i in range(c0.shape[0]):
             lo = i * INT8_GROUP
-            p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.int32(0)
+            p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
             for k in range(INT8_GROUP):
-                xk = np.int32(xq[lo + k])
-                p0 += xk * np.int32(r0[lo + k])
-                p1 += xk * np.int32(r1[lo + k])
-                p2 += xk * np.int32(r2[lo + k])
-                p3 += xk * np.int32(r3[lo + k])
-                p4 += xk * np.int32(r4[lo + k])
-                p5 += xk * np.int32(r5[lo + k])
-                p6 += xk * np.int32(r6[lo + k])
-                p7 += xk * np.int32(r7[lo + k])
-            f = sx[i]
-            s0, s1, s2, s3 = (s0 + c0[i] * f * np.float32(p0), s1 + c1[i] * f * np.float32(p1),
-                              s2 + c2[i] * f * np.float32(p2), s3 + c3[i] * f * np.float32(p3))
-            s4, s5, s6, s7 = (s4 + c4[i] * f * np.float32(p4), s5 + c5[i] * f * np.float32(p5),
-                              s6 + c6[i] * f * np.float32(p6), s7 + c7[i] * f * np.float32(p7))
+                xk = x[lo + k]
+                p0 += xk * _widen(r0[lo + k])
+                p1 += xk * _widen(r1[lo + k])
+                p2 += xk * _widen(r2[lo + k])
+                p3 += xk * _widen(r3[lo + k])
+                p4 += xk * _widen(r4[lo + k])
+                p5 += xk * _widen(r5[lo + k])
+                p6 += xk * _widen(r6[lo + k])
+                p7 += xk * _widen(r7[lo + k])
+            s0, s1, s2, s3 = s0 + c0[i] * p0, s1 + c1[i] * p1, s2 + c2[i] * p2, s3 + c3[i] * p3
+            s4, s5, s6, s7 = s4 + c4[i] * p4, s5 + c5[i] * p5, s6 + c6[i] * p6, s7 + c7[i] * p7
         return s0, s1, s2, s3, s4, s5, s6, s7
     for i in range(c0.shape[0]):
         lo, hi = i * group, min(i * group + group, d)
@@ -338,10 +307,10 @@ def _gated_value(act, g, u):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated_rest(x, xq, sx, j, g, up, down_t, scale, group, acc, act):  # neuron j of a gated FFN, gate value g known
+def _gated_rest(x, j, g, up, down_t, scale, group, acc, act):  # neuron j of a gated FFN, its gate value g known
     if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
         return
-    _down1(_gated_value(act, g, _dot(x, xq, sx, up[j], scale[1, j], group)), j, down_t, scale, group, acc)
+    _down1(_gated_value(act, g, _dot(x, up[j], scale[1, j], group)), j, down_t, scale, group, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -363,15 +332,14 @@ def _down4(h0, h1, h2, h3, j0, j1, j2, j3, down_t, scale, group, acc):  # acc +=
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated4(x, xq, sx, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons' rows at once
+def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
     """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: on the H100 host
     8-11% faster from DRAM than gate, up and down in three passes of four rows (bf16 at 3.5-20% of a layer;
-    bench/results/2026-11-23-h100-kernel-dot8-ab.json, bench/NOTES.md). A neuron marked active whose ReLU gate is zero
-    (a wrong guess) has read its up row for nothing (one row more than reading the gates first: worth it above a
-    predictor precision of ~0.8)."""
-    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, xq, sx, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1],
-                                           up[j2], up[j3], scale[0, j0], scale[0, j1], scale[0, j2], scale[0, j3],
-                                           scale[1, j0], scale[1, j1], scale[1, j2], scale[1, j3], group)
+    bench/results/2026-11-23-h100-kernel-dot8-ab.json, bench/NOTES.md). A neuron marked active whose ReLU gate is zero (a wrong guess) has read its up row for nothing
+    (one row more than reading the gates first: worth it above a predictor precision of ~0.8)."""
+    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3],
+                                           scale[0, j0], scale[0, j1], scale[0, j2], scale[0, j3], scale[1, j0],
+                                           scale[1, j1], scale[1, j2], scale[1, j3], group)
     _down4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
            _gated_value(act, g3, u3), j0, j1, j2, j3, down_t, scale, group, acc)
 
@@ -382,9 +350,9 @@ def _ungated_value(a, act):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _ungated4(x, xq, sx, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # four neurons' rows at once
-    a0, a1, a2, a3 = _dot4(x, xq, sx, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2],
-                           scale[1, j3], group)
+def _ungated4(x, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
+    a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], scale[1, j0], scale[1, j1], scale[1, j2], scale[1, j3],
+                           group)
     _down4(_ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act), _ungated_value(a2 + b_up[j2], act),
            _ungated_value(a3 + b_up[j3], act), j0, j1, j2, j3, down_t, scale, group, acc)
 
@@ -404,7 +372,6 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
     T = _n_chunks(k, part.shape[0])
     head = max(0, k - TAIL * T) // CHUNK * CHUNK  # positions taken CHUNK at a time; the rest 4 at a time
     counter = np.zeros(1, np.int64)  # claims taken
-    xq, sx = x_int16(x, up, group)  # int8 rows: x as int16 for integer dots (empty otherwise)
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum
         acc[:] = 0.0
@@ -415,20 +382,17 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
             q = q0
             while q + 4 <= q1:
                 if gated:
-                    _gated4(x, xq, sx, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group,
-                            acc, act)
+                    _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], gate, up, down_t, scale, group, acc, act)
                 else:
-                    _ungated4(x, xq, sx, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], up, b_up, down_t, scale, group,
-                              acc, act)
+                    _ungated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], up, b_up, down_t, scale, group, acc, act)
                 q += 4
             for q in range(q, q1):
                 j = idx[q]
                 if gated:
-                    _gated_rest(x, xq, sx, j, _dot(x, xq, sx, gate[j], scale[0, j], group), up, down_t, scale,
-                                group, acc, act)
+                    _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc, act)
                 else:
-                    _down1(_ungated_value(_dot(x, xq, sx, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
-                           scale, group, acc)
+                    _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
+                           group, acc)
     if out.shape[0] == 0:  # the caller sums part's rows (the GPU, reading them over PCIe); those past T are zero
         part[T:] = 0.0
         return
