@@ -292,17 +292,16 @@ def floor_bound(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
                 floor_tps: float, goal: float = 0.70) -> dict:
     """What the floor's goal asks of the cold kernel, and where a runtime with the measured one stands at best.
 
-    `bound`: the serial floor (each layer's attention and predictor before its FFN, as the layer order requires)
-    with the cold rows read at the cold kernel's own rate at its sparsest measured density (plus what PCIe adds where
-    the run used it), the GPU at the HBM ceiling and one sync round trip a layer, nothing else lost: each part at the
-    best rate measured for it in the run. The kernel's rate is its benchmark's, whole calls (its threads' start and
-    the partial rows' sum included, as in decode). Decode marks fewer rows than that density (~4% of a 70B layer's
-    cold neurons against 5%), where the kernel is slower, so the bound is generous. `kernel_share_needed`: the cold rows' read rate, as a share of the DRAM
-    ceiling, at which the serial floor alone (nothing else lost) reaches `goal` of the floor; above 1 no runtime
-    that keeps the layer order can."""
+    `serial_tokens_per_s`: the serial floor (each layer's attention and predictor before its FFN, as the layer order
+    requires) with the cold rows read at the cold kernel's own rate at its sparsest measured density (plus what PCIe
+    adds where the run used it), the GPU at the HBM ceiling and one sync round trip a layer, nothing else lost: each
+    part at the best rate measured for it in the run. The kernel's rate is its benchmark's, whole calls (its threads'
+    start and the partial rows' sum included, as in decode). Decode marks fewer rows than that density (~4% of a 70B
+    layer's cold neurons against 5%), where the kernel is slower, so the bound is generous. `kernel_share_needed`:
+    the cold rows' read rate, as a share of the DRAM ceiling, at which the serial floor alone (nothing else lost)
+    reaches `goal` of the floor; above 1 no runtime that keeps the layer order can."""
     sparsest = min(kernel_rows, key=lambda r: r["density"])
     dram = c["dram"]["best_bytes_per_s"]
-    bound = floor_from_hybrid(hybrid, c, shape, layers, pred_bytes, sparsest["bytes_per_s"])
 
     def serial_at(rate: float) -> float:
         return floor_from_hybrid(hybrid, c, shape, layers, pred_bytes, rate)["serial_tokens_per_s"]
@@ -315,13 +314,13 @@ def floor_bound(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if serial_at(mid) < goal * floor_tps else (lo, mid)
         needed = hi / dram
+    bound = serial_at(sparsest["bytes_per_s"])
     return {"kernel_density": sparsest["density"], "kernel_bytes_per_s": sparsest["bytes_per_s"],
-            "kernel_share_of_dram": sparsest["bytes_per_s"] / dram,
-            "serial_tokens_per_s": bound["serial_tokens_per_s"], "share_of_floor": bound["serial_tokens_per_s"] / floor_tps,
-            "goal": goal, "kernel_share_needed": needed,
-            "note": "serial floor with the cold rows at the cold kernel's rate at its sparsest measured density (+ what "
-                    "PCIe adds), the GPU at the HBM ceiling, nothing else lost; kernel_share_needed: the cold rows' rate "
-                    "(share of the DRAM ceiling) at which the serial floor reaches goal x the floor"}
+            "kernel_share_of_dram": sparsest["bytes_per_s"] / dram, "serial_tokens_per_s": bound,
+            "share_of_floor": bound / floor_tps, "goal": goal, "kernel_share_needed": needed,
+            "note": "serial floor with the cold rows at the cold kernel's rate at its sparsest measured density (+ "
+                    "what PCIe adds), the GPU at the HBM ceiling, nothing else lost; kernel_share_needed: the cold "
+                    "rows' rate (share of the DRAM ceiling) at which the serial floor reaches goal x the floor"}
 
 
 def add_floors(res: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> None:

@@ -83,8 +83,8 @@ def goals(res: dict) -> dict:
         "bound_floor_share_at_kernel_rate": _goal(
             bound.get("share_of_floor"), 0.70, True,
             "bound on the floor goal: serial floor tok/s with the cold rows at the cold kernel's own rate at "
-            f"{100 * bound.get('kernel_density', 0.05):.0f}% density, the rest at its floor / floor "
-            "tok/s (below 0.7: no runtime with this kernel that runs a layer's attention before its FFN meets the goal)"),
+            f"{100 * bound.get('kernel_density', 0.05):.0f}% density, the rest at its floor / floor tok/s (below "
+            "0.7: no runtime with this kernel that runs a layer's attention before its FFN meets the goal)"),
         "cpu_kernel_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern) if kern else None, 0.80, True,
                                              "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
         "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
@@ -162,8 +162,9 @@ def markdown(res: dict) -> str:
                          f"{_fmt(serial / llama if llama else None)} | {_fmt(serial / floor_tps)} | |")
         b = res.get("floor_bound")
         if b:
-            lines.append(f"| serial floor, the cold rows at the cold kernel's own rate at {100 * b['kernel_density']:.0f}% "
-                         f"density ({b['kernel_bytes_per_s'] / 1e9:.1f} GB/s), the rest at its floor | "
+            lines.append(f"| serial floor, the cold rows at the cold kernel's own rate at "
+                         f"{100 * b['kernel_density']:.0f}% density ({b['kernel_bytes_per_s'] / 1e9:.1f} GB/s), "
+                         f"the rest at its floor | "
                          f"{_fmt(b['serial_tokens_per_s'])} | "
                          f"{_fmt(b['serial_tokens_per_s'] / llama if llama else None)} | {_fmt(b['share_of_floor'])} | "
                          f"0.7 of the floor needs the cold rows at {_fmt(b['kernel_share_needed'])} of the DRAM "

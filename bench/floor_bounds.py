@@ -47,8 +47,9 @@ def main(out: Path, inputs: list[Path]) -> dict:
            "note": ceil.floor_bound.__doc__.split("\n\n")[1].replace("\n    ", " ").strip()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    lines = ["| run | machine | hybrid tok/s | floor | serial floor | bound (cold rows at the kernel's rate, the rest at its floor) | bound / "
-             "floor | kernel / DRAM at its sparsest | kernel / DRAM 0.7 of the floor needs | hybrid / bound |",
+    lines = ["| run | machine | hybrid tok/s | floor | serial floor | bound (cold rows at the kernel's rate, the rest "
+             "at its floor) | bound / floor | kernel / DRAM at its sparsest | kernel / DRAM 0.7 of the floor needs | "
+             "hybrid / bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['file']} | {r['machine_label'] or '?'} | {r['hybrid_tokens_per_s']:.1f} | "
