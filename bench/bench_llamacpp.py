@@ -7,14 +7,14 @@ without models/ docs/ tests/ examples/ and the like into CARRY (git-ignored, nev
 from __future__ import annotations
 
 import json
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as version_of
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as version_of
 from pathlib import Path
 
 import numpy as np

@@ -72,7 +72,7 @@ def share_of_top(p: np.ndarray, top: float = 0.2) -> float:
 
 @dataclass
 class BenchModel:
-    lm: object  # powerinfer.models.LoadedModel (weights where they were built)
+    lm: object  # hotneurons.common.models.LoadedModel (weights where they were built)
     shape: str
     layers: int
     targets: list[np.ndarray]  # per layer (n,) target firing probabilities
@@ -114,7 +114,7 @@ def gate_factors(shape: str, layer: int, seed: int, rank: int, device: str, std:
 
 def exact_predictor(lm, shape: str, layer: int, seed: int, rank: int):
     """The predictor whose logits are layer `layer`'s gate pre-activations (module docstring), fp16, threshold 0."""
-    from powerinfer.predictors.train import Predictor
+    from hotneurons.predictors.train import Predictor
 
     d, n, *_ = SHAPES[shape]
     w = lm.layers[layer].mlp.gate_proj.weight
@@ -133,9 +133,8 @@ def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float 
                 embed_std: float = EMBED_STD):
     """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated);
     gate_rank: gate columns 1.. of rank `gate_rank` (gate_factors), for exact_predictor."""
+    from hotneurons.common.models import ModelSource, wrap_model
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from powerinfer.models import ModelSource, wrap_model
 
     d, n, heads, kv, vocab = SHAPES[shape]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n, num_hidden_layers=layers,

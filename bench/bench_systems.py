@@ -6,18 +6,17 @@ from __future__ import annotations
 import copy
 import time
 
-import numpy as np
-import torch
-
 import bench_ceilings as ceil
 import bench_timeline as tl
+import numpy as np
+import torch
 
 
 def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
     """One of our systems built and warmed up; returns (runtime, build seconds)."""
-    from powerinfer.runtime.balance import TUNING_TOKENS
-    from powerinfer.runtime.generate import build_runtime, generate
-    from powerinfer.runtime.layout import HybridFFN
+    from hotneurons.runtime.balance import TUNING_TOKENS
+    from hotneurons.runtime.generate import build_runtime, generate
+    from hotneurons.runtime.layout import HybridFFN
 
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()
@@ -46,7 +45,7 @@ def split_cold(rt) -> None:
     """Each layer's CPU part as it ran before kernels.cold_layer (commit 53c5b17), for an A/B in rounds: the host waits
     for the layer's CUDA event, then Python runs the mask -> indices and the kernel as two Numba calls and releases
     the flag. For the bench's configuration: predictor masks, cold rows in every layer, CUDA."""
-    from powerinfer.runtime.kernels import bit_indices, ffn_rows
+    from hotneurons.runtime.kernels import bit_indices, ffn_rows
 
     fast = rt.fast
     for f in rt.ffns:
@@ -84,7 +83,7 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
     always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
     VMs' bandwidth drifts within minutes: bench/NOTES.md); `after_round(out)` after each round, with the results so
     far. Returns per name (generations, [(ceiling just before, just after)] for each)."""
-    from powerinfer.runtime.generate import generate
+    from hotneurons.runtime.generate import generate
 
     last = ceil.dram_now(dram_bytes) if dram_bytes else None
     out = {name: ([], []) for name in rts}
@@ -202,8 +201,8 @@ def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[floa
     rotated each round), each a short generation once set (its graphs are captured again), then a timed one. The
     balancing's re-checks are off meanwhile; the balanced share is set again at the end. Whether the balancing lands
     where decode is fastest: the per-round tok/s and median-step ratios of each share to the balanced one."""
-    from powerinfer.runtime.balance import _set_mapped_rows
-    from powerinfer.runtime.generate import generate
+    from hotneurons.runtime.balance import _set_mapped_rows
+    from hotneurons.runtime.generate import generate
 
     balanced, b = rt.pcie_share, rt.pcie_balance
     recheck = b.recheck if b is not None else None

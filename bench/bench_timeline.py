@@ -9,14 +9,13 @@ import time
 
 import numpy as np
 import torch
-
 from bench_ceilings import _spin
 
 
 def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     """One more generation with the static decoder's host clock on: per layer, the mean over decode steps (the first
     dropped) of the wait for the `pre` graph and of the CPU cold part, in ms; the step's total."""
-    from powerinfer.runtime.generate import generate
+    from hotneurons.runtime.generate import generate
 
     rt.fast.timing = []
     generate(rt, prompt, tokens, stop_at_eos=False)
@@ -46,8 +45,8 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     as in decode (`replay_gpu`). decode = replay puts the gap in the work (rows, indices); decode = replay_gpu >
     replay in what the GPU does meanwhile; decode > replay_gpu in the mask -> indices and what else decode's call
     does around the kernel. Per call decode / replay ratios tell a uniform slowdown from a few stalled calls."""
-    from powerinfer.runtime.generate import generate
-    from powerinfer.runtime.kernels import ffn_rows
+    from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.kernels import ffn_rows
 
     calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
     before = [f.__dict__.get("cold_rows") for f in rt.ffns]  # an A/B's own cold part (bench_systems.split_cold)
@@ -180,7 +179,7 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
            "what": f"the decoder's predict op ({rt.fast.ops_name} ops)" if ops is not None
            else "Predictor.mask"}
     if device == "cuda":
-        from powerinfer.runtime.layout import warm_up
+        from hotneurons.runtime.layout import warm_up
 
         graph = torch.cuda.CUDAGraph()
         warm_up(x.device, masks, times=1)

@@ -25,15 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from powerinfer.artifacts import write_json
-from powerinfer.corpus import iter_texts
-from powerinfer.hardware import machine_info
-from powerinfer.models import load_model, resolve_source
-from powerinfer.predictors.evaluate import perplexity
-from powerinfer.profiler.profile import token_batches
-from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
-from powerinfer.runtime.layout import Placement
+from hotneurons.common.artifacts import write_json
+from hotneurons.common.corpus import iter_texts
+from hotneurons.common.hardware import machine_info
+from hotneurons.common.models import load_model, resolve_source
+from hotneurons.predictors.evaluate import perplexity
+from hotneurons.profiler.profile import token_batches
+from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.layout import Placement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402  (round_ffns_to_int8: the FFN weights that int8 rows stand for)

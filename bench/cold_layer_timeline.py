@@ -45,9 +45,8 @@ from numba import njit, prange
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model as bm  # noqa: E402
 import kernel_variants as kv  # noqa: E402  (imports powerinfer.* from this checkout)
-
-from powerinfer.runtime import kernels as K  # noqa: E402
-from powerinfer.runtime.cold_rows import ColdRows  # noqa: E402
+from hotneurons.runtime import kernels as K  # noqa: E402
+from hotneurons.runtime.cold_rows import ColdRows  # noqa: E402
 
 PHASES = ("scan", "fork", "work", "tail", "after", "call")
 

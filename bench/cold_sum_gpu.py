@@ -30,8 +30,8 @@ import torch
 from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from powerinfer.runtime import kernels as K  # noqa: E402
-from powerinfer.runtime.cold_rows import host_mapped  # noqa: E402
+from hotneurons.runtime import kernels as K  # noqa: E402
+from hotneurons.runtime.cold_rows import host_mapped  # noqa: E402
 
 
 @njit(parallel=True, nogil=True, fastmath=True)

@@ -28,18 +28,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402  (sets the OpenMP policy, imports powerinfer.* from this checkout)
-
+import bench_ceilings as ceil  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
+import pi_bench  # noqa: E402  (sets the OpenMP policy, imports powerinfer.* from this checkout)
 import torch  # noqa: E402
+from hotneurons.common.hardware import machine_info  # noqa: E402
+from hotneurons.runtime import cold_rows as C  # noqa: E402
+from hotneurons.runtime import kernels as K  # noqa: E402
+from hotneurons.runtime.fast import HostFlags  # noqa: E402
 from numba import njit, prange  # noqa: E402
-
-import bench_ceilings as ceil  # noqa: E402
-from powerinfer.hardware import machine_info  # noqa: E402
-from powerinfer.runtime import cold_rows as C  # noqa: E402
-from powerinfer.runtime import kernels as K  # noqa: E402
-from powerinfer.runtime.fast import HostFlags  # noqa: E402
 
 
 @njit(parallel=True, nogil=True, fastmath=True)

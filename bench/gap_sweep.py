@@ -20,7 +20,7 @@ from pathlib import Path
 
 # name -> environment on top of the caller's (libgomp's and Numba's own variables)
 CONFIGS = {
-    "default": {},  # the runtime's choice on a GPU host: ACTIVE, GOMP_SPINCOUNT=1e7 (powerinfer.hardware)
+    "default": {},  # the runtime's choice on a GPU host: ACTIVE, GOMP_SPINCOUNT=1e7 (hotneurons.common.hardware)
     "spin-unbounded": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "INFINITE"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "bind-close": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
@@ -35,13 +35,11 @@ def child(out: Path, gap_ms: float, densities: tuple[float, ...], rounds: int, r
     """One setting (the environment this process started with): kernel_bench without and with the gap, `rounds`
     times in turn, on one layer's rows."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import pi_bench  # noqa: F401  (powerinfer.* from this checkout; the OpenMP policy unless set)
-
-    import numba
-    import torch
-
     import bench_ceilings as ceil
-    from powerinfer.runtime.cold_rows import ColdRows
+    import numba
+    import pi_bench  # noqa: F401  (powerinfer.* from this checkout; the OpenMP policy unless set)
+    import torch
+    from hotneurons.runtime.cold_rows import ColdRows
 
     g = torch.Generator().manual_seed(0)
     w = lambda: torch.randn(n, d, generator=g) * 0.02  # noqa: E731

@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from powerinfer.hardware import _measure_cuda
-from powerinfer.runtime import fused
-from powerinfer.runtime.cold_rows import host_mapped
-from powerinfer.runtime.kernels import mask_bytes
-from powerinfer.runtime.layout import predict
+from hotneurons.common.hardware import _measure_cuda
+from hotneurons.runtime import fused
+from hotneurons.runtime.cold_rows import host_mapped
+from hotneurons.runtime.kernels import mask_bytes
+from hotneurons.runtime.layout import predict
 from pre_compile import replay_us
 
 D, KV, HIDDEN, N, VOCAB = 8192, 1024, 1024, 28672, 32000  # d_model, kv heads x head dim, predictor width, neurons

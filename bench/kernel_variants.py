@@ -66,11 +66,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
-
 import bench_ceilings as ceil  # noqa: E402
-from powerinfer.runtime import cold_rows as C  # noqa: E402
-from powerinfer.runtime import kernels as K  # noqa: E402
+import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
+from hotneurons.runtime import cold_rows as C  # noqa: E402
+from hotneurons.runtime import kernels as K  # noqa: E402
 
 REGLU = K.ACT_CODE["reglu"]
 

@@ -18,14 +18,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402,F401  (powerinfer.* from this checkout; the OpenMP policy unless set)
-
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
+import pi_bench  # noqa: E402,F401  (powerinfer.* from this checkout; the OpenMP policy unless set)
 import torch  # noqa: E402
+from hotneurons.runtime.kernels import bit_indices, pack_mask  # noqa: E402
 from numba import njit, prange  # noqa: E402
-
-from powerinfer.runtime.kernels import bit_indices, pack_mask  # noqa: E402
 
 
 @njit(parallel=True, nogil=True)

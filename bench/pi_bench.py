@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from powerinfer.hardware import openmp_wait_policy  # noqa: E402
+from hotneurons.common.hardware import openmp_wait_policy  # noqa: E402
 
 OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
@@ -38,32 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-SUBPACKAGES = {"profiler": "profiler", "solver": "solver", "predictors": "predictors", "runtime": "runtime"}
-
-
-def bootstrap() -> None:
-    """Import powerinfer.* from this checkout when the project is not installed (the device image)."""
-    if importlib.util.find_spec("powerinfer") is not None:
-        try:
-            import powerinfer.runtime  # noqa: F401
-
-            return
-        except ImportError:
-            pass
-    import powerinfer
-
-    for name, folder in SUBPACKAGES.items():
-        spec = importlib.util.spec_from_file_location(f"powerinfer.{name}", ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[f"powerinfer.{name}"] = mod
-        spec.loader.exec_module(mod)
-        setattr(powerinfer, name, mod)
-
-
-bootstrap()
 
 import bench_ceilings as ceil  # noqa: E402
 import bench_llamacpp as lcpp  # noqa: E402
@@ -166,7 +141,7 @@ def q8_path(args, work: Path) -> Path:
 
 
 def profile(args, model: bm.BenchModel, run: Path) -> dict:
-    from powerinfer.profiler.profile import ProfileConfig, profile_model, share_covering
+    from hotneurons.profiler.profile import ProfileConfig, profile_model, share_covering
 
     corpus = run.parent / "synthetic-corpus.txt"
     bm.synthetic_corpus(corpus, args.profile_tokens, bm.SHAPES[args.shape][4], args.seed + 2)
@@ -175,7 +150,7 @@ def profile(args, model: bm.BenchModel, run: Path) -> dict:
     t0 = time.perf_counter()
     meta = profile_model(cfg, run, force=True, device=args.device, progress=False, lm=model.lm)
     seconds = time.perf_counter() - t0
-    from powerinfer import artifacts
+    from hotneurons.common import artifacts
 
     df, _ = artifacts.read_profile(run)
     n = bm.SHAPES[args.shape][1]
@@ -225,7 +200,7 @@ def predictor_agreement(model: bm.BenchModel, preds: dict, tokens: int = 64) -> 
 
 
 def hardware_spec(c: dict, budget: int):
-    from powerinfer.hardware import get_hardware
+    from hotneurons.common.hardware import get_hardware
 
     base = get_hardware("h100" if "hbm_bytes_per_s" in c else "cpu-only")
     changes = {"cpu_bw": c["dram"]["best_bytes_per_s"], "cores": c["dram"]["threads"]}
@@ -241,8 +216,7 @@ def place(args, run: Path, hw, budget: int) -> dict:
     """pi-solve's solver at the budget (KV cache for --ctx, no reserve: every system gets the same bytes); without
     pulp/highspy, the top-k-by-frequency fallback that fills the same FFN budget."""
     import pandas as pd
-
-    from powerinfer.solver.place import solve_placement
+    from hotneurons.solver.place import solve_placement
 
     t0 = time.perf_counter()
     try:
@@ -266,8 +240,8 @@ def place(args, run: Path, hw, budget: int) -> dict:
 def topk_placement(run: Path, budget: int, args) -> dict:
     """Fallback placement: each layer's most active neurons, the same number per layer, filling the FFN budget
     (budget minus what pi-solve's memory_items counts before any neuron)."""
-    from powerinfer import artifacts
-    from powerinfer.solver.cost import ModelShape, memory_items, safetensors_bytes
+    from hotneurons.common import artifacts
+    from hotneurons.solver.cost import ModelShape, memory_items, safetensors_bytes
 
     df, meta = artifacts.read_profile(run)
     shape = ModelShape.from_meta(meta["model"])
@@ -300,9 +274,9 @@ def checkpoint(args, res: dict, systems: dict, skipped: dict) -> None:
 
 
 def stage_bench(args, work: Path) -> dict:
-    from powerinfer.runtime.generate import RuntimeConfig, layer_split_count
-    from powerinfer.runtime.layout import Placement
-    from powerinfer.solver.cost import DTYPE_BYTES
+    from hotneurons.runtime.generate import RuntimeConfig, layer_split_count
+    from hotneurons.runtime.layout import Placement
+    from hotneurons.solver.cost import DTYPE_BYTES
 
     dl = Deadline(args.time_limit)
     skipped: dict = {}
@@ -529,8 +503,8 @@ def main(argv=None) -> dict:
         return write_results(args.inputs, args.results)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu for a smoke test")
-    from powerinfer import artifacts
-    from powerinfer.hardware import machine_info
+    from hotneurons.common import artifacts
+    from hotneurons.common.hardware import machine_info
 
     args.work.mkdir(parents=True, exist_ok=True)
     if lcpp.WHEELS.exists() and not all(importlib.util.find_spec(m) for m in ("pulp", "highspy")):

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from powerinfer.runtime.fast import Ops
-from powerinfer.runtime.kernels import mask_bytes
+from hotneurons.runtime.fast import Ops
+from hotneurons.runtime.kernels import mask_bytes
 
 D, H, K, HD, N, R = 8192, 64, 8, 128, 28672, 1024  # d_model, heads, kv heads, head dim, neurons, predictor hidden
 N_COLD = N - 1472  # cold neurons: the host mask's bits

@@ -15,12 +15,21 @@ from pathlib import Path
 
 import click
 import torch
-
-from powerinfer import artifacts
-from powerinfer.hardware import machine_info
-from powerinfer.models import load_model_from_meta
-from powerinfer.predictors.train import (PRESETS, Predictor, ffn_values, fit_layer, importance_weights, load_samples,
-                                         metrics, samples_dir, split_indices, threshold_for_recall)
+from hotneurons.common import artifacts
+from hotneurons.common.hardware import machine_info
+from hotneurons.common.models import load_model_from_meta
+from hotneurons.predictors.train import (
+    PRESETS,
+    Predictor,
+    ffn_values,
+    fit_layer,
+    importance_weights,
+    load_samples,
+    metrics,
+    samples_dir,
+    split_indices,
+    threshold_for_recall,
+)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import click
 import torch
-
-from powerinfer.hardware import machine_info
-from powerinfer.models import ModelSource, load_model, pick_device, pick_dtype, wrap_model
-from powerinfer.profiler.hooks import ActivationCounter, SampleReservoir
-from powerinfer.profiler.profile import forward
+from hotneurons.common.hardware import machine_info
+from hotneurons.common.models import ModelSource, load_model, pick_device, pick_dtype, wrap_model
+from hotneurons.profiler.hooks import ActivationCounter, SampleReservoir
+from hotneurons.profiler.profile import forward
 
 # Real layer shapes (hidden, FFN, heads, kv heads) of public models; the weights are random.
 SHAPES = {
@@ -69,8 +68,8 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
     if shape:
         ids = torch.randint(3, 32000, (batches + 2, batch_size, seq_len))
     else:
-        from powerinfer.corpus import iter_texts
-        from powerinfer.profiler.profile import token_batches
+        from hotneurons.common.corpus import iter_texts
+        from hotneurons.profiler.profile import token_batches
 
         stream = token_batches(lm.tokenizer, iter_texts("wikipedia-sample"), seq_len, batch_size,
                                (batches + 2) * batch_size * seq_len)

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from powerinfer.artifacts import write_json
-from powerinfer.hardware import machine_info
-from powerinfer.runtime.generate import PRESETS, generate, load_runtime, prompt_ids
+from hotneurons.common.artifacts import write_json
+from hotneurons.common.hardware import machine_info
+from hotneurons.runtime.generate import PRESETS, generate, load_runtime, prompt_ids
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 

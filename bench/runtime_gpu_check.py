@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from powerinfer.hardware import openmp_wait_policy  # noqa: E402
+from hotneurons.common.hardware import openmp_wait_policy  # noqa: E402
 
 OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
 
@@ -38,10 +38,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import bench_ceilings  # noqa: E402
 import bench_model as bm  # noqa: E402
 import tiny  # noqa: E402
-from powerinfer.runtime.fast import cache_bytes  # noqa: E402
-from powerinfer.runtime.generate import (RuntimeConfig, build_runtime, generate,  # noqa: E402
-                                         layer_split_count)
-from powerinfer.runtime.layout import Placement  # noqa: E402
+from hotneurons.runtime.fast import cache_bytes  # noqa: E402
+from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
+from hotneurons.runtime.layout import Placement  # noqa: E402
 
 DEV = "cuda"
 LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
@@ -205,7 +204,7 @@ def main() -> None:
     import numba
 
     args.out.mkdir(parents=True, exist_ok=True)
-    from powerinfer.hardware import machine_info
+    from hotneurons.common.hardware import machine_info
 
     report = {"machine": machine_info("numba", "transformers"), "numba_threads": numba.get_num_threads(),
               "command": "python " + " ".join(sys.argv), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}

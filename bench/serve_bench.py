@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 import click
-
-from powerinfer.hardware import machine_info
+from hotneurons.common.hardware import machine_info
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
              "Give me a short tip for learning Python.", "What does a CPU do?", "Write a haiku about rain.",
@@ -150,7 +149,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
     try:
         for mode in modes:
             port = free_port()
-            cmd = [sys.executable, "-m", "powerinfer.runtime.serve_cli", "--run", run_dir, "--mode", mode,
+            cmd = [sys.executable, "-m", "hotneurons.runtime.serve_cli", "--run", run_dir, "--mode", mode,
                    "--port", str(port), "--max-queue", "64", "--quiet"]
             servers[mode] = subprocess.Popen(cmd + (["--threads", str(threads)] if threads is not None else [])), port
         for mode, (proc, port) in servers.items():

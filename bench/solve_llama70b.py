@@ -18,11 +18,10 @@ from pathlib import Path
 
 import click
 import numpy as np
-
-from powerinfer.hardware import get_hardware, machine_info
-from powerinfer.solver import solve_placement
-from powerinfer.solver.synthetic import write_synthetic_profile
-from powerinfer.units import parse_bytes
+from hotneurons.common.hardware import get_hardware, machine_info
+from hotneurons.common.units import parse_bytes
+from hotneurons.solver import solve_placement
+from hotneurons.solver.synthetic import write_synthetic_profile
 
 CASES = [  # (hardware, dtype, vram or None for the preset's, objective)
     ("rtx4090", "q4_0", None, "latency"),
@@ -37,8 +36,8 @@ CASES = [  # (hardware, dtype, vram or None for the preset's, objective)
 def naive_model_seconds(run_dir: Path, budget_fraction: float, time_limit: float) -> dict:
     """The textbook model for comparison: one binary per group, prefix constraints y_g >= y_{g+1}, the
     paper's objective, the same memory row. Same data, same solver."""
-    import pulp
     import pandas as pd
+    import pulp
 
     df = pd.read_parquet(run_dir / "profile" / "neurons.parquet")
     L = int(df["layer"].max()) + 1

@@ -15,18 +15,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
-
-import numba  # noqa: E402
-
 import bench_ceilings as ceil  # noqa: E402
-from powerinfer.runtime.dram import row_gather_bw  # noqa: E402
+import numba  # noqa: E402
+import pi_bench  # noqa: E402,F401  (imports powerinfer.* from this checkout)
+from hotneurons.runtime.dram import row_gather_bw  # noqa: E402
 
 
 def main(out: Path, threads: list[int], densities: tuple[float, ...], d: int = 8192, n: int = 28672) -> dict:
     import torch
-
-    from powerinfer.runtime.cold_rows import ColdRows
+    from hotneurons.runtime.cold_rows import ColdRows
 
     a = ceil._dram_array(2 * 2**30)
     g = torch.Generator().manual_seed(0)

@@ -1,12 +1,12 @@
-"""`python -m powerinfer.predictors train ...` = pi-train-predictors; `... eval ...` = pi-eval."""
+"""`python -m hotneurons.predictors train ...` = pi-train-predictors; `... eval ...` = pi-eval."""
 
 import sys
 
-from powerinfer.predictors.cli import eval_main, train_main
+from hotneurons.predictors.cli import eval_main, train_main
 
 if __name__ == "__main__":
     commands = {"train": train_main, "eval": eval_main}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        sys.exit("usage: python -m powerinfer.predictors {train|eval} [OPTIONS]  (--help for each)")
+        sys.exit("usage: python -m hotneurons.predictors {train|eval} [OPTIONS]  (--help for each)")
     name = sys.argv.pop(1)
-    commands[name](prog_name=f"python -m powerinfer.predictors {name}")
+    commands[name](prog_name=f"python -m hotneurons.predictors {name}")

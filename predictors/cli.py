@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import click
-
-from powerinfer.artifacts import ArtifactError, default_run_dir
-from powerinfer.corpus import CorpusError, known_datasets
+from hotneurons.common.artifacts import ArtifactError, default_run_dir
+from hotneurons.common.corpus import CorpusError, known_datasets
 
 _CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
@@ -44,7 +43,7 @@ def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epoc
     layer's sparsity and skewness (share of neurons covering 80% of activations) within the parameter
     budget. Writes RUN/predictors/: predictors.safetensors, summary.json, meta.json.
     """
-    from powerinfer.predictors.train import preset, train_predictors
+    from hotneurons.predictors.train import preset, train_predictors
 
     try:
         cfg = preset(preset_name, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
@@ -100,7 +99,7 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
     Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
     computed iff the predictor fires. Placement: GPU neurons always, the others where the predictor fires.
     """
-    from powerinfer.predictors.evaluate import evaluate, format_table
+    from hotneurons.predictors.evaluate import evaluate, format_table
 
     try:
         sweep = [float(r) for r in recall_sweep.split(",")] if recall_sweep else None

@@ -20,15 +20,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.corpus import CorpusError, iter_texts
+from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device
+from hotneurons.predictors.train import Predictors, load_predictors
+from hotneurons.profiler.hooks import FFNHooks, active_mask
+from hotneurons.profiler.profile import token_batches
 from tqdm.auto import tqdm
-
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
-from powerinfer.corpus import CorpusError, iter_texts
-from powerinfer.models import LoadedModel, load_model_from_meta, pick_device
-from powerinfer.predictors.train import Predictors, load_predictors
-from powerinfer.profiler.hooks import FFNHooks, active_mask
-from powerinfer.profiler.profile import token_batches
 
 MODES = ("dense", "oracle", "predictor", "placement")
 

@@ -1,6 +1,6 @@
 """Collect a run's predictor and eval figures into one results file, against the issue's goals.
 
-`python -m powerinfer.predictors.results --run RUN --out bench/results/predictors_smollm2.json --command "..."`
+`python -m hotneurons.predictors.results --run RUN --out bench/results/predictors_smollm2.json --command "..."`
 reads RUN/predictors/summary.json and RUN/eval/eval.json; every figure comes from those files.
 `--sweep LABEL=RUN` (repeat) adds one row per other run (e.g. another `--target-sparsity`) with its commands.
 """
@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from powerinfer import artifacts
-from powerinfer.hardware import machine_info
-from powerinfer.predictors.train import PRESETS
+from hotneurons.common import artifacts
+from hotneurons.common.hardware import machine_info
+from hotneurons.predictors.train import PRESETS
 
 PRESETS_DEFAULT = asdict(PRESETS["default"])  # a sweep row lists only the fields it changed
 

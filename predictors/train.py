@@ -23,11 +23,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
 from torch import nn
 from tqdm.auto import tqdm
-
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
 
 SHARE = 0.8  # skewness statistic: share of neurons (hottest first) that covers this share of activations
 NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)
@@ -123,7 +122,7 @@ def profile_stats(neurons: pd.DataFrame, meta: dict) -> tuple[np.ndarray, np.nda
 
 def share_covering(counts: np.ndarray, share: float = SHARE) -> np.ndarray:
     """(layers, neurons) counts -> per layer the fraction of neurons, hottest first, covering `share` of firings."""
-    from powerinfer.profiler.profile import share_covering as covering
+    from hotneurons.profiler.profile import share_covering as covering
 
     return np.nan_to_num(covering(counts, share), nan=SHARE)  # a layer that never fires counts as flat
 
@@ -385,7 +384,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
 
     With cfg.magnitude_weight > 0 the model is needed: `lm` (a LoadedModel), else the profile's model is loaded.
     """
-    from powerinfer.models import pick_device
+    from hotneurons.common.models import pick_device
 
     run_dir = Path(run_dir)
     device = pick_device(device)
@@ -407,7 +406,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     torch.manual_seed(cfg.seed)
     agreement: dict[int, float] = {}
     if cfg.magnitude_weight > 0 and lm is None:
-        from powerinfer.models import load_model_from_meta
+        from hotneurons.common.models import load_model_from_meta
 
         lm = load_model_from_meta(pmeta["model"], device=device, dtype=pmeta.get("config", {}).get("dtype", "auto"))
     if lm is not None:

@@ -1,5 +1,5 @@
-"""`python -m powerinfer.profiler` (used under torchrun) is `pi-profile`."""
+"""`python -m hotneurons.profiler` (used under torchrun) is `pi-profile`."""
 
-from powerinfer.profiler.cli import main
+from hotneurons.profiler.cli import main
 
 main()

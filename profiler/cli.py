@@ -6,11 +6,10 @@ import json
 import sys
 
 import click
-
-from powerinfer.artifacts import ArtifactError
-from powerinfer.corpus import CorpusError, known_datasets
-from powerinfer.models import ACTIVATIONS
-from powerinfer.profiler.profile import ProfileConfig, profile_model
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.corpus import CorpusError, known_datasets
+from hotneurons.common.models import ACTIVATIONS
+from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -49,7 +48,7 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
     """Count which FFN neurons fire on a corpus; store predictor training samples.
 
     Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/.
-    Under torchrun (`torchrun --nproc-per-node N -m powerinfer.profiler ...`) ranks share the corpus and
+    Under torchrun (`torchrun --nproc-per-node N -m hotneurons.profiler ...`) ranks share the corpus and
     the counts are all-reduced.
     """
     cfg = ProfileConfig(model=model, gguf_file=gguf_file, revision=revision, dataset=dataset,

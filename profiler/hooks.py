@@ -14,8 +14,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-
-from powerinfer.models import RELU_FAMILY, LoadedModel
+from hotneurons.common.models import RELU_FAMILY, LoadedModel
 
 
 def activation_rule(activation: str) -> str:

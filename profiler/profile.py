@@ -19,14 +19,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.corpus import CorpusError, iter_texts
+from hotneurons.common.models import LoadedModel, load_model, pick_device
+from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, activation_rule
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
-from powerinfer.corpus import CorpusError, iter_texts
-from powerinfer.models import LoadedModel, load_model, pick_device
-from powerinfer.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, activation_rule
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """pi-generate: the hybrid runtime (hot FFN neurons by torch on the device, active cold ones by Numba on the CPU)."""
 
-from powerinfer.hardware import openmp_wait_policy
+from hotneurons.common.hardware import openmp_wait_policy
 
 openmp_wait_policy()  # before torch loads: sleeping or spinning OpenMP threads (see its docstring)

@@ -1,3 +1,3 @@
-from powerinfer.runtime.cli import main
+from hotneurons.runtime.cli import main
 
 main()

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from powerinfer.runtime.layout import measure_pcie_rates
+from hotneurons.runtime.layout import measure_pcie_rates
 
 if TYPE_CHECKING:
-    from powerinfer.runtime.generate import Runtime
+    from hotneurons.runtime.generate import Runtime
 
 
 CALIBRATION_TOKENS = 16  # decoded tokens without a share: each FFN's mean marked cold neurons, the step without it

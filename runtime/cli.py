@@ -6,18 +6,16 @@ import json
 import sys
 
 import click
-
-from powerinfer.artifacts import ArtifactError
-from powerinfer.runtime.fast import OPS
-from powerinfer.runtime.cold_rows import COLD_DTYPES
-from powerinfer.runtime.generate import (MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime,
-                                         prompt_ids)
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.runtime.cold_rows import COLD_DTYPES
+from hotneurons.runtime.fast import OPS
+from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
 
 
 def _bytes(text: str | None) -> int | None:
     if text is None:
         return None
-    from powerinfer.units import parse_bytes
+    from hotneurons.common.units import parse_bytes
 
     try:
         return parse_bytes(text)

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from powerinfer.runtime.kernels import INT8_GROUP, neuron_values
+from hotneurons.runtime.kernels import INT8_GROUP, neuron_values
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cold-row storage: bf16 (default) or int8 with a scale per group of INT8_GROUP weights

@@ -1,7 +1,7 @@
 """The DRAM read ceiling as the cold kernels see it: a reduction over 16 KiB rows in random order, four at once per
 thread, threads taking eight rows at a time from a shared counter (runtime/kernels.py reads cold rows that way).
 One core reading one sequential stream keeps fewer reads in flight, so sequential reductions under-read DRAM:
-83-91 GB/s on the H100 host where this read 124-143 (bench/NOTES.md). powerinfer.hardware and bench_ceilings use it."""
+83-91 GB/s on the H100 host where this read 124-143 (bench/NOTES.md). hotneurons.common.hardware and bench_ceilings use it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import functools
 import time
 
 import numpy as np
+from hotneurons.runtime.kernels import _fetch_add
 from numba import njit, prange
-
-from powerinfer.runtime.kernels import _fetch_add
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)

@@ -38,9 +38,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from hotneurons.runtime.layout import HybridFFN, OnCPUEmbedding, predict, warm_up
 from torch import nn
-
-from powerinfer.runtime.layout import HybridFFN, OnCPUEmbedding, predict, warm_up
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode
 
@@ -259,7 +258,7 @@ class Ops:
         if name == "compile":
             return cls(*(torch.compile(f) for f in (_residual_norm, _weighted_rms, _rope_cache, _attend, predict)))
         if name == "triton":
-            from powerinfer.runtime import fused
+            from hotneurons.runtime import fused
 
             return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend, fused.predict,
                        fused.linear, fused.add_linear)

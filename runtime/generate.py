@@ -20,16 +20,22 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
-from powerinfer.models import (RELU_FAMILY, LoadedModel, load_model, load_model_from_meta, pick_device, pick_dtype,
-                               text_config)
-from powerinfer.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
-from powerinfer.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
-from powerinfer.runtime.cold_rows import COLD_DTYPES
-from powerinfer.runtime.kernels import set_threads
-from powerinfer.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.models import (
+    RELU_FAMILY,
+    LoadedModel,
+    load_model,
+    load_model_from_meta,
+    pick_device,
+    pick_dtype,
+    text_config,
+)
+from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
+from hotneurons.runtime.cold_rows import COLD_DTYPES
+from hotneurons.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
+from hotneurons.runtime.kernels import set_threads
+from hotneurons.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
 
 MODES = ("hybrid", "dense", "layer-split")
 
@@ -143,7 +149,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
                   predictors: Any = None, taus: list[float] | None = None) -> Runtime:
     """Lay the (CPU-resident) model out for `cfg` and move its device part to the device. Modifies `lm` in place.
 
-    `predictors`: powerinfer.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
+    `predictors`: hotneurons.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
     thresholds of non-ReLU models (oracle masks), None for ReLU-family models.
     """
     if cfg.mode not in MODES:
@@ -400,7 +406,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         if cfg.ctx is None:  # the KV cache the solver reserved room for
             cfg = replace(cfg, ctx=solved.get("flags", {}).get("ctx"))
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
-        from powerinfer.predictors.train import load_predictors
+        from hotneurons.predictors.train import load_predictors
 
         if not (run / "predictors" / "predictors.safetensors").exists():
             raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "

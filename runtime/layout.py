@@ -24,13 +24,22 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
+from hotneurons.common.models import LoadedModel
+from hotneurons.profiler.hooks import active_mask
+from hotneurons.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
+from hotneurons.runtime.kernels import (
+    ACT_CODE,
+    GATED,
+    NO_FLAGS,
+    SPINS,
+    cold_layer,
+    ffn_rows,
+    ffn_rows_torch,
+    mask_bytes,
+    neuron_values,
+    wait_ready,
+)
 from torch import nn
-
-from powerinfer.models import LoadedModel
-from powerinfer.profiler.hooks import active_mask
-from powerinfer.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
-from powerinfer.runtime.kernels import (ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, ffn_rows_torch,
-                                        mask_bytes, neuron_values, wait_ready)
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
@@ -49,7 +58,7 @@ class Placement:
     @classmethod
     def from_run(cls, run_dir: str | Path, model_info: dict) -> "Placement":
         """RUN/placement/placement.parquet (refuses a placement made for another model)."""
-        from powerinfer.predictors.evaluate import read_placement
+        from hotneurons.predictors.evaluate import read_placement
 
         masks = read_placement(Path(run_dir), model_info, model_info["n_layers"])
         return cls(tuple(masks[i].numpy() for i in range(model_info["n_layers"])))

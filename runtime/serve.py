@@ -25,11 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
-from powerinfer.runtime import api
-from powerinfer.runtime.api import ApiError, Reply, Result, StopMatcher
-from powerinfer.runtime.generate import Runtime, Sampling, context_length, eos_ids, generate, prompt_ids
+from hotneurons.runtime import api
+from hotneurons.runtime.api import ApiError, Reply, Result, StopMatcher
+from hotneurons.runtime.generate import Runtime, Sampling, context_length, eos_ids, generate, prompt_ids
 
-log = logging.getLogger("powerinfer.serve")
+log = logging.getLogger("hotneurons.serve")
 
 MAX_BODY = 8 * 2 ** 20  # bytes; a prompt over any context this runtime serves is far smaller
 SHUTTING_DOWN = "the server is shutting down: retry on another one"
@@ -346,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _model(self) -> dict[str, Any]:
-        return {"id": self.app.model_id, "object": "model", "created": self.app.started, "owned_by": "powerinfer"}
+        return {"id": self.app.model_id, "object": "model", "created": self.app.started, "owned_by": "hotneurons"}
 
     def _not_allowed(self, allowed: str) -> None:
         raise ApiError(405, f"{self.command} is not allowed on {self.path}: use {allowed}", code="method_not_allowed")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 
 import click
-
-from powerinfer.runtime.cli import open_runtime, runtime_options
-from powerinfer.runtime.serve import ServeConfig, serve
+from hotneurons.runtime.cli import open_runtime, runtime_options
+from hotneurons.runtime.serve import ServeConfig, serve
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -6,10 +6,9 @@ import json
 import sys
 
 import click
-
-from powerinfer.artifacts import ArtifactError
-from powerinfer.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
-from powerinfer.units import format_bytes, format_rate, parse_bytes, parse_rate
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
+from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 
 from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
 from .ilp import OBJECTIVES

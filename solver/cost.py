@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from powerinfer.hardware import HardwareSpec
+from hotneurons.common.hardware import HardwareSpec
 
 # bytes per weight. q8_0 / q4_0 are llama.cpp's block formats (34 / 18 bytes per 32 weights), for sizing
 # only: the KV cache, norms and workspace stay 16-bit with them.

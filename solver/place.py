@@ -9,14 +9,34 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from hotneurons.common.artifacts import (
+    ArtifactError,
+    base_meta,
+    read_profile,
+    replace_dir,
+    sha256_file,
+    write_json,
+    write_parquet,
+)
+from hotneurons.common.hardware import HardwareSpec
+from hotneurons.common.units import format_bytes, format_size_arg
 
-from powerinfer.artifacts import ArtifactError, base_meta, read_profile, replace_dir, sha256_file, write_json, write_parquet
-from powerinfer.hardware import HardwareSpec
-from powerinfer.units import format_bytes, format_size_arg
-
-from .cost import (ACT_BYTES, COLD_BYTES, DTYPE_BYTES, ModelShape, PlacementProblem, SolverError, build_problem,
-                   embedding_on_cpu, estimate_predictor_params, evaluate, layer_tables, memory_items, predictor_hidden,
-                   safetensors_bytes)
+from .cost import (
+    ACT_BYTES,
+    COLD_BYTES,
+    DTYPE_BYTES,
+    ModelShape,
+    PlacementProblem,
+    SolverError,
+    build_problem,
+    embedding_on_cpu,
+    estimate_predictor_params,
+    evaluate,
+    layer_tables,
+    memory_items,
+    predictor_hidden,
+    safetensors_bytes,
+)
 from .ilp import OBJECTIVES, IlpResult, solve_ilp
 
 

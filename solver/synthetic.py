@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-
-from powerinfer.artifacts import base_meta, replace_dir, write_json, write_parquet
+from hotneurons.common.artifacts import base_meta, replace_dir, write_json, write_parquet
 
 
 def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_heads: int, n_kv_heads: int,

@@ -415,8 +415,8 @@ def test_int8_rows_with_inline_scales_give_the_same_sums():
     kernel on them sums exactly what it sums on the separate arrays (the same values, the same order of work per
     thread is not fixed: float32 tolerance), and every neuron's scales read back."""
     import kernel_variants as kv
-    from powerinfer.runtime import cold_rows as C
-    from powerinfer.runtime import kernels as K
+    from hotneurons.runtime import cold_rows as C
+    from hotneurons.runtime import kernels as K
 
     g = torch.Generator().manual_seed(3)
     n, d = 96, 256

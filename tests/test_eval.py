@@ -8,18 +8,17 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import tiny
 import torch
 from click.testing import CliRunner
-
-import tiny
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
-from powerinfer.models import load_model
-from powerinfer.predictors.cli import eval_main
-from powerinfer.predictors.evaluate import evaluate, perplexity
-from powerinfer.predictors.train import load_predictors, preset, train_predictors
-from powerinfer.profiler.profile import ProfileConfig, profile_model, token_batches
-from powerinfer.corpus import iter_texts
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.corpus import iter_texts
+from hotneurons.common.models import load_model
+from hotneurons.predictors.cli import eval_main
+from hotneurons.predictors.evaluate import evaluate, perplexity
+from hotneurons.predictors.train import load_predictors, preset, train_predictors
+from hotneurons.profiler.profile import ProfileConfig, profile_model, token_batches
 
 EVAL = dict(tokens=300, seq_len=40, batch_size=2, progress=False)
 
@@ -185,7 +184,7 @@ def test_perplexity_matches_log_softmax(tiny_model_dir, text_corpus):
 @pytest.mark.parametrize("name", ["opt", "llama-swiglu", "falcon-relu", "mistral-drelu"])
 def test_ffn_values_match_explicit(name, tiny_model_dir):
     """The values the magnitude weighting uses equal an explicit recomputation from the weights."""
-    from powerinfer.predictors.train import ffn_values
+    from hotneurons.predictors.train import ffn_values
 
     lm = load(name, tiny_model_dir(name))
     x = torch.randn(37, 32, dtype=torch.float64)
@@ -213,7 +212,7 @@ def test_magnitude_weighted_training(swiglu_run):
 
 def test_results_file(swiglu_run, text_corpus, tmp_path):
     """The results collector copies figures from summary.json and eval.json, and judges the goals from them."""
-    from powerinfer.predictors.results import collect
+    from hotneurons.predictors.results import collect
 
     lm, run = swiglu_run
     rep = evaluate(run, dataset=str(text_corpus), lm=lm, modes=["dense", "oracle", "predictor"], **EVAL)

@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
-
-from powerinfer.runtime import fast
+from hotneurons.runtime import fast
 
 triton = pytest.importorskip("triton")
-fused = pytest.importorskip("powerinfer.runtime.fused")
+fused = pytest.importorskip("hotneurons.runtime.fused")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -120,9 +119,8 @@ def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where,
     rounding of h and of the logit (its unit, eps), each GEMV's float32 sum, and the interpreter's bfloat16
     truncation (two units)."""
     import numpy as np
-
-    from powerinfer.runtime.kernels import mask_bytes
-    from powerinfer.runtime.layout import predict
+    from hotneurons.runtime.kernels import mask_bytes
+    from hotneurons.runtime.layout import predict
 
     g = torch.Generator().manual_seed(d + hidden + n_cold + DTYPES.index(dtype))
     x, fc1 = rand(g, d, dtype=dtype), rand(g, hidden, d, dtype=dtype, scale=d ** -0.5)

@@ -1,8 +1,14 @@
 import dataclasses
 
 import pytest
-
-from powerinfer.hardware import HARDWARE, HardwareSpec, UnknownHardware, get_hardware, measure_hardware, presets_table
+from hotneurons.common.hardware import (
+    HARDWARE,
+    HardwareSpec,
+    UnknownHardware,
+    get_hardware,
+    measure_hardware,
+    presets_table,
+)
 
 
 def test_presets_are_complete_and_sane():
@@ -48,7 +54,7 @@ def test_measure_without_cuda_keeps_preset_gpu_values():
 
 
 def test_openmp_wait_policy_by_gpu(monkeypatch):
-    from powerinfer import hardware
+    from hotneurons.common import hardware
 
     for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)

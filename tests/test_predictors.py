@@ -10,14 +10,23 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.predictors.cli import train_main
+from hotneurons.predictors.train import (
+    Fit,
+    PredictorConfig,
+    fit_layer,
+    load_predictors,
+    metrics,
+    plan_sizes,
+    preset,
+    share_covering,
+    split_indices,
+    threshold_for_recall,
+    train_predictors,
+)
 from safetensors.torch import load_file
-
-from powerinfer import artifacts
-from powerinfer.artifacts import ArtifactError
-from powerinfer.predictors.cli import train_main
-from powerinfer.predictors.train import (Fit, PredictorConfig, fit_layer, load_predictors, metrics, plan_sizes,
-                                         preset, share_covering, split_indices, threshold_for_recall,
-                                         train_predictors)
 
 
 def synthetic_layer(rates: np.ndarray, d: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

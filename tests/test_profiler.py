@@ -7,16 +7,15 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import tiny
 import torch
 from click.testing import CliRunner
-
-import tiny
-from powerinfer.artifacts import ArtifactError, read_profile
-from powerinfer.corpus import iter_texts
-from powerinfer.models import load_model
-from powerinfer.profiler.cli import main as cli
-from powerinfer.profiler.hooks import SampleReservoir
-from powerinfer.profiler.profile import ProfileConfig, profile_model, share_covering, token_batches
+from hotneurons.common.artifacts import ArtifactError, read_profile
+from hotneurons.common.corpus import iter_texts
+from hotneurons.common.models import load_model
+from hotneurons.profiler.cli import main as cli
+from hotneurons.profiler.hooks import SampleReservoir
+from hotneurons.profiler.profile import ProfileConfig, profile_model, share_covering, token_batches
 
 EPS = 1e-9  # float64 models: values closer than this to a threshold may round either way
 
@@ -279,7 +278,7 @@ def test_profile_notebook_executes(tiny_model_dir, text_corpus, tmp_path):
 
 
 def test_packbits_matches_numpy():
-    from powerinfer.profiler.hooks import packbits
+    from hotneurons.profiler.hooks import packbits
 
     rng = np.random.default_rng(1)
     for rows, n in [(5, 48), (3, 13), (1, 1), (0, 9), (7, 1536)]:
@@ -290,7 +289,7 @@ def test_packbits_matches_numpy():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("tau", [None, 0.0, 0.7])
 def test_count_active_matches_float64_reference(dtype, tau):
-    from powerinfer.profiler.hooks import as_tau, count_active
+    from hotneurons.profiler.hooks import as_tau, count_active
 
     rng = np.random.default_rng(2)
     for tokens, n in [(0, 5), (1, 1), (3, 7), (257, 33), (1000, 130)]:

@@ -19,11 +19,11 @@ def _args(model, corpus, out):
 def test_torchrun_gloo_counts_equal_single_process(tiny_model_dir, text_corpus, tmp_path):
     model = tiny_model_dir("qwen2-swiglu")  # thresholded: taus must agree across ranks too
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-m", "powerinfer.profiler", *_args(model, text_corpus, tmp_path / "one")],
+    single = subprocess.run([sys.executable, "-m", "hotneurons.profiler", *_args(model, text_corpus, tmp_path / "one")],
                             env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     dist = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", "29517", "-m", "powerinfer.profiler",
+                           "--master-port", "29517", "-m", "hotneurons.profiler",
                            *_args(model, text_corpus, tmp_path / "two")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert dist.returncode == 0, dist.stderr[-3000:]

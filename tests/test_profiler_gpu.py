@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
-from powerinfer.artifacts import read_profile
-from powerinfer.profiler.profile import ProfileConfig, profile_model
+from hotneurons.common.artifacts import read_profile
+from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,7 +29,7 @@ def test_cuda_counts_equal_cpu_counts(name, tiny_model_dir, text_corpus, tmp_pat
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cuda_count_kernel_matches_float64_reference(dtype):
-    from powerinfer.profiler.hooks import as_tau, count_active
+    from hotneurons.profiler.hooks import as_tau, count_active
 
     gen = torch.Generator().manual_seed(3)
     for tokens, n in [(1, 1), (7, 13), (513, 1000), (4096, 2048)]:

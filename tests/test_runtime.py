@@ -9,15 +9,14 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
-
 import tiny
-from powerinfer.models import load_model
-from powerinfer.predictors.train import Predictor, Predictors
-from powerinfer.runtime import cold_rows as C
-from powerinfer.runtime import kernels as K
-from powerinfer.runtime.generate import RuntimeConfig, Sampling, build_runtime, generate, sample
-from powerinfer.runtime.layout import Placement
+import torch
+from hotneurons.common.models import load_model
+from hotneurons.predictors.train import Predictor, Predictors
+from hotneurons.runtime import cold_rows as C
+from hotneurons.runtime import kernels as K
+from hotneurons.runtime.generate import RuntimeConfig, Sampling, build_runtime, generate, sample
+from hotneurons.runtime.layout import Placement
 
 LOGIT_ATOL = 1e-4
 NEW = 12
@@ -174,7 +173,7 @@ def test_predict_packs_the_host_mask_as_bits(n_cold):
     are np.packbits of the first n_cold decisions (little bit order), stale bits overwritten, the bits of the hot rows
     after them zero (here every hot row fires), the buffer's bytes after them left alone; bit_indices reads them back
     as the decisions' positions; the device mask is the decisions; firings += the decisions."""
-    from powerinfer.runtime.layout import predict
+    from hotneurons.runtime.layout import predict
 
     g = torch.Generator().manual_seed(n_cold)
     d, hidden, rows = 40, 24, n_cold + 37
@@ -264,7 +263,7 @@ def test_cold_layer_waits_for_the_ready_signal_then_releases():
 
 def test_row_gather_sums_every_row_once():
     """The DRAM ceiling's read (dram.row_gather_bw) covers every row it times, whatever the thread count."""
-    from powerinfer.runtime import dram
+    from hotneurons.runtime import dram
 
     rng = np.random.default_rng(2)
     rows = rng.standard_normal((40, 96)).astype(np.float32)  # 40 rows: five groups of 8
@@ -368,8 +367,8 @@ def test_layer_split_equals_hf(family, tiny_model_dir):
 def test_untied_input_embedding_stays_in_cpu_ram(family, tiny_model_dir):
     """An untied embedding is looked up on the CPU (the static decoder: into a host row layer 0 copies in), and
     neither the runtime nor layer-split counts it on the device; a tied one (OPT's) is the LM head and stays."""
-    from powerinfer.runtime.generate import layer_split_count
-    from powerinfer.runtime.layout import OnCPUEmbedding
+    from hotneurons.runtime.generate import layer_split_count
+    from hotneurons.runtime.layout import OnCPUEmbedding
 
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     p, size = lm.info["params"], 4  # float32
@@ -540,8 +539,8 @@ def test_static_decoder_equals_hf_decode(family, where, tiny_model_dir):
 def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_model_dir, monkeypatch):
     """--pcie-share: after the calibration tokens the device computes the first marked cold neurons of each token
     from the rows in place (here on the CPU, as views) and the CPU the rest; the logits stay HF's."""
-    import powerinfer.runtime.balance as B
-    from powerinfer.runtime.layout import measure_pcie_rates
+    import hotneurons.runtime.balance as B
+    from hotneurons.runtime.layout import measure_pcie_rates
 
     monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
     lm = tiny.load_rounded(tiny_model_dir(family), family)
@@ -569,7 +568,7 @@ class SimulatedMachine:
     def __init__(self, hot_ms, device_rate, cpu_rate, start, believed, spread):
         from types import SimpleNamespace
 
-        import powerinfer.runtime.balance as B
+        import hotneurons.runtime.balance as B
 
         self.B, self.hot_ms, self.device_rate, self.cpu_rate, self.spread = B, hot_ms, device_rate, cpu_rate, spread
         self.rng = np.random.default_rng(0)
@@ -625,7 +624,7 @@ def test_share_is_rechecked_and_moved_when_the_machine_changes(cpu_after, monkey
     """RECHECK_TOKENS steps after the rounds, one timed round at the share kept: on an unchanged machine it keeps the
     share (no new graphs) and turns the host clock off; where the CPU's rate has since halved or doubled, it starts a
     new series, which ends within 3% of the new best split."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     monkeypatch.setattr(B, "RECHECK_TOKENS", 64)
     m = SimulatedMachine(0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1)
@@ -648,7 +647,7 @@ def test_share_is_rechecked_and_moved_when_the_machine_changes(cpu_after, monkey
 def test_recheck_leaves_another_timeline_alone(monkeypatch):
     """A re-check due while another timeline has the host clock on (bench diagnostics) waits until it is off, and one
     whose clock was taken over starts again: neither list is cut short or read as its own."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     monkeypatch.setattr(B, "RECHECK_TOKENS", 16)
     m = SimulatedMachine(0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1)
@@ -670,7 +669,7 @@ def test_recheck_leaves_another_timeline_alone(monkeypatch):
 def test_next_share_from_overruns_lands_on_the_balance():
     """Without spread in the CPU's times and where the model holds, one round whose GPU part ran past the CPU's moves
     K to where the two end together (to the grid's step)."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     marked, g, c, a, share = 2000.0, 900.0, 1200.0, 0.1, 0.6
     k = share * marked
@@ -682,7 +681,7 @@ def test_next_share_from_overruns_lands_on_the_balance():
 def test_next_share_is_not_moved_by_one_stalled_cpu_part():
     """One CPU part stalled for 20 ms among a round's 48 samples (a page fault, the OS) does not send the share to its
     cap: the stall does not shrink with the rows the CPU keeps (bench/NOTES.md, machine BD)."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     rng = np.random.default_rng(0)
     over, cold = np.abs(rng.normal(0.5, 0.2, (4, 12))), np.abs(rng.normal(0.15, 0.03, (4, 12)))
@@ -698,7 +697,7 @@ def test_pcie_share_out_of_range_is_refused(tiny_model_dir):
 
 
 def test_static_decoder_not_for_other_families(tiny_model_dir):
-    from powerinfer.runtime.fast import supported
+    from hotneurons.runtime.fast import supported
 
     for family in ("opt", "falcon-relu", "gemma-geglu"):
         lm = tiny.load_rounded(tiny_model_dir(family), family)
@@ -709,7 +708,7 @@ def test_static_decoder_not_for_other_families(tiny_model_dir):
 def test_static_decoder_reads_q_k_v_as_one_weight_without_a_second_copy(tiny_model_dir):
     """The fused q/k/v weight is the Linear modules' memory (their weights are row slices of it), so the bytes the
     runtime counted are the bytes held: the parameters once, plus the static KV cache it allocated."""
-    from powerinfer.runtime.layout import count_bytes
+    from hotneurons.runtime.layout import count_bytes
 
     lm = tiny.load_rounded(tiny_model_dir("qwen2-swiglu"), "qwen2-swiglu")  # q/k/v biases
     rt = build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
@@ -733,9 +732,8 @@ def test_static_decoder_norm_and_softmax_round_as_hf(dtype):
 def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) -> None:
     """The two-kernel RMSNorm (torch's fused rms_norm in the input dtype, then the weight) and the softmax in the
     scores' dtype against HF's forms (float32 inside, then a cast), on fresh random inputs."""
+    from hotneurons.runtime.fast import _attend, _rms_norm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from powerinfer.runtime.fast import _attend, _rms_norm
 
     g = torch.Generator().manual_seed(int(zlib.crc32(str(dtype).encode())))
     norm = LlamaRMSNorm(512, eps=1e-5)

@@ -5,12 +5,11 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from click.testing import CliRunner
-
 import tiny
-from powerinfer import artifacts
-from powerinfer.models import load_model
-from powerinfer.runtime.cli import SHARE_WARN_STEPS, format_stats, main, share_warning
+from click.testing import CliRunner
+from hotneurons.common import artifacts
+from hotneurons.common.models import load_model
+from hotneurons.runtime.cli import SHARE_WARN_STEPS, format_stats, main, share_warning
 
 
 def make_run(run, folder, family="opt", threshold=-1e30, predictors=True):
@@ -101,7 +100,7 @@ def test_no_run_no_model():
 
 def test_interactive_chat_keeps_the_conversation(opt_run, monkeypatch):
     """-i: each line is a user turn; the prompt of turn 2 holds turn 1 and its answer; an empty line ends."""
-    import powerinfer.runtime.cli as cli
+    import hotneurons.runtime.cli as cli
 
     prompts = []
     real = cli.prompt_ids

@@ -9,12 +9,19 @@ import gc
 import warnings
 
 import pytest
-import torch
-
 import tiny
-from powerinfer.runtime.generate import RuntimeConfig, build_runtime, generate
-from test_runtime import (NEW, PROMPT, RELU, always_on_predictors, check_equal, check_norm_and_softmax,
-                          exact_predictors, make_placement)
+import torch
+from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from test_runtime import (
+    NEW,
+    PROMPT,
+    RELU,
+    always_on_predictors,
+    check_equal,
+    check_norm_and_softmax,
+    exact_predictors,
+    make_placement,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference
@@ -157,7 +164,7 @@ def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_d
     """After the calibration tokens the GPU computes the first marked cold neurons of each token from page-locked,
     mapped host rows (graphs captured again with that shape), the CPU the rest: HF's tokens and logits. The share is
     measured (pcie_share None), then moved by two timed balancing rounds, each with graphs captured again."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
     monkeypatch.setattr(B, "BALANCE_ROUNDS", 2)
@@ -176,7 +183,7 @@ def test_cuda_cold_rows_read_over_pcie_equal_hf(family, mode, int8, tiny_model_d
 def test_cuda_share_rechecks_equal_hf(tiny_model_dir, monkeypatch):
     """Re-checks of the balanced share on CUDA (one step after each series, each starting a new series: graphs
     captured again after a re-check's host clock): HF's tokens and logits."""
-    import powerinfer.runtime.balance as B
+    import hotneurons.runtime.balance as B
 
     for name, v in (("CALIBRATION_TOKENS", 1), ("BALANCE_ROUNDS", 1), ("BALANCE_TOKENS", 1), ("RECHECK_TOKENS", 1),
                     ("RECHECK_GAIN", 0.0)):

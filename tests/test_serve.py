@@ -16,10 +16,9 @@ from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
-
-from powerinfer.runtime.api import StopMatcher
-from powerinfer.runtime.generate import RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
-from powerinfer.runtime.serve import Server, ServeConfig
+from hotneurons.runtime.api import StopMatcher
+from hotneurons.runtime.generate import RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
+from hotneurons.runtime.serve import ServeConfig, Server
 
 openai = pytest.importorskip("openai")
 
@@ -432,7 +431,7 @@ def test_load_every_request_answered_or_refused(tiny_model_dir):
 
 
 def test_cli_refuses_bad_settings():
-    from powerinfer.runtime.serve_cli import main
+    from hotneurons.runtime.serve_cli import main
 
     r = CliRunner().invoke(main, ["--model", "x", "--port", "70000"])
     assert r.exit_code != 0 and "--port 70000" in r.output

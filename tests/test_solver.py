@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
-
-from powerinfer.hardware import get_hardware
-from powerinfer.solver.cost import (ModelShape, build_problem, comm_min_neurons, evaluate, layer_tables)
-from powerinfer.solver.ilp import solve_ilp
-from powerinfer.solver.synthetic import llama_model_meta
+from hotneurons.common.hardware import get_hardware
+from hotneurons.solver.cost import ModelShape, build_problem, comm_min_neurons, evaluate, layer_tables
+from hotneurons.solver.ilp import solve_ilp
+from hotneurons.solver.synthetic import llama_model_meta
 
 HW = get_hardware("rtx4090")
 

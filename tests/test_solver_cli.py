@@ -6,14 +6,13 @@ import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-
-from powerinfer.artifacts import ArtifactError, read_json, write_json
-from powerinfer.hardware import get_hardware
-from powerinfer.solver import SolverError, solve_placement
-from powerinfer.solver.cli import main
-from powerinfer.solver.cost import ModelShape, memory_items, predictor_hidden
-from powerinfer.units import parse_bytes
-from powerinfer.solver.synthetic import llama_model_meta, synthetic_counts, write_profile
+from hotneurons.common.artifacts import ArtifactError, read_json, write_json
+from hotneurons.common.hardware import get_hardware
+from hotneurons.common.units import parse_bytes
+from hotneurons.solver import SolverError, solve_placement
+from hotneurons.solver.cli import main
+from hotneurons.solver.cost import ModelShape, memory_items, predictor_hidden
+from hotneurons.solver.synthetic import llama_model_meta, synthetic_counts, write_profile
 
 HW = get_hardware("rtx4090")
 TOKENS = 5000
@@ -82,9 +81,8 @@ def test_int8_cold_rows_make_the_cpu_cheaper(run):
     """--cold-dtype int8: an active cold neuron costs 1.0625/2 of its bf16 read, the placement keeps no more neurons on
     the GPU, the CPU RAM figure shrinks, and the flag is recorded; the bytes are what the runtime stores."""
     import torch
-
-    from powerinfer.runtime.cold_rows import ColdRows
-    from powerinfer.solver.cost import COLD_BYTES
+    from hotneurons.runtime.cold_rows import ColdRows
+    from hotneurons.solver.cost import COLD_BYTES
 
     rows = ColdRows.from_weights(*(torch.randn(64, 128) for _ in range(2)), None, torch.randn(64, 128), "int8")
     assert rows.nbytes() - rows.b_up.nbytes == 3 * 64 * 128 * COLD_BYTES["int8"]

@@ -2,13 +2,12 @@
 
 import pandas as pd
 import pytest
+from hotneurons.common.artifacts import read_profile
+from hotneurons.common.hardware import get_hardware
+from hotneurons.common.units import parse_bytes
+from hotneurons.solver import SolverError, solve_placement
 
-from powerinfer.artifacts import read_profile
-from powerinfer.hardware import get_hardware
-from powerinfer.solver import SolverError, solve_placement
-from powerinfer.units import parse_bytes
-
-profiler = pytest.importorskip("powerinfer.profiler.profile")
+profiler = pytest.importorskip("hotneurons.profiler.profile")
 
 
 @pytest.mark.parametrize("family", ["opt", "llama-reglu"])
@@ -42,10 +41,9 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
     """pi-generate at pi-solve's --vram holds what the solver placed: every byte the runtime puts on the device (its
     weights, predictors, neuron ids, static KV cache) is counted by the solver."""
     import numpy as np
-
     import tiny
-    from powerinfer import artifacts
-    from powerinfer.runtime.generate import RuntimeConfig, load_runtime
+    from hotneurons.common import artifacts
+    from hotneurons.runtime.generate import RuntimeConfig, load_runtime
 
     cfg = profiler.ProfileConfig(model=str(tiny_model_dir(family)), dataset=str(text_corpus), tokens=300,
                                  seq_len=48, batch_size=3, samples_per_layer=0, dtype="float32")

@@ -1,6 +1,5 @@
 import pytest
-
-from powerinfer.units import format_bytes, format_size_arg, parse_bytes, parse_rate
+from hotneurons.common.units import format_bytes, format_size_arg, parse_bytes, parse_rate
 
 
 @pytest.mark.parametrize("text,value", [

@@ -29,8 +29,16 @@ def byte_tokenizer():
 
 
 def _configs():
-    from transformers import (FalconConfig, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, OPTConfig,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (
+        FalconConfig,
+        Gemma3TextConfig,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258)
@@ -84,7 +92,7 @@ def make_drelu(lm) -> None:
 def load_rounded(folder, family: str):
     """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the runtime's cold rows store),
     so that the runtime and HF `generate` compute with the same weights."""
-    from powerinfer.models import load_model
+    from hotneurons.common.models import load_model
 
     lm = load_model(str(folder), device="cpu", dtype="float32", activation=ACTIVATION_OVERRIDE.get(family))
     if family == "mistral-drelu":
@@ -99,8 +107,8 @@ def load_rounded(folder, family: str):
 def round_ffns_to_int8(lm, group: int | None = None) -> None:
     """FFN weights -> what int8 cold rows with a scale per `group` weights (default: the runtime's INT8_GROUP) stand
     for, in place: groups along each neuron's gate and up rows and its down column, as the runtime stores them."""
-    from powerinfer.runtime.cold_rows import from_int8_groups, to_int8_groups
-    from powerinfer.runtime.kernels import INT8_GROUP
+    from hotneurons.runtime.cold_rows import from_int8_groups, to_int8_groups
+    from hotneurons.runtime.kernels import INT8_GROUP
 
     group = group or INT8_GROUP
     with torch.no_grad():
@@ -114,9 +122,8 @@ def round_ffns_to_int8(lm, group: int | None = None) -> None:
 def write_predictors(run: Path, info: dict, threshold: float, profile_sha: str = "none", hidden: int = 8) -> None:
     """RUN/predictors written by hand (random weights, one `threshold` for every layer), so a test needs no training.
     `profile_sha`: the sha256 of RUN/profile/meta.json where the run has a profile (load_predictors checks it)."""
+    from hotneurons.common import artifacts
     from safetensors.torch import save_file
-
-    from powerinfer import artifacts
 
     L, d, n = info["n_layers"], info["d_model"], info["n_neurons"]
     (run / "predictors").mkdir()

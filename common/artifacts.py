@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-
-from powerinfer import __version__
+from hotneurons import __version__
 
 FORMAT_VERSION = 1  # bump when an on-disk layout changes; readers refuse other versions
 
@@ -103,7 +102,7 @@ def _json_default(o: Any) -> Any:
 
 
 def command_line() -> str:
-    """How this process was started: `pi-profile --tokens ...`, or `python -m powerinfer.profiler ...`."""
+    """How this process was started: `pi-profile --tokens ...`, or `python -m hotneurons.profiler ...`."""
     if sys.argv[0].endswith("__main__.py") and getattr(sys, "orig_argv", None):
         return " ".join(["python", *sys.orig_argv[1:]])
     return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
@@ -137,7 +136,7 @@ def check_meta(meta: dict[str, Any], stage: str, where: Path) -> None:
         raise ArtifactError(f"{where} is a '{meta.get('stage')}' artifact, expected '{stage}'")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
-            f"{where} has format_version {meta.get('format_version')}, this powerinfer reads {FORMAT_VERSION}: "
+            f"{where} has format_version {meta.get('format_version')}, this hotneurons reads {FORMAT_VERSION}: "
             f"re-run the stage that made it with this version"
         )
 

@@ -109,10 +109,10 @@ def _measure_dram_bw(cores: int, nbytes: int = 2**30, repeats: int = 3) -> float
     best of sequential numpy sums (numpy releases the GIL inside the reduction) and the cold kernels' own pattern
     (runtime.dram.row_gather_bw: rows in random order, 4 at once per thread), which read 2-4x faster than the sums
     on the H100 host."""
-    import numpy as np
     from concurrent.futures import ThreadPoolExecutor
 
-    from powerinfer.runtime.dram import row_gather_bw
+    import numpy as np
+    from hotneurons.runtime.dram import row_gather_bw
 
     a = np.ones(nbytes // 4, dtype=np.float32)  # (n,) 4 bytes each
     chunks = np.array_split(a, cores)

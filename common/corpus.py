@@ -98,7 +98,7 @@ def wikipedia_sample_titles(split: str = "train") -> list[str]:
 def _wiki_articles() -> tuple[tuple[str, str], ...]:
     spec = importlib.util.find_spec("gensim")
     if spec is None or spec.origin is None:
-        raise CorpusError("the wikipedia-sample corpus ships inside gensim: pip install 'powerinfer-py[demo]' "
+        raise CorpusError("the wikipedia-sample corpus ships inside gensim: pip install 'hotneurons[demo]' "
                           "(or pass --dataset)")
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
 

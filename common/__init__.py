@@ -1,0 +1,1 @@
+"""What two or more stages share: model adapters, corpora, artifact I/O, hardware specs and units."""
