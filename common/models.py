@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotneurons.common import sparse_act
 from torch import nn
 
 # Activation kinds. ReLU-family kinds have exact zeros; the others need a magnitude threshold.
-RELU_FAMILY = ("relu", "reglu", "drelu")
-ACTIVATIONS = ("relu", "gelu", "reglu", "drelu", "swiglu", "geglu")
+RELU_FAMILY = ("relu", "reglu", "drelu", "fatrelu")
+ACTIVATIONS = ("relu", "gelu", "reglu", "drelu", "fatrelu", "swiglu", "geglu")
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class FamilyAdapter:
             return override
         raw = next((getattr(config, k) for k in self.act_config_keys if getattr(config, k, None)), "")
         raw = str(raw).lower()
-        if raw == "drelu":
-            return "drelu"
+        if raw in ("drelu", "fatrelu"):  # written by pi-relufy (common/sparse_act.py)
+            return raw
         if raw.startswith("relu"):
             return "reglu" if self.gated else "relu"
         if raw in ("silu", "swish"):
@@ -200,8 +201,16 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     if source.gguf_file:
         kw["gguf_file"] = source.gguf_file
     config = AutoConfig.from_pretrained(source.path, **kw)
-    adapter_for(text_config(config)).activation(text_config(config), activation)  # fail before loading weights
-    hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, device), **kw)
+    adapter = adapter_for(text_config(config))
+    adapter.activation(text_config(config), activation)  # fail before loading weights
+    patched, threshold = sparse_act.config_activation(text_config(config))
+    if patched:  # dReLU / FATReLU: built as ReGLU, then each FFN patched (common/sparse_act.py)
+        text_config(config).hidden_act = "relu"
+    hf_model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=pick_dtype(dtype, device), **kw)
+    if patched:
+        sparse_act.patch_ffn([adapter.ffn_module(layer) for layer in decoder_layers(hf_model, hf_model.config)],
+                             patched, threshold)
+        text_config(hf_model.config).hidden_act = patched
     tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
 

@@ -1,0 +1,3 @@
+from hotneurons.relufy.cli import main
+
+main()

@@ -1,0 +1,289 @@
+"""`relufy`: a gated-FFN (SwiGLU/GeGLU) model made ReLU-sparse by distillation from the original.
+
+The student starts from the original weights with the FFN activation replaced (ReLU, dReLU or FATReLU,
+common/sparse_act.py) and is trained to match the original model (the teacher, on the same device):
+
+    loss = kl * KL(teacher || student) + lm * CE(next token) + l1(step) * mean |h|
+
+where h is what enters each down projection (the per-neuron activation values; exact zeros are skipped at run
+time) and l1(step) rises in stages over the first `l1_ramp` of training, as ProSparse does, so the model first
+recovers from the swap and then is pushed sparser.
+
+Data: token rows of a corpus (any the profiler takes) plus rows the teacher samples itself from short corpus
+prompts (`teacher_text` of the pool): the offline Wikipedia sample is under a million tokens, and the teacher's
+own text carries its distribution. The pool is built once and kept with the checkpoints, so `resume` replays the
+same batches in the same order.
+
+Output (atomic: written to OUT.partial, renamed at the end): an HF folder (config.json with the new
+`hidden_act`, model.safetensors, tokenizer), meta.json, and summary.json with the training curve, per-layer
+sparsity on held-out text and perplexity before and after.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hotneurons.common.corpus import CorpusError, iter_texts, token_rows
+from hotneurons.common.models import LoadedModel, decoder_layers, text_config
+from hotneurons.common.sparse_act import mark_config, patch_ffn
+from tqdm.auto import tqdm
+
+ACTIVATIONS = ("relu", "drelu", "fatrelu")
+SOURCE_ACTIVATIONS = ("swiglu", "geglu", "reglu", "drelu", "fatrelu")  # gated FFNs the swap applies to
+
+
+class RelufyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RelufyConfig:
+    """One relufication: activation, loss weights, data and schedule."""
+
+    activation: str = "relu"  # relu, drelu, fatrelu
+    fat_threshold: float = 0.0  # fatrelu: values at or below it are zeroed
+    tokens: int = 8_000_000  # training budget in token-steps (batches * batch_size * seq_len)
+    seq_len: int = 256
+    batch_size: int = 32
+    lr: float = 2e-4  # AdamW; linear warmup over `warmup` of the steps, then cosine to lr / 10
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    kl: float = 1.0  # weight of KL(teacher || student) on the next-token distributions
+    lm: float = 0.0  # weight of the plain next-token loss on the pool
+    l1: float = 0.0  # final weight of mean |h| over layers, tokens and neurons
+    l1_ramp: float = 0.5  # share of the steps over which the L1 weight rises to `l1`
+    l1_stages: int = 4  # the rise in this many equal steps (ProSparse); 0: linear
+    dataset: str = "wikipedia-sample"
+    text_column: str = "text"
+    corpus_tokens: int = 1_000_000  # at most this many corpus tokens in the pool
+    teacher_text: float = 0.5  # share of the pool's rows sampled from the teacher
+    prompt_tokens: int = 8  # corpus tokens that start each teacher sample
+    top_p: float = 0.95
+    gen_batch: int = 256  # teacher samples generated at once
+    eval_dataset: str = "wikipedia-sample:eval"
+    eval_tokens: int = 65_536
+    checkpoint_every: int = 200  # steps
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise RelufyError(f"unknown activation '{self.activation}': choose one of {', '.join(ACTIVATIONS)}")
+        if self.tokens <= 0:
+            raise RelufyError(f"a training budget of {self.tokens} tokens: give a positive number of tokens")
+        if not 0 <= self.teacher_text < 1:
+            raise RelufyError(f"teacher text share {self.teacher_text}: give a share in [0, 1)")
+        if self.seq_len <= self.prompt_tokens:
+            raise RelufyError(f"sequence length {self.seq_len} must exceed the {self.prompt_tokens} prompt tokens")
+        if self.kl <= 0 and self.lm <= 0:
+            raise RelufyError("both the KL and the LM loss weights are 0: nothing to train on")
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // (self.batch_size * self.seq_len))
+
+
+PRESETS: dict[str, RelufyConfig] = {
+    "default": RelufyConfig(),
+    # ReLU at ReluLLaMA's level in a few minutes on an H100/H200-class GPU
+    "quick": RelufyConfig(tokens=2_000_000, eval_tokens=32_768),
+    # stronger push: dReLU plus a staged L1 ramp
+    "sparse": RelufyConfig(activation="drelu", tokens=16_000_000, l1=0.02),
+    # seconds on a CPU, for tests and tiny models
+    "tiny": RelufyConfig(tokens=2048, seq_len=32, batch_size=4, corpus_tokens=2048, gen_batch=8, eval_tokens=256,
+                         checkpoint_every=4, warmup=0.1),
+}
+
+
+def preset(name: str) -> RelufyConfig:
+    if name not in PRESETS:
+        raise RelufyError(f"unknown preset '{name}': choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The student, the pool, the schedule
+
+
+def check_gated(lm: LoadedModel) -> None:
+    if not lm.adapter.gated or lm.activation not in SOURCE_ACTIVATIONS or lm.adapter.name not in ("llama",):
+        raise RelufyError(f"{lm.source.name} ({lm.info['model_type']}, {lm.activation}) has no LLaMA-style gated "
+                          f"FFN to relufy: pi-relufy takes LLaMA/Mistral/Qwen models with SwiGLU-type FFNs")
+
+
+def plain_model(lm: LoadedModel, dtype: torch.dtype, device: str, activation: str | None = None,
+                threshold: float = 0.0) -> torch.nn.Module:
+    """A fresh transformers model with `lm`'s weights in `dtype` on `device` (GGUF-loaded models stay flagged as
+    quantized and refuse dtype changes; this one is an ordinary model), the FFN activation replaced if asked."""
+    from transformers import AutoModelForCausalLM
+
+    config = lm.model.config.__class__.from_dict(lm.model.config.to_dict())
+    for key in ("quantization_config",):
+        if hasattr(config, key):
+            delattr(config, key)
+    cfg = text_config(config)
+    if activation is not None:
+        cfg.hidden_act = "relu"  # built as ReGLU; patch_ffn then sets the exact kind
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(lm.model.state_dict(), strict=True)
+    model.to(device)
+    if activation is not None:
+        patch_ffn([lm.adapter.ffn_module(layer) for layer in decoder_layers(model, model.config)], activation,
+                  threshold)
+        mark_config(text_config(model.config), activation, threshold)
+    return model.eval()
+
+
+def corpus_rows(tokenizer, cfg: RelufyConfig, dataset: str, max_tokens: int) -> torch.Tensor:
+    """(rows, seq_len) int64 token rows of full length from the corpus."""
+    rows = [r for r in token_rows(tokenizer, iter_texts(dataset, cfg.text_column), cfg.seq_len, max_tokens)
+            if len(r) == cfg.seq_len]
+    if not rows:
+        raise CorpusError(f"dataset '{dataset}' has no text for one row of {cfg.seq_len} tokens")
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@torch.no_grad()
+def teacher_rows(teacher: torch.nn.Module, prompts: torch.Tensor, cfg: RelufyConfig, pad_id: int,
+                 progress: bool) -> torch.Tensor:
+    """(len(prompts), seq_len) rows the teacher samples (top-p) from each prompt; batched, static KV cache on CUDA."""
+    from transformers import GenerationConfig
+
+    device = next(teacher.parameters()).device
+    gen = GenerationConfig(do_sample=True, top_p=cfg.top_p, top_k=0, temperature=1.0,
+                           max_new_tokens=cfg.seq_len - prompts.shape[1], min_new_tokens=cfg.seq_len - prompts.shape[1],
+                           pad_token_id=pad_id, eos_token_id=None,
+                           cache_implementation="static" if device.type == "cuda" else None)
+    torch.manual_seed(cfg.seed)
+    out = []
+    bar = tqdm(total=len(prompts) * cfg.seq_len, desc="teacher text", unit="tok", unit_scale=True,
+               disable=not progress, dynamic_ncols=True)
+    for i in range(0, len(prompts), cfg.gen_batch):
+        ids = prompts[i:i + cfg.gen_batch].to(device)
+        rows = teacher.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        out.append(rows[:, :cfg.seq_len].cpu())
+        bar.update(rows.numel())
+    bar.close()
+    return torch.cat(out)
+
+
+def build_pool(teacher: torch.nn.Module, tokenizer, cfg: RelufyConfig, progress: bool) -> torch.Tensor:
+    """Corpus rows plus teacher rows, `teacher_text` of the pool, in a fixed order."""
+    corpus = corpus_rows(tokenizer, cfg, cfg.dataset, cfg.corpus_tokens)
+    if cfg.teacher_text <= 0:
+        return corpus
+    n_teacher = math.ceil(len(corpus) * cfg.teacher_text / (1 - cfg.teacher_text))
+    g = torch.Generator().manual_seed(cfg.seed)
+    starts = corpus[torch.randint(len(corpus), (n_teacher,), generator=g)]
+    offs = torch.randint(cfg.seq_len - cfg.prompt_tokens + 1, (n_teacher,), generator=g)
+    prompts = torch.stack([r[o:o + cfg.prompt_tokens] for r, o in zip(starts, offs)])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return torch.cat([corpus, teacher_rows(teacher, prompts, cfg, int(pad or 0), progress)])
+
+
+def batch_rows(step: int, n_rows: int, cfg: RelufyConfig) -> torch.Tensor:
+    """Row indices of batch `step`: the pool shuffled anew each epoch (seeded), so any step can be replayed."""
+    b = cfg.batch_size
+    idx = []
+    pos = step * b
+    while len(idx) < b:
+        epoch, off = divmod(pos, n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        take = perm[off:off + b - len(idx)]
+        idx.extend(take.tolist())
+        pos += len(take)
+    return torch.tensor(idx)
+
+
+def lr_at(step: int, cfg: RelufyConfig) -> float:
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def l1_at(step: int, cfg: RelufyConfig) -> float:
+    if cfg.l1 <= 0:
+        return 0.0
+    ramp = max(1, int(cfg.l1_ramp * cfg.steps))
+    frac = min(1.0, (step + 1) / ramp)
+    if cfg.l1_stages > 0:
+        frac = math.ceil(frac * cfg.l1_stages) / cfg.l1_stages
+    return cfg.l1 * frac
+
+
+class FFNValues:
+    """Forward pre-hooks on each down projection: the values h entering it, for the L1 term and sparsity.
+
+    Zero counts stay on the device until `sparsity()` (one sync a step, not one a layer)."""
+
+    def __init__(self, model: torch.nn.Module, adapter, keep: bool):
+        self.mods = [adapter.layer_ffn(layer)["down"] for layer in decoder_layers(model, model.config)]
+        self.keep = keep
+        self.h: list[torch.Tensor] = []
+        self.zeros: list[list[torch.Tensor]] = [[] for _ in self.mods]  # per layer, exact zeros of each call
+        self.seen = [0] * len(self.mods)  # per layer, values seen
+        self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.mods)]
+
+    def _hook(self, i: int):
+        def hook(module, args):
+            h = args[0]  # (batch, seq, neurons)
+            if self.keep:
+                self.h.append(h)
+            self.zeros[i].append((h == 0).sum())
+            self.seen[i] += h.numel()
+        return hook
+
+    def l1(self) -> torch.Tensor:
+        return torch.stack([h.float().abs().mean() for h in self.h]).mean()
+
+    def sparsity(self) -> list[float]:
+        """Per layer, the share of values seen since `reset` that were exactly 0."""
+        zeros = torch.stack([torch.stack(z).sum() for z in self.zeros]).double().cpu()  # (layers,)
+        return [float(z) / max(1, s) for z, s in zip(zeros, self.seen)]
+
+    def reset(self) -> None:
+        self.h.clear()
+        self.zeros = [[] for _ in self.mods]
+        self.seen = [0] * len(self.mods)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student), in float32."""
+    v = student_logits.shape[-1]
+    s = F.log_softmax(student_logits.float().reshape(-1, v), -1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, v), -1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, adapter, rows: torch.Tensor, batch_size: int, amp: bool) -> dict[str, Any]:
+    """Perplexity and per-layer exact-zero share of h on held-out rows."""
+    device = next(model.parameters()).device
+    vals = FFNValues(model, adapter, keep=False)
+    nll, count = 0.0, 0
+    try:
+        for i in range(0, len(rows), batch_size):
+            ids = rows[i:i + batch_size].to(device)
+            with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+                logits = model(input_ids=ids, use_cache=False).logits  # (b, s, vocab)
+            nll += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                                         ids[:, 1:].reshape(-1), reduction="sum"))
+            count += ids[:, 1:].numel()
+        per_layer = vals.sparsity()
+    finally:
+        vals.close()
+    return {"perplexity": math.exp(nll / count), "tokens": count, "ffn_sparsity": sum(per_layer) / len(per_layer),
+            "ffn_sparsity_per_layer": per_layer}
