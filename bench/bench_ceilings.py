@@ -7,10 +7,10 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import bench_model as bm
 import numba
 import numpy as np
 import torch
+from hotneurons.bench import bench_model as bm
 from hotneurons.runtime.dram import row_gather_bw
 from hotneurons.runtime.kernels import _fetch_add
 from numba import njit, prange

@@ -1,12 +1,13 @@
-"""llama.cpp for pi_bench: the source tarball (made where PyPI is reachable), the build of `llama-bench`, a GGUF of
-the bench model's weights written with the vendored gguf-py, and `llama-bench` runs.
+"""llama.cpp for pi-bench: the source tarball (made where PyPI is reachable), the build of `llama-bench`, a GGUF of
+the bench model's weights, and `llama-bench` runs (through fair.run: standalone, or paired with our process stopped).
 
-The source is vendor/llama.cpp of the `llama-cpp-python` sdist (77 MB, over the device's carry limit), tarred
-without models/ docs/ tests/ examples/ and the like into CARRY (git-ignored, never committed)."""
+The source is vendor/llama.cpp of the `llama-cpp-python` sdist (77 MB, too large to carry to a machine without
+internet), tarred without models/ docs/ tests/ examples/ and the like into CARRY (git-ignored, never committed)."""
 
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,15 +19,15 @@ from importlib.metadata import version as version_of
 from pathlib import Path
 
 import numpy as np
+from hotneurons.bench import ROOT, fair
 
-ROOT = Path(__file__).resolve().parents[1]
-CARRY = ROOT / ".llamacpp"  # what the GPU calls carry: llama.cpp.tar.gz and wheels/
+CARRY = ROOT / ".llamacpp"  # carried to the GPU machine: llama.cpp.tar.gz
 TARBALL = CARRY / "llama.cpp.tar.gz"
-WHEELS = CARRY / "wheels"
+WHEELS = ROOT / ".whl"  # carried too: the wheels of the packages a GPU image may lack
 DROP = {"models", "docs", "tests", "examples", ".github", "media", "ui", "pocs", ".devops", "benches", "app", "ci"}
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
-WHEEL_NAMES = ("pulp", "highspy")  # the solver's packages, absent on the device image
+WHEEL_NAMES = ("pulp", "highspy", "gguf")  # the solver's packages and the GGUF writer
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -34,14 +35,11 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, **kw)
 
 
-def prepare(python_version: str = "3.12") -> dict:
-    """Download the llama-cpp-python sdist, tar its vendor/llama.cpp (trimmed) into CARRY; fetch the solver's wheels
-    for the device's Python. Needs PyPI."""
+def prepare(python_version: str | None = None) -> dict:
+    """Download the llama-cpp-python sdist, tar its vendor/llama.cpp (trimmed) into CARRY; fetch the wheels of
+    WHEEL_NAMES for the GPU machine's Python (default: this one's) into WHEELS. Needs PyPI."""
+    python_version = python_version or ".".join(platform.python_version_tuple()[:2])
     CARRY.mkdir(exist_ok=True)
-    exclude = ROOT / ".git" / "info" / "exclude"
-    if exclude.exists() and "/.llamacpp/" not in exclude.read_text().split():
-        with exclude.open("a") as f:
-            f.write("/.llamacpp/\n")
     with tempfile.TemporaryDirectory() as tmp:
         _run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps", "-d", tmp,
               "llama-cpp-python"])
@@ -81,44 +79,32 @@ def prepare(python_version: str = "3.12") -> dict:
     return info
 
 
-def use_wheels(target: Path) -> list[str]:
-    """Unpack the carried wheels into `target` and put it on sys.path (the device has no pulp/highspy)."""
-    import zipfile
-
-    done = []
-    for whl in sorted(WHEELS.glob("*.whl")):
-        mark = target / (whl.name + ".done")
-        if not mark.exists():
-            with zipfile.ZipFile(whl) as z:
-                z.extractall(target)
-            mark.touch()
-        done.append(whl.name)
-    if done and str(target) not in sys.path:
-        sys.path.insert(0, str(target))
-    return done
-
-
 def source_dir(work: Path) -> Path:
     src = work / "llama.cpp"
     if not (src / "CMakeLists.txt").exists():
         if not TARBALL.exists():
-            raise SystemExit(f"no {TARBALL}: run `python bench/pi_bench.py --stage prepare` where PyPI is reachable "
-                             f"and carry .llamacpp")
+            raise SystemExit(f"no {TARBALL}: run `pi-bench --stage prepare` where PyPI is reachable and carry "
+                             f".llamacpp")
         with tarfile.open(TARBALL) as t:
             t.extractall(work, filter="data")
     return src
 
 
 def gguf_module(work: Path):
-    """The vendored gguf-py (from the tarball), else an installed gguf."""
+    """The installed gguf package (carried as a wheel), else the gguf-py that the llama.cpp tarball vendors."""
     try:
-        gp = source_dir(work) / "gguf-py"
-        if str(gp) not in sys.path:
-            sys.path.insert(0, str(gp))
-    except SystemExit:
-        pass
-    import gguf
+        import gguf
 
+        return gguf
+    except ImportError:
+        pass
+    import importlib.util
+
+    init = source_dir(work) / "gguf-py" / "gguf" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("gguf", init, submodule_search_locations=[str(init.parent)])
+    gguf = importlib.util.module_from_spec(spec)
+    sys.modules["gguf"] = gguf
+    spec.loader.exec_module(gguf)
     return gguf
 
 
@@ -223,19 +209,18 @@ def quantize(binary_dir: Path, src: Path, dst: Path, kind: str = "Q8_0", threads
 
 
 def llama_bench(binary: str, gguf_path: Path, ngl: int, threads: int, tokens: int, reps: int,
-                timeout: float) -> dict:
-    """One `llama-bench` run (decode only: -p 0 -n tokens); tokens/s from its JSON."""
+                timeout: float, freeze: bool = False) -> dict:
+    """One `llama-bench` run (decode only: -p 0 -n tokens); tokens/s from its JSON. freeze: this process is stopped
+    while it runs (a paired run beside our systems: fair.py)."""
     cmd = [binary, "-m", str(gguf_path), "-ngl", str(ngl), "-p", "0", "-n", str(tokens), "-r", str(reps),
            "-t", str(threads), "-o", "json"]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"command": " ".join(cmd), "error": f"timed out after {timeout:.0f} s"}
-    row = {"command": " ".join(cmd), "seconds": time.perf_counter() - t0, "returncode": p.returncode}
-    if p.returncode != 0:
-        return {**row, "error": (p.stderr or p.stdout)[-2000:]}
-    res = json.loads(p.stdout)[0]
+    rc, stdout, stderr, seconds = fair.run(cmd, timeout, freeze=freeze)
+    row = {"command": " ".join(cmd), "seconds": seconds, "returncode": rc, "ours_stopped": freeze}
+    if rc == 124:
+        return {**row, "error": f"timed out after {timeout:.0f} s"}
+    if rc != 0:
+        return {**row, "error": (stderr or stdout)[-2000:]}
+    res = json.loads(stdout)[0]
     return {**row, "decode_tokens_per_s": res["avg_ts"], "stddev_tokens_per_s": res.get("stddev_ts"),
             "n_gpu_layers": res.get("n_gpu_layers"), "build_commit": res.get("build_commit"),
             "backends": res.get("backends"), "model_size": res.get("model_size"), "samples_ts": res.get("samples_ts")}

@@ -1,11 +1,11 @@
-"""pi_bench results: the goal ratios of issue #6, the markdown table, and the merged results file."""
+"""pi-bench results: the goal ratios, the markdown table, and the merged results file (record.py's schema)."""
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from pathlib import Path
+
+from hotneurons.bench import fair, record
 
 SPLIT = "llama.cpp -ngl"
 SPLIT_Q8 = "llama.cpp Q8_0 -ngl"
@@ -30,7 +30,7 @@ def _goal(value: float | None, goal: float, higher: bool, what: str) -> dict:
 
 
 def goals(res: dict) -> dict:
-    """Issue #6's goals, each a ratio from this run; met = None where a figure is missing."""
+    """The benchmark's goals, each a ratio from this run; met = None where a figure is missing."""
     s = res.get("systems", {})
     hybrid = _rate(s, "hybrid")
     split = _split_name(s)
@@ -118,7 +118,8 @@ def markdown(res: dict) -> str:
     split = _split_name(s)
     llama = _rate(s, split) if split else None
     mach = res.get("machine", {})
-    lines = [f"pi_bench, {mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores, {res.get('created', '')}: "
+    lines = [f"pi-bench, {res.get('machine_kind') or ''} ({mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores), commit {res.get('commit')}, "
+             f"{res.get('created', '')}: "
              f"{m.get('shape')} shapes, {m.get('layers')} layers, {m.get('bytes', {}).get('total', 0) / 1e9:.1f} GB "
              f"fp16, RANDOM weights with calibrated power-law firing, exact predictors of trained size; GPU budget "
              f"{m.get('budget_bytes', 0) / 1e9:.2f} GB ({100 * m.get('budget_share', 0):.0f}% of the model bytes).", "",
@@ -233,11 +234,35 @@ def markdown(res: dict) -> str:
         lines.append("Firing by position (fresh random sequences, all layers): " + ", ".join(
             f"{r['positions']}: {100 * r['mean_active']:.1f}%" for r in by_pos) + ".")
     g = res.get("goals") or goals(res)
-    lines += ["", "| goal (issue #6) | value | target | met |", "|---|---|---|---|"]
+    lines += baselines_lines(res)
+    lines += ["", "| goal | value | target | met |", "|---|---|---|---|"]
     for name, row in g.items():
         met = {True: "met", False: "NOT met", None: "not measured"}[row["met"]]
         lines.append(f"| {row['what']} | {_fmt(row['value'])} | {row['goal']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def baselines_lines(res: dict) -> list[str]:
+    """Each baseline paired in rounds beside its standalone run, flagged where they disagree by more than
+    fair.TOLERANCE, and the CPU probe that shows whether our stopped process left the cores free."""
+    lines = []
+    b = res.get("baselines") or {}
+    if b:
+        lines += ["", "Baselines paired in rounds (our process stopped while each ran) against the same baseline run "
+                      "standalone after our process had exited:", "",
+                  "| baseline | standalone tok/s | paired tok/s (median of rounds) | paired / standalone | check |",
+                  "|---|---|---|---|---|"]
+        for label, c in b.items():
+            check = {True: f"FLAG: more than {100 * fair.TOLERANCE:.0f}% apart", False: "agree",
+                     None: "not comparable"}[c["flag"]]
+            lines.append(f"| {label} | {_fmt(c['standalone_tokens_per_s'])} | {_fmt(c['paired_median_tokens_per_s'])}"
+                         f" ({c['paired_rounds']} rounds) | {_fmt(c['paired_over_standalone'])} | {check} |")
+    f = res.get("fairness") or {}
+    if f.get("alone_s"):
+        lines += ["", "CPU probe (a CPU-bound job on every core, seconds): alone " + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {_fmt(v)}" for k, v in f.items()
+            if k.endswith("_s") and v is not None) + "."]
+    return lines
 
 
 def eight_bit_table(res: dict) -> list[str]:
@@ -272,38 +297,35 @@ def eight_bit_table(res: dict) -> list[str]:
 
 
 def _load(inputs: list[Path]) -> dict[str, dict]:
+    """Stage JSONs (files, or folders of pi_bench_*.json) by stage, flat (record.flat)."""
     found: dict[str, dict] = {}
     for p in inputs:
         files = sorted(p.glob("pi_bench_*.json")) if p.is_dir() else [p]
         for f in files:
-            d = json.loads(f.read_text())
+            d = record.flat(record.read(f))
             found[d.get("stage", f.stem.removeprefix("pi_bench_"))] = d
     return found
 
 
-def machine_slug(machine: dict) -> str:
-    gpu = machine.get("gpu")
-    if not gpu:
-        return f"cpu{machine.get('nproc', '')}"
-    m = re.search(r"(H100|H200|A100|L40S?|RTX ?\d{4})", gpu, re.I)
-    return (m.group(1) if m else gpu).lower().replace(" ", "")
-
-
-def write_results(inputs: list[Path], folder: Path) -> dict:
-    """Merge the stage JSONs into <folder>/<date>-<machine>.json and the markdown table beside it."""
+def write_results(inputs: list[Path], folder: Path, kind: str | None = None, commit: str | None = None) -> dict:
+    """Merge the stage JSONs into <folder>/<date>-<machine kind>-pi-bench.json (record.py's schema) and the markdown
+    table beside it."""
     stages = _load(inputs)
     if "bench" not in stages:
         raise SystemExit(f"no pi_bench_bench.json among {', '.join(map(str, inputs)) or 'the inputs (pass --inputs)'}")
     res = dict(stages["bench"])
     if "build" in stages:
-        res["build"] = {k: v for k, v in stages["build"].items() if k not in ("machine",)}
+        res["build"] = {k: v for k, v in stages["build"].items() if k not in record.HEADER}
     res["goals"] = goals(res)
-    date = res.get("created", time.strftime("%Y-%m-%d"))[:10]
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"{date}-{machine_slug(res.get('machine', {}))}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
+    kind = kind or res.get("machine_kind") or record.machine_kind(res.get("machine") or {})
+    commit = commit if commit and res.get("commit") in (None, "unknown") else res.get("commit")
+    figures = {k: v for k, v in res.items() if k not in record.HEADER}
+    rec = record.make(figures, machine_info=res.get("machine") or {}, kind=kind, commit=commit or "unknown",
+                      command=res.get("command") or "", created=res.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S"))
+    stem = folder / f"{rec['created'][:10]}-{kind}-pi-bench"
+    record.write(stem.with_suffix(".json"), rec)
+    md = markdown(record.flat(rec))
     stem.with_suffix(".md").write_text(md)
     print(md)
     print("wrote", stem.with_suffix(".json"), stem.with_suffix(".md"))
-    return res
+    return record.flat(rec)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 import time
 
-import bench_ceilings as ceil
-import bench_timeline as tl
 import numpy as np
 import torch
+from hotneurons.bench import bench_ceilings as ceil
+from hotneurons.bench import bench_timeline as tl
 
 
 def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):

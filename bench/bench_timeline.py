@@ -1,7 +1,6 @@
 """Diagnostics of the hybrid decode step for pi_bench: its host-clock timeline (waits for each layer's `pre` graph,
 the CPU's cold part), the decode-vs-replay question on the CPU's own calls, each layer's graph timed alone on the GPU
-with a profile of `pre`, and the predictors' time per token. Imported by pi_bench after its bootstrap (powerinfer.*
-from this checkout)."""
+with a profile of `pre`, and the predictors' time per token."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import time
 
 import numpy as np
 import torch
-from bench_ceilings import _spin
+from hotneurons.bench.bench_ceilings import _spin
 
 
 def step_timeline(rt, prompt: list[int], tokens: int) -> dict:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from hotneurons.bench import tests_module
 from hotneurons.common.artifacts import write_json
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
@@ -34,8 +35,7 @@ from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 from hotneurons.runtime.layout import Placement
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import tiny  # noqa: E402  (round_ffns_to_int8: the FFN weights that int8 rows stand for)
+tiny = tests_module("tiny")  # round_ffns_to_int8: the FFN weights that int8 rows stand for
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")

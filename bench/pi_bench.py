@@ -1,51 +1,55 @@
-"""pi_bench: ours (hybrid, layer-split, all-GPU) vs llama.cpp and HF accelerate on one LLaMA-2-70B-shaped model,
-with the cost floor from ceilings measured in the same run (issue #6). README section "Benchmark: pi_bench".
+"""pi-bench: our systems (hybrid, layer-split, all-GPU) against llama.cpp and HF accelerate on one LLaMA-2-70B-shaped
+model, with the cost floor from ceilings measured in the same run. docs/benchmarks.md says how to run it.
 
-The model has RANDOM weights (bench/bench_model.py): LLaMA-2-70B layer shapes with grouped-query attention, a
-ReLU-gated FFN, per-neuron firing probabilities calibrated to a power law (mean 10% active, the top 20% of neurons
-covering 80% of firings), gate columns of rank 511. The predictor is EXACT (bench_model.exact_predictor): an MLP of a
-trained predictor's size (d/8 hidden) whose logits are the gate pre-activations, so it marks the neurons that fire.
-Speed only, not quality.
+The model has RANDOM weights (bench_model.py): LLaMA-2-70B layer shapes with grouped-query attention, a ReLU-gated
+FFN, per-neuron firing probabilities calibrated to a power law (mean 10% active, the top 20% of neurons covering 80%
+of firings), gate columns of rank 511. The predictor is EXACT (bench_model.exact_predictor): an MLP of a trained
+predictor's size (d/8 hidden) whose logits are the gate pre-activations, so it marks the neurons that fire. Speed
+only, not quality.
 
-Stages (each call of the device may start a fresh machine; files persist in --work while it stays warm):
-  prepare  here, with PyPI: llama.cpp source tarball + pulp/highspy wheels into .llamacpp/ (carried)
+Stages (each device call may start a fresh machine; files persist in --work while it stays warm):
+  prepare  here, with PyPI: llama.cpp source tarball into .llamacpp/, pulp/highspy/gguf wheels into .whl/ (carried)
   build    GPU: build llama-bench (CUDA sm_90), build + calibrate the model, write its GGUF into --work
-  bench    GPU: ceilings, profile, solve, our systems, llama-bench (when built), accelerate, kernel, floor
-  report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine>.{json,md}
+  bench    GPU: our systems in a child process (ceilings, profile, solve, our systems, llama-bench paired in rounds
+           with that process stopped meanwhile), then each baseline standalone (llama-bench; accelerate in its own
+           process), the paired and standalone runs side by side (fair.py says why)
+  report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine kind>-pi-bench.{json,md}
   all      build + bench (more than one 10-minute device call at the 70B shape)
-CPU smoke test: python bench/pi_bench.py --stage all --device cpu --shape tiny --layers 2 --work /tmp/pib --out /tmp/pib/out
+CPU smoke test: pi-bench --stage all --device cpu --shape tiny --layers 2 --ctx 64 --work /tmp/pib --out /tmp/pib/out
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hotneurons.common.hardware import openmp_wait_policy  # noqa: E402
+from hotneurons.bench import fair
+from hotneurons.common.hardware import openmp_wait_policy
 
-OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
+_SET_BEFORE = {k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+if os.environ.get(fair.BASELINE_PROCESS):  # a baseline's own process: the user's OpenMP settings, not ours
+    OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "unset")
+else:
+    OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (common/hardware.py says why)
+    fair.note_env(_SET_BEFORE)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_ceilings as ceil  # noqa: E402
-import bench_llamacpp as lcpp  # noqa: E402
-import bench_model as bm  # noqa: E402
-import bench_timeline as tl  # noqa: E402
-from bench_report import goals, markdown, write_results  # noqa: E402
-from bench_systems import run_accelerate, run_interleaved, run_ours, share_sweep  # noqa: E402
+from hotneurons.bench import ROOT, record  # noqa: E402
+from hotneurons.bench import bench_ceilings as ceil  # noqa: E402
+from hotneurons.bench import bench_llamacpp as lcpp  # noqa: E402
+from hotneurons.bench import bench_model as bm  # noqa: E402
+from hotneurons.bench import bench_timeline as tl  # noqa: E402
+from hotneurons.bench.bench_report import goals, markdown, write_results  # noqa: E402
+from hotneurons.bench.bench_systems import run_accelerate, run_interleaved, run_ours, share_sweep  # noqa: E402
 
 
 class Deadline:
@@ -265,6 +269,134 @@ def topk_placement(run: Path, budget: int, args) -> dict:
 # The floor (our systems' and accelerate's runners: bench_systems.py)
 
 
+def llama_binary(args, work: Path) -> Path:
+    return work / ("build-cuda" if args.device == "cuda" else "build-cpu") / "bin" / "llama-bench"
+
+
+def llama_ngl(args) -> tuple[int, int]:
+    """llama.cpp's -ngl at the budget: fp16 and Q8_0 layers that fit in it."""
+    from hotneurons.solver.cost import DTYPE_BYTES
+
+    budget = int(args.budget_share * bm.model_bytes(args.shape, args.layers)["total"])
+    return (bm.gpu_layers_for(budget, args.shape, args.layers),
+            bm.gpu_layers_for(budget, args.shape, args.layers, size=DTYPE_BYTES["q8_0"]))
+
+
+def llama_runs(args, work: Path) -> list[tuple[str, int, Path]]:
+    """(label, -ngl, GGUF) of the llama.cpp systems, [] where the build stage has not run here: -ngl at the budget
+    first, all layers on the GPU, Q8_0 at the budget where it was quantised."""
+    ngl, ngl8 = llama_ngl(args)
+    gpath = work / f"model-{model_key(args)}.gguf"
+    if not (llama_binary(args, work).exists() and gpath.exists()):
+        return []
+    runs = [(f"llama.cpp -ngl {ngl}", ngl, gpath), ("llama.cpp all layers on the GPU", args.layers + 1, gpath)]
+    if q8_path(args, work).exists():
+        runs.append((f"llama.cpp Q8_0 -ngl {ngl8}", ngl8, q8_path(args, work)))
+    return runs
+
+
+def fairness_probe(rt, prompt: list[int]) -> dict:
+    """fair.cpu_probe just after a generation of `rt` (our threads still hot): beside them, then with this process
+    stopped as for a paired baseline. The parent adds the probe alone."""
+    from hotneurons.runtime.generate import generate
+
+    out = {}
+    for key, freeze in (("beside_ours_s", False), ("ours_stopped_s", True)):
+        generate(rt, prompt, 4, stop_at_eos=False)
+        out[key] = fair.cpu_probe(freeze=freeze)
+    print("cpu probe", out, flush=True)
+    return out
+
+
+def stage_bench(args, work: Path, out: Path) -> dict:
+    """Our systems in a child process (stage_ours), then every baseline standalone from this process, which has run
+    nothing on the CPU meanwhile: llama-bench, and accelerate in a process of its own. The paired and standalone
+    llama.cpp figures side by side (`baselines`, flagged beyond fair.TOLERANCE)."""
+    dl = Deadline(args.time_limit)
+    runs = llama_runs(args, work) if "llama.cpp" in args.systems else []
+    reserve = (len(runs) * args.estimates["llama.cpp"]
+               + ("accelerate" in args.systems) * args.estimates["accelerate"])
+    args.ours_time_limit = max(10.0, args.time_limit - reserve)
+    alone = None if args.in_process else fair.cpu_probe()
+    if args.in_process:
+        res = stage_ours(args, work)
+    else:
+        res = run_part(args, "ours", out, args.ours_time_limit + 120)
+    systems, skipped = res.setdefault("systems", {}), res.setdefault("skipped", {})
+    res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = llama_ngl(args)
+    if alone is not None:
+        res["fairness"] = {"alone_s": alone, **res.get("fairness", {}), "what": (
+            "seconds of a CPU-bound job on every core (fair.cpu_probe): alone, just after one of our generations "
+            "beside our process, and with our process stopped as for a paired baseline")}
+    if "llama.cpp" in args.systems and not runs:
+        skipped["llama.cpp"] = f"not built in {work}: run --stage build on this machine first"
+    threads = args.threads or os.cpu_count()
+    for label, k, path in runs:
+        if dl.allows(args.estimates["llama.cpp"], label, skipped):
+            systems[label] = lcpp.llama_bench(str(llama_binary(args, work)), path, k, threads, args.llama_tokens,
+                                              args.llama_reps, max(30, dl.left()))
+            systems[label]["standalone"] = True
+            print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
+            checkpoint(args, res, systems, skipped)
+    if "accelerate" in args.systems and dl.allows(args.estimates["accelerate"], "accelerate", skipped):
+        if args.in_process:
+            row = stage_accelerate(args, work)["systems"]["accelerate offload"]
+        else:
+            part = run_part(args, "accelerate", out, max(30, dl.left()))
+            row = (part.get("systems") or {}).get("accelerate offload") or {"error": part.get("error", "no result")}
+        systems["accelerate offload"] = {**row, "standalone": True}
+        checkpoint(args, res, systems, skipped)
+    paired = {label: [r.get("decode_tokens_per_s") for r in rows]
+              for label, rows in ((res.get("interleaved") or {}).get("others") or {}).items()}
+    res["baselines"] = {label: fair.compare(_rate_of(systems.get(label)), v) for label, v in paired.items()}
+    for label, c in res["baselines"].items():
+        if c["flag"]:
+            print(f"FLAG: {label} paired {c['paired_median_tokens_per_s']} tok/s, standalone "
+                  f"{c['standalone_tokens_per_s']} tok/s", flush=True)
+    res["seconds"] = time.perf_counter() - dl.t0
+    return res
+
+
+def _rate_of(row: dict | None) -> float | None:
+    return (row or {}).get("decode_tokens_per_s")
+
+
+def stage_accelerate(args, work: Path) -> dict:
+    """HF accelerate's offload of the bench model at the budget, in a process of its own (--part accelerate)."""
+    budget = int(args.budget_share * bm.model_bytes(args.shape, args.layers)["total"])
+    model = calibrated_model(args, work)
+    base = model.lm.model.to("cpu")
+    _free(args.device)
+    prompt = list(range(100, 100 + args.prompt_tokens))
+    try:
+        row = run_accelerate(base, budget, args.device, prompt, args.slow_tokens)
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        row = {"error": f"{type(e).__name__}: {e}"}
+    row["omp_wait_policy"] = OMP_WAIT_POLICY
+    return {"stage": "accelerate", "systems": {"accelerate offload": row}}
+
+
+def run_part(args, part: str, out: Path, timeout: float) -> dict:
+    """`pi-bench --part PART` (this command line) in a child process; its JSON (out/pi_bench_PART.json, partial if
+    the child stopped early), or {"error": ...} where it wrote none. accelerate's child gets the baseline environment
+    (fair.baseline_env)."""
+    path = out / f"pi_bench_{part}.json"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "hotneurons.bench.pi_bench", *args.argv, "--part", part, "--out", str(out)]
+    env = fair.baseline_env() if part != "ours" else None
+    print("+", " ".join(cmd), flush=True)
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if not path.exists():
+        return {"error": f"the {part} process ended ({rc}) before writing {path.name}"}
+    res = record.flat(record.read(path))
+    if rc != 0:
+        res.setdefault("partial", f"the {part} process ended ({rc}) before its end")
+    return res
+
+
 def checkpoint(args, res: dict, systems: dict, skipped: dict) -> None:
     """The bench stage's JSON as it stands (args.save, set by main), marked partial: a run stopped by a timeout keeps
     the systems measured before it."""
@@ -273,12 +405,14 @@ def checkpoint(args, res: dict, systems: dict, skipped: dict) -> None:
                    "partial": "the bench stage stopped before its end: the systems measured until then"})
 
 
-def stage_bench(args, work: Path) -> dict:
+def stage_ours(args, work: Path) -> dict:
+    """Our systems, in the process that pi-bench's bench stage starts for them (or in-process with --in-process):
+    ceilings, model, profile, placement, our systems (with --interleave, llama-bench paired in rounds while this
+    process is stopped), the kernel rows and the floors. The standalone baselines run after it (stage_bench)."""
     from hotneurons.runtime.generate import RuntimeConfig, layer_split_count
     from hotneurons.runtime.layout import Placement
-    from hotneurons.solver.cost import DTYPE_BYTES
 
-    dl = Deadline(args.time_limit)
+    dl = Deadline(args.ours_time_limit)
     skipped: dict = {}
     res: dict = {"stage": "bench", "skipped": skipped}
     cuda = args.device == "cuda"
@@ -334,15 +468,13 @@ def stage_bench(args, work: Path) -> dict:
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
-    ngl = bm.gpu_layers_for(budget, args.shape, args.layers)
-    ngl8 = bm.gpu_layers_for(budget, args.shape, args.layers, size=DTYPE_BYTES["q8_0"])
-    binary = work / ("build-cuda" if cuda else "build-cpu") / "bin" / "llama-bench"
-    gpath = work / f"model-{model_key(args)}.gguf"
+    runs = llama_runs(args, work)
     threads = args.threads or os.cpu_count()
     others = {}  # with --interleave: llama-bench once after each round, so that hybrid's ratio to it is paired
-    if args.interleave and "llama.cpp" in args.systems and binary.exists() and gpath.exists():
-        others[f"llama.cpp -ngl {ngl}"] = functools.partial(lcpp.llama_bench, str(binary), gpath, ngl, threads,
-                                                            args.llama_tokens, 1, 120)
+    if args.interleave and "llama.cpp" in args.systems and runs:
+        label, k, path = runs[0]  # -ngl at the budget; this process is stopped while it runs unless --in-process
+        others[label] = functools.partial(lcpp.llama_bench, str(llama_binary(args, work)), path, k, threads,
+                                          args.llama_tokens, 1, 120, freeze=not args.in_process)
     together = [p for p in plan if args.interleave and p[0].startswith("hybrid")]
     rounds = len(together) > 1 or (len(together) == 1 and bool(others))  # else nothing to pair
     if rounds:  # one entry that times the hybrid systems in rounds, where the first of them stood
@@ -375,6 +507,8 @@ def stage_bench(args, work: Path) -> dict:
         if name == "layer-split" and "error" not in row:
             row["gpu_layers"] = layer_split_count(base, budget, None, torch.float16)
         systems[name] = row
+        if "rt" in extra and not args.in_process and "fairness" not in res:
+            res["fairness"] = fairness_probe(extra["rt"], prompt)
         if "rt" in extra:
             res["predictor_time"] = tl.predictor_time(P, bm.SHAPES[args.shape][0], args.device, rt=extra["rt"])
             if args.share_sweep:
@@ -383,31 +517,6 @@ def stage_bench(args, work: Path) -> dict:
         _free(args.device)
         checkpoint(args, res, systems, skipped)
 
-    res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = ngl, ngl8
-    if "llama.cpp" in args.systems:
-        if not (binary.exists() and gpath.exists()):
-            skipped["llama.cpp"] = f"not built in {work}: run --stage build on this machine first"
-        else:
-            runs = [(f"llama.cpp -ngl {ngl}", ngl, gpath), ("llama.cpp all layers on the GPU", args.layers + 1, gpath)]
-            if q8_path(args, work).exists():
-                runs.append((f"llama.cpp Q8_0 -ngl {ngl8}", ngl8, q8_path(args, work)))
-            for label, k, path in runs:
-                if dl.allows(args.estimates.get("llama.cpp", 60), label, skipped):
-                    # the DRAM ceiling around it as around the hybrid's generations: both CPU sides follow it
-                    before = ceil.dram_now(args.dram_bytes)
-                    systems[label] = lcpp.llama_bench(str(binary), path, k, threads, args.llama_tokens,
-                                                      args.llama_reps, max(30, dl.left()))
-                    systems[label]["dram_around_bytes_per_s"] = {"before": before,
-                                                                 "after": ceil.dram_now(args.dram_bytes)}
-                    print(label, systems[label].get("decode_tokens_per_s", systems[label].get("error")), flush=True)
-                    checkpoint(args, res, systems, skipped)
-    if "accelerate" in args.systems and dl.allows(args.estimates.get("accelerate", 60), "accelerate", skipped):
-        try:
-            systems["accelerate offload"] = run_accelerate(base.model, budget, args.device, prompt, args.slow_tokens)
-        except Exception as e:  # noqa: BLE001
-            systems["accelerate offload"] = {"error": f"{type(e).__name__}: {e}"}
-        _free(args.device)
-        checkpoint(args, res, systems, skipped)
     res["systems"] = systems
     del base, model
     _free(args.device)
@@ -430,6 +539,13 @@ def parse(argv=None):
     ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
     ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="report: output folder")
+    ap.add_argument("--machine-kind", default=None,
+                    help="the results' machine kind, e.g. nvidia-h200 (default: from the GPU's name and count)")
+    ap.add_argument("--commit", default=None, help="the commit measured, where the checkout has no .git (a copy)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="bench: our systems and the baselines in this one process (tests, CPU smoke runs); paired "
+                         "baselines then share the CPU with our threads: not a fair comparison")
+    ap.add_argument("--part", choices=("ours", "accelerate"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--shape", default="llama-2-70b", choices=list(bm.SHAPES))
     ap.add_argument("--layers", type=int, default=12)
@@ -478,12 +594,13 @@ def parse(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")
     ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
-    ap.add_argument("--python-version", default="3.12", help="prepare: the device's Python, for the wheels")
+    ap.add_argument("--python-version", default=None, help="prepare: the device's Python for the wheels (default: this one)")
     args = ap.parse_args(argv)
     bad = [v for v in args.share_sweep if not 0 <= v < 1]
     if bad:
         ap.error(f"--share-sweep {bad[0]:g}: give shares in [0, 1), e.g. 0.1,0.2,0.3")
     args.systems = set(args.systems.split(","))
+    args.ours_time_limit = args.time_limit
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
     args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "hybrid-int8": 60, "dense": 60, "llama.cpp": 45,
@@ -494,60 +611,65 @@ def parse(argv=None):
 
 
 def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    args.argv = [a for a in argv]  # what a child process of the bench stage runs again, with --part
     if args.stage == "prepare":
         info = lcpp.prepare(args.python_version)
         print(json.dumps(info, indent=1))
         return info
     if args.stage == "report":
-        return write_results(args.inputs, args.results)
+        return write_results(args.inputs, args.results, kind=args.machine_kind, commit=args.commit)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu for a smoke test")
-    from hotneurons.common import artifacts
-    from hotneurons.common.hardware import machine_info
-
-    args.work.mkdir(parents=True, exist_ok=True)
-    if lcpp.WHEELS.exists() and not all(importlib.util.find_spec(m) for m in ("pulp", "highspy")):
-        lcpp.use_wheels(args.work / "site")  # the device image lacks the solver's packages
-    out = args.out or args.work
-    out.mkdir(parents=True, exist_ok=True)
     import numba
 
-    common = {"machine": machine_info("numba", "transformers", "accelerate", "pulp", "highspy"),
-              "numba_threads": numba.get_num_threads(), "omp_wait_policy": OMP_WAIT_POLICY,
-              "command": "python " + " ".join(sys.argv),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": {k: (sorted(v) if isinstance(v, set) else str(v))
-                                                                       for k, v in vars(args).items()}}
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.out or args.work
+    out.mkdir(parents=True, exist_ok=True)
+    info = record.machine("numba", "transformers", "accelerate", "pulp", "highspy", "gguf")
+    header = {"machine_info": info, "kind": args.machine_kind, "commit": record.git_commit(args.commit),
+              "command": record.command_line(argv), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    common = {"numba_threads": numba.get_num_threads(), "omp_wait_policy": OMP_WAIT_POLICY,
+              "args": {k: (sorted(v) if isinstance(v, set) else str(v)) for k, v in vars(args).items()}}
     done = {}
-    stages = ["build", "bench"] if args.stage == "all" else [args.stage]
+    if args.part:
+        stages = [args.part]
+    else:
+        stages = ["build", "bench"] if args.stage == "all" else [args.stage]
     for stage in stages:
         t0 = time.perf_counter()
         path = out / f"pi_bench_{stage}.json"
 
-        def save(res: dict, path: Path = path) -> None:  # a temp file, then a rename: never a half-written file
-            artifacts.atomic_write_bytes(path, json.dumps(res, indent=1, default=_json).encode())
+        def save(res: dict, path: Path = path, t0: float = t0) -> dict:  # atomic: never a half-written file
+            rec = record.make({**common, **res, "stage_seconds": time.perf_counter() - t0}, **header)
+            record.write(path, rec)
+            return rec
 
-        args.save = (lambda res, t0=t0: save({**common, **res, "stage_seconds": time.perf_counter() - t0})) \
-            if stage == "bench" else None
-        res = stage_build(args, args.work) if stage == "build" else stage_bench(args, args.work)
-        res = {**common, **res, "stage_seconds": time.perf_counter() - t0}
+        args.save = save if stage in ("bench", "ours") else None
+        if stage == "build":
+            res = stage_build(args, args.work)
+        elif stage == "bench":
+            res = stage_bench(args, args.work, out)
+        elif stage == "ours":
+            res = stage_ours(args, args.work)
+        else:
+            res = stage_accelerate(args, args.work)
+        res.pop("partial", None)
         if stage == "bench":
-            res["goals"] = goals(res)
-        save(res)
+            res["goals"] = goals({**res, **common})
+        rec = save(res)
         print("wrote", path, flush=True)
-        done[stage] = res
+        done[stage] = record.flat(rec)
         _free(args.device)
     if "bench" in done:
         print(markdown(done["bench"]))
     return done
 
 
-def _json(o):
-    if isinstance(o, (np.integer, np.floating)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
+def cli() -> None:
+    """The pi-bench console script."""
+    main()
 
 
 if __name__ == "__main__":

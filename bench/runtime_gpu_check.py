@@ -16,10 +16,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hotneurons.common.hardware import openmp_wait_policy  # noqa: E402
+from hotneurons.common.hardware import openmp_wait_policy
 
-OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (powerinfer/hardware.py says why)
+OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (common/hardware.py says why)
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -30,18 +29,16 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import bench_ceilings  # noqa: E402
-import bench_model as bm  # noqa: E402
-import tiny  # noqa: E402
+from hotneurons.bench import (
+    bench_ceilings,  # noqa: E402
+    tests_module,  # noqa: E402
+)
+from hotneurons.bench import bench_model as bm  # noqa: E402
 from hotneurons.runtime.fast import cache_bytes  # noqa: E402
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
 from hotneurons.runtime.layout import Placement  # noqa: E402
 
+tiny = tests_module("tiny")  # tiny random models of every family (tests/tiny.py)
 DEV = "cuda"
 LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
 

@@ -1,23 +1,21 @@
-"""The pure parts of bench/pi_bench.py (issue #6's benchmark) and its tiny-shape CPU path."""
+"""The pure parts of pi-bench (hotneurons.bench), its result writer, its fair baselines, and its tiny-shape CPU path."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import bench_ceilings as ceil  # noqa: E402
-import bench_model as bm  # noqa: E402
-import bench_report as report  # noqa: E402
+from hotneurons.bench import bench_ceilings as ceil
+from hotneurons.bench import bench_model as bm
+from hotneurons.bench import bench_report as report
+from hotneurons.bench import fair, record
 
 
 def test_power_law_targets():
@@ -53,18 +51,6 @@ def test_firing_statistics_hold_at_every_position(monkeypatch):
     assert [r["positions"] for r in rows] == ["0-16", "16-64", "64-256"]
     for r in rows:
         assert abs(r["mean_active"] - 0.10) < 0.012, rows
-
-
-def test_position_stats_script(tmp_path):
-    import position_stats
-
-    out = tmp_path / "pos.json"
-    res = position_stats.main(["--shape", "tiny", "--layers", "1", "--seqs", "1", "--decode-tokens", "2",
-                               "--device", "cpu", "--out", str(out)])
-    assert json.loads(out.read_text())["by_position"] == res["by_position"]
-    assert [r["positions"] for r in res["by_position"]] == ["0-16", "16-48", "48-128", "128-256", "256-512"]
-    assert abs(res["profile"]["mean_active"] - 0.10) < 0.015
-    assert 0.0 < res["profile"]["hot_share_of_firings"] < 1.0 and len(res["greedy_decode"]["tokens"]) == 2
 
 
 def test_exact_predictor_marks_the_neurons_that_fire():
@@ -128,63 +114,6 @@ def test_dram_ceiling_is_at_least_what_the_cold_kernel_read():
     assert res["floor_per_rep"]["floor_tokens_per_s"] == [res["floor"]["tokens_per_s"]]
 
 
-def test_cold_layer_timeline_splits_a_call(tmp_path):
-    """bench/cold_layer_timeline.py on a small layer: each call's phases lie within the call, and the timed loop's
-    sum equals float64's (the script checks it) whichever way the partial rows are summed (or left unsummed)."""
-    import cold_layer_timeline as clt
-    import kernel_variants as kv
-
-    res = clt.main(tmp_path / "t.json", n=512, d=256, density=0.1, calls=12, gaps_us=(0.0, 20.0), windows=2,
-                   sums=kv.SUMS)
-    assert res["active_rows"] == 51
-    assert [(r["gap_us"], r["sums"]) for r in res["runs"]] == [(g, m) for g in (0.0, 20.0) for m in kv.SUMS]
-    for r in res["runs"]:
-        m = r["median_us"]
-        assert all(v >= 0 for v in m.values()) and r["max_rel_err_vs_float64"] < 1e-4
-        assert m["scan"] <= m["call"] and m["work"] <= m["call"]  # each call's parts are within it, so their medians
-    assert json.loads((tmp_path / "t.json").read_text())["calls"] == 12
-
-
-def test_cold_layer_timeline_reads_rows_ahead_in_the_gap(tmp_path):
-    """--firing power with the device's share and warm rows (shared, and computed by the thread that read them): the
-    timed sums equal float64's (the script checks), the warmed calls read the warm set whole in a long gap."""
-    import cold_layer_timeline as clt
-
-    res = clt.main(tmp_path / "w.json", n=512, d=256, calls=12, gaps_us=(2000.0,), windows=2, firing="power",
-                   skip_share=0.2, warms=(0, 40), owns=(False, True))
-    assert [(r["warm"], r["owned"]) for r in res["runs"]] == [(0, False), (40, False), (40, True)]
-    assert res["skip"] > 0 and res["active_rows"] > 0
-    for r in res["runs"][1:]:
-        assert r["warm_read_median"] == 40 and r["max_rel_err_vs_float64"] < 1e-4 and r["warmed_over_control"] > 0
-
-
-def test_warm_rows_reads_every_line_until_the_deadline():
-    """cold_layer_timeline.warm_rows: one load per 64-byte line of each listed neuron's rows (gate only where gated),
-    summed into the sink; nothing once the deadline has passed."""
-    import cold_layer_timeline as clt
-
-    rng = np.random.default_rng(11)
-    d, n = 4160, 50  # rows of several WARM_BLOCKs and a short one
-    gate, up, down = (rng.integers(0, 1 << 16, (n, d)).astype(np.uint16) for _ in range(3))
-    warm = rng.permutation(n)[:20]
-    for gated in (True, False):
-        want = sum(int(a[j, ::32].astype(np.int64).sum()) for j in warm for a in [up, down] + [gate] * gated)
-        sink = np.zeros(3, np.int64)
-        assert clt.warm_rows(warm, gate, up, down, gated, sink, np.iinfo(np.int64).max) == 20
-        assert sink.sum() == want
-    assert clt.warm_rows(warm, gate, up, down, True, sink, 0) == 0
-
-
-def test_warm_set_ranks_rates_past_the_device_share():
-    import cold_layer_timeline as clt
-
-    rate = np.array([0.9, 0.1, 0.8, 0.2, 0.7, 0.05, 0.6, 0.3])
-    assert clt.warm_set(rate, 0, 3).tolist() == [0, 2, 4]
-    # skip 1: the positions whose expected marks before them reach 2 (from position 4 on) are the CPU's
-    assert clt.warm_set(rate, 1, 3).tolist() == [4, 6, 7]
-    assert clt.warm_set(rate, 1, 0).tolist() == [] and clt.warm_set(rate, 0, 99).tolist() == [0, 2, 4, 6, 7, 3, 1, 5]
-
-
 def test_gpu_layers_for_budget():
     b = bm.model_bytes("llama-2-70b", 12)
     assert b["total"] == pytest.approx(21.6e9, rel=0.01)  # the issue's 21.6 GB
@@ -241,7 +170,7 @@ def test_goals_and_table():
 
 def test_gguf_round_trip(tmp_path):
     gguf = pytest.importorskip("gguf")
-    import bench_llamacpp as lcpp
+    from hotneurons.bench import bench_llamacpp as lcpp
 
     lm = bm.build_model("tiny", 2, "cpu", seed=2)
     path = tmp_path / "tiny.gguf"
@@ -259,7 +188,7 @@ def test_gguf_round_trip(tmp_path):
 
 
 def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
-    import pi_bench
+    from hotneurons.bench import pi_bench
 
     t0 = time.perf_counter()
     work, out = tmp_path / "work", tmp_path / "out"
@@ -267,9 +196,12 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
               "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "4", "--reps", "1", "--slow-tokens", "2",
               "--profile-tokens", "1024", "--calibration-tokens", "512",
               "--systems", "hybrid,layer-split,all-gpu,llama.cpp,accelerate", "--share-sweep", "0.2"]
-    done = pi_bench.main(["--stage", "all", *common])
+    done = pi_bench.main(["--stage", "all", *common])  # our systems and accelerate each in a child process
     res = done["bench"]
     assert set(res["systems"]) == {"hybrid", "layer-split", "all-gpu", "accelerate offload"}
+    assert res["systems"]["accelerate offload"]["standalone"] and res["machine_kind"] == "cpu"
+    assert set(res["fairness"]) == {"alone_s", "beside_ours_s", "ours_stopped_s", "what"}
+    assert all(res["fairness"][k] > 0 for k in ("alone_s", "beside_ours_s", "ours_stopped_s"))
     assert all(r.get("decode_tokens_per_s", 0) > 0 for r in res["systems"].values())
     assert "llama.cpp" in res["skipped"]  # no CPU llama-bench built without --cpu-llamacpp
     assert abs(res["profile"]["mean_active"] - 0.10) < 0.01
@@ -296,20 +228,22 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
         assert Path(done["build"]["gguf"]["path"]).exists()
     merged = report.write_results([out], tmp_path / "results")
     files = sorted(p.name for p in (tmp_path / "results").iterdir())
-    assert len(files) == 2 and files[0].endswith("-cpu" + str(res["machine"]["nproc"]) + ".json")
-    assert json.loads((tmp_path / "results" / files[0]).read_text())["goals"] == merged["goals"]
+    assert len(files) == 2 and files[0].endswith("-cpu-pi-bench.json")
+    saved = json.loads((tmp_path / "results" / files[0]).read_text())
+    assert saved["schema_version"] == record.SCHEMA_VERSION and saved["machine_kind"] == "cpu"
+    assert saved["figures"]["goals"] == merged["goals"] and saved["command"].endswith("--stage all " + " ".join(common))
     assert "Firing by position" in (tmp_path / "results" / files[1]).read_text()
     assert "PCIe shares in rounds within the hybrid runtime (1 rounds): balanced 0.000" in (
         tmp_path / "results" / files[1]).read_text()
     # the calibration is saved in --work and reused: a second bench gives the model the same weights
     assert any(work.glob("calibration-*.safetensors"))
-    assert time.perf_counter() - t0 < 120
+    assert time.perf_counter() - t0 < 150
 
 
 def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     """The bench stage writes its JSON after each system (a temp file, then a rename), marked partial: a run that a
     timeout stops keeps the systems measured before it, and the report says it is partial."""
-    import pi_bench
+    from hotneurons.bench import pi_bench
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt("the device's timeout")
@@ -318,11 +252,11 @@ def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["--stage", "bench", "--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(tmp_path / "work"),
             "--out", str(out), "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "1",
-            "--profile-tokens", "512", "--calibration-tokens", "256", "--systems", "hybrid,accelerate"]
+            "--profile-tokens", "512", "--calibration-tokens", "256", "--systems", "hybrid,accelerate", "--in-process"]
     with pytest.raises(KeyboardInterrupt):
         pi_bench.main(argv)
     assert sorted(p.name for p in out.iterdir()) == ["pi_bench_bench.json"]  # no temp file left
-    res = json.loads((out / "pi_bench_bench.json").read_text())
+    res = json.loads((out / "pi_bench_bench.json").read_text())["figures"]
     assert res["partial"] and res["systems"]["hybrid"]["decode_tokens_per_s"] > 0 and "accelerate offload" not in \
         res["systems"]
     merged = report.write_results([out], tmp_path / "results")
@@ -332,11 +266,11 @@ def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
     """--interleave writes the rounds so far after each round: a timeout inside the second round's llama-bench keeps
     the first round's generations and llama-bench row, and the report lists them."""
-    import pi_bench
+    from hotneurons.bench import pi_bench
 
     calls = []
 
-    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout):
+    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout, freeze=False):
         calls.append(ngl)
         if len(calls) == 2:
             raise KeyboardInterrupt("the device's timeout")
@@ -346,13 +280,13 @@ def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(out),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
-            "--calibration-tokens", "256", "--systems", "hybrid,llama.cpp", "--interleave"]
+            "--calibration-tokens", "256", "--systems", "hybrid,llama.cpp", "--interleave", "--in-process"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")
     (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
     with pytest.raises(KeyboardInterrupt):
         pi_bench.main(["--stage", "bench", *argv])
-    res = json.loads((out / "pi_bench_bench.json").read_text())
+    res = json.loads((out / "pi_bench_bench.json").read_text())["figures"]
     partial = res["interleaved"]["partial"]
     assert res["partial"] and partial["rounds_done"] == 1 and len(partial["decode_tokens_per_s"]["hybrid"]) == 1
     assert partial["decode_tokens_per_s"]["hybrid"][0] > 0
@@ -364,11 +298,11 @@ def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
 def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
     ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
-    import pi_bench
+    from hotneurons.bench import pi_bench
 
     calls = []
 
-    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout):
+    def fake_llama_bench(binary, path, ngl, threads, tokens, reps, timeout, freeze=False):
         calls.append((ngl, reps))
         if len(calls) == 2:  # a failed run drops its round from the paired ratios
             return {"error": "llama-bench failed"}
@@ -378,7 +312,8 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     work = tmp_path / "work"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(tmp_path / "out"),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
-            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-split-cold,all-gpu,llama.cpp", "--interleave"]
+            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-split-cold,all-gpu,llama.cpp", "--interleave",
+            "--in-process"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")  # "built": the stand-in above runs instead
     (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
@@ -405,55 +340,84 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     hybrid = res["systems"]["hybrid"]["decode_tokens_per_s_reps"]
     assert il["median_ratio_to_others"][label]["hybrid"] == pytest.approx((hybrid[0] / 3.0 + hybrid[2] / 5.0) / 2)
     assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
+    # the standalone run beside the paired ones: 6 tok/s against a median of 3 and 5, flagged
+    b = res["baselines"][label]
+    assert res["systems"][label]["decode_tokens_per_s"] == 6.0 and res["systems"][label]["standalone"]
+    assert b["paired_median_tokens_per_s"] == 4.0 and b["paired_rounds"] == 2 and b["flag"]
+    assert b["paired_over_standalone"] == pytest.approx(4 / 6)
     md = report.markdown(res)
     assert "Interleaved: hybrid, hybrid-split-cold timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
     assert "the same from each generation's median step: hybrid-split-cold " in md
+    assert f"| {label} | 6.00 | 4.00 (2 rounds) | 0.67 | FLAG: more than 10% apart |" in md
 
 
-def test_int8_rows_with_inline_scales_give_the_same_sums():
-    """kernel_variants.inline_scales: int8 rows that carry their group scales after their weights; the runtime's
-    kernel on them sums exactly what it sums on the separate arrays (the same values, the same order of work per
-    thread is not fixed: float32 tolerance), and every neuron's scales read back."""
-    import kernel_variants as kv
-    from hotneurons.runtime import cold_rows as C
-    from hotneurons.runtime import kernels as K
-
-    g = torch.Generator().manual_seed(3)
-    n, d = 96, 256
-    w = [torch.randn(n, d, generator=g) * 0.02 for _ in range(3)]
-    R = C.ColdRows.from_weights(w[0], w[1], None, w[2], "int8")
-    RI = kv.inline_scales(R)
-    assert RI.gate.shape == (n, d + 4 * (d // K.INT8_GROUP)) and np.array_equal(RI.scale, R.scale)
-    assert np.array_equal(RI.up[:, :d], R.up) and np.array_equal(RI.down_t[:, :d], R.down_t)
-    x = torch.randn(d, generator=g).numpy()
-    idx = np.sort(np.random.default_rng(0).choice(n, 30, replace=False)).astype(np.int64)
-    part = np.empty((numba.get_num_threads(), d), np.float32)
-    outs = []
-    for rows in (R, RI):
-        out = np.zeros(d, np.float32)
-        K.cold_ffn(x, idx, rows.gate, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
-                   K.ACT_CODE["reglu"])
-        outs.append(out)
-    f = R.float32()
-    h = np.maximum(f["gate"].double().numpy()[idx] @ x, 0) * (f["up"].double().numpy()[idx] @ x)
-    want = h @ f["down_t"].double().numpy()[idx]  # float64 reference
-    for out in outs:
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    assert kv.broadcast_scales(R).scale.strides[1] == 0
+def test_frozen_baseline_stops_the_caller_until_it_ends(tmp_path):
+    """fair.run(freeze=True) in a child process: every thread of the caller is stopped (state T in /proc) while the
+    command runs, and it runs on once the command has ended, also when the command overran its timeout."""
+    code = """if True:
+        import os, sys, time
+        from hotneurons.bench import fair
+        rc, out, _, _ = fair.run(["sh", "-c", f"cat /proc/{os.getpid()}/stat"], 30, freeze=True)
+        state = out.rsplit(")", 1)[1].split()[0]
+        t0 = time.perf_counter()
+        rc2, _, _, s = fair.run(["sleep", "30"], 1, freeze=True)
+        print(rc, state, rc2, round(s))
+    """
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["0", "T", "124", "1"]
 
 
-def test_reads_only_reads_every_row_of_the_active_neurons():
-    """kernel_variants.reads_only (the kernel's reads without its arithmetic): with one thread its sum is the xor of
-    every element of the active neurons' gate, up and down rows, for bf16 bits and int8 rows alike."""
-    import kernel_variants as kv
+def test_baseline_env_drops_our_openmp_settings(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
+    monkeypatch.setenv(fair.OURS_ENV, "OMP_WAIT_POLICY,GOMP_SPINCOUNT")
+    env = fair.baseline_env()
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and env[fair.BASELINE_PROCESS] == "1"
+    monkeypatch.setenv(fair.OURS_ENV, "")  # the user's own settings stay
+    assert fair.baseline_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert fair.cpu_probe(procs=1, iters=1000) > 0
 
-    rng = np.random.default_rng(5)
-    n, d = 64, 256
-    for dtype in (np.uint16, np.int8):
-        info = np.iinfo(dtype)
-        g, u, dn = (rng.integers(info.min, info.max, (n, d), endpoint=True).astype(dtype) for _ in range(3))
-        idx = np.sort(rng.choice(n, 23, replace=False)).astype(np.int64)  # claims of 4 and a rest of 3
-        part, out = np.zeros((1, d), np.float32), np.zeros(d, np.float32)
-        kv.reads_only(idx, g, u, dn, part, out, np.zeros(1, np.int64))
-        want = np.bitwise_xor.reduce(np.concatenate([a[idx].ravel() for a in (g, u, dn)]))
-        assert out[0] == int(want)
+
+def test_compare_flags_a_disagreement_over_ten_percent():
+    assert fair.compare(10.0, [9.5, 9.2, None, 9.8])["flag"] is False
+    c = fair.compare(4.37, [0.79, 0.8, 0.78])
+    assert c["flag"] and c["paired_median_tokens_per_s"] == 0.79 and c["paired_rounds"] == 3
+    assert fair.compare(None, [1.0])["flag"] is None and fair.compare(1.0, [])["paired_median_tokens_per_s"] is None
+
+
+def test_result_record_schema(tmp_path):
+    info = {"hostname": "h", "gpu": "NVIDIA H200", "gpu_count": 1, "nproc": 16}
+    assert record.machine_kind(info) == "nvidia-h200"
+    assert record.machine_kind({**info, "gpu_count": 2}) == "nvidia-h200-x2"
+    assert record.machine_kind({**info, "gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100"
+    assert record.machine_kind({"gpu": None}) == "cpu"
+    rec = record.write_result(tmp_path / "r.json", {"tok_s": 1.5}, machine_info=info, commit="abc1234",
+                              command="pi-bench --stage bench")
+    back = json.loads((tmp_path / "r.json").read_text())
+    assert back == rec and set(back) == {*record.HEADER, "figures"} and back["machine_kind"] == "nvidia-h200"
+    assert back["figures"] == {"tok_s": 1.5} and record.read(tmp_path / "r.json") == back
+    assert record.flat(back)["tok_s"] == 1.5 and record.flat(back)["commit"] == "abc1234"
+    with pytest.raises(ValueError):
+        record.write(tmp_path / "bad.json", {"figures": {}})
+    # a file from before the schema: its flat keys become figures, its header keys the header
+    (tmp_path / "old.json").write_text(json.dumps({"machine": info, "command": "python x", "created": "2026-01-01",
+                                                   "systems": {}}))
+    old = record.read(tmp_path / "old.json")
+    assert old["machine_kind"] == "nvidia-h200" and old["figures"] == {"systems": {}} and old["commit"] == "unknown"
+    assert record.make({}, machine_info=info)["commit"] != ""  # this checkout's commit (or "unknown")
+
+
+def test_bench_modules_import_as_a_package():
+    """Every bench module imports as hotneurons.bench.X in a fresh interpreter (no sys.path edits), and pi-bench's
+    --help runs as a module."""
+    root = Path(__file__).resolve().parents[1] / "bench"
+    names = sorted(p.stem for p in root.glob("*.py") if p.stem != "__init__")
+    code = "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module('hotneurons.bench.' + n)"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300, env=env,
+                       cwd="/")
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "hotneurons.bench.pi_bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd="/")
+    assert p.returncode == 0 and "--machine-kind" in p.stdout
