@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from hotneurons.bench import tests_module
-from hotneurons.common.artifacts import write_json
+from hotneurons.bench import record, tests_module
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.models import load_model, resolve_source
@@ -100,7 +99,7 @@ def main() -> None:
     hf = res["systems"]["hf"]["perplexity"]
     for name in list(res["systems"])[1:]:
         res["systems"][name]["perplexity_vs_hf"] = res["systems"][name]["perplexity"] / hf - 1
-    write_json(args.out, res)
+    record.write_flat(args.out, res)
     print("wrote", args.out)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 import torch
+from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.models import load_model_from_meta
@@ -69,7 +70,7 @@ def main(run_dir, layer, sizes, epoch_list, threads, out) -> None:
                        f"val {f.val['predicted_sparsity']:.3f} test {f.test['predicted_sparsity']:.3f} "
                        f"(test recall {f.test['recall']:.3f}, precision {f.test['precision']:.3f})")
     if out:
-        artifacts.write_json(out, {
+        record.write_flat(out, {
             "what": "predicted FFN sparsity at recall 0.95 vs predictor hidden size, one layer (bench/predictor_capacity.py)",
             "command": artifacts.command_line(), "machine": machine_info("numpy"), "run": str(run_dir),
             "layer": layer, "profile": {k: pmeta[k] for k in ("tokens", "rule", "target_sparsity")},

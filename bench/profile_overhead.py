@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 import torch
+from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.models import ModelSource, load_model, pick_device, pick_dtype, wrap_model
 from hotneurons.profiler.hooks import ActivationCounter, SampleReservoir
@@ -121,8 +122,7 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
         "timed_batches": len(times["plain"]), "results": res, "machine": machine_info("numba", "transformers"),
         "note": "median over batches; plain = decoder stack without hooks; see the module docstring",
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    record.write_flat(out, result)
     click.echo(json.dumps(result["results"], indent=2))
 
 

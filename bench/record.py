@@ -118,6 +118,16 @@ def write_result(path: Path | str, figures: dict, **header) -> dict:
     return rec
 
 
+def write_flat(path: Path | str, res: dict, **header) -> dict:
+    """A script's flat results dict written as a record: its own "machine" (merged over the measured one), "command",
+    "created" and "commit" keys, where it has them, go to the header; the rest are the figures."""
+    res = dict(res)
+    info = {**machine(), **(res.pop("machine", None) or {})}
+    hdr = {"machine_info": info, **{k: res.pop(k, None) for k in ("command", "created", "commit")}}
+    hdr.update({k: v for k, v in header.items() if v is not None})
+    return write_result(path, res, **hdr)
+
+
 def read(path: Path | str) -> dict:
     """A results record; a file written before the schema (flat keys) comes back in the schema's shape, its header
     taken from the keys it has."""

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from hotneurons.common.artifacts import write_json
+from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 from hotneurons.runtime.generate import PRESETS, generate, load_runtime, prompt_ids
 
@@ -47,7 +47,7 @@ def main() -> None:
     for mode in ("dense", "hybrid"):
         res["modes"][mode] = measure(args.run, mode, args.tokens, args.reps)
         print(mode, {k: v for k, v in res["modes"][mode].items() if k != "text"}, flush=True)
-    write_json(args.out, res)
+    record.write_flat(args.out, res)
     print("wrote", args.out)
 
 

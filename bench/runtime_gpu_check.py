@@ -23,16 +23,12 @@ OMP_WAIT_POLICY = openmp_wait_policy()  # before torch loads (common/hardware.py
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hotneurons.bench import (
-    bench_ceilings,  # noqa: E402
-    tests_module,  # noqa: E402
-)
+from hotneurons.bench import bench_ceilings, record, tests_module  # noqa: E402
 from hotneurons.bench import bench_model as bm  # noqa: E402
 from hotneurons.runtime.fast import cache_bytes  # noqa: E402
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
@@ -212,7 +208,7 @@ def main() -> None:
     report["speed"] = speed(args.shape, args.layers, args.tokens, args.hot_share, args.reps)
     report["seconds"] = time.perf_counter() - t0
     path = args.out / "runtime_gpu_check.json"
-    path.write_text(json.dumps(report, indent=1))
+    record.write_flat(path, report)
     print("wrote", path)
 
 

@@ -24,9 +24,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import click
+from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
@@ -184,8 +184,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
         "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    record.write_flat(out, result, commit=record.git_commit())
 
 
 if __name__ == "__main__":

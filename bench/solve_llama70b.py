@@ -10,7 +10,6 @@ LLaMA-2-70B's. Writes bench/results/solve_llama70b.json.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+from hotneurons.bench import record
 from hotneurons.common.hardware import get_hardware, machine_info
 from hotneurons.common.units import parse_bytes
 from hotneurons.solver import solve_placement
@@ -106,8 +106,7 @@ def main(out, naive, repeats):
         "machine": machine_info("pulp", "highspy", "numpy"), "profile_generation_seconds": gen, "goal": "gap <= 0.1% within 10 s on 2 cores",
         "results": results, "naive_binary_per_group": naive_row,
     }
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    record.write_flat(out, doc)
     print(f"wrote {out}")
 
 
