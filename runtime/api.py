@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hotneurons.runtime.generate import Sampling
+from hotneurons.runtime.sampling import Sampling
 
 MAX_STOPS = 4  # OpenAI's limit
 

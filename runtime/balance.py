@@ -9,15 +9,20 @@ measurements.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numba
 import numpy as np
-from hotneurons.runtime.layout import measure_pcie_rates
+import torch
+from hotneurons.runtime.cold_rows import ffn_rows_mapped
+from hotneurons.runtime.kernels import ffn_rows
 
 if TYPE_CHECKING:
     from hotneurons.runtime.generate import Runtime
+    from hotneurons.runtime.hybrid_ffn import HybridFFN
 
 
 CALIBRATION_TOKENS = 16  # decoded tokens without a share: each FFN's mean marked cold neurons, the step without it
@@ -27,7 +32,7 @@ TUNING_TOKENS = CALIBRATION_TOKENS + BALANCE_ROUNDS * (BALANCE_TOKENS + 1)
 OVERRUN_TOL_MS = 0.02  # a layer's wait this much past its wait without a share: the GPU's part ended after the CPU's
 MIN_OVERRUNS = 3  # samples of a round that must show it before the GPU part's time is read from them
 STALL_X = 3.0  # a CPU part over this many times the round's median is counted at that: a stall (a page fault, the OS)
-#                does not shrink with the rows the CPU keeps, and one of 20 ms in 48 samples drove the share to its cap
+#                does not shrink with the rows the CPU keeps, and a single one in a round drove the share to its cap
 RECHECK_TOKENS = 512  # then every this many decode steps one timed round at the share kept (a runtime lives long, e.g.
 #                       pi-serve's, and a share balanced badly or on a machine whose load has changed need not stay)
 RECHECK_GAIN = 0.05  # a re-check whose proposal would shorten the layer's time by this much starts new rounds from it
@@ -36,9 +41,9 @@ RECHECK_GAIN = 0.05  # a re-check whose proposal would shorten the layer's time 
 @dataclass
 class ShareBalance:
     """The share's balancing rounds (tune_mapped_rows). The share measured at start times the GPU and the CPU each
-    alone, but in decode the GPU's part also holds the hot rows and the two share DRAM: on the H100 machine the GPU's
-    part once ended ~0.2 ms a layer after the CPU's (bench/NOTES.md). So the decode steps themselves are timed
-    (StaticDecoder.timing, on while balancing)."""
+    alone, but in decode the GPU's part also holds the hot rows and the two share DRAM, so the GPU's part can end well
+    after the CPU's (bench/NOTES.md). So the decode steps themselves are timed (StaticDecoder.timing, on while
+    balancing)."""
     device_rows_per_ms: float  # the GPU's rate over PCIe, measured at start
     base_ms: np.ndarray | None = None  # (layers + 1,) ms: each wait for `pre` and the final graph's, without a share
     ceiling: float | None = None  # the lowest share seen to run past the CPU (in this series of rounds)
@@ -47,7 +52,6 @@ class ShareBalance:
     series: int = 0  # index in `rounds` of the current series' first round (the first series, or a re-check's)
     since: int = 0  # decode steps since the last series ended or re-check passed
     clock: list | None = None  # the StaticDecoder.timing list a re-check turned on (another one is not its own)
-    recheck: bool = True  # False: the first series' share is kept for life (an A/B, bench/pi_bench.py)
 
 
 def pcie_share(rt: Runtime, mask: str) -> float:
@@ -67,7 +71,7 @@ def pcie_share(rt: Runtime, mask: str) -> float:
     if rt.cfg.pcie_share is not None:
         return rt.cfg.pcie_share
     device_rate, cpu_rate = measure_pcie_rates(max(cold, key=lambda f: f.n_cold))  # rows/s
-    if rt.fast.graphs and BALANCE_ROUNDS > 0:
+    if rt.fast.graphs and BALANCE_ROUNDS > 0 and rt.cfg.pcie_balance:
         rt.pcie_balance = ShareBalance(device_rate / 1e3)
         rt.fast.timing = []
     return device_rate / (device_rate + cpu_rate)
@@ -112,14 +116,14 @@ def next_share(share: float, marked: float, device_rows_per_ms: float, overrun_m
     return float(new), max(float(gain), 0.0)
 
 
-def _set_mapped_rows(rt: Runtime, share: float) -> None:
-    """Each FFN's mapped_rows = share x its mean marked cold neurons a token; graphs captured again at the next step."""
+def set_pcie_share(rt: Runtime, share: float) -> None:
+    """Each FFN's mapped_rows = share x its mean marked cold neurons a token (seen so far); graphs captured again at
+    the next step."""
     rt.fast.reset_graphs()  # waits for the GPU: no graph runs while any is dropped
     rt.pcie_share = share
     for f in rt.ffns:
         f.mapped_rows = int(round(share * f.cold_marks[1] / f.cold_marks[0])) if f.mapped is not None else 0
-        if f._io is not None:
-            f._io["graphs"] = None
+        f.reset_graphs()
 
 
 def tune_mapped_rows(rt: Runtime) -> bool:
@@ -132,10 +136,10 @@ def tune_mapped_rows(rt: Runtime) -> bool:
         return False
     b = rt.pcie_balance
     if rt.pcie_tuned:
-        return _recheck(rt) if b is not None and b.recheck else False
+        return _recheck(rt) if b is not None and rt.cfg.pcie_recheck else False
     timing = rt.fast.timing
     if b is None or timing is None:  # a given share, or no host clock: set once
-        _set_mapped_rows(rt, rt.pcie_share)
+        set_pcie_share(rt, rt.pcie_share)
         rt.pcie_tuned = True
         return True
     steps = timing[b.start:]
@@ -150,7 +154,7 @@ def tune_mapped_rows(rt: Runtime) -> bool:
             rt.pcie_tuned, rt.fast.timing, b.since = True, None, 0
             if not overran:  # the GPU ended first: no unmeasured step up at the end
                 return False
-    _set_mapped_rows(rt, share)
+    set_pcie_share(rt, share)
     b.start = len(timing)
     return True
 
@@ -206,6 +210,39 @@ def _recheck(rt: Runtime) -> bool:
         fast.timing, b.since = None, 0
         return False
     rt.pcie_tuned, b.series = False, len(b.rounds) - 1  # the re-check is the new series' first round
-    _set_mapped_rows(rt, share)
+    set_pcie_share(rt, share)
     b.start = len(fast.timing)
     return True
+
+
+def measure_pcie_rates(f: HybridFFN, rows: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """Cold rows/s of f that the device reads in place (over PCIe) and that the CPU reads from DRAM, each timed alone
+    on fresh random rows (the best of `reps`: a single CPU call now and then stalls many times over). Needs
+    f.map_cold first. Both read every row of a neuron here (SwiGLU, GELU: no zero gate skips a row)."""
+    device = f.mapped["b_up"].device
+    k = min(rows, f.n_cold)
+    act = "swiglu" if f.gated else "gelu"
+    rng = np.random.default_rng(0)
+    sets = [np.sort(rng.choice(f.n_cold, k, replace=False)).astype(np.int64) for _ in range(2 * reps + 2)]
+    x = torch.randn(1, f.d_model, generator=torch.Generator().manual_seed(0))  # (1, d)
+    xd, valid = x.to(device), torch.ones(k, dtype=torch.bool, device=device)
+    out, part = np.zeros(f.d_model, np.float32), np.empty((numba.get_num_threads(), f.d_model), np.float32)
+
+    def device_call(ids: np.ndarray) -> None:
+        ffn_rows_mapped(act, xd, torch.from_numpy(ids).to(device), valid, f.mapped)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def cpu_call(ids: np.ndarray) -> None:
+        ffn_rows(act, x[0].numpy(), ids, f.cold, out, part)
+
+    def timed(fn, ids: np.ndarray) -> float:  # s
+        t = time.perf_counter()
+        fn(ids)
+        return time.perf_counter() - t
+
+    device_call(sets[0])  # warm up (CUDA kernels, Numba compilation)
+    cpu_call(sets[1])
+    device_s = min(timed(device_call, s) for s in sets[2:2 + reps])  # s
+    cpu_s = min(timed(cpu_call, s) for s in sets[2 + reps:])  # s
+    return k / device_s, k / cpu_s

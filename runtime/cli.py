@@ -8,8 +8,9 @@ import sys
 import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.runtime.cold_rows import COLD_DTYPES
-from hotneurons.runtime.fast import OPS
-from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
+from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, load_runtime, prompt_ids
+from hotneurons.runtime.ops import OPS
+from hotneurons.runtime.sampling import Sampling
 
 
 def _bytes(text: str | None) -> int | None:

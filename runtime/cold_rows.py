@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hotneurons.runtime.kernels import INT8_GROUP, neuron_values
+from hotneurons.runtime.kernels import INT8_GROUP
+from hotneurons.runtime.ops import neuron_values
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cold-row storage: bf16 (default) or int8 with a scale per group of INT8_GROUP weights
@@ -111,8 +112,8 @@ class ColdRows:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cold rows the compute device reads in place. On CUDA the arrays are page-locked and mapped into the GPU's address
-# space (cudaHostRegister), so a GPU kernel reads them over PCIe while the CPU reads other rows from DRAM: on the H100
-# host the two reads add up (47 GB/s over PCIe while the CPU kept 72 of its 80 GB/s; bench/NOTES.md). On the CPU the
+# space (cudaHostRegister), so a GPU kernel reads them over PCIe while the CPU reads other rows from DRAM: the two
+# reads add up, the CPU keeping most of its bandwidth (bench/pcie_cold.py, bench/NOTES.md). On the CPU the
 # "mapped" tensors are plain views, which tests use.
 
 
@@ -175,7 +176,7 @@ def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tenso
         return r.view(torch.int16).view(torch.bfloat16).float()
     s = mapped["scale"][which].index_select(0, ids)  # (K, groups)
     q, group, d = r.view(torch.int8).float(), mapped["group"], mapped["d"]  # (K, d)
-    if d % group == 0:  # a broadcast product: no (K, d) tensor of repeated scales (0.18 of 0.75 ms at K = 849)
+    if d % group == 0:  # a broadcast product: no (K, d) tensor of repeated scales to write and read again
         return (q.view(len(ids), -1, group) * s[:, :, None]).view(len(ids), d)
     return q * s.repeat_interleave(group, dim=1)[:, :d]
 

@@ -1,6 +1,6 @@
-"""Triton kernels for a decode step's ops on the GPU (runtime/fast.py), one kernel where torch runs several.
+"""Triton kernels for a decode step's ops on the GPU (runtime/static_decoder.py), one kernel where torch runs several.
 
-The same functions as fast.py's plain ops (`Ops`), with the same arguments and the same roundings where
+The same functions as ops.py's torch ops (`ops.Ops`), with the same arguments and the same roundings where
 torch rounds (each torch kernel's output is rounded to the model dtype; the kernels here round at the same
 points), so that a step through them gives the plain step's outputs up to the order of float32 sums:
 
@@ -11,7 +11,7 @@ points), so that a step through them gives the plain step's outputs up to the or
                  the splits combined): 2 kernels, not 4, reading only the filled slots where the plain op reads
                  the whole static cache behind a mask
   predict        the predictor's two GEMVs, its ReLU and its decision, counted into the firings and written into the
-                 cold masks on the device (bytes) and the host (bits) (layout.predict): 2 kernels, not 8
+                 cold masks on the device (bytes) and the host (bits) (ops.predict): 2 kernels, not 8
   linear         one token's GEMV (+ bias), rounded once as cuBLAS rounds: the q/k/v projection, the LM head
   add_linear     the same added into the residual, as addmm_ (o_proj)
 
@@ -74,12 +74,12 @@ def _rms(a, b, c, w, eps, h, r) -> torch.Tensor:
 
 def residual_norm(h2_prev: torch.Tensor, hot_prev: torch.Tensor, cold: torch.Tensor | None, w: torch.Tensor,
                   eps: float, out: torch.Tensor) -> torch.Tensor:
-    """fast._residual_norm in one kernel: out = h2_prev + hot_prev (+ cold), returns w * rms_norm(out)."""
+    """ops.residual_norm in one kernel: out = h2_prev + hot_prev (+ cold), returns w * rms_norm(out)."""
     return _rms(h2_prev, hot_prev, cold, w, eps, out, torch.empty_like(out))
 
 
 def weighted_rms(h: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fast._weighted_rms in one kernel: w * rms_norm(h), into out if given."""
+    """ops.weighted_rms in one kernel: w * rms_norm(h), into out if given."""
     return _rms(h, None, None, w, eps, None, torch.empty_like(h) if out is None else out)
 
 
@@ -110,7 +110,7 @@ def _rope_cache_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, p
 
 def rope_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """fast._rope_cache in one kernel: qk (1, heads + kv, 1, hd), v (1, kv, 1, hd), caches (1, kv, slots, hd), pos
+    """ops.rope_cache in one kernel: qk (1, heads + kv, 1, hd), v (1, kv, 1, hd), caches (1, kv, slots, hd), pos
     (1,) on the device -> q (1, heads, 1, hd), rotated (and scaled where cos and sin are)."""
     _, K, cap, hd = k_cache.shape
     H = qk.shape[1] - K
@@ -193,7 +193,7 @@ def _attend_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, G, hd, n_splits,
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
            pos: torch.Tensor) -> torch.Tensor:
-    """fast._attend over the slots up to pos (1,) (the slots `mask` leaves open; the mask itself is not read):
+    """ops.attend over the slots up to pos (1,) (the slots `mask` leaves open; the mask itself is not read):
     q (1, kv, G, hd), already scaled; keys, values (1, kv, slots, hd) -> (1, kv, G, hd)."""
     _, K, G, hd = q.shape
     cap = keys.shape[2]
@@ -260,7 +260,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, thr_ptr, fired_ptr, mdev_ptr, mho
 
 
 def gemv_config(rows: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_K, num_warps) of a GEMV of w (rows, cols), from bench/gemv_sweep.py's sweep on an H100 at
+    """(BLOCK_R, BLOCK_K, num_warps) of a GEMV of w (rows, cols), from a sweep of block sizes at
     the 70B shape: rows of 8192 columns (q/k/v and o projections, the predictor's fc1), 2 rows a program, within 1% of
     the best of each; the predictor's fc2 (1024 columns), 16 rows (the best)."""
     return (2, min(2048, _pow2(cols)), 8) if cols >= 2048 else (16, min(256, _pow2(cols, 16)), 4)
@@ -270,7 +270,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.T
           relu: bool = False, decide: tuple | None = None, config: tuple[int, int, int] | None = None) -> None:
     """_gemv_kernel's launch: x (cols,) or (1, .., cols), w (rows, cols), out (rows,) or any of rows elements.
     decide: (threshold, fired, m_dev, m_host, n_cold): m_dev (n_cold,) bool, m_host (>= ceil(n_cold / 8),) uint8
-    bits. config: (BLOCK_R, BLOCK_K, num_warps), else gemv_config's (the sweep in bench/gemv_sweep.py gives others);
+    bits. config: (BLOCK_R, BLOCK_K, num_warps), else gemv_config's (a sweep gives others);
     with m_host, BLOCK_R below 8 is raised to 8 (BLOCK_K lowered as much: the same tile)."""
     rows, cols = w.shape
     if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()) or x.numel() != cols or \
@@ -300,13 +300,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 
 def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """fast._add_linear in one kernel: h += linear(x, w, b), one token."""
+    """ops.add_linear in one kernel: h += linear(x, w, b), one token."""
     _gemv(x, w, b, h, add=True)
 
 
 def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
             m_dev: torch.Tensor | None, m_host: torch.Tensor | None, n_cold: int) -> None:
-    """layout.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the device's bool mask written
+    """ops.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the device's bool mask written
     as bytes of 0 and 1, the host's as bits)."""
     h = x.new_empty(fc1.shape[0])  # (hidden,)
     _gemv(x, fc1, None, h, relu=True)

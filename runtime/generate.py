@@ -1,7 +1,7 @@
 """`generate`: batch-1 decoding with the hybrid runtime; `build_runtime` lays a loaded model out for a placement.
 
 The model stays a transformers causal LM (its attention, norms, RoPE and KV cache are reused for every family);
-each decoder layer's FFN is replaced by a `HybridFFN` (runtime/layout.py). Modes:
+each decoder layer's FFN is replaced by a `HybridFFN` (runtime/hybrid_ffn.py). Modes:
 - hybrid: hot neurons on the compute device, active cold neurons on the CPU; masks from the predictors, or
   from the true activations with `oracle` (correctness checks, not speed);
 - dense: the same layout, every cold neuron computed (no sparsity); without a placement, all on the device;
@@ -33,9 +33,13 @@ from hotneurons.common.models import (
 )
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from hotneurons.runtime.cold_rows import COLD_DTYPES
-from hotneurons.runtime.fast import CAPACITY, OPS, StaticDecoder, cache_bytes, default_ops, supported
+from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.kernels import set_threads
-from hotneurons.runtime.layout import HybridFFN, OnCPULayer, Placement, count_bytes, embedding_to_cpu, install
+from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
+from hotneurons.runtime.ops import OPS, default_ops
+from hotneurons.runtime.placement import Placement
+from hotneurons.runtime.sampling import Sampling, sample
+from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
 
 MODES = ("hybrid", "dense", "layer-split")
 
@@ -53,19 +57,29 @@ class RuntimeConfig:
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
     cuda_graphs: bool = True  # CUDA: each FFN's per-token GPU work replayed as CUDA graphs (False: eager launches)
-    static_decode: bool = True  # LLaMA family, hybrid/dense: decode steps by runtime/fast.py (static KV cache)
+    static_decode: bool = True  # LLaMA family, hybrid/dense: decode steps by runtime/static_decoder.py
     # static decoder on CUDA, predictor or dense masks: the share of each token's marked cold neurons that the GPU
     # computes from the cold rows in page-locked host RAM, read over PCIe while the CPU reads the rest from DRAM
     # (None: measured at start; 0: off, the CPU reads every cold row)
     pcie_share: float | None = None
     # static decoder: tokens its KV cache holds, on the device and counted by --vram (None: the placement's pi-solve
-    # --ctx when loaded from a run, else fast.CAPACITY); longer generations decode through HF
+    # --ctx when loaded from a run, else static_decoder.CAPACITY); longer generations decode through HF
     ctx: int | None = None
     # static decoder with CUDA graphs: what computes a step's GPU ops, the norms, RoPE, attention, the predictor and
-    # one token's GEMVs (fast.OPS): "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or
+    # one token's GEMVs (ops.OPS): "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or
     # "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it imports
     # (torch's CUDA builds bring it), else torch
     ops: str = "auto"
+    # static decoder with CUDA graphs: launch layer i+1's graph before layer i's cold part, held on the GPU by a host
+    # flag, where the driver can (False: each graph after the previous cold part, the fallback without the driver's
+    # stream memory operations; kept selectable so that bench A/Bs can time the launches prelaunch hides)
+    prelaunch: bool = True
+    # a measured PCIe share on CUDA graphs: move it by timed balancing rounds in decode (False: keep the share
+    # measured at start; for bench A/Bs of the rounds, which gain only where the start measurement is off)
+    pcie_balance: bool = True
+    # after the balancing rounds, re-check the share every balance.RECHECK_TOKENS steps (False: keep the first
+    # series' share for life; an A/B whose gain on the device is not yet shown, only on a simulated machine)
+    pcie_recheck: bool = True
 
 
 PRESETS: dict[str, RuntimeConfig] = {
@@ -77,22 +91,13 @@ PRESETS: dict[str, RuntimeConfig] = {
 }
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    repetition_penalty: float = 1.0  # 1: off (HF rule: positive logits divided, negative multiplied)
-    seed: int = 0
-
-
 def device_and_dtype(cfg: RuntimeConfig) -> tuple[str, torch.dtype]:
     """The one place that decides where the hot part runs and in which dtype (and how attention runs there)."""
     device = pick_device(cfg.device)
     if device.startswith("cuda"):
         # cuDNN's attention builds a new execution plan for every new KV length, and decoding makes a new length
-        # each step: ~7 ms of CPU per layer per token on an H100 (torch 2.11), 6x the whole step. Flash and
-        # memory-efficient attention have no per-shape plans.
+        # each step, costing several times the whole step in CPU time. Flash and memory-efficient attention have
+        # no per-shape plans.
         torch.backends.cuda.enable_cudnn_sdp(False)
     return device, pick_dtype(cfg.dtype, device)
 
@@ -133,7 +138,7 @@ def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None,
     size = torch.tensor([], dtype=dtype).element_size()
     per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
     params = lm.info["params"]  # as loaded, whether the embedding has left the module tree yet or not
-    on_cpu = params["embedding"] if params["lm_head"] else 0  # an untied input embedding (layout.embedding_to_cpu)
+    on_cpu = params["embedding"] if params["lm_head"] else 0  # an untied input embedding (offload.embedding_to_cpu)
     fixed = (params["total"] - on_cpu) * size - sum(per_layer)
     if vram < fixed:
         raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the LM head, norms (and a tied embedding) need "
@@ -193,8 +198,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
         pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
         ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
-                        None if taus is None else taus[i], cfg.cold_dtype)
-        ffn.use_graphs = cfg.cuda_graphs
+                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs)
         install(lm, i, ffn)
         ffns.append(ffn)
         if cfg.mode == "layer-split":
@@ -212,37 +216,15 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
     ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
-    fast = StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops) if static else None
+    fast = (StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops, cfg.prelaunch) if static
+            else None)
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
     rt.pcie_share = pcie_share(rt, mask)
     return rt
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling and the decode loop
-
-
-def sample(logits: torch.Tensor, history: list[int], s: Sampling, gen: torch.Generator) -> int:
-    """One token id from (vocab,) logits (left unchanged)."""
-    if s.temperature <= 0 and s.repetition_penalty == 1.0:  # greedy: the argmax where the logits are (first of ties)
-        return int(torch.argmax(logits.detach()))
-    logits = logits.detach().float().cpu().clone()
-    if s.repetition_penalty != 1.0 and history:
-        ids = torch.tensor(sorted(set(history)))
-        seen = logits[ids]
-        logits[ids] = torch.where(seen > 0, seen / s.repetition_penalty, seen * s.repetition_penalty)
-    if s.temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits / s.temperature
-    if s.top_k > 0:
-        kth = torch.topk(logits, min(s.top_k, logits.numel())).values[-1]
-        logits[logits < kth] = -float("inf")
-    if s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= s.top_p  # keep the smallest prefix reaching top_p
-        logits[order[drop]] = -float("inf")
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+# The decode loop
 
 
 @dataclass
@@ -296,9 +278,9 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     _sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
-    # the static decoder when it applies (LLaMA family, cache long enough, no per-FFN timing asked)
+    # the static decoder when it applies (LLaMA family, cache long enough, no FFN probed: its marks are HF's path's)
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
-                       and all(f.timing is None for f in rt.ffns)) else None
+                       and all(f.probe is None for f in rt.ffns)) else None
     if fast is not None:
         fast.load_prefill(cache, len(prompt_ids))
     ids: list[int] = []

@@ -1,4 +1,5 @@
-"""Numba kernels for the cold FFN neurons of one batch-1 token, and their torch twin for the hot ones.
+"""Numba kernels for the cold FFN neurons of one batch-1 token (their torch twin: ops.ffn_rows_torch), and the CPU's
+side of the flags it shares with the GPU's graphs (`cold_layer`).
 
 Cold rows live in CPU RAM (`cold_rows.ColdRows`), one contiguous row per neuron and matrix: `gate` and `up` rows
 (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active neuron
@@ -8,18 +9,17 @@ Each element is widened to float32 inside the dot and axpy loops, each group's s
 one group of d with scale 1), and all arithmetic is float32.
 
 Work split: threads take CHUNK neurons of the active list at a time from a shared atomic counter (a fixed contiguous
-share each left the call waiting for its slowest thread: 8-21% slower on the H100 host, bench/NOTES.md), and the last
-TAIL per thread 4 at a time (`_claim`: the last thread then ends 6-13 us after the mean instead of 16-21); each thread
+share each left the call waiting for its slowest thread; bench/NOTES.md), and the last TAIL per thread 4 at a time
+(`_claim`, so that the threads end closer together); each thread
 accumulates its neurons' `h_j * down_t[j]` into its own row of `part`; then every thread sums one slice of d across
 those rows. Which thread sums which neuron varies from call to call, so results vary in the last float32 bits. The GIL
 is released, so the GPU (or another Python thread) keeps working.
 
 Several rows at once: a thread reads the gate and up rows of four neurons in one loop (`_dot8`: eight rows), then
 their down rows (`_axpy4`); ungated FFNs read four up rows (`_dot4`), then four down rows. One core alone keeps too few
-reads in flight over one 16 KiB row at a random place to fill its share of DRAM bandwidth: four rows at once read
-1.35-1.41x (bf16) and 1.31-1.46x (int8) faster than one on the H100 host, and the gate and up rows in one pass
-another 8-11% for bf16 (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose activation is zero (a wrong
-guess) skips its down row; under a ReLU gate it has read its up row for nothing.
+reads in flight over one 16 KiB row at a random place to fill its share of DRAM bandwidth, so four rows are read at
+once, and the gate and up rows in one pass (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose
+activation is zero (a wrong guess) skips its down row; under a ReLU gate it has read its up row for nothing.
 
 One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST_GATED on):
   cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act)
@@ -34,27 +34,30 @@ one count-trailing-zeros per set bit.
 `part` (threads, d_model) float32 scratch: its row count is the number of threads used (Numba's thread count: calling
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]; or, with `out` of shape (0,), that sum is left in `part` as its rows' sum (the rows of threads
-that took no neurons zeroed), for the GPU to add up: it reads the 16 rows of a 70B layer over PCIe in ~13 us more than
-one, where the CPU's sum (a second parallel region, each row in another core's cache) takes ~33 us (H100 host,
-bench/results/2026-11-23-h100-cold-sum-gpu.json). The down bias is added by the caller once.
+that took no neurons zeroed), for the GPU to add up: reading a few more rows over PCIe costs the GPU less than the
+CPU's sum costs the CPU (a second parallel region, each row in another core's cache; bench/cold_sum_gpu.py). The down
+bias is added by the caller once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
-import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+if TYPE_CHECKING:
+    from hotneurons.runtime.cold_rows import ColdRows
+
 GATED = ("reglu", "drelu", "swiglu", "geglu")
 CHUNK = 8  # active neurons a thread takes at a time, read four at once (kernel_variants quad8)
 TAIL = 8  # the last TAIL * threads active neurons are taken 4 at a time, so that the threads end closer together
-INT8_GROUP = 64  # weights per int8 scale. SmolLM2-135M, every neuron cold: perplexity +0.9% (groups of 32: +0.9%,
-#                  128: +1.3%, one scale per row of 576: +4.3%; bench/results/cold-int8-quality-smollm2.json)
+INT8_GROUP = 64  # weights per int8 scale: the largest group that loses no more perplexity than 32 does
+#                  (bench/cold_int8_quality.py)
 UNGATED = ("relu", "gelu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -128,8 +131,8 @@ def _ctz(typingctx, v):
 def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int8) with (groups,) scales
     d = x.shape[0]
     s = np.float32(0.0)
-    if group == INT8_GROUP and d % INT8_GROUP == 0:  # a constant trip count: 1.4x the weights/s of the loop below
-        for i in range(sc.shape[0]):                # (bench/NOTES.md)
+    if group == INT8_GROUP and d % INT8_GROUP == 0:  # a constant trip count: vectorises better than the loop below
+        for i in range(sc.shape[0]):
             lo = i * INT8_GROUP
             p = np.float32(0.0)
             for k in range(INT8_GROUP):
@@ -139,7 +142,7 @@ def _dot(x, row, sc, group):  # (d,) float32 . (d,) stored row (bf16 bits or int
     for i in range(sc.shape[0]):
         lo = i * group
         xs, rs = x[lo:min(lo + group, d)], row[lo:min(lo + group, d)]  # slices: a loop from 0 vectorises, an offset one
-        p = np.float32(0.0)                                             # range(lo, hi) did not (3x slower)
+        p = np.float32(0.0)                                             # range(lo, hi) did not
         for k in range(xs.shape[0]):
             p += xs[k] * _widen(rs[k])
         s += sc[i] * p
@@ -333,10 +336,10 @@ def _down4(h0, h1, h2, h3, j0, j1, j2, j3, down_t, scale, group, acc):  # acc +=
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
-    """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: on the H100 host
-    8-11% faster from DRAM than gate, up and down in three passes of four rows (bf16 at 3.5-20% of a layer;
-    bench/results/2026-11-23-h100-kernel-dot8-ab.json, bench/NOTES.md). A neuron marked active whose ReLU gate is zero (a wrong guess) has read its up row for nothing
-    (one row more than reading the gates first: worth it above a predictor precision of ~0.8)."""
+    """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: fewer passes over x
+    keep more reads in flight than gate, up and down in three passes of four rows (bench/NOTES.md). A neuron marked
+    active whose ReLU gate is zero (a wrong guess) has read its up row for nothing (one row more than reading the
+    gates first: worth it while the predictor's precision is high)."""
     g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3],
                                            scale[0, j0], scale[0, j1], scale[0, j2], scale[0, j3], scale[1, j0],
                                            scale[1, j1], scale[1, j2], scale[1, j3], group)
@@ -405,9 +408,8 @@ def bit_indices(words, n, out):
     """out[:k] = the positions of the set bits of a packed mask of n entries, ascending (np.flatnonzero's of the
     unpacked mask); returns k. words: (ceil(n / 64),) uint64, bit j of word w = entry 64 w + j (the host mask's
     bytes, bit b of byte i = entry 8 i + b, viewed as little-endian uint64); bits at n and past are left out. out:
-    (n,) int64. Serial, one count-trailing-zeros per set bit: the GPU writes ~3 KB of bits for a 70B layer's ~25k cold
-    neurons, ~1,100 of them set; the byte mask it replaced (24 KB) took a parallel region's fork and join to scan,
-    13-16 us a layer on the H100 host."""
+    (n,) int64. Serial, one count-trailing-zeros per set bit: a few percent of a layer's cold neurons are set, and
+    the byte mask this replaced took a parallel region's fork and join to scan (bench/mask_indices.py)."""
     k = 0
     for w in range(min(words.shape[0], (n + 63) // 64)):
         b = words[w]
@@ -437,8 +439,7 @@ def wait_ready(ready, i, spins):
 @njit(nogil=True, cache=True)
 def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out, act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
-    decode the main thread runs Python 2-4x slower than alone, its caches flushed by the rows just read;
-    bench/NOTES.md):
+    decode the main thread runs Python slower than alone, its caches flushed by the rows just read; bench/NOTES.md):
 
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
       the set bits of the packed cold mask `words` (ceil(n_cold / 64),) uint64 -> idx[:k] ascending (bit_indices;
@@ -469,7 +470,7 @@ def mask_bytes(n: int) -> int:
 
 def pack_mask(mask: np.ndarray) -> np.ndarray:
     """(n,) bool -> (mask_bytes(n),) uint8, bit b of byte i = mask[8 i + b]: the host mask as the GPU writes it
-    (layout.predict, fused.predict), for tests and benches."""
+    (ops.predict, fused.predict), for tests and benches."""
     out = np.zeros(mask_bytes(mask.shape[0]), np.uint8)
     packed = np.packbits(mask, bitorder="little")  # (ceil(n / 8),)
     out[:packed.shape[0]] = packed
@@ -487,43 +488,6 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", 
     cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
              ACT_CODE[activation])
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The same computation in torch (hot neurons on the compute device; dense prefill; oracle masks)
-
-
-def act_torch(activation: str, a: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-    """Neuron values h from pre-activations: ungated a = up.x + b; gated a = gate.x, u = up.x."""
-    f = torch.nn.functional
-    if activation == "relu":
-        return torch.relu(a)
-    if activation == "gelu":
-        return f.gelu(a)
-    if activation == "reglu":
-        return torch.relu(a) * u
-    if activation == "drelu":
-        return torch.relu(a) * torch.relu(u)
-    if activation == "swiglu":
-        return f.silu(a) * u
-    if activation == "geglu":
-        return f.gelu(a, approximate="tanh") * u
-    raise ValueError(f"unknown activation '{activation}': choose one of {', '.join(ACT_CODE)}")
-
-
-def neuron_values(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                  b_up: torch.Tensor | None) -> torch.Tensor:
-    """(tokens, d) x and (n, d) rows -> (tokens, n) neuron values h."""
-    f = torch.nn.functional
-    if activation in GATED:
-        return act_torch(activation, f.linear(x, gate), f.linear(x, up))
-    return act_torch(activation, f.linear(x, up, b_up))
-
-
-def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                   b_up: torch.Tensor | None, down_t: torch.Tensor) -> torch.Tensor:
-    """Torch backend of `ffn_rows` over all given rows: (tokens, d) -> (tokens, d), in x's dtype and device."""
-    return neuron_values(activation, x, gate, up, b_up) @ down_t  # (tokens, n) @ (n, d)
 
 
 def set_threads(n: int | None) -> int:

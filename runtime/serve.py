@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from hotneurons.runtime import api
 from hotneurons.runtime.api import ApiError, Reply, Result, StopMatcher
-from hotneurons.runtime.generate import Runtime, Sampling, context_length, eos_ids, generate, prompt_ids
+from hotneurons.runtime.generate import Runtime, context_length, eos_ids, generate, prompt_ids
+from hotneurons.runtime.sampling import Sampling
 
 log = logging.getLogger("hotneurons.serve")
 

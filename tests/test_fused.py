@@ -1,4 +1,4 @@
-"""runtime/fused.py's Triton kernels against fast.py's torch ops (the reference) and float64, on fresh random inputs.
+"""runtime/fused.py's Triton kernels against ops.py's torch ops (the reference) and float64, on fresh random inputs.
 
 Without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on CUDA as compiled kernels: the
 same checks either way. Tolerances: outputs that torch rounds at the same points as the kernels (residual sums, RoPE,
@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hotneurons.runtime import fast
+from hotneurons.runtime import ops
 
 triton = pytest.importorskip("triton")
 fused = pytest.importorskip("hotneurons.runtime.fused")
@@ -47,7 +47,7 @@ def test_residual_norm_equals_torch(dtype, d, with_cold):
     h2, hot, w = rand(g, 1, 1, d, dtype=dtype), rand(g, 1, d, dtype=dtype, scale=0.3), rand(g, d, dtype=dtype)
     cold = rand(g, d, dtype=torch.float32, scale=0.1) if with_cold else None  # the CPU's sum is float32
     out_ref, out = (torch.full((1, 1, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
-    r_ref = fast._residual_norm(h2, hot, cold, w, 1e-5, out_ref)
+    r_ref = ops.residual_norm(h2, hot, cold, w, 1e-5, out_ref)
     r = fused.residual_norm(h2, hot, cold, w, 1e-5, out)
     same(out, out_ref)  # the residual: the same two roundings
     torch.testing.assert_close(r, r_ref, **TOL[dtype])
@@ -59,7 +59,7 @@ def test_weighted_rms_by_rows_equals_torch(dtype):
     """Qwen3's per-head norms: (1, heads, 1, hd) rows under one weight of hd; into out or a new tensor."""
     g = torch.Generator().manual_seed(11 + DTYPES.index(dtype))
     h, w = rand(g, 1, 6, 1, 16, dtype=dtype, scale=3.0), rand(g, 16, dtype=dtype)
-    ref = fast._weighted_rms(h, w, 1e-6)
+    ref = ops.weighted_rms(h, w, 1e-6)
     torch.testing.assert_close(fused.weighted_rms(h, w, 1e-6), ref, **TOL[dtype])
     out = torch.empty_like(h)
     assert fused.weighted_rms(h, w, 1e-6, out) is out
@@ -76,7 +76,7 @@ def test_rope_cache_equals_torch(dtype, heads, kv, hd):
     cos, sin = rand(g, 1, heads + kv, 1, hd, dtype=dtype), rand(g, 1, heads + kv, 1, hd, dtype=dtype)
     caches = [rand(g, 1, kv, cap, hd, dtype=dtype) for _ in range(2)]
     kc_ref, vc_ref = (c.clone() for c in caches)
-    q_ref = fast._rope_cache(qk, v, cos, sin, kc_ref, vc_ref, pos)
+    q_ref = ops.rope_cache(qk, v, cos, sin, kc_ref, vc_ref, pos)
     q = fused.rope_cache(qk, v, cos, sin, *caches, pos)
     torch.testing.assert_close(q, q_ref, **TOL[dtype])
     torch.testing.assert_close(caches[0], kc_ref, **TOL[dtype])
@@ -97,7 +97,7 @@ def test_attend_reads_only_the_filled_slots(dtype, kv, G, hd, cap, pos):
     keys[:, :, pos + 1:] = values[:, :, pos + 1:] = float("nan")
     o = fused.attend(q, keys, values, None, torch.tensor([pos], device=DEVICE))
     n = pos + 1
-    ref = fast._attend(q, keys[:, :, :n], values[:, :, :n], None)
+    ref = ops.attend(q, keys[:, :, :n], values[:, :, :n], None)
     torch.testing.assert_close(o, ref, **TOL[dtype])
     s = torch.matmul(q.double(), keys[:, :, :n].double().transpose(-1, -2))
     ref64 = torch.matmul(torch.softmax(s, -1), values[:, :, :n].double())
@@ -120,7 +120,6 @@ def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where,
     truncation (two units)."""
     import numpy as np
     from hotneurons.runtime.kernels import mask_bytes
-    from hotneurons.runtime.layout import predict
 
     g = torch.Generator().manual_seed(d + hidden + n_cold + DTYPES.index(dtype))
     x, fc1 = rand(g, d, dtype=dtype), rand(g, hidden, d, dtype=dtype, scale=d ** -0.5)
@@ -134,7 +133,7 @@ def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where,
     thr64 = float(threshold.to(dtype))
     clear = ((logit64 - thr64).abs() > bound) | (fc2 == 0).all(1)  # (rows,)
     fired0 = torch.randint(0, 5, (rows,), generator=g, dtype=torch.int32).to(DEVICE)
-    for op in (predict, fused.predict):
+    for op in (ops.predict, fused.predict):
         fired = fired0.clone()
         m_dev = torch.zeros(n_cold, dtype=torch.bool, device=DEVICE) if where in ("both", "device") else None
         nb = -(-n_cold // 8)  # bytes the host's bits take; the buffer's are whole uint64 words
@@ -168,7 +167,7 @@ def test_linear_equals_torch_and_float64(dtype, rows, cols, bias, add):
     y64 = w.double() @ x.double().flatten() + (0 if b is None else b.double())  # (rows,)
     if add:
         ref, out = h.clone(), h.clone()
-        fast._add_linear(ref, x.view(1, cols), w, b)
+        ops.add_linear(ref, x.view(1, cols), w, b)
         fused.add_linear(out, x.view(1, cols), w, b)
         y64 = y64 + h.double().flatten()
     else:
@@ -190,13 +189,13 @@ def test_linear_takes_one_token():
 
 
 def test_ops_by_name():
-    assert fast.Ops.named("torch") == fast.Ops()
-    assert fast.Ops.named("triton").attend is fused.attend
-    assert fast.Ops.named("triton").predict is fused.predict
-    assert fast.Ops.named("triton").add_linear is fused.add_linear
+    assert ops.Ops.named("torch") == ops.Ops()
+    assert ops.Ops.named("triton").attend is fused.attend
+    assert ops.Ops.named("triton").predict is fused.predict
+    assert ops.Ops.named("triton").add_linear is fused.add_linear
     with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
-        fast.Ops.named("cutlass")
-    assert fast.default_ops(torch.device("cpu")) == "torch"
+        ops.Ops.named("cutlass")
+    assert ops.default_ops(torch.device("cpu")) == "torch"
 
 
 def test_rows_must_be_contiguous():

@@ -15,8 +15,10 @@ from hotneurons.common.models import load_model
 from hotneurons.predictors.train import Predictor, Predictors
 from hotneurons.runtime import cold_rows as C
 from hotneurons.runtime import kernels as K
-from hotneurons.runtime.generate import RuntimeConfig, Sampling, build_runtime, generate, sample
-from hotneurons.runtime.layout import Placement
+from hotneurons.runtime import ops
+from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.placement import Placement
+from hotneurons.runtime.sampling import Sampling, sample
 
 LOGIT_ATOL = 1e-4
 NEW = 12
@@ -49,7 +51,8 @@ def reference(act: str, x, idx, rows: C.ColdRows) -> np.ndarray:
     if g is None:
         u = u + rows.b_up[idx].astype(np.float64)
     gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
-    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + np.vectorize(erf, otypes=[np.float64])(u / np.sqrt(2))),
+    erf64 = np.vectorize(erf, otypes=[np.float64])
+    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + erf64(u / np.sqrt(2))),
          "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
          "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
     return h @ _widen64(rows.down_t, rows.scale[2], rows.group)[idx]
@@ -90,7 +93,7 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
     # the torch backend (hot neurons) against the same reference, on the same weights
     w = rows.float32()
     t = lambda name: None if w[name] is None else w[name][idx].double()  # noqa: E731
-    y = K.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t("gate"), t("up"),
+    y = ops.ffn_rows_torch(act, torch.from_numpy(x.astype(np.float64))[None], t("gate"), t("up"),
                          None if act in K.GATED else t("b_up"), t("down_t"))[0]
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-6, atol=1e-6)  # int8: q * scale rounded to float32
     # the device backend over rows read in place (on the CPU: views), with padding rows that must add nothing
@@ -169,12 +172,10 @@ def test_bit_indices_leaves_out_bits_past_n():
 
 @pytest.mark.parametrize("n_cold", [0, 1, 7, 8, 63, 64, 65, 203, 1000])
 def test_predict_packs_the_host_mask_as_bits(n_cold):
-    """layout.predict (the torch ops' predictor, fused.predict's twin): the host mask's first ceil(n_cold / 8) bytes
+    """ops.predict (the torch ops' predictor, fused.predict's twin): the host mask's first ceil(n_cold / 8) bytes
     are np.packbits of the first n_cold decisions (little bit order), stale bits overwritten, the bits of the hot rows
     after them zero (here every hot row fires), the buffer's bytes after them left alone; bit_indices reads them back
     as the decisions' positions; the device mask is the decisions; firings += the decisions."""
-    from hotneurons.runtime.layout import predict
-
     g = torch.Generator().manual_seed(n_cold)
     d, hidden, rows = 40, 24, n_cold + 37
     x, fc1 = torch.randn(d, generator=g), torch.randn(hidden, d, generator=g)
@@ -183,7 +184,7 @@ def test_predict_packs_the_host_mask_as_bits(n_cold):
     fired0 = torch.randint(0, 5, (rows,), generator=g, dtype=torch.int32)
     fired, m_dev = fired0.clone(), torch.zeros(n_cold, dtype=torch.bool)
     m_host = torch.full((K.mask_bytes(n_cold),), 0xA5, dtype=torch.uint8)  # stale bits, then the padding
-    predict(x, fc1, fc2, torch.zeros(1), fired, m_dev, m_host, n_cold)
+    ops.predict(x, fc1, fc2, torch.zeros(1), fired, m_dev, m_host, n_cold)
     fire = (fired - fired0).numpy()  # (rows,) the decisions
     assert set(np.unique(fire)) <= {0, 1} and fire[n_cold:].all()
     assert n_cold < 8 or 0 < fire[:n_cold].sum() < n_cold  # some cold rows fire, some do not
@@ -368,7 +369,7 @@ def test_untied_input_embedding_stays_in_cpu_ram(family, tiny_model_dir):
     """An untied embedding is looked up on the CPU (the static decoder: into a host row layer 0 copies in), and
     neither the runtime nor layer-split counts it on the device; a tied one (OPT's) is the LM head and stays."""
     from hotneurons.runtime.generate import layer_split_count
-    from hotneurons.runtime.layout import OnCPUEmbedding
+    from hotneurons.runtime.offload import OnCPUEmbedding
 
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     p, size = lm.info["params"], 4  # float32
@@ -513,7 +514,8 @@ def test_gated_ffn_with_biases_is_refused(tmp_path):
 @pytest.mark.parametrize("family,where", [("llama-reglu", "mixed"), ("mistral-drelu", "cpu"), ("qwen2-swiglu", "gpu"),
                                          ("qwen3-swiglu", "gpu")])
 def test_static_decoder_equals_hf_decode(family, where, tiny_model_dir):
-    """runtime/fast.py (static KV cache; CUDA graphs on CUDA) against the same runtime decoding through HF layers."""
+    """runtime/static_decoder.py (static KV cache; CUDA graphs on CUDA) against the same runtime decoding through HF
+    layers."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     placement = make_placement(lm, where)
@@ -540,7 +542,6 @@ def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_mode
     """--pcie-share: after the calibration tokens the device computes the first marked cold neurons of each token
     from the rows in place (here on the CPU, as views) and the CPU the rest; the logits stay HF's."""
     import hotneurons.runtime.balance as B
-    from hotneurons.runtime.layout import measure_pcie_rates
 
     monkeypatch.setattr(B, "CALIBRATION_TOKENS", 4)
     lm = tiny.load_rounded(tiny_model_dir(family), family)
@@ -554,7 +555,7 @@ def test_cold_rows_shared_with_the_device_equal_hf(family, mode, int8, tiny_mode
     assert [f.mapped_rows for f in rt_ffns] == [round(0.5 * n) for n in n_cold]  # every cold neuron marked here
     assert g.stats["pcie_share"] == 0.5 and g.stats["pcie_rows_per_layer"] > 0
     assert g.stats["pcie_balance"] == []  # a given share is not moved
-    assert all(r > 0 for r in measure_pcie_rates(rt_ffns[0], rows=16, reps=2))
+    assert all(r > 0 for r in B.measure_pcie_rates(rt_ffns[0], rows=16, reps=2))
 
 
 class SimulatedMachine:
@@ -572,11 +573,11 @@ class SimulatedMachine:
 
         self.B, self.hot_ms, self.device_rate, self.cpu_rate, self.spread = B, hot_ms, device_rate, cpu_rate, spread
         self.rng = np.random.default_rng(0)
-        self.ffns = [SimpleNamespace(cold_marks=np.zeros(2), mapped=object(), mapped_rows=0, _io=None)
+        self.ffns = [SimpleNamespace(cold_marks=np.zeros(2), mapped=object(), mapped_rows=0, reset_graphs=lambda: None)
                      for _ in range(self.layers)]
         self.fast = SimpleNamespace(timing=[], layers=self.ffns, reset_graphs=lambda: None)
-        self.rt = SimpleNamespace(pcie_tuned=False, pcie_share=start, ffns=self.ffns, fast=self.fast,
-                                  pcie_balance=B.ShareBalance(believed * device_rate))
+        self.rt = SimpleNamespace(cfg=RuntimeConfig(), pcie_tuned=False, pcie_share=start, ffns=self.ffns,
+                                  fast=self.fast, pcie_balance=B.ShareBalance(believed * device_rate))
 
     def factor(self, size: int) -> np.ndarray:  # the CPU part's spread
         return np.exp(self.rng.normal(0, self.spread, size))
@@ -606,8 +607,9 @@ class SimulatedMachine:
 
 
 @pytest.mark.parametrize("hot_ms,device_rate,cpu_rate,start,believed,spread", [
-    (0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1), (0.14, 1000.0, 1300.0, 0.43, 1.3, 0.1), (0.14, 1000.0, 1300.0, 0.43, 0.7, 0.1),
-    (0.14, 1000.0, 1300.0, 0.39, 1.0, 0.0), (0.0, 1000.0, 1300.0, 0.1, 1.0, 0.1), (0.3, 600.0, 1500.0, 0.5, 1.0, 0.2),
+    (0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1), (0.14, 1000.0, 1300.0, 0.43, 1.3, 0.1),
+    (0.14, 1000.0, 1300.0, 0.43, 0.7, 0.1), (0.14, 1000.0, 1300.0, 0.39, 1.0, 0.0),
+    (0.0, 1000.0, 1300.0, 0.1, 1.0, 0.1), (0.3, 600.0, 1500.0, 0.5, 1.0, 0.2),
     (0.05, 2000.0, 800.0, 0.2, 1.0, 0.1)])
 def test_share_balancing_finds_the_fastest_split(hot_ms, device_rate, cpu_rate, start, believed, spread):
     """After TUNING_TOKENS steps on a SimulatedMachine the series of rounds is over and the share's mean step is
@@ -697,7 +699,7 @@ def test_pcie_share_out_of_range_is_refused(tiny_model_dir):
 
 
 def test_static_decoder_not_for_other_families(tiny_model_dir):
-    from hotneurons.runtime.fast import supported
+    from hotneurons.runtime.static_decoder import supported
 
     for family in ("opt", "falcon-relu", "gemma-geglu"):
         lm = tiny.load_rounded(tiny_model_dir(family), family)
@@ -708,7 +710,7 @@ def test_static_decoder_not_for_other_families(tiny_model_dir):
 def test_static_decoder_reads_q_k_v_as_one_weight_without_a_second_copy(tiny_model_dir):
     """The fused q/k/v weight is the Linear modules' memory (their weights are row slices of it), so the bytes the
     runtime counted are the bytes held: the parameters once, plus the static KV cache it allocated."""
-    from hotneurons.runtime.layout import count_bytes
+    from hotneurons.runtime.offload import count_bytes
 
     lm = tiny.load_rounded(tiny_model_dir("qwen2-swiglu"), "qwen2-swiglu")  # q/k/v biases
     rt = build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
@@ -732,7 +734,6 @@ def test_static_decoder_norm_and_softmax_round_as_hf(dtype):
 def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) -> None:
     """The two-kernel RMSNorm (torch's fused rms_norm in the input dtype, then the weight) and the softmax in the
     scores' dtype against HF's forms (float32 inside, then a cast), on fresh random inputs."""
-    from hotneurons.runtime.fast import _attend, _rms_norm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     g = torch.Generator().manual_seed(int(zlib.crc32(str(dtype).encode())))
@@ -742,14 +743,14 @@ def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) ->
     same = torch.equal if exact_norm else lambda a, b: torch.testing.assert_close(a, b) is None  # noqa: E731
     for scale in (0.01, 1.0, 30.0):
         h = (scale * torch.randn(1, 1, 512, generator=g)).to(device, dtype)
-        assert same(_rms_norm(norm, h), norm(h))
+        assert same(ops.rms_norm(norm, h), norm(h))
         out = torch.empty(1, 1, 512, dtype=dtype, device=device)
-        assert _rms_norm(norm, h, out=out) is out and same(out, norm(h))
+        assert ops.rms_norm(norm, h, out=out) is out and same(out, norm(h))
     q = torch.randn(1, 2, 3, 16, generator=g).to(device, dtype)  # (1, kv heads, G, hd)
     keys, values = (torch.randn(1, 2, 10, 16, generator=g).to(device, dtype) for _ in range(2))
     filled = 7
     mask = torch.where(torch.arange(10) < filled, 0.0, float("-inf")).to(device, dtype).view(1, 1, 1, 10)
     s = torch.matmul(q, keys.transpose(-1, -2)).float()[..., :filled]  # HF: float32 softmax of the filled slots
     ref = torch.matmul(torch.softmax(s, -1).to(dtype), values[:, :, :filled])
-    torch.testing.assert_close(_attend(q, keys, values, mask), ref)
-    torch.testing.assert_close(_attend(q, keys[:, :, :filled], values[:, :, :filled], None), ref)
+    torch.testing.assert_close(ops.attend(q, keys, values, mask), ref)
+    torch.testing.assert_close(ops.attend(q, keys[:, :, :filled], values[:, :, :filled], None), ref)

@@ -177,5 +177,6 @@ def test_share_warning_rule():
     assert "50%" in share_warning(s) and "70%" in share_warning(s) and "warning:" in format_stats(s)
     assert share_warning({**s, "gpu_activation_share": 0.57}) is None  # above 0.8 of the profile's
     assert share_warning({**s, "decode_steps": SHARE_WARN_STEPS - 1}) is None  # too few tokens to say
-    assert share_warning({**s, "mode": "dense"}) is None and share_warning({**s, "profile_gpu_activation_share": None}) is None
+    assert share_warning({**s, "mode": "dense"}) is None
+    assert share_warning({**s, "profile_gpu_activation_share": None}) is None
     assert "warning" not in format_stats({**s, "profile_gpu_activation_share": None})

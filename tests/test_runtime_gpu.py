@@ -71,8 +71,8 @@ def test_cuda_static_decoder_norm_and_softmax_round_as_hf(dtype):
 
 @pytest.mark.parametrize("family", ["llama-reglu", "qwen2-swiglu", "qwen3-swiglu"])
 def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
-    """runtime/fast.py with CUDA graphs, each launched before the previous layer's cold part and held by a host
-    flag: the tokens and logits of HF generate."""
+    """runtime/static_decoder.py with CUDA graphs, each launched before the previous layer's cold part and held by a
+    host flag: the tokens and logits of HF generate."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)
     preds = always_on_predictors(lm, -1e30) if family == "llama-reglu" else None
     cfg = RuntimeConfig(device="cuda", dtype="float32", mode="hybrid" if preds else "dense")
@@ -120,11 +120,10 @@ def test_cuda_prelaunched_graphs_equal_launch_after_cold_and_survive_an_error(ti
     lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
     preds, placement = always_on_predictors(lm, -1e30), make_placement(lm, "mixed")
-    cfg = RuntimeConfig(device="cuda", dtype="float32")
     runs = {}
     for prelaunch in (True, False):
+        cfg = RuntimeConfig(device="cuda", dtype="float32", prelaunch=prelaunch)
         rt = build_runtime(copy.deepcopy(lm), cfg, placement, preds)
-        rt.fast.prelaunch = None if prelaunch else False
         runs[prelaunch] = (rt, generate(rt, ids, NEW, keep_logits=True))
         assert runs[prelaunch][1].stats["graph_prelaunch"] == prelaunch
     a, b = runs[True][1], runs[False][1]

@@ -1,0 +1,118 @@
+"""CUDA plumbing of the decode step: graph capture (`warm_up`, `capture`) and flags in pinned host memory that
+captured graphs wait for and set (`HostFlags`, the driver's stream memory operations through ctypes)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def warm_up(device: torch.device, fn: Callable[[], Any], times: int = 2) -> None:
+    """Run `fn` on a side stream and wait for it: what CUDA-graph capture needs first (lazy inits, autotuning)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
+def capture(device: torch.device, pieces: Sequence[Callable[[], Any]], keep: Sequence[torch.Tensor] = (),
+            warm: Callable[[], Any] | None = None) -> tuple[list[torch.cuda.CUDAGraph], list[Any]]:
+    """Each piece captured as a CUDA graph, in order, all in one memory pool (a graph may read what an earlier one
+    wrote), after a warm-up that runs `warm` (default: the pieces in order). The warm-up and the capture run the
+    pieces for nothing, so the tensors in `keep` (counts, caches they write) get their values back, also when either
+    fails. Returns the graphs and what each piece returned (static outputs, which each replay overwrites)."""
+    saved = [t.clone() for t in keep]
+    try:
+        warm_up(device, warm or (lambda: [piece() for piece in pieces]))
+        graphs, outputs, pool = [], [], None
+        for piece in pieces:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                outputs.append(piece())
+            pool = g.pool()
+            graphs.append(g)
+    finally:
+        for t, c in zip(keep, saved):
+            t.copy_(c)
+    return graphs, outputs
+
+
+def external_events() -> bool:
+    """Whether this torch records events inside a graph that the host can wait for (torch.cuda.Event(external=True))."""
+    try:
+        torch.cuda.Event(external=True)
+    except TypeError:
+        return False
+    return True
+
+
+class HostFlags:
+    """Flags in pinned host memory, both ways between the CPU and captured graphs. `wait(i)`, recorded into a graph,
+    holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. `signal(i)`,
+    recorded into a graph, sets ready[i] to 1 once the work before it is done and its writes are visible to the host
+    (the driver's default memory barrier); the CPU spins on it (kernels.cold_layer) and resets it. Uses the driver's
+    stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32) through ctypes. `open` returns None where
+    they are missing or fail a probe (a captured wait released by the host, then a captured signal)."""
+
+    EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+
+    def __init__(self, n: int, lib: ctypes.CDLL):
+        self.n = n
+        self.flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) CPU -> GPU; the last: probe
+        self.host = self.flags.numpy()
+        self.ready_flags = torch.zeros(n + 1, dtype=torch.int32, pin_memory=True)  # (n + 1,) GPU -> CPU
+        self.ready = self.ready_flags.numpy()
+        self.dev, self.ready_dev = (self._device_pointer(lib, t) for t in (self.flags, self.ready_flags))
+        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        for fn in (self._wait, self._write):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def _device_pointer(lib: ctypes.CDLL, t: torch.Tensor) -> int:
+        """The pinned tensor's address as the GPU sees it."""
+        ptr = ctypes.c_uint64()
+        _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(t.data_ptr()), 0))
+        return ptr.value
+
+    @classmethod
+    def open(cls, n: int, device: torch.device) -> HostFlags | None:
+        try:
+            flags = cls(n, ctypes.CDLL("libcuda.so.1"))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                flags.wait(n)
+                flags.signal(n)
+            flags.release(n)
+            g.replay()
+            torch.cuda.synchronize(device)
+            ok = flags.host[n] == 0 and flags.ready[n] == 1
+            flags.ready[n] = 0
+            return flags if ok else None
+        except (OSError, AttributeError, RuntimeError):
+            return None
+
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def wait(self, i: int) -> None:
+        addr = ctypes.c_uint64(self.dev + 4 * i)  # int32 flags: 4 bytes apart
+        _check(self._wait(self._stream(), addr, 1, self.EQ))
+        _check(self._write(self._stream(), addr, 0, 0))
+
+    def signal(self, i: int) -> None:
+        _check(self._write(self._stream(), ctypes.c_uint64(self.ready_dev + 4 * i), 1, 0))
+
+    def release(self, i: int) -> None:
+        self.host[i] = 1
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise RuntimeError(f"CUDA driver error {code}")

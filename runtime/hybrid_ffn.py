@@ -1,0 +1,341 @@
+"""`HybridFFN`, the module that replaces each decoder layer's FFN: hot rows by torch on the compute device, active cold
+rows by Numba on the CPU.
+
+Per layer it holds
+- hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
+  `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
+- cold neurons in CPU RAM, `cold` (cold_rows.ColdRows): one contiguous row per neuron of gate, up and down.T,
+  (n_cold, d_model) each, as bfloat16 bit patterns or int8 with a scale per 64 weights (`cold_dtype`), read by Numba.
+The original FFN modules are dropped, so the dense FFN weights never reach the device.
+
+Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
+all ones ("dense"); hot neurons are always computed (as pi-eval's placement mode does); x and the cold part of
+the mask go to the CPU (`HostIO`), the Numba kernel computes the active cold neurons while the device computes the
+hot ones, and the CPU's partial sums are added on the device. Prefill (several tokens) goes dense. The static decoder
+(runtime/static_decoder.py) calls the same pieces from its own graphs; `_decode` is the path of the other families.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numba
+import numpy as np
+import torch
+from hotneurons.profiler.hooks import active_mask
+from hotneurons.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
+from hotneurons.runtime.cuda import capture
+from hotneurons.runtime.kernels import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, mask_bytes, wait_ready
+from hotneurons.runtime.ops import ffn_rows_torch, neuron_values, predict
+from torch import nn
+
+MASKS = ("dense", "oracle", "predictor")
+COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
+
+
+@dataclass(frozen=True)
+class HostIO:
+    """One token's buffers between the device and the CPU's kernel, made at the first decode. On CUDA they are pinned
+    and also seen as device tensors (mapped), so that GPU kernels write x and the mask and read the CPU's sums over
+    PCIe themselves: no copy nodes and no dtype casts around them."""
+
+    x: torch.Tensor  # (d,) float32 the FFN input on the host
+    x_np: np.ndarray  # (d,) float32 x's memory, as the kernel reads it
+    mask_words: np.ndarray  # (ceil(n_cold / 64),) uint64 the cold mask as bits, bit j of word w = neuron 64 w + j
+    part: np.ndarray  # (threads, d) float32 the kernel's per-thread partial sums
+    out: np.ndarray  # (d,) float32 their sum; (0,) on CUDA, where the GPU adds `part` up itself
+    x_dev: torch.Tensor  # (d,) float32 x's memory on the device, which a kernel writes
+    mask_dev_bits: torch.Tensor  # (mask_bytes(n_cold),) uint8 the mask's memory on the device, which predict writes
+    sums_dev: torch.Tensor  # (rows, d) float32 `part`, or `out` as one row, on the device: cold_sum adds the rows
+    idx: np.ndarray  # (n_cold,) int64 scratch: a token's active cold positions, the first k
+    mask_dev: torch.Tensor  # (n_cold,) bool the cold mask on the device, which its PCIe share reads
+
+
+@dataclass(frozen=True)
+class _Graphs:
+    """The CUDA graphs of one token's GPU work outside the static decoder: eagerly it is ~25 small kernel launches a
+    layer and token, CPU time that the cold kernel would wait behind; replayed it is two launches."""
+
+    x: torch.Tensor  # (1, d) the static input of both graphs
+    y: torch.Tensor  # (1, d) the static output of `hot`
+    pre: torch.cuda.CUDAGraph  # the predictor, the cold mask and x to the host
+    hot: torch.cuda.CUDAGraph  # the hot rows (and the device's share of the cold ones)
+    copied: torch.cuda.Event  # recorded after `pre`: what the CPU waits for
+
+
+class HybridFFN(nn.Module):
+    """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
+
+    def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
+                 predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
+                 graphs: bool = True):
+        super().__init__()
+        if mask not in MASKS:
+            raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
+        if mask == "predictor" and predictor is None:
+            raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
+        self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
+        self.gated = activation in GATED
+        if self.gated and any(ffn[k].bias is not None for k in ("gate", "up")):
+            raise ValueError(f"layer {layer}: this gated FFN has gate/up biases (e.g. mlp_bias=True), which the "
+                             f"runtime does not compute yet: run it with HF transformers instead")
+        up, down = ffn["up"].weight.detach(), ffn["down"].weight.detach()  # (n, d), (d, n)
+        gate = ffn["gate"].weight.detach() if self.gated else None  # (n, d)
+        b_up = None if ffn["up"].bias is None else ffn["up"].bias.detach()  # (n,)
+        b_down = ffn["down"].bias
+        self.n_neurons, self.d_model = up.shape
+        gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
+        hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
+        self.n_hot, self.n_cold = len(hot), len(cold)
+        self.register_buffer("up_hot", up[hot].clone())  # (n_hot, d)
+        self.register_buffer("gate_hot", gate[hot].clone() if self.gated else None)  # (n_hot, d)
+        self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].clone())  # (n_hot,)
+        self.register_buffer("down_t_hot", down[:, hot].T.contiguous())  # (n_hot, d)
+        self.register_buffer("b_down", None if b_down is None else b_down.detach().clone())  # (d,)
+        # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each
+        self.cold = ColdRows.from_weights(gate[cold] if self.gated else None, up[cold],
+                                          None if b_up is None else b_up[cold], down[:, cold].T, cold_dtype)
+        self.all_cold = np.arange(self.n_cold, dtype=np.int64)  # (n_cold,)
+        # the compute device's share of the cold part: of a token's marked cold neurons (ascending ids) the device
+        # computes the first `mapped_rows` from `mapped` (the cold rows, read in place over PCIe), the CPU the rest
+        self.mapped: dict[str, Any] | None = None
+        self.mapped_rows = 0
+        self.cold_marks = np.zeros(2)  # decode tokens, marked cold neurons (host tally; picks mapped_rows)
+        # the predictor's weights, fc2's rows in the order cold neurons, then hot ones: a token's cold masks are then
+        # its first n_cold decisions, with no gather (predict)
+        p = predictor
+        self.register_buffer("pred_fc1", None if p is None else p.fc1.weight.detach())  # (hidden, d)
+        fc2 = None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))]  # (n, hidden)
+        self.register_buffer("pred_fc2", fc2)
+        self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
+        self.use_graphs = graphs  # CUDA: replay the per-token GPU work as two CUDA graphs (_Graphs)
+        self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
+        self.io: HostIO | None = None
+        self._graphs: _Graphs | None = None
+        self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
+        self.fired: torch.Tensor | None = None  # (n,) int32 predictor firings, pred_fc2's order, summed on device
+        # called with (self, mark) at the marks of a decode outside the static decoder ("start", "hot_start",
+        # "hot_end", "cpu_start", "cpu_end", "end"), for timelines (bench/runtime_gpu_check.py); generate then
+        # decodes through HF, whose FFN calls these marks are in
+        self.probe: Callable[[HybridFFN, str], None] | None = None
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def cold_bytes(self) -> int:
+        return self.cold.nbytes()
+
+    def reset_counts(self) -> None:
+        self.counts[:] = 0
+        if self.fired is not None:
+            self.fired.zero_()
+
+    def read_counts(self) -> np.ndarray:
+        c = self.counts.copy()
+        if self.mask == "predictor" and self.fired is not None:
+            fired = self.fired.double()  # (n,) pred_fc2's order: cold neurons, then hot ones
+            c[1:] += torch.stack([fired.sum(), fired[self.n_cold:].sum(), fired[:self.n_cold].sum()]).cpu().numpy()
+        return c
+
+    def _cold_f32(self) -> dict[str, torch.Tensor]:
+        if self._f32 is None:
+            self._f32 = self.cold.float32()
+        return self._f32
+
+    def host_io(self, device: torch.device) -> HostIO:
+        """The host buffers (HostIO) and the firing counts, made once, before any graph that uses them is captured."""
+        if self.io is None:
+            pin = device.type == "cuda"
+            x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,)
+            # (mask_bytes(n_cold),) bit b of byte i = cold neuron 8 i + b, zero padded to whole uint64 words; the GPU
+            # writes the first ceil(n_cold / 8) bytes, the padding stays zero
+            bits = torch.zeros(mask_bytes(self.n_cold), dtype=torch.uint8, pin_memory=pin).numpy()
+            part = torch.zeros((numba.get_num_threads(), self.d_model), dtype=torch.float32, pin_memory=pin).numpy()
+            out = torch.empty(0 if pin else self.d_model, dtype=torch.float32, pin_memory=pin).numpy()  # (d,) or (0,)
+            x_np, sums = x.numpy(), (part if pin else out[None])  # the numpy views hold the pinned tensors alive
+            self.io = HostIO(x, x_np, bits.view(np.uint64), part, out,
+                             host_mapped(x_np, x_np, device, register=False),
+                             host_mapped(bits, bits, device, register=False),
+                             host_mapped(sums, sums, device, register=False), np.empty(self.n_cold, np.int64),
+                             torch.ones(self.n_cold, dtype=torch.bool, device=device))
+            self.fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=device)
+        return self.io
+
+    def cold_sum(self) -> torch.Tensor:
+        """(d,) float32 on the compute device: the CPU's cold rows' sum for the token, from the host buffers (CUDA:
+        the GPU reads the threads' partial sums over PCIe and adds them up here)."""
+        c = self.io.sums_dev  # (rows, d)
+        return c[0] if c.shape[0] == 1 else c.sum(0)
+
+    def map_cold(self, device: torch.device) -> None:
+        """Make the cold rows readable by `device` in place (CUDA: page-locked, mapped); mapped_rows may then be set."""
+        if self.mapped is None and self.n_cold:
+            self.mapped = map_rows(self.cold, device)
+
+    def reset_graphs(self) -> None:
+        """Drop this FFN's own graphs (e.g. after mapped_rows changed): the next decode captures them again."""
+        self._graphs = None
+
+    # -- the device's part -------------------------------------------------------------------------------------
+    def device_part(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode, on x's device: the hot rows, plus the first `mapped_rows` marked cold neurons read in place."""
+        y = self._hot(x)
+        if self.mapped_rows:
+            m = self.io.mask_dev  # (n_cold,) this token's cold mask
+            k = self.mapped_rows
+            ids = torch.nonzero_static(m, size=k, fill_value=0)[:, 0]  # (k,) the first k marked (padding: row 0)
+            valid = torch.arange(k, device=m.device) < m.sum()  # (k,) fewer marked than k: the rest is padding
+            y = y + ffn_rows_mapped(self.activation, x, ids, valid, self.mapped).to(y.dtype)
+        return y
+
+    def _hot(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device."""
+        y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot) \
+            if self.n_hot else torch.zeros_like(x)
+        return y if self.b_down is None else y + self.b_down
+
+    def to_host(self, x: torch.Tensor, predict_op: Callable = predict) -> None:
+        """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device.
+        predict_op: ops.predict (torch's kernels) or one of its Ops twins."""
+        self.io.x_dev.copy_(x[0])  # one kernel: cast and write to the host
+        if self.mask == "predictor":
+            self.decide(x[0], predict_op)
+
+    def decide(self, x: torch.Tensor, predict_op: Callable, fired: torch.Tensor | None = None,
+               mask_dev: torch.Tensor | None = None) -> None:
+        """The predictor on x (d,) and its decision (predict_op) into the firing counts and the cold masks: the
+        host's, and the device's where the device reads cold rows (mapped_rows). fired, mask_dev: other buffers than
+        the FFN's (a timing that must leave its counts alone)."""
+        io = self.io
+        predict_op(x.to(self.pred_fc1.dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
+                   self.fired if fired is None else fired,
+                   (io.mask_dev if mask_dev is None else mask_dev) if self.n_cold and self.mapped_rows else None,
+                   io.mask_dev_bits if self.n_cold else None, self.n_cold)
+
+    # -- compute -----------------------------------------------------------------------------------------------
+    def _cold_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """All cold neurons for several tokens (prefill), float32 on the CPU: (tokens, d) -> (tokens, d)."""
+        w = self._cold_f32()
+        xc = x.detach().to("cpu", torch.float32)
+        y = torch.zeros_like(xc)
+        for s in range(0, self.n_cold, COLD_CHUNK):
+            sl = slice(s, s + COLD_CHUNK)
+            y += ffn_rows_torch(self.activation, xc, None if w["gate"] is None else w["gate"][sl], w["up"][sl],
+                                w["b_up"][sl], w["down_t"][sl])
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)  # (tokens, d)
+        if x2.shape[0] != 1:
+            y = self._hot(x2)
+            if self.n_cold:
+                y = y + self._cold_dense(x2).to(y.device, y.dtype)
+            return y.reshape(shape)
+        return self._decode(x2).reshape(shape)
+
+    def _capture(self, x: torch.Tensor) -> _Graphs:
+        xs = x.clone()  # (1, d)
+        (pre, hot), (_, y) = capture(x.device, (lambda: self.to_host(xs), lambda: self.device_part(xs)),
+                                     keep=(self.fired,))
+        return _Graphs(xs, y, pre, hot, torch.cuda.Event())
+
+    def _mark(self, mark: str) -> None:
+        if self.probe is not None:
+            self.probe(self, mark)
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """One token: (1, d) -> (1, d). On CUDA: GPU work enqueued, the CPU waits for x and the mask only, the Numba
+        kernel computes the active cold rows while the GPU computes the hot ones, the partial sums are added on the
+        GPU."""
+        cuda = x.device.type == "cuda"
+        self.host_io(x.device)
+        self._mark("start")
+        y = None
+        if cuda and self.mask != "oracle":
+            if self._graphs is None and self.use_graphs:
+                self._graphs = self._capture(x)
+            g = self._graphs
+            copied = g.copied if g is not None else torch.cuda.Event()
+            if g is not None:
+                g.x.copy_(x)
+                g.pre.replay()
+            else:  # eager: the same work as ~25 launches
+                self.to_host(x)
+            copied.record()
+            self._mark("hot_start")
+            if g is not None:
+                g.hot.replay()
+                y = g.y
+            else:
+                y = self.device_part(x)
+            self._mark("hot_end")
+            copied.synchronize()  # the hot rows keep the GPU busy while the CPU works below
+        else:
+            self.to_host(x)
+            if cuda:  # oracle: the host needs x now
+                torch.cuda.current_stream(x.device).synchronize()
+        self._mark("cpu_start")
+        self.cold_rows(x)
+        self._mark("cpu_end")
+        if y is None:
+            y = self.device_part(x)
+        if self.n_cold:
+            y = y + self.cold_sum().to(y.dtype)  # CUDA: kernels read the CPU's sums over PCIe, no copy node
+        elif cuda:
+            y = y.clone()  # a graph's static output is overwritten by the next token
+        self._mark("end")
+        return y
+
+    def cold_rows(self, x: torch.Tensor, flags=None, i: int = -1) -> np.ndarray:
+        """The CPU's part, once x (and the mask) are in the host buffers: the active cold rows' sum into io.out, or
+        (CUDA) as the threads' partial sums into io.part.
+        Returns the active cold row indices (with the predictor: a view of a buffer that the next call overwrites).
+        `flags` (cuda.HostFlags) and layer `i`: first wait for the GPU's ready[i], and release flag i once the sum is
+        written (the static decoder's prelaunched graphs); with the predictor both happen inside the one Numba call.
+        `x` (1, d) on the device is read only by the oracle's hot count: other masks must not touch the GPU here,
+        whose stream the static decoder holds meanwhile."""
+        io = self.io
+        ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
+        if self.mask == "predictor" and self.n_cold:
+            c = self.cold
+            k = cold_layer(ready, release, i if flags is not None else -1, io.mask_words, io.idx, self.mapped_rows,
+                           io.x_np, c.gate_arg, c.up, c.b_up, c.down_t, c.scale, c.group, io.part, io.out,
+                           ACT_CODE[self.activation], self.cold_marks)
+            if k < 0:
+                raise self._no_signal()
+            self.counts[0] += 1
+            return io.idx[min(self.mapped_rows, k):k]
+        if flags is not None and not wait_ready(ready, i, SPINS):
+            raise self._no_signal()
+        if self.mask == "dense":
+            idx = self.all_cold
+            self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
+        elif self.mask == "predictor":  # no cold rows
+            idx = self.all_cold
+            self.counts[0] += 1
+        else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
+            idx = self._oracle(x, io.x)
+        self.cold_marks += (1, len(idx))
+        idx = idx[self.mapped_rows:]  # the device computed the first mapped_rows
+        if self.n_cold:
+            ffn_rows(self.activation, io.x_np, idx, self.cold, io.out, io.part)
+        if flags is not None:
+            flags.release(i)
+        return idx
+
+    def _no_signal(self) -> RuntimeError:
+        return RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within {SPINS:,} reads "
+                            f"of the flag: a failed or stalled CUDA graph")
+
+    def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
+        w = self._cold_f32()
+        h_cold = neuron_values(self.activation, x_host[None], w["gate"], w["up"], w["b_up"])[0]  # (n_cold,)
+        m_cold = active_mask(h_cold, self.tau)
+        if self.n_hot:
+            h_hot = neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot)[0]  # (n_hot,)
+            n_hot_active = int(active_mask(h_hot, self.tau).sum())
+        else:
+            n_hot_active = 0
+        n_cold_active = int(m_cold.sum())
+        self.counts += (1, n_hot_active + n_cold_active, n_hot_active, n_cold_active)
+        return np.flatnonzero(m_cold.numpy())
