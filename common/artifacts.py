@@ -1,8 +1,13 @@
-"""The artifact contract between stages: run directories, meta.json, atomic writes, compatibility checks.
+"""The artifact contract between stages: run directories, stage metadata, atomic outputs, compatibility checks.
 
 A run directory (default `runs/<model-slug>/`) holds one subfolder per stage (`profile/`, `placement/`,
-`predictors/`), each with a `meta.json` recording its inputs. Every stage checks the `format_version` and
-the model fingerprint of what it reads and refuses, in one line, an artifact made for something else.
+`predictors/`, `eval/`), each with a `meta.json` recording its inputs. Every stage writes its folder through
+`staged()` (all of it appears at once, or nothing changes) and checks what it reads: the stage, the
+`format_version` of the folder's layout, the `schema_version` of each JSON file and the model fingerprint;
+an artifact made for something else is refused in one line.
+
+The typed files: `StageMeta` (the fields every meta.json starts with), `ProfileMeta` here; the placement's in
+common/placement.py; the predictors' and eval's in predictors/schema.py.
 """
 
 from __future__ import annotations
@@ -13,18 +18,27 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import pandas as pd
 from hotneurons import __version__
+from hotneurons.common.kinds import Rule
+from hotneurons.common.schema import (  # noqa: F401  (re-exported: the stages' one import for artifact I/O)
+    ArtifactError,
+    JsonFile,
+    Section,
+    atomic_path,
+    atomic_write_bytes,
+    read_json,
+    write_json,
+)
 
-FORMAT_VERSION = 1  # bump when an on-disk layout changes; readers refuse other versions
-
-
-class ArtifactError(Exception):
-    """An artifact is missing, of another format version, or made for another model. One-line message."""
+FORMAT_VERSION = 1  # bump when a stage folder's layout (tables, tensors, sample files) changes
+M = TypeVar("M", bound="StageMeta")
 
 
 def slugify(name: str) -> str:
@@ -53,52 +67,52 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: a crash leaves the old file intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n").encode())
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
 def write_parquet(path: str | os.PathLike, df: pd.DataFrame) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         df.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage folders
+
+
+@contextmanager
+def staged(final: str | os.PathLike, *, fresh: bool = True, owner: bool = True,
+           keep_on_failure: Callable[[Path], bool] | bool = False) -> Iterator[Path]:
+    """Build a stage folder in `.{name}.partial` next to `final`, then swap it into place in one rename.
+
+    Yields the partial folder. When the block ends normally the old `final` (if any) is renamed aside, the
+    partial folder renamed onto `final`, and the old one removed: a reader sees the old folder or the new one.
+    When the block raises, `final` is untouched and the partial folder is removed, unless
+    `keep_on_failure` (a bool, or a test of the partial folder) says it holds work worth resuming.
+    `fresh=False` reuses a partial folder left by an earlier attempt (resume). `owner=False` (the other ranks
+    of a distributed run) only yields the path: the owner creates, swaps and removes it.
+    """
+    final = Path(final)
+    partial = final.with_name(f".{final.name}.partial")
+    if owner and fresh:
+        shutil.rmtree(partial, ignore_errors=True)
+    if owner:
+        partial.mkdir(parents=True, exist_ok=True)
+    try:
+        yield partial
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        keep = keep_on_failure(partial) if callable(keep_on_failure) else keep_on_failure
+        if owner and not keep:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
+    if owner:
+        _swap_in(partial, final)
 
 
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+def _swap_in(partial: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(partial, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def command_line() -> str:
@@ -108,31 +122,47 @@ def command_line() -> str:
     return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# meta.json
+
+
+@dataclass(kw_only=True)
+class StageMeta(JsonFile):
+    """The fields every stage's meta.json starts with. Subclasses set STAGE and add the stage's own fields.
+    `model` is the loaded model's info dict (common/models.model_info): shapes, parameters, fingerprint."""
+
+    STAGE: ClassVar[str] = ""
+
+    stage: str
+    format_version: int = FORMAT_VERSION
+    package_version: str = __version__
+    command: str = field(default_factory=command_line)
+    created: str = field(default_factory=_now)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls: type[M], d: Any, where: str = "", fix: str = "") -> M:
+        if isinstance(d, dict):
+            check_meta(d, cls.STAGE, where)
+        return super().from_dict(d, where, fix)
+
+
 def base_meta(stage: str, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fields every stage's meta.json starts with."""
-    return {
-        "stage": stage,
-        "format_version": FORMAT_VERSION,
-        "package_version": __version__,
-        "command": command_line(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "inputs": inputs or {},
-    }
+    """The fields every stage's meta.json starts with, as a plain dict (hand-made artifacts in tests and benches
+    add "model" and their own fields)."""
+    d = StageMeta(stage=stage, inputs=inputs or {}).to_dict()
+    del d["model"]
+    return d
 
 
-def replace_dir(staging: Path, final: Path) -> None:
-    """Swap a fully written staging folder into place; the old folder is removed only after the swap."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def check_meta(meta: dict[str, Any], stage: str, where: Path) -> None:
-    if meta.get("stage") != stage:
+def check_meta(meta: dict[str, Any], stage: str, where: str | Path) -> None:
+    """Refuse another stage's meta.json or another format version (one line naming the file and the fix)."""
+    if stage and meta.get("stage") != stage:
         raise ArtifactError(f"{where} is a '{meta.get('stage')}' artifact, expected '{stage}'")
     if meta.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
@@ -141,22 +171,74 @@ def check_meta(meta: dict[str, Any], stage: str, where: Path) -> None:
         )
 
 
-def check_same_model(meta_a: dict[str, Any], meta_b: dict[str, Any], what_a: str, what_b: str) -> None:
-    """Refuse artifacts made for different models (compares model fingerprints)."""
-    fa, fb = meta_a["model"]["fingerprint"], meta_b["model"]["fingerprint"]
+def _model(meta: Any) -> dict[str, Any]:
+    return meta.model if isinstance(meta, StageMeta) else meta["model"]
+
+
+def check_same_model(meta_a: Any, meta_b: Any, what_a: str, what_b: str) -> None:
+    """Refuse artifacts made for different models (compares model fingerprints). Either side may be a StageMeta
+    or a dict with a "model" entry."""
+    ma, mb = _model(meta_a), _model(meta_b)
+    fa, fb = ma["fingerprint"], mb["fingerprint"]
     if fa != fb:
         raise ArtifactError(
-            f"{what_a} was made for model '{meta_a['model']['name']}' ({fa[:12]}) but {what_b} for "
-            f"'{meta_b['model']['name']}' ({fb[:12]}): use artifacts of one model (or re-run with --force)"
+            f"{what_a} was made for model '{ma['name']}' ({fa[:12]}) but {what_b} for "
+            f"'{mb['name']}' ({fb[:12]}): use artifacts of one model"
         )
 
 
-def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any]]:
+# ---------------------------------------------------------------------------------------------------------------
+# profile/
+
+
+@dataclass(kw_only=True)
+class ProfileSamples(Section):
+    count: int  # rows per layer in samples/
+    x: str = ""  # what samples/layer_XXX.x.npy holds
+    mask: str = ""  # what samples/layer_XXX.mask.npy holds
+
+
+@dataclass(kw_only=True)
+class ProfileMeta(StageMeta):
+    """profile/meta.json. A synthetic profile (solver/synthetic.py) fills only model, tokens and rule."""
+
+    STAGE: ClassVar[str] = "profile"
+    WRITER: ClassVar[str] = "pi-profile"
+
+    stage: str = "profile"
+    model: dict[str, Any]  # required here: every later stage sizes and checks against it
+    config: dict[str, Any] | None = None  # profiler.profile.ProfileConfig fields, less the model's location
+    dataset: str | None = None
+    tokens: int  # tokens counted: count / tokens = activation probability
+    tokens_requested: int | None = None
+    corpus_exhausted: bool = False
+    rule: Rule
+    taus: list[float] | None = None  # per layer, rule abs>tau only
+    target_sparsity: float | None = None
+    sparsity_per_layer: list[float] | None = None
+    mean_sparsity: float | None = None
+    share_covering_80pct_per_layer: list[float] | None = None
+    samples: ProfileSamples | None = None
+    seconds: float | None = None
+    tokens_per_second: float | None = None
+    world_size: int = 1
+    device: str | None = None
+
+    @property
+    def layer_taus(self) -> list[float] | None:
+        """Per-layer thresholds of the activation rule; None for the nonzero rule."""
+        return self.taus if self.rule == Rule.ABS_TAU else None
+
+    @property
+    def sample_count(self) -> int:
+        return self.samples.count if self.samples is not None else 0
+
+
+def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, ProfileMeta]:
     """Load `RUN/profile/neurons.parquet` (layer, neuron, count) and `RUN/profile/meta.json`."""
     pdir = Path(run_dir) / "profile"
     meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
     if not meta_path.exists() or not table.exists():
         raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
-    meta = read_json(meta_path)
-    check_meta(meta, "profile", pdir)
+    meta = ProfileMeta.load(meta_path)
     return pd.read_parquet(table), meta

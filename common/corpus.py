@@ -1,4 +1,4 @@
-"""Text corpora for profiling and evaluation, all yielding plain strings.
+"""Text corpora for profiling and evaluation, all yielding plain strings, and their packing into token batches.
 
 - `wikipedia-sample` (default): the English Wikipedia dump shipped inside the `gensim` wheel
   (gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2), redirects
@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+from hotneurons.common.kinds import FixableError
+
 WIKI_SAMPLE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 EVAL_EVERY = 10  # article i is held out for evaluation iff i % EVAL_EVERY == EVAL_EVERY - 1
 HUB_DATASETS = {
@@ -28,8 +31,8 @@ HUB_DATASETS = {
 _LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class CorpusError(ValueError):
-    pass
+class CorpusError(FixableError, ValueError):
+    """A corpus that cannot be read: unknown name, missing column, no files, empty."""
 
 
 def known_datasets() -> str:
@@ -52,7 +55,7 @@ def iter_texts(dataset: str = "wikipedia-sample", text_column: str = "text") -> 
     if os.path.exists(dataset):
         yield from _local_texts(Path(dataset), text_column)
         return
-    raise CorpusError(f"unknown dataset '{dataset}': use {known_datasets()}")
+    raise CorpusError(f"unknown dataset '{dataset}': use {known_datasets()}", params="dataset")
 
 
 def _local_texts(path: Path, text_column: str) -> Iterator[str]:
@@ -74,7 +77,7 @@ def _local_texts(path: Path, text_column: str) -> Iterator[str]:
     for row in ds:
         if text_column not in row:
             raise CorpusError(f"'{path}' has no column '{text_column}' (columns: {', '.join(row)}): "
-                              f"pass --text-column")
+                              f"name the text column", params="text_column")
         yield row[text_column]
 
 
@@ -98,8 +101,8 @@ def wikipedia_sample_titles(split: str = "train") -> list[str]:
 def _wiki_articles() -> tuple[tuple[str, str], ...]:
     spec = importlib.util.find_spec("gensim")
     if spec is None or spec.origin is None:
-        raise CorpusError("the wikipedia-sample corpus ships inside gensim: pip install 'hotneurons[demo]' "
-                          "(or pass --dataset)")
+        raise CorpusError("the wikipedia-sample corpus ships inside gensim: pip install 'hotneurons[demo]', "
+                          "or use another dataset", params="dataset")
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
 
     path = Path(spec.origin).parent / "test" / "test_data" / WIKI_SAMPLE
@@ -125,3 +128,58 @@ def clean_wiki_text(text: str) -> str:
     text = _QUOTES.sub("", text)
     lines = [ln.strip() for ln in text.splitlines()]
     return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token batches (the profiler counts on them, the evaluation measures perplexity on them)
+
+
+def token_rows(tokenizer, texts: Iterator[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
+    """Pack documents (joined by EOS) into rows of seq_len tokens, each starting with BOS when the model has one.
+
+    Stops at max_tokens tokens in total; only the last row may be shorter (budget or corpus reached).
+    """
+    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    buf: list[int] = []
+    total = 0
+    for text in texts:
+        if not text:
+            continue
+        buf.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
+        while len(buf) >= seq_len - len(head):
+            n = min(seq_len, max_tokens - total) - len(head)  # body tokens of this row
+            if n <= 0:
+                return
+            row = head + buf[:n]
+            del buf[:n]
+            total += len(row)
+            yield row
+            if total >= max_tokens:
+                return
+    n = min(len(buf), max_tokens - total - len(head))
+    if n > 0:
+        yield head + buf[:n]
+
+
+def token_batches(tokenizer, texts: Iterator[str], seq_len: int, batch_size: int,
+                  max_tokens: int) -> Iterator[torch.Tensor]:
+    """(batch, seq_len) int64 batches of token_rows; a final shorter row comes alone as a (1, len) batch."""
+    rows: list[list[int]] = []
+    for row in token_rows(tokenizer, texts, seq_len, max_tokens):
+        if len(row) < seq_len:
+            if rows:
+                yield _stack(rows)
+                rows = []
+            yield _stack([row])
+            continue
+        rows.append(row)
+        if len(rows) == batch_size:
+            yield _stack(rows)
+            rows = []
+    if rows:
+        yield _stack(rows)
+
+
+def _stack(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)

@@ -24,11 +24,11 @@ def openmp_wait_policy() -> str:
     """Choose OMP_WAIT_POLICY, unless the user set it; call before torch loads (libgomp reads it once). Returns it.
 
     torch and Numba each run a pool of OpenMP threads. Without a GPU they take turns on the same cores at every
-    layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once); CPU decode
-    ran 30x slower without it. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer with
-    ~0.35 ms gaps, and threads asleep must be woken each time: the 70B-shape hybrid decoded at 14.7 tok/s under
-    PASSIVE and 40.3 under ACTIVE on one H100 host, 43.5 under libgomp's default and 45.6 under ACTIVE on another
-    (bench/NOTES.md). So ACTIVE, with the spin bounded (GOMP_SPINCOUNT) so that idle threads go to sleep."""
+    layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once), or CPU
+    decode runs many times slower. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer
+    with sub-millisecond gaps, and waking sleeping threads at every layer costs more than the kernel saves
+    (bench/NOTES.md has the measurements). So ACTIVE, with the spin bounded (GOMP_SPINCOUNT) so that idle
+    threads still go to sleep."""
     gpu = os.path.exists("/proc/driver/nvidia/version") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE" if gpu else "PASSIVE"
@@ -65,22 +65,25 @@ class HardwareSpec:
     def describe(self) -> str:
         gpu = f"{self.vram_bytes / GiB:.0f} GiB, {self.gpu_bw / 1e9:.0f} GB/s" if self.has_gpu else "no GPU"
         return (f"{self.name}: GPU {gpu}; PCIe {self.pcie_bw / 1e9:.1f} GB/s; DRAM {self.cpu_bw / 1e9:.1f} GB/s, "
-                f"{self.cores} cores; sync {self.sync_latency_s * 1e6:.0f} us; reserve {self.reserve_bytes / GiB:.2f} GiB")
+                f"{self.cores} cores; sync {self.sync_latency_s * 1e6:.0f} us; "
+                f"reserve {self.reserve_bytes / GiB:.2f} GiB")
 
 
-_SYNC = 30e-6  # s; a 27 us small D2H+H2D round trip was measured on an H100 host (PCIe gen5)
+_SYNC = 30e-6  # s: a small device-to-host plus host-to-device round trip over PCIe takes a few tens of us
 _DESKTOP_DDR5 = dict(cpu_bw=76.8e9, cores=8, host="desktop, 2-channel DDR5-4800, 8 performance cores")
 _DESKTOP_DDR4 = dict(cpu_bw=51.2e9, cores=8, host="desktop, 2-channel DDR4-3200, 8 performance cores")
 _SERVER_DDR4 = dict(cpu_bw=204.8e9, cores=32, host="server socket, 8-channel DDR4-3200, 32 cores")
 _SERVER_DDR5 = dict(cpu_bw=307.2e9, cores=32, host="server socket, 8-channel DDR5-4800, 32 cores")
 
+_GPU = dict(sync_latency_s=_SYNC, reserve_bytes=GiB)  # every GPU preset: the same sync latency and reserve
+
 HARDWARE: dict[str, HardwareSpec] = {
-    "rtx4090": HardwareSpec("rtx4090", 24 * GiB, 32e9, 1008e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR5),
-    "rtx3090": HardwareSpec("rtx3090", 24 * GiB, 32e9, 936e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR5),
-    "rtx2080ti": HardwareSpec("rtx2080ti", 11 * GiB, 16e9, 616e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_DESKTOP_DDR4),
-    "a100-40g": HardwareSpec("a100-40g", 40 * GiB, 32e9, 1555e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR4),
-    "a100-80g": HardwareSpec("a100-80g", 80 * GiB, 32e9, 2039e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR4),
-    "h100": HardwareSpec("h100", 80 * GiB, 64e9, 3350e9, sync_latency_s=_SYNC, reserve_bytes=GiB, **_SERVER_DDR5),
+    "rtx4090": HardwareSpec("rtx4090", 24 * GiB, 32e9, 1008e9, **_GPU, **_DESKTOP_DDR5),
+    "rtx3090": HardwareSpec("rtx3090", 24 * GiB, 32e9, 936e9, **_GPU, **_DESKTOP_DDR5),
+    "rtx2080ti": HardwareSpec("rtx2080ti", 11 * GiB, 16e9, 616e9, **_GPU, **_DESKTOP_DDR4),
+    "a100-40g": HardwareSpec("a100-40g", 40 * GiB, 32e9, 1555e9, **_GPU, **_SERVER_DDR4),
+    "a100-80g": HardwareSpec("a100-80g", 80 * GiB, 32e9, 2039e9, **_GPU, **_SERVER_DDR4),
+    "h100": HardwareSpec("h100", 80 * GiB, 64e9, 3350e9, **_GPU, **_SERVER_DDR5),
     "cpu-only": HardwareSpec("cpu-only", 0, 0.0, 0.0, sync_latency_s=0.0, reserve_bytes=0, **_DESKTOP_DDR5),
 }
 
@@ -107,8 +110,8 @@ def presets_table() -> str:
 def _measure_dram_bw(cores: int, nbytes: int = 2**30, repeats: int = 3) -> float:
     """Read bandwidth over a buffer far larger than the caches (server L3s reach 300 MiB), one thread per core: the
     best of sequential numpy sums (numpy releases the GIL inside the reduction) and the cold kernels' own pattern
-    (runtime.dram.row_gather_bw: rows in random order, 4 at once per thread), which read 2-4x faster than the sums
-    on the H100 host."""
+    (runtime.dram.row_gather_bw: rows in random order, 4 at once per thread), which keeps more reads in flight and
+    so can read several times faster than the sums on a server."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -178,7 +181,8 @@ def measure_hardware(base: HardwareSpec) -> tuple[HardwareSpec, list[str]]:
         notes.append(f"measured GPU: {measured['vram_bytes'] / GiB:.1f} GiB, HBM {measured['gpu_bw'] / 1e9:.0f} GB/s, "
                      f"PCIe {measured['pcie_bw'] / 1e9:.1f} GB/s, round trip {measured['sync_latency_s'] * 1e6:.0f} us")
     else:
-        notes.append(f"no CUDA device: VRAM, PCIe and GPU bandwidth and sync latency keep the '{base.name}' preset's values")
+        notes.append(f"no CUDA device: VRAM, PCIe and GPU bandwidth and sync latency keep the '{base.name}' "
+                     f"preset's values")
     return dataclasses.replace(base, name=f"{base.name}+measured", **changes), notes
 
 

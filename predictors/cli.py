@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError, default_run_dir
+from hotneurons.common.cli import cli_error
 from hotneurons.common.corpus import CorpusError, known_datasets
+from hotneurons.predictors.schema import EvalMode, PredictorsSummary
 
 _CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
@@ -51,31 +53,31 @@ def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epoc
                      magnitude_weight=magnitude_weight)
         summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
     except (ArtifactError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(summary, indent=2) if as_json else format_train(summary, Path(run_dir)))
+        raise cli_error(e, {"preset": "--preset"}) from None
+    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_train(summary, Path(run_dir)))
 
 
-def format_train(summary: dict, run_dir: Path) -> str:
-    t = summary["totals"]
-    lines = [f"predictors for {t['layers']} layers in {t['train_seconds']:.1f} s on {t['device']} "
-             f"({t['fits']} fits) -> {run_dir / 'predictors'}",
-             f"params {t['predictor_params']:,} = {t['predictor_fraction_of_ffn']:.3f} of FFN params "
-             f"(budget {summary['config']['max_predictor_fraction']})",
-             f"test split: mean recall {t['mean_recall']:.3f} (min {t['min_recall']:.3f}), precision "
-             f"{t['mean_precision']:.3f}, predicted sparsity {t['mean_predicted_sparsity']:.3f} "
-             f"(true {t['mean_true_sparsity']:.3f})",
+def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
+    t = summary.totals
+    lines = [f"predictors for {t.layers} layers in {t.train_seconds:.1f} s on {t.device} "
+             f"({t.fits} fits) -> {run_dir / 'predictors'}",
+             f"params {t.predictor_params:,} = {t.predictor_fraction_of_ffn:.3f} of FFN params "
+             f"(budget {summary.config['max_predictor_fraction']})",
+             f"test split: mean recall {t.mean_recall:.3f} (min {t.min_recall:.3f}), precision "
+             f"{t.mean_precision:.3f}, predicted sparsity {t.mean_predicted_sparsity:.3f} "
+             f"(true {t.mean_true_sparsity:.3f})",
              "layer  share80  hidden  tried         recall  precision  pred.sparsity"]
-    for r in summary["layers"]:
-        tried = ",".join(str(x["hidden"]) for x in r["tried"])
-        lines.append(f"{r['layer']:5d}  {r['share80']:7.3f}  {r['hidden']:6d}  {tried:12.12s}  {r['recall']:6.3f}  "
-                     f"{r['precision']:9.3f}  {r['predicted_sparsity']:13.3f}")
+    for r in summary.layers:
+        tried = ",".join(str(x["hidden"]) for x in r.tried)
+        lines.append(f"{r.layer:5d}  {r.share80:7.3f}  {r.hidden:6d}  {tried:12.12s}  {r.recall:6.3f}  "
+                     f"{r.precision:9.3f}  {r.predicted_sparsity:13.3f}")
     return "\n".join(lines)
 
 
 @click.command(context_settings=_CTX)
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory with profile/ and, optionally, predictors/ and placement/.")
-@click.option("--mode", "modes", multiple=True, type=click.Choice(["dense", "oracle", "predictor", "placement"]),
+@click.option("--mode", "modes", multiple=True, type=click.Choice(EvalMode.values()),
               help="Modes to evaluate (repeat). Default: dense, oracle, and predictor/placement when present.")
 @click.option("--dataset", default="wikipedia-sample:eval", show_default=True, help=f"Corpus: {known_datasets()}.")
 @click.option("--text-column", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
@@ -112,5 +114,5 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
                           tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
                           gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
     except (ArtifactError, CorpusError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+        raise cli_error(e, {"modes": "--mode"}) from None
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_table(report))

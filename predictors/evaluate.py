@@ -7,7 +7,7 @@ Modes (a neuron's value h = the input of the down projection; a masked neuron co
 - placement: what the runtime computes: GPU neurons always, CPU neurons where the predictor fires.
 A computed neuron keeps its true value; only skipped ones are zeroed, exactly as a sparse kernel would do.
 
-Results go to `RUN/eval/eval.json` (docs/predictors.md lists the fields).
+Results go to `RUN/eval/eval.json` (predictors/schema.EvalReport; docs/predictors.md lists the fields).
 """
 
 from __future__ import annotations
@@ -18,45 +18,45 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.corpus import CorpusError, iter_texts
+from hotneurons.common.corpus import CorpusError, iter_texts, token_batches
+from hotneurons.common.ffn import FFNHooks, active_mask
+from hotneurons.common.kinds import choose
 from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device
+from hotneurons.common.placement import Placement, read_placement
+from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
 from hotneurons.predictors.train import Predictors, load_predictors
-from hotneurons.profiler.hooks import FFNHooks, active_mask
-from hotneurons.profiler.profile import token_batches
 from tqdm.auto import tqdm
 
-MODES = ("dense", "oracle", "predictor", "placement")
+MODES = EvalMode.values()
 
 
 class FFNMasks(FFNHooks):
     """Hooks that mask each layer's FFN neurons per `mode` and count what was computed and what was missed."""
 
-    def __init__(self, lm: LoadedModel, mode: str, taus: list[float] | None, predictors: Predictors | None = None,
-                 gpu: dict[int, torch.Tensor] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"unknown eval mode '{mode}': choose from {', '.join(MODES)}")
+    def __init__(self, lm: LoadedModel, mode: EvalMode | str, taus: list[float] | None,
+                 predictors: Predictors | None = None, gpu: Placement | dict[int, torch.Tensor] | None = None):
+        mode = choose(mode, EvalMode, "eval mode", param="modes")
         super().__init__(lm)
         self.mode, self.taus, self.predictors, self.gpu = mode, taus, predictors, gpu
         # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
         self.stats = np.zeros((len(lm.layers), 6), dtype=np.float64)
 
     def wants_x(self) -> bool:
-        return self.mode in ("predictor", "placement")  # x (..., d_model): the FFN input the predictor sees
+        return self.mode in (EvalMode.PREDICTOR, EvalMode.PLACEMENT)  # x (..., d_model): what the predictor sees
 
     def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
         true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
-        if self.mode == "dense":
+        if self.mode == EvalMode.DENSE:
             mask = None
-        elif self.mode == "oracle":
+        elif self.mode == EvalMode.ORACLE:
             mask = true
         else:
             pred = self.predictors.layers[i]
             mask = pred.mask(x.to(pred.fc1.weight.dtype))  # (..., n) bool
-            if self.mode == "placement":
+            if self.mode == EvalMode.PLACEMENT:
                 mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
         mag = h.detach().abs().double()
         hit = true if mask is None else (true & mask)
@@ -94,29 +94,11 @@ def perplexity(lm: LoadedModel, batches: list[torch.Tensor], progress: bool = Fa
     return nll, count
 
 
-def read_placement(run_dir: Path, model_info: dict, n_layers: int) -> dict[int, torch.Tensor]:
-    """RUN/placement/placement.parquet -> per layer a (n_neurons,) bool tensor of GPU-resident neurons."""
-    pdir = run_dir / "placement"
-    meta = artifacts.read_json(pdir / "meta.json")
-    artifacts.check_meta(meta, "placement", pdir)
-    artifacts.check_same_model(meta, {"model": model_info}, f"placement {pdir}", "the model")
-    df = pd.read_parquet(pdir / "placement.parquet", columns=["layer", "neuron", "gpu"])
-    n = model_info["n_neurons"]
-    out = {}
-    for i in range(n_layers):
-        g = torch.zeros(n, dtype=torch.bool)
-        rows = df[df["layer"] == i]
-        idx = torch.from_numpy(rows["neuron"].to_numpy(np.int64).copy())
-        g[idx] = torch.from_numpy(rows["gpu"].to_numpy(bool).copy())
-        out[i] = g
-    return out
-
-
 def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: str = "wikipedia-sample:eval",
              text_column: str = "text", tokens: int = 32768, seq_len: int = 512, batch_size: int = 2,
              recall: float | None = None, model: str | None = None, gguf_file: str | None = None,
              device: str = "auto", dtype: str = "auto", progress: bool = True, lm: LoadedModel | None = None,
-             recall_sweep: list[float] | None = None, write: bool = True) -> dict[str, Any]:
+             recall_sweep: list[float] | None = None, write: bool = True) -> EvalReport:
     """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it.
 
     `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
@@ -124,71 +106,69 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     run_dir = Path(run_dir)
     _, pmeta = artifacts.read_profile(run_dir)
     if lm is None:
-        lm = load_model_from_meta(pmeta["model"], model, gguf_file, device=pick_device(device), dtype=dtype)
+        lm = load_model_from_meta(pmeta.model, model, gguf_file, device=pick_device(device), dtype=dtype)
     artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     if modes is None:
-        modes = ["dense", "oracle"] + (["predictor"] if have_pred else []) + \
-                (["placement"] if have_pred and have_place else [])
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"unknown eval mode '{m}': choose from {', '.join(MODES)}")
+        modes = [EvalMode.DENSE, EvalMode.ORACLE] + ([EvalMode.PREDICTOR] if have_pred else []) + \
+                ([EvalMode.PLACEMENT] if have_pred and have_place else [])
+    modes = [choose(m, EvalMode, "eval mode", param="modes") for m in modes]
     preds = gpu = None
-    if any(m in ("predictor", "placement") for m in modes) or recall_sweep:
+    if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
         dev = next(lm.model.parameters())
         preds = load_predictors(run_dir, lm.info, device=str(dev.device), dtype=dev.dtype)
         if recall is not None:
             preds.set_recall(recall)
-    if "placement" in modes:
+    if EvalMode.PLACEMENT in modes:
         if not have_place:
-            raise ArtifactError(f"no placement in {run_dir / 'placement'}: run `pi-solve --run {run_dir}` first, "
-                                f"or drop the placement mode")
+            raise ArtifactError(f"no placement in {run_dir / 'placement'}: run pi-solve on {run_dir} first, "
+                                f"or leave out the placement mode", params="modes")
         gpu = read_placement(run_dir, lm.info, len(lm.layers))
-    taus = pmeta["taus"] if pmeta["rule"] == "abs>tau" else None
+    taus = pmeta.layer_taus
     batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))
     if not batches:
-        raise CorpusError(f"dataset '{dataset}' is empty: no text to evaluate on")
-    def run_mode(m: str, desc: str) -> dict[str, Any]:
+        raise CorpusError(f"dataset '{dataset}' is empty: no text to evaluate on", params="dataset")
+
+    def run_mode(m: EvalMode, desc: str, **extra) -> ModeResult:
         t0 = time.perf_counter()
         with FFNMasks(lm, m, taus, preds, gpu) as masks:
             nll, count = perplexity(lm, batches, progress, desc=desc)
-        return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "tokens": count,
-                **masks.summary(), "seconds": round(time.perf_counter() - t0, 2)}
+        return ModeResult(perplexity=math.exp(nll / count), nll_per_token=nll / count, tokens=count,
+                          **masks.summary(), seconds=round(time.perf_counter() - t0, 2), **extra)
 
-    results: dict[str, Any] = {}
+    results: dict[str, ModeResult] = {}
     for m in modes:
-        res = run_mode(m, m)
-        if m == "placement":
+        res = run_mode(m, m.value)
+        if m == EvalMode.PLACEMENT:
             g = torch.stack([gpu[i] for i in range(len(lm.layers))]).double()  # (layers, n)
-            res["gpu_neuron_share"] = float(g.mean())
-            comp = np.array(res["per_layer"]["computed_share"])
-            res["cpu_computed_share_of_cold"] = float(np.mean(
+            res.gpu_neuron_share = float(g.mean())
+            comp = np.array(res.per_layer["computed_share"])
+            res.cpu_computed_share_of_cold = float(np.mean(
                 (comp - g.mean(1).numpy()) / np.maximum(1e-12, 1 - g.mean(1).numpy())))
-        results[m] = res
+        results[m.value] = res
     sweep = []
     for r in recall_sweep or []:
         preds.set_recall(r)
-        sweep.append({"threshold_recall": r, **run_mode("predictor", f"predictor@{r:g}")})
+        sweep.append(run_mode(EvalMode.PREDICTOR, f"predictor@{r:g}", threshold_recall=r))
     if recall_sweep and recall is not None:
         preds.set_recall(recall)
-    if "dense" in results:
+    if EvalMode.DENSE in results:
         for res in [*results.values(), *sweep]:
-            res["ppl_vs_dense"] = res["perplexity"] / results["dense"]["perplexity"] - 1
-    report = artifacts.base_meta("eval", inputs={"profile": {"meta_sha256": artifacts.sha256_file(
-        run_dir / "profile" / "meta.json")}})
-    report.update({"model": pmeta["model"]["name"], "fingerprint": lm.info["fingerprint"], "dataset": dataset,
-                   "tokens": tokens, "seq_len": seq_len, "rule": pmeta["rule"],
-                   "threshold_recall": recall if recall is not None else (
-                       preds.summary["config"]["target_recall"] if preds else None),
-                   "device": str(lm.model.device), "dtype": str(next(lm.model.parameters()).dtype),
-                   "modes": results, "recall_sweep": sweep})
+            res.ppl_vs_dense = res.perplexity / results[EvalMode.DENSE].perplexity - 1
+    report = EvalReport(
+        inputs={"profile": {"meta_sha256": artifacts.sha256_file(run_dir / "profile" / "meta.json")}},
+        model=pmeta.model["name"], fingerprint=lm.info["fingerprint"], dataset=dataset, tokens=tokens,
+        seq_len=seq_len, rule=pmeta.rule,
+        threshold_recall=recall if recall is not None else (preds.summary.target_recall if preds else None),
+        device=str(lm.model.device), dtype=str(next(lm.model.parameters()).dtype), modes=results,
+        recall_sweep=sweep)
     if write:
-        artifacts.write_json(run_dir / "eval" / "eval.json", report)
+        report.save(run_dir / "eval" / "eval.json")
     return report
 
 
-def format_table(report: dict) -> str:
+def format_table(report: EvalReport | dict) -> str:
     lines = [f"{report['model']} on {report['dataset']} ({report['modes'][next(iter(report['modes']))]['tokens']:,} "
              f"predicted tokens, seq_len {report['seq_len']})",
              f"{'mode':10} {'ppl':>9} {'vs dense':>9} {'FFN sparsity':>13} {'recall':>7} {'|h| recall':>10} "

@@ -13,7 +13,9 @@ from typing import Any
 
 import click
 from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ProfileMeta
 from hotneurons.common.hardware import machine_info
+from hotneurons.predictors.schema import EvalReport, PredictorsMeta, PredictorsSummary
 from hotneurons.predictors.train import PRESETS
 
 PRESETS_DEFAULT = asdict(PRESETS["default"])  # a sweep row lists only the fields it changed
@@ -39,11 +41,11 @@ def _short(r: dict) -> dict:
 def sweep_row(label: str, run_dir: str | Path) -> dict[str, Any]:
     """One setting of a sweep: the commands (from each stage's meta.json), training totals and eval figures."""
     run_dir = Path(run_dir)
-    pmeta = artifacts.read_json(run_dir / "profile" / "meta.json")
-    s = artifacts.read_json(run_dir / "predictors" / "summary.json")
-    tmeta = artifacts.read_json(run_dir / "predictors" / "meta.json")
+    pmeta = ProfileMeta.load(run_dir / "profile" / "meta.json").to_dict()
+    s = PredictorsSummary.load(run_dir / "predictors" / "summary.json").to_dict()
+    tmeta = PredictorsMeta.load(run_dir / "predictors" / "meta.json").to_dict()
     ev_path = run_dir / "eval" / "eval.json"
-    ev = artifacts.read_json(ev_path) if ev_path.exists() else None
+    ev = EvalReport.load(ev_path).to_dict() if ev_path.exists() else None
     t = s["totals"]
     row: dict[str, Any] = {
         "label": label, "run": str(run_dir),
@@ -72,15 +74,16 @@ def collect(run_dir: str | Path, commands: list[str], extra: dict[str, str] | No
     """The figures of RUN; `extra` = {label: path of another eval.json} adds its modes (e.g. an ablation);
     `sweep` = {label: other run directory} adds a `sweep` list of `sweep_row`s."""
     run_dir = Path(run_dir)
-    s = artifacts.read_json(run_dir / "predictors" / "summary.json")
-    ev = artifacts.read_json(run_dir / "eval" / "eval.json")
-    pmeta = artifacts.read_json(run_dir / "profile" / "meta.json")
+    # typed loads check each file's version; the figures are then copied key by key into the results file
+    s = PredictorsSummary.load(run_dir / "predictors" / "summary.json").to_dict()
+    ev = EvalReport.load(run_dir / "eval" / "eval.json").to_dict()
+    pmeta = ProfileMeta.load(run_dir / "profile" / "meta.json").to_dict()
     t, modes = s["totals"], ev["modes"]
     pred = modes.get("predictor", {})
     met = goals_met(t, pred)
     others = {}
     for label, path in (extra or {}).items():
-        e = artifacts.read_json(path)
+        e = EvalReport.load(path).to_dict()
         others[label] = {"command": e.get("command"), "dataset": e["dataset"],
                          "modes": {m: _short(r) for m, r in e["modes"].items()}}
     return {

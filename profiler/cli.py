@@ -6,10 +6,14 @@ import json
 import sys
 
 import click
-from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.artifacts import ArtifactError, ProfileMeta
+from hotneurons.common.cli import cli_error
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.common.models import ACTIVATIONS
+from hotneurons.common.kinds import Activation
 from hotneurons.profiler.profile import ProfileConfig, profile_model
+
+# library parameters that are not spelled as their flag (a resumed run's settings name ProfileConfig fields)
+FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -28,7 +32,7 @@ from hotneurons.profiler.profile import ProfileConfig, profile_model
               help="First tokens of the corpus used to calibrate tau (non-ReLU models).")
 @click.option("--samples-per-layer", default=16384, show_default=True, type=click.IntRange(0),
               help="Predictor training samples (FFN input + mask) kept per layer, reservoir-sampled; 0 = none.")
-@click.option("--activation", type=click.Choice(ACTIVATIONS), default=None,
+@click.option("--activation", type=click.Choice(Activation.values()), default=None,
               help="Override the activation read from the config (e.g. drelu for Bamboo/TurboSparse).")
 @click.option("--out", default=None, help="Run directory. Default: runs/<model-slug>.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in --out from its last checkpoint.")
@@ -60,31 +64,31 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         meta = profile_model(cfg, out, resume=resume, force=force, device=device,
                              checkpoint_every=checkpoint_every, progress=not quiet)
     except (ArtifactError, CorpusError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+        raise cli_error(e, FLAGS) from None
     except KeyboardInterrupt:
         click.echo("\ninterrupted: the last checkpoint is kept; continue with --resume", err=True)
         sys.exit(130)
-    if not meta:  # a non-zero rank under torchrun
+    if meta is None:  # a non-zero rank under torchrun
         return
     if as_json:
-        click.echo(json.dumps(meta, indent=2))
+        click.echo(json.dumps(meta.to_dict(), indent=2))
     else:
         click.echo(format_summary(meta))
 
 
-def format_summary(meta: dict) -> str:
+def format_summary(meta: ProfileMeta) -> str:
     """One screen: tokens, then per layer mean sparsity and the share of neurons covering 80% of activations."""
-    m = meta["model"]
+    m = meta.model
     lines = [f"profiled {m['name']} ({m['family']}, {m['activation']}, {m['n_layers']} layers x {m['n_neurons']} "
-             f"neurons) on {meta['dataset']}",
-             f"tokens: {meta['tokens']:,} in {meta['seconds']:.1f} s ({meta['tokens_per_second']:,} tok/s)   "
-             f"rule: {meta['rule']}" + (f" (target sparsity {meta['target_sparsity']})" if meta["taus"] else "")]
-    if meta["corpus_exhausted"]:
-        lines.append(f"note: the corpus held fewer tokens than --tokens {meta['tokens_requested']:,}; used them all")
-    lines.append(f"mean FFN sparsity {meta['mean_sparsity']:.3f}; samples per layer: {meta['samples']['count']:,}")
+             f"neurons) on {meta.dataset}",
+             f"tokens: {meta.tokens:,} in {meta.seconds:.1f} s ({meta.tokens_per_second:,} tok/s)   "
+             f"rule: {meta.rule}" + (f" (target sparsity {meta.target_sparsity})" if meta.taus else "")]
+    if meta.corpus_exhausted:
+        lines.append(f"note: the corpus held fewer tokens than --tokens {meta.tokens_requested:,}; used them all")
+    lines.append(f"mean FFN sparsity {meta.mean_sparsity:.3f}; samples per layer: {meta.sample_count:,}")
     lines.append("layer  sparsity  neurons-for-80%")
     cells = [f"{i:5d}  {s:8.3f}  {c:15.3f}" for i, (s, c) in
-             enumerate(zip(meta["sparsity_per_layer"], meta["share_covering_80pct_per_layer"]))]
+             enumerate(zip(meta.sparsity_per_layer, meta.share_covering_80pct_per_layer))]
     per_col = -(-len(cells) // 3) if len(cells) > 24 else len(cells)
     cols = [cells[i:i + per_col] for i in range(0, len(cells), per_col)]
     for r in range(per_col):

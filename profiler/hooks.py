@@ -2,7 +2,8 @@
 
 No model code is edited: per decoder layer, one forward pre-hook on the down projection sees the per-neuron
 activation values h (what `fc2` / `down_proj` multiplies), and, only on batches that feed the reservoir, one
-pre-hook on the up projection sees the FFN input x.
+pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks). The activation rule itself
+(active_mask, as_tau) is in common/ffn.py: later stages apply the same one.
 """
 
 from __future__ import annotations
@@ -14,32 +15,16 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-from hotneurons.common.models import RELU_FAMILY, LoadedModel
-
-
-def activation_rule(activation: str) -> str:
-    """ReLU-family: a neuron is active iff its value is nonzero (exact). Others: iff |h| > tau_l."""
-    return "nonzero" if activation in RELU_FAMILY else "abs>tau"
-
-
-def as_tau(tau: float | None) -> float:
-    """Thresholds are float32 values (rounded once): then |h| > tau has one answer in fp16, fp32 and fp64."""
-    return 0.0 if tau is None else float(np.float32(tau))
-
-
-def active_mask(h: torch.Tensor, tau: float | None) -> torch.Tensor:
-    """(tokens, neurons) activation values -> bool mask of active neurons (half types compared in float32)."""
-    if tau is None:
-        return h != 0
-    a = h.abs()
-    return (a.float() if a.dtype in (torch.float16, torch.bfloat16) else a) > as_tau(tau)
+from hotneurons.common.ffn import FFNHooks, active_mask, as_tau
+from hotneurons.common.models import LoadedModel
 
 
 def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:
     """(tokens, neurons) activation values -> (neurons,) int64 count of tokens where each neuron is active.
 
     Same result as active_mask(h, tau).sum(0). On the CPU (float32/64) a Numba kernel does it in one pass with
-    no (tokens, neurons) temporaries, which on a 2-core machine otherwise cost a third of the FFN's time.
+    no (tokens, neurons) temporaries: eager abs/compare/sum write three of them, which costs more than the FFN's
+    own arithmetic on a CPU with few cores.
     """
     if h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64):
         a = h.detach().contiguous().numpy()
@@ -50,8 +35,8 @@ def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:
 
 
 def _count_cuda(h: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """One fused reduction kernel (torch.compile): 6-7x faster than eager abs/compare/sum on an H100
-    (bench/results/count_variants_h100.json). tau is a tensor so that one compiled kernel serves every layer."""
+    """One fused reduction kernel (torch.compile): one read of h, where eager abs/compare/sum each read and write a
+    (tokens, neurons) tensor. tau is a tensor so that one compiled kernel serves every layer."""
     global _compiled
     if _compiled is None:
         def count(h, tau):
@@ -200,48 +185,6 @@ def packbits(mask: torch.Tensor) -> torch.Tensor:
     if n % 8:
         m = torch.nn.functional.pad(m, (0, 8 - n % 8))
     return (m.view(rows, (n + 7) // 8, 8) * _bits(m.device)).sum(-1, dtype=torch.uint8)
-
-
-class FFNHooks:
-    """Context manager: per decoder layer, forward pre-hooks on the FFN's up projection (input x) and down
-    projection (activation values h). Subclasses implement `on_ffn(layer, h, x)`; a tensor returned replaces
-    h (masking), None leaves it. x is captured only while `wants_x()` says so (it costs memory)."""
-
-    def __init__(self, lm: LoadedModel):
-        self.lm = lm
-        self._x: dict[int, torch.Tensor] = {}
-        self._handles: list = []
-
-    def wants_x(self) -> bool:
-        return False
-
-    def on_ffn(self, layer: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        for i, layer in enumerate(self.lm.layers):
-            ffn = self.lm.adapter.layer_ffn(layer)
-            self._handles.append(ffn["up"].register_forward_pre_hook(self._up_hook(i)))
-            self._handles.append(ffn["down"].register_forward_pre_hook(self._down_hook(i)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._x.clear()
-
-    def _up_hook(self, i: int):
-        def hook(_mod, args):
-            if self.wants_x():
-                self._x[i] = args[0]  # (..., d_model)
-        return hook
-
-    def _down_hook(self, i: int):
-        def hook(_mod, args):
-            out = self.on_ffn(i, args[0], self._x.pop(i, None))  # args[0]: (..., n_neurons)
-            return None if out is None else (out,)
-        return hook
 
 
 class ActivationCounter(FFNHooks):

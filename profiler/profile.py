@@ -1,8 +1,9 @@
 """`profile_model`: count FFN neuron activations over a corpus and store predictor training samples.
 
-Output `RUN/profile/` (see docs/artifacts.md): `neurons.parquet` (layer, neuron, count), `meta.json`, and
-`samples/layer_XXX.{x,mask}.npy`. Work goes to `RUN/.profile.partial/` with periodic checkpoints; the
-finished folder is swapped into place in one rename, so an existing profile survives any failure.
+Output `RUN/profile/` (see docs/artifacts.md): `neurons.parquet` (layer, neuron, count), `meta.json`
+(common/artifacts.ProfileMeta), and `samples/layer_XXX.{x,mask}.npy`. Work goes to `RUN/.profile.partial/`
+(common/artifacts.staged) with periodic checkpoints; the finished folder is swapped into place in one rename,
+so an existing profile survives any failure, and an interrupted run can be resumed from its checkpoint.
 Under `torchrun` each rank profiles every world_size-th batch and the counts are all-reduced at the end.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,13 @@ import numpy as np
 import pandas as pd
 import torch
 from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.corpus import CorpusError, iter_texts
+from hotneurons.common.artifacts import ArtifactError, ProfileMeta, ProfileSamples
+from hotneurons.common.corpus import CorpusError, iter_texts, token_batches
+from hotneurons.common.ffn import activation_rule, share_covering
+from hotneurons.common.kinds import Rule
 from hotneurons.common.models import LoadedModel, load_model, pick_device
-from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, activation_rule
-from safetensors.torch import load_file, save_file
+from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 
@@ -52,57 +54,6 @@ class ProfileConfig:
         return {k: v for k, v in asdict(self).items() if k not in ("trust_remote_code",)}
 
 
-def token_rows(tokenizer, texts: Iterator[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
-    """Pack documents (joined by EOS) into rows of seq_len tokens, each starting with BOS when the model has one.
-
-    Stops at max_tokens tokens in total; only the last row may be shorter (budget or corpus reached).
-    """
-    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    buf: list[int] = []
-    total = 0
-    for text in texts:
-        if not text:
-            continue
-        buf.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
-        while len(buf) >= seq_len - len(head):
-            n = min(seq_len, max_tokens - total) - len(head)  # body tokens of this row
-            if n <= 0:
-                return
-            row = head + buf[:n]
-            del buf[:n]
-            total += len(row)
-            yield row
-            if total >= max_tokens:
-                return
-    n = min(len(buf), max_tokens - total - len(head))
-    if n > 0:
-        yield head + buf[:n]
-
-
-def token_batches(tokenizer, texts: Iterator[str], seq_len: int, batch_size: int,
-                  max_tokens: int) -> Iterator[torch.Tensor]:
-    """(batch, seq_len) int64 batches of token_rows; a final shorter row comes alone as a (1, len) batch."""
-    rows: list[list[int]] = []
-    for row in token_rows(tokenizer, texts, seq_len, max_tokens):
-        if len(row) < seq_len:
-            if rows:
-                yield _stack(rows)
-                rows = []
-            yield _stack([row])
-            continue
-        rows.append(row)
-        if len(rows) == batch_size:
-            yield _stack(rows)
-            rows = []
-    if rows:
-        yield _stack(rows)
-
-
-def _stack(rows: list[list[int]]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64)
-
-
 @torch.inference_mode()
 def forward(lm: LoadedModel, ids: torch.Tensor) -> None:
     """The decoder stack only: counting needs no logits, so the LM head is skipped."""
@@ -117,7 +68,7 @@ def calibrate_taus(lm: LoadedModel, cfg: ProfileConfig) -> list[float]:
         for ids in batches:
             forward(lm, ids)
     if not col.values[0]:
-        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile")
+        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile", params="dataset")
     return col.taus(cfg.target_sparsity)
 
 
@@ -136,11 +87,12 @@ def _dist() -> tuple[int, int]:
 def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, resume: bool = False,
                   force: bool = False, device: str = "auto", checkpoint_every: int = 50,
                   progress: bool = True, lm: LoadedModel | None = None,
-                  _stop_after: int | None = None) -> dict[str, Any]:
-    """Profile `cfg.model` over `cfg.dataset`; write RUN/profile/ and return its meta.json dict.
+                  _stop_after: int | None = None) -> ProfileMeta | None:
+    """Profile `cfg.model` over `cfg.dataset`; write RUN/profile/ and return its meta.json (None on the ranks
+    other than 0 of a distributed run).
 
     `lm` reuses an already loaded model (notebooks, tests). `_stop_after` interrupts after that many batches,
-    leaving a checkpoint, as a crash would (tests of --resume).
+    leaving a checkpoint, as a crash would (tests of `resume`).
     """
     rank, world = _dist()
     if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
@@ -151,21 +103,24 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
         lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
                         trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
     if not any(iter_texts(cfg.dataset, cfg.text_column)):  # stops at the first text; fails before touching the disk
-        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile")
+        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile", params="dataset")
     run = Path(out) if out is not None else artifacts.default_run_dir(lm.info["name"])
-    final, partial = run / "profile", run / ".profile.partial"
-    _check_existing(final, partial, lm.info, resume, force)
+    final = run / "profile"
+    _check_existing(final, final.with_name(".profile.partial"), lm.info, resume, force)
     _barrier(world)  # every rank has checked before rank 0 creates the partial folder
-    try:
-        return _profile(cfg, lm, final, partial, rank, world, resume, checkpoint_every, progress, _stop_after)
-    except Exception:
-        if rank == 0 and not any(partial.glob("state.rank*.json")):
-            shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming: leave no debris behind
-        raise
+
+    def resumable(partial: Path) -> bool:  # a rank checkpointed: keep it for `resume`; else leave no debris
+        return any(partial.glob("state.rank*.json"))
+
+    with artifacts.staged(final, fresh=not resume, owner=rank == 0, keep_on_failure=resumable) as partial:
+        _barrier(world)
+        meta = _profile(cfg, lm, partial, rank, world, resume, checkpoint_every, progress, _stop_after)
+    _barrier(world)  # rank 0 has swapped the folder into place
+    return meta
 
 
-def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, rank: int, world: int, resume: bool,
-             checkpoint_every: int, progress: bool, _stop_after: int | None) -> dict[str, Any]:
+def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, world: int, resume: bool,
+             checkpoint_every: int, progress: bool, _stop_after: int | None) -> ProfileMeta | None:
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
     key = {**cfg.resume_key(), "fingerprint": lm.info["fingerprint"], "world_size": world}
     ckpt, rank_state = partial / f"ckpt.rank{rank}.safetensors", partial / f"state.rank{rank}.json"
@@ -176,15 +131,11 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, ra
         _check_resume_key(shared["key"], key, partial)
         if rank_state.exists():
             state = artifacts.read_json(rank_state)
-    elif rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(world)
 
     rule = activation_rule(lm.activation)
-    if rule == "abs>tau" and shared["taus"] is None:
+    if rule == Rule.ABS_TAU and shared["taus"] is None:
         shared["taus"] = calibrate_taus(lm, cfg)
-    taus = shared["taus"] if rule == "abs>tau" else None
+    taus = shared["taus"] if rule == Rule.ABS_TAU else None
     if rank == 0:
         artifacts.write_json(partial / "state.json", shared)
 
@@ -243,12 +194,10 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, final: Path, partial: Path, ra
     if reservoir is not None:
         reservoir.flush()
     _barrier(world)
-    meta: dict[str, Any] = {}
-    if rank == 0:
-        meta = _finalize(partial, final, lm, cfg, counts.cpu().numpy(), int(tokens), taus, seconds, world,
-                         [int(f) for f in filled], capacity, stream_tokens < cfg.tokens)
-    _barrier(world)
-    return meta
+    if rank != 0:
+        return None
+    return _finalize(partial, lm, cfg, counts.cpu().numpy(), int(tokens), taus, seconds, world,
+                     [int(f) for f in filled], capacity, stream_tokens < cfg.tokens)
 
 
 def _barrier(world: int) -> None:
@@ -260,23 +209,24 @@ def _barrier(world: int) -> None:
 
 def _check_existing(final: Path, partial: Path, info: dict, resume: bool, force: bool) -> None:
     if (final / "meta.json").exists() and not force:
-        old = artifacts.read_json(final / "meta.json")
+        old = artifacts.read_json(final / "meta.json")  # any version: only its model matters here
         if old.get("model", {}).get("fingerprint") != info["fingerprint"]:
             raise ArtifactError(f"{final} holds a profile of '{old.get('model', {}).get('name')}', not of "
-                                f"'{info['name']}': pass --force to replace it, or choose another --out")
+                                f"'{info['name']}': force a replacement, or write to another run directory",
+                                params=("force", "out"))
     if partial.exists() and not resume and not force:
-        raise ArtifactError(f"an interrupted profile is in {partial}: pass --resume to continue it or --force to "
-                            f"start over")
+        raise ArtifactError(f"an interrupted profile is in {partial}: resume it, or force a fresh start",
+                            params=("resume", "force"))
     if resume and not (partial / "state.json").exists():
-        raise ArtifactError(f"--resume: no interrupted profile in {partial}; run without --resume")
+        raise ArtifactError(f"no interrupted profile to resume in {partial}: start a new one", params="resume")
 
 
 def _check_resume_key(saved: dict, now: dict, partial: Path) -> None:
     diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diff:
         k = diff[0]
-        raise ArtifactError(f"--resume: the run in {partial} used {k}={saved.get(k)!r}, now {now.get(k)!r}: "
-                            f"use the same settings, or --force to start over")
+        raise ArtifactError(f"cannot resume: the run in {partial} used {k}={saved.get(k)!r}, now {now.get(k)!r}: "
+                            f"use the same settings, or force a fresh start", params=(k, "force"))
 
 
 def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reservoir: SampleReservoir | None,
@@ -284,24 +234,14 @@ def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reserv
     """Samples first, then counts, then state: a state file names only what is already on disk."""
     if reservoir is not None:
         reservoir.flush()
-    tmp = ckpt.with_name(ckpt.name + ".tmp")
-    save_file({"counts": counter.counts.cpu().contiguous()}, str(tmp))
-    os.replace(tmp, ckpt)
+    artifacts.atomic_write_bytes(ckpt, save({"counts": counter.counts.cpu().contiguous()}))
     artifacts.write_json(rank_state, state)
 
 
-def share_covering(counts: np.ndarray, share: float = 0.8) -> np.ndarray:
-    """Per layer, the fraction of neurons (hottest first) that covers `share` of the layer's activations."""
-    c = -np.sort(-counts, axis=1).astype(np.float64)  # (layers, neurons), hottest first
-    total = c.sum(1, keepdims=True)
-    cum = np.cumsum(c, axis=1) / np.where(total > 0, total, 1)
-    k = (cum < share - 1e-12).sum(1) + 1  # neurons needed
-    return np.where(total[:, 0] > 0, k / counts.shape[1], np.nan)
-
-
-def _finalize(partial: Path, final: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
+def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
               taus: list[float] | None, seconds: float, world: int, filled: list[int], capacity: int,
-              short: bool) -> dict[str, Any]:
+              short: bool) -> ProfileMeta:
+    """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in)."""
     n_layers, n_neurons = counts.shape
     samples = sum(filled) if cfg.samples_per_layer > 0 else 0
     if cfg.samples_per_layer > 0:
@@ -311,37 +251,35 @@ def _finalize(partial: Path, final: Path, lm: LoadedModel, cfg: ProfileConfig, c
     df = pd.DataFrame({"layer": layer, "neuron": neuron, "count": counts.reshape(-1).astype(np.int64)})
     artifacts.write_parquet(partial / "neurons.parquet", df)
     sparsity = 1.0 - counts.sum(1) / max(1, tokens * n_neurons)
-    meta = artifacts.base_meta("profile", inputs={"dataset": cfg.dataset})
-    meta.update({
-        "model": lm.info,
-        "config": {k: v for k, v in asdict(cfg).items() if k not in ("model", "gguf_file", "revision")},
-        "dataset": cfg.dataset,
-        "tokens": tokens,
-        "tokens_requested": cfg.tokens,
-        "corpus_exhausted": short,
-        "rule": activation_rule(lm.activation),
-        "taus": taus,
-        "target_sparsity": cfg.target_sparsity if taus is not None else None,
-        "sparsity_per_layer": sparsity.round(6).tolist(),
-        "mean_sparsity": float(sparsity.mean()),
-        "share_covering_80pct_per_layer": share_covering(counts, 0.8).round(6).tolist(),
-        "samples": {
-            "count": samples,
-            "x": "samples/layer_{i:03d}.x.npy: float16 (count, d_model): input of the FFN's first linear "
-                 "layers (after the pre-FFN norm)",
-            "mask": "samples/layer_{i:03d}.mask.npy: uint8 (count, ceil(n_neurons/8)): np.packbits of the "
-                    "active mask along neurons",
-        },
-        "seconds": round(seconds, 3),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
-        "world_size": world,
-        "device": str(lm.model.device),
-    })
-    artifacts.write_json(partial / "meta.json", meta)
+    meta = ProfileMeta(
+        inputs={"dataset": cfg.dataset},
+        model=lm.info,
+        config={k: v for k, v in asdict(cfg).items() if k not in ("model", "gguf_file", "revision")},
+        dataset=cfg.dataset,
+        tokens=tokens,
+        tokens_requested=cfg.tokens,
+        corpus_exhausted=short,
+        rule=activation_rule(lm.activation),
+        taus=taus,
+        target_sparsity=cfg.target_sparsity if taus is not None else None,
+        sparsity_per_layer=sparsity.round(6).tolist(),
+        mean_sparsity=float(sparsity.mean()),
+        share_covering_80pct_per_layer=share_covering(counts, 0.8).round(6).tolist(),
+        samples=ProfileSamples(
+            count=samples,
+            x="samples/layer_{i:03d}.x.npy: float16 (count, d_model): input of the FFN's first linear "
+              "layers (after the pre-FFN norm)",
+            mask="samples/layer_{i:03d}.mask.npy: uint8 (count, ceil(n_neurons/8)): np.packbits of the "
+                 "active mask along neurons"),
+        seconds=round(seconds, 3),
+        tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
+        world_size=world,
+        device=str(lm.model.device),
+    )
+    meta.save(partial / "meta.json")
     for name in os.listdir(partial):
         if name.startswith(("ckpt.", "state")):
             os.unlink(partial / name)
-    artifacts.replace_dir(partial, final)
     return meta
 
 

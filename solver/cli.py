@@ -7,12 +7,16 @@ import sys
 
 import click
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.cli import cli_error
 from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
+from hotneurons.common.placement import Objective, PlacementSummary
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 
 from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
-from .ilp import OBJECTIVES
 from .place import solve_placement
+
+# solve_placement's arguments whose flag is spelled otherwise
+FLAGS = {"vram_bytes": "--vram", "reserve_bytes": "--reserve", "comm": "--no-comm-constraint"}
 
 
 def _parsed(parse, flag: str, text: str | None):
@@ -26,11 +30,13 @@ def _parsed(parse, flag: str, text: str | None):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory holding profile/ (from pi-profile).")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False),
+              help="Run directory holding profile/ (from pi-profile).")
 @click.option("--vram", help="GPU memory to plan for, e.g. 24GB (10^9 B) or 24GiB (2^30 B). Default: the preset's.")
 @click.option("--hardware", default="rtx4090", show_default=True,
               help=f"Preset ({', '.join(HARDWARE)}), or 'list' to print them.")
-@click.option("--measure", is_flag=True, help="Measure DRAM (and, with CUDA, VRAM, PCIe, GPU bandwidth) on this machine.")
+@click.option("--measure", is_flag=True,
+              help="Measure DRAM (and, with CUDA, VRAM, PCIe, GPU bandwidth) on this machine.")
 @click.option("--pcie-bw", help="Override PCIe bandwidth, e.g. 25GB/s.")
 @click.option("--gpu-bw", help="Override GPU memory bandwidth, e.g. 1008GB/s.")
 @click.option("--cpu-bw", help="Override CPU DRAM bandwidth, e.g. 60GB/s.")
@@ -44,7 +50,7 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
-@click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+@click.option("--objective", type=click.Choice(Objective.values()), default="latency", show_default=True,
               help="latency: minimise expected ms/token; activations: maximise activations served by the GPU (paper).")
 @click.option("--no-comm-constraint", is_flag=True, help="Drop the per-layer minimum C_l of GPU neurons.")
 @click.option("--time-limit", type=float, default=30.0, show_default=True, help="Solver time limit, seconds.")
@@ -87,33 +93,33 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                                   objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
                                   mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
     except (SolverError, ArtifactError) as e:
-        raise click.ClickException(str(e)) from None
+        raise cli_error(e, FLAGS) from None
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
         click.echo(human_summary(summary, run_dir))
 
 
-def human_summary(s: dict, run_dir: str) -> str:
-    g, sv, hw = s["memory"]["gpu"], s["solver"], s["hardware"]
-    layers = s["layers"]
-    shares = sorted(x["gpu_neuron_share"] for x in layers)
+def human_summary(s: PlacementSummary, run_dir: str) -> str:
+    g, sv, hw, b = s.memory.gpu, s.solver, s.hardware, s.budget
+    shares = sorted(x.gpu_neuron_share for x in s.layers)
     fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in g.items() if k not in ("ffn_neurons", "total", "free") and v)
     lines = [
-        f"model      {s['model']}  ({len(layers)} layers, {layers[0]['neurons']} FFN neurons each)",
-        f"hardware   {hw['name']}: VRAM {format_bytes(s['budget']['vram_bytes'])}, GPU {format_rate(hw['gpu_bw'])}, "
+        f"model      {s.model}  ({len(s.layers)} layers, {s.layers[0].neurons} FFN neurons each)",
+        f"hardware   {hw['name']}: VRAM {format_bytes(b.vram_bytes)}, GPU {format_rate(hw['gpu_bw'])}, "
         f"PCIe {format_rate(hw['pcie_bw'])}, DRAM {format_rate(hw['cpu_bw'])} x {hw['cores']} cores",
-        f"fixed GPU  {format_bytes(s['budget']['fixed_gpu_bytes'])}: {fixed}" if g else "fixed GPU  none (no GPU)",
-        f"           predictors: {s['memory']['predictors_source']}",
-        f"FFN        GPU {format_bytes(g['ffn_neurons'])} of budget {format_bytes(s['budget']['ffn_budget_bytes'])}; "
-        f"CPU {format_bytes(s['memory']['cpu']['ffn_neurons'])}",
-        f"placement  {s['gpu_neuron_share']:.1%} of neurons on the GPU serve {s['gpu_activation_share']:.1%} of activations; "
-        f"per layer GPU share {shares[0]:.1%} .. {shares[len(shares) // 2]:.1%} (median) .. {shares[-1]:.1%}",
-        f"expected   {s['expected_latency_ms']:.2f} ms/token = {s['expected_tokens_per_s']:.2f} tokens/s "
-        f"(FFN all on CPU: {s['reference_tokens_per_s']['ffn_all_on_cpu']:.2f}, all on GPU, dense: "
-        f"{s['reference_tokens_per_s']['all_on_gpu_dense']:.2f}; cost-model floor, not a measurement)",
-        f"solver     {sv['backend']}, objective {sv['objective']}: {sv['status']}, gap {sv['gap']:.2e}, "
-        f"{sv['groups']} groups of {sv['group_size']}, build {sv['build_seconds']:.2f} s + solve {sv['solve_seconds']:.2f} s",
+        f"fixed GPU  {format_bytes(b.fixed_gpu_bytes)}: {fixed}" if g else "fixed GPU  none (no GPU)",
+        f"           predictors: {s.memory.predictors_source}",
+        f"FFN        GPU {format_bytes(g['ffn_neurons'])} of budget {format_bytes(b.ffn_budget_bytes)}; "
+        f"CPU {format_bytes(s.memory.cpu['ffn_neurons'])}",
+        f"placement  {s.gpu_neuron_share:.1%} of neurons on the GPU serve {s.gpu_activation_share:.1%} of "
+        f"activations; per layer GPU share {shares[0]:.1%} .. {shares[len(shares) // 2]:.1%} (median) .. "
+        f"{shares[-1]:.1%}",
+        f"expected   {s.expected_latency_ms:.2f} ms/token = {s.expected_tokens_per_s:.2f} tokens/s "
+        f"(FFN all on CPU: {s.reference_tokens_per_s['ffn_all_on_cpu']:.2f}, all on GPU, dense: "
+        f"{s.reference_tokens_per_s['all_on_gpu_dense']:.2f}; cost-model floor, not a measurement)",
+        f"solver     {sv.backend}, objective {sv.objective}: {sv.status}, gap {sv.gap:.2e}, "
+        f"{sv.groups} groups of {sv.group_size}, build {sv.build_seconds:.2f} s + solve {sv.solve_seconds:.2f} s",
         f"wrote      {run_dir}/placement/{{placement.parquet, summary.json, meta.json}}",
     ]
     return "\n".join(lines)

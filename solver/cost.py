@@ -15,18 +15,20 @@ from pathlib import Path
 
 import numpy as np
 from hotneurons.common.hardware import HardwareSpec
+from hotneurons.common.kinds import FixableError
 
 # bytes per weight. q8_0 / q4_0 are llama.cpp's block formats (34 / 18 bytes per 32 weights), for sizing
 # only: the KV cache, norms and workspace stay 16-bit with them.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 ACT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 2.0, "q4_0": 2.0}  # KV cache, norms
-# bytes per weight of the cold rows in CPU RAM, as pi-generate --cold-dtype stores them (runtime/cold_rows.ColdRows:
+# bytes per weight of the cold rows in CPU RAM, as the runtime's cold dtype stores them (runtime/cold_rows.ColdRows:
 # int8 with a float32 scale per 64 weights)
 COLD_BYTES: dict[str, float] = {"bf16": 2.0, "int8": 1 + 4 / 64}
 
 
-class SolverError(Exception):
-    """A bad input or an impossible request; the message is one line naming the value and the fix."""
+class SolverError(FixableError):
+    """A bad input or an impossible request; the message is one line naming the value and the fix, and `params`
+    names the arguments to change (the CLI shows them as flags)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class ModelShape:
             p = model["params"]
             shape = cls(
                 name=str(model["name"]), n_layers=int(model["n_layers"]), d_model=int(model["d_model"]),
-                n_neurons=int(model["n_neurons"]), gated=bool(model["gated"]), ffn_bias=bool(model.get("ffn_bias", False)),
+                n_neurons=int(model["n_neurons"]), gated=bool(model["gated"]),
+                ffn_bias=bool(model.get("ffn_bias", False)),
                 n_heads=int(model["num_attention_heads"]), n_kv_heads=int(model["num_key_value_heads"]),
                 head_dim=int(model["head_dim"]), vocab_size=int(model["vocab_size"]),
                 embedding_params=int(p["embedding"]), lm_head_params=int(p.get("lm_head", 0)),
@@ -68,7 +71,8 @@ class ModelShape:
         except KeyError as e:
             raise SolverError(f"profile meta.json lacks model field {e.args[0]!r}: re-run pi-profile") from None
         if len(shape.attention_params) != shape.n_layers or len(shape.ffn_params) != shape.n_layers:
-            raise SolverError(f"profile meta.json: params per layer do not list {shape.n_layers} layers: re-run pi-profile")
+            raise SolverError(f"profile meta.json: params per layer do not list {shape.n_layers} layers: "
+                              f"re-run pi-profile")
         return shape
 
     @property
@@ -173,7 +177,7 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     """counts: per layer the neurons' activation counts sorted descending; cold_bytes: per weight of a cold row in
     CPU RAM (COLD_BYTES; default dtype_bytes)."""
     if group_size < 1:
-        raise SolverError(f"--group-size must be >= 1, got {group_size}")
+        raise SolverError(f"the group size must be >= 1 neuron, got {group_size}", params="group_size")
     L = len(counts)
     G = max(math.ceil(len(c) / group_size) for c in counts)
     group_neurons = np.zeros((L, G), dtype=np.int64)  # (layers, groups)

@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from hotneurons.common.kinds import choose
+from hotneurons.common.placement import Objective
 
 from .cost import LayerTables, PlacementProblem, SolverError, layer_tables
 
-OBJECTIVES = ("latency", "activations")
+OBJECTIVES = Objective.values()
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,10 @@ def _pulp():
     return pulp
 
 
-def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float = 30.0, mip_gap: float = 1e-3,
+def solve_ilp(p: PlacementProblem, objective: Objective | str = Objective.LATENCY, time_limit: float = 30.0,
+              mip_gap: float = 1e-3,
               threads: int | None = None, tables: LayerTables | None = None) -> IlpResult:
-    if objective not in OBJECTIVES:
-        raise SolverError(f"unknown objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    objective = choose(objective, Objective, "objective", SolverError, "objective")
     pulp = _pulp()
     t0 = time.perf_counter()
     t = tables or layer_tables(p)
@@ -60,7 +62,7 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
     unit_ms = float((t.cpu_ms[:, 0] + p.sync_ms).max()) or 1.0  # ms
     total_counts = max(float(t.counts[:, -1].sum()), 1e-300)
 
-    sense = pulp.LpMinimize if objective == "latency" else pulp.LpMaximize
+    sense = pulp.LpMinimize if objective == Objective.LATENCY else pulp.LpMaximize
     prob = pulp.LpProblem("placement", sense)
 
     def var(name, low=None, up=None, cat="Continuous"):
@@ -84,9 +86,10 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
             on = var(f"on_{l}", 0, 1, pulp.LpBinary)
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -K)]) >= 0)  # on -> k >= K_l
             rows.append(pulp.LpAffineExpression([(k, 1), (on, -G)]) <= 0)  # k > 0 -> on
-        if objective == "latency":
-            # t_l >= sync*(1-full) + GPU(k) (GPU(k) = ms/neuron * (group_size*k - short*full)) and t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise
-            # linear in k (breakpoints at each group), one row per segment.
+        if objective == Objective.LATENCY:
+            # t_l >= sync*(1-full) + GPU(k), with GPU(k) = ms/neuron * (group_size*k - short*full), and
+            # t_l >= sync*(1-full) + CPU(k); CPU(k) is convex piecewise linear in k (breakpoints at each group),
+            # one row per segment.
             tl = var(f"t_{l}", 0)
             obj_terms.append((tl, 1.0))
             s = float(p.sync_ms[l]) / unit_ms
@@ -120,9 +123,10 @@ def solve_ilp(p: PlacementProblem, objective: str = "latency", time_limit: float
     info = h.getInfo()
     model_status = h.modelStatusToString(h.getModelStatus())
     if any(v.varValue is None for v in ks):
-        raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise --time-limit")
+        raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise the time limit",
+                          params="time_limit")
     k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)  # (layers,)
-    scale = unit_ms if objective == "latency" else -1.0  # PuLP hands HiGHS -objective to maximise
+    scale = unit_ms if objective == Objective.LATENCY else -1.0  # PuLP hands HiGHS -objective to maximise
     obj = float(pulp.value(prob.objective)) * abs(scale)
     bound = float(info.mip_dual_bound) * scale
     gap = abs(obj - bound) / max(abs(obj), 1e-12)

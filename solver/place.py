@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from hotneurons.common.artifacts import (
-    ArtifactError,
-    base_meta,
-    read_profile,
-    replace_dir,
-    sha256_file,
-    write_json,
-    write_parquet,
-)
+from hotneurons.common.artifacts import ArtifactError, ProfileMeta, read_profile, sha256_file, staged, write_parquet
 from hotneurons.common.hardware import HardwareSpec
+from hotneurons.common.kinds import choose
+from hotneurons.common.placement import (
+    Budget,
+    LayerPlacement,
+    Memory,
+    Objective,
+    PlacementFlags,
+    PlacementMeta,
+    PlacementSummary,
+    SolverInfo,
+)
 from hotneurons.common.units import format_bytes, format_size_arg
 
 from .cost import (
@@ -37,28 +39,25 @@ from .cost import (
     predictor_hidden,
     safetensors_bytes,
 )
-from .ilp import OBJECTIVES, IlpResult, solve_ilp
+from .ilp import IlpResult, solve_ilp
 
 
-def _check_args(dtype: str, ctx: int, group_size: int, objective: str, time_limit: float, mip_gap: float,
-                hw: HardwareSpec) -> None:
-    if dtype not in DTYPE_BYTES:
-        raise SolverError(f"unknown --dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+def _check_args(ctx: int, group_size: int, time_limit: float, mip_gap: float, hw: HardwareSpec) -> None:
     if ctx < 1:
-        raise SolverError(f"--ctx must be >= 1 token, got {ctx}")
+        raise SolverError(f"the context length must be >= 1 token, got {ctx}", params="ctx")
     if group_size < 1:
-        raise SolverError(f"--group-size must be >= 1, got {group_size}")
-    if objective not in OBJECTIVES:
-        raise SolverError(f"unknown --objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+        raise SolverError(f"the group size must be >= 1 neuron, got {group_size}", params="group_size")
     if not time_limit > 0:
-        raise SolverError(f"--time-limit must be > 0 seconds, got {time_limit}")
+        raise SolverError(f"the time limit must be > 0 seconds, got {time_limit}", params="time_limit")
     if not 0 <= mip_gap < 1:
-        raise SolverError(f"--mip-gap must be in [0, 1), got {mip_gap}")
+        raise SolverError(f"the relative MIP gap must be in [0, 1), got {mip_gap}", params="mip_gap")
     if hw.cpu_bw <= 0 or hw.cores < 1:
-        raise SolverError(f"the CPU needs --cpu-bw > 0 and --cores >= 1 (got {hw.cpu_bw:g} B/s, {hw.cores} cores)")
+        raise SolverError(f"the CPU needs a DRAM bandwidth > 0 and >= 1 core (got {hw.cpu_bw:g} B/s, {hw.cores} "
+                          f"cores)", params=("cpu_bw", "cores"))
     if hw.vram_bytes > 0 and (hw.gpu_bw <= 0 or hw.pcie_bw <= 0):
-        raise SolverError(f"--vram {format_bytes(hw.vram_bytes)} on hardware '{hw.name}' without GPU or PCIe bandwidth: "
-                          f"pick a GPU preset with --hardware or give --gpu-bw and --pcie-bw")
+        raise SolverError(f"a VRAM budget of {format_bytes(hw.vram_bytes)} on hardware '{hw.name}', which has no GPU "
+                          f"or PCIe bandwidth: pick a GPU preset, or give both bandwidths",
+                          params=("hardware", "gpu_bw", "pcie_bw"))
 
 
 def _sorted_counts(df: pd.DataFrame, shape: ModelShape, where: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -97,26 +96,26 @@ def _predictor_bytes(run_dir: Path, shape: ModelShape, dtype_bytes: float) -> tu
 
 def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int | None = None, dtype: str = "fp16",
                     ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
-                    objective: str = "latency", comm: bool = True, time_limit: float = 30.0, mip_gap: float = 1e-3,
-                    threads: int | None = None, write: bool = True, hardware_notes: list[str] | None = None,
-                    cold_dtype: str = "bf16") -> dict:
-    """Place each layer's hottest FFN neurons on the GPU. Returns the summary dict (also written to
-    RUN/placement/summary.json with placement.parquet and meta.json when `write`). `cold_dtype`: how pi-generate
+                    objective: Objective | str = Objective.LATENCY, comm: bool = True, time_limit: float = 30.0,
+                    mip_gap: float = 1e-3, threads: int | None = None, write: bool = True,
+                    hardware_notes: list[str] | None = None, cold_dtype: str = "bf16") -> PlacementSummary:
+    """Place each layer's hottest FFN neurons on the GPU. Returns the summary (also written to
+    RUN/placement/summary.json with placement.parquet and meta.json when `write`). `cold_dtype`: how the runtime
     will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active cold neuron costs to read."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
-    _check_args(dtype, ctx, group_size, objective, time_limit, mip_gap, hw)
-    if cold_dtype not in COLD_BYTES:
-        raise SolverError(f"unknown --cold-dtype {cold_dtype!r}: use one of {', '.join(COLD_BYTES)}")
+    dtype = choose(dtype, DTYPE_BYTES, "weight dtype", SolverError, "dtype")
+    cold_dtype = choose(cold_dtype, COLD_BYTES, "cold dtype", SolverError, "cold_dtype")
+    objective = choose(objective, Objective, "objective", SolverError, "objective")
+    _check_args(ctx, group_size, time_limit, mip_gap, hw)
 
     df, meta = read_profile(run_dir)
-    pdir = run_dir / "profile"
-    if "model" not in meta or not meta.get("tokens"):
-        raise ArtifactError(f"{pdir}/meta.json lacks 'model' or 'tokens': re-run pi-profile")
-    tokens = int(meta["tokens"])
-    shape = ModelShape.from_meta(meta["model"])
-    ids, counts = _sorted_counts(df, shape, pdir / "neurons.parquet")
+    tokens = meta.tokens
+    if tokens <= 0:
+        raise ArtifactError(f"{run_dir / 'profile'}/meta.json counts no tokens: re-run pi-profile")
+    shape = ModelShape.from_meta(meta.model)
+    ids, counts = _sorted_counts(df, shape, run_dir / "profile" / "neurons.parquet")
     db = DTYPE_BYTES[dtype]
 
     pred_bytes, pred_source = _predictor_bytes(run_dir, shape, db)
@@ -125,8 +124,10 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     if hw.has_gpu and fixed > hw.vram_bytes:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
         raise SolverError(
-            f"--vram {format_bytes(hw.vram_bytes)} is below the minimum {format_bytes(fixed)} for {shape.name} at "
-            f"--ctx {ctx} --dtype {dtype} ({parts}): raise --vram to at least {format_size_arg(fixed)} or lower --ctx/--reserve")
+            f"the VRAM budget {format_bytes(hw.vram_bytes)} is below the minimum {format_bytes(fixed)} for "
+            f"{shape.name} at a context of {ctx} tokens in {dtype} ({parts}): raise the VRAM budget to at least "
+            f"{format_size_arg(fixed)} or lower the context or the reserve",
+            params=("vram_bytes", "ctx", "reserve_bytes"))
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
                             COLD_BYTES[cold_dtype])
@@ -140,83 +141,80 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     if not ev["feasible"]:  # never expected; the tests check it on random instances
         raise SolverError("internal error: the solver returned a placement that breaks a constraint")
 
-    summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, counts, tokens,
-                       dict(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
-                            reserve_bytes=hw.reserve_bytes,
-                            group_size=group_size, objective=objective, comm_constraint=comm,
-                            time_limit=time_limit, mip_gap=mip_gap, threads=threads), hardware_notes or [])
-    summary["seconds_total"] = time.perf_counter() - t_start
+    flags = PlacementFlags(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
+                           reserve_bytes=hw.reserve_bytes, group_size=group_size, objective=objective,
+                           comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+    summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes or [])
+    summary.seconds_total = time.perf_counter() - t_start
     if write:
-        _write(run_dir, problem, result.k, ids, counts, summary, meta, hw)
+        _write(run_dir, problem, ids, counts, summary, meta, hw)
     return summary
 
 
 def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, pred_source: str, hw: HardwareSpec,
-             shape: ModelShape, counts: list[np.ndarray], tokens: int, flags: dict, notes: list[str]) -> dict:
+             shape: ModelShape, tokens: int, flags: PlacementFlags, notes: list[str]) -> PlacementSummary:
     rows = np.arange(p.n_layers)
     k = result.k
     gpu_neurons = t.neurons[rows, k].astype(np.int64)  # (layers,)
     total_ffn = float(t.bytes[:, -1].sum())
-    cold_scale = COLD_BYTES[flags["cold_dtype"]] / DTYPE_BYTES[flags["dtype"]]  # CPU RAM bytes per GPU byte
+    cold_scale = COLD_BYTES[flags.cold_dtype] / DTYPE_BYTES[flags.dtype]  # CPU RAM bytes per GPU byte
     ffn_gpu = ev["gpu_ffn_bytes"]
     layers = []
     for l in range(p.n_layers):
         layer_counts = float(t.counts[l, -1])
-        layers.append({
-            "layer": l, "gpu_groups": int(k[l]), "gpu_neurons": int(gpu_neurons[l]), "neurons": int(t.neurons[l, -1]),
-            "gpu_neuron_share": float(gpu_neurons[l] / t.neurons[l, -1]),
-            "gpu_activation_share": float(t.counts[l, k[l]] / layer_counts) if layer_counts else 0.0,
-            "gpu_bytes": int(t.bytes[l, k[l]]), "cpu_bytes": int((t.bytes[l, -1] - t.bytes[l, k[l]]) * cold_scale),
-            "active_per_token": layer_counts / tokens, "min_gpu_neurons": int(p.min_neurons[l]),
-            "expected_ms": float(t.layer_ms[l, k[l]]),
-            "gpu_ms": float(t.gpu_ms[l, k[l]]), "cpu_ms": float(t.cpu_ms[l, k[l]]),
-        })
+        layers.append(LayerPlacement(
+            layer=l, gpu_groups=int(k[l]), gpu_neurons=int(gpu_neurons[l]), neurons=int(t.neurons[l, -1]),
+            gpu_neuron_share=float(gpu_neurons[l] / t.neurons[l, -1]),
+            gpu_activation_share=float(t.counts[l, k[l]] / layer_counts) if layer_counts else 0.0,
+            gpu_bytes=int(t.bytes[l, k[l]]), cpu_bytes=int((t.bytes[l, -1] - t.bytes[l, k[l]]) * cold_scale),
+            active_per_token=layer_counts / tokens, min_gpu_neurons=int(p.min_neurons[l]),
+            expected_ms=float(t.layer_ms[l, k[l]]), gpu_ms=float(t.gpu_ms[l, k[l]]), cpu_ms=float(t.cpu_ms[l, k[l]]),
+        ))
     all_cpu = evaluate(p, np.zeros(p.n_layers, np.int64), t)
     gpu_total = (sum(items.values()) + ffn_gpu) if hw.has_gpu else 0
     # bytes of an untied input embedding, which memory_items leaves off the GPU
-    emb_cpu = int(shape.embedding_params * DTYPE_BYTES[flags["dtype"]]) if embedding_on_cpu(shape) else 0
-    return {
-        "model": shape.name,
-        "budget": {"vram_bytes": int(hw.vram_bytes), "vram": format_bytes(hw.vram_bytes),
-                   "fixed_gpu_bytes": int(sum(items.values())) if hw.has_gpu else 0,
-                   "ffn_budget_bytes": int(p.budget_bytes)},
-        "memory": {
-            "gpu": {**({k_: int(v) for k_, v in items.items()} if hw.has_gpu else {}), "ffn_neurons": int(ffn_gpu),
-                    "total": int(gpu_total), "free": int(hw.vram_bytes - gpu_total) if hw.has_gpu else 0},
-            "cpu": {"ffn_neurons": int((total_ffn - ffn_gpu) * cold_scale),  # stored as --cold-dtype
-                    **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"}),
-                    **({"embedding": emb_cpu} if emb_cpu else {})},
-            "predictors_source": pred_source,
-            "bytes_per_neuron": float(p.bytes_per_neuron[0]), "rows_per_neuron": shape.rows,
-        },
-        "bytes_per_device": {"gpu": int(gpu_total),
-                             "cpu": int(total_ffn - ffn_gpu) + emb_cpu
-                                    + (0 if hw.has_gpu else int(sum(items.values())))},
-        "gpu_activation_share": ev["gpu_activation_share"],
-        "gpu_neuron_share": float(gpu_neurons.sum() / t.neurons[:, -1].sum()),
-        "expected_latency_ms": ev["latency_ms"],
-        "expected_tokens_per_s": ev["tokens_per_s"],
-        "reference_tokens_per_s": {"ffn_all_on_cpu": all_cpu["tokens_per_s"],
-                                   "all_on_gpu_dense": 1e3 / float(t.layer_ms[rows, p.n_groups].sum() + p.global_ms)},
-        "solver": {"backend": "PuLP + HiGHS", "objective": flags["objective"], "status": result.status,
-                   "objective_value": result.objective, "bound": result.bound, "gap": result.gap,
-                   "objective_units": "ms/token of the FFN and sync (placement-dependent part)"
-                   if flags["objective"] == "latency" else "share of all activations served by the GPU",
-                   "build_seconds": result.build_seconds, "solve_seconds": result.solve_seconds,
-                   "variables": result.n_variables, "constraints": result.n_constraints,
-                   "groups": int(p.n_groups.sum()), "group_size": p.group_size},
-        "layers": layers,
-        "hardware": {**dataclasses.asdict(hw), "effective_cpu_bw": hw.effective_cpu_bw, "notes": notes},
-        "flags": flags,
-    }
+    emb_cpu = int(shape.embedding_params * DTYPE_BYTES[flags.dtype]) if embedding_on_cpu(shape) else 0
+    return PlacementSummary(
+        model=shape.name,
+        budget=Budget(vram_bytes=int(hw.vram_bytes), vram=format_bytes(hw.vram_bytes),
+                      fixed_gpu_bytes=int(sum(items.values())) if hw.has_gpu else 0,
+                      ffn_budget_bytes=int(p.budget_bytes)),
+        memory=Memory(
+            gpu={**({k_: int(v) for k_, v in items.items()} if hw.has_gpu else {}), "ffn_neurons": int(ffn_gpu),
+                 "total": int(gpu_total), "free": int(hw.vram_bytes - gpu_total) if hw.has_gpu else 0},
+            cpu={"ffn_neurons": int((total_ffn - ffn_gpu) * cold_scale),  # stored as the cold dtype
+                 **({} if hw.has_gpu else {k_: int(v) for k_, v in items.items() if k_ != "reserve"}),
+                 **({"embedding": emb_cpu} if emb_cpu else {})},
+            predictors_source=pred_source,
+            bytes_per_neuron=float(p.bytes_per_neuron[0]), rows_per_neuron=shape.rows),
+        bytes_per_device={"gpu": int(gpu_total),
+                          "cpu": int(total_ffn - ffn_gpu) + emb_cpu + (0 if hw.has_gpu else int(sum(items.values())))},
+        gpu_activation_share=ev["gpu_activation_share"],
+        gpu_neuron_share=float(gpu_neurons.sum() / t.neurons[:, -1].sum()),
+        expected_latency_ms=ev["latency_ms"],
+        expected_tokens_per_s=ev["tokens_per_s"],
+        reference_tokens_per_s={"ffn_all_on_cpu": all_cpu["tokens_per_s"],
+                                "all_on_gpu_dense": 1e3 / float(t.layer_ms[rows, p.n_groups].sum() + p.global_ms)},
+        solver=SolverInfo(
+            backend="PuLP + HiGHS", objective=flags.objective, status=result.status,
+            objective_value=result.objective, bound=result.bound, gap=result.gap,
+            objective_units="ms/token of the FFN and sync (placement-dependent part)"
+            if flags.objective == Objective.LATENCY else "share of all activations served by the GPU",
+            build_seconds=result.build_seconds, solve_seconds=result.solve_seconds,
+            variables=result.n_variables, constraints=result.n_constraints,
+            groups=int(p.n_groups.sum()), group_size=p.group_size),
+        layers=layers,
+        hardware={**dataclasses.asdict(hw), "effective_cpu_bw": hw.effective_cpu_bw, "notes": notes},
+        flags=flags,
+    )
 
 
-def _write(run_dir: Path, p: PlacementProblem, k: np.ndarray, ids, counts, summary: dict, profile_meta: dict,
+def _write(run_dir: Path, p: PlacementProblem, ids, counts, summary: PlacementSummary, profile_meta: ProfileMeta,
            hw: HardwareSpec) -> None:
     L = p.n_layers
     n = [len(c) for c in counts]
     rank = np.concatenate([np.arange(m, dtype=np.int32) for m in n])
-    gpu_neurons = np.array([x["gpu_neurons"] for x in summary["layers"]])  # (layers,)
+    gpu_neurons = np.array([x.gpu_neurons for x in summary.layers])  # (layers,)
     df = pd.DataFrame({
         "layer": np.repeat(np.arange(L, dtype=np.int32), n),
         "neuron": np.concatenate(ids).astype(np.int32),
@@ -225,17 +223,10 @@ def _write(run_dir: Path, p: PlacementProblem, k: np.ndarray, ids, counts, summa
         "rank": rank,
     })
     pdir = run_dir / "profile"
-    meta = base_meta("placement", inputs={"profile": {"meta_sha256": sha256_file(pdir / "meta.json"),
-                                                      "neurons_sha256": sha256_file(pdir / "neurons.parquet")}})
-    meta["model"] = profile_meta["model"]
-    meta["hardware"] = dataclasses.asdict(hw)
-    meta["flags"] = summary["flags"]
-    staging = run_dir / ".placement.staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        write_parquet(staging / "placement.parquet", df)
-        write_json(staging / "summary.json", summary)
-        write_json(staging / "meta.json", meta)
-        replace_dir(staging, run_dir / "placement")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    meta = PlacementMeta(inputs={"profile": {"meta_sha256": sha256_file(pdir / "meta.json"),
+                                             "neurons_sha256": sha256_file(pdir / "neurons.parquet")}},
+                         model=profile_meta.model, hardware=dataclasses.asdict(hw), flags=summary.flags)
+    with staged(run_dir / "placement") as partial:
+        write_parquet(partial / "placement.parquet", df)
+        summary.save(partial / "summary.json")
+        meta.save(partial / "meta.json")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from hotneurons.common.artifacts import base_meta, replace_dir, write_json, write_parquet
+from hotneurons.common.artifacts import ProfileMeta, staged, write_parquet
 
 
 def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_heads: int, n_kv_heads: int,
@@ -77,13 +77,10 @@ def write_profile(run_dir: str | Path, model: dict, counts: list[np.ndarray], to
         "neuron": np.concatenate([np.arange(len(c), dtype=np.int32) for c in counts]),
         "count": np.concatenate(counts).astype(np.int64),
     })
-    staging = run_dir / ".profile.staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    write_parquet(staging / "neurons.parquet", df)
-    meta = base_meta("profile", {"synthetic": "power-law counts"})
-    meta.update({"tokens": int(tokens), "rule": rule, "model": model})
-    write_json(staging / "meta.json", meta)
-    replace_dir(staging, run_dir / "profile")
+    meta = ProfileMeta(inputs={"synthetic": "power-law counts"}, tokens=int(tokens), rule=rule, model=model)
+    with staged(run_dir / "profile") as partial:
+        write_parquet(partial / "neurons.parquet", df)
+        meta.save(partial / "meta.json")
     return run_dir
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import tiny
 from hotneurons.common.corpus import CorpusError, clean_wiki_text, iter_texts, wikipedia_sample, wikipedia_sample_titles
-from hotneurons.profiler.profile import token_batches, token_rows
+from hotneurons.common.corpus import token_batches, token_rows
 
 
 def test_wikipedia_sample_split_is_fixed_and_disjoint():

@@ -268,8 +268,11 @@ def test_missing_samples_names_flag(tmp_path):
 def test_presets_and_cli(tmp_path):
     with pytest.raises(ValueError, match="default, fast, thorough, plain"):
         preset("huge")
-    with pytest.raises(ValueError, match="--target-recall"):
+    with pytest.raises(ValueError, match="target recall 1.5") as e:
         preset("default", target_recall=1.5)
+    assert e.value.params == ("target_recall",)  # the library names no flag; the CLI names it from this
+    res = CliRunner().invoke(train_main, ["--run", str(tmp_path), "--target-recall", "1.5"])
+    assert res.exit_code != 0 and "(--target-recall)" in res.output
     write_profile(tmp_path, [np.full(32, 0.25)], d=8, count=600)
     res = CliRunner().invoke(train_main, ["--run", str(tmp_path), "--preset", "plain", "--epochs", "4", "--json",
                                           "--quiet"])

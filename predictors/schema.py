@@ -1,0 +1,137 @@
+"""The predictors' and the evaluation's artifact files as typed dataclasses (common/schema.py says how they work).
+
+`RUN/predictors/meta.json` (PredictorsMeta), `RUN/predictors/summary.json` (PredictorsSummary),
+`RUN/eval/eval.json` (EvalReport). docs/artifacts.md and docs/predictors.md list the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hotneurons.common.artifacts import JsonFile, Section, StageMeta
+from hotneurons.common.kinds import Kind, Rule
+from hotneurons.common.schema import optional
+
+
+class EvalMode(Kind):
+    """How the evaluation masks each layer's FFN neurons (predictors/evaluate.py)."""
+
+    DENSE = "dense"  # nothing masked
+    ORACLE = "oracle"  # the profile's rule on the true values
+    PREDICTOR = "predictor"  # computed iff the layer's predictor fires
+    PLACEMENT = "placement"  # GPU neurons always, the others where the predictor fires (what the runtime computes)
+
+
+@dataclass(kw_only=True)
+class PredictorsMeta(StageMeta):
+    """predictors/meta.json: `inputs.profile.meta_sha256` ties the predictors to the profile they were trained on."""
+
+    STAGE: ClassVar[str] = "predictors"
+    WRITER: ClassVar[str] = "pi-train-predictors"
+
+    stage: str = "predictors"
+    model: dict[str, Any]
+    config: dict[str, Any] | None = None  # predictors.train.PredictorConfig fields
+
+
+@dataclass(kw_only=True)
+class PredictorLayer(Section):
+    """One layer's predictor. The runtime needs `layer` and `thresholds_by_recall`; the rest reports the fit
+    (recall, precision and sparsities on the test split)."""
+
+    layer: int
+    hidden: int | None = None
+    params: int | None = None
+    params_share_of_ffn: float | None = None
+    share80: float | None = None
+    profile_sparsity: float | None = None
+    skewed: bool | None = None
+    threshold: float | None = None
+    recall: float | None = None
+    precision: float | None = None
+    predicted_sparsity: float | None = None
+    true_sparsity: float | None = None
+    val: dict[str, float] | None = None
+    thresholds_by_recall: dict[str, float]  # "0.9" -> the logit threshold tabulated on val for that recall
+    epochs: int | None = None
+    tried: list[dict[str, Any]] | None = None  # every size fitted: hidden, params, phase, val, test, epochs, seconds
+
+
+@dataclass(kw_only=True)
+class PredictorTotals(Section):
+    layers: int
+    predictor_params: int
+    ffn_params: int
+    predictor_fraction_of_ffn: float
+    budget_params: int
+    mean_recall: float
+    min_recall: float
+    mean_precision: float
+    mean_predicted_sparsity: float
+    mean_true_sparsity: float
+    fits: int
+    train_seconds: float
+    device: str
+    recomputed_mask_agreement_min: float | None = optional()  # with the magnitude weighting only
+
+
+@dataclass(kw_only=True)
+class PredictorsSummary(JsonFile):
+    """predictors/summary.json: per layer hidden size, skewness statistic, recall, precision, predicted sparsity,
+    threshold and the sizes tried; the totals against the parameter budget."""
+
+    WRITER: ClassVar[str] = "pi-train-predictors"
+
+    config: dict[str, Any] | None = None  # predictors.train.PredictorConfig fields
+    skewness_statistic: str | None = None
+    metrics_split: str | None = None
+    samples_per_layer: int | None = None
+    d_model: int | None = None
+    n_neurons: int | None = None
+    totals: PredictorTotals | None = None
+    layers: list[PredictorLayer]
+
+    @property
+    def target_recall(self) -> float | None:
+        return (self.config or {}).get("target_recall")
+
+
+@dataclass(kw_only=True)
+class ModeResult(Section):
+    """Perplexity and what was computed in one eval mode (or one point of the recall sweep)."""
+
+    threshold_recall: float | None = optional()  # recall sweep points only
+    perplexity: float
+    nll_per_token: float
+    tokens: int
+    ffn_sparsity: float  # share of (token, neuron) pairs not computed
+    recall: float  # share of truly active pairs computed
+    magnitude_recall: float  # share of the active pairs' |h| computed
+    true_sparsity: float
+    per_layer: dict[str, list[float]]  # computed_share, recall, magnitude_recall, true_active_share
+    seconds: float
+    gpu_neuron_share: float | None = optional()  # placement mode only
+    cpu_computed_share_of_cold: float | None = optional()  # placement mode only
+    ppl_vs_dense: float | None = optional()  # perplexity / dense perplexity - 1 (when dense ran)
+
+
+@dataclass(kw_only=True)
+class EvalReport(StageMeta):
+    """eval/eval.json: perplexity per mode on held-out text."""
+
+    STAGE: ClassVar[str] = "eval"
+    WRITER: ClassVar[str] = "pi-eval"
+
+    stage: str = "eval"
+    model: str  # the model's name (its fingerprint is the next key)
+    fingerprint: str
+    dataset: str
+    tokens: int  # the token budget (each mode's `tokens` counts the predicted ones)
+    seq_len: int
+    rule: Rule
+    threshold_recall: float | None = None
+    device: str
+    dtype: str
+    modes: dict[str, ModeResult]
+    recall_sweep: list[ModeResult]
