@@ -11,70 +11,33 @@ import torch
 from hotneurons.bench import bench_ceilings as ceil
 from hotneurons.bench import bench_timeline as tl
 
+# pi_bench systems named hybrid-...-SUFFIX: the RuntimeConfig fields of each A/B
+AB_FIELDS = {"no-prelaunch": {"prelaunch": False}, "no-balance": {"pcie_balance": False},
+             "no-recheck": {"pcie_recheck": False}}
+# A/Bs whose decision is taken, their old paths gone from the runtime (bench/NOTES.md): the CPU part as before
+# kernels.cold_layer, cold_layer after a CUDA event wait, the CPU adding up its threads' partial sums
+REMOVED_AB = ("split-cold", "event-wait", "cpu-sum")
+
 
 def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
     """One of our systems built and warmed up; returns (runtime, build seconds)."""
+    from dataclasses import replace
+
     from hotneurons.runtime.balance import TUNING_TOKENS
     from hotneurons.runtime.generate import build_runtime, generate
-    from hotneurons.runtime.layout import HybridFFN
 
+    if name.endswith(REMOVED_AB):
+        raise ValueError(f"{name}: that A/B was decided and its old path removed from the runtime (bench/NOTES.md)")
+    for suffix, fields in AB_FIELDS.items():
+        if name.endswith(suffix):
+            cfg = replace(cfg, **fields)
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()
-    HybridFFN.sum_on_device = not name.endswith("cpu-sum")  # an A/B of the GPU adding up the partial sums; read
-    try:                                                     # when the host buffers are made, in the build
-        rt = build_runtime(lm, cfg, placement, preds)
-    finally:
-        HybridFFN.sum_on_device = True
+    rt = build_runtime(lm, cfg, placement, preds)
     build_s = time.perf_counter() - t0
-    if name.endswith("no-prelaunch") and rt.fast is not None:  # an A/B of runtime/fast.py's prelaunched graphs
-        rt.fast.prelaunch = False
-    if name.endswith("no-balance") and rt.pcie_balance is not None:  # an A/B of the share's balancing rounds
-        rt.pcie_balance = rt.fast.timing = None
-    if name.endswith("no-recheck") and rt.pcie_balance is not None:  # an A/B of their re-checks
-        rt.pcie_balance.recheck = False
-    if name.endswith("split-cold") and rt.fast is not None:  # an A/B of kernels.cold_layer
-        split_cold(rt)
-    if name.endswith("event-wait") and rt.fast is not None:  # an A/B of its wait for the GPU's ready signal
-        event_wait(rt)
     # warm-up: Numba, CUDA kernels, pinned buffers, and the calibration that sets the GPU's share of the cold rows
     generate(rt, prompt, TUNING_TOKENS + 4, stop_at_eos=False)
     return rt, build_s
-
-
-def split_cold(rt) -> None:
-    """Each layer's CPU part as it ran before kernels.cold_layer (commit 53c5b17), for an A/B in rounds: the host waits
-    for the layer's CUDA event, then Python runs the mask -> indices and the kernel as two Numba calls and releases
-    the flag. For the bench's configuration: predictor masks, cold rows in every layer, CUDA."""
-    from hotneurons.runtime.kernels import bit_indices, ffn_rows
-
-    fast = rt.fast
-    for f in rt.ffns:
-        def cold_rows(x, flags=None, i=-1, f=f):
-            io = f._io
-            if flags is not None:
-                fast._graphs[i][1].synchronize()  # recorded after the ready signal, which has landed then
-                flags.ready[i] = 0
-            idx = io["idx"][:bit_indices(io["m_words"], f.n_cold, io["idx"])]
-            f.counts[0] += 1
-            f.cold_marks += (1, len(idx))
-            idx = idx[f.mapped_rows:]
-            ffn_rows(f.activation, io["x_np"], idx, f.cold, io["out_np"], io["part"])
-            if flags is not None:
-                flags.release(i)
-            return idx
-        f.cold_rows = cold_rows
-
-
-def event_wait(rt) -> None:
-    """kernels.cold_layer with the host waiting for each layer's CUDA event first (as before it), so that its own
-    wait for the ready signal ends at once: an A/B of that wait."""
-    fast = rt.fast
-    for f in rt.ffns:
-        def cold_rows(x, flags=None, i=-1, fused=f.cold_rows):
-            if flags is not None:
-                fast._graphs[i][1].synchronize()
-            return fused(x, flags, i)
-        f.cold_rows = cold_rows
 
 
 def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes: int | None,
@@ -201,30 +164,29 @@ def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[floa
     rotated each round), each a short generation once set (its graphs are captured again), then a timed one. The
     balancing's re-checks are off meanwhile; the balanced share is set again at the end. Whether the balancing lands
     where decode is fastest: the per-round tok/s and median-step ratios of each share to the balanced one."""
-    from hotneurons.runtime.balance import _set_mapped_rows
+    from dataclasses import replace
+
+    from hotneurons.runtime.balance import set_pcie_share
     from hotneurons.runtime.generate import generate
 
-    balanced, b = rt.pcie_share, rt.pcie_balance
-    recheck = b.recheck if b is not None else None
+    balanced, cfg = rt.pcie_share, rt.cfg
     points = {"balanced": balanced, **{f"{x:g}": x for x in shares}}
     names = list(points)
     rates: dict = {k: [] for k in names}
     steps: dict = {k: [] for k in names}
-    if b is not None:
-        b.recheck = False
+    rt.cfg = replace(cfg, pcie_recheck=False)
     try:
         for r in range(reps):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                _set_mapped_rows(rt, points[name])
+                set_pcie_share(rt, points[name])
                 generate(rt, prompt, 4, stop_at_eos=False)  # captures the graphs at this share
                 st = generate(rt, prompt, tokens, stop_at_eos=False).stats
                 rates[name].append(st["decode_tokens_per_s"])
                 steps[name].append(st["decode_step_ms_median"])
             print("share sweep round", r + 1, {k: round(v[-1], 2) for k, v in rates.items()}, flush=True)
     finally:
-        _set_mapped_rows(rt, balanced)
-        if b is not None:
-            b.recheck = recheck
+        set_pcie_share(rt, balanced)
+        rt.cfg = cfg
     return {"shares": points, "reps": reps, "tokens": tokens, "decode_tokens_per_s_reps": rates,
             "decode_step_ms_median_reps": steps, **round_ratios(rates, steps, "balanced")}
 

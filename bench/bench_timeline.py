@@ -48,24 +48,20 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     from hotneurons.runtime.kernels import ffn_rows
 
     calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
-    before = [f.__dict__.get("cold_rows") for f in rt.ffns]  # an A/B's own cold part (bench_systems.split_cold)
     for i, f in enumerate(rt.ffns):
         def record(x, flags=None, layer=-1, i=i, f=f, cold_rows=f.cold_rows):
             while flags is not None and flags.ready[layer] == 0:  # the GPU's part, outside the timed call
                 pass
             t = time.perf_counter()
             idx = cold_rows(x, flags, layer)
-            calls.append((i, f, idx.copy(), f._io["x_np"].copy(), 1e3 * (time.perf_counter() - t)))
+            calls.append((i, f, idx.copy(), f.io.x_np.copy(), 1e3 * (time.perf_counter() - t)))
             return idx
         f.cold_rows = record
     try:
         generate(rt, prompt, tokens, stop_at_eos=False)
     finally:
-        for f, c in zip(rt.ffns, before):  # the class's method again, or the A/B's
-            if c is None:
-                del f.cold_rows
-            else:
-                f.cold_rows = c
+        for f in rt.ffns:  # the class's method again
+            del f.cold_rows
     fast = rt.fast
 
     def spin(i: int) -> None:
@@ -73,7 +69,7 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
 
     def gpu(i: int) -> None:
         fast.replay_alone(i)
-        fast._graphs[i][1].synchronize()
+        fast.wait_pre(i)
 
     def run(before=None) -> np.ndarray:  # (calls,) ms
         ms = []
@@ -81,7 +77,7 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
             if before is not None:
                 before(i)
             t = time.perf_counter()
-            ffn_rows(f.activation, x, idx, f.cold, f._io["out_np"], f._io["part"])
+            ffn_rows(f.activation, x, idx, f.cold, f.io.out, f.io.part)
             ms.append(1e3 * (time.perf_counter() - t))
         torch.cuda.synchronize()
         return np.array(ms)
@@ -127,7 +123,7 @@ def graph_times(fast, reps: int = 20) -> dict:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            fast._pre(0)
+            fast.pre(0)
         torch.cuda.synchronize()
     table = prof.key_averages()
     for key in ("device_time_total", "cuda_time_total"):  # the name differs across torch versions
@@ -143,7 +139,7 @@ def graph_times(fast, reps: int = 20) -> dict:
 def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
     """ms per token of all layers' predictor masks, for the 'predictor <= 5% of decode' goal. On CUDA, as the runtime
     runs them: replayed inside a CUDA graph (GPU time, no launch cost); `ms_per_token_eager` adds the launches. With
-    `rt` (a hybrid runtime on the static decoder), each layer's predictor through the decoder's op (fast.Ops.predict:
+    `rt` (a hybrid runtime on the static decoder), each layer's predictor through the decoder's op (ops.Ops.predict:
     the GEMVs, the firing counts and the cold masks for the device and the host, into scratch copies and the host
     buffer that each step rewrites), as its `pre` runs them; else Predictor.mask alone."""
     x = torch.randn(d, device=device, dtype=torch.float16)
@@ -157,11 +153,11 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
             for p in layers:
                 p.mask(x)
     else:  # the runtime's predictors through its op; its counts and device masks left as they are
-        scratch = [(f, torch.zeros_like(f._fired), f._io["m_dev"].clone()) for f in rt.ffns if f.mask == "predictor"]
+        scratch = [(f, torch.zeros_like(f.fired), f.io.mask_dev.clone()) for f in rt.ffns if f.mask == "predictor"]
 
         def masks() -> None:
             for f, fired, m_dev in scratch:
-                f._decide(x, ops.predict, fired, m_dev)
+                f.decide(x, ops.predict, fired, m_dev)
 
     def timed(run) -> float:
         if device == "cuda":
@@ -178,7 +174,7 @@ def predictor_time(preds, d: int, device: str, reps: int = 50, rt=None) -> dict:
            "what": f"the decoder's predict op ({rt.fast.ops_name} ops)" if ops is not None
            else "Predictor.mask"}
     if device == "cuda":
-        from hotneurons.runtime.layout import warm_up
+        from hotneurons.runtime.cuda import warm_up
 
         graph = torch.cuda.CUDAGraph()
         warm_up(x.device, masks, times=1)

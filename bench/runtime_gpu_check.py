@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hotneurons.bench import bench_ceilings, record, tests_module  # noqa: E402
 from hotneurons.bench import bench_model as bm  # noqa: E402
-from hotneurons.runtime.fast import cache_bytes  # noqa: E402
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
-from hotneurons.runtime.layout import Placement  # noqa: E402
+from hotneurons.runtime.placement import Placement  # noqa: E402
+from hotneurons.runtime.static_decoder import cache_bytes  # noqa: E402
 
 tiny = tests_module("tiny")  # tiny random models of every family (tests/tiny.py)
 DEV = "cuda"
@@ -153,20 +153,69 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
     return res
 
 
+class FFNTimeline:
+    """A HybridFFN.probe: per decode call of an FFN, ms from its start (a common zero for the host clock and CUDA
+    events: the GPU is synced first), the CPU kernel's interval and the GPU hot part's, their overlap, the FFN wall,
+    and the cold rows the CPU computed."""
+
+    def __init__(self):
+        self.rows: dict[int, list[dict]] = {}  # per layer, one row a call
+        self._t: dict[str, float] = {}  # host clock at each mark, s
+        self._ev: dict[str, torch.cuda.Event] = {}  # CUDA events at the marks
+        self._marked = 0.0  # the FFN's marked cold neurons at cpu_start
+
+    def __call__(self, f, mark: str) -> None:
+        cuda = f.fired.device.type == "cuda"
+        if mark == "start":
+            self._t, self._ev = {}, {}
+            if cuda:
+                self._ev[mark] = torch.cuda.Event(enable_timing=True)
+                self._ev[mark].record()
+                self._ev[mark].synchronize()
+        elif mark in ("hot_start", "hot_end") and cuda:
+            self._ev[mark] = torch.cuda.Event(enable_timing=True)
+            self._ev[mark].record()
+        elif mark == "cpu_start":
+            self._marked = f.cold_marks[1]
+        elif mark == "end" and cuda:
+            torch.cuda.synchronize(f.fired.device)
+        self._t[mark] = time.perf_counter()
+        if mark == "end":
+            self.rows.setdefault(f.layer, []).append(self._row(f))
+
+    def _row(self, f) -> dict:
+        t, ev = self._t, self._ev
+        ms = {k: 1e3 * (v - t["start"]) for k, v in t.items()}
+        # the CPU's rows: the token's marked cold neurons less the device's share of them (mapped_rows)
+        active = max(0, int(f.cold_marks[1] - self._marked) - f.mapped_rows) if f.n_cold else 0
+        row = {"layer": f.layer, "active_cold": active, "cpu_start_ms": ms["cpu_start"], "cpu_end_ms": ms["cpu_end"],
+               "ffn_ms": ms["end"], "gpu_hot_start_ms": None, "gpu_hot_end_ms": None, "overlap_ms": 0.0}
+        if "hot_end" in ev:
+            row["gpu_hot_start_ms"] = ev["start"].elapsed_time(ev["hot_start"])
+            row["gpu_hot_end_ms"] = ev["start"].elapsed_time(ev["hot_end"])
+            row["overlap_ms"] = max(0.0, min(row["cpu_end_ms"], row["gpu_hot_end_ms"])
+                                    - max(row["cpu_start_ms"], row["gpu_hot_start_ms"]))
+        return row
+
+
 def timing(rt, prompt, tokens: int) -> dict:
     """Per layer, mean over decode tokens, in ms from the FFN's start: when the CPU kernel starts (after the predictor
     and the copy of x and the mask) and ends, when the GPU hot part runs (CUDA events), their overlap, the FFN wall.
 
     Timing syncs the GPU at the start and end of each FFN (a common zero for both clocks), so this pass is slower
     than the plain run; `timeline` is one token's layers, for a figure."""
+    probe = FFNTimeline()
     for f in rt.ffns:
-        f.timing = []
-    generate(rt, prompt, tokens, stop_at_eos=False)
+        f.probe = probe  # generate decodes through HF's layers while a probe is set
+    try:
+        generate(rt, prompt, tokens, stop_at_eos=False)
+    finally:
+        for f in rt.ffns:
+            f.probe = None
     keys = ("active_cold", "cpu_start_ms", "cpu_end_ms", "gpu_hot_start_ms", "gpu_hot_end_ms", "overlap_ms", "ffn_ms")
     rows, timeline = [], []
     for f in rt.ffns:
-        t = f.timing[1:]  # the prefill is dense and not recorded; drop the first decode step
-        f.timing = None
+        t = probe.rows.get(f.layer, [])[1:]  # the prefill is dense and not recorded; drop the first decode step
         if not t:
             continue
         row = {"layer": f.layer, **{k: float(np.mean([np.nan if r[k] is None else r[k] for r in t])) for k in keys}}
