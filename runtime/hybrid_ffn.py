@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numba
 import numpy as np
 import torch
-from hotneurons.profiler.hooks import active_mask
+from hotneurons.common.ffn import active_mask
 from hotneurons.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.kernels import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, mask_bytes, wait_ready

@@ -21,7 +21,7 @@ class Placement:
     @classmethod
     def from_run(cls, run_dir: str | Path, model_info: dict) -> Placement:
         """RUN/placement/placement.parquet (refuses a placement made for another model)."""
-        from hotneurons.predictors.evaluate import read_placement
+        from hotneurons.common.placement import read_placement
 
         masks = read_placement(Path(run_dir), model_info, model_info["n_layers"])  # {layer: (n_neurons,) bool}
         return cls(tuple(masks[i].numpy() for i in range(model_info["n_layers"])))
