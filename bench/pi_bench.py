@@ -237,7 +237,7 @@ def place(args, run: Path, hw, budget: int) -> dict:
         s = topk_placement(run, budget, args)
         kind = f"top-k by frequency, same FFN budget (solver unavailable: {missing})"
     df = pd.read_parquet(run / "placement" / "placement.parquet")
-    return {"kind": kind, "seconds": time.perf_counter() - t0, "summary": s,
+    return {"kind": kind, "seconds": time.perf_counter() - t0, "summary": s.to_dict() if hasattr(s, "to_dict") else s,
             "gpu_neuron_share": float(df.gpu.mean())}
 
 
