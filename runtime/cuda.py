@@ -42,15 +42,6 @@ def capture(device: torch.device, pieces: Sequence[Callable[[], Any]], keep: Seq
     return graphs, outputs
 
 
-def external_events() -> bool:
-    """Whether this torch records events inside a graph that the host can wait for (torch.cuda.Event(external=True))."""
-    try:
-        torch.cuda.Event(external=True)
-    except TypeError:
-        return False
-    return True
-
-
 class HostFlags:
     """Flags in pinned host memory, both ways between the CPU and captured graphs. `wait(i)`, recorded into a graph,
     holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. `signal(i)`,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from hotneurons.runtime.cuda import HostFlags, capture, external_events
+from hotneurons.runtime.cuda import HostFlags, capture
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.offload import OnCPUEmbedding
 from hotneurons.runtime.ops import Ops, rms_eps, rms_norm
@@ -237,8 +237,11 @@ class StaticDecoder:
             # all 0 after a whole step (each graph resets the flag it waited for), so a new capture reuses them
             self.flags = self.flags or HostFlags.open(len(self.layers), self.device)
         self.prelaunch = prelaunch = self.allow_prelaunch and self.flags is not None
-        L, external = len(self.layers), external_events()
-        done = [torch.cuda.Event(external=True) if external else torch.cuda.Event() for _ in self.layers]
+        L = len(self.layers)
+        try:  # events recorded inside a graph that the host waits for: pre and hot in one graph
+            done, external = [torch.cuda.Event(external=True) for _ in self.layers], True
+        except TypeError:  # torch without them: recorded between two graphs' launches
+            done, external = [torch.cuda.Event() for _ in self.layers], False
 
         def wait_for_flag(i: int) -> None:  # the first node of layer i's graph (i == L: the final one)
             if prelaunch and i > 0:

@@ -455,6 +455,21 @@ def test_predictor_that_fires_everywhere_equals_hf(tiny_model_dir):
     assert g.stats["mode"] == "hybrid" and g.stats["ffn_sparsity"] == 0.0
 
 
+def test_ffn_probe_sees_each_decode_call_in_order(tiny_model_dir):
+    """HybridFFN.probe (bench timelines): called at each decode call's marks in order, layer by layer; generate
+    decodes through HF's layers while one is set (the static decoder calls no marks), with the same tokens."""
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    rt = build_runtime(lm, RuntimeConfig(device="cpu"), make_placement(lm, "mixed"), always_on_predictors(lm, -1e30))
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    plain = generate(rt, ids, NEW)
+    seen = []
+    for f in rt.ffns:
+        f.probe = lambda f, mark: seen.append((f.layer, mark))
+    assert generate(rt, ids, NEW).token_ids == plain.token_ids
+    marks = ("start", "cpu_start", "cpu_end", "end")  # on the CPU: no marks around a GPU hot part
+    assert seen == [(f.layer, m) for _ in range(NEW - 1) for f in rt.ffns for m in marks]
+
+
 def test_build_runtime_leaves_the_callers_predictors_alone(tiny_model_dir):
     """Module.to moves in place: a runtime must take copies, or building a second one (another dtype or device)
     would move the weights that the first one's CUDA graphs read."""
@@ -666,6 +681,21 @@ def test_recheck_leaves_another_timeline_alone(monkeypatch):
     m.fast.timing = None
     m.run(B.BALANCE_TOKENS + 2)
     assert m.rt.pcie_balance.rounds[-1]["recheck"]
+
+
+def test_share_recheck_off_keeps_the_first_series_share(monkeypatch):
+    """RuntimeConfig.pcie_recheck=False (a bench A/B): after the first series of rounds the share stays and the host
+    clock stays off, although the CPU's rate has since halved."""
+    import hotneurons.runtime.balance as B
+
+    monkeypatch.setattr(B, "RECHECK_TOKENS", 16)
+    m = SimulatedMachine(0.14, 1000.0, 1300.0, 0.43, 1.0, 0.1)
+    m.rt.cfg = RuntimeConfig(pcie_recheck=False)
+    m.run(B.TUNING_TOKENS)
+    kept, rounds = m.ffns[0].mapped_rows, len(m.rt.pcie_balance.rounds)
+    m.cpu_rate = 650.0
+    m.run(B.RECHECK_TOKENS + 2 * B.BALANCE_TOKENS)
+    assert m.ffns[0].mapped_rows == kept and len(m.rt.pcie_balance.rounds) == rounds and m.fast.timing is None
 
 
 def test_next_share_from_overruns_lands_on_the_balance():
