@@ -259,7 +259,7 @@ def baselines_lines(res: dict) -> list[str]:
                          f" ({c['paired_rounds']} rounds) | {_fmt(c['paired_over_standalone'])} | {check} |")
     f = res.get("fairness") or {}
     if f.get("alone_s"):
-        lines += ["", "CPU probe (a CPU-bound job on every core, seconds): alone " + ", ".join(
+        lines += ["", "CPU probe (a CPU-bound job on every core, seconds): " + ", ".join(
             f"{k.removesuffix('_s').replace('_', ' ')} {_fmt(v)}" for k, v in f.items()
             if k.endswith("_s") and v is not None) + "."]
     return lines

@@ -322,6 +322,7 @@ def stage_bench(args, work: Path, out: Path) -> dict:
         res = stage_ours(args, work)
     else:
         res = run_part(args, "ours", out, args.ours_time_limit + 120)
+    res["stage"] = "bench"
     systems, skipped = res.setdefault("systems", {}), res.setdefault("skipped", {})
     res["llama_cpp_ngl_at_budget"], res["llama_cpp_q8_0_ngl_at_budget"] = llama_ngl(args)
     if alone is not None:
@@ -373,7 +374,7 @@ def stage_accelerate(args, work: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - reported in the results
         row = {"error": f"{type(e).__name__}: {e}"}
     row["omp_wait_policy"] = OMP_WAIT_POLICY
-    return {"stage": "accelerate", "systems": {"accelerate offload": row}}
+    return {"stage": "part accelerate", "systems": {"accelerate offload": row}}
 
 
 def run_part(args, part: str, out: Path, timeout: float) -> dict:
@@ -391,7 +392,7 @@ def run_part(args, part: str, out: Path, timeout: float) -> dict:
         rc = "timeout"
     if not path.exists():
         return {"error": f"the {part} process ended ({rc}) before writing {path.name}"}
-    res = record.flat(record.read(path))
+    res = record.read(path)["figures"]  # the header is this process's
     if rc != 0:
         res.setdefault("partial", f"the {part} process ended ({rc}) before its end")
     return res
@@ -414,7 +415,7 @@ def stage_ours(args, work: Path) -> dict:
 
     dl = Deadline(args.ours_time_limit)
     skipped: dict = {}
-    res: dict = {"stage": "bench", "skipped": skipped}
+    res: dict = {"stage": "part ours" if args.part == "ours" else "bench", "skipped": skipped}
     cuda = args.device == "cuda"
     c = {"dram": ceil.dram_read_bw(args.dram_bytes)}
     if cuda:
