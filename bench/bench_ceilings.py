@@ -87,14 +87,15 @@ def dram_read_bw(nbytes: int, repeats: int = 5) -> dict:
     for chunks in (threads, 4 * threads):
         best = min(_timed(lambda: _sum_rows(a, chunks)) for _ in range(repeats))
         res[f"numba_reduction_{chunks}_strips"] = a.nbytes / best
-    # the cold kernel's pattern: on the H100 host 124-143 GB/s against 72-91 for the strips (bench/NOTES.md)
+    # the cold kernel's pattern; strips of one thread each read less than it (a per-core ceiling: docs/history.md)
     res["numba_gather_16KiB_rows_4_at_once"] = row_gather_bw(a, threads, repeats)
     res["numba_reduction_256KiB_blocks_shared"] = max(_blocks_bw(a, threads) for _ in range(repeats))
     parts = np.array_split(a, threads)
     with ThreadPoolExecutor(threads) as pool:
         best = min(_timed(lambda: list(pool.map(np.sum, parts))) for _ in range(repeats))
     res["numpy_sum_per_thread"] = a.nbytes / best
-    return {"bytes": int(a.nbytes), "threads": threads, "variants_bytes_per_s": res, "best_bytes_per_s": max(res.values()),
+    return {"bytes": int(a.nbytes), "threads": threads, "variants_bytes_per_s": res,
+            "best_bytes_per_s": max(res.values()),
             "best": max(res, key=res.get)}
 
 
@@ -116,7 +117,8 @@ def _timed(fn) -> float:
 
 
 def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
-    """PCIe H2D (hotneurons.common.hardware's measurement) and D2H, pinned; HBM device copy; small D2H+H2D round trip."""
+    """PCIe H2D (hotneurons.common.hardware's measurement) and D2H, pinned; HBM device copy;
+    small D2H+H2D round trip."""
     from hotneurons.common.hardware import _measure_cuda
 
     m = _measure_cuda()
@@ -154,7 +156,7 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
         e1.record()
         return e0, e1
 
-    gathers(8)[1].synchronize()  # the first reads of a mapping are slower (measured: 22 against 47 GB/s)
+    gathers(8)[1].synchronize()  # the first reads of a mapping are slower (about half the rate)
     e0, e1 = gathers(8)
     e1.synchronize()
     alone = 8 * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
@@ -170,7 +172,8 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
     zc_during = reps * rows * row_bytes / (e0.elapsed_time(e1) / 1e3)
     dram_during = float(np.median(during)) if during else float("nan")
     return {"row_bytes": row_bytes, "rows_per_call": rows, "cpu_pattern": "row_gather",
-            "zero_copy_alone_bytes_per_s": alone, "dram_alone_bytes_per_s": dram_alone, "zero_copy_during_dram_bytes_per_s": zc_during,
+            "zero_copy_alone_bytes_per_s": alone, "dram_alone_bytes_per_s": dram_alone,
+            "zero_copy_during_dram_bytes_per_s": zc_during,
             "dram_during_zero_copy_bytes_per_s": dram_during, "reductions_during": len(during),
             "extra_bytes_per_s": max(0.0, zc_during + dram_during - dram_alone)}
 
@@ -186,9 +189,9 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
 
     As in decode, where the other layers' calls run between two calls of one layer, the rows are laid out `windows`
     times over (copies, as if of that many layers) and the timed calls take the windows in turn, each with a new set:
-    between two calls on one window, windows - 1 calls read other rows (7 x 70 MB at 5% of a 70B layer, against the
-    H100 host's 300 MiB L3), while the kernel's code and small buffers stay cached as they do in decode. (Reading
-    2 GiB of other memory before each call instead also evicts those: 0.05-0.1 ms more a call, bench/NOTES.md.)
+    between two calls on one window, windows - 1 calls read other rows (7 x 70 MB at 5% of a 70B layer, more than a
+    large L3 holds), while the kernel's code and small buffers stay cached as they do in decode. (Reading 2 GiB of
+    other memory before each call instead also evicts those, which decode does not.)
 
     gap_ms: the main thread spins this long before each timed call (untimed), as it waits for `pre` in decode."""
     from hotneurons.runtime.cold_rows import ColdRows
@@ -283,7 +286,8 @@ def floor_from_hybrid(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes
     return {**f, "inputs": {"hbm_bytes_per_s": hbm, "dram_bytes_per_s": dram, "pcie_extra_bytes_per_s": extra,
                             "sync_s": sync,
                             "layers": rows, "lm_head_bytes": vocab * d * 2,
-                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer (serial: all but the hot rows); "
+                            "note": "GPU bytes: attention + norms + hot FFN rows + predictor per layer "
+                             "(serial: all but the hot rows); "
                                     "LM head once"}}
 
 
@@ -325,8 +329,8 @@ def floor_bound(hybrid: dict, c: dict, shape: str, layers: int, pred_bytes: int,
 def add_floors(res: dict, c: dict, shape: str, layers: int, pred_bytes: int) -> None:
     """The kernel rows' shares of the DRAM ceiling and the floors of hybrid and hybrid-int8 (res["systems"]), into res.
 
-    A ceiling below what the cold kernel itself read in the same run is no ceiling (on one machine the row gather read
-    117.7 GB/s and the kernel 124.3): the DRAM ceiling is then the kernel's best rate, here and in the floors from the
+    A ceiling below what the cold kernel itself read in the same run is no ceiling (the row gather can read less than
+    the kernel on some machines): the DRAM ceiling is then the kernel's best rate, here and in the floors from the
     ceiling measured around each generation, so that a low reading of the gather cannot lift a share over a goal."""
     systems = res["systems"]
     kernel_best = max((r["bytes_per_s"] for key in ("kernel", "kernel_int8") for r in res.get(key, {}).get("rows", [])),

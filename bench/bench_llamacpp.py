@@ -25,7 +25,8 @@ CARRY = ROOT / ".llamacpp"  # carried to the GPU machine: llama.cpp.tar.gz
 TARBALL = CARRY / "llama.cpp.tar.gz"
 WHEELS = ROOT / ".whl"  # carried too: the wheels of the packages a GPU image may lack
 DROP = {"models", "docs", "tests", "examples", ".github", "media", "ui", "pocs", ".devops", "benches", "app", "ci"}
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
 WHEEL_NAMES = ("pulp", "highspy", "gguf")  # the solver's packages and the GGUF writer
 

@@ -47,7 +47,8 @@ def goals(res: dict) -> dict:
     llama8 = _rate(s, split8) if split8 else None
     floor8 = (res.get("floor_int8") or {}).get("tokens_per_s")
     kern8 = (res.get("kernel_int8") or {}).get("rows") or []
-    paired = {label: m["hybrid"] for label, m in ((res.get("interleaved") or {}).get("median_ratio_to_others") or {}).items()
+    paired = {label: m["hybrid"]
+              for label, m in ((res.get("interleaved") or {}).get("median_ratio_to_others") or {}).items()
               if label.startswith(SPLIT) and "hybrid" in m}  # hybrid / llama-bench, each round's pair
 
     def ratio(a, b):
@@ -55,11 +56,13 @@ def goals(res: dict) -> dict:
 
     eight_bit = {} if not (hybrid8 or kern8) else {
         "hybrid_int8_vs_llamacpp_q8_0_layer_split": _goal(
-            ratio(hybrid8, llama8), 20, True, f"8-bit option: hybrid-int8 tok/s / {split8 or 'llama.cpp Q8_0 -ngl'} tok/s"),
+            ratio(hybrid8, llama8), 20, True, f"8-bit option: hybrid-int8 "
+            f"tok/s / {split8 or 'llama.cpp Q8_0 -ngl'} tok/s"),
         "hybrid_int8_share_of_int8_floor": _goal(ratio(hybrid8, floor8), 0.70, True,
                                                  "8-bit option: hybrid-int8 tok/s / its floor tok/s"),
         "cpu_kernel_int8_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern8) if kern8 else None, 0.80,
-                                                  True, "8-bit option: int8 cold-row kernel bytes/s / DRAM read bytes/s, "
+                                                  True, "8-bit option: int8 cold-row kernel bytes/s / "
+                                                  "DRAM read bytes/s, "
                                                         "worst of 5/10/20% density"),
     }
     return {
@@ -69,8 +72,10 @@ def goals(res: dict) -> dict:
             v, 20, True, f"hybrid tok/s / {label} tok/s, each round's pair (llama-bench run after each round of "
                          f"--interleave), median of the rounds") for label, v in paired.items()},
         "bound_serial_floor_vs_llamacpp_layer_split": _goal(
-            ratio(serial, llama), 20, True, f"bound on the first goal: serial floor tok/s / {split or 'llama.cpp -ngl'} "
-                                            "tok/s (no runtime that runs a layer's attention before its FFN can pass it)"),
+            ratio(serial, llama), 20, True, f"bound on the first goal: "
+            f"serial floor tok/s / {split or 'llama.cpp -ngl'} "
+                                            "tok/s (no runtime that runs a layer's attention "
+                                            "before its FFN can pass it)"),
         "hybrid_vs_accelerate_offload": _goal(ratio(hybrid, acc), 100, True,
                                               "hybrid tok/s / accelerate device_map offload tok/s"),
         "hybrid_share_of_floor": _goal(ratio(hybrid, floor_tps), 0.70, True, "hybrid tok/s / floor tok/s"),
@@ -88,7 +93,8 @@ def goals(res: dict) -> dict:
         "cpu_kernel_share_of_dram_bw": _goal(min(r["share_of_dram_bw"] for r in kern) if kern else None, 0.80, True,
                                              "cold-row kernel bytes/s / DRAM read bytes/s, worst of 5/10/20% density"),
         "predictor_share_of_decode": _goal(pred * hybrid / 1e3 if pred and hybrid else None, 0.05, False,
-                                           "predictor ms per token (alone, in a CUDA graph as the runtime runs it) / hybrid ms per token"),
+                                           "predictor ms per token (alone, in a CUDA graph as the runtime runs it) "
+                                            "/ hybrid ms per token"),
         **eight_bit,
     }
 
@@ -118,7 +124,8 @@ def markdown(res: dict) -> str:
     split = _split_name(s)
     llama = _rate(s, split) if split else None
     mach = res.get("machine", {})
-    lines = [f"pi-bench, {res.get('machine_kind') or ''} ({mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores), commit {res.get('commit')}, "
+    lines = [f"pi-bench, {res.get('machine_kind') or ''} ({mach.get('gpu') or 'CPU only'}, {mach.get('nproc')} cores), "
+             f"commit {res.get('commit')}, "
              f"{res.get('created', '')}: "
              f"{m.get('shape')} shapes, {m.get('layers')} layers, {m.get('bytes', {}).get('total', 0) / 1e9:.1f} GB "
              f"fp16, RANDOM weights with calibrated power-law firing, exact predictors of trained size; GPU budget "
@@ -151,7 +158,8 @@ def markdown(res: dict) -> str:
         around = (res.get("floor_around_run") or {}).get("tokens_per_s")
         if around:
             d = res["floor_around_run"]["inputs"]["dram_bytes_per_s"]
-            lines.append(f"| floor, DRAM ceiling measured around the hybrid run ({d / 1e9:.1f} GB/s) | {_fmt(around)} | "
+            lines.append(f"| floor, DRAM ceiling measured around the hybrid run ({d / 1e9:.1f} GB/s) "
+                         f"| {_fmt(around)} | "
                          f"{_fmt(around / llama if llama else None)} | {_fmt(around / floor_tps)} | |")
         only = (res.get("floor_dram_only") or {}).get("tokens_per_s")
         if only and only != floor_tps:
@@ -175,11 +183,13 @@ def markdown(res: dict) -> str:
     if c:
         parts = [f"DRAM read {c['dram']['best_bytes_per_s'] / 1e9:.1f} GB/s ({c['dram']['best']})"]
         if "hbm_bytes_per_s" in c:
-            parts += [f"HBM {c['hbm_bytes_per_s'] / 1e9:,.0f} GB/s", f"PCIe H2D {c['pcie_h2d_bytes_per_s'] / 1e9:.1f} / "
+            parts += [f"HBM {c['hbm_bytes_per_s'] / 1e9:,.0f} GB/s",
+                      f"PCIe H2D {c['pcie_h2d_bytes_per_s'] / 1e9:.1f} / "
                       f"D2H {c['pcie_d2h_bytes_per_s'] / 1e9:.1f} GB/s", f"sync {c['sync_round_trip_s'] * 1e6:.0f} us"]
         z = c.get("zero_copy") or {}
         if "extra_bytes_per_s" in z:
-            parts.append(f"GPU reading page-locked host rows in place {z['zero_copy_alone_bytes_per_s'] / 1e9:.1f} GB/s "
+            parts.append(f"GPU reading page-locked host rows in place "
+                         f"{z['zero_copy_alone_bytes_per_s'] / 1e9:.1f} GB/s "
                          f"alone, {z['zero_copy_during_dram_bytes_per_s'] / 1e9:.1f} while the CPU's "
                          f"{'row gather' if z.get('cpu_pattern') == 'row_gather' else 'DRAM reduction'} "
                          f"read {z['dram_during_zero_copy_bytes_per_s'] / 1e9:.1f} (alone "
@@ -190,7 +200,8 @@ def markdown(res: dict) -> str:
         k = res.get(key)
         if k:
             order = f", {k['windows']} copies of the layer taken in turn" if k.get("windows") else ""
-            lines.append(f"CPU cold-row kernel (ReGLU, {rows} rows, {k.get('threads', '?')} threads{order}): " + ", ".join(
+            lines.append(f"CPU cold-row kernel (ReGLU, {rows} rows, "
+                         f"{k.get('threads', '?')} threads{order}): " + ", ".join(
                 f"{100 * r['density']:.0f}% rows {r['bytes_per_s'] / 1e9:.1f} GB/s ({100 * r['share_of_dram_bw']:.0f}% "
                 f"of DRAM)" for r in k["rows"]) + ".")
     for name in ("hybrid", "hybrid-int8"):
@@ -321,7 +332,8 @@ def write_results(inputs: list[Path], folder: Path, kind: str | None = None, com
     commit = commit if commit and res.get("commit") in (None, "unknown") else res.get("commit")
     figures = {k: v for k, v in res.items() if k not in record.HEADER}
     rec = record.make(figures, machine_info=res.get("machine") or {}, kind=kind, commit=commit or "unknown",
-                      command=res.get("command") or "", created=res.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S"))
+                      command=res.get("command") or "",
+                      created=res.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S"))
     stem = folder / f"{rec['created'][:10]}-{kind}-pi-bench"
     record.write(stem.with_suffix(".json"), rec)
     md = markdown(record.flat(rec))

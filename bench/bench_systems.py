@@ -14,7 +14,7 @@ from hotneurons.bench import bench_timeline as tl
 # pi_bench systems named hybrid-...-SUFFIX: the RuntimeConfig fields of each A/B
 AB_FIELDS = {"no-prelaunch": {"prelaunch": False}, "no-balance": {"pcie_balance": False},
              "no-recheck": {"pcie_recheck": False}}
-# A/Bs whose decision is taken, their old paths gone from the runtime (bench/NOTES.md): the CPU part as before
+# A/Bs whose decision is taken, their old paths gone from the runtime (docs/history.md): the CPU part as before
 # kernels.cold_layer, cold_layer after a CUDA event wait, the CPU adding up its threads' partial sums
 REMOVED_AB = ("split-cold", "event-wait", "cpu-sum")
 
@@ -27,7 +27,7 @@ def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
     from hotneurons.runtime.generate import build_runtime, generate
 
     if name.endswith(REMOVED_AB):
-        raise ValueError(f"{name}: that A/B was decided and its old path removed from the runtime (bench/NOTES.md)")
+        raise ValueError(f"{name}: that A/B was decided and its old path removed from the runtime (docs/history.md)")
     for suffix, fields in AB_FIELDS.items():
         if name.endswith(suffix):
             cfg = replace(cfg, **fields)
@@ -44,7 +44,7 @@ def timed_ours(rts: dict, prompt: list[int], tokens: int, reps: int, dram_bytes:
                after_round=None) -> dict:
     """`reps` rounds of one timed generation of each runtime in `rts` (the order rotated each round, so that none is
     always first); with `dram_bytes`, the DRAM read ceiling before the first round and after each generation (the
-    VMs' bandwidth drifts within minutes: bench/NOTES.md); `after_round(out)` after each round, with the results so
+    machine's bandwidth drifts within minutes); `after_round(out)` after each round, with the results so
     far. Returns per name (generations, [(ceiling just before, just after)] for each)."""
     from hotneurons.runtime.generate import generate
 
@@ -159,7 +159,7 @@ def round_ratios(rates: dict, steps: dict, first: str) -> dict:
 
 
 def share_sweep(rt, prompt: list[int], tokens: int, reps: int, shares: list[float]) -> dict:
-    """hybrid's decode at fixed PCIe shares, in rounds within one runtime (the H100 host's RAM holds two runtimes of
+    """hybrid's decode at fixed PCIe shares, in rounds within one runtime (128 GiB of RAM holds two runtimes of
     the bench model side by side, not five): each round the balanced share and each of `shares` in turn (the order
     rotated each round), each a short generation once set (its graphs are captured again), then a timed one. The
     balancing's re-checks are off meanwhile; the balanced share is set again at the end. Whether the balancing lands

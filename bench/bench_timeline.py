@@ -23,14 +23,16 @@ def step_timeline(rt, prompt: list[int], tokens: int) -> dict:
     wait, cold, launch = mean("wait_pre_ms"), mean("cold_ms"), mean("launch_ms")
     return {**graph_times(rt.fast), "steps": len(steps), "step_ms": float(mean("step_ms")),
             "final_ms": float(mean("final_ms")),
-            "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()), "sum_launch_ms": float(launch.sum()),
+            "sum_wait_pre_ms": float(wait.sum()), "sum_cold_ms": float(cold.sum()),
+            "sum_launch_ms": float(launch.sum()),
             "wait_pre_ms": wait.tolist(), "launch_ms": launch.tolist(), "cold_ms": cold.tolist(),
             "graph_prelaunch": bool(rt.fast.prelaunch),
             "cold_replay": cold_replay(rt, prompt, tokens, float(wait.mean())),
             "note": "host clock; wait_pre: from the end of layer i-1's cold part until layer i's pre graph finished on "
                     "the GPU (it queues behind layer i-1's hot rows), of which launch: the CPU's graph launches before "
                     "the wait (prelaunched: layer i+1's, which overlap layer i's GPU work; else layer i's); cold: "
-                    "HybridFFN.cold_rows (one Numba call: the wait for the GPU's ready signal, mask -> indices, kernel; "
+                    "HybridFFN.cold_rows (one Numba call: the wait for the GPU's ready signal, "
+                    "mask -> indices, kernel; "
                     "with the host clock on, the wait is taken first, in wait_pre)"}
 
 

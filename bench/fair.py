@@ -23,7 +23,7 @@ import tempfile
 import time
 
 TOLERANCE = 0.10  # a paired baseline more than 10% off its standalone run is flagged
-OURS_ENV = "PI_BENCH_SET_ENV"  # the variables openmp_wait_policy set for our process (not the user): dropped for baselines
+OURS_ENV = "PI_BENCH_SET_ENV"  # the variables openmp_wait_policy set for us (not by the user): dropped for baselines
 BASELINE_PROCESS = "PI_BENCH_BASELINE"  # set in a baseline's environment: pi-bench run there keeps the user's settings
 
 # sh -c FREEZE freeze TIMEOUT CMD...: stop the calling process, run CMD under `timeout`, resume the caller on any exit.

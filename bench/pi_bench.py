@@ -103,8 +103,10 @@ def calibrated_model(args, work: Path) -> bm.BenchModel:
         model = bm.BenchModel(lm, args.shape, args.layers, targets, {**info, "reused_from": str(path)})
     else:
         model = bm.calibrate(lm, args.shape, args.calibration_tokens, seed=args.seed)
-        save_file({**{f"norm0.{i}": l.post_attention_layernorm.weight[0:1].detach().cpu().clone() for i, l in enumerate(lm.layers)},
-                   **{f"gate0.{i}": l.mlp.gate_proj.weight[:, 0].detach().cpu().contiguous() for i, l in enumerate(lm.layers)},
+        save_file({**{f"norm0.{i}": l.post_attention_layernorm.weight[0:1].detach().cpu().clone()
+                        for i, l in enumerate(lm.layers)},
+                   **{f"gate0.{i}": l.mlp.gate_proj.weight[:, 0].detach().cpu().contiguous()
+                        for i, l in enumerate(lm.layers)},
                    **{f"target.{i}": torch.from_numpy(p.astype(np.float32)) for i, p in enumerate(model.targets)}},
                   str(path))
         path.with_suffix(".json").write_text(json.dumps(model.calibration))
@@ -168,7 +170,8 @@ def profile(args, model: bm.BenchModel, run: Path) -> dict:
     return {"tokens": int(meta["tokens"]), "corpus": "synthetic: uniformly random token ids (a .txt of decimal ids)",
             "seconds": seconds, "per_layer": rows, "n_neurons": n,
             "mean_active": float(np.mean([r["mean_active"] for r in rows])),
-            "share_of_neurons_covering_80pct": float(np.mean([r["share_of_neurons_covering_80pct"] or 1 for r in rows])),
+            "share_of_neurons_covering_80pct": float(np.mean([r["share_of_neurons_covering_80pct"] or 1
+            for r in rows])),
             "top20pct_share": float(np.mean([r["top20pct_share"] for r in rows])), "freq": freq}
 
 
@@ -183,7 +186,8 @@ def write_predictors(args, run: Path, model: bm.BenchModel) -> dict:
     (run / "predictors").mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"kind": "exact (bench_model.exact_predictor: a trained predictor's size, logits = the gate pre-activations)",
+    return {"kind": "exact (bench_model.exact_predictor: a trained predictor's size, "
+                    "logits = the gate pre-activations)",
             "hidden": 2 * args.gate_rank + 2, "bytes": nbytes, "layers": preds,
             "agreement_with_gate": predictor_agreement(model, preds)}
 
@@ -462,10 +466,7 @@ def stage_ours(args, work: Path) -> dict:
             ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
             ("hybrid-compiled", C(vram=budget, ops="compile"), placement, P, args.tokens, args.reps),
             ("hybrid-torch-ops", C(vram=budget, ops="torch"), placement, P, args.tokens, args.reps),
-            ("hybrid-split-cold", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-event-wait", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-cpu-sum", C(vram=budget), placement, P, args.tokens, args.reps)]
+            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
     if "dense" in args.systems:
         plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
     plan = [p for p in plan if p[0] in args.systems]
@@ -557,29 +558,29 @@ def parse(argv=None):
     ap.add_argument("--embed-std", type=float, default=bm.EMBED_STD,
                     help="token embeddings' std (0.02: the bench model before, whose statistics moved with position)")
     ap.add_argument("--profile-tokens", type=int, default=4096)
-    ap.add_argument("--predictor-hidden", type=int, default=None, help="default d_model/8 (1024 at d=8192); sets the gate rank")
+    ap.add_argument("--predictor-hidden", type=int, default=None,
+                    help="default d_model/8 (1024 at d=8192); sets the gate rank")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens of the fast systems")
-    ap.add_argument("--reps", type=int, default=7, help="timed generations of each fast system (the median is reported)")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="timed generations of each fast system (the median is reported)")
     ap.add_argument("--slow-tokens", type=int, default=8, help="decode tokens of layer-split, dense, accelerate")
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--llama-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
-                    help="comma list; add 'dense' for cold-on-CPU dense at the budget, 'hybrid-no-prelaunch' for hybrid "
+                    help="comma list; add 'dense' for cold-on-CPU dense at the budget, "
+                         "'hybrid-no-prelaunch' for hybrid "
                          "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
                          "'hybrid-compiled' for hybrid with torch.compile on pre's small ops (RuntimeConfig.ops), "
                          "'hybrid-torch-ops' for hybrid with torch's kernels there instead of runtime/fused.py's, "
-                         "'hybrid-split-cold' for hybrid with each layer's CPU part as before kernels.cold_layer, "
-                         "'hybrid-event-wait' for hybrid with the host waiting for each layer's CUDA event before it, "
-                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life, "
-                         "'hybrid-cpu-sum' for hybrid with the CPU adding up its threads' partial sums of the cold "
-                         "rows (HybridFFN.sum_on_device off)")
+                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
     ap.add_argument("--pcie-share", type=float, default=None,
-                    help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system (default: "
+                    help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system "
+                         "(default: "
                          "measured, then balanced in decode; an A/B in rounds fixes it so that the balancing's spread "
                          "between two builds does not decide it)")
     ap.add_argument("--share-sweep", type=lambda v: [float(x) for x in v.split(",")], default=[],
@@ -588,14 +589,17 @@ def parse(argv=None):
     ap.add_argument("--interleave", action="store_true",
                     help="build the hybrid systems of --systems side by side and time them in rounds, one generation "
                          "of each a round (an A/B whose pairs share the machine's DRAM bandwidth of the moment); each "
-                         "holds its cold rows in RAM at once: at the 70B shape two bf16 hybrids fit in 128 GiB, three did not; "
-                         "with llama.cpp in --systems and built, llama-bench -ngl at the budget runs once after each round, "
+                         "holds its cold rows in RAM at once: at the 70B shape two bf16 hybrids fit in 128 GiB, "
+                         "three did not; "
+                         "with llama.cpp in --systems and built, llama-bench -ngl at the budget "
+                         "runs once after each round, "
                          "so that hybrid's ratio to it is paired too")
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")
     ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
-    ap.add_argument("--python-version", default=None, help="prepare: the device's Python for the wheels (default: this one)")
+    ap.add_argument("--python-version", default=None,
+                    help="prepare: the device's Python for the wheels (default: this one)")
     args = ap.parse_args(argv)
     bad = [v for v in args.share_sweep if not 0 <= v < 1]
     if bad:

@@ -71,7 +71,8 @@ def main(run_dir, layer, sizes, epoch_list, threads, out) -> None:
                        f"(test recall {f.test['recall']:.3f}, precision {f.test['precision']:.3f})")
     if out:
         record.write_flat(out, {
-            "what": "predicted FFN sparsity at recall 0.95 vs predictor hidden size, one layer (bench/predictor_capacity.py)",
+            "what": "predicted FFN sparsity at recall 0.95 vs predictor hidden size, one layer "
+                    "(bench/predictor_capacity.py)",
             "command": artifacts.command_line(), "machine": machine_info("numpy"), "run": str(run_dir),
             "layer": layer, "profile": {k: pmeta[k] for k in ("tokens", "rule", "target_sparsity")},
             "true_sparsity_test": rows[0]["test"]["true_sparsity"], "rows": rows})

@@ -94,7 +94,8 @@ def main(model, shape, layers, device, dtype, batches, batch_size, seq_len, out)
     steady = SampleReservoir(tmp / "steady", 16384, n_layers, d, n, seed=0)
     for arr in (*steady.x, *steady.mask):  # a full reservoir has its pages resident already
         arr[:] = 0
-    variants = {"count": (counter, None, 0), "count+samples:filling": (ActivationCounter(lm, taus, filling), filling, 0),
+    variants = {"count": (counter, None, 0),
+                "count+samples:filling": (ActivationCounter(lm, taus, filling), filling, 0),
                 "count+samples:steady": (ActivationCounter(lm, taus, steady), steady, 100_000)}
     for b, batch in enumerate(ids):
         t = {"plain": timed(lambda: forward(lm, batch))}

@@ -1,6 +1,7 @@
 """pi-generate decode speed on this machine's CPU: dense vs hybrid (predictors) on a run, e.g. `make demo`'s.
 
-Usage: python bench/runtime_cpu.py [--run runs/demo] [--tokens 64] [--reps 3] [--out bench/results/runtime_cpu_smollm2.json]
+Usage: python bench/runtime_cpu.py [--run runs/demo] [--tokens 64] [--reps 3]
+                          [--out bench/results/runtime_cpu_smollm2.json]
 Each mode: one warm-up generation, then `reps` greedy generations of `tokens` tokens from the same chat prompt;
 the median decode tok/s is reported with every rep and the measured FFN sparsity. Writes JSON with the machine.
 """

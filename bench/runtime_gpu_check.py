@@ -114,7 +114,8 @@ def speed(shape: str, n_layers: int, tokens: int, hot_share: float, reps: int = 
            "target_mean_active": float(np.mean([p.mean() for p in probs])), "predictor_hidden": 2 * rank + 2,
            "gpu_share_of_activations_expected": float(np.mean([p[g].sum() / p.sum() for p, g in zip(probs, gpu)])),
            "calibration": model.calibration,
-           "note": "random weights, calibrated power-law firing; hottest neurons on the GPU; exact predictors: speed only",
+           "note": "random weights, calibrated power-law firing; hottest neurons on the GPU; "
+                    "exact predictors: speed only",
            "modes": {}, "timing": None}
     C = functools.partial(RuntimeConfig, device=DEV, dtype="float16", ctx=ctx)
     runs = {"hybrid": C(vram=vram), "hybrid-eager": C(vram=vram, cuda_graphs=False),

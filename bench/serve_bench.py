@@ -1,6 +1,7 @@
 """pi-serve throughput and time to first token with concurrent streaming clients.
 
-    python bench/serve_bench.py                                   # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
+    python bench/serve_bench.py
+        # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
     python bench/serve_bench.py --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
 
 The script starts one real `pi-serve` per mode in subprocesses on free loopback ports, waits for /health and
@@ -130,7 +131,7 @@ def git_state() -> dict:
 
     # uncommitted changes to the runtime or the model loading would make the commit a wrong label
     return {"commit": git("rev-parse", "HEAD"),
-            "modified": git("status", "--porcelain", "runtime/", "powerinfer/").splitlines()}
+            "modified": git("status", "--porcelain", "runtime/", "common/").splitlines()}
 
 
 @click.command()

@@ -103,7 +103,8 @@ def main(out, naive, repeats):
         "what": "pi-solve on a synthetic LLaMA-70B-shaped profile (80 x 28672 neurons, group 64 = 35,840 groups); "
                 "counts are synthetic power-law, not measured",
         "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
-        "machine": machine_info("pulp", "highspy", "numpy"), "profile_generation_seconds": gen, "goal": "gap <= 0.1% within 10 s on 2 cores",
+        "machine": machine_info("pulp", "highspy", "numpy"), "profile_generation_seconds": gen,
+        "goal": "gap <= 0.1% within 10 s on 2 cores",
         "results": results, "naive_binary_per_group": naive_row,
     }
     record.write_flat(out, doc)

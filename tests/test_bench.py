@@ -312,26 +312,27 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     work = tmp_path / "work"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(tmp_path / "out"),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
-            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-split-cold,all-gpu,llama.cpp", "--interleave",
+            "--calibration-tokens", "256", "--systems", "hybrid,hybrid-no-recheck,all-gpu,llama.cpp", "--interleave",
             "--in-process"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")  # "built": the stand-in above runs instead
     (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
     res = pi_bench.main(["--stage", "bench", *argv])["bench"]
-    assert list(res["systems"])[:3] == ["hybrid", "hybrid-split-cold", "all-gpu"]
+    assert list(res["systems"])[:3] == ["hybrid", "hybrid-no-recheck", "all-gpu"]
     il = res["interleaved"]
-    assert il["systems"] == ["hybrid", "hybrid-split-cold"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
+    assert il["systems"] == ["hybrid", "hybrid-no-recheck"] and il["ratio_to"] == "hybrid" and il["reps"] == 3
     for name in il["systems"]:
         row = res["systems"][name]
         assert len(row["decode_tokens_per_s_reps"]) == 3 and len(row["dram_around_bytes_per_s"]["per_rep"]) == 3
         assert il["ratios_per_round"][name] == pytest.approx(
-            [a / b for a, b in zip(row["decode_tokens_per_s_reps"], res["systems"]["hybrid"]["decode_tokens_per_s_reps"])])
+            [a / b for a, b in zip(row["decode_tokens_per_s_reps"],
+            res["systems"]["hybrid"]["decode_tokens_per_s_reps"])])
     assert il["median_ratio"]["hybrid"] == 1.0 and il["rounds_above_1"]["hybrid"] == 0
     # the same ratios from each generation's median step
-    assert il["median_step_ratio"]["hybrid"] == 1.0 and len(il["step_ratios_per_round"]["hybrid-split-cold"]) == 3
-    assert all(r > 0 for r in il["step_ratios_per_round"]["hybrid-split-cold"])
-    steps = [res["systems"][k]["decode_step_ms_median_reps"] for k in ("hybrid", "hybrid-split-cold")]
-    assert il["step_ratios_per_round"]["hybrid-split-cold"] == pytest.approx([a / b for a, b in zip(*steps)])
+    assert il["median_step_ratio"]["hybrid"] == 1.0 and len(il["step_ratios_per_round"]["hybrid-no-recheck"]) == 3
+    assert all(r > 0 for r in il["step_ratios_per_round"]["hybrid-no-recheck"])
+    steps = [res["systems"][k]["decode_step_ms_median_reps"] for k in ("hybrid", "hybrid-no-recheck")]
+    assert il["step_ratios_per_round"]["hybrid-no-recheck"] == pytest.approx([a / b for a, b in zip(*steps)])
     assert "dram_around_bytes_per_s" not in res["systems"]["all-gpu"]  # timed on its own, as before
     # llama-bench once a round (one repetition each), then once more for each of its usual rows
     label = f"llama.cpp -ngl {res['llama_cpp_ngl_at_budget']}"
@@ -339,15 +340,17 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     assert [x.get("decode_tokens_per_s") for x in il["others"][label]] == [3.0, None, 5.0]
     hybrid = res["systems"]["hybrid"]["decode_tokens_per_s_reps"]
     assert il["median_ratio_to_others"][label]["hybrid"] == pytest.approx((hybrid[0] / 3.0 + hybrid[2] / 5.0) / 2)
-    assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] == il["median_ratio_to_others"][label]["hybrid"]
+    assert res["goals"]["hybrid_vs_llamacpp_layer_split_paired"]["value"] \
+        == il["median_ratio_to_others"][label]["hybrid"]
     # the standalone run beside the paired ones: 6 tok/s against a median of 3 and 5, flagged
     b = res["baselines"][label]
     assert res["systems"][label]["decode_tokens_per_s"] == 6.0 and res["systems"][label]["standalone"]
     assert b["paired_median_tokens_per_s"] == 4.0 and b["paired_rounds"] == 2 and b["flag"]
     assert b["paired_over_standalone"] == pytest.approx(4 / 6)
     md = report.markdown(res)
-    assert "Interleaved: hybrid, hybrid-split-cold timed in 3 rounds" in md and f"Paired with {label} run after each round" in md
-    assert "the same from each generation's median step: hybrid-split-cold " in md
+    assert "Interleaved: hybrid, hybrid-no-recheck timed in 3 rounds" in md \
+        and f"Paired with {label} run after each round" in md
+    assert "the same from each generation's median step: hybrid-no-recheck " in md
     assert f"| {label} | 6.00 | 4.00 (2 rounds) | 0.67 | FLAG: more than 10% apart |" in md
 
 
