@@ -68,6 +68,8 @@ def prepare(python_version: str | None = None) -> dict:
     WHEELS.mkdir(exist_ok=True)
     plats = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["--platform=manylinux2014_x86_64"]
     for name in WHEEL_NAMES:
+        if any(WHEELS.glob(f"{name}-*.whl")):  # one wheel a package: two versions would conflict at install
+            continue
         try:  # the versions the project is tested with here
             name = f"{name}=={version_of(name)}"
         except PackageNotFoundError:
