@@ -32,7 +32,7 @@ from hotneurons.common.models import load_model, resolve_source
 from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
-from hotneurons.runtime.layout import Placement
+from hotneurons.runtime.placement import Placement
 
 tiny = tests_module("tiny")  # round_ffns_to_int8: the FFN weights that int8 rows stand for
 
