@@ -29,6 +29,8 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_
                "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
 WHEEL_NAMES = ("pulp", "highspy", "gguf")  # the solver's packages and the GGUF writer
+# pulp 3 and later import orloge and its dependencies, which the GPU image lacks; pulp 2 needs nothing
+DEVICE_PINS = {"pulp": "pulp>=2.8,<3"}
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -68,10 +70,10 @@ def prepare(python_version: str | None = None) -> dict:
     WHEELS.mkdir(exist_ok=True)
     plats = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["--platform=manylinux2014_x86_64"]
     for name in WHEEL_NAMES:
-        if any(WHEELS.glob(f"{name}-*.whl")):  # one wheel a package: two versions would conflict at install
-            continue
+        if any(p.name.lower().startswith(f"{name}-") for p in WHEELS.glob("*.whl")):  # one wheel a package: two
+            continue  # versions would conflict at install
         try:  # the versions the project is tested with here
-            name = f"{name}=={version_of(name)}"
+            name = DEVICE_PINS.get(name) or f"{name}=={version_of(name)}"
         except PackageNotFoundError:
             pass
         _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--implementation",
