@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bz2
 import importlib.util
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -66,9 +67,8 @@ def _local_texts(path: Path, text_column: str) -> Iterator[str]:
     if None in builders or len(builders) != 1:
         raise CorpusError(f"'{path}': expected files of one kind among .txt, .jsonl, .json, .parquet")
     builder = builders.pop()
-    if builder == "text" and importlib.util.find_spec("datasets") is None:  # e.g. a GPU image without `datasets`
-        for f in files:
-            yield f.read_text(encoding="utf-8")  # one document per file, as the loader below reads it
+    if builder in ("text", "json") and importlib.util.find_spec("datasets") is None:  # e.g. a GPU image
+        yield from _plain_texts(path, files, builder, text_column)  # without `datasets`: the same rows, read here
         return
     from datasets import load_dataset
 
@@ -79,6 +79,23 @@ def _local_texts(path: Path, text_column: str) -> Iterator[str]:
             raise CorpusError(f"'{path}' has no column '{text_column}' (columns: {', '.join(row)}): "
                               f"name the text column", params="text_column")
         yield row[text_column]
+
+
+def _plain_texts(path: Path, files: list[Path], builder: str, text_column: str) -> Iterator[str]:
+    """.txt (one document a file) and .jsonl (one object a line) without `datasets`, in the order it reads them."""
+    for f in files:
+        if builder == "text":
+            yield f.read_text(encoding="utf-8")
+            continue
+        with open(f, encoding="utf-8") as lines:
+            for line in lines:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if text_column not in row:
+                    raise CorpusError(f"'{path}' has no column '{text_column}' (columns: {', '.join(row)}): "
+                                      f"name the text column", params="text_column")
+                yield row[text_column]
 
 
 def wikipedia_sample(split: str = "train") -> list[str]:

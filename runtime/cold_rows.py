@@ -141,6 +141,8 @@ def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device, register:
     valid on the GPU)."""
     if device.type != "cuda":
         return torch.from_numpy(view)
+    if view.size == 0:  # nothing to map (a layer without cold neurons): torch refuses a host pointer it cannot place
+        return torch.empty(view.shape, dtype=torch.from_numpy(view).dtype, device=device)
     if not register:
         return torch.as_tensor(_CudaArrayView(view), device=device)
     rt = torch.cuda.cudart()

@@ -4,8 +4,15 @@ import json
 
 import pytest
 import tiny
-from hotneurons.common.corpus import CorpusError, clean_wiki_text, iter_texts, wikipedia_sample, wikipedia_sample_titles
-from hotneurons.common.corpus import token_batches, token_rows
+from hotneurons.common.corpus import (
+    CorpusError,
+    clean_wiki_text,
+    iter_texts,
+    token_batches,
+    token_rows,
+    wikipedia_sample,
+    wikipedia_sample_titles,
+)
 
 
 def test_wikipedia_sample_split_is_fixed_and_disjoint():
@@ -63,3 +70,23 @@ def test_token_rows_pack_budget_and_tail():
     assert [tuple(b.shape) for b in batches] == [(3, 8), (1, 8)]
     batches = list(token_batches(tok, iter(docs + ["ab"]), seq_len=8, batch_size=3, max_tokens=1000))
     assert [tuple(b.shape) for b in batches] == [(3, 8), (1, 8), (1, 4)]
+
+
+def test_local_files_read_the_same_without_datasets(tmp_path, monkeypatch):
+    """A machine without `datasets` (a GPU image) reads .jsonl and .txt corpora itself, in the same order."""
+    import importlib.util
+
+    docs, txt = tmp_path / "j", tmp_path / "t"
+    docs.mkdir()
+    txt.mkdir()
+    (docs / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    (docs / "b.jsonl").write_text(json.dumps({"text": "three", "id": 3}) + "\n")
+    (txt / "1.txt").write_text("first doc\nline two")
+    (txt / "2.txt").write_text("second")
+    with_datasets = list(iter_texts(str(docs / "a.jsonl"))) + list(iter_texts(str(txt)))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
+    assert list(iter_texts(str(docs))) == ["one", "two", "three"]
+    assert list(iter_texts(str(docs / "a.jsonl"))) + list(iter_texts(str(txt))) == with_datasets
+    with pytest.raises(CorpusError, match="no column 'body'"):
+        list(iter_texts(str(docs), text_column="body"))
