@@ -329,7 +329,7 @@ def write_results(inputs: list[Path], folder: Path, kind: str | None = None, com
         res["build"] = {k: v for k, v in stages["build"].items() if k not in record.HEADER}
     res["goals"] = goals(res)
     kind = kind or res.get("machine_kind") or record.machine_kind(res.get("machine") or {})
-    commit = commit if commit and res.get("commit") in (None, "unknown") else res.get("commit")
+    commit = commit or res.get("commit")  # what the caller says was measured wins: a copied tree's .git may be stale
     figures = {k: v for k, v in res.items() if k not in record.HEADER}
     rec = record.make(figures, machine_info=res.get("machine") or {}, kind=kind, commit=commit or "unknown",
                       command=res.get("command") or "",

@@ -543,7 +543,7 @@ def parse(argv=None):
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="report: output folder")
     ap.add_argument("--machine-kind", default=None,
                     help="the results' machine kind, e.g. nvidia-h200 (default: from the GPU's name and count)")
-    ap.add_argument("--commit", default=None, help="the commit measured, where the checkout has no .git (a copy)")
+    ap.add_argument("--commit", default=None, help="the commit measured (wins over the checkout's .git, which a copied tree may hold stale)")
     ap.add_argument("--in-process", action="store_true",
                     help="bench: our systems and the baselines in this one process (tests, CPU smoke runs); paired "
                          "baselines then share the CPU with our threads: not a fair comparison")
@@ -633,7 +633,7 @@ def main(argv=None) -> dict:
     out = args.out or args.work
     out.mkdir(parents=True, exist_ok=True)
     info = record.machine("numba", "transformers", "accelerate", "pulp", "highspy", "gguf")
-    header = {"machine_info": info, "kind": args.machine_kind, "commit": record.git_commit(args.commit),
+    header = {"machine_info": info, "kind": args.machine_kind, "commit": args.commit or record.git_commit(),
               "command": record.command_line(argv), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     common = {"numba_threads": numba.get_num_threads(), "omp_wait_policy": OMP_WAIT_POLICY,
               "args": {k: (sorted(v) if isinstance(v, set) else str(v)) for k, v in vars(args).items()}}
