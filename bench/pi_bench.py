@@ -543,7 +543,8 @@ def parse(argv=None):
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="report: output folder")
     ap.add_argument("--machine-kind", default=None,
                     help="the results' machine kind, e.g. nvidia-h200 (default: from the GPU's name and count)")
-    ap.add_argument("--commit", default=None, help="the commit measured (wins over the checkout's .git, which a copied tree may hold stale)")
+    ap.add_argument("--commit", default=None,
+                    help="the commit measured (wins over the checkout's .git, which a copied tree may hold stale)")
     ap.add_argument("--in-process", action="store_true",
                     help="bench: our systems and the baselines in this one process (tests, CPU smoke runs); paired "
                          "baselines then share the CPU with our threads: not a fair comparison")
