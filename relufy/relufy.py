@@ -62,6 +62,10 @@ class RelufyConfig:
     corpus_tokens: int = 1_000_000  # at most this many corpus tokens in the pool
     teacher_text: float = 0.5  # share of the pool's rows sampled from the teacher
     prompt_tokens: int = 8  # corpus tokens that start each teacher sample
+    # share of the teacher rows made of chat exchanges (a corpus snippet as the user's turn, the teacher's answer),
+    # where the tokenizer has a chat template: without them the student keeps the teacher's text but not its turns
+    chat_share: float = 0.5
+    chat_tokens: int = 96  # at most this many answer tokens an exchange
     top_p: float = 0.95
     gen_batch: int = 256  # teacher samples generated at once
     eval_dataset: str = "wikipedia-sample:eval"
@@ -171,17 +175,63 @@ def teacher_rows(teacher: torch.nn.Module, prompts: torch.Tensor, cfg: RelufyCon
 
 
 def build_pool(teacher: torch.nn.Module, tokenizer, cfg: RelufyConfig, progress: bool) -> torch.Tensor:
-    """Corpus rows plus teacher rows, `teacher_text` of the pool, in a fixed order."""
+    """Corpus rows plus teacher rows (`teacher_text` of the pool; `chat_share` of those chat exchanges), in a fixed
+    order."""
     corpus = corpus_rows(tokenizer, cfg, cfg.dataset, cfg.corpus_tokens)
     if cfg.teacher_text <= 0:
         return corpus
     n_teacher = math.ceil(len(corpus) * cfg.teacher_text / (1 - cfg.teacher_text))
+    n_chat = round(n_teacher * cfg.chat_share) if getattr(tokenizer, "chat_template", None) else 0
     g = torch.Generator().manual_seed(cfg.seed)
     starts = corpus[torch.randint(len(corpus), (n_teacher,), generator=g)]
-    offs = torch.randint(cfg.seq_len - cfg.prompt_tokens + 1, (n_teacher,), generator=g)
-    prompts = torch.stack([r[o:o + cfg.prompt_tokens] for r, o in zip(starts, offs)])
+    offs = torch.randint(cfg.seq_len - 2 * cfg.prompt_tokens + 1, (n_teacher,), generator=g)
+    windows = torch.stack([r[o:o + 2 * cfg.prompt_tokens] for r, o in zip(starts, offs)])  # (n_teacher, 2 prompt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return torch.cat([corpus, teacher_rows(teacher, prompts, cfg, int(pad or 0), progress)])
+    rows = [corpus, teacher_rows(teacher, windows[n_chat:, :cfg.prompt_tokens], cfg, int(pad or 0), progress)]
+    if n_chat:
+        rows.append(chat_rows(teacher, tokenizer, windows[:n_chat], n_chat, cfg, int(pad or 0), progress))
+    return torch.cat(rows)
+
+
+CHAT_ASKS = ("Continue this text: {}", "What is this about? {}", "Explain in simple words: {}", "{}")
+
+
+@torch.no_grad()
+def chat_rows(teacher: torch.nn.Module, tokenizer, windows: torch.Tensor, n_rows: int, cfg: RelufyConfig,
+              pad_id: int, progress: bool) -> torch.Tensor:
+    """(<= n_rows, seq_len) rows of chat exchanges packed end to end: the user's turn asks about a corpus snippet
+    (`windows`, token ids), the teacher samples its answer up to its end-of-turn token."""
+    from transformers import GenerationConfig
+
+    device = next(teacher.parameters()).device
+    texts = [CHAT_ASKS[i % len(CHAT_ASKS)].format(tokenizer.decode(w, skip_special_tokens=True).strip())
+             for i, w in enumerate(windows)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True) for t in texts]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    eos = tokenizer.eos_token_id
+    gen = GenerationConfig(do_sample=True, top_p=cfg.top_p, top_k=0, temperature=1.0, max_new_tokens=cfg.chat_tokens,
+                           pad_token_id=pad_id, eos_token_id=eos)
+    torch.manual_seed(cfg.seed + 1)
+    stream: list[int] = []
+    bar = tqdm(total=n_rows * cfg.seq_len, desc="teacher chats", unit="tok", unit_scale=True, disable=not progress,
+               dynamic_ncols=True)
+    i = 0
+    while len(stream) < n_rows * cfg.seq_len:
+        batch = [prompts[(i + k) % len(prompts)] for k in range(cfg.gen_batch)]
+        i += cfg.gen_batch
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(b)) + b for b in batch], device=device)  # left-padded
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch], device=device)
+        out = teacher.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, width:].tolist()
+        before = len(stream)
+        for b, answer in zip(batch, out):
+            end = answer.index(eos) + 1 if eos in answer else len(answer)
+            stream += b + answer[:end]
+        bar.update(min(len(stream), n_rows * cfg.seq_len) - min(before, n_rows * cfg.seq_len))
+    bar.close()
+    rows = len(stream) // cfg.seq_len
+    return torch.tensor(stream[:rows * cfg.seq_len], dtype=torch.int64).view(rows, cfg.seq_len)[:n_rows]
 
 
 def batch_rows(step: int, n_rows: int, cfg: RelufyConfig) -> torch.Tensor:
