@@ -1,0 +1,154 @@
+"""A real sparse model end to end: relufy SmolLM2-135M-Instruct, then profile, solve, train predictors,
+evaluate and generate on it (the GPU machine; the relufied weights never leave it).
+
+Stages (each fits one 10-minute device call; --work persists while the machine stays warm):
+  sweep     relufy with each of --configs (JSON list of {"name", **RelufyConfig fields}) from one shared data pool;
+            each model kept in WORK/models/NAME, each summary in OUT/sweep-NAME.json
+  pipeline  pi-profile -> pi-solve -> pi-train-predictors -> pi-eval -> pi-generate on WORK/models/NAME, all
+            through the CLIs a user runs; OUT/pipeline-NAME.json
+  report    (anywhere) the sweep and pipeline files (--inputs) -> bench/results/<date>-<kind>-relufy.{json,md}
+
+The corpus is the Wikipedia sample as one .txt file per article (--wiki DIR with train/ and eval/, written by
+`--stage wiki` on a machine with gensim), since the GPU image has neither gensim nor `datasets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+from hotneurons.bench import record
+from hotneurons.bench.relufy_report import report
+
+
+def write_wiki(out: Path) -> None:
+    from hotneurons.common.corpus import wikipedia_sample
+
+    for split in ("train", "eval"):
+        d = out / split
+        d.mkdir(parents=True, exist_ok=True)
+        for i, text in enumerate(wikipedia_sample(split)):
+            (d / f"{i:04d}.txt").write_text(text, encoding="utf-8")
+
+
+def sweep(args) -> None:
+    import torch
+    from hotneurons.common.models import load_model
+    from hotneurons.relufy.distill import relufy
+    from hotneurons.relufy.relufy import RelufyConfig, build_pool, plain_model
+
+    configs = json.loads(args.configs)
+    known = {f.name for f in fields(RelufyConfig)}
+    base = RelufyConfig(dataset=str(Path(args.wiki) / "train"), eval_dataset=str(Path(args.wiki) / "eval"))
+    lm = load_model(args.gguf, device="cpu", dtype="float32")
+    work, out = Path(args.work), Path(args.out)
+    pool_path = work / "pool.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    if pool_path.exists():
+        pool = load_file(str(pool_path))["pool"]
+    else:
+        t0 = time.perf_counter()
+        teacher = plain_model(lm, torch.bfloat16, "cuda")
+        pool = build_pool(teacher, lm.tokenizer, base, progress=False)
+        del teacher
+        save_file({"pool": pool}, str(pool_path))
+        print(f"pool: {tuple(pool.shape)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    for c in configs:
+        name = c.pop("name")
+        cfg = replace(base, **{k: v for k, v in c.items() if k in known})
+        t0 = time.perf_counter()
+        s = relufy(None, work / "models" / name, cfg, device="cuda", force=True, progress=False, lm=lm, pool=pool)
+        s["name"] = name
+        s["machine"] = record.machine()
+        (out / f"sweep-{name}.json").write_text(json.dumps(s, indent=1))
+        ev = s["eval"]
+        print(f"{name}: ppl {ev['original']['perplexity']:.2f} -> {ev['relufied']['perplexity']:.2f} "
+              f"({ev['perplexity_ratio']:.3f}x), zeros {ev['relufied']['ffn_sparsity']:.1%}, "
+              f"{s['tokens_per_s']:.0f} tok/s, {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _cli(cmd: list[str], log: list) -> dict | str:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    entry = {"command": " ".join(cmd), "rc": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
+             "stderr_tail": r.stderr[-1500:]}
+    log.append(entry)
+    print(f"[{entry['seconds']:6.1f} s rc={r.returncode}] {entry['command']}", flush=True)
+    if r.returncode != 0:
+        print(r.stderr[-3000:], flush=True)
+        return {}
+    try:
+        return json.loads(r.stdout[r.stdout.index("{"):])
+    except ValueError:
+        return r.stdout[-4000:]
+
+
+def pipeline(args) -> None:
+    work, out = Path(args.work), Path(args.out)
+    model = str(work / "models" / args.name)
+    run = str(work / "runs" / args.name)
+    train, held = str(Path(args.wiki) / "train"), str(Path(args.wiki) / "eval")
+    log: list = []
+    res: dict = {"name": args.name, "model": model, "commands": log, "machine": record.machine()}
+    res["profile"] = _cli(["pi-profile", "--model", model, "--dataset", train, "--tokens", str(args.profile_tokens),
+                           "--samples-per-layer", str(args.samples), "--out", run, "--force", "--quiet", "--json"], log)
+    res["solve"] = _cli(["pi-solve", "--run", run, "--vram", args.vram, "--reserve", "0", "--json"], log)
+    res["predictors"] = _cli(["pi-train-predictors", "--run", run, "--json", "--quiet"], log)
+    res["eval"] = _cli(["pi-eval", "--run", run, "--dataset", held, "--tokens", str(args.eval_tokens), "--json",
+                        "--quiet"], log)
+    prompt = "The capital of France is"
+    gen = {}
+    for label, extra in (("cpu-dense", ["--device", "cpu", "--mode", "dense"]),
+                         ("cpu-hybrid", ["--device", "cpu"]),
+                         ("cuda-dense", ["--device", "cuda", "--mode", "dense"]),
+                         ("cuda-hybrid", ["--device", "cuda"])):
+        gen[label] = _cli(["pi-generate", "--run", run, "--prompt", prompt, "-n", str(args.new_tokens), "--json",
+                           "--threads", "16", *extra], log)
+    res["generate"] = gen
+    chats = {}
+    for q in ("What is the capital of France? Answer in one sentence.", "Name three primary colors.",
+              "Write one sentence about the sea."):
+        chats[q] = {m: _cli(["pi-generate", "--model", mdl, "--chat", "--prompt", q, "-n", "40", "--mode", "dense",
+                             "--json"] + (["--gguf-file", Path(args.gguf).name] if m == "original" else []), log)
+                    for m, mdl in (("original", str(Path(args.gguf).parent)), ("relufied", model))}
+    res["chat"] = chats
+    (out / f"pipeline-{args.name}.json").write_text(json.dumps(res, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", choices=("wiki", "sweep", "pipeline", "report"), required=True)
+    ap.add_argument("--gguf", default="/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--wiki", default="/root/wiki")
+    ap.add_argument("--work", default="/root/rl")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--configs", default='[{"name": "relu"}]')
+    ap.add_argument("--name", default="relu")
+    ap.add_argument("--vram", default="150MB")
+    ap.add_argument("--profile-tokens", type=int, default=200_000)
+    ap.add_argument("--samples", type=int, default=16384)
+    ap.add_argument("--eval-tokens", type=int, default=65536)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--inputs", nargs="*", default=[], help="report: folders of sweep-*.json and pipeline-*.json")
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--machine-kind", default="nvidia-h200")
+    ap.add_argument("--commit", default=None, help="report: the commit measured")
+    ap.add_argument("--note", default="", help="report: a closing paragraph for the markdown")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    print(json.dumps({"host": platform.node(), "python": sys.version.split()[0]}), flush=True)
+    stages = {"wiki": lambda a: write_wiki(Path(a.out)), "sweep": sweep, "pipeline": pipeline, "report": report}
+    stages[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
