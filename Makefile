@@ -1,6 +1,6 @@
 # make demo: the whole pipeline on the embedded SmolLM2-135M-Instruct and Wikipedia sample (a few minutes on 2 cores):
 #            profile -> place (a VRAM budget that leaves ~80% of FFN neurons on the CPU) -> predictors -> generate.
-# make test: the test suite (offline, CPU).
+# make test: lint (ruff) and the test suite (offline, CPU).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -25,6 +25,7 @@ demo: $(BIN)/.installed
 	$(BIN)/pi-generate --run runs/demo --chat --prompt "What is the capital of France? Answer in one sentence." -n 48
 
 test: $(BIN)/.installed
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: $(BIN)/.installed
