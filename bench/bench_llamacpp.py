@@ -96,20 +96,12 @@ def source_dir(work: Path) -> Path:
 
 
 def gguf_module(work: Path):
-    """The installed gguf package (carried as a wheel), else the gguf-py that the llama.cpp tarball vendors."""
+    """The gguf package (installed, or carried as a wheel to a machine without a package index)."""
     try:
         import gguf
-
-        return gguf
     except ImportError:
-        pass
-    import importlib.util
-
-    init = source_dir(work) / "gguf-py" / "gguf" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("gguf", init, submodule_search_locations=[str(init.parent)])
-    gguf = importlib.util.module_from_spec(spec)
-    sys.modules["gguf"] = gguf
-    spec.loader.exec_module(gguf)
+        raise SystemExit("the gguf package is missing: pip install gguf, or carry its wheel in .whl/ "
+                         "(pi-bench --stage prepare puts it there)") from None
     return gguf
 
 

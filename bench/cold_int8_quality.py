@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from hotneurons.bench import record, tests_module
+from hotneurons.bench import record
+from hotneurons.common import tiny
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.models import load_model, resolve_source
@@ -33,8 +34,6 @@ from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 from hotneurons.runtime.placement import Placement
-
-tiny = tests_module("tiny")  # round_ffns_to_int8: the FFN weights that int8 rows stand for
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")

@@ -28,13 +28,13 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hotneurons.bench import bench_ceilings, record, tests_module  # noqa: E402
+from hotneurons.bench import bench_ceilings, record  # noqa: E402
 from hotneurons.bench import bench_model as bm  # noqa: E402
+from hotneurons.common import tiny  # noqa: E402
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
 from hotneurons.runtime.placement import Placement  # noqa: E402
 from hotneurons.runtime.static_decoder import cache_bytes  # noqa: E402
 
-tiny = tests_module("tiny")  # tiny random models of every family (tests/tiny.py)
 DEV = "cuda"
 LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4
 

@@ -1,0 +1,141 @@
+"""Tiny random models of every supported family, saved with save_pretrained so that tests and benchmark checks load
+them the user's way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 259  # 256 bytes + <s>, </s>, <pad>
+# A minimal chat template, so that chat paths (pi-generate --chat, pi-serve's chat completions) run on tiny models.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (no merges): every text tokenises, no download needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in ("<s>", "</s>", "<pad>"):
+        vocab[tok] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def _configs():
+    from transformers import (
+        FalconConfig,
+        Gemma3TextConfig,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    gated = dict(common, intermediate_size=48, num_key_value_heads=2)
+    return {
+        "opt": lambda: OPTConfig(**{**common, "ffn_dim": 48, "word_embed_proj_dim": 32, "activation_function": "relu"}),
+        "llama-reglu": lambda: LlamaConfig(**gated, hidden_act="relu"),
+        "mistral-drelu": lambda: MistralConfig(**gated, hidden_act="relu"),
+        "llama-swiglu": lambda: LlamaConfig(**gated, hidden_act="silu"),
+        "qwen2-swiglu": lambda: Qwen2Config(**gated, hidden_act="silu"),
+        "qwen3-swiglu": lambda: Qwen3Config(**gated, head_dim=8, hidden_act="silu"),  # per-head q/k norms
+        "falcon-relu": lambda: FalconConfig(**common, activation="relu", bias=True),
+        "falcon-gelu": lambda: FalconConfig(**common, activation="gelu", new_decoder_architecture=True,
+                                            num_kv_heads=2),
+        "gemma-geglu": lambda: GemmaConfig(**gated, head_dim=8, hidden_activation="gelu_pytorch_tanh"),
+        "gemma3-geglu": lambda: Gemma3TextConfig(**gated, head_dim=8, hidden_activation="gelu_pytorch_tanh",
+                                                 sliding_window=16),
+    }
+
+
+FAMILIES = list(_configs())
+ACTIVATION_OVERRIDE = {"mistral-drelu": "drelu"}  # dReLU models are remote code; see make_drelu
+
+
+def build(name: str, folder: Path, seed: int = 0) -> Path:
+    """Random weights (slightly scaled up so activations are not all tiny), saved to `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[name]())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def make_drelu(lm) -> None:
+    """Turn a loaded ReLU Mistral into a dReLU one (relu on both branches), as Bamboo/TurboSparse's own code does."""
+    import types
+
+    def drelu_forward(m, x):
+        return m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x)))
+
+    for layer in lm.layers:  # a bound method: deepcopy and .to() of the model carry it along
+        layer.mlp.forward = types.MethodType(drelu_forward, layer.mlp)
+
+
+def load_rounded(folder, family: str):
+    """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the runtime's cold rows store),
+    so that the runtime and HF `generate` compute with the same weights."""
+    from hotneurons.common.models import load_model
+
+    lm = load_model(str(folder), device="cpu", dtype="float32", activation=ACTIVATION_OVERRIDE.get(family))
+    if family == "mistral-drelu":
+        make_drelu(lm)
+    with torch.no_grad():
+        for layer in lm.layers:
+            for m in lm.adapter.layer_ffn(layer).values():
+                m.weight.copy_(m.weight.bfloat16().float())
+    return lm
+
+
+def round_ffns_to_int8(lm, group: int | None = None) -> None:
+    """FFN weights -> what int8 cold rows with a scale per `group` weights (default: the runtime's INT8_GROUP) stand
+    for, in place: groups along each neuron's gate and up rows and its down column, as the runtime stores them."""
+    from hotneurons.runtime.cold_rows import from_int8_groups, to_int8_groups
+    from hotneurons.runtime.kernels import INT8_GROUP
+
+    group = group or INT8_GROUP
+    with torch.no_grad():
+        for layer in lm.layers:
+            for name, m in lm.adapter.layer_ffn(layer).items():
+                w = m.weight.T if name == "down" else m.weight  # (n, d): one row per neuron
+                back = from_int8_groups(*to_int8_groups(w, group), group)
+                m.weight.copy_(back.T if name == "down" else back)
+
+
+def write_predictors(run: Path, info: dict, threshold: float, profile_sha: str = "none", hidden: int = 8) -> None:
+    """RUN/predictors written by hand (random weights, one `threshold` for every layer), so a test needs no training.
+    `profile_sha`: the sha256 of RUN/profile/meta.json where the run has a profile (load_predictors checks it)."""
+    from hotneurons.common import artifacts
+    from safetensors.torch import save_file
+
+    L, d, n = info["n_layers"], info["d_model"], info["n_neurons"]
+    (run / "predictors").mkdir()
+    torch.manual_seed(0)
+    t = {}
+    for i in range(L):
+        t[f"layers.{i}.fc1.weight"] = torch.randn(hidden, d)
+        t[f"layers.{i}.fc2.weight"] = torch.randn(n, hidden)
+        t[f"layers.{i}.threshold"] = torch.tensor([threshold])
+    save_file(t, str(run / "predictors" / "predictors.safetensors"))
+    artifacts.write_json(run / "predictors" / "summary.json", {"layers": [
+        {"layer": i, "thresholds_by_recall": {"0.9": threshold}} for i in range(L)]})
+    artifacts.write_json(run / "predictors" / "meta.json", {
+        **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": profile_sha}}), "model": info})
