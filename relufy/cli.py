@@ -64,6 +64,10 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
     overrides = {"activation": activation, "fat_threshold": fat_threshold, "tokens": tokens, "l1": l1, "lm": lm,
                  "kl": kl, "teacher_text": teacher_text, "dataset": dataset, "lr": lr, "batch_size": batch_size,
                  "seq_len": seq_len, "seed": seed}
+    if quiet:  # transformers' own bars too (loading and writing the weights)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         cfg = replace(preset(preset_name), **{k: v for k, v in overrides.items() if v is not None})
         check_out(Path(out), resume, force)  # before the model loads

@@ -132,7 +132,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
                 tokens_done += ids.numel()
                 sparsity = sum(vals.sparsity()) / len(vals.mods)
                 stats = {"step": step + 1, "tokens": (step + 1) * ids.numel(), "loss": loss.item(), "kl": kl.item(),
-                         "l1": float(l1), "l1_weight": l1w, "lr": lr, "sparsity": sparsity}
+                         "l1": l1.item(), "l1_weight": l1w, "lr": lr, "sparsity": sparsity}
                 if (step + 1) % every == 0 or step + 1 == cfg.steps:
                     curve.append(stats)
                 tok_s = tokens_done / max(1e-9, time.perf_counter() - t_train)

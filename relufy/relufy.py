@@ -257,12 +257,16 @@ def lr_at(step: int, cfg: RelufyConfig) -> float:
 
 
 def l1_at(step: int, cfg: RelufyConfig) -> float:
+    """0 at the start (the model first recovers from the swap), `l1` from step `l1_ramp * steps` on; in between
+    `l1_stages` equal stairs (0, l1/4, l1/2, 3 l1/4 for 4), or a line for 0 stages."""
     if cfg.l1 <= 0:
         return 0.0
-    ramp = max(1, int(cfg.l1_ramp * cfg.steps))
-    frac = min(1.0, (step + 1) / ramp)
+    ramp = int(cfg.l1_ramp * cfg.steps)
+    if ramp <= 0:
+        return cfg.l1
+    frac = min(1.0, step / ramp)
     if cfg.l1_stages > 0:
-        frac = math.ceil(frac * cfg.l1_stages) / cfg.l1_stages
+        frac = math.floor(frac * cfg.l1_stages) / cfg.l1_stages
     return cfg.l1 * frac
 
 
