@@ -1,6 +1,6 @@
 """The OpenAI API's shapes for pi-serve: request checking, stop strings, response bodies and stream chunks.
 
-No HTTP here (runtime/serve.py speaks it), so every rule is testable on plain dicts. Requests follow the OpenAI
+No HTTP here (runtime/app.py speaks it), so every rule is testable on plain dicts. Requests follow the OpenAI
 completions and chat completions APIs; `top_k` and `repetition_penalty` are extensions. Parameters the runtime
 cannot honour are refused when set to anything but their neutral value (a client that asks for logprobs or a
 frequency penalty is told, instead of silently getting something else); unknown fields are ignored, as most
@@ -157,7 +157,8 @@ def _messages(v: Any) -> list[dict[str, str]]:
 def parse(body: Any, chat: bool, vocab: int, context: int) -> Request:
     """Check a decoded JSON body of /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
     if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}: send {{\"prompt\": ...}}")
+        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}: send {{\"prompt\": ...}}",
+                       code="invalid_json")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad_type("model", model, "a string", '"default"')

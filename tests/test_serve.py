@@ -116,6 +116,30 @@ def slowed(delay: float):
     return slow
 
 
+class HoldAfterFirstText:
+    """generate() that stops after its first piece of text until `release()`: a generation still running while
+    the test reads what has arrived."""
+
+    def __init__(self):
+        self.event, self.held, self.waited = threading.Event(), False, False
+
+    def __call__(self, rt, ids, n, sampling, on_text=None, should_stop=None):
+        def text(piece: str) -> None:
+            self.held = True  # before the piece goes out: should_stop(), next, waits
+            on_text(piece)
+
+        def stop() -> bool:
+            if self.held and not self.waited:
+                self.waited = True
+                assert self.event.wait(20)
+            return should_stop()
+
+        return generate(rt, ids, n, sampling, on_text=text, stop_at_eos=False, should_stop=stop)
+
+    def release(self):
+        self.event.set()
+
+
 def post_in_background(s: Server, body: dict) -> tuple[threading.Thread, list]:
     out: list = []
     t = threading.Thread(target=lambda: out.append(request(s, "POST", "/v1/completions", body)), daemon=True)
@@ -202,6 +226,57 @@ def test_stop_strings(server, ref):
     assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_response_arrives_incrementally(tiny_model_dir):
+    """The first piece of text reaches the client while the generation is still running (held after that piece
+    until the test has read it), over plain HTTP/1.1 chunks read as they come."""
+    hold = HoldAfterFirstText()
+    with running(tiny_model_dir(FAMILY), hold) as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
+        conn.request("POST", DONE, json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
+        assert r.getheader("Transfer-Encoding") == "chunked"
+        events = []
+        while not any(e["choices"][0]["text"] for e in events):
+            line = r.readline()
+            assert line, "the stream ended before any text"
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+        assert hold.held and not hold.event.is_set() and health(s)["running"] == 1  # the generation waits
+        assert all(e["choices"][0]["finish_reason"] is None for e in events)
+        hold.release()
+        rest = [line for line in r.read().split(b"\n") if line.startswith(b"data: ")]
+        conn.close()
+        assert rest[-1] == b"data: [DONE]"
+        events += [json.loads(line[6:]) for line in rest[:-1]]
+        assert "".join(e["choices"][0]["text"] for e in events) == \
+            client(s).completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and health(s)["served"] == 2
+
+
+def test_openapi_page(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    conn.request("GET", "/docs")
+    r = conn.getresponse()
+    assert r.status == 200 and b"swagger" in r.read().lower()
+    conn.close()
+    status, spec = request(server, "GET", "/openapi.json")
+    assert status == 200 and spec["info"]["title"] == "pi-serve"
+    assert set(spec["paths"]) == {"/health", "/v1/models", "/v1/models/{model_id}", "/v1/completions",
+                                  "/v1/chat/completions"}
+    schemas = spec["components"]["schemas"]
+    common = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "stream",
+              "stream_options", "user"}  # the fields runtime/api.py reads (user: ignored), as docs/serve.md lists
+    for path, name, own in (("/v1/completions", "CompletionRequest", ["prompt"]),
+                            ("/v1/chat/completions", "ChatRequest", ["messages", "max_completion_tokens"])):
+        post = spec["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + name)
+        assert set(schemas[name]["properties"]) == common | set(own) and schemas[name]["required"] == own[:1]
+        assert {"200", "400", "401", "503"} <= set(post["responses"]) and "422" not in post["responses"]
+        assert post["security"] == [{"HTTPBearer": []}]
+
+
 def test_stop_matcher_never_sends_part_of_a_stop_string():
     m = StopMatcher(("END", "\n\n"))
     sent = [m.feed(p) for p in ["ab", "cE", "N", "x E", "N", "D tail"]]
@@ -263,13 +338,15 @@ def test_bad_request_is_a_400_that_names_the_parameter(server, path, body, param
 def test_malformed_and_misrouted_requests(server):
     assert "not valid JSON" in assert_error(request(server, "POST", DONE, b"{not json"), 400, code="invalid_json")
     assert_error(request(server, "POST", DONE, b"\xff\xfe"), 400, code="invalid_json")
-    assert "JSON object" in assert_error(request(server, "POST", DONE, [1, 2]), 400)
+    assert "JSON object" in assert_error(request(server, "POST", DONE, [1, 2]), 400, code="invalid_json")
     assert_error(request(server, "POST", DONE, b""), 400, code="invalid_json")
     assert_error(request(server, "GET", "/v1/nothing"), 404, code="not_found")
     assert_error(request(server, "POST", "/elsewhere", OK), 404, code="not_found")
     assert_error(request(server, "GET", DONE), 405, code="method_not_allowed")
     assert_error(request(server, "POST", "/v1/models", OK), 405, code="method_not_allowed")
     assert_error(request(server, "DELETE", CHAT), 405, code="method_not_allowed")
+    assert "use POST" in assert_error(request(server, "GET", CHAT), 405)
+    assert request(server, "GET", "/v1/models/")[0] == 200  # a trailing slash is the same path
     assert_error(request(server, "POST", DONE, b"[" * 100_000), 400, code="invalid_json")
     assert_error(request(server, "POST", DONE, OK, {"Content-Length": str(10 ** 9)}), 413)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
@@ -301,10 +378,13 @@ def test_api_key(tiny_model_dir):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cretx"}):
             assert "--api-key" in assert_error(request(s, "POST", DONE, OK, headers), 401, code="invalid_api_key")
         assert_error(request(s, "GET", "/v1/models"), 401)
+        assert_error(request(s, "GET", "/v1/nothing"), 401)  # the key is checked before the route
+        assert_error(request(s, "GET", DONE), 401)
         with pytest.raises(openai.AuthenticationError):
             client(s, "wrong").completions.create(model="any", prompt=PROMPT, max_tokens=2)
         assert client(s, "s3cret").completions.create(model="any", prompt=PROMPT, max_tokens=2).usage
-        assert request(s, "GET", "/health")[0] == 200  # health checks need no key
+        assert request(s, "GET", "/health")[0] == 200  # health checks need no key, nor the OpenAPI page
+        assert request(s, "GET", "/openapi.json")[0] == 200
 
 
 # ---------------------------------------------------------------------------------------------------------------
