@@ -14,10 +14,14 @@ LLaMA-style models, `ln_mlp` / `input_layernorm` in Falcon). The runtime has it 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,13 +155,93 @@ def resolve_source(model: str | None, gguf_file: str | None = None, revision: st
         return ModelSource("SmolLM2-135M-Instruct", os.path.dirname(spec.origin), gguf_file or DEFAULT_GGUF, revision)
     if model.lower().endswith(".gguf") and gguf_file is None:
         if not os.path.isfile(model):
-            raise ValueError(f"GGUF file '{model}' does not exist")
+            raise ModelError(f"GGUF file '{model}' does not exist", params="model")
         return ModelSource(model, os.path.dirname(os.path.abspath(model)), os.path.basename(model), revision)
     if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
-        raise ValueError(f"GGUF file '{gguf_file}' not found in folder '{model}'")
+        raise ModelError(f"GGUF file '{gguf_file}' not found in folder '{model}'", params=("gguf_file", "model"))
     if os.path.exists(model) and not os.path.isdir(model):
         raise ModelError(f"model '{model}' is a file: name its folder, or a .gguf file", params="model")
+    if not os.path.exists(model) and not _HUB_ID.fullmatch(model):
+        raise ModelError(f"model folder '{model}' does not exist (and it is no hub id, org/name): pass an existing "
+                         f"folder, a .gguf file or a hub id", params="model")
     return ModelSource(model, model, gguf_file, revision)
+
+
+# what huggingface_hub accepts as a repo id: "name" or "org/name" of word characters, '-' and '.', no '--' or '..'
+_HUB_ID = re.compile(r"(?!.*(--|\.\.))[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?(?<![.-])")
+
+
+def load_error(model: str, e: BaseException) -> ModelError:
+    """One line for what transformers / huggingface_hub raise when a model cannot be found or read."""
+    from huggingface_hub import errors as hub
+
+    chain, c = [], e
+    while c is not None and len(chain) < 8:
+        chain.append(c)
+        c = c.__cause__ or c.__context__
+    kinds = tuple(type(c) for c in chain)
+    if any(issubclass(k, hub.GatedRepoError) for k in kinds):
+        return ModelError(f"model '{model}' is gated on the hub: accept its licence there and log in (hf auth login), "
+                          f"or pass a folder or .gguf", params="model")
+    if any(issubclass(k, hub.RevisionNotFoundError) for k in kinds):
+        return ModelError(f"model '{model}' has no such revision on the hub: name an existing one", params="revision")
+    if any(issubclass(k, hub.RepositoryNotFoundError) for k in kinds):
+        return ModelError(f"model '{model}' is not on the hub (or is private): check the id, or pass a folder or "
+                          f".gguf", params="model")
+    if any(issubclass(k, (hub.LocalEntryNotFoundError, hub.OfflineModeIsEnabled)) for k in kinds):
+        return ModelError(f"model '{model}' is not found locally and the hub is unreachable (or HF_HUB_OFFLINE is "
+                          f"set): pass a folder or .gguf", params="model")
+    if any(issubclass(k, hub.HFValidationError) for k in kinds):
+        return ModelError(f"model '{model}' is neither an existing folder or .gguf nor a hub id (org/name)",
+                          params="model")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ModelError(f"cannot load model '{model}': {first}", params="model")
+
+
+def _load_errors_in_one_line(load):
+    """`load_model` raising ModelError, in one line, for whatever transformers raises on a model it cannot find or
+    read (OSError, huggingface_hub's errors, a broken config.json)."""
+    @functools.wraps(load)
+    def wrapper(model: str | None = None, *args, **kw):
+        try:
+            return load(model, *args, **kw)
+        except ModelError:
+            raise
+        except (OSError, json.JSONDecodeError) as e:
+            raise load_error(model or "SmolLM2-135M-Instruct", e) from None
+        except ValueError as e:
+            from huggingface_hub.errors import HFValidationError
+
+            if isinstance(e, HFValidationError):
+                raise load_error(model or "", e) from None
+            raise
+    return wrapper
+
+
+def check_model(model: str | None, gguf_file: str | None = None, *, revision: str | None = None,
+                trust_remote_code: bool = False, activation: str | None = None) -> ModelSource:
+    """What `load_model` would refuse, found before any weights load: the source exists (a GGUF file starts with
+    the GGUF magic), a hub id is in the local cache or the hub answers, and the architecture and activation are
+    supported. Reads only the config (not a GGUF's: that would read its tensors' table)."""
+    source = resolve_source(model, gguf_file, revision)
+    if source.gguf_file:
+        path = os.path.join(source.path, source.gguf_file)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelError(f"'{path}' is not a GGUF file (it does not start with GGUF)", params="model")
+        return source
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if isinstance(e, ModelError):
+            raise
+        raise load_error(source.name, e) from None
+    adapter = adapter_for(text_config(config))
+    adapter.activation(text_config(config), activation)
+    return source
 
 
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
@@ -191,29 +275,81 @@ class LoadedModel:
         return decoder_layers(self.model, self.model.config)
 
 
+@_load_errors_in_one_line
 def load_model(model: str | None = None, gguf_file: str | None = None, *, revision: str | None = None,
                device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False,
-               activation: str | None = None) -> LoadedModel:
-    """Load a causal LM + tokenizer through transformers (hub id, folder or GGUF) and pick its adapter."""
+               activation: str | None = None, progress: bool | None = None, cache: bool = True) -> LoadedModel:
+    """Load a causal LM + tokenizer through transformers (hub id, folder or GGUF) and pick its adapter.
+
+    A GGUF file is de-quantized once and then loaded from its cache entry (common/gguf_cache.py) unless `cache` is
+    False or HOTNEURONS_CACHE=off; the LoadedModel (fingerprint, source) is the same either way. `progress`: show
+    transformers' loading bars (None: only while de-quantizing a GGUF, the one slow load).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_source(model, gguf_file, revision)
+    torch_dtype = pick_dtype(dtype, device)
+    entry = None
+    if source.gguf_file and cache:
+        from hotneurons.common import gguf_cache
+
+        entry = gguf_cache.entry_for(os.path.join(source.path, source.gguf_file), str(torch_dtype).split(".")[-1])
+    if entry is not None and entry.valid():
+        try:
+            with _hf_progress(bool(progress)):
+                config = AutoConfig.from_pretrained(entry.folder)
+                adapter_for(text_config(config)).activation(text_config(config), activation)
+                hf_model = AutoModelForCausalLM.from_pretrained(entry.folder, config=config, dtype=torch_dtype)
+                tokenizer = AutoTokenizer.from_pretrained(entry.folder)
+            return wrap_model(hf_model.to(device), tokenizer, source, activation)
+        except ModelError:
+            raise
+        except Exception as e:  # a damaged entry: rebuild it from the GGUF
+            import warnings
+
+            warnings.warn(f"ignoring the GGUF cache entry {entry.folder} ({type(e).__name__}: {e}); rebuilding it",
+                          stacklevel=2)
+            entry.remove()
     kw: dict[str, Any] = dict(revision=revision, trust_remote_code=trust_remote_code)
     if source.gguf_file:
         kw["gguf_file"] = source.gguf_file
-    config = AutoConfig.from_pretrained(source.path, **kw)
-    adapter = adapter_for(text_config(config))
-    adapter.activation(text_config(config), activation)  # fail before loading weights
-    patched, threshold = sparse_act.config_activation(text_config(config))
-    if patched:  # dReLU / FATReLU: built as ReGLU, then each FFN patched (common/sparse_act.py)
-        text_config(config).hidden_act = "relu"
-    hf_model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=pick_dtype(dtype, device), **kw)
+    with _hf_progress(progress if progress is not None else bool(source.gguf_file)):
+        config = AutoConfig.from_pretrained(source.path, **kw)
+        adapter = adapter_for(text_config(config))
+        adapter.activation(text_config(config), activation)  # fail before loading weights
+        patched, threshold = sparse_act.config_activation(text_config(config))
+        if patched:  # dReLU / FATReLU: built as ReGLU, then each FFN patched (common/sparse_act.py)
+            text_config(config).hidden_act = "relu"
+        hf_model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype, **kw)
     if patched:
         sparse_act.patch_ffn([adapter.ffn_module(layer) for layer in decoder_layers(hf_model, hf_model.config)],
                              patched, threshold)
         text_config(hf_model.config).hidden_act = patched
     tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
+    if entry is not None and not patched:
+        entry.save(hf_model, tokenizer)
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
+
+
+@contextmanager
+def _hf_progress(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars (de-quantizing a GGUF, loading weights) on or off within the block."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # the de-quantization bar is plain tqdm, deaf to the switch above
+    if gguf_tqdm is not None and not enabled:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 def load_model_from_meta(info: dict[str, Any], model: str | None = None, gguf_file: str | None = None, *,

@@ -44,6 +44,20 @@ class ArtifactError(FixableError):
 # Atomic writes
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the above first)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temp path next to `path`; renamed onto `path` when the block ends, removed if it raises.
@@ -55,6 +69,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it 0600: give the file the mode open() would have
         yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:

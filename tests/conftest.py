@@ -18,6 +18,17 @@ import tiny  # noqa: E402
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Sparse activations make large models fast. ") * 40
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache_dir(tmp_path_factory):
+    """GGUF cache entries (common/gguf_cache.py) of this session in its temp folder, not in ~/.cache."""
+    old = os.environ.get("HOTNEURONS_CACHE")
+    if old is None:
+        os.environ["HOTNEURONS_CACHE"] = str(tmp_path_factory.mktemp("gguf-cache"))
+    yield os.environ["HOTNEURONS_CACHE"]
+    if old is None:
+        os.environ.pop("HOTNEURONS_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(name) -> folder of a saved tiny random model of that family (built once per session)."""
