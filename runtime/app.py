@@ -232,8 +232,9 @@ def make_app(server: Server) -> FastAPI:
         return error_response(ApiError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
-    async def on_exception(request: Request, e: Exception) -> JSONResponse:  # a request never takes the server down
-        log.exception("request failed")
+    async def on_exception(request: Request, e: Exception) -> JSONResponse:
+        """A request never takes the server down (Starlette re-raises the error after this answer: uvicorn logs
+        it with its traceback)."""
         return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     @app.get("/health", response_model=schemas.Health, tags=["server"])
