@@ -17,7 +17,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,6 +74,103 @@ def write_parquet(path: str | os.PathLike, df: pd.DataFrame) -> None:
         df.to_parquet(tmp, index=False)
 
 
+def _reason(e: BaseException) -> str:
+    """The first line of an exception's message, for a one-line error."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def check_table(path: str | os.PathLike, columns: tuple[str, ...], writer: str) -> None:
+    """Refuse a parquet file that is empty, truncated, not parquet, or lacks `columns`, in one line naming the file
+    and `writer` (the command to re-run). Reads only the footer."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(path).names
+    except Exception as e:  # ArrowInvalid, OSError: empty, random bytes, cut short
+        raise ArtifactError(f"{path} is not a readable parquet table ({_reason(e)}): re-run {writer}") from None
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ArtifactError(f"{path} lacks the column(s) {', '.join(missing)}: re-run {writer}")
+
+
+def read_table(path: str | os.PathLike, columns: tuple[str, ...], writer: str) -> pd.DataFrame:
+    """`check_table`, then the table; a file that breaks while read is refused the same way."""
+    check_table(path, columns, writer)
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:
+        raise ArtifactError(f"{path} is not a readable parquet table ({_reason(e)}): re-run {writer}") from None
+
+
+def check_tensors(path: str | os.PathLike, writer: str) -> list[str]:
+    """The tensor names of a safetensors file; an empty, cut or foreign file is refused in one line."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # SafetensorError, OSError
+        raise ArtifactError(f"{path} is not a readable safetensors file ({_reason(e)}): re-run {writer}") from None
+
+
+def check_npy(path: str | os.PathLike, writer: str, dtype: Any = None, shape: tuple[int | None, ...] | None = None):
+    """A read-only memory map of a .npy file; a missing, empty, cut or misshapen one is refused in one line.
+    `shape` entries that are None are not checked."""
+    import numpy as np
+
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path} is missing: re-run {writer}")
+    if path.stat().st_size == 0:
+        raise ArtifactError(f"{path} is empty: re-run {writer}")
+    try:
+        a = np.load(path, mmap_mode="r")
+    except Exception as e:  # ValueError "mmap length is greater than file size", EOFError, UnpicklingError
+        raise ArtifactError(f"{path} is truncated or not a .npy array ({_reason(e)}): re-run {writer}") from None
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise ArtifactError(f"{path} holds {a.dtype}, expected {np.dtype(dtype)}: re-run {writer}")
+    if shape is not None and (a.ndim != len(shape) or any(w is not None and w != n for w, n in zip(shape, a.shape))):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        raise ArtifactError(f"{path} has shape {a.shape}, expected {want}: re-run {writer}")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interrupts
+
+
+class StageInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a stage. `kept` is the folder holding a checkpoint to resume from, None when nothing was kept
+    (nothing then stands in the way of a fresh run); `done` is the finished stage folder when the interrupt came
+    while it was written (the write is completed first)."""
+
+    def __init__(self, message: str, *, kept: Path | None = None, done: Path | None = None):
+        super().__init__(message)
+        self.kept, self.done = kept, done
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Ctrl-C (SIGINT) waits until the block ends, then raises KeyboardInterrupt: for writes that must not stop
+    half way (a checkpoint's files, the swap of a finished folder). Outside the main thread a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = signal.getsignal(signal.SIGINT)
+    if old in (signal.SIG_IGN, None):
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if caught:
+        raise KeyboardInterrupt
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Stage folders
 
@@ -99,10 +198,12 @@ def staged(final: str | os.PathLike, *, fresh: bool = True, owner: bool = True,
     except BaseException:
         keep = keep_on_failure(partial) if callable(keep_on_failure) else keep_on_failure
         if owner and not keep:
-            shutil.rmtree(partial, ignore_errors=True)
+            with deferred_interrupt():  # a second Ctrl-C must not leave half a folder
+                shutil.rmtree(partial, ignore_errors=True)
         raise
     if owner:
-        _swap_in(partial, final)
+        with deferred_interrupt():
+            _swap_in(partial, final)
 
 
 def _swap_in(partial: Path, final: Path) -> None:
@@ -241,4 +342,15 @@ def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, ProfileMeta]
     if not meta_path.exists() or not table.exists():
         raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
     meta = ProfileMeta.load(meta_path)
-    return pd.read_parquet(table), meta
+    return read_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}"), meta
+
+
+def check_profile(run_dir: str | os.PathLike) -> ProfileMeta:
+    """RUN/profile/meta.json, after checking that neurons.parquet is a readable table (its footer only)."""
+    pdir = Path(run_dir) / "profile"
+    meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
+    if not meta_path.exists() or not table.exists():
+        raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
+    meta = ProfileMeta.load(meta_path)
+    check_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}")
+    return meta

@@ -1,8 +1,20 @@
-"""What the stages' click commands share: turning a library error into a one-line message that names the flags."""
+"""What the stages' click commands share: one-line errors that name the flags, a stdout that holds only the
+--json output, and the checks a command runs before it loads a model.
+
+Exit codes, the same in every pi-* command (docs/artifacts.md):
+0 done; 1 a value names something unusable (a missing or broken file or artifact, an empty corpus, an unknown or
+unreachable model, a port in use) or the work failed; 2 the command line itself is malformed (click's usage
+errors: an unknown flag, a value of the wrong type or out of range, a missing required flag); 130 interrupted.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import errno
+import os
+import socket
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import click
 
@@ -13,3 +25,57 @@ def cli_error(e: Exception, flags: Mapping[str, str] | None = None) -> click.Cli
     flags = flags or {}
     names = [flags.get(p, "--" + p.replace("_", "-")) for p in getattr(e, "params", ())]
     return click.ClickException(f"{e} ({', '.join(dict.fromkeys(names))})" if names else str(e))
+
+
+@contextmanager
+def stdout_to_stderr(enabled: bool = True) -> Iterator[None]:
+    """While the block runs, whatever is written to file descriptor 1 (C libraries such as HiGHS print there
+    directly, and stray Python prints) goes to stderr; stdout is restored after, for the command's --json."""
+    if not enabled:
+        yield
+        return
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):  # no fd 1 or 2 (a daemon): nothing to protect
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse, in one line, an address the server could not listen on (a port in use, an unknown host), by binding
+    it for a moment: before a model loads, not after."""
+    if not 0 <= port <= 65535:
+        raise click.ClickException(f"port {port} is out of range: give 0..65535 (0: any free port) (--port)")
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise click.ClickException(f"cannot listen on host '{host}': {e.strerror} (--host)") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: a port in TIME_WAIT is free
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise click.ClickException(f"port {port} on {host} is in use: stop what listens there, or pass "
+                                           f"another --port (0: any free one)") from None
+            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror} (--host, --port)") from None
+
+
+def interrupted(message: str) -> None:
+    """Ctrl-C: one line on stderr saying what was kept, exit code 130."""
+    click.echo(f"\ninterrupted: {message}", err=True)
+    sys.exit(130)

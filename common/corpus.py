@@ -56,7 +56,34 @@ def iter_texts(dataset: str = "wikipedia-sample", text_column: str = "text") -> 
     if os.path.exists(dataset):
         yield from _local_texts(Path(dataset), text_column)
         return
+    if _looks_like_path(dataset):
+        raise CorpusError(f"dataset path '{dataset}' does not exist: check the path, or name a corpus "
+                          f"(wikipedia-sample, c4, wikipedia)", params="dataset")
     raise CorpusError(f"unknown dataset '{dataset}': use {known_datasets()}", params="dataset")
+
+
+def _looks_like_path(dataset: str) -> bool:
+    return ("/" in dataset or os.sep in dataset or dataset.startswith((".", "~"))
+            or Path(dataset).suffix.lower() in _LOCAL_BUILDERS)
+
+
+def check_corpus(dataset: str, text_column: str = "text") -> None:
+    """Refuse, in one line and before a model loads, a corpus that does not exist, cannot be read, or holds no text
+    (empty, or whitespace only): reads documents up to the first that has some text."""
+    try:
+        for text in iter_texts(dataset, text_column):
+            if not isinstance(text, str):
+                raise CorpusError(f"the column '{text_column}' of dataset '{dataset}' holds {type(text).__name__}, "
+                                  f"not text: name the text column", params="text_column")
+            if text.strip():
+                return
+    except CorpusError:
+        raise
+    except Exception as e:  # a broken file, a hub corpus out of reach
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CorpusError(f"cannot read dataset '{dataset}': {first}", params="dataset") from None
+    raise CorpusError(f"dataset '{dataset}' holds no text (it is empty or whitespace only): name another",
+                      params="dataset")
 
 
 def _local_texts(path: Path, text_column: str) -> Iterator[str]:
