@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta
-from hotneurons.common.cli import cli_error
+from hotneurons.common.artifacts import ArtifactError, ProfileMeta, StageInterrupted
+from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.kinds import Activation
 from hotneurons.profiler.profile import ProfileConfig, profile_model
@@ -61,19 +60,29 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
                         samples_per_layer=samples_per_layer, seed=seed, dtype=dtype, activation=activation,
                         trust_remote_code=trust_remote_code)
     try:
-        meta = profile_model(cfg, out, resume=resume, force=force, device=device,
-                             checkpoint_every=checkpoint_every, progress=not quiet)
+        with stdout_to_stderr(as_json):
+            meta = profile_model(cfg, out, resume=resume, force=force, device=device,
+                                 checkpoint_every=checkpoint_every, progress=not quiet)
     except (ArtifactError, CorpusError, ValueError) as e:
         raise cli_error(e, FLAGS) from None
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted: the last checkpoint is kept; continue with --resume", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        interrupted(interrupt_message(e))
     if meta is None:  # a non-zero rank under torchrun
         return
     if as_json:
         click.echo(json.dumps(meta.to_dict(), indent=2))
     else:
         click.echo(format_summary(meta))
+
+
+def interrupt_message(e: KeyboardInterrupt) -> str:
+    """What an interrupt left behind, and the command that goes on from there."""
+    if isinstance(e, StageInterrupted) and e.done is not None:
+        return f"the profile was complete and is written in {e.done}"
+    if isinstance(e, StageInterrupted) and e.kept is not None:
+        return (f"the last checkpoint is kept in {e.kept}: continue with --resume (same flags), or start over with "
+                f"--force")
+    return "stopped before the first checkpoint, nothing was kept: run the same command again"
 
 
 def format_summary(meta: ProfileMeta) -> str:

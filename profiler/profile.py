@@ -9,8 +9,10 @@ Under `torchrun` each rank profiles every world_size-th batch and the counts are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,11 +22,17 @@ import numpy as np
 import pandas as pd
 import torch
 from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta, ProfileSamples
-from hotneurons.common.corpus import CorpusError, iter_texts, token_batches
+from hotneurons.common.artifacts import (
+    ArtifactError,
+    ProfileMeta,
+    ProfileSamples,
+    StageInterrupted,
+    deferred_interrupt,
+)
+from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.kinds import Rule
-from hotneurons.common.models import LoadedModel, load_model, pick_device
+from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device, resolve_source
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
@@ -91,6 +99,10 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     """Profile `cfg.model` over `cfg.dataset`; write RUN/profile/ and return its meta.json (None on the ranks
     other than 0 of a distributed run).
 
+    Everything that can be refused without the model (its path or hub id, the corpus, the run directory's state) is
+    refused before it loads. An interrupt (KeyboardInterrupt) at any moment comes out as StageInterrupted: `kept` is
+    the partial folder when a checkpoint in it can be resumed, else None and nothing stands in the way of a fresh
+    run; an interrupt while the finished profile is written waits for the write (`done`).
     `lm` reuses an already loaded model (notebooks, tests). `_stop_after` interrupts after that many batches,
     leaving a checkpoint, as a crash would (tests of `resume`).
     """
@@ -99,28 +111,48 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
         torch.cuda.set_device(device)
     device = pick_device(device)
-    if lm is None:
-        lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
-                        trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
-    if not any(iter_texts(cfg.dataset, cfg.text_column)):  # stops at the first text; fails before touching the disk
-        raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile", params="dataset")
-    run = Path(out) if out is not None else artifacts.default_run_dir(lm.info["name"])
+    name = lm.info["name"] if lm is not None else resolve_source(cfg.model, cfg.gguf_file, cfg.revision).name
+    check_corpus(cfg.dataset, cfg.text_column)  # stops at the first text; fails before the model loads
+    run = Path(out) if out is not None else artifacts.default_run_dir(name)
     final = run / "profile"
-    _check_existing(final, final.with_name(".profile.partial"), lm.info, resume, force)
-    _barrier(world)  # every rank has checked before rank 0 creates the partial folder
-
-    def resumable(partial: Path) -> bool:  # a rank checkpointed: keep it for `resume`; else leave no debris
-        return any(partial.glob("state.rank*.json"))
-
-    with artifacts.staged(final, fresh=not resume, owner=rank == 0, keep_on_failure=resumable) as partial:
-        _barrier(world)
-        meta = _profile(cfg, lm, partial, rank, world, resume, checkpoint_every, progress, _stop_after)
+    partial = final.with_name(".profile.partial")
+    _check_partial(partial, resume, force)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and rank == 0 else (lambda msg: None)
+    finished = False
+    try:
+        if lm is None:
+            check_model(cfg.model, cfg.gguf_file, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                        activation=cfg.activation)
+            say(f"loading {name}")
+            lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
+                            trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
+        _check_existing(final, lm.info, force)
+        _barrier(world)  # every rank has checked before rank 0 creates the partial folder
+        with contextlib.ExitStack() as writing:  # holds a deferred interrupt from the final write until the swap
+            with artifacts.staged(final, fresh=not resume, owner=rank == 0, keep_on_failure=_resumable) as partial:
+                _barrier(world)
+                meta = _profile(cfg, lm, partial, rank, world, resume, checkpoint_every, progress, _stop_after,
+                                writing, say)
+            finished = True
+    except KeyboardInterrupt as e:
+        if isinstance(e, StageInterrupted):
+            raise
+        if finished:
+            raise StageInterrupted(f"stopped after writing {final}", done=final) from None
+        kept = partial if rank == 0 and _resumable(partial) else None
+        raise StageInterrupted(str(e) or "stopped", kept=kept) from None
     _barrier(world)  # rank 0 has swapped the folder into place
     return meta
 
 
+def _resumable(partial: Path) -> bool:
+    """A partial folder that a resumed run can continue: the shared state and at least one rank's checkpoint."""
+    return (partial / "state.json").exists() and any(partial.glob("state.rank*.json"))
+
+
 def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, world: int, resume: bool,
-             checkpoint_every: int, progress: bool, _stop_after: int | None) -> ProfileMeta | None:
+             checkpoint_every: int, progress: bool, _stop_after: int | None, writing: contextlib.ExitStack,
+             say=lambda msg: None) -> ProfileMeta | None:
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
     key = {**cfg.resume_key(), "fingerprint": lm.info["fingerprint"], "world_size": world}
     ckpt, rank_state = partial / f"ckpt.rank{rank}.safetensors", partial / f"state.rank{rank}.json"
@@ -134,6 +166,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, worl
 
     rule = activation_rule(lm.activation)
     if rule == Rule.ABS_TAU and shared["taus"] is None:
+        say(f"calibrating the activation thresholds on {cfg.calibration_tokens:,} tokens")
         shared["taus"] = calibrate_taus(lm, cfg)
     taus = shared["taus"] if rule == Rule.ABS_TAU else None
     if rank == 0:
@@ -191,6 +224,8 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, worl
         dist.all_reduce(tokens)
         mine_filled, filled = filled[0], [torch.zeros_like(filled[0]) for _ in range(world)]
         dist.all_gather(filled, mine_filled)
+    writing.enter_context(deferred_interrupt())  # from here to the swap, Ctrl-C waits: the profile is complete
+    say(f"writing {partial.with_name('profile')}")
     if reservoir is not None:
         reservoir.flush()
     _barrier(world)
@@ -207,18 +242,28 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _check_existing(final: Path, partial: Path, info: dict, resume: bool, force: bool) -> None:
+def _check_partial(partial: Path, resume: bool, force: bool) -> None:
+    """Before the model loads: a resumable interrupted run is neither overwritten nor ignored without being told;
+    a partial folder without a checkpoint (stopped before its first) is debris that a fresh run removes."""
+    if _resumable(partial) and not resume and not force:
+        raise ArtifactError(f"an interrupted profile is in {partial}: resume it, or force a fresh start",
+                            params=("resume", "force"))
+    if resume and not _resumable(partial):
+        raise ArtifactError(f"no interrupted profile to resume in {partial} (no checkpoint was written): start a new "
+                            f"one without resume", params="resume")
+
+
+def _check_existing(final: Path, info: dict, force: bool) -> None:
+    """After the model loads: a finished profile of another model is not replaced unless forced."""
     if (final / "meta.json").exists() and not force:
-        old = artifacts.read_json(final / "meta.json")  # any version: only its model matters here
+        try:
+            old = artifacts.read_json(final / "meta.json")  # any version: only its model matters here
+        except (OSError, ValueError):
+            old = {}
         if old.get("model", {}).get("fingerprint") != info["fingerprint"]:
             raise ArtifactError(f"{final} holds a profile of '{old.get('model', {}).get('name')}', not of "
                                 f"'{info['name']}': force a replacement, or write to another run directory",
                                 params=("force", "out"))
-    if partial.exists() and not resume and not force:
-        raise ArtifactError(f"an interrupted profile is in {partial}: resume it, or force a fresh start",
-                            params=("resume", "force"))
-    if resume and not (partial / "state.json").exists():
-        raise ArtifactError(f"no interrupted profile to resume in {partial}: start a new one", params="resume")
 
 
 def _check_resume_key(saved: dict, now: dict, partial: Path) -> None:
@@ -232,10 +277,11 @@ def _check_resume_key(saved: dict, now: dict, partial: Path) -> None:
 def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reservoir: SampleReservoir | None,
                 state: dict) -> None:
     """Samples first, then counts, then state: a state file names only what is already on disk."""
-    if reservoir is not None:
-        reservoir.flush()
-    artifacts.atomic_write_bytes(ckpt, save({"counts": counter.counts.cpu().contiguous()}))
-    artifacts.write_json(rank_state, state)
+    with deferred_interrupt():  # Ctrl-C waits: counts newer than the state file would be counted twice on resume
+        if reservoir is not None:
+            reservoir.flush()
+        artifacts.atomic_write_bytes(ckpt, save({"counts": counter.counts.cpu().contiguous()}))
+        artifacts.write_json(rank_state, state)
 
 
 def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
