@@ -19,9 +19,9 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/pi-profile --out runs/demo --tokens 30000 --samples-per-layer 4096 --force --quiet
+	$(BIN)/pi-profile --out runs/demo --tokens 30000 --samples-per-layer 4096 --force
 	$(BIN)/pi-solve --run runs/demo --vram 262MB --reserve 0
-	$(BIN)/pi-train-predictors --run runs/demo --preset fast --quiet
+	$(BIN)/pi-train-predictors --run runs/demo --preset fast
 	$(BIN)/pi-generate --run runs/demo --chat --prompt "What is the capital of France? Answer in one sentence." -n 48
 
 test: $(BIN)/.installed

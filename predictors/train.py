@@ -105,7 +105,8 @@ def base_hidden(cfg: PredictorConfig, n_neurons: int, sparsity: float, share80: 
 
 def plan_sizes(fit: Callable[[int, int], Fit], n_layers: int, d_model: int, n_neurons: int,
                sparsity: np.ndarray, share80: np.ndarray, ffn_params: list[int], cfg: PredictorConfig,
-               progress: Callable[[str], None] = lambda s: None) -> tuple[list[Fit], list[list[dict]], int]:
+               progress: Callable[[str], None] = lambda s: None,
+               bound: Callable[[int], None] = lambda n: None) -> tuple[list[Fit], list[list[dict]], int]:
     """The skewness-driven search. `fit(layer, hidden)` trains one predictor. Returns (kept fits, tried, budget).
 
     1. base: h_l = base_hidden(...), capped so each layer stays within its share of the budget;
@@ -113,13 +114,21 @@ def plan_sizes(fit: Callable[[int, int], Fit], n_layers: int, d_model: int, n_ne
        sparsity (at the target recall) stays within shrink_tolerance of the kept size;
     3. flat layers, flattest first: grow h by grow_factor while the total stays within the budget and val
        predicted sparsity improves by at least grow_min_gain.
-    At most max_steps changes per layer in phases 2 and 3.
+    At most max_steps changes per layer in phases 2 and 3. `bound(n)`: at most n fits in all, told whenever a
+    layer's search ends early (a progress bar's total, for its ETA).
     """
     per_row = d_model + n_neurons
     budget = int(cfg.max_predictor_fraction * sum(ffn_params))
     caps = [max(cfg.min_hidden, int(cfg.max_predictor_fraction * fp) // per_row) for fp in ffn_params]
     kept: list[Fit] = []
     tried: list[list[dict]] = [[] for _ in range(n_layers)]
+    most = n_layers * (1 + cfg.max_steps)  # base fits, then each layer shrinks or grows at most max_steps times
+    bound(most)
+
+    def ended(layer: int) -> None:
+        nonlocal most
+        most -= 1 + cfg.max_steps - len(tried[layer])
+        bound(most)
 
     def run(layer: int, h: int, phase: str) -> Fit:
         f = fit(layer, h)
@@ -141,6 +150,7 @@ def plan_sizes(fit: Callable[[int, int], Fit], n_layers: int, d_model: int, n_ne
             if f.val["predicted_sparsity"] < kept[i].val["predicted_sparsity"] - cfg.shrink_tolerance:
                 break
             kept[i] = f
+        ended(i)
     for i in sorted(range(n_layers), key=lambda j: -share80[j]):
         if share80[i] < cfg.skew_cut:
             continue
@@ -153,6 +163,7 @@ def plan_sizes(fit: Callable[[int, int], Fit], n_layers: int, d_model: int, n_ne
             if f.val["predicted_sparsity"] < kept[i].val["predicted_sparsity"] + cfg.grow_min_gain:
                 break
             kept[i] = f
+        ended(i)
     return kept, tried, budget
 
 
@@ -223,9 +234,13 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
         bar.update(1)
         bar.set_postfix_str(msg, refresh=False)
 
+    def bound(total: int) -> None:  # the most fits left to run: the bar's total, so that it shows an ETA
+        bar.total = total
+        bar.refresh()
+
     t0 = time.perf_counter()
     kept, tried, budget = plan_sizes(fit, len(sel), d, n, sparsity[sel], share80[sel],
-                                     [ffn_params[i] for i in sel], cfg, note)
+                                     [ffn_params[i] for i in sel], cfg, note, bound)
     seconds = time.perf_counter() - t0
     bar.close()
     summary = _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d, n)

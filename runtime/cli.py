@@ -36,9 +36,27 @@ def format_stats(s: dict) -> str:
             f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "
             f"FFN sparsity {s['ffn_sparsity']:.3f}, GPU share of activations {s['gpu_activation_share']:.3f}"
             + (f" (the profile's: {profile:.3f})" if profile is not None and s["mode"] == "hybrid" else "") + ", "
-            f"{s['bytes_gpu'] / 1e6:.1f} MB on the device, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
+            f"{device_bytes(s)}, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
     warning = share_warning(s)
     return text if warning is None else f"{text}\nwarning: {warning}"
+
+
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
+
+
+def device_bytes(s: dict) -> str:
+    """The device's bytes, where and in which dtype, beside pi-solve's plan when the run has one: on the CPU the
+    "device" part runs in float32 (fast there), twice the bytes of the fp16 the plan counts for a GPU."""
+    device = "CPU" if s["device"] == "cpu" else s["device"]
+    text = f"{s['bytes_gpu'] / 1e6:.1f} MB on the {device} device in {s['dtype']}"
+    plan, plan_dtype = s.get("plan_bytes_gpu"), s.get("plan_dtype")
+    if plan is None or s["mode"] == "layer-split":
+        return text
+    text += f" (the plan counts {plan / 1e6:.1f} MB" + (f" in {plan_dtype}" if plan_dtype else "")
+    have, planned = _DTYPE_BYTES.get(s["dtype"]), _DTYPE_BYTES.get(plan_dtype or "")
+    if have and planned and have != planned:
+        text += f": {planned} bytes a weight, not {have}"
+    return text + ")"
 
 
 def share_warning(s: dict) -> str | None:

@@ -120,6 +120,9 @@ class Runtime:
     pcie_balance: ShareBalance | None = None  # a measured share on CUDA graphs: moved by timed rounds first
     # the placement's GPU share of the profile's activations (pi-solve's summary.json), to compare decode's with
     profile_gpu_share: float | None = None
+    # what pi-solve planned on the GPU (bytes, dtype: summary.json), to compare the device's bytes with
+    plan_bytes_gpu: int | None = None
+    plan_dtype: str | None = None
 
     @property
     def mode(self) -> str:
@@ -340,6 +343,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
             "profile_gpu_activation_share": rt.profile_gpu_share,
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
+            "plan_bytes_gpu": rt.plan_bytes_gpu, "plan_dtype": rt.plan_dtype,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
             "static_ctx": None if rt.fast is None else rt.fast.capacity,
@@ -402,6 +406,8 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
     rt = build_runtime(lm, cfg, placement, predictors, taus)
     rt.profile_gpu_share = solved.get("gpu_activation_share")
+    rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
+    rt.plan_dtype = solved.get("flags", {}).get("dtype")
     return rt
 
 

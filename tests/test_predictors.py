@@ -176,8 +176,10 @@ def test_plan_sizes_rule():
     cfg = PredictorConfig(base_scale=1.0, min_hidden=8, hidden_multiple=8, max_steps=3, max_predictor_fraction=1.0)
     # layer 0 skewed, quality flat in h: shrinks to the minimum; layer 1 flat, quality rises with log2(h): grows
     q = lambda layer, h: 0.5 if layer == 0 else 0.3 + 0.05 * math.log2(h)  # noqa: E731
+    bounds: list[int] = []  # the progress bar's total: at most this many fits, down to the number run
     kept, tried, budget = plan_sizes(fake_fit(q, d + n), 2, d, n, np.array([0.0, 0.5]), np.array([0.2, 0.8]),
-                                     [10_000, 10_000], cfg)
+                                     [10_000, 10_000], cfg, bound=bounds.append)
+    assert bounds[0] == 2 * (1 + 3) and bounds == sorted(bounds, reverse=True) and bounds[-1] == 5
     # layer 0: base 64 * 1.0 * 0.2/0.8 = 16, shrink to 8 (no loss), then at the minimum
     assert [(t["hidden"], t["phase"]) for t in tried[0]] == [(16, "base"), (8, "shrink")] and kept[0].hidden == 8
     # layer 1: base 64 * 0.5 = 32, grow 48 (+0.029), 72 -> capped at n_neurons 64 (+0.021), then at the cap

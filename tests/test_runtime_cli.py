@@ -169,6 +169,18 @@ def test_stats_compare_decode_gpu_share_with_the_profile(opt_run, tmp_path):
     assert "(the profile's: 0.990)" in r.output and "warning: decode put" in r.output and "pi-profile" in r.output
 
 
+def test_stats_say_where_the_device_bytes_are_and_the_plan():
+    s = {"mode": "hybrid", "decode_steps": 4, "gpu_activation_share": 0.2, "profile_gpu_activation_share": 0.2,
+         "device": "cpu", "dtype": "float32", "cold_dtype": "bf16", "threads": 2, "prefill_tokens_per_s": 1.0,
+         "decode_tokens_per_s": 2.0, "ffn_sparsity": 0.2, "bytes_gpu": 496_100_000, "bytes_cpu": 128_000_000,
+         "plan_bytes_gpu": 261_075_072, "plan_dtype": "fp16"}
+    assert ("496.1 MB on the CPU device in float32 (the plan counts 261.1 MB in fp16: 2 bytes a weight, not 4), "
+            "128.0 MB cold in CPU RAM") in format_stats(s)
+    cuda = format_stats({**s, "device": "cuda:0", "dtype": "float16", "bytes_gpu": 260_000_000})
+    assert "260.0 MB on the cuda:0 device in float16 (the plan counts 261.1 MB in fp16)," in cuda
+    assert "MB on the CPU device in float32, 128.0 MB" in format_stats({**s, "plan_bytes_gpu": None})
+
+
 def test_share_warning_rule():
     s = {"mode": "hybrid", "decode_steps": SHARE_WARN_STEPS, "gpu_activation_share": 0.5,
          "profile_gpu_activation_share": 0.7, "device": "cpu", "dtype": "float32", "cold_dtype": "bf16",
