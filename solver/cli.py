@@ -6,8 +6,8 @@ import json
 import sys
 
 import click
-from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.cli import cli_error
+from hotneurons.common.artifacts import ArtifactError, check_profile
+from hotneurons.common.cli import cli_error, stdout_to_stderr
 from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
 from hotneurons.common.placement import Objective, PlacementSummary
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
@@ -74,26 +74,33 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         hw = get_hardware(hardware)
     except UnknownHardware as e:
         raise click.ClickException(str(e)) from None
-    notes: list[str] = []
-    if measure:
-        hw, notes = measure_hardware(hw)
-        if not as_json:
-            for n in notes:
-                click.echo(f"measure: {n}", err=True)
+    rates = {flag: _parsed(parse_rate, flag, text) for flag, text in
+             (("--pcie-bw", pcie_bw), ("--gpu-bw", gpu_bw), ("--cpu-bw", cpu_bw))}
+    vram_bytes, reserve_bytes = _parsed(parse_bytes, "--vram", vram), _parsed(parse_bytes, "--reserve", reserve)
     if cores is not None and cores < 1:
         raise click.ClickException(f"--cores must be >= 1, got {cores}")
     if sync_us is not None and sync_us < 0:
         raise click.ClickException(f"--sync-us must be >= 0, got {sync_us}")
-    hw = hw.replace(pcie_bw=_parsed(parse_rate, "--pcie-bw", pcie_bw), gpu_bw=_parsed(parse_rate, "--gpu-bw", gpu_bw),
-                    cpu_bw=_parsed(parse_rate, "--cpu-bw", cpu_bw), cores=cores,
-                    sync_latency_s=None if sync_us is None else sync_us * 1e-6)
     try:
-        summary = solve_placement(run_dir, hw, vram_bytes=_parsed(parse_bytes, "--vram", vram), dtype=dtype, ctx=ctx,
-                                  reserve_bytes=_parsed(parse_bytes, "--reserve", reserve), group_size=group_size,
-                                  objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
-                                  mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
-    except (SolverError, ArtifactError) as e:
+        check_profile(run_dir)  # before --measure's seconds
+    except ArtifactError as e:
         raise cli_error(e, FLAGS) from None
+    with stdout_to_stderr(as_json):  # HiGHS prints its banner to fd 1 whatever it is told
+        notes: list[str] = []
+        if measure:
+            hw, notes = measure_hardware(hw)
+            if not as_json:
+                for n in notes:
+                    click.echo(f"measure: {n}", err=True)
+        hw = hw.replace(pcie_bw=rates["--pcie-bw"], gpu_bw=rates["--gpu-bw"], cpu_bw=rates["--cpu-bw"], cores=cores,
+                        sync_latency_s=None if sync_us is None else sync_us * 1e-6)
+        try:
+            summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
+                                      reserve_bytes=reserve_bytes, group_size=group_size,
+                                      objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
+                                      mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
+        except (SolverError, ArtifactError) as e:
+            raise cli_error(e, FLAGS) from None
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from hotneurons.common.cli import stdout_to_stderr
 from hotneurons.common.kinds import choose
 from hotneurons.common.placement import Objective
 
@@ -117,7 +118,8 @@ def solve_ilp(p: PlacementProblem, objective: Objective | str = Objective.LATENC
     solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=mip_gap, threads=threads)
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
-    prob.solve(solver)
+    with stdout_to_stderr():  # HiGHS prints its banner to fd 1 even with msg=False: never into a caller's stdout
+        prob.solve(solver)
     solve = time.perf_counter() - t1
     h = prob.solverModel
     info = h.getInfo()
