@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError, default_run_dir
-from hotneurons.common.cli import cli_error
+from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.predictors.schema import EvalMode, PredictorsSummary
 
@@ -51,9 +51,12 @@ def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epoc
         cfg = preset(preset_name, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
                      epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed,
                      magnitude_weight=magnitude_weight)
-        summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
+        with stdout_to_stderr(as_json):
+            summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
     except (ArtifactError, ValueError) as e:
         raise cli_error(e, {"preset": "--preset"}) from None
+    except KeyboardInterrupt:
+        interrupted(f"nothing was written ({Path(run_dir) / 'predictors'} is as it was): run the command again")
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_train(summary, Path(run_dir)))
 
 
@@ -109,10 +112,13 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
         raise click.BadParameter(f"'{recall_sweep}' is not a comma-separated list of numbers, e.g. 0.9,0.8",
                                  param_hint="--recall-sweep") from None
     try:
-        report = evaluate(run_dir, modes=list(modes) or None, recall_sweep=sweep, dataset=dataset,
-                          text_column=text_column,
-                          tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
-                          gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
+        with stdout_to_stderr(as_json):
+            report = evaluate(run_dir, modes=list(modes) or None, recall_sweep=sweep, dataset=dataset,
+                              text_column=text_column,
+                              tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
+                              gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
     except (ArtifactError, CorpusError, ValueError) as e:
         raise cli_error(e, {"modes": "--mode"}) from None
+    except KeyboardInterrupt:
+        interrupted(f"nothing was written ({Path(run_dir) / 'eval'} is as it was): run the command again")
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_table(report))

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.corpus import CorpusError, iter_texts, token_batches
+from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import FFNHooks, active_mask
 from hotneurons.common.kinds import choose
 from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device
-from hotneurons.common.placement import Placement, read_placement
+from hotneurons.common.placement import Placement, PlacementMeta, read_placement
 from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
-from hotneurons.predictors.train import Predictors, load_predictors
+from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
 from tqdm.auto import tqdm
 
 MODES = EvalMode.values()
@@ -104,16 +104,28 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
     """
     run_dir = Path(run_dir)
-    _, pmeta = artifacts.read_profile(run_dir)
-    if lm is None:
-        lm = load_model_from_meta(pmeta.model, model, gguf_file, device=pick_device(device), dtype=dtype)
-    artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
+    # everything that can be refused without the model, before it loads
+    pmeta = artifacts.check_profile(run_dir)
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     if modes is None:
         modes = [EvalMode.DENSE, EvalMode.ORACLE] + ([EvalMode.PREDICTOR] if have_pred else []) + \
                 ([EvalMode.PLACEMENT] if have_pred and have_place else [])
     modes = [choose(m, EvalMode, "eval mode", param="modes") for m in modes]
+    if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
+        for r in [recall, *(recall_sweep or [])]:
+            check_predictors(run_dir, r)
+    if EvalMode.PLACEMENT in modes:
+        if not have_place:
+            raise ArtifactError(f"no placement in {run_dir / 'placement'}: run pi-solve on {run_dir} first, "
+                                f"or leave out the placement mode", params="modes")
+        PlacementMeta.load(run_dir / "placement" / "meta.json")
+        artifacts.check_table(run_dir / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
+                              f"pi-solve --run {run_dir}")
+    check_corpus(dataset, text_column)
+    if lm is None:
+        lm = load_model_from_meta(pmeta.model, model, gguf_file, device=pick_device(device), dtype=dtype)
+    artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     preds = gpu = None
     if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
         dev = next(lm.model.parameters())
@@ -121,9 +133,6 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         if recall is not None:
             preds.set_recall(recall)
     if EvalMode.PLACEMENT in modes:
-        if not have_place:
-            raise ArtifactError(f"no placement in {run_dir / 'placement'}: run pi-solve on {run_dir} first, "
-                                f"or leave out the placement mode", params="modes")
         gpu = read_placement(run_dir, lm.info, len(lm.layers))
     taus = pmeta.layer_taus
     batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))

@@ -69,6 +69,16 @@ def samples_dir(run_dir: Path, meta: ProfileMeta) -> Path:
     return sdir
 
 
+def check_samples(sdir: Path, meta: ProfileMeta) -> None:
+    """Every layer's sample files are there, readable and of the profile's shapes: a broken one is refused in one
+    line naming it, before any model loads or any training starts."""
+    info, count = meta.model, meta.sample_count
+    writer = f"pi-profile --out {sdir.parent.parent} --force"
+    for i in range(info["n_layers"]):
+        artifacts.check_npy(sdir / f"layer_{i:03d}.x.npy", writer, np.float16, (count, info["d_model"]))
+        artifacts.check_npy(sdir / f"layer_{i:03d}.mask.npy", writer, np.uint8, (count, (info["n_neurons"] + 7) // 8))
+
+
 def load_samples(sdir: Path, layer: int, n_neurons: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x float32 (count, d_model), mask bool (count, n_neurons)) of one layer, read from the memory maps."""
     x = np.load(sdir / f"layer_{layer:03d}.x.npy", mmap_mode="r")
@@ -188,6 +198,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     device = pick_device(device)
     neurons, pmeta = artifacts.read_profile(run_dir)
     sdir = samples_dir(run_dir, pmeta)
+    check_samples(sdir, pmeta)
     final = run_dir / "predictors"
     info = pmeta.model
     if (final / "meta.json").exists() and not force:
@@ -314,6 +325,26 @@ class Predictors:
             self.layers[row.layer].threshold.fill_(table[key])
 
 
+def check_predictors(run_dir: str | Path, recall: float | None = None) -> PredictorsSummary:
+    """RUN/predictors/ is complete and readable (meta.json, summary.json, the tensors each layer needs), and
+    `recall`, when given, is one of its tabulated recalls: refused in one line before a model loads."""
+    pdir = Path(run_dir) / "predictors"
+    if not (pdir / "meta.json").exists() or not (pdir / "predictors.safetensors").exists():
+        raise ArtifactError(f"no predictors in {pdir}: run pi-train-predictors on {run_dir} first")
+    PredictorsMeta.load(pdir / "meta.json")
+    summary = PredictorsSummary.load(pdir / "summary.json")
+    names = set(artifacts.check_tensors(pdir / "predictors.safetensors", f"pi-train-predictors --run {run_dir}"))
+    for row in summary.layers:
+        want = [f"layers.{row.layer}.{t}" for t in ("fc1.weight", "fc2.weight", "threshold")]
+        if not names.issuperset(want):
+            raise ArtifactError(f"{pdir / 'predictors.safetensors'} lacks the tensors of layer {row.layer}: re-run "
+                                f"pi-train-predictors --run {run_dir}")
+        if recall is not None and f"{recall:g}" not in row.thresholds_by_recall:
+            raise ValueError(f"recall {recall} has no tabulated threshold: choose one of "
+                             f"{', '.join(row.thresholds_by_recall)}")
+    return summary
+
+
 def load_predictors(run_dir: str | Path, model_info: dict | None = None, *, check_profile: bool = True,
                     device: str = "cpu", dtype: torch.dtype = torch.float32) -> Predictors:
     """Read RUN/predictors/; refuse predictors of another model (`model_info` = the loaded model's info) or of
@@ -331,7 +362,7 @@ def load_predictors(run_dir: str | Path, model_info: dict | None = None, *, chec
             raise ArtifactError(f"predictors {pdir} were trained on another profile than {prof.parent} "
                                 f"(profile meta sha256 {want[:12]}): re-run pi-train-predictors, forcing a "
                                 f"replacement")
-    summary = PredictorsSummary.load(pdir / "summary.json")
+    summary = check_predictors(run_dir)
     tensors = load_file(str(pdir / "predictors.safetensors"))
     layers: dict[int, Predictor] = {}
     for row in summary.layers:
