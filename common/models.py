@@ -14,6 +14,7 @@ LLaMA-style models, `ln_mlp` / `input_layernorm` in Falcon). The runtime has it 
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -321,11 +322,11 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
         if patched:  # dReLU / FATReLU: built as ReGLU, then each FFN patched (common/sparse_act.py)
             text_config(config).hidden_act = "relu"
         hf_model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
     if patched:
         sparse_act.patch_ffn([adapter.ffn_module(layer) for layer in decoder_layers(hf_model, hf_model.config)],
                              patched, threshold)
         text_config(hf_model.config).hidden_act = patched
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **kw)
     if entry is not None and not patched:
         entry.save(hf_model, tokenizer)
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
@@ -341,6 +342,20 @@ def _hf_progress(enabled: bool) -> Iterator[None]:
 
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    # AutoConfig and AutoTokenizer each parse the GGUF's metadata (its whole vocabulary, seconds) for the same
+    # config: parse it once per load
+    read_gguf = getattr(gguf_utils, "load_gguf_checkpoint", None)
+    parsed: dict[str, Any] = {}
+
+    def read_once(path, return_tensors=False, **kw):
+        if return_tensors or kw:
+            return read_gguf(path, return_tensors=return_tensors, **kw)
+        if path not in parsed:
+            parsed[path] = read_gguf(path, return_tensors=False)
+        return copy.deepcopy(parsed[path])
+
+    if read_gguf is not None:
+        gguf_utils.load_gguf_checkpoint = read_once
     gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # the de-quantization bar is plain tqdm, deaf to the switch above
     if gguf_tqdm is not None and not enabled:
         gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
@@ -350,6 +365,8 @@ def _hf_progress(enabled: bool) -> Iterator[None]:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
         if gguf_tqdm is not None:
             gguf_utils.tqdm = gguf_tqdm
+        if read_gguf is not None:
+            gguf_utils.load_gguf_checkpoint = read_gguf
 
 
 def load_model_from_meta(info: dict[str, Any], model: str | None = None, gguf_file: str | None = None, *,
