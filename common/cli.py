@@ -55,9 +55,7 @@ def stdout_to_stderr(enabled: bool = True) -> Iterator[None]:
 def check_port(host: str, port: int) -> None:
     """Refuse, in one line, an address the server could not listen on (a port in use, an unknown host), by binding
     it for a moment: before a model loads, not after."""
-    if not 0 <= port <= 65535:
-        raise click.ClickException(f"port {port} is out of range: give 0..65535 (0: any free port) (--port)")
-    if port == 0:
+    if not 0 < port <= 65535:  # 0: any free port; out of range: the command's own check says so
         return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

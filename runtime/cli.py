@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
 import click
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
 from hotneurons.runtime.cold_rows import COLD_DTYPES
 from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, load_runtime, prompt_ids
 from hotneurons.runtime.ops import OPS
@@ -73,7 +75,16 @@ def share_warning(s: dict) -> str | None:
 
 
 def runtime_options(f):
-    """The flags that pick the model and lay it out: shared by pi-generate and pi-serve (see `open_runtime`)."""
+    """The flags that pick the model and lay it out: shared by pi-generate and pi-serve (see `open_runtime`).
+
+    A command that also takes `host` and `port` (pi-serve) has the address checked first (common/cli.check_port):
+    a port in use is refused in one line before the model loads, not after."""
+
+    @functools.wraps(f)
+    def checked(*args, **kw):
+        if isinstance(kw.get("port"), int) and "host" in kw:
+            check_port(kw["host"], kw["port"])
+        return f(*args, **kw)
     options = [
         click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory (profile/, placement/, "
                      "predictors/). The model is the one the run was made for unless --model is given."),
@@ -91,13 +102,15 @@ def runtime_options(f):
         click.option("--cold-dtype", type=click.Choice(COLD_DTYPES), default="bf16", show_default=True,
                      help="Storage of the cold rows in CPU RAM: bf16, or int8 with a scale per 64 weights (half the "
                           "bytes read per token, so faster when the CPU part dominates; a small rounding error)."),
-        click.option("--threads", "-t", type=int, default=None, help="CPU threads for the cold neurons [all cores]."),
+        click.option("--threads", "-t", type=click.IntRange(1), default=None,
+                     help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
                      "the GPU computes itself, reading their rows over PCIe from page-locked host RAM while the CPU "
                      "reads the rest [measured at start; 0: off]."),
         click.option("--vram", default=None, help="Device budget, e.g. 8GB: refuse a layout above it; layer-split "
                      "fills it with whole layers."),
-        click.option("--gpu-layers", type=int, default=None, help="layer-split: layers on the device (like -ngl)."),
+        click.option("--gpu-layers", type=click.IntRange(0), default=None,
+                     help="layer-split: layers on the device (like -ngl)."),
         click.option("--ctx", type=int, default=None, help="Tokens the static KV cache holds on the device, counted "
                      "by --vram; longer generations decode through HF [the run's pi-solve --ctx, else 4096]."),
         click.option("--no-cuda-graphs", is_flag=True, help="CUDA: launch the per-token GPU work eagerly (slower; "
@@ -112,8 +125,8 @@ def runtime_options(f):
         click.option("--trust-remote-code", is_flag=True),
     ]
     for option in reversed(options):
-        f = option(f)
-    return f
+        checked = option(checked)
+    return checked
 
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
@@ -135,11 +148,13 @@ def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @runtime_options
 @click.option("--prompt", "-p", default=None, help="Prompt text (default: read from stdin unless -i).")
-@click.option("-n", "--max-new-tokens", default=128, show_default=True, help="Tokens to generate.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1: off.")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="1: off.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1), default=128, show_default=True,
+              help="Tokens to generate (at least 1).")
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="1: off.")
+@click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="1: off.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to the prompt.")
 @click.option("-i", "--interactive", is_flag=True, help="Interactive chat (empty line or Ctrl-D ends).")
@@ -150,18 +165,21 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 
     Example: pi-generate --run runs/SmolLM2-135M-Instruct --prompt "The capital of France is" -n 64
     """
-    rt = open_runtime(**runtime)
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, seed)
     try:
-        if interactive:
-            return _chat_loop(rt, max_new_tokens, sampling)
-        if prompt is None:
-            prompt = sys.stdin.read()
-        ids = prompt_ids(rt, prompt, chat)
-        stream = None if as_json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        g = generate(rt, ids, max_new_tokens, sampling, on_text=stream)
+        with stdout_to_stderr(as_json):
+            rt = open_runtime(**runtime)
+            if interactive:
+                return _chat_loop(rt, max_new_tokens, sampling)
+            if prompt is None:
+                prompt = sys.stdin.read()
+            ids = prompt_ids(rt, prompt, chat)
+            stream = None if as_json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+            g = generate(rt, ids, max_new_tokens, sampling, on_text=stream)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e))
+    except KeyboardInterrupt:
+        interrupted("stopped (pi-generate writes no files)")
     if as_json:
         click.echo(json.dumps({"text": g.text, "token_ids": g.token_ids, "stats": g.stats}))
     else:

@@ -25,6 +25,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import (
     RELU_FAMILY,
     LoadedModel,
+    check_model,
     load_model,
     load_model_from_meta,
     pick_device,
@@ -362,8 +363,33 @@ def _first_meta(run_dir: Path) -> dict | None:
     for stage in ("placement", "predictors", "profile"):
         p = run_dir / stage / "meta.json"
         if p.exists():
-            return artifacts.read_json(p)
+            try:
+                meta = artifacts.read_json(p)
+            except (ValueError, OSError) as e:
+                raise ArtifactError(f"{p} is not valid JSON ({e}): re-run the stage that wrote it") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+                raise ArtifactError(f"{p} names no model: re-run the stage that wrote it")
+            return meta
     return None
+
+
+def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> None:
+    """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
+    line naming it (missing, empty, cut short, of another format)."""
+    from hotneurons.common.placement import PlacementMeta
+    from hotneurons.predictors.train import check_predictors
+
+    if (run / "profile" / "meta.json").exists():
+        artifacts.check_profile(run)
+    if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
+        PlacementMeta.load(run / "placement" / "meta.json")
+        artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
+                              f"pi-solve --run {run}")
+    if cfg.mode == "hybrid" and not cfg.oracle:
+        if not (run / "predictors" / "predictors.safetensors").exists():
+            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
+                                f"pass --no-predictor (dense) or --oracle (true masks)")
+        check_predictors(run, recall)
 
 
 def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybrid"], *, model: str | None = None,
@@ -380,6 +406,10 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     meta = _first_meta(run) if run is not None else None
     if meta is None and model is None:
         raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
+    if run is not None:
+        check_run(run, cfg, recall)
+    if model is not None:
+        check_model(model, gguf_file, trust_remote_code=trust_remote_code)
     lm = (load_model_from_meta(meta["model"], model, gguf_file, device="cpu", dtype=dname,
                                trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
