@@ -137,8 +137,10 @@ class Server:
         self.started = int(time.time())
         self.app = make_app(self)
         self._sock = _bind(cfg.host, cfg.port)
-        self._uv = _Uvicorn(uvicorn.Config(self.app, log_config=None, lifespan="off", timeout_keep_alive=int(IDLE_S),
-                                           timeout_graceful_shutdown=int(GRACE_S)), self._stop_jobs)
+        # h11 even where httptools is installed: the HTTP layer the tests run on; log_config=None: the CLI's logging
+        self._uv = _Uvicorn(uvicorn.Config(self.app, http="h11", log_config=None, lifespan="off",
+                                           timeout_keep_alive=int(IDLE_S), timeout_graceful_shutdown=int(GRACE_S)),
+                            self._stop_jobs)
         self._thread: threading.Thread | None = None
         self._worker = threading.Thread(target=self._work, name="pi-serve-worker", daemon=True)
         self._worker.start()
@@ -249,15 +251,15 @@ class Server:
                     continue
                 job.state, self.waiting, self.running, self._current = "running", self.waiting - 1, 1, job
             try:
-                job.events.put(("done", self._run(job)))
+                event: tuple = ("done", self._run(job))
             except Exception as e:  # a failing generation fails its request, never the server
                 log.exception("generation failed")
-                job.events.put(("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}")))
+                event = ("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
                 with self._lock:
                     self.counts["errors"] += 1
-            finally:
-                with self._lock:
-                    job.state, self.running, self._current = "done", 0, None
+            with self._lock:  # before the answer goes: a client that has it sees the worker free in /health
+                job.state, self.running, self._current = "done", 0, None
+            job.events.put(event)
 
     def _run(self, job: Job) -> Result:
         job.events.put(("start",))
