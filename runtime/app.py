@@ -22,6 +22,7 @@ from fastapi.security import HTTPBearer
 from hotneurons.runtime import api, schemas
 from hotneurons.runtime.api import ApiError, Reply, Result
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -145,7 +146,10 @@ async def stream_chunks(server: Server, job: Job, req: api.Request, reply: Reply
 
 async def complete(server: Server, request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
-    raw = await read_body(request)
+    try:
+        raw = await read_body(request)
+    except ClientDisconnect:  # it left while sending its body
+        return Response(status_code=499)
     req, job = await run_in_threadpool(server.job_for, raw, chat, arrived, Events())
     server.submit(job)
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
