@@ -69,10 +69,10 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         interrupted(interrupt_message(e))
     if meta is None:  # a non-zero rank under torchrun
         return
-    if as_json:
-        click.echo(json.dumps(meta.to_dict(), indent=2))
-    else:
-        click.echo(format_summary(meta))
+    try:
+        click.echo(json.dumps(meta.to_dict(), indent=2) if as_json else format_summary(meta))
+    except KeyboardInterrupt:
+        interrupted("the profile was complete and is written")
 
 
 def interrupt_message(e: KeyboardInterrupt) -> str:

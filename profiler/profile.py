@@ -189,7 +189,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, worl
                dynamic_ncols=True)
     start, seconds0, done_here = time.perf_counter(), state["seconds"], 0
     stream_tokens = 0  # tokens of all ranks: every rank tokenises the whole stream and takes its batches
-    with counter:
+    with counter, bar:  # the bar closes before an interrupt's message is printed
         for b, ids in enumerate(batches):
             stream_tokens += ids.numel()
             bar.update(ids.numel())
