@@ -74,6 +74,11 @@ def check_port(host: str, port: int) -> None:
 
 
 def interrupted(message: str) -> None:
-    """Ctrl-C: one line on stderr saying what was kept, exit code 130."""
+    """Ctrl-C: one line on stderr saying what was kept, exit code 130. Progress bars still open (the signal can land
+    between a bar's creation and its `with`) are closed first, so none is redrawn after the line."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
     click.echo(f"\ninterrupted: {message}", err=True)
     sys.exit(130)

@@ -185,11 +185,10 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, worl
 
     batches = token_batches(lm.tokenizer, iter_texts(cfg.dataset, cfg.text_column), cfg.seq_len, cfg.batch_size,
                             cfg.tokens)
-    bar = tqdm(total=cfg.tokens, unit="tok", unit_scale=True, desc="profiling", disable=not progress or rank != 0,
-               dynamic_ncols=True)
     start, seconds0, done_here = time.perf_counter(), state["seconds"], 0
     stream_tokens = 0  # tokens of all ranks: every rank tokenises the whole stream and takes its batches
-    with counter, bar:  # the bar closes before an interrupt's message is printed
+    with counter, tqdm(total=cfg.tokens, unit="tok", unit_scale=True, desc="profiling",
+                       disable=not progress or rank != 0, dynamic_ncols=True) as bar:  # closed before any message
         for b, ids in enumerate(batches):
             stream_tokens += ids.numel()
             bar.update(ids.numel())
