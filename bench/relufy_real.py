@@ -75,7 +75,7 @@ def sweep(args) -> None:
               f"{s['tokens_per_s']:.0f} tok/s, {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def _cli(cmd: list[str], log: list) -> dict | str:
+def _cli(cmd: list[str], log: list) -> dict:
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     entry = {"command": " ".join(cmd), "rc": r.returncode, "seconds": round(time.perf_counter() - t0, 1),
@@ -85,10 +85,7 @@ def _cli(cmd: list[str], log: list) -> dict | str:
     if r.returncode != 0:
         print(r.stderr[-3000:], flush=True)
         return {}
-    try:
-        return json.loads(r.stdout[r.stdout.index("{"):])
-    except ValueError:
-        return r.stdout[-4000:]
+    return json.loads(r.stdout)  # --json: stdout holds the JSON alone
 
 
 def pipeline(args) -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.relufy.distill import check_out, relufy
+from hotneurons.relufy.distill import relufy  # it checks --out before the model loads
 from hotneurons.relufy.relufy import ACTIVATIONS, PRESETS, RelufyError, preset
 
 
@@ -70,7 +69,6 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
         hf_logging.disable_progress_bar()
     try:
         cfg = replace(preset(preset_name), **{k: v for k, v in overrides.items() if v is not None})
-        check_out(Path(out), resume, force)  # before the model loads
         s = relufy(model, out, cfg, gguf_file=gguf_file, device=device, resume=resume, force=force,
                    progress=not quiet)
     except (RelufyError, CorpusError, ArtifactError, ValueError) as e:

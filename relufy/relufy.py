@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hotneurons.common.corpus import CorpusError, iter_texts, token_rows
+from hotneurons.common.kinds import choose
 from hotneurons.common.models import LoadedModel, decoder_layers, text_config
 from hotneurons.common.sparse_act import mark_config, patch_ffn
 from tqdm.auto import tqdm
@@ -74,8 +75,7 @@ class RelufyConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.activation not in ACTIVATIONS:
-            raise RelufyError(f"unknown activation '{self.activation}': choose one of {', '.join(ACTIVATIONS)}")
+        choose(self.activation, ACTIVATIONS, "activation", RelufyError)
         if self.tokens <= 0:
             raise RelufyError(f"a training budget of {self.tokens} tokens: give a positive number of tokens")
         if not 0 <= self.teacher_text < 1:
@@ -103,9 +103,7 @@ PRESETS: dict[str, RelufyConfig] = {
 
 
 def preset(name: str) -> RelufyConfig:
-    if name not in PRESETS:
-        raise RelufyError(f"unknown preset '{name}': choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]
+    return PRESETS[choose(name, PRESETS, "preset", RelufyError)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,9 +123,8 @@ def plain_model(lm: LoadedModel, dtype: torch.dtype, device: str, activation: st
     from transformers import AutoModelForCausalLM
 
     config = lm.model.config.__class__.from_dict(lm.model.config.to_dict())
-    for key in ("quantization_config",):
-        if hasattr(config, key):
-            delattr(config, key)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     cfg = text_config(config)
     if activation is not None:
         cfg.hidden_act = "relu"  # built as ReGLU; patch_ffn then sets the exact kind

@@ -120,7 +120,7 @@ def workspace_bytes(shape: ModelShape, ctx: int) -> int:
 
 
 def embedding_on_cpu(shape: ModelShape) -> bool:
-    """An untied model's input embedding stays in CPU RAM (runtime/layout.py OnCPUEmbedding: a token reads one row of
+    """An untied model's input embedding stays in CPU RAM (runtime/offload.py OnCPUEmbedding: a token reads one row of
     it); a tied one is the LM head too and is on the GPU."""
     return shape.lm_head_params > 0
 
