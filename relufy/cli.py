@@ -9,7 +9,7 @@ import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.relufy.distill import relufy  # it checks --out before the model loads
-from hotneurons.relufy.relufy import ACTIVATIONS, PRESETS, RelufyError, preset
+from hotneurons.relufy.relufy import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, preset
 
 
 def _tokens(ctx, param, value):
@@ -37,7 +37,10 @@ def _tokens(ctx, param, value):
 @click.option("--fat-threshold", type=float, default=None, help="fatrelu's threshold (e.g. 0.01).")
 @click.option("--tokens", callback=_tokens, default=None, help="Training budget in tokens, e.g. 8M.")
 @click.option("--l1", type=click.FloatRange(0), default=None,
-              help="Final weight of the L1 penalty on FFN activations, reached in stages over the first half.")
+              help="Final weight of the sparsity penalty (--penalty), reached in stages over the first half.")
+@click.option("--penalty", type=click.Choice(PENALTIES), default=None,
+              help="h: mean |h| entering the down projection (ProSparse's L1); gate-cos: mean ReLU(cos(FFN input, "
+                   "gate row)), which no rescaling of the weights can lower.  [default: h]")
 @click.option("--lm", type=click.FloatRange(0), default=None, help="Weight of the plain next-token loss.")
 @click.option("--kl", type=click.FloatRange(0), default=None, help="Weight of the KL to the original model.")
 @click.option("--teacher-text", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -52,16 +55,17 @@ def _tokens(ctx, param, value):
 @click.option("--seed", type=int, default=None, help="Seed of the data order and teacher sampling.")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the summary lines.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, l1, lm, kl, teacher_text, dataset,
-         lr, batch_size, seq_len, resume, force, device, seed, as_json, quiet) -> None:
+def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, l1, penalty, lm, kl, teacher_text,
+         dataset, lr, batch_size, seq_len, resume, force, device, seed, as_json, quiet) -> None:
     """Make a SwiGLU model ReLU-sparse: swap the FFN activation and distil from the original model.
 
     Writes OUT/: an HF model folder (config.json names the new activation), meta.json and summary.json
     (perplexity before and after, per-layer sparsity on held-out text, the training curve). Every pi-* stage
     loads OUT as --model.
     """
-    overrides = {"activation": activation, "fat_threshold": fat_threshold, "tokens": tokens, "l1": l1, "lm": lm,
-                 "kl": kl, "teacher_text": teacher_text, "dataset": dataset, "lr": lr, "batch_size": batch_size,
+    overrides = {"activation": activation, "fat_threshold": fat_threshold, "tokens": tokens, "l1": l1,
+                 "penalty": penalty, "lm": lm, "kl": kl, "teacher_text": teacher_text, "dataset": dataset, "lr": lr,
+                 "batch_size": batch_size,
                  "seq_len": seq_len, "seed": seed}
     if quiet:  # transformers' own bars too (loading and writing the weights)
         from transformers.utils import logging as hf_logging

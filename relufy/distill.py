@@ -98,7 +98,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
             _load_optimizer(opt, partial / "checkpoint" / "optimizer.safetensors")
             step0, curve, swapped = state["step"], state["curve"], state["eval_swapped"]
 
-        vals = FFNValues(student, lm.adapter, keep=True)
+        vals = FFNValues(student, lm.adapter, keep=True, penalty=cfg.penalty)
         every = max(1, cfg.steps // CURVE_POINTS)
         bar = tqdm(total=cfg.steps, initial=step0, desc="relufy", unit="step", disable=not progress, dynamic_ncols=True)
         t_train, tokens_done = time.perf_counter(), 0

@@ -3,11 +3,14 @@
 The student starts from the original weights with the FFN activation replaced (ReLU, dReLU or FATReLU,
 common/sparse_act.py) and is trained to match the original model (the teacher, on the same device):
 
-    loss = kl * KL(teacher || student) + lm * CE(next token) + l1(step) * mean |h|
+    loss = kl * KL(teacher || student) + lm * CE(next token) + l1(step) * penalty
 
-where h is what enters each down projection (the per-neuron activation values; exact zeros are skipped at run
-time) and l1(step) rises in stages over the first `l1_ramp` of training, as ProSparse does, so the model first
-recovers from the swap and then is pushed sparser.
+where l1(step) rises in stages over the first `l1_ramp` of training, as ProSparse does, so the model first
+recovers from the swap and then is pushed sparser. The penalty (`penalty`) is either
+  h         mean |h|, h being what enters each down projection (ProSparse's L1). Gated FFNs have a scale symmetry
+            (gate and up shrink, down grows) that lowers mean |h| without a single new zero;
+  gate-cos  mean ReLU(cos(x, w_i)) over tokens and neurons, x the FFN input and w_i neuron i's gate row: the share
+            of the gate pre-activation above 0 measured without scale, so only turning neurons off lowers it.
 
 Data: token rows of a corpus (any the profiler takes) plus rows the teacher samples itself from short corpus
 prompts (`teacher_text` of the pool): the offline Wikipedia sample is under a million tokens, and the teacher's
@@ -34,6 +37,7 @@ from hotneurons.common.sparse_act import mark_config, patch_ffn
 from tqdm.auto import tqdm
 
 ACTIVATIONS = ("relu", "drelu", "fatrelu")
+PENALTIES = ("h", "gate-cos")
 SOURCE_ACTIVATIONS = ("swiglu", "geglu", "reglu", "drelu", "fatrelu")  # gated FFNs the swap applies to
 
 
@@ -55,7 +59,8 @@ class RelufyConfig:
     weight_decay: float = 0.0
     kl: float = 1.0  # weight of KL(teacher || student) on the next-token distributions
     lm: float = 0.0  # weight of the plain next-token loss on the pool
-    l1: float = 0.0  # final weight of mean |h| over layers, tokens and neurons
+    l1: float = 0.0  # final weight of the sparsity penalty (`penalty`), a mean over layers, tokens and neurons
+    penalty: str = "h"  # h: mean |h| (ProSparse's L1); gate-cos: mean ReLU(cos(FFN input, gate row)), scale-free
     l1_ramp: float = 0.5  # share of the steps over which the L1 weight rises to `l1`
     l1_stages: int = 4  # the rise in this many equal steps (ProSparse); 0: linear
     dataset: str = "wikipedia-sample"
@@ -76,6 +81,7 @@ class RelufyConfig:
 
     def __post_init__(self):
         choose(self.activation, ACTIVATIONS, "activation", RelufyError)
+        choose(self.penalty, PENALTIES, "penalty", RelufyError)
         if self.tokens <= 0:
             raise RelufyError(f"a training budget of {self.tokens} tokens: give a positive number of tokens")
         if not 0 <= self.teacher_text < 1:
@@ -268,29 +274,39 @@ def l1_at(step: int, cfg: RelufyConfig) -> float:
 
 
 class FFNValues:
-    """Forward pre-hooks on each down projection: the values h entering it, for the L1 term and sparsity.
+    """Forward pre-hooks on each down projection: the values h entering it, for the penalty and sparsity; with
+    penalty "gate-cos", forward hooks on each gate projection keep ReLU(cos(x, w_i)) as well.
 
     Zero counts stay on the device until `sparsity()` (one sync a step, not one a layer)."""
 
-    def __init__(self, model: torch.nn.Module, adapter, keep: bool):
-        self.mods = [adapter.layer_ffn(layer)["down"] for layer in decoder_layers(model, model.config)]
-        self.keep = keep
-        self.h: list[torch.Tensor] = []
+    def __init__(self, model: torch.nn.Module, adapter, keep: bool, penalty: str = "h"):
+        ffns = [adapter.layer_ffn(layer) for layer in decoder_layers(model, model.config)]
+        self.mods = [f["down"] for f in ffns]
+        self.keep, self.penalty = keep, penalty
+        self.h: list[torch.Tensor] = []  # per layer this step: the penalty's terms
         self.zeros: list[list[torch.Tensor]] = [[] for _ in self.mods]  # per layer, exact zeros of each call
         self.seen = [0] * len(self.mods)  # per layer, values seen
         self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.mods)]
+        if keep and penalty == "gate-cos":
+            self.handles += [f["gate"].register_forward_hook(self._gate_hook) for f in ffns]
 
     def _hook(self, i: int):
         def hook(module, args):
             h = args[0]  # (batch, seq, neurons)
-            if self.keep:
-                self.h.append(h)
+            if self.keep and self.penalty == "h":
+                self.h.append(h.float().abs().mean())
             self.zeros[i].append((h == 0).sum())
             self.seen[i] += h.numel()
         return hook
 
+    def _gate_hook(self, module, args, z):
+        x = args[0].float()  # (batch, seq, d)
+        w_norm = module.weight.float().norm(dim=1)  # (neurons,)
+        cos = z.float() / (x.norm(dim=-1, keepdim=True) * w_norm + 1e-6)  # (batch, seq, neurons)
+        self.h.append(torch.relu(cos).mean())
+
     def l1(self) -> torch.Tensor:
-        return torch.stack([h.float().abs().mean() for h in self.h]).mean()
+        return torch.stack(self.h).mean()
 
     def sparsity(self) -> list[float]:
         """Per layer, the share of values seen since `reset` that were exactly 0."""

@@ -342,3 +342,53 @@ def test_cli_refuses_bad_inputs(case, swiglu, tiny_model_dir, text_corpus, tmp_p
             "zero-tokens": "0 tokens", "exists": "exists: pass --force",
             "nothing-to-resume": "run without --resume"}[case] in errors[0]
     assert listing(work) == before  # nothing written, an existing folder untouched
+
+
+def test_gate_cos_penalty_matches_reference_and_ignores_rescaling(teacher):
+    """The gate-cos term equals mean ReLU(cos(x, w_i)) computed in float64 from the FFN inputs, and rescaling a
+    neuron (gate row * a, down column / a: the same function) leaves it unchanged while mean |h| moves."""
+    from hotneurons.common.models import decoder_layers
+    from hotneurons.relufy.relufy import FFNValues, plain_model
+
+    model = plain_model(teacher, torch.float32, "cpu", "relu")
+    layers = decoder_layers(model, model.config)
+    ids = torch.randint(0, model.config.vocab_size - 3, (2, 24), generator=torch.Generator().manual_seed(5))
+    xs = []
+    grab = [teacher.adapter.layer_ffn(layer)["gate"].register_forward_pre_hook(lambda m, a: xs.append(a[0]))
+            for layer in layers]
+
+    def penalties() -> tuple[float, float]:
+        out = []
+        for penalty in ("gate-cos", "h"):
+            vals = FFNValues(model, teacher.adapter, keep=True, penalty=penalty)
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+            out.append(float(vals.l1()))
+            vals.close()
+        return out[0], out[1]
+
+    cos0, h0 = penalties()
+    for g in grab:
+        g.remove()
+    ref = []
+    for layer, x in zip(layers, xs[:len(layers)]):
+        w = teacher.adapter.layer_ffn(layer)["gate"].weight.double()  # (neurons, d)
+        x = x.double()  # (batch, seq, d)
+        cos = (x @ w.T) / (x.norm(dim=-1, keepdim=True) * w.norm(dim=1))  # (batch, seq, neurons)
+        ref.append(torch.relu(cos).mean().item())
+    assert cos0 == pytest.approx(float(np.mean(ref)), rel=1e-4)
+
+    with torch.no_grad():
+        for layer in layers:
+            ffn = teacher.adapter.layer_ffn(layer)
+            ffn["gate"].weight.mul_(4.0)
+            ffn["down"].weight.div_(4.0)
+    cos1, h1 = penalties()
+    assert cos1 == pytest.approx(cos0, rel=1e-4) and h1 > 2 * h0
+
+
+def test_gate_cos_raises_ffn_sparsity(teacher, text_corpus, tmp_path):
+    """A staged gate-cos penalty turns neurons off on held-out text (the L1 test's setting)."""
+    cfg = tiny_cfg(text_corpus, tokens=8192, lr=3e-3, l1=30.0, penalty="gate-cos")
+    ev = relufy(None, tmp_path / "cos", cfg, lm=teacher, device="cpu", progress=False)["eval"]
+    assert ev["relufied"]["ffn_sparsity"] - ev["swapped_untrained"]["ffn_sparsity"] > 0.1, ev
