@@ -63,6 +63,9 @@ class RelufyConfig:
     penalty: str = "h"  # h: mean |h| (ProSparse's L1); gate-cos: mean ReLU(cos(FFN input, gate row)), scale-free
     l1_ramp: float = 0.5  # share of the steps over which the L1 weight rises to `l1`
     l1_stages: int = 4  # the rise in this many equal steps (ProSparse); 0: linear
+    # share of the steps after which the penalty stops: the rest of training recovers quality under KL alone, and
+    # a ReLU neuron turned off for a token gets no gradient that could turn it back on, so the zeros mostly stay
+    l1_until: float = 1.0
     dataset: str = "wikipedia-sample"
     text_column: str = "text"
     corpus_tokens: int = 1_000_000  # at most this many corpus tokens in the pool
@@ -261,8 +264,8 @@ def lr_at(step: int, cfg: RelufyConfig) -> float:
 
 def l1_at(step: int, cfg: RelufyConfig) -> float:
     """0 at the start (the model first recovers from the swap), `l1` from step `l1_ramp * steps` on; in between
-    `l1_stages` equal stairs (0, l1/4, l1/2, 3 l1/4 for 4), or a line for 0 stages."""
-    if cfg.l1 <= 0:
+    `l1_stages` equal stairs (0, l1/4, l1/2, 3 l1/4 for 4), or a line for 0 stages; 0 again from `l1_until * steps`."""
+    if cfg.l1 <= 0 or step >= cfg.l1_until * cfg.steps:
         return 0.0
     ramp = int(cfg.l1_ramp * cfg.steps)
     if ramp <= 0:

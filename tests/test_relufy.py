@@ -139,6 +139,7 @@ def test_schedules():
     assert [l1_at(s, linear) for s in (0, 10, 25, 50, 70)] == pytest.approx([0, 0.4, 1.0, 2.0, 2.0])
     assert l1_at(0, replace(cfg, l1_ramp=0)) == 2.0  # no ramp: the full weight at once
     assert l1_at(50, replace(cfg, l1=0)) == 0
+    assert [l1_at(s, replace(cfg, l1_until=0.7)) for s in (50, 69, 70, 99)] == [2.0, 2.0, 0, 0]  # then KL alone
 
 
 # ---------------------------------------------------------------------------------------------------------------
