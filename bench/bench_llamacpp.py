@@ -18,7 +18,6 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as version_of
 from pathlib import Path
 
-import numpy as np
 from hotneurons.bench import ROOT, fair
 
 CARRY = ROOT / ".llamacpp"  # carried to the GPU machine: llama.cpp.tar.gz
@@ -129,70 +128,22 @@ def build(work: Path, cuda: bool, jobs: int) -> dict:
     return {**row, "seconds": time.perf_counter() - t0}
 
 
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+def write_gguf(model, path: Path, gguf=None) -> dict:
+    """The model's weights as an fp16 GGUF (arch llama, norms fp32, q/k in llama.cpp's RoPE layout, a placeholder
+    vocabulary), streamed tensor by tensor (the whole model never sits in host memory twice), to a temp name and
+    renamed (a stopped build leaves no GGUF that a later one would take for whole): hotneurons.export.gguf_model.
+    `gguf`: unused, kept for callers that pass the module gguf_module found."""
+    from hotneurons.export.gguf_model import hf_state, llama_metadata, llama_tensors, placeholder_vocab
+    from hotneurons.export.gguf_model import write_gguf as write
 
-
-def gguf_tensors(model) -> list[tuple[str, object]]:
-    """(GGUF name, torch tensor) in file order; llama.cpp's LLaMA names. q/k are not permuted: random weights."""
-    out = [("token_embd.weight", model.model.embed_tokens.weight)]
-    for i, layer in enumerate(model.model.layers):
-        for hf, name in GGUF_NAMES.items():
-            out.append((f"blk.{i}.{name}.weight", layer.get_submodule(hf).weight))
-    out += [("output_norm.weight", model.model.norm.weight), ("output.weight", model.lm_head.weight)]
-    return out
-
-
-def write_gguf(model, path: Path, gguf) -> dict:
-    """The model's weights as an fp16 GGUF (arch llama, norms fp32, a placeholder vocabulary), streamed tensor by
-    tensor (the whole model never sits in host memory twice), to a temp name and renamed (a stopped build leaves no
-    GGUF that a later one would take for whole)."""
     cfg = model.config
-    t0 = time.perf_counter()
-    tmp = path.with_suffix(".gguf-partial")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name("pi-bench random ReLU-gated llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type(1)  # MOSTLY_F16
-    vocab = cfg.vocab_size
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
-    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)  # unknown, control, byte, normal
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens[:vocab])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types(types[:vocab])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    tensors = gguf_tensors(model)
+    vocab = placeholder_vocab(cfg.vocab_size)
 
-    def host(t):
-        return t.detach().to("cpu").numpy().astype(np.float32 if t.dim() == 1 else np.float16, copy=False)
+    def metadata(w):
+        llama_metadata(w, cfg, "pi-bench random ReLU-gated llama")
+        vocab.add_to(w)
 
-    for name, t in tensors:
-        dt = np.float32 if t.dim() == 1 else np.float16
-        w.add_tensor_info(name, tuple(t.shape), np.dtype(dt), t.numel() * np.dtype(dt).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    nbytes = 0
-    for _, t in tensors:
-        a = host(t)
-        w.write_tensor_data(a)
-        nbytes += a.nbytes
-    w.close()
-    tmp.replace(path)
-    return {"path": str(path), "tensor_bytes": nbytes, "file_bytes": path.stat().st_size,
-            "seconds": time.perf_counter() - t0}
+    return write(path, "llama", metadata, llama_tensors(hf_state(model), cfg))
 
 
 def quantize(binary_dir: Path, src: Path, dst: Path, kind: str = "Q8_0", threads: int = 16) -> dict:

@@ -1,0 +1,36 @@
+"""Export a run for another runtime (`pi-export`). See docs/export.md.
+
+Two layers, so that a benchmark can export a model it holds in memory and the CLI a run directory:
+
+    write_powerinfer(model, vocab: Vocab, predictors: Sequence[tuple[Tensor, Tensor]], threshold: float,
+                     counts: Sequence[np.ndarray], gpu_mask: Sequence[np.ndarray] | None, vram_capacity: int,
+                     out: str | Path, *, config=None, activation: str | None = None, name: str = "model",
+                     force: bool = False, progress: bool = False, info: dict | None = None) -> dict
+        model: an HF LLaMA causal LM (any device, any dtype) or its state dict (HF names) with `config`;
+        vocab: `vocab_from_tokenizer(tokenizer, config.vocab_size)` or `placeholder_vocab(n)`;
+        predictors: per layer (fc1 (r, d), fc2 (n_ff, r)) in PowerInfer's form (pre-norm input, no biases);
+        threshold: PowerInfer's one sparse_threshold; counts: per layer (n_ff,) activation counts;
+        gpu_mask: per layer (n_ff,) bool, True on the GPU (None: no .gpuidx); vram_capacity: bytes.
+        Writes OUT/{name}.powerinfer.gguf, OUT/activation/activation_{i}.pt, OUT/{name}.powerinfer.gguf.generated.gpuidx
+        and OUT/export.json; returns the summary.
+
+    export_run(run_dir, out, *, fmt="powerinfer", recall: float | None = None, vram_capacity: int | None = None,
+               model: str | None = None, dtype: str = "float32", force: bool = False, progress: bool = False) -> dict
+        RUN/profile, RUN/predictors, RUN/placement (optional) and the run's model -> write_powerinfer.
+
+    exact_predictors(state: dict[str, Tensor], n_layers: int, form: str = "powerinfer") -> list[tuple[Tensor, Tensor]]
+        A ReGLU LLaMA's exact predictors, threshold 0: fc1 = [W_gate·diag(γ); -W_gate·diag(γ)] (2 n_ff × d),
+        fc2 = [I, -I] (n_ff × 2 n_ff); form "normed" leaves γ out (for a runtime feeding the post-norm input).
+    write_predictors(run_dir, info: dict, layers, threshold: float, form: str = "powerinfer", name: str = "exact")
+        -> Path: them (or any weights) as RUN/predictors, which pi-generate and pi-export read as trained ones.
+    to_powerinfer(layers, thresholds: Sequence[float], form: str, gamma: Sequence[Tensor]) -> (layers, threshold)
+        Trained predictors of either form -> PowerInfer's, or a one-line refusal (ExportError).
+"""
+
+from .gguf_model import ExportError, Vocab, placeholder_vocab, vocab_from_tokenizer
+from .powerinfer import write_powerinfer
+from .predictors import exact_predictors, to_powerinfer, write_predictors
+from .run import export_run
+
+__all__ = ["ExportError", "Vocab", "export_run", "exact_predictors", "placeholder_vocab", "to_powerinfer",
+           "vocab_from_tokenizer", "write_powerinfer", "write_predictors"]

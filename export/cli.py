@@ -1,0 +1,85 @@
+"""`pi-export`: a run's model, predictors, profile and placement as another runtime's files (thin click command over
+`export_run`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
+from hotneurons.common.units import format_bytes, parse_bytes
+
+from .gguf_model import ExportError
+from .run import FORMATS, export_run
+
+FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory holding profile/, predictors/ and (optionally) placement/.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="powerinfer", show_default=True,
+              help="powerinfer: the PWRI GGUF, activation/ files and .gpuidx that PowerInfer's C++ runtime loads.")
+@click.option("--out", required=True, type=click.Path(), help="Output folder (created; --force replaces it).")
+@click.option("--recall", type=float, default=None,
+              help="Use the predictor thresholds tabulated for this recall (default: the trained target's).")
+@click.option("--vram-capacity", default=None,
+              help="split.vram_capacity of the .gpuidx, e.g. 6GiB [the GPU neurons' own F16 bytes].")
+@click.option("--model", default=None, help="Load this model (same fingerprint) instead of the one the run names.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="Dtype the model loads in before the F16 write (float32 keeps the folded norm weights exact).")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (stdout holds only the JSON).")
+def main(run_dir, fmt, out, recall, vram_capacity, model, dtype, force, as_json):
+    """Export a run for PowerInfer's C++ runtime.
+
+    Writes OUT/<model>.powerinfer.gguf (GGUF v3 with magic PWRI: the model in F16, ffn_down transposed, the
+    predictors as blk.N.fc1/fc2, powerinfer.sparse_threshold), OUT/activation/activation_N.pt (the profile's
+    counts) and OUT/<model>.powerinfer.gguf.generated.gpuidx (the placement), plus OUT/export.json.
+
+    Example: pi-export --run runs/relu-llama --format powerinfer --out exported/relu-llama
+    """
+    cap = None
+    if vram_capacity is not None:
+        try:
+            cap = parse_bytes(vram_capacity)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--vram-capacity") from None
+    try:
+        with stdout_to_stderr(as_json):
+            s = export_run(run_dir, out, fmt=fmt, recall=recall, vram_capacity=cap, model=model, dtype=dtype,
+                           force=force, progress=sys.stderr.isatty())
+    except (ExportError, ArtifactError, ValueError) as e:
+        raise cli_error(e, FLAGS) from None
+    except KeyboardInterrupt:
+        interrupted(f"nothing was written ({out} is as it was)")
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+    else:
+        click.echo(human_summary(s, out))
+
+
+def human_summary(s: dict, out: str) -> str:
+    gguf = f"{out}/{s['files']['model']}"
+    gpu = s["gpu_neurons_per_layer"]
+    lines = [
+        f"model      {s['source']['model']} -> arch {s['arch']} ({s['activation']}), {s['n_layers']} layers, "
+        f"{s['n_neurons']} FFN neurons each, vocabulary {s['vocab']['model']} ({s['vocab']['tokens']} tokens)",
+        f"predictors {s['source']['predictor_form']} form"
+        + (" (norm weights folded into fc1)" if s["source"]["folded_norm_into_fc1"] else "")
+        + f", hidden {min(s['predictor_hidden'])}..{max(s['predictor_hidden'])}, sparse_threshold "
+        f"{s['sparse_threshold']:g}",
+        "placement  " + ("none: PowerInfer solves its own split (python3 -m powerinfer) on a CUDA build"
+                          if gpu is None else f"{sum(gpu)} of {s['n_layers'] * s['n_neurons']} neurons on the GPU, "
+                          f"split.vram_capacity {format_bytes(s['vram_capacity'])}"),
+        f"wrote      {gguf} ({format_bytes(s['file_bytes'])}), {out}/activation/, "
+        + (f"{gguf}.generated.gpuidx, " if gpu is not None else "") + f"{out}/export.json",
+        f"run        main -m {gguf} -p \"...\" -n 64 -t 8" + (" --vram-budget <GiB>" if gpu is not None else ""),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The export's proof: one small ReGLU LLaMA, its exact predictors, and the greedy tokens of PowerInfer's `main`, our
+runtime and HF `generate` side by side.
+
+`build_model` saves a random LLaMA with ReLU(gate)·up FFNs, random norm weights (so that folding γ into fc1 is tested)
+and a byte-level BPE tokenizer with a few merges (so that the vocabulary's merges are tested), its 2-D weights on the
+grid that float16 and bfloat16 share (PowerInfer stores F16, our runtime's cold rows bf16: all three then compute with
+the same weights). `make_run` gives it a run directory: a profile counted on some text, a placement, the exact
+predictors. `roundtrip` exports the run, runs the three and compares their tokens.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+TEXT = ("The quick brown fox jumps over the lazy dog. Sparse activations make the large models fast, "
+        "and the hot neurons stay on the GPU while the cold ones are computed on the CPU. ") * 4
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("Ġ", "s")]
+SHAPE = dict(hidden_size=64, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256)
+F16_MIN_NORMAL = 2.0 ** -14  # below it float16 keeps fewer bits than bfloat16's 8
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 style) with a few merges: ids 0-255 the byte characters, then the merged
+    tokens, then <s>, </s>, <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    for t in ("<s>", "</s>", "<pad>"):
+        vocab[t] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def shared_grid(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to bfloat16, with the values float16 would round differently (|w| < 2^-14) set to 0: a value both
+    formats hold exactly."""
+    b = w.bfloat16().float()
+    return torch.where(b.abs() < F16_MIN_NORMAL, torch.zeros_like(b), b)
+
+
+def build_model(folder: Path, seed: int = 0, std: float = 0.3, **shape: int) -> Path:
+    """A random ReGLU LLaMA (untied head) with its tokenizer, saved to `folder` (SHAPE unless `shape` says else)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer()
+    cfg = LlamaConfig(**{**SHAPE, **shape}, vocab_size=len(tok), hidden_act="relu", tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(shared_grid(torch.randn_like(p) * std))
+            else:  # norm weights: away from 1, so a γ folded into the wrong place shows
+                p.copy_(torch.rand_like(p) + 0.5)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return Path(folder)
+
+
+@torch.no_grad()
+def activation_counts(lm, text: str = TEXT) -> tuple[np.ndarray, int]:
+    """(n_layers, n) int64: on how many of the text's tokens each neuron's value (the down projection's input) is
+    nonzero; and the token count."""
+    ids = torch.tensor([lm.tokenizer(text)["input_ids"]])
+    counts = []
+    hooks = [lm.adapter.layer_ffn(layer)["down"].register_forward_pre_hook(
+        lambda _m, args: counts.append((args[0][0] != 0).sum(0).long())) for layer in lm.layers]
+    try:
+        lm.model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(counts).numpy(), ids.shape[1]
+
+
+def make_run(folder: Path, run: Path, form: str = "normed", gpu_share: float = 0.25) -> Path:
+    """RUN/profile (counted on TEXT), RUN/placement (each layer's hottest `gpu_share` of neurons on the GPU) and
+    RUN/predictors (the exact predictors in `form`, threshold 0) for the model in `folder`."""
+    from hotneurons.common import artifacts
+    from hotneurons.common.artifacts import ProfileMeta
+    from hotneurons.common.kinds import Rule
+    from hotneurons.common.models import load_model
+    from hotneurons.common.placement import PlacementMeta
+
+    from .predictors import exact_predictors, write_predictors
+
+    lm = load_model(str(folder), device="cpu", dtype="float32")
+    info, L, n = lm.info, lm.info["n_layers"], lm.info["n_neurons"]
+    counts, tokens = activation_counts(lm)
+    rows = []
+    for i in range(L):
+        order = np.argsort(-counts[i], kind="stable")
+        gpu = np.zeros(n, dtype=bool)
+        gpu[order[: int(gpu_share * n)]] = True
+        rank = np.empty(n, dtype=np.int32)
+        rank[order] = np.arange(n)
+        rows.append(pd.DataFrame({"layer": np.int32(i), "neuron": np.arange(n, dtype=np.int32), "gpu": gpu,
+                                  "count": counts[i], "rank": rank}))
+    with artifacts.staged(run / "profile") as tmp:
+        artifacts.write_parquet(tmp / "neurons.parquet", pd.DataFrame({
+            "layer": np.repeat(np.arange(L, dtype=np.int32), n), "neuron": np.tile(np.arange(n, dtype=np.int32), L),
+            "count": counts.reshape(-1)}))
+        ProfileMeta(model=info, tokens=tokens, rule=Rule.NONZERO, dataset="export.roundtrip.TEXT").save(
+            tmp / "meta.json")
+    with artifacts.staged(run / "placement") as tmp:
+        artifacts.write_parquet(tmp / "placement.parquet", pd.concat(rows, ignore_index=True))
+        PlacementMeta(model=info).save(tmp / "meta.json")
+    write_predictors(run, info, exact_predictors(dict(lm.model.state_dict()), L, form), 0.0, form)
+    return run
+
+
+def hf_tokens(folder: Path, prompt: str, n: int) -> dict[str, Any]:
+    """HF greedy generate: the new token ids and each step's top-two logit margin."""
+    from hotneurons.common.models import load_model
+
+    lm = load_model(str(folder), device="cpu", dtype="float32")
+    ids = lm.tokenizer(prompt)["input_ids"]
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    margins = [float(v[0] - v[1]) for v in (lg[0].topk(2).values for lg in out.logits)]
+    return {"prompt_ids": list(ids), "tokens": out.sequences[0, len(ids):].tolist(), "top2_margins": margins}
+
+
+def our_tokens(run: Path, prompt: str, n: int, threads: int = 1) -> dict[str, Any]:
+    """Our runtime (hybrid: the run's placement and predictors, CPU) greedy."""
+    from hotneurons.runtime.generate import RuntimeConfig, generate, load_runtime, prompt_ids
+
+    rt = load_runtime(run, RuntimeConfig(device="cpu", threads=threads))
+    g = generate(rt, prompt_ids(rt, prompt), n)
+    return {"tokens": g.token_ids, "ffn_sparsity": g.stats["ffn_sparsity"],
+            "gpu_activation_share": g.stats["gpu_activation_share"], "mode": g.stats["mode"]}
+
+
+def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int = 1, timeout: float = 300,
+                      logdir: Path | None = None) -> dict[str, Any]:
+    """PowerInfer's `main`, greedy (--temp 0, no repetition penalty), its prompt and output token ids from the
+    YAML log it writes with --logdir (main.cpp:81; common.cpp:1367)."""
+    logdir = Path(logdir or gguf.parent / "logs")
+    logdir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(main), "-m", str(gguf), "-p", prompt, "-n", str(n), "-t", str(threads), "-s", "0", "--temp", "0",
+           "--repeat-penalty", "1.0", "-c", "256", "--logdir", str(logdir) + "/"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    row = {"command": " ".join(cmd), "returncode": p.returncode, "seconds": round(time.perf_counter() - t0, 3)}
+    logs = sorted(logdir.glob("*.yml"))
+    if p.returncode != 0 or not logs:
+        return {**row, "error": (p.stderr or p.stdout)[-3000:]}
+    text = logs[-1].read_text(errors="replace")
+
+    def ints(key: str) -> list[int]:
+        m = re.search(rf"^{key}: \[([^\]]*)\]", text, re.M)
+        return [int(v) for v in m.group(1).split(",") if v.strip()] if m else []
+
+    timing = [ln.strip() for ln in p.stderr.splitlines() if "llama_print_timings" in ln]
+    sparse = [ln.strip() for ln in p.stderr.splitlines() if "sparse_pred_threshold" in ln or "format " in ln]
+    return {**row, "prompt_ids": ints("prompt_tokens"), "tokens": ints("output_tokens"), "timings": timing,
+            "loader": sparse}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def roundtrip(work: Path, main: Path | None, form: str = "normed", prompt: str = PROMPT, n: int = 16,
+              threads: int = 1, seed: int = 0) -> dict[str, Any]:
+    """Build, profile, place, export and run; the figures of the comparison (PowerInfer's only with `main`)."""
+    from .run import export_run
+
+    work = Path(work)
+    folder = build_model(work / "model", seed=seed)
+    run = make_run(folder, work / "run", form)
+    summary = export_run(run, work / "export", force=True)
+    hf = hf_tokens(folder, prompt, n)
+    ours = our_tokens(run, prompt, n, threads)
+    res: dict[str, Any] = {
+        "model": {**SHAPE, "vocab": summary["vocab"], "activation": "reglu", "seed": seed},
+        "predictor": {"form_in_run": form, "kind": "exact (fc2 ReLU(fc1 x) = gate pre-activation, threshold 0)",
+                      "hidden": summary["predictor_hidden"][0], "sparse_threshold": summary["sparse_threshold"]},
+        "prompt": prompt, "new_tokens": n, "threads": threads,
+        "hf": hf, "ours": ours,
+        "ours_vs_hf_matched": common_prefix(ours["tokens"], hf["tokens"]),
+        "export": {k: summary[k] for k in ("arch", "files", "file_bytes", "gpu_neurons_per_layer", "vram_capacity")},
+    }
+    if main is not None:
+        pi = powerinfer_tokens(main, work / "export" / summary["files"]["model"], prompt, n, threads)
+        res["powerinfer"] = pi
+        if "error" not in pi:
+            res["prompt_ids_equal"] = pi["prompt_ids"] == hf["prompt_ids"]
+            res["powerinfer_vs_hf_matched"] = common_prefix(pi["tokens"], hf["tokens"])
+            res["powerinfer_vs_ours_matched"] = common_prefix(pi["tokens"], ours["tokens"])
+            res["all_equal"] = pi["tokens"] == hf["tokens"] == ours["tokens"]
+    return res
