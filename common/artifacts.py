@@ -35,6 +35,7 @@ from hotneurons.common.schema import (  # noqa: F401  (re-exported: the stages' 
     Section,
     atomic_path,
     atomic_write_bytes,
+    optional,
     read_json,
     write_json,
 )
@@ -297,6 +298,7 @@ class ProfileSamples(Section):
     count: int  # rows per layer in samples/
     x: str = ""  # what samples/layer_XXX.x.npy holds
     mask: str = ""  # what samples/layer_XXX.mask.npy holds
+    rms: str | None = optional()  # what samples/layer_XXX.rms.npy holds (models with a pre-FFN RMSNorm)
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,10 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--preset", "preset_name", default="default", show_default=True,
               help="Named settings: default, fast (fewer epochs and size steps), thorough, plain "
               "(--magnitude-weight 0: no model needed).")
+@click.option("--form", default=None,
+              help="What the predictors read: normed (the FFN input, a threshold per layer) or powerinfer (the "
+              "residual before the pre-FFN RMSNorm, one threshold for all layers: what PowerInfer runs) [preset: "
+              "normed].")
 @click.option("--target-recall", type=float, default=None,
               help="Share of truly active neurons the threshold must catch on the val split [preset: 0.95].")
 @click.option("--max-predictor-fraction", type=float, default=None,
@@ -37,7 +41,7 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--force", is_flag=True, help="Replace predictors of another model.")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epochs, base_scale, max_steps,
+def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction, epochs, base_scale, max_steps,
                magnitude_weight, seed, device, force, as_json, quiet) -> None:
     """Train one activation predictor per layer from RUN/profile/samples.
 
@@ -48,7 +52,7 @@ def train_main(run_dir, preset_name, target_recall, max_predictor_fraction, epoc
     from hotneurons.predictors.train import preset, train_predictors
 
     try:
-        cfg = preset(preset_name, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
+        cfg = preset(preset_name, form=form, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
                      epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed,
                      magnitude_weight=magnitude_weight)
         with stdout_to_stderr(as_json):
@@ -68,8 +72,11 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
              f"(budget {summary.config['max_predictor_fraction']})",
              f"test split: mean recall {t.mean_recall:.3f} (min {t.min_recall:.3f}), precision "
              f"{t.mean_precision:.3f}, predicted sparsity {t.mean_predicted_sparsity:.3f} "
-             f"(true {t.mean_true_sparsity:.3f})",
-             "layer  share80  hidden  tried         recall  precision  pred.sparsity"]
+             f"(true {t.mean_true_sparsity:.3f})"]
+    if t.global_threshold is not None:
+        lines.append(f"powerinfer form: one threshold {t.global_threshold:.6g} for all layers ({t.moved_layers} "
+                     f"lowered to fold it)")
+    lines.append("layer  share80  hidden  tried         recall  precision  pred.sparsity")
     for r in summary.layers:
         tried = ",".join(str(x["hidden"]) for x in r.tried)
         lines.append(f"{r.layer:5d}  {r.share80:7.3f}  {r.hidden:6d}  {tried:12.12s}  {r.recall:6.3f}  "

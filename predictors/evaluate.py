@@ -3,7 +3,8 @@
 Modes (a neuron's value h = the input of the down projection; a masked neuron contributes h * 0):
 - dense: nothing masked;
 - oracle: the profile's rule on the true h (h != 0 for ReLU-family models, |h| > tau_l otherwise);
-- predictor: neuron computed iff the layer's predictor fires on the FFN input (logit >= threshold);
+- predictor: neuron computed iff the layer's predictor fires (logit >= threshold) on its input: the FFN input, or for
+  the powerinfer form the residual entering the pre-FFN norm (a pre-hook on that norm sees it);
 - placement: what the runtime computes: GPU neurons always, CPU neurons where the predictor fires.
 A computed neuron keeps its true value; only skipped ones are zeroed, exactly as a sparse kernel would do.
 
@@ -26,6 +27,8 @@ from hotneurons.common.ffn import FFNHooks, active_mask
 from hotneurons.common.kinds import choose
 from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device
 from hotneurons.common.placement import Placement, PlacementMeta, read_placement
+from hotneurons.common.prenorm import ffn_norms
+from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
 from tqdm.auto import tqdm
@@ -43,9 +46,23 @@ class FFNMasks(FFNHooks):
         self.mode, self.taus, self.predictors, self.gpu = mode, taus, predictors, gpu
         # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
         self.stats = np.zeros((len(lm.layers), 6), dtype=np.float64)
+        prenorm = self.wants_x() and predictors.form == PredictorForm.POWERINFER
+        self.norms = ffn_norms(lm) if prenorm else None  # powerinfer form: its input is the norm's input
+        self._pre: dict[int, torch.Tensor] = {}
 
     def wants_x(self) -> bool:
         return self.mode in (EvalMode.PREDICTOR, EvalMode.PLACEMENT)  # x (..., d_model): what the predictor sees
+
+    def __enter__(self):
+        super().__enter__()
+        for i, norm in enumerate(self.norms or ()):
+            self._handles.append(norm.module.register_forward_pre_hook(
+                lambda _mod, args, i=i: self._pre.__setitem__(i, args[0])))  # (..., d_model) the pre-norm residual
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._pre.clear()
 
     def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
         true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
@@ -55,7 +72,8 @@ class FFNMasks(FFNHooks):
             mask = true
         else:
             pred = self.predictors.layers[i]
-            mask = pred.mask(x.to(pred.fc1.weight.dtype))  # (..., n) bool
+            inp = x if self.norms is None else self._pre.pop(i)  # (..., d_model)
+            mask = pred.mask(inp.to(pred.fc1.weight.dtype))  # (..., n) bool
             if self.mode == EvalMode.PLACEMENT:
                 mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
         mag = h.detach().abs().double()

@@ -3,7 +3,8 @@
 Predictor of layer l: Linear(d_model -> h_l, no bias) -> ReLU -> Linear(h_l -> n_neurons, no bias); neuron j is
 computed iff logit_j >= threshold_l. Loss: BCE with a per-neuron positive weight (class balance), optionally with
 active pairs weighted by their magnitude. Early stopping and the threshold use the val split; the reported
-metrics come from the test split, which nothing was tuned on.
+metrics come from the test split, which nothing was tuned on. The powerinfer form (predictors/form.py) is fitted
+the same way with each row's logits multiplied by its pre-norm scale.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 from hotneurons.common.kinds import choose
+from hotneurons.predictors.form import MOVE_DIVISOR, PredictorForm
 from torch import nn
 
 NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)
@@ -26,6 +28,9 @@ class PredictorConfig:
     """Training and sizing settings. Named presets in PRESETS; CLI flags override single fields."""
 
     name: str = "default"
+    # what the predictor reads and how thresholds are shared (predictors/form.py): "normed" (the FFN input, a
+    # threshold per layer) or "powerinfer" (the residual before the pre-FFN RMSNorm, one threshold for all layers)
+    form: str = "normed"
     target_recall: float = 0.95  # the threshold is set on the val split so that this share of actives is caught
     max_predictor_fraction: float = 0.10  # total predictor params / total FFN params
     # sizing (docs/predictors.md): h_base = base_scale * n_neurons * active_share * (share80 / 0.8)
@@ -67,6 +72,7 @@ def preset(name: str, **overrides: Any) -> PredictorConfig:
     """A named preset with some fields replaced (None values are ignored)."""
     cfg = replace(PRESETS[choose(name, PRESETS, "predictor preset", param="preset")],
                   **{k: v for k, v in overrides.items() if v is not None})
+    cfg = replace(cfg, form=choose(cfg.form, PredictorForm, "predictor form", param="form").value)
     if not 0 < cfg.target_recall < 1:
         raise _bad(f"the target recall {cfg.target_recall} must be in (0, 1), e.g. 0.95", "target_recall")
     if not 0 < cfg.max_predictor_fraction <= 1:
@@ -146,14 +152,19 @@ class Fit:
     epochs: int
     seconds: float
     history: list[float] = field(default_factory=list)  # val predicted sparsity at the target recall per epoch
+    # powerinfer form: the threshold -delta a fold into one negative threshold may lower it to, and val and test
+    # metrics there (predictors/form.py)
+    fallback: dict[str, Any] | None = None
 
 
 def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorConfig,
               splits: tuple[torch.Tensor, torch.Tensor, torch.Tensor], device: str = "cpu",
-              seed: int = 0, importance: torch.Tensor | None = None) -> Fit:
+              seed: int = 0, importance: torch.Tensor | None = None, rowscale: torch.Tensor | None = None) -> Fit:
     """Train one predictor of width `hidden`; early-stop on val predicted sparsity at the target recall.
 
     `importance` (count, n): loss weight of each active pair (inactive pairs weigh 1); None = all 1.
+    `rowscale` (count,) > 0: each row's logits are the network's times this (the powerinfer form's r / s); the
+    thresholds, metrics and `fallback` are of those logits.
     """
     t0 = time.perf_counter()
     tr, va, te = splits
@@ -162,6 +173,11 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
     scale = float(x[tr].pow(2).mean().sqrt().clamp_min(1e-12))
     xs = (x / scale).to(device)  # (count, d)
     y = mask.to(device)  # (count, n) bool
+    rs = None if rowscale is None else rowscale.to(device, torch.float32)[:, None]  # (count, 1)
+
+    def logits(xb: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # (rows, d) -> (rows, n)
+        out = net(xb)
+        return out if rs is None else out * rs[rows]
     ytr = y[tr].float()
     rate = ytr.mean(0)  # (n,) firing rate per neuron on train
     # class balance: positives weigh neg/pos, never below 1 (recall is the goal) and capped
@@ -178,7 +194,7 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
         for i in range(0, len(order), cfg.batch_size):
             b = order[i:i + cfg.batch_size].to(device)
             weight = None if importance is None else torch.where(y[b], importance[b].to(device), 1.0)  # (batch, n)
-            loss = nn.functional.binary_cross_entropy_with_logits(net(xs[b]), y[b].float(), weight=weight,
+            loss = nn.functional.binary_cross_entropy_with_logits(logits(xs[b], b), y[b].float(), weight=weight,
                                                                   pos_weight=pos_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -186,7 +202,7 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
         epochs = epoch + 1
         net.eval()
         with torch.no_grad():
-            lv = net(xva)  # (val, n)
+            lv = logits(xva, va)  # (val, n)
             q = metrics(lv, yva, threshold_for_recall(lv, yva, cfg.target_recall))["predicted_sparsity"]
         history.append(q)
         if q > best + 1e-6:
@@ -200,14 +216,18 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
     with torch.no_grad():
         net.fc1.weight.div_(scale)  # now takes raw FFN inputs
         xr = x.to(device)
-        lv, lt = net(xr[va]), net(xr[te])
+        lv, lt = logits(xr[va], va), logits(xr[te], te)
         thr = threshold_for_recall(lv, yva, cfg.target_recall)
         table = {f"{r:g}": threshold_for_recall(lv, yva, r) for r in sorted({*RECALL_GRID, cfg.target_recall})}
         val_m, test_m = metrics(lv, yva, thr), metrics(lt, y[te], thr)
+        fallback = None
+        if rs is not None:
+            low = -float(lv.abs().median()) / MOVE_DIVISOR
+            fallback = {"threshold": low, "val": metrics(lv, yva, low), "test": metrics(lt, y[te], low)}
     state = {"fc1.weight": net.fc1.weight.detach().cpu().contiguous(),
              "fc2.weight": net.fc2.weight.detach().cpu().contiguous()}
     return Fit(hidden, n_params(d, hidden, n), state, thr, val_m, test_m, table, epochs,
-               time.perf_counter() - t0, history)
+               time.perf_counter() - t0, history, fallback)
 
 
 @torch.no_grad()

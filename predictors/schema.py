@@ -54,6 +54,11 @@ class PredictorLayer(Section):
     true_sparsity: float | None = None
     val: dict[str, float] | None = None
     thresholds_by_recall: dict[str, float]  # "0.9" -> the logit threshold tabulated on val for that recall
+    # powerinfer form: fc2 was multiplied by fold_scale so that `threshold` is the one of all layers; the threshold
+    # it replaced (null for a layer that never fired), and whether it was first lowered (predictors/form.py)
+    fold_scale: float | None = optional()
+    threshold_before_fold: float | None = optional()
+    threshold_moved: bool | None = optional()
     epochs: int | None = None
     tried: list[dict[str, Any]] | None = None  # every size fitted: hidden, params, phase, val, test, epochs, seconds
 
@@ -74,6 +79,8 @@ class PredictorTotals(Section):
     train_seconds: float
     device: str
     recomputed_mask_agreement_min: float | None = optional()  # with the magnitude weighting only
+    global_threshold: float | None = optional()  # powerinfer form: every layer's threshold
+    moved_layers: int | None = optional()  # powerinfer form: layers whose threshold was lowered to fold it
 
 
 @dataclass(kw_only=True)
@@ -95,6 +102,10 @@ class PredictorsSummary(JsonFile):
     @property
     def target_recall(self) -> float | None:
         return (self.config or {}).get("target_recall")
+
+    @property
+    def form(self) -> str:
+        return (self.config or {}).get("form") or "normed"  # files from before forms: normed
 
 
 @dataclass(kw_only=True)

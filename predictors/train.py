@@ -6,12 +6,14 @@ permutation; one layer is fitted by predictors/fit.py. h_l is chosen by the skew
 
 Output `RUN/predictors/`: predictors.safetensors (`layers.{i}.fc1.weight` (h, d_model), `layers.{i}.fc2.weight`
 (n_neurons, h), `layers.{i}.threshold` (1,)), summary.json (PredictorsSummary), meta.json (PredictorsMeta).
+The powerinfer form (predictors/form.py) reads the residual before the pre-FFN norm and ends with one threshold for
+all layers: `config.form` in both JSON files says which form a predictor set is.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +23,7 @@ import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError, ProfileMeta
 from hotneurons.common.ffn import share_covering as _covering
+from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scripts that import them from here)
     NEVER,
     PRESETS,
@@ -36,6 +39,7 @@ from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scr
     preset,
     threshold_for_recall,
 )
+from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.schema import PredictorLayer, PredictorsMeta, PredictorsSummary, PredictorTotals
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -190,7 +194,8 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
                      lm=None) -> PredictorsSummary:
     """Train RUN/predictors/ from RUN/profile/; returns summary.json. `layers` restricts training (tests).
 
-    With cfg.magnitude_weight > 0 the model is needed: `lm` (a LoadedModel), else the profile's model is loaded.
+    With cfg.magnitude_weight > 0 or the powerinfer form (its pre-FFN norm weights) the model is needed: `lm` (a
+    LoadedModel), else the profile's model is loaded.
     """
     from hotneurons.common.models import pick_device
 
@@ -199,6 +204,10 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     neurons, pmeta = artifacts.read_profile(run_dir)
     sdir = samples_dir(run_dir, pmeta)
     check_samples(sdir, pmeta)
+    prenorm = PredictorForm.of({"form": cfg.form}) == PredictorForm.POWERINFER
+    if prenorm:
+        pform.check_model_family(pmeta.model)
+        pform.check_rms(sdir, pmeta)
     final = run_dir / "predictors"
     info = pmeta.model
     if (final / "meta.json").exists() and not force:
@@ -214,12 +223,16 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     splits = split_indices(count, cfg)
     torch.manual_seed(cfg.seed)
     agreement: dict[int, float] = {}
-    if cfg.magnitude_weight > 0 and lm is None:
+    if (cfg.magnitude_weight > 0 or prenorm) and lm is None:
         from hotneurons.common.models import load_model_from_meta
 
         lm = load_model_from_meta(info, device=device, dtype=(pmeta.config or {}).get("dtype", "auto"))
     if lm is not None:
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
+    if prenorm:
+        from hotneurons.common.prenorm import ffn_norms
+
+        gammas = [n.gamma().cpu() for n in ffn_norms(lm)]  # (d,) float32 per layer
     taus = pmeta.layer_taus
     cache: dict[int, tuple] = {}
 
@@ -228,16 +241,22 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
         if layer not in cache:
             cache.clear()  # one layer's samples in RAM at a time (phases revisit layers in another order)
             x, m = load_samples(sdir, layer, n)
-            w = None
+            w = rows = None
+            if prenorm:  # logits times r / s: s, the median r of train rows, keeps them near the normed form's
+                r = pform.load_rms(sdir, layer)  # (count,)
+                s = float(r[splits[0]].median())
+                rows = (r / s, s)
             if cfg.magnitude_weight > 0:
                 hv = ffn_values(lm, layer, x)  # (count, n)
                 tau = None if taus is None else taus[layer]
                 # the stored masks came from the same rule on the same x (up to fp16 storage of x)
                 agreement[layer] = float(((hv.abs() > tau if tau is not None else hv != 0) == m).float().mean())
                 w = importance_weights(hv, m, tau, cfg)
-            cache[layer] = (x, m, w)
-        x, m, w = cache[layer]
-        return fit_layer(x, m, h, cfg, splits, device, seed=cfg.seed * 100_003 + layer, importance=w)
+            cache[layer] = (x, m, w, rows)
+        x, m, w, rows = cache[layer]
+        f = fit_layer(x, m, h, cfg, splits, device, seed=cfg.seed * 100_003 + layer, importance=w,
+                      rowscale=None if rows is None else rows[0])
+        return f if rows is None else replace(f, state=pform.to_prenorm(f.state, gammas[layer], rows[1]))
 
     bar = tqdm(desc="predictors", unit="fit", disable=not progress, dynamic_ncols=True)
 
@@ -254,7 +273,15 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
                                      [ffn_params[i] for i in sel], cfg, note, bound)
     seconds = time.perf_counter() - t0
     bar.close()
+    fold = None
+    if prenorm:  # one threshold for all layers (predictors/form.py); the summary's metrics are after the fold
+        before = [f.threshold for f in kept]
+        fold = pform.single_threshold(before, [-f.fallback["threshold"] for f in kept])
+        kept = [pform.fold_fit(f, fold, j, f"{cfg.target_recall:g}") for j, f in enumerate(kept)]
     summary = _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d, n)
+    if fold is not None:
+        pform.describe(summary.layers, fold, before)
+        summary.totals.global_threshold, summary.totals.moved_layers = fold.threshold, sum(fold.moved)
     if agreement:
         summary.totals.recomputed_mask_agreement_min = min(agreement.values())
     meta = PredictorsMeta(inputs={"profile": {"meta_sha256": profile_hash(run_dir)}}, model=info, config=asdict(cfg))
@@ -314,6 +341,7 @@ class Predictors:
     layers: dict[int, Predictor]
     summary: PredictorsSummary
     meta: PredictorsMeta
+    form: PredictorForm = PredictorForm.NORMED  # powerinfer: each layer's predictor reads the pre-norm residual
 
     def set_recall(self, recall: float) -> None:
         """Switch every layer to the threshold tabulated on val for `recall` (one of RECALL_GRID + target)."""
@@ -326,12 +354,15 @@ class Predictors:
 
 
 def check_predictors(run_dir: str | Path, recall: float | None = None) -> PredictorsSummary:
-    """RUN/predictors/ is complete and readable (meta.json, summary.json, the tensors each layer needs), and
-    `recall`, when given, is one of its tabulated recalls: refused in one line before a model loads."""
+    """RUN/predictors/ is complete and readable (meta.json, summary.json, the tensors each layer needs), of a form
+    the model's family runs, and `recall`, when given, is one of its tabulated recalls: refused in one line before a
+    model loads."""
     pdir = Path(run_dir) / "predictors"
     if not (pdir / "meta.json").exists() or not (pdir / "predictors.safetensors").exists():
         raise ArtifactError(f"no predictors in {pdir}: run pi-train-predictors on {run_dir} first")
-    PredictorsMeta.load(pdir / "meta.json")
+    meta = PredictorsMeta.load(pdir / "meta.json")
+    if PredictorForm.of(meta.config) == PredictorForm.POWERINFER:
+        pform.check_model_family(meta.model)  # its input needs a pre-FFN RMSNorm
     summary = PredictorsSummary.load(pdir / "summary.json")
     names = set(artifacts.check_tensors(pdir / "predictors.safetensors", f"pi-train-predictors --run {run_dir}"))
     for row in summary.layers:
@@ -372,4 +403,4 @@ def load_predictors(run_dir: str | Path, model_info: dict | None = None, *, chec
         p.fc1.weight.data.copy_(w1)
         p.fc2.weight.data.copy_(w2)
         layers[i] = p.to(device=device, dtype=dtype).eval()  # threshold buffer follows dtype; compare in x dtype
-    return Predictors(layers, summary, meta)
+    return Predictors(layers, summary, meta, PredictorForm.of(meta.config))

@@ -2,8 +2,10 @@
 
 No model code is edited: per decoder layer, one forward pre-hook on the down projection sees the per-neuron
 activation values h (what `fc2` / `down_proj` multiplies), and, only on batches that feed the reservoir, one
-pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks). The activation rule itself
-(active_mask, as_tau) is in common/ffn.py: later stages apply the same one.
+pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks) and, where the model has a pre-FFN RMSNorm,
+one on that norm sees the residual before it, of which each sample keeps the norm's divisor r (common/prenorm.py:
+with x, it is what the powerinfer predictor form trains on). The activation rule itself (active_mask, as_tau) is in
+common/ffn.py: later stages apply the same one.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
+from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import FFNHooks, active_mask, as_tau
 from hotneurons.common.models import LoadedModel
+from hotneurons.common.prenorm import FFNNorm, ffn_norm
 
 
 def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:
@@ -79,14 +83,15 @@ def _count_cpu(h, tau, n_chunks):  # pragma: no cover - compiled
 class SampleReservoir:
     """Uniform reservoir sample of token rows, shared by all layers, stored as .npy memory maps.
 
-    Per layer: `layer_{i:03d}.x.npy` float16 (capacity, d_model) and `layer_{i:03d}.mask.npy` uint8
-    (capacity, ceil(n_neurons / 8)), the mask bit-packed along neurons (np.packbits, big bit order).
+    Per layer: `layer_{i:03d}.x.npy` float16 (capacity, d_model), `layer_{i:03d}.mask.npy` uint8
+    (capacity, ceil(n_neurons / 8)), the mask bit-packed along neurons (np.packbits, big bit order), and with `rms`
+    `layer_{i:03d}.rms.npy` float32 (capacity,), the pre-FFN norm's divisor r of the same token.
     Which rows a batch writes depends only on (seed, rank, batch index, tokens seen), so a resumed run
     writes exactly what an uninterrupted one does.
     """
 
     def __init__(self, folder: Path, capacity: int, n_layers: int, d_model: int, n_neurons: int,
-                 seed: int, rank: int = 0, resume: bool = False):
+                 seed: int, rank: int = 0, resume: bool = False, rms: bool = False):
         self.folder, self.capacity, self.seed, self.rank = folder, capacity, seed, rank
         folder.mkdir(parents=True, exist_ok=True)
         mode = "r+" if resume else "w+"
@@ -94,6 +99,9 @@ class SampleReservoir:
         self.x = [self._open(f"layer_{i:03d}.x.npy", mode, np.float16, (capacity, d_model)) for i in range(n_layers)]
         self.mask = [self._open(f"layer_{i:03d}.mask.npy", mode, np.uint8, (capacity, nbytes))
                      for i in range(n_layers)]
+        # (capacity, 1) views of the (capacity,) files: scattered like the other files' rows
+        self.rms = [self._open(f"layer_{i:03d}.rms.npy", mode, np.float32, (capacity,)).reshape(capacity, 1)
+                    for i in range(n_layers)] if rms else None
         self.pos: torch.Tensor | None = None  # flat token positions of the current batch to store
         self.slot: np.ndarray | None = None  # their reservoir slots
         # Rows gathered on the model's device during a forward; copied to the host once after it, and written to
@@ -105,6 +113,9 @@ class SampleReservoir:
     def _open(self, name: str, mode: str, dtype, shape) -> np.memmap:
         path = self.folder / name
         if mode == "r+":
+            if not path.exists():  # a checkpoint written by a version that stored no pre-norm scales
+                raise ArtifactError(f"cannot resume: the interrupted profile in {self.folder.parent} has no {name}: "
+                                    f"force a fresh start", params="force")
             return np.load(path, mmap_mode="r+")
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
 
@@ -125,9 +136,11 @@ class SampleReservoir:
         self.pos = torch.from_numpy(pos[idx]).to(device) if len(idx) else None
         self.slot = slot[idx]
 
-    def write(self, layer: int, x: torch.Tensor, mask: torch.Tensor) -> None:
-        """From a hook: this batch's chosen rows (x, mask at self.pos), kept on the device (no host sync)."""
-        self._pending.append((layer, x.to(torch.float16), packbits(mask)))
+    def write(self, layer: int, x: torch.Tensor, mask: torch.Tensor, rms: torch.Tensor | None = None) -> None:
+        """From a hook: this batch's chosen rows (x, mask, and r where stored, at self.pos), kept on the device (no
+        host sync)."""
+        r = None if self.rms is None else rms.to(torch.float32)[:, None]  # (rows, 1)
+        self._pending.append((layer, x.to(torch.float16), packbits(mask), r))
 
     def commit(self) -> None:
         """After a forward: one copy to the host, then the disk writes go to the worker thread."""
@@ -135,11 +148,12 @@ class SampleReservoir:
             return
         # non_blocking device->host copies land in pinned memory (PyTorch's caching host allocator): several
         # times faster than pageable copies; one stream sync covers them all
-        host = [(i, x.to("cpu", non_blocking=True), m.to("cpu", non_blocking=True)) for i, x, m in self._pending]
+        host = [(i, *(None if t is None else t.to("cpu", non_blocking=True) for t in ts))
+                for i, *ts in self._pending]
         self._pending = []
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        host = [(i, x.numpy(), m.numpy()) for i, x, m in host]
+        host = [(i, *(None if t is None else t.numpy() for t in ts)) for i, *ts in host]
         self.wait()
         self._inflight = self._writer.submit(self._store, host, self.slot)
 
@@ -148,13 +162,17 @@ class SampleReservoir:
         slot = slot[order]
         # while the reservoir fills, a batch's slots are one ascending run: one slice copy each
         run = len(slot) > 0 and slot[-1] - slot[0] == len(slot) - 1 and (order == np.arange(len(order))).all()
-        for i, x, m in host:
+        for i, x, m, r in host:
             if run:
                 self.x[i][slot[0]:slot[-1] + 1] = x
                 self.mask[i][slot[0]:slot[-1] + 1] = m
+                if r is not None:
+                    self.rms[i][slot[0]:slot[-1] + 1] = r
             else:  # Numba copies the scattered rows without the GIL: the next forward's Python runs meanwhile
                 _scatter_rows(self.x[i].view(np.ndarray).view(np.uint16), x.view(np.uint16), order, slot)
                 _scatter_rows(self.mask[i].view(np.ndarray), m, order, slot)
+                if r is not None:
+                    _scatter_rows(self.rms[i].view(np.ndarray), r, order, slot)
 
     def wait(self) -> None:
         if self._inflight is not None:
@@ -163,8 +181,8 @@ class SampleReservoir:
 
     def flush(self) -> None:
         self.wait()
-        for arr in (*self.x, *self.mask):
-            arr.flush()
+        for arr in (*self.x, *self.mask, *(self.rms or ())):
+            arr.flush()  # a (capacity, 1) view flushes the memory map it views
 
 
 @numba.njit(nogil=True, cache=True)
@@ -187,6 +205,12 @@ def packbits(mask: torch.Tensor) -> torch.Tensor:
     return (m.view(rows, (n + 7) // 8, 8) * _bits(m.device)).sum(-1, dtype=torch.uint8)
 
 
+def sample_norms(lm: LoadedModel) -> list[FFNNorm] | None:
+    """The pre-FFN RMSNorms whose divisors the samples keep, or None for families without them (OPT, Falcon)."""
+    norms = [ffn_norm(lm.adapter.name, layer) for layer in lm.layers]
+    return None if any(n is None for n in norms) else norms
+
+
 class ActivationCounter(FFNHooks):
     """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device."""
 
@@ -195,6 +219,21 @@ class ActivationCounter(FFNHooks):
         self.taus, self.reservoir = taus, reservoir
         device = next(lm.model.parameters()).device
         self.counts = torch.zeros(lm.info["n_layers"], lm.info["n_neurons"], dtype=torch.int64, device=device)
+        self.norms = sample_norms(lm) if reservoir is not None and reservoir.rms is not None else None
+        self._rms: dict[int, torch.Tensor] = {}  # layer -> (rows,) r of the kept rows, from the norm's pre-hook
+
+    def __enter__(self):
+        super().__enter__()
+        for i, norm in enumerate(self.norms or ()):
+            self._handles.append(norm.module.register_forward_pre_hook(self._norm_hook(i, norm)))
+        return self
+
+    def _norm_hook(self, i: int, norm: FFNNorm):
+        def hook(_mod, args):
+            if self.wants_x():
+                x_pre = args[0]  # (..., d_model) the residual entering the FFN block
+                self._rms[i] = norm.divisor(x_pre.reshape(-1, x_pre.shape[-1])[self.reservoir.pos])  # (rows,)
+        return hook
 
     def wants_x(self) -> bool:
         return self.reservoir is not None and self.reservoir.pos is not None
@@ -205,7 +244,8 @@ class ActivationCounter(FFNHooks):
         self.counts[i] += count_active(h, tau)
         if x is not None:  # masks only for the rows kept as samples
             rows = self.reservoir.pos
-            self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], active_mask(h[rows], tau))
+            self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], active_mask(h[rows], tau),
+                                 self._rms.pop(i, None))
 
 
 class MagnitudeCollector(FFNHooks):

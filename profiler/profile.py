@@ -1,7 +1,8 @@
 """`profile_model`: count FFN neuron activations over a corpus and store predictor training samples.
 
 Output `RUN/profile/` (see docs/artifacts.md): `neurons.parquet` (layer, neuron, count), `meta.json`
-(common/artifacts.ProfileMeta), and `samples/layer_XXX.{x,mask}.npy`. Work goes to `RUN/.profile.partial/`
+(common/artifacts.ProfileMeta), and `samples/layer_XXX.{x,mask}.npy` (+ `.rms.npy` where the model has a pre-FFN
+RMSNorm). Work goes to `RUN/.profile.partial/`
 (common/artifacts.staged) with periodic checkpoints; the finished folder is swapped into place in one rename,
 so an existing profile survives any failure, and an interrupted run can be resumed from its checkpoint.
 Under `torchrun` each rank profiles every world_size-th batch and the counts are all-reduced at the end.
@@ -33,7 +34,7 @@ from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, toke
 from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.kinds import Rule
 from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device, resolve_source
-from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir
+from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
@@ -178,7 +179,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, worl
     if capacity > 0:
         reservoir = SampleReservoir(partial / ("samples" if world == 1 else f"samples.rank{rank}"), capacity,
                                     info["n_layers"], info["d_model"], info["n_neurons"], cfg.seed, rank,
-                                    resume=state["batches"] > 0)
+                                    resume=state["batches"] > 0, rms=sample_norms(lm) is not None)
     counter = ActivationCounter(lm, taus, reservoir)
     if state["batches"] > 0:
         counter.counts.copy_(load_file(str(ckpt))["counts"])
@@ -289,8 +290,9 @@ def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.nda
     """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in)."""
     n_layers, n_neurons = counts.shape
     samples = sum(filled) if cfg.samples_per_layer > 0 else 0
+    rms = cfg.samples_per_layer > 0 and sample_norms(lm) is not None
     if cfg.samples_per_layer > 0:
-        _merge_samples(partial, n_layers, filled, capacity, world)
+        _merge_samples(partial, n_layers, filled, capacity, world, rms)
     layer = np.repeat(np.arange(n_layers, dtype=np.int32), n_neurons)
     neuron = np.tile(np.arange(n_neurons, dtype=np.int32), n_layers)
     df = pd.DataFrame({"layer": layer, "neuron": neuron, "count": counts.reshape(-1).astype(np.int64)})
@@ -315,7 +317,8 @@ def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.nda
             x="samples/layer_{i:03d}.x.npy: float16 (count, d_model): input of the FFN's first linear "
               "layers (after the pre-FFN norm)",
             mask="samples/layer_{i:03d}.mask.npy: uint8 (count, ceil(n_neurons/8)): np.packbits of the "
-                 "active mask along neurons"),
+                 "active mask along neurons",
+            rms=RMS_DOC if rms else None),
         seconds=round(seconds, 3),
         tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
         world_size=world,
@@ -328,7 +331,11 @@ def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.nda
     return meta
 
 
-def _merge_samples(partial: Path, n_layers: int, filled: list[int], capacity: int, world: int) -> None:
+RMS_DOC = ("samples/layer_{i:03d}.rms.npy: float32 (count,): the pre-FFN RMSNorm's divisor sqrt(mean(x_pre^2) + eps) "
+           "of the residual x_pre entering it (x = gamma * x_pre / rms)")
+
+
+def _merge_samples(partial: Path, n_layers: int, filled: list[int], capacity: int, world: int, rms: bool) -> None:
     """Single full reservoir: already in place. Otherwise copy each rank's filled rows into one file per layer."""
     out = partial / "samples"
     if world == 1 and filled[0] == capacity:
@@ -337,10 +344,10 @@ def _merge_samples(partial: Path, n_layers: int, filled: list[int], capacity: in
     staging = partial / "samples.merged"
     staging.mkdir(exist_ok=True)
     for i in range(n_layers):
-        for kind in ("x", "mask"):
+        for kind in ("x", "mask", "rms") if rms else ("x", "mask"):
             parts = [np.load(src / f"layer_{i:03d}.{kind}.npy", mmap_mode="r")[:f] for src, f in zip(srcs, filled)]
             dst = np.lib.format.open_memmap(staging / f"layer_{i:03d}.{kind}.npy", mode="w+", dtype=parts[0].dtype,
-                                            shape=(sum(filled), parts[0].shape[1]))
+                                            shape=(sum(filled), *parts[0].shape[1:]))
             np.concatenate(parts, out=dst) if sum(filled) else None
             dst.flush()
             del dst, parts

@@ -32,6 +32,8 @@ from hotneurons.common.models import (
     pick_dtype,
     text_config,
 )
+from hotneurons.common.prenorm import ffn_norms
+from hotneurons.predictors.form import PredictorForm
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from hotneurons.runtime.cold_rows import COLD_DTYPES
 from hotneurons.runtime.hybrid_ffn import HybridFFN
@@ -193,6 +195,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     else:
         k = n_layers
         placement = placement or Placement.uniform(n_layers, info["n_neurons"], True)
+    # the powerinfer form reads the residual before each layer's pre-FFN RMSNorm (refused for families without one)
+    prenorm = mask == "predictor" and getattr(predictors, "form", None) == PredictorForm.POWERINFER
+    norms = ffn_norms(lm) if prenorm else None
     lm.model.to("cpu", dtype)
     ffns: list[HybridFFN] = []
     cpu_layers: list[OnCPULayer] = []
@@ -202,7 +207,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
         pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
         ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
-                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs)
+                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None)
+        if norms is not None:
+            ffn.watch_norm(norms[i].module)  # HF's layers; the static decoder passes the residual itself
         install(lm, i, ffn)
         ffns.append(ffn)
         if cfg.mode == "layer-split":

@@ -9,9 +9,12 @@ Per layer it holds
 The original FFN modules are dropped, so the dense FFN weights never reach the device.
 
 Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
-all ones ("dense"); hot neurons are always computed (as pi-eval's placement mode does); x and the cold part of
-the mask go to the CPU (`HostIO`), the Numba kernel computes the active cold neurons while the device computes the
-hot ones, and the CPU's partial sums are added on the device. Prefill (several tokens) goes dense. The static decoder
+all ones ("dense"). A predictor of the normed form reads the FFN input x; one of the powerinfer form
+(predictors/form.py, `prenorm`) reads the residual before the pre-FFN norm: the static decoder passes its h2, and on
+HF's layers a pre-hook on that norm (`watch_norm`) keeps it for the FFN's call that follows. Hot neurons are always
+computed (as pi-eval's placement mode does); x and the cold part of the mask go to the CPU (`HostIO`), the Numba
+kernel computes the active cold neurons while the device computes the hot ones, and the CPU's partial sums are added
+on the device. Prefill (several tokens) goes dense. The static decoder
 (runtime/static_decoder.py) calls the same pieces from its own graphs; `_decode` is the path of the other families.
 """
 
@@ -58,6 +61,7 @@ class _Graphs:
     layer and token, CPU time that the cold kernel would wait behind; replayed it is two launches."""
 
     x: torch.Tensor  # (1, d) the static input of both graphs
+    p: torch.Tensor | None  # (1, d) the static predictor input of `pre` (powerinfer form), else None: x
     y: torch.Tensor  # (1, d) the static output of `hot`
     pre: torch.cuda.CUDAGraph  # the predictor, the cold mask and x to the host
     hot: torch.cuda.CUDAGraph  # the hot rows (and the device's share of the cold ones)
@@ -69,7 +73,7 @@ class HybridFFN(nn.Module):
 
     def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
                  predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
-                 graphs: bool = True):
+                 graphs: bool = True, prenorm: bool = False):
         super().__init__()
         if mask not in MASKS:
             raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
@@ -109,6 +113,8 @@ class HybridFFN(nn.Module):
         fc2 = None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))]  # (n, hidden)
         self.register_buffer("pred_fc2", fc2)
         self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
+        self.prenorm = prenorm and p is not None  # the predictor reads the residual before the pre-FFN norm
+        self.residual: torch.Tensor | None = None  # (..., d) that residual, from watch_norm's hook (HF's layers)
         self.use_graphs = graphs  # CUDA: replay the per-token GPU work as two CUDA graphs (_Graphs)
         self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
         self.io: HostIO | None = None
@@ -193,12 +199,30 @@ class HybridFFN(nn.Module):
             if self.n_hot else torch.zeros_like(x)
         return y if self.b_down is None else y + self.b_down
 
-    def to_host(self, x: torch.Tensor, predict_op: Callable = predict) -> None:
+    def watch_norm(self, norm: nn.Module):
+        """HF's layers (powerinfer form): a pre-hook on the layer's pre-FFN norm keeps its input, the residual, for
+        the predictor of the FFN call that follows. Returns the hook's handle."""
+        def hook(_mod, args):
+            self.residual = args[0]  # (..., d)
+        return norm.register_forward_pre_hook(hook)
+
+    def predictor_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, d): what the predictor reads for the token whose FFN input is x: x, or the residual watch_norm kept."""
+        if not self.prenorm:
+            return x
+        r, self.residual = self.residual, None  # used once: a stale residual must never reach a later token
+        if r is None:
+            raise RuntimeError(f"layer {self.layer}: the powerinfer-form predictor reads the residual before the "
+                               f"pre-FFN norm, and no hook on that norm saw it (watch_norm)")
+        return r.reshape(1, -1)
+
+    def to_host(self, x: torch.Tensor, predict_op: Callable = predict, pred_x: torch.Tensor | None = None) -> None:
         """x (1, d) and the predictor's cold mask into the host buffers (async on CUDA); firings counted on device.
-        predict_op: ops.predict (torch's kernels) or one of its Ops twins."""
+        predict_op: ops.predict (torch's kernels) or one of its Ops twins; pred_x (1, d): the predictor's input where
+        it is not x (the powerinfer form's residual before the pre-FFN norm)."""
         self.io.x_dev.copy_(x[0])  # one kernel: cast and write to the host
         if self.mask == "predictor":
-            self.decide(x[0], predict_op)
+            self.decide((x if pred_x is None else pred_x)[0], predict_op)
 
     def decide(self, x: torch.Tensor, predict_op: Callable, fired: torch.Tensor | None = None,
                mask_dev: torch.Tensor | None = None) -> None:
@@ -233,11 +257,12 @@ class HybridFFN(nn.Module):
             return y.reshape(shape)
         return self._decode(x2).reshape(shape)
 
-    def _capture(self, x: torch.Tensor) -> _Graphs:
+    def _capture(self, x: torch.Tensor, p: torch.Tensor) -> _Graphs:
         xs = x.clone()  # (1, d)
-        (pre, hot), (_, y) = capture(x.device, (lambda: self.to_host(xs), lambda: self.device_part(xs)),
+        ps = p.clone() if self.prenorm else None  # (1, d)
+        (pre, hot), (_, y) = capture(x.device, (lambda: self.to_host(xs, predict, ps), lambda: self.device_part(xs)),
                                      keep=(self.fired,))
-        return _Graphs(xs, y, pre, hot, torch.cuda.Event())
+        return _Graphs(xs, ps, y, pre, hot, torch.cuda.Event())
 
     def _mark(self, mark: str) -> None:
         if self.probe is not None:
@@ -250,17 +275,20 @@ class HybridFFN(nn.Module):
         cuda = x.device.type == "cuda"
         self.host_io(x.device)
         self._mark("start")
+        p = self.predictor_input(x)  # (1, d)
         y = None
         if cuda and self.mask != "oracle":
             if self._graphs is None and self.use_graphs:
-                self._graphs = self._capture(x)
+                self._graphs = self._capture(x, p)
             g = self._graphs
             copied = g.copied if g is not None else torch.cuda.Event()
             if g is not None:
                 g.x.copy_(x)
+                if g.p is not None:
+                    g.p.copy_(p)
                 g.pre.replay()
             else:  # eager: the same work as ~25 launches
-                self.to_host(x)
+                self.to_host(x, predict, p)
             copied.record()
             self._mark("hot_start")
             if g is not None:
@@ -271,7 +299,7 @@ class HybridFFN(nn.Module):
             self._mark("hot_end")
             copied.synchronize()  # the hot rows keep the GPU busy while the CPU works below
         else:
-            self.to_host(x)
+            self.to_host(x, predict, p)
             if cuda:  # oracle: the host needs x now
                 torch.cuda.current_stream(x.device).synchronize()
         self._mark("cpu_start")

@@ -6,8 +6,8 @@ replayed from graphs over static buffers and a static KV cache:
 
   pre[i]:  h = previous layer's h2 + hot + cold sums (layer 0: the token's embedding, an untied one's row looked up
            on the host and copied in; and the step's rotary cos/sin and attention mask, which every layer shares);
-           attention with the cache; h2[i] = h + attn; x[i] = post-attention norm; the predictor; x and the cold
-           mask written to the host; a signal the CPU waits for
+           attention with the cache; h2[i] = h + attn; x[i] = post-attention norm; the predictor (on x[i], or on
+           h2[i] for the powerinfer form); x and the cold mask written to the host; a signal the CPU waits for
   hot[i]:  the hot FFN rows of x[i]
   CPU:     one Numba call (HybridFFN.cold_rows -> kernels.cold_layer): the active cold rows' per-thread partial sums
            into a pinned host buffer
@@ -216,7 +216,8 @@ class StaticDecoder:
         o = ops.attend(qg, keys, values, mask, self.pos[0]).reshape(1, H * hd)  # (1, heads * hd)
         ops.add_linear(h, o, attn.o_proj.weight, attn.o_proj.bias)  # h2[i] = h + o_proj(o), into h's memory
         rms_norm(layer.post_attention_layernorm, self.h2[i], self.x[i].view(1, 1, -1), ops.weighted_rms)
-        self.ffns[i].to_host(self.x[i], ops.predict)
+        f = self.ffns[i]  # a powerinfer-form predictor reads h2[i], the norm's input
+        f.to_host(self.x[i], ops.predict, self.h2[i].view(1, -1) if f.prenorm else None)
 
     def _hot(self, i: int) -> None:
         self.hot_sum[i].copy_(self.ffns[i].device_part(self.x[i]))
