@@ -10,9 +10,11 @@ predictors. `roundtrip` exports the run, runs the three and compares their token
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +150,19 @@ def our_tokens(run: Path, prompt: str, n: int, threads: int = 1) -> dict[str, An
 
 
 def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int = 1, timeout: float = 300,
-                      logdir: Path | None = None) -> dict[str, Any]:
+                      logdir: Path | None = None, extra: Sequence[str] = (), env: dict | None = None) -> dict[str, Any]:
     """PowerInfer's `main`, greedy (--temp 0, no repetition penalty), its prompt and output token ids from the
-    YAML log it writes with --logdir (main.cpp:81; common.cpp:1367)."""
+    YAML log it writes with --logdir (main.cpp:81; common.cpp:1367). `extra`: more flags (a CUDA build's
+    --vram-budget); `env`: variables added to the environment (LLAMA_SPARSE_PRED_THRESHOLD, llama.cpp:2348)."""
     logdir = Path(logdir or gguf.parent / "logs")
     logdir.mkdir(parents=True, exist_ok=True)
     cmd = [str(main), "-m", str(gguf), "-p", prompt, "-n", str(n), "-t", str(threads), "-s", "0", "--temp", "0",
-           "--repeat-penalty", "1.0", "-c", "256", "--logdir", str(logdir) + "/"]
+           "--repeat-penalty", "1.0", "-c", "256", "--logdir", str(logdir) + "/", *extra]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
-    row = {"command": " ".join(cmd), "returncode": p.returncode, "seconds": round(time.perf_counter() - t0, 3)}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace",
+                       env={**os.environ, **(env or {})})
+    row = {"command": " ".join(cmd), "env": env or {}, "returncode": p.returncode,
+           "seconds": round(time.perf_counter() - t0, 3)}
     logs = sorted(logdir.glob("*.yml"))
     if p.returncode != 0 or not logs:
         return {**row, "error": (p.stderr or p.stdout)[-3000:]}
@@ -181,7 +186,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def roundtrip(work: Path, main: Path | None, form: str = "normed", prompt: str = PROMPT, n: int = 16,
-              threads: int = 1, seed: int = 0) -> dict[str, Any]:
+              threads: int = 1, seed: int = 0, main_args: Sequence[str] = ()) -> dict[str, Any]:
     """Build, profile, place, export and run; the figures of the comparison (PowerInfer's only with `main`)."""
     from .run import export_run
 
@@ -201,7 +206,7 @@ def roundtrip(work: Path, main: Path | None, form: str = "normed", prompt: str =
         "export": {k: summary[k] for k in ("arch", "files", "file_bytes", "gpu_neurons_per_layer", "vram_capacity")},
     }
     if main is not None:
-        pi = powerinfer_tokens(main, work / "export" / summary["files"]["model"], prompt, n, threads)
+        pi = powerinfer_tokens(main, work / "export" / summary["files"]["model"], prompt, n, threads, extra=main_args)
         res["powerinfer"] = pi
         if "error" not in pi:
             res["prompt_ids_equal"] = pi["prompt_ids"] == hf["prompt_ids"]

@@ -1,0 +1,140 @@
+"""PowerInfer's `main` against our runtime and HF generate on a small ReGLU LLaMA exported by pi-export, as a results
+record (bench/record.py): the round trip of docs/export.md.
+
+    python -m hotneurons.bench.powerinfer_check --out DIR [--cuda] [--main PATH] [--results FILE]
+
+Builds `main` from PowerInfer's source tarball (../shared/vendor/PowerInfer-src.tgz; CPU, or its CUDA build with
+--cuda) in DIR/build, kept for the next run; then, for each predictor form the run can hold (normed: γ is folded into
+fc1 at export; powerinfer: pre-norm as trained), builds the model and its run (export/roundtrip.py), exports it and
+compares the greedy tokens of the three. Two controls show that the comparison can fail: a threshold above every
+logit (PowerInfer computes no FFN neuron) and the normed predictor exported without folding γ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from hotneurons.bench import ROOT, record
+
+TARBALL = ROOT.parent / "shared" / "vendor" / "PowerInfer-src.tgz"
+CMAKE_FLAGS = ["-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+CUDA_FLAGS = ["-DLLAMA_CUBLAS=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
+
+
+def build(tarball: Path, work: Path, cuda: bool = False, jobs: int = 2) -> dict:
+    """PowerInfer's `main`, built with cmake (Ninja where installed) from the tarball in work/; reused when built."""
+    kind = "cuda" if cuda else "cpu"
+    src, out = work / "PowerInfer", work / f"build-{kind}"
+    binary = out / "bin" / "main"
+    if binary.exists():
+        return {"binary": str(binary), "seconds": 0.0, "cached": True, "kind": kind}
+    if shutil.which("cmake") is None:
+        raise SystemExit("cmake is not on PATH: install it (apt-get install cmake, or pip install cmake)")
+    if not (src / "CMakeLists.txt").exists():
+        if not tarball.exists():
+            raise SystemExit(f"no {tarball}: pass --tarball, or --main with a built PowerInfer main")
+        with tarfile.open(tarball) as t:
+            t.extractall(work, filter="data")
+    env = dict(os.environ)
+    if cuda and Path("/usr/local/cuda/bin").exists():
+        env["PATH"] = f"/usr/local/cuda/bin:{env['PATH']}"
+    flags = CMAKE_FLAGS + (CUDA_FLAGS if cuda else []) + (["-G", "Ninja"] if shutil.which("ninja") else [])
+    t0 = time.perf_counter()
+    for cmd in (["cmake", "-S", str(src), "-B", str(out), *flags],
+                ["cmake", "--build", str(out), "--target", "main", "-j", str(jobs)]):
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)
+    return {"binary": str(binary), "seconds": round(time.perf_counter() - t0, 1), "cached": False, "kind": kind,
+            "cmake_flags": flags}
+
+
+def unfolded_control(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> dict:
+    """The normed run's predictors written as they are (γ not folded into fc1) through write_powerinfer: PowerInfer then
+    decides from W_gate·x_pre instead of W_gate·diag(γ)·x_pre, and its tokens should part from HF's."""
+    import numpy as np
+    from hotneurons.common.models import load_model
+    from hotneurons.export import roundtrip as rt
+    from hotneurons.export import vocab_from_tokenizer, write_powerinfer
+    from hotneurons.export.predictors import read_predictors
+
+    lm = load_model(str(work / "model"), device="cpu", dtype="float32")
+    cfg = lm.model.config
+    layers, thresholds, form = read_predictors(work / "run", cfg.num_hidden_layers)
+    counts = [np.zeros(cfg.intermediate_size, np.int64)] * cfg.num_hidden_layers
+    out = work / "unfolded"
+    write_powerinfer(lm.model, vocab_from_tokenizer(lm.tokenizer, cfg.vocab_size), layers, 0.0, counts, None, 0, out,
+                     force=True)
+    return rt.powerinfer_tokens(main, out / "model.powerinfer.gguf", rt.PROMPT, n, threads, extra=extra)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="work folder: the build, the models, the exports")
+    p.add_argument("--tarball", type=Path, default=TARBALL)
+    p.add_argument("--main", type=Path, default=None, help="a built PowerInfer main (skips the build)")
+    p.add_argument("--cuda", action="store_true", help="build with CUDA (LLAMA_CUBLAS; sm_90)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--threads", type=int, default=1, help="main's -t and our runtime's threads")
+    p.add_argument("-n", "--new-tokens", type=int, default=16, help="greedy tokens each system generates")
+    p.add_argument("--vram-budget", type=float, default=None, help="CUDA build: main's --vram-budget in GiB")
+    p.add_argument("--results", type=Path, default=None,
+                   help="results file [bench/results/<date>-<machine kind>-powerinfer-roundtrip.json]")
+    p.add_argument("--machine-kind", default=None)
+    p.add_argument("--commit", default=None)
+    a = p.parse_args(argv)
+    from hotneurons.export import roundtrip as rt
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    built = {"binary": str(a.main), "cached": True, "kind": "given"} if a.main else build(a.tarball, a.out, a.cuda,
+                                                                                              a.jobs)
+    main_bin = Path(built["binary"])
+    extra = ["--vram-budget", str(a.vram_budget)] if a.vram_budget is not None else []
+    forms = ["normed"]
+    try:
+        import hotneurons.predictors.form  # noqa: F401  (our runtime reads the powerinfer form from there)
+
+        forms.append("powerinfer")
+    except ImportError:
+        pass
+    runs, matched = {}, {}
+    for form in forms:
+        res = rt.roundtrip(a.out / f"roundtrip-{form}", main_bin, form=form, n=a.new_tokens, threads=a.threads,
+                           main_args=extra)
+        runs[form] = res
+        matched[form] = {k: res.get(k) for k in ("ours_vs_hf_matched", "powerinfer_vs_hf_matched",
+                                                 "powerinfer_vs_ours_matched", "prompt_ids_equal", "all_equal")}
+        print(f"{form}: {matched[form]}", file=sys.stderr)
+    normed = a.out / "roundtrip-normed"
+    hf = runs["normed"]["hf"]["tokens"]
+    gguf = normed / "export" / "model.powerinfer.gguf"
+    off = rt.powerinfer_tokens(main_bin, gguf, rt.PROMPT, a.new_tokens, a.threads, logdir=normed / "off", extra=extra,
+                               env={"LLAMA_SPARSE_PRED_THRESHOLD": "1e30"})
+    unfolded = unfolded_control(normed, main_bin, a.new_tokens, a.threads, extra)
+    two = rt.powerinfer_tokens(main_bin, gguf, rt.PROMPT, a.new_tokens, 2, logdir=normed / "t2", extra=extra)
+    controls = {
+        "threshold_above_every_logit": {**off, "vs_hf_matched": rt.common_prefix(off.get("tokens", []), hf)},
+        "normed_predictor_without_gamma": {**unfolded, "vs_hf_matched": rt.common_prefix(unfolded.get("tokens", []),
+                                                                                         hf)},
+        "main_with_2_threads": {**two, "vs_hf_matched": rt.common_prefix(two.get("tokens", []), hf)},
+    }
+    figures = {"powerinfer_build": built, "tarball": str(a.tarball), "new_tokens": a.new_tokens, "matched": matched,
+               "controls": {k: {"vs_hf_matched": v["vs_hf_matched"], "tokens": v.get("tokens"),
+                                "error": v.get("error")} for k, v in controls.items()},
+               "runs": runs, "control_runs": controls}
+    info = record.machine("torch", "transformers", "gguf")
+    kind = a.machine_kind or record.machine_kind(info)
+    path = a.results or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-powerinfer-roundtrip.json"
+    rec = record.write_result(path, figures, machine_info=info, kind=kind, commit=record.git_commit(a.commit))
+    print(f"wrote {path}", file=sys.stderr)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
