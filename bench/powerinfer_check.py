@@ -7,7 +7,9 @@ Builds `main` from PowerInfer's source tarball (../shared/vendor/PowerInfer-src.
 --cuda) in DIR/build, kept for the next run; then, for each predictor form the run can hold (normed: γ is folded into
 fc1 at export; powerinfer: pre-norm as trained), builds the model and its run (export/roundtrip.py), exports it and
 compares the greedy tokens of the three. Two controls show that the comparison can fail: a threshold above every
-logit (PowerInfer computes no FFN neuron) and the normed predictor exported without folding γ.
+logit (PowerInfer computes no FFN neuron) and the normed predictor exported without folding γ. Last, the same model
+with trained powerinfer-form predictors (pi-profile, pi-train-predictors --form powerinfer, pi-export): PowerInfer's
+tokens against ours.
 """
 
 from __future__ import annotations
@@ -74,6 +76,79 @@ def unfolded_control(work: Path, main: Path, n: int, threads: int, extra: list[s
     return rt.powerinfer_tokens(main, out / "model.powerinfer.gguf", rt.PROMPT, n, threads, extra=extra)
 
 
+def f16_attention(lm) -> list:
+    """Hooks that round attention's matmul inputs (and the LM head's) and the keys and values to float16, as ggml's
+    F16 path does (activations converted to F16 for each vec_dot, an F16 KV cache): our runtime then computes the
+    residual stream PowerInfer computes, up to summation order."""
+    def rounded(_m, args):
+        return (args[0].half().float(),)
+
+    def rounded_out(_m, _args, out):
+        return out.half().float()
+
+    handles = [lm.model.lm_head.register_forward_pre_hook(rounded)]
+    for layer in lm.layers:
+        a = layer.self_attn
+        handles += [m.register_forward_pre_hook(rounded) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
+        handles += [m.register_forward_hook(rounded_out) for m in (a.k_proj, a.v_proj)]
+    return handles
+
+
+def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> dict:
+    """The round trip's model with trained predictors: pi-profile on a small corpus, every neuron on the CPU (as in
+    PowerInfer's CPU build, where the predictor decides for all of them), pi-train-predictors --form powerinfer,
+    pi-export. The predictor is approximate now, so HF's tokens part from both runtimes; PowerInfer's and ours are
+    compared with the long prompt (our prompt pass is dense, PowerInfer's sparse), with our prompt fed one token at a
+    time (sparse like PowerInfer's), also with attention rounded to float16 as ggml computes it (f16_attention), and
+    with a one-token prompt."""
+    import numpy as np
+    import pandas as pd
+    from hotneurons.common import artifacts
+    from hotneurons.common.placement import PlacementMeta
+    from hotneurons.export import export_run
+    from hotneurons.export import roundtrip as rt
+
+    model, run = work / "model", work / "trained"
+    corpus = rt.write_corpus(work / "corpus.jsonl")
+    py = [sys.executable, "-m"]
+    t0 = time.perf_counter()
+    subprocess.run([*py, "hotneurons.profiler", "--model", str(model), "--out", str(run), "--dataset", str(corpus),
+                    "--tokens", "8192", "--seq-len", "128", "--samples-per-layer", "4096", "--device", "cpu",
+                    "--quiet", "--force"], check=True, stdout=sys.stderr)
+    info = artifacts.ProfileMeta.load(run / "profile" / "meta.json").model
+    L, nn = info["n_layers"], info["n_neurons"]
+    with artifacts.staged(run / "placement") as tmp:
+        artifacts.write_parquet(tmp / "placement.parquet", pd.DataFrame({
+            "layer": np.repeat(np.arange(L, dtype=np.int32), nn), "neuron": np.tile(np.arange(nn, dtype=np.int32), L),
+            "gpu": np.zeros(L * nn, bool)}))
+        PlacementMeta(model=info).save(tmp / "meta.json")
+    subprocess.run([*py, "hotneurons.predictors", "train", "--run", str(run), "--form", "powerinfer", "--preset",
+                    "fast", "--device", "cpu", "--quiet", "--force"], check=True, stdout=sys.stderr)
+    summary = export_run(run, work / "trained-export", force=True)
+    gguf = work / "trained-export" / summary["files"]["model"]
+    pred = artifacts.read_json(run / "predictors" / "summary.json")["totals"]
+    out = {"pipeline_seconds": round(time.perf_counter() - t0, 1), "sparse_threshold": summary["sparse_threshold"],
+           "predictor_test_recall": pred["mean_recall"], "predictor_test_sparsity": pred["mean_predicted_sparsity"],
+           "placement": "every neuron on the CPU", "prompts": {}}
+    for name, prompt in (("long", rt.PROMPT), ("one_token", "T")):
+        hf = rt.hf_tokens(model, prompt, n)["tokens"]
+        ours = rt.our_tokens(run, prompt, n, threads)["tokens"]
+        step = rt.our_tokens_stepwise(run, prompt, n, threads)["tokens"]
+        emulated = rt.our_tokens_stepwise(run, prompt, n, threads, hooks=f16_attention)["tokens"]
+        pi = rt.powerinfer_tokens(main, gguf, prompt, n, threads, logdir=work / f"trained-{name}", extra=extra)
+        pt = pi.get("tokens", [])
+        out["prompts"][name] = {
+            "prompt": prompt, "hf": hf, "ours": ours, "ours_prompt_one_token_at_a_time": step, "powerinfer": pt,
+            "error": pi.get("error"), "powerinfer_vs_ours_matched": rt.common_prefix(pt, ours),
+            "ours_stepwise_f16_attention": emulated,
+            "powerinfer_vs_ours_stepwise_matched": rt.common_prefix(pt, step),
+            "powerinfer_vs_ours_stepwise_f16_attention_matched": rt.common_prefix(pt, emulated),
+            "powerinfer_vs_hf_matched": rt.common_prefix(pt, hf), "ours_vs_hf_matched": rt.common_prefix(ours, hf)}
+        print(f"trained, {name} prompt: " + ", ".join(f"{k} {v}" for k, v in out["prompts"][name].items()
+                                                      if k.endswith("matched")), file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="work folder: the build, the models, the exports")
@@ -96,15 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                               a.jobs)
     main_bin = Path(built["binary"])
     extra = ["--vram-budget", str(a.vram_budget)] if a.vram_budget is not None else []
-    forms = ["normed"]
-    try:
-        import hotneurons.predictors.form  # noqa: F401  (our runtime reads the powerinfer form from there)
-
-        forms.append("powerinfer")
-    except ImportError:
-        pass
     runs, matched = {}, {}
-    for form in forms:
+    for form in ("normed", "powerinfer"):
         res = rt.roundtrip(a.out / f"roundtrip-{form}", main_bin, form=form, n=a.new_tokens, threads=a.threads,
                            main_args=extra)
         runs[form] = res
@@ -118,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                                env={"LLAMA_SPARSE_PRED_THRESHOLD": "1e30"})
     unfolded = unfolded_control(normed, main_bin, a.new_tokens, a.threads, extra)
     two = rt.powerinfer_tokens(main_bin, gguf, rt.PROMPT, a.new_tokens, 2, logdir=normed / "t2", extra=extra)
+    with_training = trained(normed, main_bin, a.new_tokens, a.threads, extra)
     controls = {
         "threshold_above_every_logit": {**off, "vs_hf_matched": rt.common_prefix(off.get("tokens", []), hf)},
         "normed_predictor_without_gamma": {**unfolded, "vs_hf_matched": rt.common_prefix(unfolded.get("tokens", []),
@@ -127,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures = {"powerinfer_build": built, "tarball": str(a.tarball), "new_tokens": a.new_tokens, "matched": matched,
                "controls": {k: {"vs_hf_matched": v["vs_hf_matched"], "tokens": v.get("tokens"),
                                 "error": v.get("error")} for k, v in controls.items()},
-               "runs": runs, "control_runs": controls}
+               "trained_predictors": with_training, "runs": runs, "control_runs": controls}
     info = record.machine("torch", "transformers", "gguf")
     kind = a.machine_kind or record.machine_kind(info)
     path = a.results or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-powerinfer-roundtrip.json"

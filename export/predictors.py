@@ -26,18 +26,12 @@ from typing import Any
 import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.kinds import Kind, choose
+from hotneurons.common.kinds import choose
+from hotneurons.predictors.form import PredictorForm as Form  # normed | powerinfer, as pi-train-predictors writes
 
 from .gguf_model import ExportError
 
 Layer = tuple[torch.Tensor, torch.Tensor]  # (fc1 (r, d), fc2 (n, r)), float32
-
-
-class Form(Kind):
-    """What a predictor's input and threshold are (predictors' `config.form`)."""
-
-    POWERINFER = "powerinfer"  # pre-norm input, one threshold for every layer
-    NORMED = "normed"  # the FFN's post-norm input, a threshold per layer
 
 
 RETRAIN = "train predictors PowerInfer can run with `pi-train-predictors --form powerinfer`"

@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,18 +149,55 @@ def our_tokens(run: Path, prompt: str, n: int, threads: int = 1) -> dict[str, An
             "gpu_activation_share": g.stats["gpu_activation_share"], "mode": g.stats["mode"]}
 
 
+@torch.no_grad()
+def our_tokens_stepwise(run: Path, prompt: str, n: int, threads: int = 1,
+                        hooks: Callable[[Any], list] | None = None) -> dict[str, Any]:
+    """Our runtime with the prompt fed one token at a time, so that the predictor decides for the prompt's tokens too
+    (generate prefills densely; PowerInfer's prompt pass is sparse), then greedy. `hooks(lm)` may install forward
+    hooks on the HF modules (returns their handles, removed after)."""
+    from hotneurons.runtime.generate import RuntimeConfig, load_runtime, prompt_ids
+
+    rt = load_runtime(run, RuntimeConfig(device="cpu", threads=threads, static_decode=False))
+    handles = hooks(rt.lm) if hooks is not None else []
+    ids, cache, out = prompt_ids(rt, prompt), None, []
+    for t in ids[:-1]:
+        cache = rt.lm.model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).past_key_values
+    nxt = ids[-1]
+    for _ in range(n):
+        o = rt.lm.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        cache, nxt = o.past_key_values, int(o.logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == rt.lm.tokenizer.eos_token_id:
+            break
+    for h in handles:
+        h.remove()
+    return {"tokens": out}
+
+
+def write_corpus(path: Path, docs: int = 40) -> Path:
+    """A small .jsonl corpus for pi-profile (the model is random: what the text says does not matter)."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(docs):
+            f.write(json.dumps({"text": f"Document {i}. " + TEXT[i * 7:] + TEXT[: i * 11]}) + "\n")
+    return path
+
+
 def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int = 1, timeout: float = 300,
                       logdir: Path | None = None, extra: Sequence[str] = (), env: dict | None = None) -> dict[str, Any]:
     """PowerInfer's `main`, greedy (--temp 0, no repetition penalty), its prompt and output token ids from the
     YAML log it writes with --logdir (main.cpp:81; common.cpp:1367). `extra`: more flags (a CUDA build's
     --vram-budget); `env`: variables added to the environment (LLAMA_SPARSE_PRED_THRESHOLD, llama.cpp:2348)."""
-    logdir = Path(logdir or gguf.parent / "logs")
+    logdir = Path(logdir or gguf.parent / "logs").resolve()
+    gguf = Path(gguf).resolve()
+    main = Path(main).resolve() if Path(main).exists() else main  # else a name on PATH
     logdir.mkdir(parents=True, exist_ok=True)
     cmd = [str(main), "-m", str(gguf), "-p", prompt, "-n", str(n), "-t", str(threads), "-s", "0", "--temp", "0",
            "--repeat-penalty", "1.0", "-c", "256", "--logdir", str(logdir) + "/", *extra]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace",
-                       env={**os.environ, **(env or {})})
+                       env={**os.environ, **(env or {})}, cwd=logdir)  # main writes main.log where it runs
     row = {"command": " ".join(cmd), "env": env or {}, "returncode": p.returncode,
            "seconds": round(time.perf_counter() - t0, 3)}
     logs = sorted(logdir.glob("*.yml"))
@@ -174,8 +211,10 @@ def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int 
 
     timing = [ln.strip() for ln in p.stderr.splitlines() if "llama_print_timings" in ln]
     sparse = [ln.strip() for ln in p.stderr.splitlines() if "sparse_pred_threshold" in ln or "format " in ln]
-    return {**row, "prompt_ids": ints("prompt_tokens"), "tokens": ints("output_tokens"), "timings": timing,
-            "loader": sparse}
+    prompt_ids, tokens = ints("prompt_tokens"), ints("output_tokens")
+    if not prompt_ids and tokens:  # main.cpp:650-655 logs a batch of one token as output: a one-token prompt's
+        prompt_ids, tokens = tokens[:1], tokens[1:]
+    return {**row, "prompt_ids": prompt_ids, "tokens": tokens, "timings": timing, "loader": sparse}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -260,8 +260,6 @@ def test_powerinfer_main_equals_ours_and_hf(form, tmp_path):
     """PowerInfer's `main` (CPU, greedy) on the exported model: the same prompt tokens, and the same 16 new tokens as
     our runtime (hybrid, the same exact predictor and placement) and HF generate. A threshold above every logit
     (nothing computed) changes them: the FFN and its predictor are live."""
-    if form == "powerinfer":
-        pytest.importorskip("hotneurons.predictors.form", reason="our runtime reads the powerinfer form from there")
     res = rt.roundtrip(tmp_path, Path(MAIN) if MAIN else None, form=form)
     assert res["ours_vs_hf_matched"] == 16 and 0.3 < res["ours"]["ffn_sparsity"] < 0.7
     if not MAIN:
