@@ -23,6 +23,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import torch
 from hotneurons.bench import ROOT, record
 
 TARBALL = ROOT.parent / "shared" / "vendor" / "PowerInfer-src.tgz"
@@ -94,6 +95,41 @@ def f16_attention(lm) -> list:
     return handles
 
 
+@torch.no_grad()
+def predictor_f16_flips(run: Path, prompt: str, n: int) -> list[dict]:
+    """Along our own greedy trajectory (prompt fed token by token): each step's token, its top-two logit margin, and per
+    layer how many predictor decisions change when fc1, fc2 and their inputs are rounded to float16 as PowerInfer's
+    matmuls round them (F16 weights, activations converted to F16 for each vec_dot, float accumulation)."""
+    from hotneurons.runtime.generate import RuntimeConfig, load_runtime, prompt_ids
+    from safetensors.torch import load_file
+
+    t = load_file(str(run / "predictors" / "predictors.safetensors"))
+    r = load_runtime(run, RuntimeConfig(device="cpu", threads=1, static_decode=False))
+    seen: list = []
+    handles = [layer.post_attention_layernorm.register_forward_pre_hook(
+        lambda _m, args, i=i: seen.append((i, args[0].reshape(-1).clone()))) for i, layer in enumerate(r.lm.layers)]
+    ids, cache, steps = prompt_ids(r, prompt), None, []
+    for tok in ids[:-1]:
+        cache = r.lm.model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+    nxt = ids[-1]
+    for _ in range(n):
+        seen.clear()
+        o = r.lm.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+        cache, top = o.past_key_values, o.logits[0, -1].topk(2)
+        nxt = int(top.indices[0])
+        flips = []
+        for i, x in seen:  # x (d,): the residual entering layer i's FFN block
+            f1, f2, thr = t[f"layers.{i}.fc1.weight"], t[f"layers.{i}.fc2.weight"], float(t[f"layers.{i}.threshold"])
+            exact = f2 @ torch.relu(f1 @ x) >= thr  # (n,)
+            h = torch.relu(f1.half().float() @ x.half().float()).half().float()  # (r,)
+            flips.append(int(((f2.half().float() @ h >= thr) != exact).sum()))
+        steps.append({"token": nxt, "top2_margin": round(float(top.values[0] - top.values[1]), 4),
+                      "decisions_flipped_per_layer": flips})
+    for h in handles:
+        h.remove()
+    return steps
+
+
 def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> dict:
     """The round trip's model with trained predictors: pi-profile on a small corpus, every neuron on the CPU (as in
     PowerInfer's CPU build, where the predictor decides for all of them), pi-train-predictors --form powerinfer,
@@ -146,6 +182,7 @@ def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> d
             "powerinfer_vs_hf_matched": rt.common_prefix(pt, hf), "ours_vs_hf_matched": rt.common_prefix(ours, hf)}
         print(f"trained, {name} prompt: " + ", ".join(f"{k} {v}" for k, v in out["prompts"][name].items()
                                                       if k.endswith("matched")), file=sys.stderr)
+    out["prompts"]["one_token"]["ours_stepwise_steps"] = predictor_f16_flips(run, "T", n)
     return out
 
 
