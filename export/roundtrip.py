@@ -210,7 +210,8 @@ def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int 
         return [int(v) for v in m.group(1).split(",") if v.strip()] if m else []
 
     timing = [ln.strip() for ln in p.stderr.splitlines() if "llama_print_timings" in ln]
-    sparse = [ln.strip() for ln in p.stderr.splitlines() if "sparse_pred_threshold" in ln or "format " in ln]
+    keys = ("sparse_pred_threshold", "format ", "gpu_idx", "gpu split", "offloaded", "VRAM", "vram")
+    sparse = [ln.strip() for ln in (p.stdout + p.stderr).splitlines() if any(k in ln for k in keys)]
     prompt_ids, tokens = ints("prompt_tokens"), ints("output_tokens")
     if not prompt_ids and tokens:  # main.cpp:650-655 logs a batch of one token as output: a one-token prompt's
         prompt_ids, tokens = tokens[:1], tokens[1:]
