@@ -5,11 +5,11 @@ record (bench/record.py): the round trip of docs/export.md.
 
 Builds `main` from PowerInfer's source tarball (../shared/vendor/PowerInfer-src.tgz; CPU, or its CUDA build with
 --cuda) in DIR/build, kept for the next run; then, for each predictor form the run can hold (normed: γ is folded into
-fc1 at export; powerinfer: pre-norm as trained), builds the model and its run (export/roundtrip.py), exports it and
-compares the greedy tokens of the three. Two controls show that the comparison can fail: a threshold above every
-logit (PowerInfer computes no FFN neuron) and the normed predictor exported without folding γ. Last, the same model
-with trained powerinfer-form predictors (pi-profile, pi-train-predictors --form powerinfer, pi-export): PowerInfer's
-tokens against ours.
+fc1 at export; powerinfer: pre-norm as trained), and for a dReLU model (arch bamboo), builds the model and its run
+(export/roundtrip.py), exports it and compares the greedy tokens of the three. Two controls show that the comparison
+can fail: a threshold above every logit (PowerInfer computes no FFN neuron) and the normed predictor exported without
+folding γ. Last, the ReGLU model with trained powerinfer-form predictors (pi-profile, pi-train-predictors --form
+powerinfer, pi-export): PowerInfer's tokens against ours.
 """
 
 from __future__ import annotations
@@ -211,13 +211,14 @@ def main(argv: list[str] | None = None) -> dict:
     main_bin = Path(built["binary"])
     extra = ["--vram-budget", str(a.vram_budget)] if a.vram_budget is not None else []
     runs, matched = {}, {}
-    for form in ("normed", "powerinfer"):
-        res = rt.roundtrip(a.out / f"roundtrip-{form}", main_bin, form=form, n=a.new_tokens, threads=a.threads,
-                           main_args=extra)
-        runs[form] = res
-        matched[form] = {k: res.get(k) for k in ("ours_vs_hf_matched", "powerinfer_vs_hf_matched",
+    for name, form, act in (("normed", "normed", "reglu"), ("powerinfer", "powerinfer", "reglu"),
+                            ("drelu-powerinfer", "powerinfer", "drelu")):
+        res = rt.roundtrip(a.out / f"roundtrip-{name}", main_bin, form=form, n=a.new_tokens, threads=a.threads,
+                           main_args=extra, activation=act)
+        runs[name] = res
+        matched[name] = {k: res.get(k) for k in ("ours_vs_hf_matched", "powerinfer_vs_hf_matched",
                                                  "powerinfer_vs_ours_matched", "prompt_ids_equal", "all_equal")}
-        print(f"{form}: {matched[form]}", file=sys.stderr)
+        print(f"{name}: {matched[name]}", file=sys.stderr)
     normed = a.out / "roundtrip-normed"
     hf = runs["normed"]["hf"]["tokens"]
     gguf = normed / "export" / "model.powerinfer.gguf"

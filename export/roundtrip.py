@@ -55,8 +55,9 @@ def shared_grid(w: torch.Tensor) -> torch.Tensor:
     return torch.where(b.abs() < F16_MIN_NORMAL, torch.zeros_like(b), b)
 
 
-def build_model(folder: Path, seed: int = 0, std: float = 0.3, **shape: int) -> Path:
-    """A random ReGLU LLaMA (untied head) with its tokenizer, saved to `folder` (SHAPE unless `shape` says else)."""
+def build_model(folder: Path, seed: int = 0, std: float = 0.3, activation: str = "reglu", **shape: int) -> Path:
+    """A random LLaMA (untied head) with ReGLU or dReLU FFNs (config.json marks dReLU, common/sparse_act.py) and its
+    tokenizer, saved to `folder` (SHAPE unless `shape` says else)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tokenizer()
@@ -70,6 +71,10 @@ def build_model(folder: Path, seed: int = 0, std: float = 0.3, **shape: int) -> 
                 p.copy_(shared_grid(torch.randn_like(p) * std))
             else:  # norm weights: away from 1, so a γ folded into the wrong place shows
                 p.copy_(torch.rand_like(p) + 0.5)
+    if activation == "drelu":
+        from hotneurons.common.sparse_act import mark_config
+
+        mark_config(model.config, "drelu")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return Path(folder)
@@ -226,18 +231,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def roundtrip(work: Path, main: Path | None, form: str = "normed", prompt: str = PROMPT, n: int = 16,
-              threads: int = 1, seed: int = 0, main_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Build, profile, place, export and run; the figures of the comparison (PowerInfer's only with `main`)."""
+              threads: int = 1, seed: int = 0, main_args: Sequence[str] = (), activation: str = "reglu"
+              ) -> dict[str, Any]:
+    """Build, profile, place, export and run; the figures of the comparison (PowerInfer's only with `main`). The exact
+    predictor marks the open gates, a superset of dReLU's active neurons (ReLU(up) zeroes the rest): exact for both."""
     from .run import export_run
 
     work = Path(work)
-    folder = build_model(work / "model", seed=seed)
+    folder = build_model(work / "model", seed=seed, activation=activation)
     run = make_run(folder, work / "run", form)
     summary = export_run(run, work / "export", force=True)
     hf = hf_tokens(folder, prompt, n)
     ours = our_tokens(run, prompt, n, threads)
     res: dict[str, Any] = {
-        "model": {**SHAPE, "vocab": summary["vocab"], "activation": "reglu", "seed": seed},
+        "model": {**SHAPE, "vocab": summary["vocab"], "activation": activation, "arch": summary["arch"], "seed": seed},
         "predictor": {"form_in_run": form, "kind": "exact (fc2 ReLU(fc1 x) = gate pre-activation, threshold 0)",
                       "hidden": summary["predictor_hidden"][0], "sparse_threshold": summary["sparse_threshold"]},
         "prompt": prompt, "new_tokens": n, "threads": threads,

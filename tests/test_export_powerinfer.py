@@ -255,12 +255,13 @@ def test_vocabularies():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["normed", "powerinfer"])
-def test_powerinfer_main_equals_ours_and_hf(form, tmp_path):
-    """PowerInfer's `main` (CPU, greedy) on the exported model: the same prompt tokens, and the same 16 new tokens as
-    our runtime (hybrid, the same exact predictor and placement) and HF generate. A threshold above every logit
-    (nothing computed) changes them: the FFN and its predictor are live."""
-    res = rt.roundtrip(tmp_path, Path(MAIN) if MAIN else None, form=form)
+@pytest.mark.parametrize("form,activation", [("normed", "reglu"), ("powerinfer", "reglu"), ("powerinfer", "drelu")])
+def test_powerinfer_main_equals_ours_and_hf(form, activation, tmp_path):
+    """PowerInfer's `main` (CPU, greedy) on the exported model (arch llama, or bamboo for dReLU): the same prompt
+    tokens, and the same 16 new tokens as our runtime (hybrid, the same exact predictor and placement) and HF generate.
+    A threshold above every logit (nothing computed) changes them: the FFN and its predictor are live."""
+    res = rt.roundtrip(tmp_path, Path(MAIN) if MAIN else None, form=form, activation=activation)
+    assert res["model"]["arch"] == {"reglu": "llama", "drelu": "bamboo"}[activation]
     assert res["ours_vs_hf_matched"] == 16 and 0.3 < res["ours"]["ffn_sparsity"] < 0.7
     if not MAIN:
         pytest.skip(BUILD)
