@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--machine-kind", default="nvidia-h200")
     ap.add_argument("--commit", default=None, help="report: the commit measured")
+    ap.add_argument("--previous", nargs="*", default=[], help="report: earlier records whose rows this one keeps")
     ap.add_argument("--note", default="", help="report: a closing paragraph for the markdown")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,9 @@ def sweep_rows(sweeps: list[dict]) -> list[dict]:
     for s in sorted(sweeps, key=lambda s: (s["activation"], s["tokens"], s["config"]["l1"])):
         ev = s["eval"]
         rows.append({"name": s["name"], "activation": s["activation"], "tokens": s["tokens"],
-                     "l1": s["config"]["l1"], "fat_threshold": s["config"]["fat_threshold"],
+                     "l1": s["config"]["l1"], "penalty": s["config"].get("penalty", "h"),
+                     "l1_ramp": s["config"]["l1_ramp"], "l1_until": s["config"].get("l1_until", 1.0),
+                     "fat_threshold": s["config"]["fat_threshold"],
                      "teacher_text": s["config"]["teacher_text"], "pool_tokens": s["pool_tokens"],
                      "ppl_original": ev["original"]["perplexity"], "ppl_swapped": ev["swapped_untrained"]["perplexity"],
                      "zeros_swapped": ev["swapped_untrained"]["ffn_sparsity"], "ppl": ev["relufied"]["perplexity"],
@@ -107,11 +109,13 @@ def markdown(rec: dict) -> str:
              f"(`wikipedia-sample:eval`, {f['sweep'][0]['eval_tokens']:,} tokens in 256-token rows). Training: KL to "
              "the original on the Wikipedia sample's training articles plus as many rows sampled from the original "
              "(top-p 0.95, 8-token prompts), batch 32 x 256, AdamW 2e-4, warmup then cosine.", "",
-             "| run | activation | tokens | L1 | ppl (original -> relufied) | ratio | exact zeros | swapped, untrained "
-             "| tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| run | activation | tokens | penalty (weight, ramp, until) | ppl (original -> relufied) | ratio "
+             "| exact zeros | swapped, untrained | tok/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in f["sweep"]:
         act = r["activation"] + (f" t={r['fat_threshold']:g}" if r["activation"] == "fatrelu" else "")
-        lines.append(f"| {r['name']} | {act} | {r['tokens'] / 1e6:.1f}M | {r['l1']:g} | {r['ppl_original']:.2f} -> "
+        pen = "–" if not r["l1"] else (f"{r.get('penalty', 'h')} {r['l1']:g}, {r.get('l1_ramp', 0.5):g}, "
+                                        f"{r.get('l1_until', 1.0):g}")
+        lines.append(f"| {r['name']} | {act} | {r['tokens'] / 1e6:.1f}M | {pen} | {r['ppl_original']:.2f} -> "
                      f"{r['ppl']:.2f} | {r['ppl_ratio']:.3f}x | {_pct(r['zeros'])} | ppl {r['ppl_swapped']:,.0f}, "
                      f"{_pct(r['zeros_swapped'])} | {r['tokens_per_s']:,.0f} |")
     lines += ["", f"Curve: {f['curve_note']}", ""]
@@ -149,6 +153,13 @@ def markdown(rec: dict) -> str:
 def report(args) -> None:
     sweeps, pipes = _load(args.inputs)
     rows = sweep_rows(sweeps)
+    earlier = []  # pipelines of earlier records (--previous), already in figures form
+    for path in getattr(args, "previous", None) or []:  # earlier records of the same study: one file holds them all
+        old = json.loads(Path(path).read_text())
+        seen = {r["name"] for r in rows}
+        rows += [{**r, "commit": old.get("commit")} for r in old["figures"]["sweep"] if r["name"] not in seen]
+        earlier += [{**p, "commit": old.get("commit")} for p in old["figures"]["pipelines"]]
+    rows.sort(key=lambda r: (r["activation"], r.get("penalty", "h"), r["tokens"], r["l1"]))
     relu = sorted((r for r in rows if r["activation"] == "relu" and r["l1"] == 0), key=lambda r: r["tokens"])
     curve = "; ".join(f"ReLU, KL only, {r['tokens'] / 1e6:.1f}M tokens: {r['ppl_ratio']:.3f}x at {_pct(r['zeros'])}"
                       for r in relu)
@@ -157,7 +168,7 @@ def report(args) -> None:
         b = (r1 - r2) / (1 / t1 - 1 / t2)
         curve += f". A fit ratio = a + b/tokens through the last two gives a = {r2 - b / t2:.3f}: the limit of this " \
                  "recipe's quality with more tokens, at an unchanged share of zeros"
-    figures = {"sweep": rows, "pipelines": [pipeline_figures(p) for p in pipes], "goals": goals(rows, pipes),
+    figures = {"sweep": rows, "pipelines": earlier + [pipeline_figures(p) for p in pipes], "goals": goals(rows, pipes),
                "curve_note": curve, "note": args.note if hasattr(args, "note") else ""}
     info = next((s.get("machine") for s in sweeps + pipes if s.get("machine")), None) or {
         "gpu": "NVIDIA H200", "nproc": 16, "note": "the sweep ran before machine info was recorded"}
