@@ -41,6 +41,8 @@ def _tokens(ctx, param, value):
 @click.option("--penalty", type=click.Choice(PENALTIES), default=None,
               help="h: mean |h| entering the down projection (ProSparse's L1); gate-cos: mean ReLU(cos(FFN input, "
                    "gate row)), which no rescaling of the weights can lower.  [default: h]")
+@click.option("--l1-until", type=click.FloatRange(0, 1), default=None,
+              help="Share of training after which the penalty stops (KL alone for the rest).  [default: 1]")
 @click.option("--lm", type=click.FloatRange(0), default=None, help="Weight of the plain next-token loss.")
 @click.option("--kl", type=click.FloatRange(0), default=None, help="Weight of the KL to the original model.")
 @click.option("--teacher-text", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -55,8 +57,8 @@ def _tokens(ctx, param, value):
 @click.option("--seed", type=int, default=None, help="Seed of the data order and teacher sampling.")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the summary lines.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, l1, penalty, lm, kl, teacher_text,
-         dataset, lr, batch_size, seq_len, resume, force, device, seed, as_json, quiet) -> None:
+def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, l1, penalty, l1_until, lm, kl,
+         teacher_text, dataset, lr, batch_size, seq_len, resume, force, device, seed, as_json, quiet) -> None:
     """Make a SwiGLU model ReLU-sparse: swap the FFN activation and distil from the original model.
 
     Writes OUT/: an HF model folder (config.json names the new activation), meta.json and summary.json
@@ -64,9 +66,8 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
     loads OUT as --model.
     """
     overrides = {"activation": activation, "fat_threshold": fat_threshold, "tokens": tokens, "l1": l1,
-                 "penalty": penalty, "lm": lm, "kl": kl, "teacher_text": teacher_text, "dataset": dataset, "lr": lr,
-                 "batch_size": batch_size,
-                 "seq_len": seq_len, "seed": seed}
+                 "penalty": penalty, "l1_until": l1_until, "lm": lm, "kl": kl, "teacher_text": teacher_text,
+                 "dataset": dataset, "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "seed": seed}
     if quiet:  # transformers' own bars too (loading and writing the weights)
         from transformers.utils import logging as hf_logging
 
