@@ -65,11 +65,16 @@ def goals(res: dict) -> dict:
                                                   "DRAM read bytes/s, "
                                                         "worst of 5/10/20% density"),
     }
+    pinf = _rate(s, "powerinfer")
+    allgpu = _rate(s, "all-gpu")
     return {
-        "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 20, True,
+        "hybrid_vs_powerinfer": _goal(ratio(hybrid, pinf), 1.5, True, "hybrid tok/s / PowerInfer's main tok/s at the "
+                                      "same budget, placement and (exact) predictor, run alone"),
+        "hybrid_share_of_our_all_gpu": _goal(ratio(hybrid, allgpu), 0.8, True, "hybrid tok/s / our all-GPU tok/s"),
+        "hybrid_vs_llamacpp_layer_split": _goal(ratio(hybrid, llama), 25, True,
                                                 f"hybrid tok/s / {split or 'llama.cpp -ngl (budget)'} tok/s"),
         **{"hybrid_vs_llamacpp_layer_split_paired": _goal(
-            v, 20, True, f"hybrid tok/s / {label} tok/s, each round's pair (llama-bench run after each round of "
+            v, 25, True, f"hybrid tok/s / {label} tok/s, each round's pair (llama-bench run after each round of "
                          f"--interleave), median of the rounds") for label, v in paired.items()},
         "bound_serial_floor_vs_llamacpp_layer_split": _goal(
             ratio(serial, llama), 20, True, f"bound on the first goal: "
@@ -145,6 +150,12 @@ def markdown(res: dict) -> str:
         if row.get("pcie_share"):
             note += (", " if note else "") + (f"GPU reads {row['pcie_rows_per_layer']:.0f} of the active cold "
                                               f"neurons' rows a layer over PCIe (share {row['pcie_share']:.2f})")
+        elif name.startswith("powerinfer"):
+            pi = res.get("powerinfer") or {}
+            note = (f"GPU share of activations {pi.get('gpu_activation_share_profile', 0):.3f} (our split, exact "
+                    "predictor)" if name == "powerinfer" else "every FFN neuron skipped: the rest of its token time")
+            if pi.get("gpuidx_capacity_forced_to_0"):
+                note += "; split applied with capacity 0"
         elif name == "layer-split" or name.startswith(SPLIT):
             note = f"{row.get('gpu_layers', row.get('n_gpu_layers'))} layers on the GPU"
         note = ", ".join(x for x in (note, _dram_note(row)) if x)
@@ -327,6 +338,10 @@ def write_results(inputs: list[Path], folder: Path, kind: str | None = None, com
     res = dict(stages["bench"])
     if "build" in stages:
         res["build"] = {k: v for k, v in stages["build"].items() if k not in record.HEADER}
+    if "powerinfer" in stages:  # its own call after the bench stage: same model, budget and placement
+        pi = {k: v for k, v in stages["powerinfer"].items() if k not in record.HEADER}
+        res["systems"] = {**res.get("systems", {}), **pi.pop("systems", {})}
+        res["powerinfer"] = pi
     res["goals"] = goals(res)
     kind = kind or res.get("machine_kind") or record.machine_kind(res.get("machine") or {})
     commit = commit or res.get("commit")  # what the caller says was measured wins: a copied tree's .git may be stale

@@ -13,6 +13,8 @@ Stages (each device call may start a fresh machine; files persist in --work whil
   bench    GPU: our systems in a child process (ceilings, profile, solve, our systems, llama-bench paired in rounds
            with that process stopped meanwhile), then each baseline standalone (llama-bench; accelerate in its own
            process), the paired and standalone runs side by side (fair.py says why)
+  powerinfer  GPU, after bench: PowerInfer's CUDA main from the shared tarball on the same model, budget and
+           placement (bench_powerinfer.py), run alone
   report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine kind>-pi-bench.{json,md}
   all      build + bench (more than one 10-minute device call at the 70B shape)
 CPU smoke test: pi-bench --stage all --device cpu --shape tiny --layers 2 --ctx 64 --work /tmp/pib --out /tmp/pib/out
@@ -536,7 +538,7 @@ def stage_ours(args, work: Path) -> dict:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("prepare", "build", "bench", "report", "all"), required=True)
+    ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all"), required=True)
     ap.add_argument("--work", type=Path, default=Path("/root/pi-bench"), help="local disk: build, GGUF, run dir")
     ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
     ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
@@ -598,6 +600,8 @@ def parse(argv=None):
     ap.add_argument("--dram-bytes", type=int, default=2 * 2**30)
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--time-limit", type=float, default=540, help="seconds; later systems are skipped past it")
+    ap.add_argument("--powerinfer-src", type=Path, default=None,
+                    help="powerinfer stage: PowerInfer's source tarball (default: ../shared/vendor/PowerInfer-src.tgz)")
     ap.add_argument("--cpu-llamacpp", action="store_true", help="build a CPU llama-bench when --device cpu")
     ap.add_argument("--python-version", default=None,
                     help="prepare: the device's Python for the wheels (default: this one)")
@@ -659,6 +663,10 @@ def main(argv=None) -> dict:
             res = stage_bench(args, args.work, out)
         elif stage == "ours":
             res = stage_ours(args, args.work)
+        elif stage == "powerinfer":
+            from hotneurons.bench.bench_powerinfer import stage_powerinfer
+
+            res = stage_powerinfer(args, args.work)
         else:
             res = stage_accelerate(args, args.work)
         res.pop("partial", None)
