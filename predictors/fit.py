@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 from hotneurons.common.kinds import choose
-from hotneurons.predictors.form import MOVE_DIVISOR, PredictorForm
+from hotneurons.predictors.schema import PredictorForm
 from torch import nn
 
 NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)
 RECALL_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99)  # thresholds tabulated for pi-eval --recall
+MOVE_DIVISOR = 256.0  # powerinfer form: a moved layer's threshold, -(median |logit| on val) / this
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,8 @@ class Fit:
     epochs: int
     seconds: float
     history: list[float] = field(default_factory=list)  # val predicted sparsity at the target recall per epoch
-    # powerinfer form: the threshold -delta a fold into one negative threshold may lower it to, and val and test
-    # metrics there (predictors/form.py)
+    # powerinfer form: the negative threshold -delta a fold into one negative threshold lowers a threshold >= 0 to,
+    # and the val and test metrics there (predictors/form.py)
     fallback: dict[str, Any] | None = None
 
 
@@ -188,12 +189,13 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
     gen = torch.Generator().manual_seed(seed)
     best, best_state, bad, history, epochs = -1.0, None, 0, [], 0
     xva, yva = xs[va], y[va]
+    imp = None if importance is None else importance.to(device)  # (count, n); indexed by device-side batch rows
     for epoch in range(cfg.epochs):
         net.train()
         order = tr[torch.randperm(len(tr), generator=gen)]
         for i in range(0, len(order), cfg.batch_size):
             b = order[i:i + cfg.batch_size].to(device)
-            weight = None if importance is None else torch.where(y[b], importance[b].to(device), 1.0)  # (batch, n)
+            weight = None if imp is None else torch.where(y[b], imp[b], 1.0)  # (batch, n)
             loss = nn.functional.binary_cross_entropy_with_logits(logits(xs[b], b), y[b].float(), weight=weight,
                                                                   pos_weight=pos_weight)
             opt.zero_grad(set_to_none=True)
@@ -218,16 +220,20 @@ def fit_layer(x: torch.Tensor, mask: torch.Tensor, hidden: int, cfg: PredictorCo
         xr = x.to(device)
         lv, lt = logits(xr[va], va), logits(xr[te], te)
         thr = threshold_for_recall(lv, yva, cfg.target_recall)
-        table = {f"{r:g}": threshold_for_recall(lv, yva, r) for r in sorted({*RECALL_GRID, cfg.target_recall})}
+        table = {f"{r:g}": threshold_for_recall(lv, yva, r) for r in _grid(cfg.target_recall)}
         val_m, test_m = metrics(lv, yva, thr), metrics(lt, y[te], thr)
         fallback = None
-        if rs is not None:
+        if rs is not None:  # -delta: its median |logit| / 256 keeps the logits a fold scales within float16's range
             low = -float(lv.abs().median()) / MOVE_DIVISOR
             fallback = {"threshold": low, "val": metrics(lv, yva, low), "test": metrics(lt, y[te], low)}
     state = {"fc1.weight": net.fc1.weight.detach().cpu().contiguous(),
              "fc2.weight": net.fc2.weight.detach().cpu().contiguous()}
     return Fit(hidden, n_params(d, hidden, n), state, thr, val_m, test_m, table, epochs,
                time.perf_counter() - t0, history, fallback)
+
+
+def _grid(recall: float) -> list[float]:
+    return sorted({*RECALL_GRID, recall})
 
 
 @torch.no_grad()

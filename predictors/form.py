@@ -12,15 +12,20 @@ as the normed form; only the logits carry r, as they do when the pre-norm predic
 
 One threshold: with no biases the net is positively homogeneous, so multiplying layer l's fc2 by c_l > 0 moves its
 threshold t_l to t_l c_l without changing a single decision. With T of the layers' common sign, c_l = T / t_l is
-exact. Where the signs differ (or a t_l is 0), T is negative, and a layer with t_l >= 0 first has its threshold
-lowered to -delta_l (delta_l = its median |logit| on val / 256, so that its logits scaled by c_l stay within float16's
-range): it then computes every neuron it did, and a few more (recall only rises). A positive T would have to raise
-some layer's threshold, losing recall, so it is taken only when every t_l is positive.
+exact. Where the signs differ (or a t_l is 0), T is negative (a positive T would have to raise some layer's
+threshold, losing recall), and a layer with t_l >= 0 is "moved": its threshold is first lowered to -delta (its
+median |logit| on val / 256, so that its logits scaled by c_l stay within float16's range). It then computes every
+neuron it did, and a few more: recall only rises. |T| is the geometric mean of the exactly folded layers' |t_l|, so
+that fc2's weights keep their magnitude.
+
+A tried alternative, a "bias unit" for moved layers (one more hidden unit relu(v . x_pre) ~ kappa r, v the direction
+along which the normed input is nearly constant, with a negative fc2 column and the threshold re-tuned on val), kept
+their test-split sparsity but computed less at the first token of each text, whose residual is 8-185 times the usual
+scale on SmolLM2: perplexity +13% instead of +3% (docs/predictors.md). It is not used.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,22 +33,9 @@ import numpy as np
 import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError, ProfileMeta
-from hotneurons.common.kinds import Kind
 from hotneurons.common.prenorm import has_ffn_norm, refusal
-
-MOVE_DIVISOR = 256.0  # a moved layer's threshold: -(median |logit| on val) / this
-
-
-class PredictorForm(Kind):
-    """What a predictor reads and how its thresholds are shared (predictors/meta.json `config.form`)."""
-
-    NORMED = "normed"  # the FFN input (after the pre-FFN norm); one threshold per layer
-    POWERINFER = "powerinfer"  # the residual before the pre-FFN RMSNorm; one threshold for all layers
-
-    @classmethod
-    def of(cls, config: dict | None) -> PredictorForm:
-        """The form a PredictorConfig dict records; a file from before forms existed reads as normed."""
-        return cls((config or {}).get("form") or cls.NORMED)
+from hotneurons.predictors.fit import Fit
+from hotneurons.predictors.schema import PredictorForm  # noqa: F401 (the forms' names, imported from here too)
 
 
 def check_model_family(info: dict) -> None:
@@ -73,10 +65,10 @@ def load_rms(sdir: Path, layer: int) -> torch.Tensor:
     return torch.from_numpy(np.load(rms_path(sdir, layer)).astype(np.float32))  # (count,): small, read whole
 
 
-def to_prenorm(state: dict[str, torch.Tensor], gamma: torch.Tensor, s: float) -> dict[str, torch.Tensor]:
+def to_prenorm(fit: Fit, gamma: torch.Tensor, s: float) -> Fit:
     """A network trained on x_post with logits times r / s -> the same predictor on x_pre: fc1 * gamma / s."""
-    fc1 = state["fc1.weight"].double() * (gamma.double() / s)[None, :]  # (h, d)
-    return {**state, "fc1.weight": fc1.float().contiguous()}
+    fc1 = fit.state["fc1.weight"].double() * (gamma.double() / s)[None, :]  # (h, d)
+    return replace(fit, state={**fit.state, "fc1.weight": fc1.float().contiguous()})
 
 
 @dataclass(frozen=True)
@@ -89,22 +81,22 @@ class Fold:
     effective: tuple[float, ...]  # the threshold each layer keeps before scaling: t_l, or -delta_l where moved
 
 
-def single_threshold(thresholds: list[float], deltas: list[float]) -> Fold:
-    """The fold of per-layer thresholds t_l into one T (module docstring). |T| = the geometric mean of the exactly
-    folded layers' |t_l|, so that the scales are near 1 and fc2's weights keep their magnitude (float16 exports)."""
+def single_threshold(thresholds: list[float], fallbacks: list[float]) -> Fold:
+    """The fold of per-layer thresholds t_l into one T (module docstring); `fallbacks`: the negative threshold -delta_l
+    each layer is lowered to if moved."""
     t = np.asarray(thresholds, dtype=np.float64)
     sign = 1.0 if (t > 0).all() else -1.0
     exact = t * sign > 0
-    eff = np.where(exact, t, -np.maximum(np.asarray(deltas, dtype=np.float64), 1e-30))
+    eff = np.where(exact, t, np.minimum(np.asarray(fallbacks, dtype=np.float64), -1e-30))
     usable = exact & (np.abs(t) < np.finfo(np.float32).max)  # a layer that never fires keeps NEVER: not typical
     mag = float(np.exp(np.log(np.abs(t[usable])).mean())) if usable.any() else 1.0
     T = float(np.float32(sign * mag))  # stored as float32 (safetensors, PowerInfer's GGUF key)
     return Fold(T, tuple(float(T / e) for e in eff), tuple(bool(m) for m in ~exact), tuple(float(e) for e in eff))
 
 
-def fold_fit(fit, fold: Fold, layer_index: int, target_key: str):
-    """A Fit (predictors/fit.py) with fc2 scaled, threshold T, its metrics after the fold and its recall table in
-    the folded logit units (each entry t_l(R) * c_l: the same decisions as before, per layer)."""
+def fold_fit(fit: Fit, fold: Fold, layer_index: int, target_key: str) -> Fit:
+    """A Fit with fc2 scaled, threshold T, its metrics after the fold (a moved layer's at -delta) and its recall table
+    in the folded logit units (each entry t_l(R) c_l: the same decisions as before, per layer)."""
     c, moved = fold.scales[layer_index], fold.moved[layer_index]
     fc2 = (fit.state["fc2.weight"].double() * c).float().contiguous()  # (n, h)
     big = float(np.finfo(np.float32).max)  # JSON has no inf: a scaled NEVER stays finite
@@ -119,4 +111,4 @@ def describe(rows, fold: Fold, before: list[float]) -> None:
     """Per-layer summary rows (PredictorLayer) get the fold: scale, threshold before it, moved."""
     for row, c, moved, t in zip(rows, fold.scales, fold.moved, before):
         row.fold_scale, row.threshold_moved = c, moved
-        row.threshold_before_fold = t if math.isfinite(t) else None
+        row.threshold_before_fold = t if abs(t) < np.finfo(np.float32).max else None

@@ -23,6 +23,19 @@ class EvalMode(Kind):
     PLACEMENT = "placement"  # GPU neurons always, the others where the predictor fires (what the runtime computes)
 
 
+class PredictorForm(Kind):
+    """What a predictor reads and how its thresholds are shared (predictors/meta.json `config.form`;
+    predictors/form.py)."""
+
+    NORMED = "normed"  # the FFN input (after the pre-FFN norm); one threshold per layer
+    POWERINFER = "powerinfer"  # the residual before the pre-FFN RMSNorm; one threshold for all layers
+
+    @classmethod
+    def of(cls, config: dict | None) -> PredictorForm:
+        """The form a PredictorConfig dict records; a file from before forms existed reads as normed."""
+        return cls((config or {}).get("form") or cls.NORMED)
+
+
 @dataclass(kw_only=True)
 class PredictorsMeta(StageMeta):
     """predictors/meta.json: `inputs.profile.meta_sha256` ties the predictors to the profile they were trained on."""
@@ -104,8 +117,8 @@ class PredictorsSummary(JsonFile):
         return (self.config or {}).get("target_recall")
 
     @property
-    def form(self) -> str:
-        return (self.config or {}).get("form") or "normed"  # files from before forms: normed
+    def form(self) -> PredictorForm:
+        return PredictorForm.of(self.config)  # files from before forms: normed
 
 
 @dataclass(kw_only=True)

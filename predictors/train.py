@@ -13,7 +13,7 @@ all layers: `config.form` in both JSON files says which form a predictor set is.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,8 +39,13 @@ from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scr
     preset,
     threshold_for_recall,
 )
-from hotneurons.predictors.form import PredictorForm
-from hotneurons.predictors.schema import PredictorLayer, PredictorsMeta, PredictorsSummary, PredictorTotals
+from hotneurons.predictors.schema import (
+    PredictorForm,
+    PredictorLayer,
+    PredictorsMeta,
+    PredictorsSummary,
+    PredictorTotals,
+)
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -256,7 +261,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
         x, m, w, rows = cache[layer]
         f = fit_layer(x, m, h, cfg, splits, device, seed=cfg.seed * 100_003 + layer, importance=w,
                       rowscale=None if rows is None else rows[0])
-        return f if rows is None else replace(f, state=pform.to_prenorm(f.state, gammas[layer], rows[1]))
+        return f if rows is None else pform.to_prenorm(f, gammas[layer], rows[1])
 
     bar = tqdm(desc="predictors", unit="fit", disable=not progress, dynamic_ncols=True)
 
@@ -276,7 +281,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     fold = None
     if prenorm:  # one threshold for all layers (predictors/form.py); the summary's metrics are after the fold
         before = [f.threshold for f in kept]
-        fold = pform.single_threshold(before, [-f.fallback["threshold"] for f in kept])
+        fold = pform.single_threshold(before, [f.fallback["threshold"] for f in kept])
         kept = [pform.fold_fit(f, fold, j, f"{cfg.target_recall:g}") for j, f in enumerate(kept)]
     summary = _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d, n)
     if fold is not None:

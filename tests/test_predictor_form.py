@@ -144,8 +144,8 @@ def test_fold_keeps_every_decision_or_only_adds_neurons(signs):
     rng = np.random.default_rng(1)
     t = {"+": [0.3, 2.0, 0.01], "-": [-0.3, -2.0, -0.01], "mixed": [0.4, -0.2, -1.5], "zero": [0.0, 0.5, 0.2]}[signs]
     logits = [rng.standard_normal(4000) * s for s in (1.0, 3.0, 0.1)]
-    deltas = [float(np.median(np.abs(lg))) / 256 for lg in logits]
-    fold = single_threshold(t, deltas)
+    lowered = [-float(np.median(np.abs(lg))) / 256 for lg in logits]
+    fold = single_threshold(t, lowered)
     assert (fold.threshold > 0) == (signs == "+")
     for lg, tl, c, moved in zip(logits, t, fold.scales, fold.moved):
         assert c > 0
