@@ -94,6 +94,8 @@ def write_gguf(path: Path, arch: str, metadata: Callable[[Any], None], tensors: 
         if magic != b"GGUF":
             with open(tmp, "r+b") as f:
                 f.write(magic)  # the header's first 4 bytes; version, counts and the rest stay GGUF v3
+        if magic == b"PWRI":
+            retype_ints(tmp, tensors, GGML_I32, POWERINFER_I32)
         os.replace(tmp, path)
     except BaseException:
         w.close()
@@ -101,6 +103,34 @@ def write_gguf(path: Path, arch: str, metadata: Callable[[Any], None], tensors: 
         raise
     return {"path": str(path), "tensor_bytes": total, "file_bytes": path.stat().st_size,
             "seconds": time.perf_counter() - t0}
+
+
+# ggml's type number of I32: the gguf package writes today's (26); PowerInfer's ggml, from December 2023, numbers
+# I8/I16/I32 16/17/18 (ggml.h:351-353) and reads 26 as an unknown type with a garbage block size
+GGML_I32, POWERINFER_I32 = 26, 18
+
+
+def retype_ints(path: Path, tensors: Sequence[Tensor], old: int, new: int) -> None:
+    """Rewrite the type number of each int32 tensor's info in a written GGUF header from `old` to `new`.
+
+    A tensor info is its name (u64 length, bytes), n_dims (u32), the dims in ggml order (u64 each), then the type
+    (u32): each is found by its exact bytes, so nothing else in the file can match."""
+    import struct
+
+    ints = [t for t in tensors if np.dtype(t.dtype) == np.int32]
+    if not ints:
+        return
+    with open(path, "r+b") as f:
+        head = f.read(1 << 20 if len(ints) < 4096 else 64 << 20)  # the tensor infos sit near the start
+        for t in ints:
+            name = t.name.encode()
+            info = struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape)) + b"".join(
+                struct.pack("<Q", n) for n in reversed(t.shape))
+            at = head.find(info + struct.pack("<I", old))
+            if at < 0:
+                raise ExportError(f"tensor {t.name}: its type field ({old}) was not found in the header of {path}")
+            f.seek(at + len(info))
+            f.write(struct.pack("<I", new))
 
 
 # ---------------------------------------------------------------------------------------------------------------

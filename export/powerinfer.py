@@ -130,7 +130,7 @@ def write_activations(folder: Path, counts: Sequence[np.ndarray]) -> None:
     """activation/activation_{i}.pt: torch.save of each layer's (n_ff,) int64 counts (PowerInfer's format)."""
     folder.mkdir(parents=True, exist_ok=True)
     for i, c in enumerate(counts):
-        torch.save(torch.from_numpy(np.ascontiguousarray(c, dtype=np.int64)), folder / f"activation_{i}.pt")
+        torch.save(torch.from_numpy(np.array(c, dtype=np.int64)), folder / f"activation_{i}.pt")
 
 
 def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -5,6 +5,7 @@ tokens equal ours and HF's on a small ReGLU LLaMA with exact predictors."""
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,8 +18,16 @@ from hotneurons.common.placement import read_placement
 from hotneurons.export import ExportError, exact_predictors, export_run, to_powerinfer
 from hotneurons.export import roundtrip as rt
 from hotneurons.export.cli import main as cli
-from hotneurons.export.gguf_model import NEVER_MERGE, permute_qk, vocab_from_tokenizer
-from hotneurons.export.powerinfer import powerinfer_arch, write_gpu_index
+from hotneurons.export.gguf_model import (
+    GGML_I32,
+    NEVER_MERGE,
+    POWERINFER_I32,
+    Tensor,
+    permute_qk,
+    retype_ints,
+    vocab_from_tokenizer,
+)
+from hotneurons.export.powerinfer import gpu_index_tensors, powerinfer_arch, write_gpu_index
 from hotneurons.export.predictors import write_predictors
 from transformers import LlamaConfig
 
@@ -29,13 +38,15 @@ BUILD = ("set POWERINFER_MAIN to PowerInfer's `main` (python -m hotneurons.bench
          "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target main)")
 
 
-def read_gguf(path: Path, tmp: Path):
-    """GGUFReader over a copy whose PWRI magic is put back to GGUF (the rest of the file is GGUF v3)."""
+def read_gguf(path: Path, tmp: Path, ints: Sequence[Tensor] = ()):
+    """GGUFReader over a copy whose PWRI magic is put back to GGUF (the rest of the file is GGUF v3) and whose int32
+    tensors `ints` get back today's type number (PowerInfer's ggml numbers I32 18)."""
     data = bytearray(path.read_bytes())
     assert bytes(data[:8]) == b"PWRI\x03\x00\x00\x00"
     data[:4] = b"GGUF"
     copy = tmp / (path.name + ".as-gguf")
     copy.write_bytes(data)
+    retype_ints(copy, ints, POWERINFER_I32, GGML_I32)
     return gguf.GGUFReader(str(copy))
 
 
@@ -97,8 +108,9 @@ def test_model_gguf_reads_back(exported, tmp_path):
 
 def test_gpu_index_equals_the_placement(exported, tmp_path):
     e = exported
-    r = read_gguf(e.out / e.summary["files"]["gpu_index"], tmp_path)
     placement = read_placement(e.run, e.lm.info)
+    masks = [placement[i].numpy() for i in range(e.cfg.num_hidden_layers)]
+    r = read_gguf(e.out / e.summary["files"]["gpu_index"], tmp_path, gpu_index_tensors(masks))
     L = e.cfg.num_hidden_layers
     assert [x.name for x in r.tensors] == [f"blk.{i}.{k}" for i in range(L) for k in ("gpu_idx", "gpu_bucket")]
     for i in range(L):
@@ -114,7 +126,9 @@ def test_gpu_index_equals_the_placement(exported, tmp_path):
 def test_gpu_index_of_a_layer_without_gpu_neurons(tmp_path):
     masks = [np.zeros(8, bool), np.arange(8) % 3 == 0]
     write_gpu_index(tmp_path / "x.gpuidx", masks, 123)
-    r = read_gguf(tmp_path / "x.gpuidx", tmp_path)
+    with pytest.raises(ValueError):  # as written, the int32 tensors carry PowerInfer's type number, not today's
+        read_gguf(tmp_path / "x.gpuidx", tmp_path).tensors[0].data
+    r = read_gguf(tmp_path / "x.gpuidx", tmp_path, gpu_index_tensors(masks))
     assert [np.asarray(x.data).tolist() for x in r.tensors] == [[0] * 8, [], [1, 0, 0, 1, 0, 0, 1, 0], [0, 3, 6]]
 
 
