@@ -222,6 +222,11 @@ def markdown(res: dict) -> str:
                          f"for each layer's attention + predictor graph {t['sum_wait_pre_ms']:.1f} ms + CPU cold part "
                          f"{t['sum_cold_ms']:.1f} ms + LM head {t['final_ms']:.2f} ms; OpenMP wait policy: "
                          f"{res.get('omp_wait_policy', 'not recorded')}.")
+    b = (res.get("powerinfer") or {}).get("powerinfer_breakdown_ms")
+    if b:
+        lines.append(f"PowerInfer decode token (its llama_print_timings, median of runs): {b['token']:.1f} ms = "
+                     f"everything but the FFN neurons {b['without_ffn_neurons']:.1f} ms (a run with a threshold above "
+                     f"every logit) + FFN neurons on GPU and CPU {b['ffn_neurons']:.1f} ms.")
     p = res.get("profile")
     if p:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "
@@ -329,7 +334,8 @@ def _load(inputs: list[Path]) -> dict[str, dict]:
     return found
 
 
-def write_results(inputs: list[Path], folder: Path, kind: str | None = None, commit: str | None = None) -> dict:
+def write_results(inputs: list[Path], folder: Path, kind: str | None = None, commit: str | None = None,
+                  label: str | None = None) -> dict:
     """Merge the stage JSONs into <folder>/<date>-<machine kind>-pi-bench.json (record.py's schema) and the markdown
     table beside it."""
     stages = _load(inputs)
@@ -349,7 +355,7 @@ def write_results(inputs: list[Path], folder: Path, kind: str | None = None, com
     rec = record.make(figures, machine_info=res.get("machine") or {}, kind=kind, commit=commit or "unknown",
                       command=res.get("command") or "",
                       created=res.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S"))
-    stem = folder / f"{rec['created'][:10]}-{kind}-pi-bench"
+    stem = folder / f"{rec['created'][:10]}-{kind}-pi-bench{'-' + label if label else ''}"
     record.write(stem.with_suffix(".json"), rec)
     md = markdown(record.flat(rec))
     stem.with_suffix(".md").write_text(md)

@@ -542,6 +542,7 @@ def parse(argv=None):
     ap.add_argument("--work", type=Path, default=Path("/root/pi-bench"), help="local disk: build, GGUF, run dir")
     ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
     ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
+    ap.add_argument("--label", default=None, help="report: a suffix of the results file name (a second run that day)")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="report: output folder")
     ap.add_argument("--machine-kind", default=None,
                     help="the results' machine kind, e.g. nvidia-h200 (default: from the GPU's name and count)")
@@ -629,7 +630,7 @@ def main(argv=None) -> dict:
         print(json.dumps(info, indent=1))
         return info
     if args.stage == "report":
-        return write_results(args.inputs, args.results, kind=args.machine_kind, commit=args.commit)
+        return write_results(args.inputs, args.results, kind=args.machine_kind, commit=args.commit, label=args.label)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu for a smoke test")
     import numba
