@@ -12,6 +12,7 @@ import torch
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.train import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from test_predictor_form import with_random_gammas
 from test_runtime import LOGIT_ATOL, NEW, PROMPT, make_placement
 
 FAMILY = "llama-reglu"
@@ -21,14 +22,7 @@ CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order
 def rounded_model(tiny_model_dir, seed: int = 0):
     """The tiny ReGLU LLaMA (FFN weights bf16-rounded, as the cold rows store them) with norm weights of both signs
     away from 1, so that reading the FFN input instead of the residual changes the logits' direction too."""
-    lm = tiny.load_rounded(tiny_model_dir(FAMILY), FAMILY)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in lm.layers:
-            w = layer.post_attention_layernorm.weight
-            sign = torch.where(torch.rand(w.shape, generator=g) < 0.2, -1.0, 1.0)
-            w.copy_(sign * (0.3 + 1.4 * torch.rand(w.shape, generator=g)))
-    return lm
+    return with_random_gammas(tiny.load_rounded(tiny_model_dir(FAMILY), FAMILY), seed)
 
 
 class Reference:
