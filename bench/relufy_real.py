@@ -6,6 +6,9 @@ Stages (each fits one 10-minute device call; --work persists while the machine s
             each model kept in WORK/models/NAME, each summary in OUT/sweep-NAME.json
   pipeline  pi-profile -> pi-solve -> pi-train-predictors -> pi-eval -> pi-generate on WORK/models/NAME, all
             through the CLIs a user runs; OUT/pipeline-NAME.json
+  roundtrip pi-export's check on a relufied model with trained predictors: a short ReLU relufy (corpus rows only),
+            pi-profile, pi-solve, pi-train-predictors --form powerinfer, pi-export, PowerInfer's CUDA main (built from
+            --powerinfer-src) against HF and our runtime, greedy; OUT/roundtrip.json
   report    (anywhere) the sweep and pipeline files (--inputs) -> bench/results/<date>-<kind>-relufy.{json,md}
 
 The corpus is the Wikipedia sample as one .txt file per article (--wiki DIR with train/ and eval/, written by
@@ -120,9 +123,58 @@ def pipeline(args) -> None:
     (out / f"pipeline-{args.name}.json").write_text(json.dumps(res, indent=1))
 
 
+def roundtrip(args) -> None:
+    from hotneurons.bench.bench_powerinfer import default_source
+    from hotneurons.bench.powerinfer_check import build
+    from hotneurons.common.units import parse_bytes
+    from hotneurons.export import export_run
+    from hotneurons.export import roundtrip as rt
+    from hotneurons.relufy.distill import relufy
+    from hotneurons.relufy.relufy import RelufyConfig
+
+    work, out = Path(args.work), Path(args.out)
+    model, run, exp = work / "models" / "roundtrip", work / "runs" / "roundtrip", work / "export-roundtrip"
+    train, held = str(Path(args.wiki) / "train"), str(Path(args.wiki) / "eval")
+    log: list = []
+    res: dict = {"name": "roundtrip", "machine": record.machine(), "commands": log, "new_tokens": args.rt_new_tokens}
+    if not (model / "config.json").exists():
+        cfg = RelufyConfig(dataset=train, eval_dataset=held, tokens=args.rt_tokens, teacher_text=0.0,
+                           eval_tokens=8192)
+        s = relufy(args.gguf, model, cfg, device=args.device, force=True, progress=False)
+        ev = s["eval"]
+        res["relufy"] = {"tokens": s["tokens"], "train_seconds": s["train_seconds"],
+                         "perplexity_ratio": ev["perplexity_ratio"], "ffn_sparsity": ev["relufied"]["ffn_sparsity"]}
+    res["profile"] = _cli(["pi-profile", "--model", str(model), "--dataset", train, "--tokens", "50000",
+                           "--samples-per-layer", "8192", "--out", str(run), "--force", "--quiet", "--json"], log)
+    res["solve"] = _cli(["pi-solve", "--run", str(run), "--vram", args.vram, "--reserve", "0", "--json"], log)
+    res["predictors"] = _cli(["pi-train-predictors", "--run", str(run), "--form", "powerinfer", "--json", "--quiet",
+                              "--force"], log).get("totals")
+    res["export"] = export_run(run, exp, force=True)
+    res["powerinfer_build"] = build(Path(args.powerinfer_src or default_source()), work / "powerinfer",
+                                    cuda=args.device == "cuda", jobs=os.cpu_count() or 16)
+    gguf = exp / res["export"]["files"]["model"]
+    gib = parse_bytes(args.vram) / 2**30
+    prompt, n, threads = "The capital of France is", args.rt_new_tokens, os.cpu_count() or 16
+    hf = rt.hf_tokens(model, prompt, n)
+    ours = rt.our_tokens(run, prompt, n, threads)
+    step = rt.our_tokens_stepwise(run, prompt, n, threads)
+    pi = rt.powerinfer_tokens(Path(res["powerinfer_build"]["binary"]), gguf, prompt, n, threads,
+                              logdir=work / "roundtrip-logs", extra=["--vram-budget", f"{gib:.4f}"])
+    pt = pi.get("tokens", [])
+    res["tokens"] = {"prompt": prompt, "hf": hf, "ours": ours, "ours_prompt_one_token_at_a_time": step,
+                     "powerinfer": pi}
+    res["matched"] = {"prompt_ids_equal": pi.get("prompt_ids") == hf["prompt_ids"],
+                      "powerinfer_vs_ours_prompt_one_token_at_a_time": rt.common_prefix(pt, step["tokens"]),
+                      "powerinfer_vs_ours": rt.common_prefix(pt, ours["tokens"]),
+                      "powerinfer_vs_hf": rt.common_prefix(pt, hf["tokens"]),
+                      "ours_vs_hf": rt.common_prefix(ours["tokens"], hf["tokens"])}
+    print(json.dumps(res["matched"]), flush=True)
+    (out / "roundtrip.json").write_text(json.dumps(res, indent=1, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("wiki", "sweep", "pipeline", "report"), required=True)
+    ap.add_argument("--stage", choices=("wiki", "sweep", "pipeline", "roundtrip", "report"), required=True)
     ap.add_argument("--gguf", default="/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--wiki", default="/root/wiki")
     ap.add_argument("--work", default="/root/rl")
@@ -134,6 +186,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16384)
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rt-tokens", type=int, default=1_000_000, help="roundtrip: relufy's training tokens")
+    ap.add_argument("--rt-new-tokens", type=int, default=16, help="roundtrip: greedy tokens each system generates")
+    ap.add_argument("--device", default="cuda", help="roundtrip: where relufy trains and PowerInfer runs (cpu: a smoke "
+                    "test on a tiny model)")
+    ap.add_argument("--powerinfer-src", default=None, help="roundtrip: PowerInfer's source tarball")
     ap.add_argument("--inputs", nargs="*", default=[], help="report: folders of sweep-*.json and pipeline-*.json")
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--machine-kind", default="nvidia-h200")
@@ -144,7 +201,8 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     print(json.dumps({"host": platform.node(), "python": sys.version.split()[0]}), flush=True)
-    stages = {"wiki": lambda a: write_wiki(Path(a.out)), "sweep": sweep, "pipeline": pipeline, "report": report}
+    stages = {"wiki": lambda a: write_wiki(Path(a.out)), "sweep": sweep, "pipeline": pipeline, "roundtrip": roundtrip,
+              "report": report}
     stages[args.stage](args)
 
 
