@@ -1,0 +1,69 @@
+"""pi-export's exactness on SmolLM2-135M's architecture (GQA 9/3 heads, d 576, a byte-level BPE vocabulary, tied
+embeddings): the demo GGUF with its FFN activation swapped to ReLU (untrained: the check is the export, not the text),
+exact powerinfer-form predictors (export/roundtrip.make_run), PowerInfer's `main` against HF and our runtime, greedy,
+one thread. The untrained model's logits are nearly flat, so the three may part at a near-tie: each step's top-two
+margin of HF's logits is recorded beside the tokens.
+
+    python -m hotneurons.bench.powerinfer_smollm2 --main PATH --out DIR [--results FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hotneurons.bench import ROOT, record
+
+
+def check(work: Path, main: Path, prompt: str = "The capital of France is", n: int = 16) -> dict:
+    from hotneurons.common.models import load_model
+    from hotneurons.export import export_run
+    from hotneurons.export import roundtrip as rt
+    from hotneurons.relufy.relufy import plain_model
+
+    folder = work / "smollm2-relu"
+    if not (folder / "config.json").exists():
+        lm = load_model(None, device="cpu", dtype="float32")  # the embedded demo GGUF
+        plain_model(lm, torch.float32, "cpu", "relu").save_pretrained(folder)
+        lm.tokenizer.save_pretrained(folder)
+    run = rt.make_run(folder, work / "run", "powerinfer")
+    s = export_run(run, work / "export", force=True)
+    hf = rt.hf_tokens(folder, prompt, n)
+    ours = rt.our_tokens(run, prompt, n, 1)
+    pi = rt.powerinfer_tokens(main, work / "export" / s["files"]["model"], prompt, n, 1, logdir=work / "logs")
+    pt = pi.get("tokens", [])
+    first = {k: rt.common_prefix(v, hf["tokens"]) for k, v in (("powerinfer", pt), ("ours", ours["tokens"]))}
+    return {"model": "SmolLM2-135M-Instruct (demo GGUF), FFN activation swapped to ReLU, untrained",
+            "predictor": "exact, powerinfer form (threshold 0)", "prompt": prompt, "new_tokens": n,
+            "export": {k: s[k] for k in ("arch", "vocab", "file_bytes", "vram_capacity")},
+            "matched": {"prompt_ids_equal": pi.get("prompt_ids") == hf["prompt_ids"],
+                        "powerinfer_vs_hf": first["powerinfer"], "ours_vs_hf": first["ours"],
+                        "powerinfer_vs_ours": rt.common_prefix(pt, ours["tokens"])},
+            # HF's top-two logit margin where each parts from HF: a near-tie there means rounding, not the export
+            "hf_margin_where_parted": {k: (hf["top2_margins"][m] if m < n else None) for k, m in first.items()},
+            "hf": hf, "ours": ours, "powerinfer": pi}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--main", type=Path, required=True, help="PowerInfer's main (bench/powerinfer_check.py builds it)")
+    p.add_argument("--out", type=Path, required=True, help="work folder")
+    p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--commit", default=None)
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    figures = check(a.out, a.main)
+    print(figures["matched"], figures["hf_margin_where_parted"], file=sys.stderr)
+    info = record.machine("torch", "transformers", "gguf")
+    kind = record.machine_kind(info)
+    path = a.results or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-powerinfer-smollm2.json"
+    rec = record.write_result(path, figures, machine_info=info, kind=kind, commit=record.git_commit(a.commit))
+    print(f"wrote {path}", file=sys.stderr)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
