@@ -260,12 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "error": v.get("error")} for k, v in controls.items()},
                "repeated_runs_by_threads": repeats, "trained_predictors": with_training, "runs": runs,
                "control_runs": controls}
-    info = record.machine("torch", "transformers", "gguf")
-    kind = a.machine_kind or record.machine_kind(info)
-    path = a.results or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-powerinfer-roundtrip.json"
-    rec = record.write_result(path, figures, machine_info=info, kind=kind, commit=record.git_commit(a.commit))
-    print(f"wrote {path}", file=sys.stderr)
-    return rec
+    return record.write_dated("powerinfer-roundtrip", figures, path=a.results, kind=a.machine_kind, commit=a.commit)
 
 
 if __name__ == "__main__":

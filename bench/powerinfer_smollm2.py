@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
-from hotneurons.bench import ROOT, record
+from hotneurons.bench import record
 
 
 def check(work: Path, main: Path, prompt: str = "The capital of France is", n: int = 16) -> dict:
@@ -57,12 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     figures = check(a.out, a.main)
     print(figures["matched"], figures["hf_margin_where_parted"], file=sys.stderr)
-    info = record.machine("torch", "transformers", "gguf")
-    kind = record.machine_kind(info)
-    path = a.results or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-powerinfer-smollm2.json"
-    rec = record.write_result(path, figures, machine_info=info, kind=kind, commit=record.git_commit(a.commit))
-    print(f"wrote {path}", file=sys.stderr)
-    return rec
+    return record.write_dated("powerinfer-smollm2", figures, path=a.results, commit=a.commit)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,17 @@ def write_result(path: Path | str, figures: dict, **header) -> dict:
     return rec
 
 
+def write_dated(name: str, figures: dict, *, path: Path | str | None = None, kind: str | None = None,
+                commit: str | None = None, packages: tuple[str, ...] = ("torch", "transformers", "gguf")) -> dict:
+    """write_result measured here, to `path` or bench/results/<date>-<machine kind>-<name>.json."""
+    info = machine(*packages)
+    kind = kind or machine_kind(info)
+    path = Path(path or ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-{name}.json")
+    rec = write_result(path, figures, machine_info=info, kind=kind, commit=git_commit(commit))
+    print(f"wrote {path}", file=sys.stderr)
+    return rec
+
+
 def write_flat(path: Path | str, res: dict, **header) -> dict:
     """A script's flat results dict written as a record: its own "machine" (merged over the measured one), "command",
     "created" and "commit" keys, where it has them, go to the header; the rest are the figures."""
