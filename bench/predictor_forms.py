@@ -16,11 +16,9 @@ import sys
 from pathlib import Path
 
 import click
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
-from hotneurons.common import artifacts  # noqa: E402
-from hotneurons.predictors.schema import EvalReport, PredictorsMeta, PredictorsSummary  # noqa: E402
+from hotneurons.bench import record
+from hotneurons.common import artifacts
+from hotneurons.predictors.schema import EvalReport, PredictorsMeta, PredictorsSummary
 
 FORMS = ("normed", "powerinfer")
 PROFILE = "pi-profile --tokens 12000 --samples-per-layer 16384 --target-sparsity 0.5 --force --quiet"
