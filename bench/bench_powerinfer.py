@@ -51,7 +51,7 @@ def profile_and_placement(run: Path, layers: int) -> tuple[list[np.ndarray], lis
     return counts, gpu
 
 
-def export_bench_model(args, work: Path, run: Path, out: Path) -> dict:
+def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: list[np.ndarray], out: Path) -> dict:
     """The bench model (rebuilt with the saved calibration) with our placement, profile counts and exact
     predictors, as PowerInfer's files in `out`."""
     import torch
@@ -63,7 +63,6 @@ def export_bench_model(args, work: Path, run: Path, out: Path) -> dict:
     model = calibrated_model(args, work)
     lm = model.lm
     L, n = args.layers, bm.SHAPES[args.shape][1]
-    counts, gpu_mask = profile_and_placement(run, L)
     preds = []
     with torch.no_grad():
         for i in range(L):
@@ -92,7 +91,7 @@ def run_main(binary: Path, gguf: Path, budget_gib: float, threads: int, tokens: 
     row = {"command": " ".join(cmd), "env": env or {}, "returncode": p.returncode,
            "seconds": round(time.perf_counter() - t0, 1),
            "loader": [ln.strip() for ln in text.splitlines() if any(k in ln for k in LOADER)][:20]}
-    m = EVAL.search(text.split("prompt eval time")[-1]) if "prompt eval time" in text else EVAL.search(text)
+    m = EVAL.search(text)  # "/ N runs": the decode line (the prompt's says "/ N tokens")
     if p.returncode != 0 or not m:
         return {**row, "error": text[-3000:]}
     pm = PROMPT_EVAL.search(text)
@@ -109,12 +108,13 @@ def stage_powerinfer(args, work: Path) -> dict:
     run = work / f"run-{args.shape}-{args.layers}"
     if not (run / "placement" / "placement.parquet").exists():
         raise SystemExit(f"no placement in {run}: run pi-bench --stage bench first (same --work)")
+    counts, gpu = profile_and_placement(run, args.layers)
     t0 = time.perf_counter()
     res["build"] = build(Path(args.powerinfer_src or default_source()), work / "powerinfer",
                          cuda=args.device == "cuda", jobs=args.jobs)
     out = work / f"powerinfer-{args.shape}-{args.layers}"
     if not (out / "export.json").exists():
-        res["export"] = export_bench_model(args, work, run, out)
+        res["export"] = export_bench_model(args, work, counts, gpu, out)
     else:
         res["export"] = {**json.loads((out / "export.json").read_text()), "reused": True}
     res["export_seconds"] = time.perf_counter() - t0
@@ -132,7 +132,7 @@ def stage_powerinfer(args, work: Path) -> dict:
         # Python solver); capacity 0 makes it apply ours as it is, so both run the same placement
         from hotneurons.export.powerinfer import write_gpu_index
 
-        write_gpu_index(Path(f"{gguf}.generated.gpuidx"), profile_and_placement(run, args.layers)[1], 0)
+        write_gpu_index(Path(f"{gguf}.generated.gpuidx"), gpu, 0)
         res["gpuidx_capacity_forced_to_0"] = {"because": probe["loader"]}
     for label, env in (("powerinfer", {}), ("powerinfer, no FFN neuron computed",
                                             {"LLAMA_SPARSE_PRED_THRESHOLD": NO_NEURON})):
@@ -147,7 +147,6 @@ def stage_powerinfer(args, work: Path) -> dict:
             row["error"] = runs[-1].get("error", "no run")
         systems[label] = row
         print(label, row.get("decode_tokens_per_s", row.get("error", "")[-300:]), flush=True)
-    counts, gpu = profile_and_placement(run, args.layers)
     # the same split and an exact predictor: the share of activations its GPU neurons serve is the profile's
     res["gpu_activation_share_profile"] = float(sum(c[g].sum() for c, g in zip(counts, gpu)) /
                                                 max(1, sum(c.sum() for c in counts)))
