@@ -128,7 +128,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
                 opt.step()
-                vals.h.clear()
+                vals.terms.clear()  # the terms hold the graph: freed before the next batch
                 tokens_done += ids.numel()
                 sparsity = sum(vals.sparsity()) / len(vals.mods)
                 stats = {"step": step + 1, "tokens": (step + 1) * ids.numel(), "loss": loss.item(), "kl": kl.item(),

@@ -286,7 +286,7 @@ class FFNValues:
         ffns = [adapter.layer_ffn(layer) for layer in decoder_layers(model, model.config)]
         self.mods = [f["down"] for f in ffns]
         self.keep, self.penalty = keep, penalty
-        self.h: list[torch.Tensor] = []  # per layer this step: the penalty's terms
+        self.terms: list[torch.Tensor] = []  # per layer this step: the penalty's term
         self.zeros: list[list[torch.Tensor]] = [[] for _ in self.mods]  # per layer, exact zeros of each call
         self.seen = [0] * len(self.mods)  # per layer, values seen
         self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(self.mods)]
@@ -297,7 +297,7 @@ class FFNValues:
         def hook(module, args):
             h = args[0]  # (batch, seq, neurons)
             if self.keep and self.penalty == "h":
-                self.h.append(h.float().abs().mean())
+                self.terms.append(h.float().abs().mean())
             self.zeros[i].append((h == 0).sum())
             self.seen[i] += h.numel()
         return hook
@@ -306,10 +306,10 @@ class FFNValues:
         x = args[0].float()  # (batch, seq, d)
         w_norm = module.weight.float().norm(dim=1)  # (neurons,)
         cos = z.float() / (x.norm(dim=-1, keepdim=True) * w_norm + 1e-6)  # (batch, seq, neurons)
-        self.h.append(torch.relu(cos).mean())
+        self.terms.append(torch.relu(cos).mean())
 
     def l1(self) -> torch.Tensor:
-        return torch.stack(self.h).mean()
+        return torch.stack(self.terms).mean()
 
     def sparsity(self) -> list[float]:
         """Per layer, the share of values seen since `reset` that were exactly 0."""
@@ -317,7 +317,7 @@ class FFNValues:
         return [float(z) / max(1, s) for z, s in zip(zeros, self.seen)]
 
     def reset(self) -> None:
-        self.h.clear()
+        self.terms.clear()
         self.zeros = [[] for _ in self.mods]
         self.seen = [0] * len(self.mods)
 
