@@ -121,7 +121,7 @@ def retype_ints(path: Path, tensors: Sequence[Tensor], old: int, new: int) -> No
     if not ints:
         return
     with open(path, "r+b") as f:
-        head = f.read(1 << 20 if len(ints) < 4096 else 64 << 20)  # the tensor infos sit near the start
+        head = f.read(64 << 20)  # the header: key-values (a vocabulary among them), then the tensor infos
         for t in ints:
             name = t.name.encode()
             info = struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape)) + b"".join(
