@@ -10,14 +10,17 @@ pre-activations, threshold 0) with the FFN norm's weight folded into fc1, which 
 Two runs split PowerInfer's token time: as exported, and with LLAMA_SPARSE_PRED_THRESHOLD above every logit, which
 skips every FFN neuron on both devices and leaves attention, norms, the predictor and the per-layer
 synchronisation: the difference is the time of its FFN work.
+
+PowerInfer's CPU down-projection (ggml.c:14433-14457, ggml_compute_forward_mul_mat_axpy) adds each thread's partial
+sums into the shared output without a lock, so its timed 16-thread runs may compute slightly wrong sums (its CUDA build
+refuses 1 thread, ggml.c:16719). After the timing runs a thread check decodes 16 greedy tokens twice at 2 threads and
+twice at the timed count: whether they agree shows whether the race changes this model's tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,9 +29,6 @@ from hotneurons.bench import bench_model as bm
 
 NO_NEURON = "1e30"  # a threshold above every logit: no FFN neuron is computed
 PROMPT = "abcdefghijklmno"  # 15 byte tokens plus <s>: the bench's 16-token prompt (placeholder vocabulary)
-EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs\s*\(\s*([\d.]+) ms per token")
-PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
-LOADER = ("gpu_idx", "offloaded", "VRAM", "vram", "sparse_pred_threshold", "gpu split")
 
 
 def default_source() -> Path:
@@ -79,25 +79,31 @@ def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: lis
 
 
 def run_main(binary: Path, gguf: Path, budget_gib: float, threads: int, tokens: int, env: dict | None = None,
-             timeout: float = 300) -> dict:
-    """PowerInfer's `main`, greedy, `tokens` new tokens past the 16-token prompt; decode and prompt rates from its
-    llama_print_timings lines, its loader's lines on the split it applied."""
-    cmd = [str(binary), "-m", str(gguf), "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "-s", "0",
-           "--temp", "0", "--ignore-eos", "-c", "512", "--vram-budget", f"{budget_gib:.4f}"]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace",
-                       env={**os.environ, **(env or {})}, cwd=gguf.parent)
-    text = p.stdout + p.stderr
-    row = {"command": " ".join(cmd), "env": env or {}, "returncode": p.returncode,
-           "seconds": round(time.perf_counter() - t0, 1),
-           "loader": [ln.strip() for ln in text.splitlines() if any(k in ln for k in LOADER)][:20]}
-    m = EVAL.search(text)  # "/ N runs": the decode line (the prompt's says "/ N tokens")
-    if p.returncode != 0 or not m:
-        return {**row, "error": text[-3000:]}
-    pm = PROMPT_EVAL.search(text)
-    ms = float(m.group(3))
-    return {**row, "decode_tokens_per_s": 1e3 / ms, "decode_ms_per_token": ms, "decode_runs": int(m.group(2)),
-            "prefill_tokens_per_s": (int(pm.group(2)) * 1e3 / float(pm.group(1))) if pm else None}
+             timeout: float = 300, logdir: Path | None = None, greedy: bool = False) -> dict:
+    """PowerInfer's `main` at --temp 0, `tokens` new tokens past the 16-token prompt (export/roundtrip.py's runner):
+    decode and prompt rates from its llama_print_timings lines, its loader's lines on the split it applied, its token
+    ids. `greedy` adds --repeat-penalty 1.0; the timed runs keep main's default penalty."""
+    from hotneurons.export.roundtrip import powerinfer_tokens
+
+    r = powerinfer_tokens(binary, gguf, PROMPT, tokens, threads, timeout, logdir=logdir, env=env, ctx=512,
+                          extra=["--ignore-eos", "--vram-budget", f"{budget_gib:.4f}"],
+                          repeat_penalty=1.0 if greedy else None)
+    if "error" not in r and "decode_tokens_per_s" not in r:
+        r["error"] = "no decode line in main's llama_print_timings: " + " | ".join(r.get("timings", []))
+    return r
+
+
+def thread_check(binary: Path, gguf: Path, budget_gib: float, threads: int, logs: Path, n: int = 16) -> dict:
+    """Greedy tokens from `main` twice at 2 threads and twice at the timed `threads`: its CPU down-projection adds the
+    threads' partial sums into one output without a lock (ggml.c:14433-14457), so more threads can change them."""
+    from hotneurons.export.roundtrip import common_prefix
+
+    runs = [{"threads": t, **run_main(binary, gguf, budget_gib, t, n, logdir=logs / f"t{t}-{k}", greedy=True)}
+            for t, k in ((2, 0), (2, 1), (threads, 0), (threads, 1))]
+    first = runs[0].get("tokens", [])
+    rows = [{"threads": r["threads"], "tokens": r.get("tokens"), "error": r.get("error"),
+             "matched_first_2_thread_run": common_prefix(r.get("tokens", []), first)} for r in runs]
+    return {"new_tokens": n, "sampling": "--temp 0 --repeat-penalty 1.0, the timed runs' -c and budget", "runs": rows}
 
 
 def stage_powerinfer(args, work: Path) -> dict:
@@ -147,6 +153,10 @@ def stage_powerinfer(args, work: Path) -> dict:
             row["error"] = runs[-1].get("error", "no run")
         systems[label] = row
         print(label, row.get("decode_tokens_per_s", row.get("error", "")[-300:]), flush=True)
+    check = thread_check(binary, gguf, budget / 2**30, threads, out / "threads-check")
+    res["threads_check"] = check
+    print("threads check (tokens equal to the first 2-thread run's, of 16): " + ", ".join(
+        f"{r['threads']} threads {r['matched_first_2_thread_run']}" for r in check["runs"]), flush=True)
     # the same split and an exact predictor: the share of activations its GPU neurons serve is the profile's
     res["gpu_activation_share_profile"] = float(sum(c[g].sum() for c, g in zip(counts, gpu)) /
                                                 max(1, sum(c.sum() for c in counts)))

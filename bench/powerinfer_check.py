@@ -8,9 +8,14 @@ Builds `main` from PowerInfer's source tarball (../shared/vendor/PowerInfer-src.
 fc1 at export; powerinfer: pre-norm as trained), and for a dReLU model (arch bamboo), builds the model and its run
 (export/roundtrip.py), exports it and compares the greedy tokens of the three. Two controls show that the comparison
 can fail: a threshold above every logit (PowerInfer computes no FFN neuron) and the normed predictor exported without
-folding γ. `main` is run --repeats times alike with 1 and with 2 threads (its CPU sparse path races with more than
-one). Last, the ReGLU model with trained powerinfer-form predictors (pi-profile, pi-train-predictors --form
+folding γ. Last, the ReGLU model with trained powerinfer-form predictors (pi-profile, pi-train-predictors --form
 powerinfer, pi-export): PowerInfer's tokens against ours.
+
+Threads: PowerInfer's CPU down-projection adds each thread's partial sums into the shared output without a lock
+(ggml.c:14433-14457), so with more threads its tokens can part from HF's; its CUDA build refuses 1 thread
+(ggml.c:16719). --threads (main's -t for the comparisons) is therefore 1 on the CPU build and 2 with --cuda (a CUDA
+main given with --main needs --threads 2 or more), and `main` is run --repeats times alike at each of --race-threads
+(1 and 2 on the CPU build, 2 and 16 with --cuda) so that the record shows the race.
 """
 
 from __future__ import annotations
@@ -190,8 +195,7 @@ def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> d
 def repeated(main: Path, gguf: Path, n: int, threads: int, times: int, logs: Path, extra: list[str],
              hf: list[int]) -> dict:
     """`main` run `times` times alike: how many runs give HF's tokens, and where the others part from them. With more
-    than one thread PowerInfer's CPU axpy adds each thread's partial sums into one output without a lock
-    (ggml.c:14433-14457), so runs can differ."""
+    threads PowerInfer's CPU axpy's unlocked adds (ggml.c:14433-14457) race more, so runs can differ."""
     from hotneurons.export import roundtrip as rt
 
     parted = []
@@ -210,10 +214,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--main", type=Path, default=None, help="a built PowerInfer main (skips the build)")
     p.add_argument("--cuda", action="store_true", help="build with CUDA (LLAMA_CUBLAS; sm_90)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--threads", type=int, default=1, help="main's -t and our runtime's threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="main's -t and our runtime's threads [1; 2 with --cuda: a CUDA main needs 2 or more]")
     p.add_argument("-n", "--new-tokens", type=int, default=16, help="greedy tokens each system generates")
     p.add_argument("--vram-budget", type=float, default=None, help="CUDA build: main's --vram-budget in GiB")
-    p.add_argument("--repeats", type=int, default=50, help="runs of main per thread count (1, 2) alike")
+    p.add_argument("--repeats", type=int, default=50, help="runs of main per thread count of --race-threads alike")
+    p.add_argument("--race-threads", type=int, nargs="+", default=None,
+                   help="main's thread counts for the repeated runs [1 2; 2 16 with --cuda]")
     p.add_argument("--skip-trained", action="store_true",
                    help="leave out the trained-predictor part (it needs the profiler's packages: datasets)")
     p.add_argument("--results", type=Path, default=None,
@@ -221,6 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--machine-kind", default=None)
     p.add_argument("--commit", default=None)
     a = p.parse_args(argv)
+    if a.threads is None:
+        a.threads = 2 if a.cuda else 1
+    if a.race_threads is None:
+        a.race_threads = [2, 16] if a.cuda else [1, 2]
     from hotneurons.export import roundtrip as rt
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     off = rt.powerinfer_tokens(main_bin, gguf, rt.PROMPT, a.new_tokens, a.threads, logdir=normed / "off", extra=extra,
                                env={"LLAMA_SPARSE_PRED_THRESHOLD": "1e30"})
     unfolded = unfolded_control(normed, main_bin, a.new_tokens, a.threads, extra)
-    repeats = {t: repeated(main_bin, gguf, a.new_tokens, t, a.repeats, normed / f"t{t}", extra, hf) for t in (1, 2)}
+    repeats = {t: repeated(main_bin, gguf, a.new_tokens, t, a.repeats, normed / f"t{t}", extra, hf)
+               for t in a.race_threads}
     with_training = None
     if not a.skip_trained:
         try:
@@ -255,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
         "normed_predictor_without_gamma": {**unfolded, "vs_hf_matched": rt.common_prefix(unfolded.get("tokens", []),
                                                                                          hf)},
     }
-    figures = {"powerinfer_build": built, "tarball": str(a.tarball), "new_tokens": a.new_tokens, "matched": matched,
+    figures = {"powerinfer_build": built, "tarball": str(a.tarball), "new_tokens": a.new_tokens, "threads": a.threads,
+               "matched": matched,
                "controls": {k: {"vs_hf_matched": v["vs_hf_matched"], "tokens": v.get("tokens"),
                                 "error": v.get("error")} for k, v in controls.items()},
                "repeated_runs_by_threads": repeats, "trained_predictors": with_training, "runs": runs,

@@ -8,7 +8,10 @@ Stages (each fits one 10-minute device call; --work persists while the machine s
             through the CLIs a user runs; OUT/pipeline-NAME.json
   roundtrip pi-export's check on a relufied model with trained predictors: a short ReLU relufy (corpus rows only),
             pi-profile, pi-solve, pi-train-predictors --form powerinfer, pi-export, PowerInfer's CUDA main (built from
-            --powerinfer-src) against HF and our runtime, greedy; OUT/roundtrip.json
+            --powerinfer-src, --rt-threads) against HF and our runtime, greedy; beside it the same model with exact
+            predictors (export/roundtrip.make_run) against HF, which separates the trained predictor from
+            PowerInfer's path; then both exports at 2, 4 and 16 threads, 3 runs each (PowerInfer's CPU
+            down-projection races); OUT/roundtrip.json
   report    (anywhere) the sweep and pipeline files (--inputs) -> bench/results/<date>-<kind>-relufy.{json,md}
 
 The corpus is the Wikipedia sample as one .txt file per article (--wiki DIR with train/ and eval/, written by
@@ -158,17 +161,46 @@ def roundtrip(args) -> None:
     hf = rt.hf_tokens(model, prompt, n)
     ours = rt.our_tokens(run, prompt, n, threads)
     step = rt.our_tokens_stepwise(run, prompt, n, threads)
-    pi = rt.powerinfer_tokens(Path(res["powerinfer_build"]["binary"]), gguf, prompt, n, threads,
-                              logdir=work / "roundtrip-logs", extra=["--vram-budget", f"{gib:.4f}"])
+    binary, budget = Path(res["powerinfer_build"]["binary"]), ["--vram-budget", f"{gib:.4f}"]
+    pi = rt.powerinfer_tokens(binary, gguf, prompt, n, args.rt_threads, logdir=work / "roundtrip-logs", extra=budget)
     pt = pi.get("tokens", [])
     res["tokens"] = {"prompt": prompt, "hf": hf, "ours": ours, "ours_prompt_one_token_at_a_time": step,
                      "powerinfer": pi}
+    # the same model with exact predictors (the gate pre-activations, threshold 0; a placement of each layer's
+    # hottest quarter, counted on export/roundtrip.TEXT): PowerInfer should then give HF's tokens, which separates
+    # the trained predictor's misses from PowerInfer's own path
+    exact_run = rt.make_run(model, work / "runs" / "roundtrip-exact", "powerinfer")
+    exact_exp = work / "export-roundtrip-exact"
+    exact = export_run(exact_run, exact_exp, force=True)
+    exact_gguf = exact_exp / exact["files"]["model"]
+    pe = rt.powerinfer_tokens(binary, exact_gguf, prompt, n, args.rt_threads, logdir=work / "roundtrip-exact-logs",
+                              extra=budget)
+    pet = pe.get("tokens", [])
+    res["exact_predictor"] = {"export": {k: exact[k] for k in ("files", "gpu_neurons_per_layer", "vram_capacity")},
+                              "powerinfer": pe}
     res["matched"] = {"prompt_ids_equal": pi.get("prompt_ids") == hf["prompt_ids"],
                       "powerinfer_vs_ours_prompt_one_token_at_a_time": rt.common_prefix(pt, step["tokens"]),
                       "powerinfer_vs_ours": rt.common_prefix(pt, ours["tokens"]),
                       "powerinfer_vs_hf": rt.common_prefix(pt, hf["tokens"]),
-                      "ours_vs_hf": rt.common_prefix(ours["tokens"], hf["tokens"])}
+                      "ours_vs_hf": rt.common_prefix(ours["tokens"], hf["tokens"]),
+                      "exact_prompt_ids_equal": pe.get("prompt_ids") == hf["prompt_ids"],
+                      "exact_powerinfer_vs_hf": rt.common_prefix(pet, hf["tokens"])}
     print(json.dumps(res["matched"]), flush=True)
+    # PowerInfer's CPU down-projection adds the threads' partial sums without a lock (ggml.c:14433-14457): each export
+    # at several thread counts, against what it should give (HF for the exact predictor; for the trained one our
+    # runtime with the prompt fed one token at a time, since PowerInfer's prompt pass is sparse and ours dense)
+    by_threads: dict = {}
+    for label, path, ref in (("exact_vs_hf", exact_gguf, hf["tokens"]),
+                             ("trained_vs_ours_prompt_one_token_at_a_time", gguf, step["tokens"])):
+        by_threads[label] = {}
+        for t in (2, 4, 16):
+            runs = [rt.powerinfer_tokens(binary, path, prompt, n, t, logdir=work / f"threads-{label}" / f"t{t}-{k}",
+                                         extra=budget) for k in range(3)]
+            by_threads[label][t] = [{"matched": rt.common_prefix(r.get("tokens", []), ref),
+                                     "tokens": r.get("tokens"), "error": r.get("error")} for r in runs]
+    res["threads"] = by_threads
+    print(json.dumps({k: {t: [r["matched"] for r in rs] for t, rs in v.items()} for k, v in by_threads.items()}),
+          flush=True)
     (out / "roundtrip.json").write_text(json.dumps(res, indent=1, default=str))
 
 
@@ -188,6 +220,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rt-tokens", type=int, default=1_000_000, help="roundtrip: relufy's training tokens")
     ap.add_argument("--rt-new-tokens", type=int, default=16, help="roundtrip: greedy tokens each system generates")
+    ap.add_argument("--rt-threads", type=int, default=2, help="roundtrip: PowerInfer's -t (its CPU sparse path races "
+                    "with more threads; its CUDA build needs at least 2)")
     ap.add_argument("--device", default="cuda", help="roundtrip: where relufy trains and PowerInfer runs (cpu: a smoke "
                     "test on a tiny model)")
     ap.add_argument("--powerinfer-src", default=None, help="roundtrip: PowerInfer's source tarball")

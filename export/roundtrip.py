@@ -189,38 +189,63 @@ def write_corpus(path: Path, docs: int = 40) -> Path:
     return path
 
 
+# llama_print_timings' decode line ("eval time = T ms / N runs (M ms per token, ...)") and its prompt line ("prompt
+# eval time = T ms / N tokens"): "/ N runs" tells the decode line apart
+EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs\s*\(\s*([\d.]+) ms per token")
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+# the loader's lines on the model's format, the predictor threshold and the GPU split it applied
+LOADER = ("sparse_pred_threshold", "format ", "gpu_idx", "gpu split", "offloaded", "VRAM", "vram")
+
+
+def timing_rates(text: str) -> dict[str, Any]:
+    """Decode and prompt rates from `main`'s llama_print_timings lines in `text`; {} without a decode line."""
+    m = EVAL.search(text)
+    if not m:
+        return {}
+    pm = PROMPT_EVAL.search(text)
+    ms = float(m.group(3))
+    return {"decode_tokens_per_s": 1e3 / ms, "decode_ms_per_token": ms, "decode_runs": int(m.group(2)),
+            "prefill_tokens_per_s": (int(pm.group(2)) * 1e3 / float(pm.group(1))) if pm else None}
+
+
 def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int = 1, timeout: float = 300,
-                      logdir: Path | None = None, extra: Sequence[str] = (), env: dict | None = None) -> dict[str, Any]:
-    """PowerInfer's `main`, greedy (--temp 0, no repetition penalty), its prompt and output token ids from the
-    YAML log it writes with --logdir (main.cpp:81; common.cpp:1367). `extra`: more flags (a CUDA build's
-    --vram-budget); `env`: variables added to the environment (LLAMA_SPARSE_PRED_THRESHOLD, llama.cpp:2348)."""
-    logdir = Path(logdir or gguf.parent / "logs").resolve()
+                      logdir: Path | None = None, extra: Sequence[str] = (), env: dict | None = None, ctx: int = 256,
+                      repeat_penalty: float | None = 1.0) -> dict[str, Any]:
+    """PowerInfer's `main` at --temp 0: its prompt and output token ids from the YAML log it writes with --logdir
+    (main.cpp:81; common.cpp:1367), its loader's lines (LOADER) and, when it prints them, its decode and prompt rates
+    (timing_rates). `ctx`: -c; `repeat_penalty`: 1.0 makes it greedy (main's sampler applies the penalty at --temp 0
+    too, sampling.cpp:150), None leaves main's default; `extra`: more flags (a CUDA build's --vram-budget,
+    --ignore-eos); `env`: variables added to the environment (LLAMA_SPARSE_PRED_THRESHOLD, llama.cpp:2348). A CUDA
+    build refuses `threads` 1 (ggml.c:16719)."""
+    logdir = Path(logdir or Path(gguf).parent / "logs").resolve()
     gguf = Path(gguf).resolve()
     main = Path(main).resolve() if Path(main).exists() else main  # else a name on PATH
     logdir.mkdir(parents=True, exist_ok=True)
+    penalty = ["--repeat-penalty", str(repeat_penalty)] if repeat_penalty is not None else []
     cmd = [str(main), "-m", str(gguf), "-p", prompt, "-n", str(n), "-t", str(threads), "-s", "0", "--temp", "0",
-           "--repeat-penalty", "1.0", "-c", "256", "--logdir", str(logdir) + "/", *extra]
+           *penalty, "-c", str(ctx), "--logdir", str(logdir) + "/", *extra]
+    before = set(logdir.glob("*.yml"))  # a failed run writes none: never read an earlier run's
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace",
                        env={**os.environ, **(env or {})}, cwd=logdir)  # main writes main.log where it runs
+    text = p.stdout + p.stderr
     row = {"command": " ".join(cmd), "env": env or {}, "returncode": p.returncode,
-           "seconds": round(time.perf_counter() - t0, 3)}
-    logs = sorted(logdir.glob("*.yml"))
+           "seconds": round(time.perf_counter() - t0, 3),
+           "loader": [ln.strip() for ln in text.splitlines() if any(k in ln for k in LOADER)]}
+    logs = sorted(set(logdir.glob("*.yml")) - before)  # named by a sortable timestamp (main.cpp:52)
     if p.returncode != 0 or not logs:
-        return {**row, "error": (p.stderr or p.stdout)[-3000:]}
-    text = logs[-1].read_text(errors="replace")
+        return {**row, "error": text[-3000:]}
+    log = logs[-1].read_text(errors="replace")
 
     def ints(key: str) -> list[int]:
-        m = re.search(rf"^{key}: \[([^\]]*)\]", text, re.M)
+        m = re.search(rf"^{key}: \[([^\]]*)\]", log, re.M)
         return [int(v) for v in m.group(1).split(",") if v.strip()] if m else []
 
-    timing = [ln.strip() for ln in p.stderr.splitlines() if "llama_print_timings" in ln]
-    keys = ("sparse_pred_threshold", "format ", "gpu_idx", "gpu split", "offloaded", "VRAM", "vram")
-    sparse = [ln.strip() for ln in (p.stdout + p.stderr).splitlines() if any(k in ln for k in keys)]
     prompt_ids, tokens = ints("prompt_tokens"), ints("output_tokens")
     if not prompt_ids and tokens:  # main.cpp:650-655 logs a batch of one token as output: a one-token prompt's
         prompt_ids, tokens = tokens[:1], tokens[1:]
-    return {**row, "prompt_ids": prompt_ids, "tokens": tokens, "timings": timing, "loader": sparse}
+    return {**row, "prompt_ids": prompt_ids, "tokens": tokens,
+            "timings": [ln.strip() for ln in text.splitlines() if "llama_print_timings" in ln], **timing_rates(text)}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
