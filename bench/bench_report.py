@@ -227,6 +227,11 @@ def markdown(res: dict) -> str:
         lines.append(f"PowerInfer decode token (its llama_print_timings, median of runs): {b['token']:.1f} ms = "
                      f"everything but the FFN neurons {b['without_ffn_neurons']:.1f} ms (a run with a threshold above "
                      f"every logit) + FFN neurons on GPU and CPU {b['ffn_neurons']:.1f} ms.")
+    tc = (res.get("powerinfer") or {}).get("threads_check")
+    if tc:  # its CPU down-projection adds the threads' sums without a lock (bench_powerinfer.py)
+        lines.append(f"PowerInfer's greedy tokens by thread count ({tc['new_tokens']} new tokens, of them equal to "
+                     f"the first 2-thread run's): " + ", ".join(f"-t {r['threads']} {r['matched_first_2_thread_run']}"
+                                                                 for r in tc["runs"]) + ".")
     p = res.get("profile")
     if p:
         lines.append(f"Realised firing (profile of {p['tokens']} synthetic tokens): {100 * p['mean_active']:.1f}% of "

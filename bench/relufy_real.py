@@ -128,7 +128,7 @@ def pipeline(args) -> None:
 
 def roundtrip(args) -> None:
     from hotneurons.bench.bench_powerinfer import default_source
-    from hotneurons.bench.powerinfer_check import build
+    from hotneurons.bench.powerinfer_check import build, f16_attention, predictor_f16_flips
     from hotneurons.common.units import parse_bytes
     from hotneurons.export import export_run
     from hotneurons.export import roundtrip as rt
@@ -161,11 +161,15 @@ def roundtrip(args) -> None:
     hf = rt.hf_tokens(model, prompt, n)
     ours = rt.our_tokens(run, prompt, n, threads)
     step = rt.our_tokens_stepwise(run, prompt, n, threads)
+    # ggml computes attention and the predictor from float16 weights and inputs: our stepwise run with attention so
+    # rounded, and per step how many predictor decisions float16 flips, say whether rounding explains where they part
+    emulated = rt.our_tokens_stepwise(run, prompt, n, threads, hooks=f16_attention)
+    flips = predictor_f16_flips(run, prompt, n)
     binary, budget = Path(res["powerinfer_build"]["binary"]), ["--vram-budget", f"{gib:.4f}"]
     pi = rt.powerinfer_tokens(binary, gguf, prompt, n, args.rt_threads, logdir=work / "roundtrip-logs", extra=budget)
     pt = pi.get("tokens", [])
     res["tokens"] = {"prompt": prompt, "hf": hf, "ours": ours, "ours_prompt_one_token_at_a_time": step,
-                     "powerinfer": pi}
+                     "ours_stepwise_f16_attention": emulated, "ours_stepwise_steps": flips, "powerinfer": pi}
     # the same model with exact predictors (the gate pre-activations, threshold 0; a placement of each layer's
     # hottest quarter, counted on export/roundtrip.TEXT): PowerInfer should then give HF's tokens, which separates
     # the trained predictor's misses from PowerInfer's own path
@@ -180,6 +184,7 @@ def roundtrip(args) -> None:
                               "powerinfer": pe}
     res["matched"] = {"prompt_ids_equal": pi.get("prompt_ids") == hf["prompt_ids"],
                       "powerinfer_vs_ours_prompt_one_token_at_a_time": rt.common_prefix(pt, step["tokens"]),
+                      "powerinfer_vs_ours_stepwise_f16_attention": rt.common_prefix(pt, emulated["tokens"]),
                       "powerinfer_vs_ours": rt.common_prefix(pt, ours["tokens"]),
                       "powerinfer_vs_hf": rt.common_prefix(pt, hf["tokens"]),
                       "ours_vs_hf": rt.common_prefix(ours["tokens"], hf["tokens"]),
