@@ -55,7 +55,7 @@ def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: lis
     """The bench model (rebuilt with the saved calibration) with our placement, profile counts and exact
     predictors, as PowerInfer's files in `out`."""
     import torch
-    from hotneurons.bench.pi_bench import calibrated_model
+    from hotneurons.bench.bench_build import calibrated_model
     from hotneurons.export.gguf_model import placeholder_vocab
     from hotneurons.export.powerinfer import write_powerinfer
     from hotneurons.export.run import split_bytes
@@ -124,7 +124,7 @@ def stage_powerinfer(args, work: Path) -> dict:
     else:
         res["export"] = {**json.loads((out / "export.json").read_text()), "reused": True}
     res["export_seconds"] = time.perf_counter() - t0
-    from hotneurons.bench.pi_bench import _free
+    from hotneurons.bench.bench_build import _free
 
     _free(args.device)
     budget = int(args.budget_share * bm.model_bytes(args.shape, args.layers)["total"])

@@ -249,12 +249,12 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
 def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     """The bench stage writes its JSON after each system (a temp file, then a rename), marked partial: a run that a
     timeout stops keeps the systems measured before it, and the report says it is partial."""
-    from hotneurons.bench import pi_bench
+    from hotneurons.bench import bench_stages, pi_bench
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt("the device's timeout")
 
-    monkeypatch.setattr(pi_bench, "run_accelerate", stopped)
+    monkeypatch.setattr(bench_stages, "run_accelerate", stopped)
     out = tmp_path / "out"
     argv = ["--stage", "bench", "--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(tmp_path / "work"),
             "--out", str(out), "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "1",
@@ -272,7 +272,9 @@ def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
     """--interleave writes the rounds so far after each round: a timeout inside the second round's llama-bench keeps
     the first round's generations and llama-bench row, and the report lists them."""
+    from hotneurons.bench import bench_llamacpp as lcpp
     from hotneurons.bench import pi_bench
+    from hotneurons.bench.bench_build import model_key
 
     calls = []
 
@@ -282,14 +284,14 @@ def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
             raise KeyboardInterrupt("the device's timeout")
         return {"decode_tokens_per_s": 4.0, "n_gpu_layers": ngl}
 
-    monkeypatch.setattr(pi_bench.lcpp, "llama_bench", fake_llama_bench)
+    monkeypatch.setattr(lcpp, "llama_bench", fake_llama_bench)
     work, out = tmp_path / "work", tmp_path / "out"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(out),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
             "--calibration-tokens", "256", "--systems", "hybrid,llama.cpp", "--interleave", "--in-process"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")
-    (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
+    (work / f"model-{model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
     with pytest.raises(KeyboardInterrupt):
         pi_bench.main(["--stage", "bench", *argv])
     res = json.loads((out / "pi_bench_bench.json").read_text())["figures"]
@@ -304,7 +306,9 @@ def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
 def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
     ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
+    from hotneurons.bench import bench_llamacpp as lcpp
     from hotneurons.bench import pi_bench
+    from hotneurons.bench.bench_build import model_key
 
     calls = []
 
@@ -314,7 +318,7 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
             return {"error": "llama-bench failed"}
         return {"decode_tokens_per_s": 2.0 + len(calls), "n_gpu_layers": ngl}
 
-    monkeypatch.setattr(pi_bench.lcpp, "llama_bench", fake_llama_bench)
+    monkeypatch.setattr(lcpp, "llama_bench", fake_llama_bench)
     work = tmp_path / "work"
     argv = ["--device", "cpu", "--shape", "tiny", "--layers", "2", "--work", str(work), "--out", str(tmp_path / "out"),
             "--dram-bytes", str(16 * 2**20), "--ctx", "64", "--tokens", "3", "--reps", "3", "--profile-tokens", "512",
@@ -322,7 +326,7 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
             "--in-process"]
     (work / "build-cpu" / "bin").mkdir(parents=True)
     (work / "build-cpu" / "bin" / "llama-bench").write_text("")  # "built": the stand-in above runs instead
-    (work / f"model-{pi_bench.model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
+    (work / f"model-{model_key(pi_bench.parse(['--stage', 'bench', *argv]))}.gguf").write_text("")
     res = pi_bench.main(["--stage", "bench", *argv])["bench"]
     assert list(res["systems"])[:3] == ["hybrid", "hybrid-no-recheck", "all-gpu"]
     il = res["interleaved"]
