@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from hotneurons.bench import bench_model as bm
 from hotneurons.runtime.dram import row_gather_bw
-from hotneurons.runtime.kernels import _fetch_add
+from hotneurons.runtime.intrinsics import _fetch_add
 from numba import njit, prange
 
 

@@ -106,7 +106,8 @@ def predictor_f16_flips(run: Path, prompt: str, n: int) -> list[dict]:
     """Along our own greedy trajectory (prompt fed token by token): each step's token, its top-two logit margin, and per
     layer how many predictor decisions change when fc1, fc2 and their inputs are rounded to float16 as PowerInfer's
     matmuls round them (F16 weights, activations converted to F16 for each vec_dot, float accumulation)."""
-    from hotneurons.runtime.generate import RuntimeConfig, load_runtime, prompt_ids
+    from hotneurons.runtime.generate import RuntimeConfig, prompt_ids
+    from hotneurons.runtime.load import load_runtime
     from safetensors.torch import load_file
 
     t = load_file(str(run / "predictors" / "predictors.safetensors"))

@@ -146,7 +146,8 @@ def hf_tokens(folder: Path, prompt: str, n: int) -> dict[str, Any]:
 
 def our_tokens(run: Path, prompt: str, n: int, threads: int = 1) -> dict[str, Any]:
     """Our runtime (hybrid: the run's placement and predictors, CPU) greedy."""
-    from hotneurons.runtime.generate import RuntimeConfig, generate, load_runtime, prompt_ids
+    from hotneurons.runtime.generate import RuntimeConfig, generate, prompt_ids
+    from hotneurons.runtime.load import load_runtime
 
     rt = load_runtime(run, RuntimeConfig(device="cpu", threads=threads))
     g = generate(rt, prompt_ids(rt, prompt), n)
@@ -160,7 +161,8 @@ def our_tokens_stepwise(run: Path, prompt: str, n: int, threads: int = 1,
     """Our runtime with the prompt fed one token at a time, so that the predictor decides for the prompt's tokens too
     (generate prefills densely; PowerInfer's prompt pass is sparse), then greedy. `hooks(lm)` may install forward
     hooks on the HF modules (returns their handles, removed after)."""
-    from hotneurons.runtime.generate import RuntimeConfig, load_runtime, prompt_ids
+    from hotneurons.runtime.generate import RuntimeConfig, prompt_ids
+    from hotneurons.runtime.load import load_runtime
 
     rt = load_runtime(run, RuntimeConfig(device="cpu", threads=threads, static_decode=False))
     handles = hooks(rt.lm) if hooks is not None else []

@@ -10,7 +10,8 @@ import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
 from hotneurons.runtime.cold_rows import COLD_DTYPES
-from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, load_runtime, prompt_ids
+from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, prompt_ids
+from hotneurons.runtime.load import load_runtime
 from hotneurons.runtime.ops import OPS
 from hotneurons.runtime.sampling import Sampling
 

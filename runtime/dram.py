@@ -9,7 +9,7 @@ import functools
 import time
 
 import numpy as np
-from hotneurons.runtime.kernels import _fetch_add
+from hotneurons.runtime.intrinsics import _fetch_add
 from numba import njit, prange
 
 

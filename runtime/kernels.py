@@ -41,14 +41,13 @@ bias is added by the caller once.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from hotneurons.runtime.activations import _gated_value, _ungated_value
+from hotneurons.runtime.intrinsics import _ctz, _fetch_add, _load_acquire, _store_release, _widen
+from numba import njit, prange
 
 if TYPE_CHECKING:
     from hotneurons.runtime.cold_rows import ColdRows
@@ -59,72 +58,10 @@ TAIL = 8  # the last TAIL * threads active neurons are taken 4 at a time, so tha
 INT8_GROUP = 64  # weights per int8 scale: the largest group that loses no more perplexity than 32 does
 #                  (bench/cold_int8_quality.py)
 UNGATED = ("relu", "gelu")
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Row helpers (inlined by LLVM)
-
-
-@intrinsic
-def _widen(typingctx, v):
-    """One stored weight -> float32, written so that it fuses into the dot and axpy loops and they vectorise (no
-    scratch row). A bf16 pattern (uint16) is the top half of a float32: zero-extend, shift, reinterpret (a bitcast,
-    which Numba cannot write). An int8 converts; its group's scale is applied once per group."""
-    if v == types.uint16:
-        def codegen(context, builder, signature, args):
-            wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-            return builder.bitcast(wide, ir.FloatType())
-    elif v == types.int8:
-        def codegen(context, builder, signature, args):
-            return builder.sitofp(args[0], ir.FloatType())
-    else:
-        return None
-    return types.float32(v), codegen
-
-
-@intrinsic
-def _fetch_add(typingctx, counter, inc):
-    """counter[0] += inc atomically (an LLVM atomicrmw); returns the value before."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, args[1], "monotonic")
-
-    return types.int64(counter, types.int64), codegen
-
-
-@intrinsic
-def _load_acquire(typingctx, flags, i):
-    """flags[i] read with acquire order (int32 flags that another agent writes): later reads stay after it."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        return builder.load_atomic(ptr, "acquire", 4)
-
-    return types.int32(flags, types.int64), codegen
-
-
-@intrinsic
-def _store_release(typingctx, flags, i, v):
-    """flags[i] = v with release order: every earlier write is visible to whoever then reads flags[i] = v."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), "release", 4)
-        return context.get_dummy_value()
-
-    return types.none(flags, types.int64, types.int32), codegen
-
-
-@intrinsic
-def _ctz(typingctx, v):
-    """The index of the lowest set bit of a nonzero uint64 (LLVM's cttz: one tzcnt/bsf instruction)."""
-    if v != types.uint64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.zext(builder.cttz(args[0], ir.Constant(ir.IntType(1), 1)), ir.IntType(64))
-
-    return types.int64(v), codegen
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")
@@ -270,43 +207,12 @@ def _n_chunks(k, threads):
     return max(1, min(threads, k))
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _relu(v):
-    return v if v > 0 else np.float32(0.0)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _silu(v):
-    return v / (np.float32(1.0) + np.exp(-v))
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _gelu_erf(v):  # exact GELU (Falcon's nn.GELU)
-    return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.erf(v / math.sqrt(2.0))))
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _gelu_tanh(v):  # tanh approximation (Gemma's gelu_pytorch_tanh)
-    return np.float32(0.5) * v * (np.float32(1.0) + np.float32(math.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v * v * v))))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The kernel, gated and ungated FFNs alike: the activation is a loop-invariant integer code, so the branches on it
 # cost nothing next to the row reads.
 
 ACT_CODE = {"relu": 0, "gelu": 1, "reglu": 2, "drelu": 3, "swiglu": 4, "geglu": 5}
 FIRST_GATED = 2  # codes from here on are gated activations
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _gated_value(act, g, u):
-    if act == 2:  # reglu
-        return _relu(g) * u
-    if act == 3:  # drelu
-        return _relu(g) * _relu(u)
-    if act == 4:  # swiglu
-        return _silu(g) * u
-    return _gelu_tanh(g) * u  # geglu
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -345,11 +251,6 @@ def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # fou
                                            scale[1, j1], scale[1, j2], scale[1, j3], group)
     _down4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
            _gated_value(act, g3, u3), j0, j1, j2, j3, down_t, scale, group, acc)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _ungated_value(a, act):
-    return _relu(a) if act == 0 else _gelu_erf(a)
 
 
 @njit(nogil=True, cache=True, fastmath=True)

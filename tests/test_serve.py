@@ -17,7 +17,8 @@ from contextlib import contextmanager
 import pytest
 from click.testing import CliRunner
 from hotneurons.runtime.api import StopMatcher
-from hotneurons.runtime.generate import RuntimeConfig, Sampling, generate, load_runtime, prompt_ids
+from hotneurons.runtime.generate import RuntimeConfig, Sampling, generate, prompt_ids
+from hotneurons.runtime.load import load_runtime
 
 pytest.importorskip("fastapi")  # a GPU image may lack the server's packages: its GPU tests still collect
 pytest.importorskip("uvicorn")

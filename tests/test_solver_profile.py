@@ -43,7 +43,8 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
     import numpy as np
     import tiny
     from hotneurons.common import artifacts
-    from hotneurons.runtime.generate import RuntimeConfig, load_runtime
+    from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_runtime
 
     cfg = profiler.ProfileConfig(model=str(tiny_model_dir(family)), dataset=str(text_corpus), tokens=300,
                                  seq_len=48, batch_size=3, samples_per_layer=0, dtype="float32")

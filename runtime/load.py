@@ -1,0 +1,98 @@
+"""Reading a run directory into a runtime: `check_run` (the run's files, each checked before the model loads) and
+`load_runtime` (the model the run was made for, its placement, predictors and profile thresholds, laid out by
+generate.build_runtime).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from hotneurons.common import artifacts
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.models import check_model, load_model, load_model_from_meta
+from hotneurons.runtime.generate import PRESETS, Runtime, RuntimeConfig, build_runtime, device_and_dtype
+from hotneurons.runtime.placement import Placement
+
+
+def _first_meta(run_dir: Path) -> dict | None:
+    for stage in ("placement", "predictors", "profile"):
+        p = run_dir / stage / "meta.json"
+        if p.exists():
+            try:
+                meta = artifacts.read_json(p)
+            except (ValueError, OSError) as e:
+                raise ArtifactError(f"{p} is not valid JSON ({e}): re-run the stage that wrote it") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+                raise ArtifactError(f"{p} names no model: re-run the stage that wrote it")
+            return meta
+    return None
+
+
+def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> None:
+    """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
+    line naming it (missing, empty, cut short, of another format)."""
+    from hotneurons.common.placement import PlacementMeta
+    from hotneurons.predictors.train import check_predictors
+
+    if (run / "profile" / "meta.json").exists():
+        artifacts.check_profile(run)
+    if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
+        PlacementMeta.load(run / "placement" / "meta.json")
+        artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
+                              f"pi-solve --run {run}")
+    if cfg.mode == "hybrid" and not cfg.oracle:
+        if not (run / "predictors" / "predictors.safetensors").exists():
+            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
+                                f"pass --no-predictor (dense) or --oracle (true masks)")
+        check_predictors(run, recall)
+
+
+def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybrid"], *, model: str | None = None,
+                 gguf_file: str | None = None, use_predictor: bool = True, trust_remote_code: bool = False,
+                 recall: float | None = None) -> Runtime:
+    """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
+
+    `use_predictor=False` turns hybrid into dense (no predictors needed)."""
+    if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
+        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
+    device, dtype = device_and_dtype(cfg)
+    dname = str(dtype).removeprefix("torch.")
+    run = Path(run_dir) if run_dir is not None else None
+    meta = _first_meta(run) if run is not None else None
+    if meta is None and model is None:
+        raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
+    if run is not None:
+        check_run(run, cfg, recall)
+    if model is not None:
+        check_model(model, gguf_file, trust_remote_code=trust_remote_code)
+    lm = (load_model_from_meta(meta["model"], model, gguf_file, device="cpu", dtype=dname,
+                               trust_remote_code=trust_remote_code) if meta is not None
+          else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
+    placement = predictors = taus = None
+    solved: dict = {}  # pi-solve's summary, where the placement came from pi-solve
+    if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
+        placement = Placement.from_run(run, lm.info)
+        if (run / "placement" / "summary.json").exists():
+            solved = json.loads((run / "placement" / "summary.json").read_text())
+        if cfg.ctx is None:  # the KV cache the solver reserved room for
+            cfg = replace(cfg, ctx=solved.get("flags", {}).get("ctx"))
+    if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
+        from hotneurons.predictors.train import load_predictors
+
+        if not (run / "predictors" / "predictors.safetensors").exists():
+            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
+                                f"pass --no-predictor (dense) or --oracle (true masks)")
+        predictors = load_predictors(run, lm.info, device="cpu", dtype=dtype)
+        if recall is not None:
+            predictors.set_recall(recall)
+    if run is not None and (run / "profile" / "meta.json").exists():
+        _, pmeta = artifacts.read_profile(run)
+        artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
+        taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+    rt = build_runtime(lm, cfg, placement, predictors, taus)
+    rt.profile_gpu_share = solved.get("gpu_activation_share")
+    rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
+    rt.plan_dtype = solved.get("flags", {}).get("dtype")
+    return rt
