@@ -133,7 +133,8 @@ def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float 
                 embed_std: float = EMBED_STD):
     """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated);
     gate_rank: gate columns 1.. of rank `gate_rank` (gate_factors), for exact_predictor."""
-    from hotneurons.common.models import ModelSource, wrap_model
+    from hotneurons.common.model_source import ModelSource
+    from hotneurons.common.models import wrap_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d, n, heads, kv, vocab = SHAPES[shape]

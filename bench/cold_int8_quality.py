@@ -29,7 +29,8 @@ from hotneurons.bench import record
 from hotneurons.common import tiny
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
-from hotneurons.common.models import load_model, resolve_source
+from hotneurons.common.model_source import resolve_source
+from hotneurons.common.models import load_model
 from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate

@@ -11,7 +11,7 @@ file's size, mtime and inode; while these stay the same, the remembered hash is 
 An entry is built in a temporary folder and renamed into place once complete, so readers never see half of one;
 an entry that fails its manifest check or fails to load is removed and rebuilt.
 
-The model's identity (common/models.fingerprint, the "source" in meta.json) is that of the GGUF file either way.
+The model's identity (common/model_source.fingerprint, the "source" in meta.json) is that of the GGUF file either way.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from hotneurons.common.artifacts import (
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.kinds import Rule
-from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device, resolve_source
+from hotneurons.common.model_source import resolve_source
+from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm

@@ -7,7 +7,8 @@ import stat
 import pytest
 import torch
 from hotneurons.common import gguf_cache
-from hotneurons.common.models import load_model, resolve_source
+from hotneurons.common.model_source import resolve_source
+from hotneurons.common.models import load_model
 
 
 @pytest.fixture

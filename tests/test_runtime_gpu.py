@@ -1,7 +1,8 @@
 """pi-generate with real CUDA placement: greedy tokens equal HF `generate` (skipped without a GPU).
 
-Same checks as tests/test_runtime.py, with the hot part on CUDA (float32, TF32 off) and the cold part by the
-Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pinned buffers and side stream.
+Same checks as tests/test_runtime.py, test_static_decoder.py and test_balance.py, with the hot part on CUDA (float32,
+TF32 off) and the cold part by the Numba kernels, so x, the mask and the CPU partial sum cross PCIe through the pinned
+buffers and side stream.
 """
 
 import copy
@@ -18,10 +19,10 @@ from test_runtime import (
     RELU,
     always_on_predictors,
     check_equal,
-    check_norm_and_softmax,
     exact_predictors,
     make_placement,
 )
+from test_static_decoder import check_norm_and_softmax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA_ATOL = 1e-3  # float32 GEMVs on the GPU sum in another order than the CPU reference

