@@ -27,8 +27,12 @@ OURS_ENV = "PI_BENCH_SET_ENV"  # the variables openmp_wait_policy set for us (no
 BASELINE_PROCESS = "PI_BENCH_BASELINE"  # set in a baseline's environment: pi-bench run there keeps the user's settings
 
 # sh -c FREEZE freeze TIMEOUT CMD...: stop the calling process, run CMD under `timeout`, resume the caller on any exit.
+# SIGSTOP takes effect when the kernel next schedules the caller, so on a loaded machine the command could start
+# beside it: the shell first waits (up to ~1 s) until /proc shows the caller stopped (state T; no /proc: no wait).
 FREEZE = ('trap \'kill -CONT "$PPID" 2>/dev/null\' EXIT; trap \'exit 143\' HUP INT TERM; '
-          'kill -STOP "$PPID"; t=$1; shift; timeout "$t" "$@"')
+          'kill -STOP "$PPID"; i=0; while [ $i -lt 1000 ] && [ -r /proc/$PPID/stat ]; do '
+          's=$(cat /proc/$PPID/stat); s=${s##*") "}; [ "${s%% *}" = T ] && break; i=$((i+1)); sleep 0.001; done; '
+          't=$1; shift; timeout "$t" "$@"')
 
 
 def note_env(before: set[str]) -> None:
