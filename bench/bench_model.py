@@ -16,7 +16,7 @@ that shrinks with position, and the firing statistics moved with it: calibrated 
 LLaMA-2-7B-shaped model fired 25% of its neurons at positions 0-16, 15% at 16-48 (where pi_bench decodes) and 7% at
 256-512 (where most profile tokens sit), so decode missed the calibrated 10% and the hot set the profile found. With
 embeddings of std 1 the token sets the residual stream, as in a trained model: 10% at every position, within 1%
-(`active_by_position`, tests/test_bench.py).
+(`active_by_position`, tests/test_bench_model.py).
 
 Calibration, layer by layer on random tokens: with the earlier layers already calibrated, take layer l's FFN inputs,
 fit each neuron's gate pre-activation without channel 0 as a Gaussian (mean mu_j, sd s_j) and set

@@ -1,22 +1,17 @@
 """pi-serve: the real server on a loopback port, a tiny random model, the official `openai` client and raw HTTP.
 
-The worker's generate() can be wrapped (`Server(..., generate_fn)`): `Gate` holds it until the test releases it
-(a busy worker, deterministically), `slowed` adds a delay per token (a generation long enough to interrupt).
+The endpoints' answers (equal to the runtime's own generate) and refusals (4xx in OpenAI's error shape), and the
+helpers that test_serve_streaming.py and test_serve_queue.py import (a server, raw requests, the error shape).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import socket
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
-from hotneurons.runtime.api import StopMatcher
 from hotneurons.runtime.generate import RuntimeConfig, Sampling, generate, prompt_ids
 from hotneurons.runtime.load import load_runtime
 
@@ -77,13 +72,6 @@ def health(s: Server) -> dict:
     return request(s, "GET", "/health")[1]
 
 
-def wait_until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out waiting"
-        time.sleep(0.01)
-
-
 def assert_error(status_body, status: int, param: str | None = None, code: str | None = None) -> str:
     got, body = status_body
     assert got == status, body
@@ -95,69 +83,6 @@ def assert_error(status_body, status: int, param: str | None = None, code: str |
     if code is not None:
         assert err["code"] == code, err
     return err["message"]
-
-
-class Gate:
-    """generate() that waits for `release()`: the worker stays busy until the test says."""
-
-    def __init__(self):
-        self.event = threading.Event()
-
-    def __call__(self, *args, **kwargs):
-        assert self.event.wait(20)
-        return generate(*args, **kwargs)
-
-    def release(self):
-        self.event.set()
-
-
-def slowed(delay: float):
-    """A generation that takes `delay` s per token and never meets EOS (a sampled random model may, early)."""
-    def slow(rt, ids, n, sampling, on_text=None, should_stop=None):
-        return generate(rt, ids, n, sampling, on_text=on_text, stop_at_eos=False,
-                        should_stop=lambda: time.sleep(delay) or should_stop())
-
-    return slow
-
-
-class HoldAfterFirstText:
-    """generate() that stops after its first piece of text until `release()`: a generation still running while
-    the test reads what has arrived."""
-
-    def __init__(self):
-        self.event, self.held, self.waited = threading.Event(), False, False
-
-    def __call__(self, rt, ids, n, sampling, on_text=None, should_stop=None):
-        def text(piece: str) -> None:
-            self.held = True  # before the piece goes out: should_stop(), next, waits
-            on_text(piece)
-
-        def stop() -> bool:
-            if self.held and not self.waited:
-                self.waited = True
-                assert self.event.wait(20)
-            return should_stop()
-
-        return generate(rt, ids, n, sampling, on_text=text, stop_at_eos=False, should_stop=stop)
-
-    def release(self):
-        self.event.set()
-
-
-def post_in_background(s: Server, body: dict) -> tuple[threading.Thread, list]:
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(request(s, "POST", "/v1/completions", body)), daemon=True)
-    t.start()
-    return t, out
-
-
-def open_raw(s: Server, body: dict) -> socket.socket:
-    """A request sent on a bare socket, so the test can close it whenever it likes."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", s.port), timeout=20)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,35 +155,6 @@ def test_stop_strings(server, ref):
     assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_a_streamed_response_arrives_incrementally(tiny_model_dir):
-    """The first piece of text reaches the client while the generation is still running (held after that piece
-    until the test has read it), over plain HTTP/1.1 chunks read as they come."""
-    hold = HoldAfterFirstText()
-    with running(tiny_model_dir(FAMILY), hold) as s:
-        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
-        conn.request("POST", DONE, json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
-        assert r.getheader("Transfer-Encoding") == "chunked"
-        events = []
-        while not any(e["choices"][0]["text"] for e in events):
-            line = r.readline()
-            assert line, "the stream ended before any text"
-            if line.startswith(b"data: "):
-                events.append(json.loads(line[6:]))
-        assert hold.held and not hold.event.is_set() and health(s)["running"] == 1  # the generation waits
-        assert all(e["choices"][0]["finish_reason"] is None for e in events)
-        hold.release()
-        rest = [line for line in r.read().split(b"\n") if line.startswith(b"data: ")]
-        conn.close()
-        assert rest[-1] == b"data: [DONE]"
-        events += [json.loads(line[6:]) for line in rest[:-1]]
-        assert "".join(e["choices"][0]["text"] for e in events) == \
-            client(s).completions.create(model="any", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
-        assert events[-1]["choices"][0]["finish_reason"] == "length" and health(s)["served"] == 2
-
-
 def test_openapi_page(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
     conn.request("GET", "/docs")
@@ -279,15 +175,6 @@ def test_openapi_page(server):
         assert set(schemas[name]["properties"]) == common | set(own) and schemas[name]["required"] == own[:1]
         assert {"200", "400", "401", "503"} <= set(post["responses"]) and "422" not in post["responses"]
         assert post["security"] == [{"HTTPBearer": []}]
-
-
-def test_stop_matcher_never_sends_part_of_a_stop_string():
-    m = StopMatcher(("END", "\n\n"))
-    sent = [m.feed(p) for p in ["ab", "cE", "N", "x E", "N", "D tail"]]
-    assert sent == ["ab", "c", "", "ENx ", "", ""] and m.hit and m.text == "abcENx "
-    m = StopMatcher(("END",))
-    assert [m.feed("aE"), m.feed("N"), m.flush()] == ["a", "", "EN"] and not m.hit and m.text == "aEN"
-    assert StopMatcher(()).feed("anything") == "anything"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,129 +276,6 @@ def test_api_key(tiny_model_dir):
         assert client(s, "s3cret").completions.create(model="any", prompt=PROMPT, max_tokens=2).usage
         assert request(s, "GET", "/health")[0] == 200  # health checks need no key, nor the OpenAPI page
         assert request(s, "GET", "/openapi.json")[0] == 200
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The queue, clients that leave, time limits, failures
-
-
-def test_full_queue_is_a_503(tiny_model_dir):
-    gate = Gate()
-    with running(tiny_model_dir(FAMILY), gate, max_queue=2) as s:
-        first = post_in_background(s, OK)
-        wait_until(lambda: health(s)["running"] == 1)
-        queued = [post_in_background(s, OK) for _ in range(2)]
-        wait_until(lambda: health(s)["queued"] == 2)
-        assert "busy" in assert_error(request(s, "POST", DONE, OK), 503, code="queue_full")
-        with pytest.raises(openai.InternalServerError):  # the client sees the 503 too (no retries here)
-            client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2)
-        gate.release()
-        for t, out in [first, *queued]:
-            t.join(20)
-            assert out[0][0] == 200 and out[0][1]["usage"]["completion_tokens"] == 2
-        h = health(s)
-        assert (h["served"], h["rejected"], h["running"], h["queued"]) == (3, 2, 0, 0)
-
-
-def test_queued_client_that_leaves_frees_its_slot(tiny_model_dir):
-    gate = Gate()
-    with running(tiny_model_dir(FAMILY), gate, max_queue=1) as s:
-        first = post_in_background(s, OK)
-        wait_until(lambda: health(s)["running"] == 1)
-        sock = open_raw(s, OK)
-        wait_until(lambda: health(s)["queued"] == 1)
-        sock.close()
-        wait_until(lambda: health(s)["queued"] == 0)
-        assert health(s)["dropped"] == 1
-        second = post_in_background(s, OK)  # takes the freed slot
-        wait_until(lambda: health(s)["queued"] == 1)
-        gate.release()
-        for t, out in (first, second):
-            t.join(20)
-            assert out[0][0] == 200
-        assert health(s)["served"] == 2  # the dropped request never ran
-
-
-def test_streaming_client_that_leaves_stops_the_generation(tiny_model_dir):
-    with running(tiny_model_dir(FAMILY), slowed(0.01)) as s:
-        sock = open_raw(s, {"prompt": PROMPT, "max_tokens": 200, "stream": True})
-        seen = b""
-        while b"data: " not in seen:
-            seen += sock.recv(4096)
-        sock.close()
-        wait_until(lambda: health(s)["running"] == 0)
-        assert health(s)["dropped"] == 1 and health(s)["served"] == 0  # stopped, not run to its 200 tokens
-        assert client(s).completions.create(model="any", prompt=PROMPT, max_tokens=2,
-                                            temperature=0).usage.completion_tokens == 2
-
-
-def test_timeout(tiny_model_dir):
-    gate = Gate()
-    with running(tiny_model_dir(FAMILY), slowed(0.02), timeout=0.5) as s:
-        t0 = time.monotonic()
-        r = client(s).completions.create(model="any", prompt=PROMPT, max_tokens=200)
-        assert time.monotonic() - t0 < 3.0 and r.choices[0].finish_reason == "length"
-        assert 0 < r.usage.completion_tokens < 200 and health(s)["timed_out"] == 1
-    with running(tiny_model_dir(FAMILY), gate, timeout=0.5) as s:
-        first = post_in_background(s, OK)
-        wait_until(lambda: health(s)["running"] == 1)
-        assert_error(request(s, "POST", DONE, OK), 503, code="timeout")  # waited in the queue too long
-        gate.release()
-        first[0].join(20)
-        assert health(s)["timed_out"] == 2  # the first timed out behind the gate as well
-
-
-def test_a_failing_generation_is_a_500_and_the_server_goes_on(tiny_model_dir):
-    calls = []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return generate(*args, **kwargs)
-
-    with running(tiny_model_dir(FAMILY), flaky) as s:
-        assert "boom" in assert_error(request(s, "POST", DONE, OK), 500)
-        assert request(s, "POST", DONE, OK)[0] == 200 and health(s)["errors"] == 1
-
-
-def test_close_ends_the_running_generation_and_refuses_the_queue(tiny_model_dir):
-    s = Server(load(tiny_model_dir(FAMILY)), ServeConfig(port=0), slowed(0.01)).start()
-    first = post_in_background(s, {"prompt": PROMPT, "max_tokens": 200})
-    wait_until(lambda: health(s)["running"] == 1)
-    second = post_in_background(s, OK)
-    wait_until(lambda: health(s)["queued"] == 1)
-    s.close()
-    for t, _ in (first, second):
-        t.join(20)
-    assert first[1][0][0] == 200 and first[1][0][1]["usage"]["completion_tokens"] < 200
-    assert_error(second[1][0], 503, code="shutting_down")
-
-
-def test_load_every_request_answered_or_refused(tiny_model_dir):
-    """50 requests from 8 concurrent clients (streaming and not, completions and chat) on a queue of 3."""
-    with running(tiny_model_dir(FAMILY), max_queue=3) as s:
-        def one(i: int) -> str:
-            c, kind = client(s), i % 4
-            try:
-                if kind == 0:
-                    return "ok" if c.completions.create(model="m", prompt=PROMPT, max_tokens=4).usage else "bad"
-                if kind == 1:
-                    return "ok" if c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4).usage else \
-                        "bad"
-                stream = (c.completions.create(model="m", prompt=PROMPT, max_tokens=4, stream=True) if kind == 2 else
-                          c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True))
-                return "ok" if [ch for ch in stream][-1].choices[0].finish_reason else "bad"
-            except openai.InternalServerError as e:
-                return "busy" if e.status_code == 503 and e.body["code"] == "queue_full" else "bad"
-
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(one, range(50)))
-        h = health(s)
-        assert results.count("ok") + results.count("busy") == 50 and results.count("ok") >= 4
-        assert (h["served"], h["rejected"], h["errors"], h["running"], h["queued"]) == \
-            (results.count("ok"), results.count("busy"), 0, 0, 0)
-        assert request(s, "POST", DONE, OK)[0] == 200
 
 
 def test_cli_refuses_bad_settings():
