@@ -195,16 +195,11 @@ def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> d
 
 def repeated(main: Path, gguf: Path, n: int, threads: int, times: int, logs: Path, extra: list[str],
              hf: list[int]) -> dict:
-    """`main` run `times` times alike: how many runs give HF's tokens, and where the others part from them. With more
-    threads PowerInfer's CPU axpy's unlocked adds (ggml.c:14433-14457) race more, so runs can differ."""
+    """`main` run `times` times alike: how many runs give HF's tokens, and where the others part from them."""
     from hotneurons.export import roundtrip as rt
 
-    parted = []
-    for k in range(times):
-        got = rt.powerinfer_tokens(main, gguf, rt.PROMPT, n, threads, logdir=logs / str(k), extra=extra)
-        m = rt.common_prefix(got.get("tokens", []), hf)
-        if m < n:
-            parted.append(m)
+    parted = [r["matched"] for r in rt.repeated_runs(main, gguf, rt.PROMPT, n, threads, times, logs, hf, extra)
+              if r["matched"] < n]
     return {"runs": times, "equal_to_hf": times - len(parted), "parted_at_token": parted}
 
 

@@ -199,10 +199,8 @@ def roundtrip(args) -> None:
                              ("trained_vs_ours_prompt_one_token_at_a_time", gguf, step["tokens"])):
         by_threads[label] = {}
         for t in (2, 4, 16):
-            runs = [rt.powerinfer_tokens(binary, path, prompt, n, t, logdir=work / f"threads-{label}" / f"t{t}-{k}",
-                                         extra=budget) for k in range(3)]
-            by_threads[label][t] = [{"matched": rt.common_prefix(r.get("tokens", []), ref),
-                                     "tokens": r.get("tokens"), "error": r.get("error")} for r in runs]
+            by_threads[label][t] = rt.repeated_runs(binary, path, prompt, n, t, 3, work / f"threads-{label}" / f"t{t}",
+                                                    ref, budget)
     res["threads"] = by_threads
     print(json.dumps({k: {t: [r["matched"] for r in rs] for t, rs in v.items()} for k, v in by_threads.items()}),
           flush=True)

@@ -250,6 +250,16 @@ def powerinfer_tokens(main: Path, gguf: Path, prompt: str, n: int, threads: int 
             "timings": [ln.strip() for ln in text.splitlines() if "llama_print_timings" in ln], **timing_rates(text)}
 
 
+def repeated_runs(main: Path, gguf: Path, prompt: str, n: int, threads: int, times: int, logs: Path,
+                  ref: list[int], extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """`main` run `times` times alike at `threads` (logs/0, logs/1, ...): per run its tokens, its error if any and how
+    many of them equal `ref`'s. Its CPU down-projection adds the threads' partial sums without a lock
+    (ggml.c:14433-14457), so runs alike can differ."""
+    runs = [powerinfer_tokens(main, gguf, prompt, n, threads, logdir=logs / str(k), extra=extra) for k in range(times)]
+    return [{"matched": common_prefix(r.get("tokens", []), ref), "tokens": r.get("tokens"), "error": r.get("error")}
+            for r in runs]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     k = 0
     while k < min(len(a), len(b)) and a[k] == b[k]:

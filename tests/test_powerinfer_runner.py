@@ -80,3 +80,9 @@ def test_thread_check(fake_main, tmp_path):
     c = thread_check(fake_main, tmp_path / "m.gguf", 1.5, 16, tmp_path / "check")
     assert [r["threads"] for r in c["runs"]] == [2, 2, 16, 16]
     assert [r["matched_first_2_thread_run"] for r in c["runs"]] == [3] * 4 and c["runs"][0]["tokens"] == [7, 8, 9]
+
+
+def test_repeated_runs(fake_main, tmp_path):
+    rows = rt.repeated_runs(fake_main, tmp_path / "m.gguf", "Hello", 3, 2, 3, tmp_path / "rep", [7, 8, 5])
+    assert [r["matched"] for r in rows] == [2, 2, 2] and all(r["tokens"] == [7, 8, 9] for r in rows)
+    assert sorted(d.name for d in (tmp_path / "rep").iterdir()) == ["0", "1", "2"]
