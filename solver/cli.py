@@ -43,10 +43,11 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--cores", type=int, help="Override CPU cores used for cold neurons.")
 @click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)), default="fp16", show_default=True,
-              help="Weight format on both devices (sets bytes per neuron; q8_0/q4_0 for sizing only).")
+              help="Weight format on both devices (sets bytes per neuron; llama.cpp's block formats q8_0 ... q6_k "
+                   "for sizing only).")
 @click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)), default="bf16", show_default=True,
-              help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 halves what an active "
-                   "cold neuron costs to read.")
+              help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 and q8_0 take 0.53 "
+                   "of bf16's bytes for an active cold neuron to read, q4_0 0.28.")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")

@@ -16,14 +16,19 @@ from pathlib import Path
 import numpy as np
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import FixableError
+from hotneurons.weights.formats import FORMATS, WeightFormat
 
-# bytes per weight. q8_0 / q4_0 are llama.cpp's block formats (34 / 18 bytes per 32 weights), for sizing
-# only: the KV cache, norms and workspace stay 16-bit with them.
-DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-ACT_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 2.0, "q4_0": 2.0}  # KV cache, norms
-# bytes per weight of the cold rows in CPU RAM, as the runtime's cold dtype stores them (runtime/cold_rows.ColdRows:
-# int8 with a float32 scale per 64 weights)
-COLD_BYTES: dict[str, float] = {"bf16": 2.0, "int8": 1 + 4 / 64}
+# bytes per weight, from weights.formats (the one table of sizes), under the names pi-solve has always taken (fp32 and
+# fp16 for f32 and f16: placement meta.json files and the runtime's checks use them). The block formats are llama.cpp's
+# (q4_0: 18 bytes per 32 weights); with them the KV cache and norms stay 16-bit (ACT_BYTES).
+_SOLVER_NAMES = {WeightFormat.F32: "fp32", WeightFormat.F16: "fp16"}
+_GGUF = {_SOLVER_NAMES.get(f, f.value): s for f, s in FORMATS.items() if s.ggml_type is not None}
+DTYPE_BYTES: dict[str, float] = {name: s.bytes_per_weight for name, s in _GGUF.items()}
+ACT_BYTES: dict[str, float] = {name: float(s.block_bytes) if s.block == 1 else 2.0  # KV cache, norms
+                               for name, s in _GGUF.items()}
+# bytes per weight of the cold rows in CPU RAM, in the formats the runtime's CPU kernels read (--cold-dtype): bf16,
+# int8 with a float32 scale per 64 weights (runtime/cold_rows.ColdRows), q8_0 / q4_0 in llama.cpp's blocks
+COLD_BYTES: dict[str, float] = {f.value: s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel}
 
 
 class SolverError(FixableError):

@@ -203,3 +203,17 @@ def test_large_budget_puts_everything_on_gpu_only_when_it_pays():
     r = solve_ilp(p, "latency", mip_gap=0.0)
     best, _ = brute_force(p, "latency") if np.prod(p.n_groups + 1) < 5000 else (None, None)
     assert evaluate(p, r.k)["latency_ms"] == pytest.approx(best, rel=1e-9)
+
+
+def test_byte_tables_are_weights_formats():
+    """pi-solve's bytes per weight are weights.formats' (the one table), under its old names too (fp32, fp16)."""
+    from hotneurons.solver.cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES
+    from hotneurons.weights.formats import FORMATS, bytes_per_weight
+
+    assert {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}.items() <= DTYPE_BYTES.items()
+    assert {"q4_k", "q5_k", "q6_k"} <= DTYPE_BYTES.keys() and "int8" not in DTYPE_BYTES  # int8 is cold rows only
+    for name, b in DTYPE_BYTES.items():
+        assert b == bytes_per_weight(name)
+        assert ACT_BYTES[name] == (b if b >= 2 else 2.0)  # block formats keep a 16-bit KV cache
+    assert COLD_BYTES == {"bf16": 2.0, "int8": 1 + 4 / 64, "q8_0": 34 / 32, "q4_0": 18 / 32}
+    assert all(COLD_BYTES[f.value] == s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel)

@@ -1,0 +1,204 @@
+"""A model loaded from its file into our own decoder (hotneurons.models) with hybrid FFNs, with no transformers
+model object: the weights are read in place from the GGUF or safetensors file (hotneurons.weights), tensor by tensor.
+The decoder's attention, norms, embeddings and head go to the compute device in their stored format (or `gpu_dtype`),
+each layer's hot FFN rows to the device and its cold rows into the CPU layout, and each tensor's pages of the file
+are released once copied, so that resident memory stays near the bytes the layout keeps.
+
+`SourceModel` stands where the transformers path keeps its LoadedModel (Runtime.lm); `forward` is one token (or a
+prompt) through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.kinds import Activation, choose
+from hotneurons.common.model_source import ModelSource, fingerprint, resolve_source
+from hotneurons.weights.formats import FORMATS, WeightFormat, spec, weight_format
+
+# the formats `auto` turns a stored format into, where the kernels do not read it: 4- and 5-bit k-quants to q4_0,
+# 6-bit and wider to q8_0, floats to bf16 in CPU RAM (the compute dtype on the device)
+_AUTO = {WeightFormat.Q4_1: WeightFormat.Q4_0, WeightFormat.Q4_K: WeightFormat.Q4_0,
+         WeightFormat.Q5_K: WeightFormat.Q4_0, WeightFormat.Q6_K: WeightFormat.Q8_0}
+
+
+@dataclass
+class SourceModel:
+    """What a Runtime keeps of a model loaded into our decoder."""
+
+    decoder: Any  # a hotneurons.models model: attention, norms, embeddings, head and the static KV cache
+    tokenizer: Any
+    activation: str
+    source: ModelSource
+    info: dict[str, Any]  # the "model" section of every stage's meta.json
+    config: Any  # the transformers config (text config)
+    eos: set[int] = field(default_factory=set)
+
+    @property
+    def layers(self) -> range:
+        return range(self.info["n_layers"])
+
+
+def auto_format(stored: WeightFormat, where: str, compute: torch.dtype) -> str:
+    """`auto` for --cold-dtype (where="cpu") or --gpu-dtype (where="gpu"): the stored format where the kernels read
+    it, else the nearest one they read."""
+    if spec(stored).block == 1:  # floats: bf16 rows on the CPU, the compute dtype on the device
+        return "bf16" if where == "cpu" else str(compute).removeprefix("torch.")
+    readable = FORMATS[stored].cpu_kernel if where == "cpu" else FORMATS[stored].gpu_kernel
+    return str(stored if readable else _AUTO.get(stored, WeightFormat.Q8_0))
+
+
+def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
+    """The meta.json "model" section from the file's tensor table (the same keys as common.models.model_info)."""
+    infos, cfg = source.infos, source.config
+    numel = {n: int(np.prod(t.shape)) for n, t in infos.items()}
+    L = int(cfg.num_hidden_layers)
+    layer = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.")) for i in range(L)]
+    ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
+    emb, head = numel.get("token_embd.weight", 0), numel.get("output.weight", 0)
+    total = sum(numel.values())
+    up = infos["blk.0.ffn_up.weight"]
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    if cfg.model_type == "falcon":
+        n_kv = cfg.num_kv_heads if (getattr(cfg, "new_decoder_architecture", False) or not cfg.multi_query) else 1
+    stored = infos["blk.0.ffn_up.weight"].fmt
+    return {
+        "name": source_id.name,
+        "source": {"kind": source_id.kind, "path": source_id.path, "gguf_file": source_id.gguf_file,
+                   "revision": source_id.revision},
+        "fingerprint": fingerprint(source_id, cfg),
+        "family": family, "model_type": cfg.model_type, "activation": activation, "gated": gated,
+        "n_layers": L, "d_model": int(up.shape[1]), "n_neurons": int(up.shape[0]),
+        "ffn_bias": "blk.0.ffn_up.bias" in infos,
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads),
+        "vocab_size": int(cfg.vocab_size),
+        "weight_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(str(stored), str(stored)),
+        "params": {"total": total, "embedding": emb, "lm_head": head, "other": total - sum(layer) - emb - head,
+                   "attention_per_layer": [a - f for a, f in zip(layer, ffn)], "ffn_per_layer": ffn},
+    }
+
+
+def open_model(model: str | None, gguf_file: str | None = None, activation: str | None = None):
+    """(source, ModelSource, ModelConfig, Activation) of a model file, reading only its header."""
+    from hotneurons.common.models import adapter_for
+    from hotneurons.models.config import ModelConfig
+    from hotneurons.weights.source import open_source
+
+    sid = resolve_source(model, gguf_file)
+    if sid.kind == "hub":
+        raise ArtifactError(f"model '{sid.name}' is a hub id: the in-place loader reads a local folder of "
+                            f"safetensors or a GGUF file; download it first (huggingface-cli download {sid.name})")
+    path = Path(sid.path)
+    source = open_source(str(path), sid.gguf_file)
+    act = activation or (str(source.activation) if source.activation is not None else None)
+    act = str(adapter_for(source.config).activation(source.config, act))
+    mcfg = ModelConfig.from_hf(source.config, choose(act, Activation, "activation"))
+    return source, sid, mcfg, act
+
+
+def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dtype) -> tuple[str, str | None]:
+    """(cold rows' format, hot rows' block format or None for float) from the flags and the file's FFN format."""
+    stored = source.infos["blk.0.ffn_up.weight"].fmt
+    cold = auto_format(stored, "cpu", compute) if cold_dtype == "auto" else str(weight_format(cold_dtype))
+    gpu = auto_format(stored, "gpu", compute) if gpu_dtype == "auto" else str(weight_format(gpu_dtype))
+    return cold, (None if spec(gpu).block == 1 else gpu)
+
+
+@torch.inference_mode()
+def forward(rt: Any, ids: list[int], pos0: int) -> torch.Tensor:
+    """Logits (vocab,) float32 of the last of `ids` (at positions pos0...), through the decoder and the hybrid FFNs;
+    several ids (a prompt) run each FFN dense over them, one id is a decode step."""
+    m = rt.lm.decoder
+    h = m.embed(torch.tensor(ids, device=rt.device), pos0)  # (T, d)
+    for i, f in enumerate(rt.ffns):
+        h2, x = m.attention(i, h, pos0)  # (T, d) the residual after attention, the FFN's input
+        f.residual = h2 if f.prenorm else None  # the powerinfer-form predictor reads the residual before the norm
+        h = m.after_ffn(i, h2, f(x))
+    return m.logits(h[-1:])[0]
+
+
+def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model: str | None = None,
+                        gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None) -> Any:
+    """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs."""
+    from hotneurons.common import artifacts
+    from hotneurons.models import build_model
+    from hotneurons.runtime.ffn_weights import FFNWeights
+    from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
+    from hotneurons.runtime.hybrid_ffn import HybridFFN
+    from hotneurons.runtime.kernels import set_threads
+    from hotneurons.runtime.memory import check_fits, plan_bytes
+    from hotneurons.runtime.placement import Placement
+    from tqdm.auto import tqdm
+
+    if meta is not None and model is None:
+        src = meta["model"]["source"]
+        model, gguf_file = src["path"], gguf_file or src.get("gguf_file")
+    activation = meta["model"]["activation"] if meta is not None and meta["model"]["activation"] == "drelu" else None
+    source, sid, mcfg, act = open_model(model, gguf_file, activation)
+    from hotneurons.common.models import RELU_FAMILY, adapter_for
+
+    adapter = adapter_for(source.config)
+    info = model_info(source, sid, act, adapter.name, adapter.gated)
+    device, dtype = device_and_dtype(cfg)
+    L, n = info["n_layers"], info["n_neurons"]
+    placement = predictors = taus = None
+    solved: dict = {}
+    if run is not None and (run / "placement" / "placement.parquet").exists():
+        placement = Placement.from_run(run, info)
+        if (run / "placement" / "summary.json").exists():
+            solved = artifacts.read_json(run / "placement" / "summary.json")
+    mode = cfg.mode
+    oracle = mode == "hybrid" and cfg.oracle
+    if mode == "hybrid" and not oracle and not use_predictor:
+        mode = "dense"
+    mask = "dense" if mode == "dense" else ("oracle" if oracle else "predictor")
+    if mode == "hybrid" and placement is None:
+        raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
+    if mask == "predictor":
+        from hotneurons.predictors.train import load_predictors
+
+        predictors = load_predictors(run, info, device="cpu", dtype=dtype)
+        if recall is not None:
+            predictors.set_recall(recall)
+    if run is not None and (run / "profile" / "meta.json").exists():
+        _, pmeta = artifacts.read_profile(run)
+        artifacts.check_same_model(pmeta, {"model": info}, f"profile {run / 'profile'}", "the model")
+        taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+    if mask == "oracle" and taus is None and act not in RELU_FAMILY:
+        raise ArtifactError(f"--oracle on a {act} model needs the profile's thresholds (RUN/profile/)")
+    placement = placement or Placement.uniform(L, n, True)
+    cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype)
+    cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt or str(dtype).removeprefix("torch."))  # as resolved
+    ctx = cfg.ctx or (solved.get("flags", {}).get("ctx")) or CAPACITY
+    need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
+    check_fits(need, device, cfg.vram)
+    from hotneurons.predictors.form import PredictorForm
+
+    prenorm = mask == "predictor" and predictors.form == PredictorForm.POWERINFER
+    threads = set_threads(cfg.threads)
+    decoder = build_model(mcfg, source.get, torch.device(device), dtype, ctx, release=source.release)
+    ffns = []
+    for i in tqdm(range(L), desc="loading layers", unit="layer", leave=False, disable=L < 8):
+        w = FFNWeights.from_source(source, i)
+        pred = predictors.layers[i].to("cpu", dtype) if mask == "predictor" else None
+        ffns.append(HybridFFN(i, act, w, placement.gpu[i], mask, pred, None if taus is None else taus[i], cold_fmt,
+                              cfg.cuda_graphs, prenorm, hot_fmt, device, dtype).to(device))
+        for name in w.names(i):
+            if name in source.infos:
+                source.release(name)
+    tok = source.tokenizer()
+    eos = getattr(tok, "eos_token_id", None)
+    lm = SourceModel(decoder, tok, act, sid, info, source.config, set() if eos is None else {int(eos)})
+    bytes_cpu = sum(f.cold_bytes() for f in ffns)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], need.gpu, bytes_cpu, L, threads, None)
+    rt.profile_gpu_share = solved.get("gpu_activation_share")
+    rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
+    rt.plan_dtype = solved.get("flags", {}).get("dtype")
+    return rt

@@ -1,0 +1,190 @@
+"""One layer's FFN weights as the file stores them (float tensors or QTensors in their block format), and the row
+selections the hybrid layout makes of them: a neuron's gate and up rows, and its down column as a row (`down_t`).
+
+Rows of gate and up are rows of the stored matrices, so they keep the file's format byte for byte. The down
+projection is stored (d, n) with blocks along n, so a neuron's column is spread over d rows: it is read a block column
+at a time (`down_t_rows`), de-quantized, transposed and stored again in the format asked for, a chunk of neurons at a
+time so that no float copy of the whole matrix is ever made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hotneurons.weights.formats import WeightFormat, spec, weight_format
+from hotneurons.weights.qtensor import QTensor
+from torch import nn
+
+Weight = torch.Tensor | QTensor
+CHUNK_BYTES = 64 << 20  # float32 temporaries of a conversion (bytes): one chunk of rows at a time
+
+
+@dataclass(frozen=True)
+class FFNWeights:
+    """gate, up (n, d) and down (d, n) in torch's Linear orientation; down_t (n, d) instead of down where the file
+    stores the down projection transposed (PowerInfer's ffn_down_t)."""
+
+    up: Weight  # (n, d)
+    down: Weight | None  # (d, n)
+    gate: Weight | None = None  # (n, d) gated FFNs
+    b_up: torch.Tensor | None = None  # (n,)
+    b_down: torch.Tensor | None = None  # (d,)
+    down_t: Weight | None = None  # (n, d)
+
+    @classmethod
+    def from_linears(cls, ffn: dict[str, nn.Linear]) -> "FFNWeights":
+        """An HF layer's FFN modules (common/models.FamilyAdapter.layer_ffn)."""
+        g = ffn.get("gate")
+        if g is not None and (g.bias is not None or ffn["up"].bias is not None):
+            raise ValueError("this gated FFN has gate/up biases (e.g. mlp_bias=True), which the runtime does not "
+                             "compute yet: run it with HF transformers instead")
+        return cls(up=ffn["up"].weight.detach(), down=ffn["down"].weight.detach(),
+                   gate=None if g is None else g.weight.detach(),
+                   b_up=None if ffn["up"].bias is None else ffn["up"].bias.detach(),
+                   b_down=None if ffn["down"].bias is None else ffn["down"].bias.detach())
+
+    @classmethod
+    def from_source(cls, source: Any, i: int) -> "FFNWeights":
+        """Layer i's FFN from a weight source (hotneurons.weights.source), by canonical name, in place."""
+        def get(name: str):
+            return source.get(name) if name in source.infos else None
+
+        p = f"blk.{i}."
+        down_t = get(p + "ffn_down_t.weight")
+        return cls(up=get(p + "ffn_up.weight"), down=None if down_t is not None else get(p + "ffn_down.weight"),
+                   gate=get(p + "ffn_gate.weight"), b_up=get(p + "ffn_up.bias"), b_down=get(p + "ffn_down.bias"),
+                   down_t=down_t)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(n neurons, d model)."""
+        return tuple(self.up.shape)
+
+    def names(self, i: int) -> list[str]:
+        p = f"blk.{i}."
+        return [p + n for n in ("ffn_up.weight", "ffn_down.weight", "ffn_gate.weight", "ffn_up.bias",
+                                "ffn_down.bias", "ffn_down_t.weight")]
+
+
+def fmt_of(w: Weight) -> WeightFormat:
+    if isinstance(w, QTensor):
+        return w.fmt
+    return {torch.float32: WeightFormat.F32, torch.float16: WeightFormat.F16,
+            torch.bfloat16: WeightFormat.BF16}.get(w.dtype, WeightFormat.F32)
+
+
+def _chunk_rows(cols: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(cols, 1)))
+
+
+def to_float(w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a float tensor (a de-quantized copy for QTensors)."""
+    return w.dequantize(dtype) if isinstance(w, QTensor) else w.to(dtype)
+
+
+def take_rows(w: Weight, idx: torch.Tensor) -> Weight:
+    """Rows idx of w (a copy), in w's own format."""
+    idx = idx.to(w.device if not isinstance(w, QTensor) else w.data.device)
+    return w.rows(idx) if isinstance(w, QTensor) else w.index_select(0, idx)
+
+
+def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu") -> Weight:
+    """w in `fmt` on `device`: kept as it is when it is in that format already (a GGUF's rows byte for byte),
+    else converted a chunk of rows at a time. Float formats give float tensors, block formats QTensors."""
+    from hotneurons.weights.quants import quantize
+
+    fmt = weight_format(fmt)
+    if fmt_of(w) == fmt:
+        return w.to(device)
+    rows, cols = w.shape
+    if spec(fmt).block == 1:  # a float format
+        dtype = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16,
+                 WeightFormat.BF16: torch.bfloat16}[fmt]
+        out = torch.empty((rows, cols), dtype=dtype, device=device)  # (rows, cols)
+        step = _chunk_rows(cols)
+        for s in range(0, rows, step):
+            out[s:s + step] = to_float(w.rows(slice(s, s + step)) if isinstance(w, QTensor) else w[s:s + step])
+        return out
+    from hotneurons.weights.formats import row_bytes
+
+    data = torch.empty((rows, row_bytes(fmt, cols)), dtype=torch.uint8, device=device)  # (rows, row bytes)
+    step = _chunk_rows(cols)
+    for s in range(0, rows, step):
+        part = w.rows(slice(s, s + step)) if isinstance(w, QTensor) else w[s:s + step]
+        data[s:s + step] = quantize(to_float(part), fmt).to(device)
+    return QTensor(data, fmt, (rows, cols))
+
+
+def _columns(w: Weight, lo: int, hi: int) -> torch.Tensor:
+    """Columns [lo, hi) of a (rows, cols) weight as float32 (rows, hi - lo); for QTensors lo and hi on block edges
+    are read without touching other blocks, else the covering blocks are de-quantized and cut."""
+    if not isinstance(w, QTensor):
+        return w[:, lo:hi].float()
+    from hotneurons.weights.quants import dequantize
+
+    s = spec(w.fmt)
+    b0, b1 = lo // s.block, -(-hi // s.block)
+    raw = w.data[:, b0 * s.block_bytes:b1 * s.block_bytes]  # (rows, blocks' bytes): a strided view
+    cols = dequantize(raw.contiguous(), w.fmt, (b1 - b0) * s.block)  # (rows, covered cols)
+    return cols[:, lo - b0 * s.block:hi - b0 * s.block]
+
+
+def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
+                device: torch.device | str = "cpu") -> Weight:
+    """(len(idx), d): the down projection's columns idx as rows (neuron j's row = down[:, j]), in `fmt` on `device`.
+    idx ascending. Read a window of block columns at a time: de-quantized, cut to its neurons, transposed, stored."""
+    if w.down_t is not None:  # stored transposed already: rows
+        return store(take_rows(w.down_t, idx), fmt, device)
+    n, d = w.shape
+    k = len(idx)
+    fmt = weight_format(fmt)
+    idx = idx.cpu()
+    parts: list[Weight] = []
+    step = max(256, _chunk_rows(d) // 256 * 256)  # columns per window: whole blocks of every format
+    for lo in range(0, n, step):  # windows of columns, so the float temporary is (d, step) whatever idx holds
+        hi = min(n, lo + step)
+        ids = idx[(idx >= lo) & (idx < hi)]  # (c,) ascending
+        if len(ids) == 0:
+            continue
+        cols = _columns(w.down, lo, hi)  # (d, hi - lo) float32
+        rows = cols[:, (ids - lo).to(cols.device)].T.contiguous()  # (c, d)
+        parts.append(store(rows, fmt, device))
+    if not parts:
+        return store(torch.zeros((0, d)), fmt, device)
+    if isinstance(parts[0], QTensor):
+        return QTensor(torch.cat([p.data for p in parts]), fmt, (k, d))
+    return torch.cat(parts)
+
+
+def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str,
+               gated: bool) -> dict[str, Any]:
+    """The hot rows in a block format on `device`, as qlinear reads them: gate and up (n_hot, d) rows (kept as stored
+    when the file has that format), and the down projection's hot columns (d, n_hot padded to whole blocks with zero
+    columns: the padded neurons' values are zeros too)."""
+    from hotneurons.runtime.qlinear import pack
+
+    block = spec(fmt).block
+    cols = -(-len(hot) // block) * block
+    down = to_float(down_t_rows(w, hot, WeightFormat.F32)).T  # (d, n_hot) float32
+    down = torch.nn.functional.pad(down, (0, cols - len(hot)))  # (d, cols)
+    return {"up": pack(store(take_rows(w.up, hot), fmt), device),
+            "gate": pack(store(take_rows(w.gate, hot), fmt), device) if gated else None,
+            "down": pack(store(down.contiguous(), fmt), device), "down_cols": cols}
+
+
+def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool):
+    """The cold neurons' rows in CPU RAM as runtime/cold_rows.ColdRows stores them in `dtype`: block formats from the
+    stored rows (copied as they are when the file has that format), bf16 / int8 from float rows."""
+    from hotneurons.runtime.cold_rows import ColdRows
+
+    fmt = weight_format(dtype)
+    b_up = None if w.b_up is None else w.b_up[cold.to(w.b_up.device)]
+    if spec(fmt).block > 1 and fmt != WeightFormat.INT8:
+        gate = store(take_rows(w.gate, cold), fmt) if gated else None
+        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), fmt), b_up, down_t_rows(w, cold, fmt))
+    wide = torch.bfloat16 if fmt == WeightFormat.BF16 else torch.float32  # bf16 rows lose nothing from bf16
+    gate = to_float(take_rows(w.gate, cold), wide) if gated else None
+    return ColdRows.from_weights(gate, to_float(take_rows(w.up, cold), wide), b_up,
+                                 to_float(down_t_rows(w, cold, WeightFormat.F32), wide), str(fmt))

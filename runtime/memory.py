@@ -1,0 +1,99 @@
+"""What a layout will take of host and device memory, counted from the file's tensor table before anything loads,
+and the check that refuses, in one line, a load that would not fit (instead of an out-of-memory kill halfway).
+
+Host: the cold rows in their format, plus everything the device part holds when the device is the CPU, plus one
+layer's conversion temporaries. Device: the decoder's weights (attention, norms, embeddings, head) as they will be
+stored, the hot rows, the static KV cache. The file's pages are not counted: they are page cache, released tensor by
+tensor as the load copies them.
+
+HOTNEURONS_HOST_MEMORY (a size such as 16GB) replaces the host memory the check sees as available: to plan for
+another machine, or to test the refusal.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hotneurons.common.units import parse_bytes
+from hotneurons.weights.formats import bytes_per_weight, spec
+
+SLACK = 256 << 20  # bytes: interpreter, kernels' scratch, small buffers
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    host: int  # bytes of anonymous host memory the layout keeps
+    gpu: int  # bytes on the compute device (0 when it is the CPU: counted in host)
+    temp: int  # bytes of the largest layer's conversion temporaries while loading
+
+
+class MemoryPlanError(ValueError):
+    """A layout that would not fit: one line naming what it needs, what there is, and the fix."""
+
+
+def is_ffn_weight(name: str) -> bool:
+    """An FFN projection's tensor (laid out by the hybrid FFNs), not a norm."""
+    return ".ffn_" in name and "norm" not in name
+
+
+def _stored_bytes(info: Any, fmt: str | None, dtype: torch.dtype) -> int:
+    """Bytes of a non-FFN tensor on the device: block formats as stored (or `fmt`), floats in the compute dtype."""
+    n = int(np.prod(info.shape))
+    if spec(info.fmt).block > 1:  # kept in blocks (the GEMV reads them)
+        return int(info.nbytes) if fmt is None else int(n * bytes_per_weight(fmt))
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str | None, dtype: torch.dtype, ctx: int,
+               info: dict) -> MemoryNeed:
+    """The memory a layout of `source` will take (see the module's docstring)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    d, n = info["d_model"], info["n_neurons"]
+    mats = 3 if info["gated"] else 2
+    hot_bpw = bytes_per_weight(hot_fmt) if hot_fmt else itemsize
+    n_hot = sum(int(g.sum()) for g in placement.gpu)
+    n_cold = sum(len(g) for g in placement.gpu) - n_hot
+    cold = int(n_cold * mats * d * bytes_per_weight(cold_fmt))
+    hot = int(n_hot * mats * d * hot_bpw)
+    rest = sum(_stored_bytes(t, None, dtype) for name, t in source.infos.items() if not is_ffn_weight(name))
+    kv = 2 * info["n_layers"] * info["num_key_value_heads"] * info["head_dim"] * ctx * itemsize
+    temp = 4 * n * d * 2  # a layer's down projection de-quantized a window at a time, and one matrix's float rows
+    return MemoryNeed(host=cold + SLACK, gpu=rest + hot + kv, temp=temp)
+
+
+def available_host() -> int:
+    env = os.environ.get("HOTNEURONS_HOST_MEMORY")
+    if env:
+        return parse_bytes(env)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: no check
+
+
+def check_fits(need: MemoryNeed, device: str, vram: int | None = None) -> None:
+    """Refuse, in one line naming both figures and a fix, a layout that does not fit the host or the device."""
+    on_cpu = not str(device).startswith("cuda")
+    host = need.host + (need.gpu if on_cpu else 0) + need.temp
+    have = available_host()
+    if host > have:
+        raise MemoryPlanError(f"the layout needs {host / 1e9:.2f} GB of host memory but {have / 1e9:.2f} GB is "
+                           f"available: store the cold rows in fewer bits (--cold-dtype q4_0), put more neurons on "
+                           f"the GPU (pi-solve with a larger --vram), or free memory")
+    if on_cpu:
+        return
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    limit = min(free, vram) if vram is not None else free
+    if need.gpu > limit:
+        what = f"--vram is {vram / 1e9:.2f} GB" if vram is not None and vram < free else \
+            f"{free / 1e9:.2f} GB is free on {device}"
+        raise MemoryPlanError(f"the layout needs {need.gpu / 1e9:.2f} GB on {device} but {what}: re-run pi-solve with "
+                           f"this budget, keep the hot rows in fewer bits (--gpu-dtype q4_0), or a smaller --ctx")
