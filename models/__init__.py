@@ -1,2 +1,30 @@
 """Model definitions, one per family: each owns its weights and its static KV cache, fed tensor by tensor from a
-weight source (hotneurons.weights). The engine (hotneurons.runtime) runs them; transformers is only their reference."""
+weight source (hotneurons.weights). The engine (hotneurons.runtime) runs them; transformers is only their reference.
+
+The engine's contract (models/common.Decoder): embed(tokens, pos0) -> h; per layer attention(i, h, pos0) -> (h2, x),
+the engine's FFN y = ffn(i, x), after_ffn(i, h2, y) -> h; then logits(h). The FFN weights are not the model's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hotneurons.models.common import Decoder, WeightFn, dense_ffn, ffn_values
+from hotneurons.models.config import ModelConfig, Rope
+from hotneurons.models.falcon import Falcon
+from hotneurons.models.llama import Llama
+from hotneurons.models.opt import OPT
+
+MODELS: dict[str, type[Decoder]] = {"llama": Llama, "gemma": Llama, "opt": OPT, "falcon": Falcon}
+
+__all__ = ["MODELS", "Decoder", "Falcon", "Llama", "ModelConfig", "OPT", "Rope", "build_model", "dense_ffn",
+           "ffn_values"]
+
+
+def build_model(cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,
+                release: Callable[[str], None] | None = None) -> Decoder:
+    """The model of cfg's family, its non-FFN weights pulled from `weights` by canonical name (each `release`d after)
+    and a KV cache of `ctx` tokens allocated on `device`."""
+    if cfg.family not in MODELS:
+        raise ValueError(f"no model definition for family '{cfg.family}': the definitions are {', '.join(MODELS)}")
+    return MODELS[cfg.family](cfg, weights, device, dtype, ctx, release)

@@ -1,0 +1,294 @@
+"""What the model definitions share: pulling weights from a source, norms, rope, attention over a static KV cache,
+the reference dense FFN, and `Decoder`, the base that owns the cache and runs the engine's loop.
+
+Shapes are batch 1 throughout: hidden states are (T, d) for T tokens. Positions come as `pos0`, an int (eager: the
+attention reads only the filled part of the cache) or a 0-d long tensor on the device (CUDA graphs: every shape is
+static, the attention reads the whole cache under a mask, and the position is a value the graph reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hotneurons.common.kinds import Activation
+from hotneurons.models.config import ModelConfig, Rope
+from hotneurons.runtime import qlinear
+from hotneurons.weights.formats import FORMATS
+from hotneurons.weights.qtensor import QTensor
+
+Weight = torch.Tensor | QTensor | qlinear.GpuQ
+WeightFn = Callable[[str], Weight | None]  # a canonical name -> its tensor, None where the model has none
+FFN = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, x (T, d)) -> y (T, d)
+
+
+def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., k) @ w.T (+ bias) -> (..., n) for a float, QTensor or GpuQ weight (runtime/qlinear.py: a Triton GEMV
+    on CUDA for packed Q4_0/Q8_0, chunks of de-quantized rows otherwise)."""
+    return qlinear.linear(x, w, bias)
+
+
+def _pack(w: QTensor, device: torch.device) -> Weight:
+    """A quantized weight as the device's GEMV reads it: on CUDA, formats with a GPU kernel (Q4_0, Q8_0, floats) as
+    qlinear packs them; others (Q4_K, Q6_K, ...) and the CPU's stay QTensors, de-quantized in chunks per call."""
+    if device.type == "cuda" and FORMATS[w.fmt].gpu_kernel:
+        return qlinear.pack(w, device)
+    return w.to(device)
+
+
+class Loader:
+    """Pulls weights by canonical name, one at a time: float ones to (device, dtype), QTensors kept in their blocks
+    (packed for the device), and after each tells the source (`release`) that it will not ask for that name again.
+    A source may then drop its own references; a tensor it handed out must stay valid."""
+
+    def __init__(self, weights: WeightFn, device: torch.device | str, dtype: torch.dtype,
+                 release: Callable[[str], None] | None = None):
+        self.weights, self.device, self.dtype, self.release = weights, torch.device(device), dtype, release
+
+    def _get(self, name: str, required: bool) -> Weight | None:
+        w = self.weights(name)
+        if w is None and required:
+            raise KeyError(f"the weights have no tensor '{name}', which this model's config needs: check that the "
+                           f"file matches config.json")
+        return w
+
+    def _done(self, name: str) -> None:
+        if self.release is not None:
+            self.release(name)
+
+    def tensor(self, name: str, required: bool = True) -> torch.Tensor | None:
+        """A norm weight, bias or position table: always a float tensor (a quantized one is de-quantized)."""
+        w = self._get(name, required)
+        if w is not None:
+            w = w.dequantize(self.dtype) if isinstance(w, QTensor) else w
+            w = w.to(device=self.device, dtype=self.dtype)
+        self._done(name)
+        return w
+
+    def matrix(self, name: str, required: bool = True, pack: bool = True) -> Weight | None:
+        """A linear layer's (out, in) weight, kept quantized if it is (pack=False: as a QTensor whose rows can be
+        looked up, for embeddings)."""
+        w = self._get(name, required)
+        if isinstance(w, QTensor):
+            w = _pack(w, self.device) if pack else w.to(self.device)
+        elif w is not None:
+            w = w.to(device=self.device, dtype=self.dtype)
+        self._done(name)
+        return w
+
+    def fused(self, names: list[str], biases: bool) -> tuple[Weight, torch.Tensor | None]:
+        """The weights of `names` stacked by rows into one (so one GEMV reads q, k and v), and their biases (zeros
+        where one has none). Quantized weights of different formats stay apart: a list, each its own GEMV."""
+        ws = [self._get(n, True) for n in names]
+        if all(isinstance(w, QTensor) and w.fmt == ws[0].fmt for w in ws):
+            data = torch.cat([w.data.to(self.device) for w in ws])  # (rows, row bytes) uint8
+            w = _pack(QTensor(data, ws[0].fmt, (data.shape[0], ws[0].shape[1])), self.device)
+        elif not any(isinstance(w, QTensor) for w in ws):
+            w = torch.cat([w.to(device=self.device, dtype=self.dtype) for w in ws])
+        else:
+            w = [_pack(w, self.device) if isinstance(w, QTensor) else w.to(self.device, self.dtype) for w in ws]
+        for n in names:
+            self._done(n)
+        b = None
+        if biases:
+            bs = [self.tensor(n.replace(".weight", ".bias"), required=False) for n in names]
+            b = torch.cat([bias if bias is not None else torch.zeros(part.shape[0], device=self.device,
+                                                                      dtype=self.dtype)
+                           for bias, part in zip(bs, ws)])
+        return w, b
+
+
+def linear(x: torch.Tensor, w: Weight | list[Weight], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """_linear, also for a fused weight kept as parts (Loader.fused)."""
+    if isinstance(w, list):
+        y = torch.cat([_linear(x, part) for part in w], -1)
+        return y + bias if bias is not None else y
+    return _linear(x, w, bias)
+
+
+def embed_rows(w: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `tokens` (T,) of an embedding table (vocab, d) -> (T, d); a quantized table's rows are de-quantized."""
+    if isinstance(w, QTensor):
+        return w.rows(tokens).dequantize(dtype)
+    return F.embedding(tokens, w)
+
+
+def load_head(load: Loader, cfg: ModelConfig, tok_embd: Weight) -> Weight:
+    """output.weight, or the embedding table where the model ties them (packed for GEMVs if quantized)."""
+    w = load.matrix("output.weight", required=not cfg.tied_embeddings)
+    if w is not None:
+        return w
+    return _pack(tok_embd, load.device) if isinstance(tok_embd, QTensor) else tok_embd
+
+
+@dataclass(frozen=True)
+class Norm:
+    """RMSNorm (LLaMA: normalised in float32, cast back, then times w), Gemma's (x * (1 + w) in float32, then cast)
+    or LayerNorm, as transformers computes each."""
+
+    kind: str  # rms | rms_gemma | layer
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind == "rms_gemma":
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def load_norm(load: Loader, cfg: ModelConfig, name: str) -> Norm:
+    """The norm `name` (.weight, and .bias for layer norms)."""
+    bias = load.tensor(f"{name}.bias") if cfg.norm == "layer" else None
+    return Norm(cfg.norm, load.tensor(f"{name}.weight"), bias, cfg.norm_eps)
+
+
+def rope_tables(rope: Rope, head_dim: int, n: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (n, head_dim) of positions 0..n-1, each frequency twice (the halves layout of HF's rotate_half)."""
+    freqs = torch.arange(n, dtype=torch.float)[:, None] * rope.inv_freq(head_dim)[None, :]  # (n, hd / 2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (n, hd)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, hd) rotated by cos, sin (T, hd): the first half of each head pairs with the second."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float = 0.0) -> torch.Tensor:
+    """Attention of q (T, H, hd) over keys, values (K, S, hd) where mask (T, S) is True -> (T, H * hd). Query head h
+    reads kv head h // (H / K) (grouped-query), without repeating the cache: a kv head's G query heads go together."""
+    T, H, hd = q.shape
+    K = keys.shape[0]
+    qg = q.transpose(0, 1).reshape(K, H // K, T, hd)  # (K, G, T, hd)
+    scores = (qg @ keys.transpose(-1, -2)[:, None]) * scale  # (K, G, T, S)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (K, G, T, S)
+    out = p @ values[:, None]  # (K, G, T, hd)
+    return out.reshape(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+
+
+class Decoder:
+    """The base of the model definitions: the static KV cache and the engine's loop. A family defines `embed`,
+    `attention`, `after_ffn` and `logits` (see forward); the cache holds positions 0..ctx-1 of every layer."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, ctx: int):
+        if ctx > cfg.max_positions:
+            raise ValueError(f"ctx {ctx} is past the {cfg.max_positions} positions {cfg.model_type} was trained for: "
+                             f"pass ctx <= {cfg.max_positions}")
+        self.cfg, self.device, self.dtype, self.ctx = cfg, torch.device(device), dtype, ctx
+        kv = (cfg.n_layers, cfg.n_kv_heads, ctx, cfg.head_dim)
+        self.k_cache = torch.zeros(kv, device=self.device, dtype=dtype)  # (layers, kv heads, ctx, hd)
+        self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
+        self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
+
+    def reset(self) -> None:
+        """Forget the cache: the next call starts again at position 0."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    def positions(self, T: int, pos0: int | torch.Tensor) -> torch.Tensor:
+        """(T,) positions pos0..pos0+T-1 on the device."""
+        if isinstance(pos0, int) and pos0 + T > self.ctx:
+            raise ValueError(f"positions {pos0}..{pos0 + T - 1} are past the KV cache of {self.ctx} tokens: build the "
+                             f"model with a larger ctx")
+        return self.slots[:T] + pos0
+
+    def cached_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                         pos0: int | torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Write k, v (T, K, hd) at positions pos (T,) of layer i's cache, then attend q (T, H, hd) causally over the
+        cache (within layer i's sliding window) -> (T, H * hd). `scale`: of the scores, if not cfg.scale."""
+        self.k_cache[i].index_copy_(1, pos, k.transpose(0, 1))
+        self.v_cache[i].index_copy_(1, pos, v.transpose(0, 1))
+        S = pos0 + q.shape[0] if isinstance(pos0, int) else self.ctx  # eager: only the filled slots
+        slots = self.slots[:S]
+        mask = slots[None, :] <= pos[:, None]  # (T, S) causal
+        window = self.cfg.window(i)
+        if window:
+            mask &= slots[None, :] > pos[:, None] - window
+        scale = self.cfg.scale if scale is None else scale
+        return attend(q, self.k_cache[i, :, :S], self.v_cache[i, :, :S], mask, scale, self.cfg.attn_softcap)
+
+    def head(self, h: torch.Tensor, norm: Norm | None, w: Weight) -> torch.Tensor:
+        """(T, vocab) float32 logits: final norm, head, softcap."""
+        if norm is not None:
+            h = norm(h)
+        logits = _linear(h, w).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
+
+    # the engine's contract, defined by each family
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention(self, i: int, h: torch.Tensor, pos0: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def after_ffn(self, i: int, h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return h2 + y
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos0: int | torch.Tensor, ffn: FFN) -> torch.Tensor:
+        """Logits (T, vocab) float32 of tokens (T,) at positions pos0.., whose keys and values join the cache;
+        ffn(i, x) is layer i's FFN."""
+        h = self.embed(tokens, pos0)  # (T, d)
+        for i in range(self.cfg.n_layers):
+            h2, x = self.attention(i, h, pos0)  # (T, d) residual after attention, (T, d) the FFN's input
+            h = self.after_ffn(i, h2, ffn(i, x))
+        return self.logits(h)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference FFN (dense: every neuron), for tests and dense mode
+
+def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return torch.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+def ffn_values(cfg: ModelConfig, up: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-neuron values (T, n) that enter the down projection, from the up (and gate) projections."""
+    if gate is None:
+        return _act(cfg.act_fn, up)
+    if cfg.activation is Activation.DRELU:
+        return torch.relu(gate) * torch.relu(up)
+    if cfg.activation is Activation.FATRELU:
+        return torch.where(gate > cfg.fat_threshold, gate, torch.zeros((), dtype=gate.dtype, device=gate.device)) * up
+    return _act(cfg.act_fn, gate) * up
+
+
+def dense_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32, release: Callable[[str], None] | None = None
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Layer i's whole FFN from its canonical ffn_* weights (float or QTensor): x (T, d) -> y (T, d)."""
+    load = Loader(weights, device, dtype, release)
+    p = f"blk.{i}.ffn_"
+    up, down = load.matrix(p + "up.weight"), load.matrix(p + "down.weight")
+    gate = load.matrix(p + "gate.weight") if cfg.gated else None
+    b_up, b_down = (load.tensor(p + "up.bias"), load.tensor(p + "down.bias")) if cfg.ffn_bias else (None, None)
+    b_gate = load.tensor(p + "gate.bias") if cfg.ffn_bias and cfg.gated else None
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        g = _linear(x, gate, b_gate) if gate is not None else None  # (T, n)
+        return _linear(ffn_values(cfg, _linear(x, up, b_up), g), down, b_down)  # (T, d)
+
+    return ffn

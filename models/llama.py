@@ -1,0 +1,101 @@
+"""LLaMA and its kin: Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 1/2/3 (norms of 1 + w,
+scaled embeddings; 2/3: norms after attention and FFN, sliding-window layers, softcaps; 3: q/k norms and a local rope
+on the sliding layers). One definition, switched by ModelConfig.
+
+A layer: h2 = h + attn(attn_norm(h)); x = ffn_norm(h2); h_next = h2 + ffn(x). Gemma2/3 norm the attention's output
+(post_attention_norm) and the FFN's (post_ffw_norm) before adding them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from hotneurons.models.common import (
+    Decoder,
+    Loader,
+    Norm,
+    Weight,
+    WeightFn,
+    _linear,
+    apply_rope,
+    embed_rows,
+    linear,
+    load_head,
+    load_norm,
+    rope_tables,
+)
+from hotneurons.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn_norm: Norm
+    wqkv: Weight | list[Weight]  # ((H + 2K) * hd, d): q, k, v stacked
+    bqkv: torch.Tensor | None
+    wo: Weight  # (d, H * hd)
+    bo: torch.Tensor | None
+    ffn_norm: Norm
+    q_norm: Norm | None = None  # (hd,) Qwen3, Gemma3
+    k_norm: Norm | None = None
+    post_attn_norm: Norm | None = None  # Gemma2/3
+    post_ffw_norm: Norm | None = None
+
+
+class Llama(Decoder):
+    def __init__(self, cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,
+                 release: Callable[[str], None] | None = None):
+        super().__init__(cfg, device, dtype, ctx)
+        load = Loader(weights, device, dtype, release)
+        self.tok_embd = load.matrix("token_embd.weight", pack=False)  # (vocab, d)
+        self.layers = [self._load_layer(load, i) for i in range(cfg.n_layers)]
+        self.norm = load_norm(load, cfg, "output_norm")
+        self.output = load_head(load, cfg, self.tok_embd)  # (vocab, d)
+        self.cos, self.sin = rope_tables(cfg.rope, cfg.head_dim, ctx, self.device, dtype)  # (ctx, hd) each
+        self.cos_local, self.sin_local = (rope_tables(cfg.rope_local, cfg.head_dim, ctx, self.device, dtype)
+                                          if cfg.rope_local else (self.cos, self.sin))
+        # Gemma: rounded to the weights' dtype first, as transformers does (sqrt(3072) = 55.4256 is 55.5 in bf16)
+        self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype, device=self.device)
+
+    def _load_layer(self, load: Loader, i: int) -> _Layer:
+        cfg, p = self.cfg, f"blk.{i}."
+        attn_norm = load_norm(load, cfg, p + "attn_norm")
+        wqkv, bqkv = load.fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.attn_bias)
+        q_norm = load_norm(load, cfg, p + "attn_q_norm") if cfg.qk_norm else None
+        k_norm = load_norm(load, cfg, p + "attn_k_norm") if cfg.qk_norm else None
+        wo = load.matrix(p + "attn_output.weight")
+        bo = load.tensor(p + "attn_output.bias") if cfg.out_bias else None
+        post_attn = load_norm(load, cfg, p + "post_attention_norm") if cfg.post_norms else None
+        ffn_norm = load_norm(load, cfg, p + "ffn_norm")
+        post_ffw = load_norm(load, cfg, p + "post_ffw_norm") if cfg.post_norms else None
+        return _Layer(attn_norm, wqkv, bqkv, wo, bo, ffn_norm, q_norm, k_norm, post_attn, post_ffw)
+
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
+        h = embed_rows(self.tok_embd, tokens, self.dtype)  # (T, d)
+        return h * self.embed_scale if self.cfg.embed_scale != 1.0 else h
+
+    def attention(self, i: int, h: torch.Tensor, pos0: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, layer = self.cfg, self.layers[i]
+        T, H, K, hd = h.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        pos = self.positions(T, pos0)  # (T,)
+        qkv = linear(layer.attn_norm(h), layer.wqkv, layer.bqkv)  # (T, (H + 2K) * hd)
+        q, k, v = qkv.split([H * hd, K * hd, K * hd], dim=-1)
+        q, k, v = q.view(T, H, hd), k.view(T, K, hd), v.view(T, K, hd)
+        if layer.q_norm is not None:  # per head, before rope
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = (self.cos_local, self.sin_local) if cfg.window(i) else (self.cos, self.sin)
+        cos, sin = cos[pos], sin[pos]  # (T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = _linear(self.cached_attention(i, q, k, v, pos, pos0), layer.wo, layer.bo)  # (T, d)
+        if layer.post_attn_norm is not None:
+            a = layer.post_attn_norm(a)
+        h2 = h + a
+        return h2, layer.ffn_norm(h2)
+
+    def after_ffn(self, i: int, h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        norm = self.layers[i].post_ffw_norm
+        return h2 + (norm(y) if norm is not None else y)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h, self.norm, self.output)
