@@ -186,9 +186,12 @@ def rope(cfg: Any) -> tuple[float, str]:
     return float(theta), str(params.get("rope_type") or params.get("type") or "default")
 
 
-def llama_metadata(w: Any, cfg: Any, name: str) -> None:
-    """The hyperparameter keys llama.cpp reads for a LLaMA-shaped model (under the writer's arch prefix)."""
+def llama_metadata(w: Any, cfg: Any, name: str, activation: str | None = None) -> None:
+    """The hyperparameter keys llama.cpp reads for a LLaMA-shaped model (under the writer's arch prefix), and the
+    FFN activation (`activation`, else the config's) under our key, which llama.cpp ignores: its arch llama means
+    SwiGLU, so without it a ReLU LLaMA would read back as SwiGLU (weights/gguf_source.py)."""
     w.add_name(name)
+    activation_metadata(w, cfg, activation)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -199,6 +202,17 @@ def llama_metadata(w: Any, cfg: Any, name: str) -> None:
     w.add_rope_freq_base(rope(cfg)[0])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(1)  # MOSTLY_F16
+
+
+def activation_metadata(w: Any, cfg: Any, activation: str | None = None) -> None:
+    """`hotneurons.activation` (and `hotneurons.fat_threshold` for FATReLU) from `activation` or the config."""
+    from hotneurons.common.models import adapter_for
+    from hotneurons.weights.names import ACTIVATION_KEY, FAT_THRESHOLD_KEY
+
+    act = str(activation or adapter_for(cfg).activation(cfg))
+    w.add_string(ACTIVATION_KEY, act)
+    if act == "fatrelu":
+        w.add_float32(FAT_THRESHOLD_KEY, float(getattr(cfg, "fat_threshold", 0.0) or 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
