@@ -109,10 +109,23 @@ def linear(x: torch.Tensor, w: Weight | list[Weight], bias: torch.Tensor | None 
 
 
 def embed_rows(w: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `tokens` (T,) of an embedding table (vocab, d) -> (T, d); a quantized table's rows are de-quantized."""
-    if isinstance(w, QTensor):
-        return w.rows(tokens).dequantize(dtype)
-    return F.embedding(tokens, w)
+    """Rows `tokens` (T,) of an embedding table (vocab, d) -> (T, d) in `dtype` on the tokens' device; a quantized
+    table's rows are de-quantized. The table may live in CPU RAM (an untied one: load_embedding): the rows are looked
+    up there and only they cross to the device."""
+    where = w.data.device if isinstance(w, QTensor) else w.device
+    ids = tokens.to(where)
+    rows = w.rows(ids).dequantize(dtype) if isinstance(w, QTensor) else F.embedding(ids, w).to(dtype)  # (T, d)
+    return rows.to(tokens.device)
+
+
+def load_embedding(load: Loader, cfg: ModelConfig) -> Weight:
+    """token_embd: on the device where the head shares it (tied); else in CPU RAM as stored (a view of the file
+    where it is one), since a token reads one row of it (pi-solve counts it there)."""
+    if cfg.tied_embeddings:
+        return load.matrix("token_embd.weight", pack=False)
+    w = load._get("token_embd.weight", True)
+    load._done("token_embd.weight")
+    return w
 
 
 def load_head(load: Loader, cfg: ModelConfig, tok_embd: Weight) -> Weight:

@@ -22,6 +22,7 @@ from hotneurons.models.common import (
     apply_rope,
     embed_rows,
     linear,
+    load_embedding,
     load_head,
     load_norm,
     rope_tables,
@@ -48,7 +49,7 @@ class Llama(Decoder):
                  release: Callable[[str], None] | None = None):
         super().__init__(cfg, device, dtype, ctx)
         load = Loader(weights, device, dtype, release)
-        self.tok_embd = load.matrix("token_embd.weight", pack=False)  # (vocab, d)
+        self.tok_embd = load_embedding(load, cfg)  # (vocab, d)
         self.layers = [self._load_layer(load, i) for i in range(cfg.n_layers)]
         self.norm = load_norm(load, cfg, "output_norm")
         self.output = load_head(load, cfg, self.tok_embd)  # (vocab, d)

@@ -20,6 +20,7 @@ from hotneurons.models.common import (
     _linear,
     embed_rows,
     linear,
+    load_embedding,
     load_head,
     load_norm,
 )
@@ -43,7 +44,7 @@ class OPT(Decoder):
                  release: Callable[[str], None] | None = None):
         super().__init__(cfg, device, dtype, ctx)
         load = Loader(weights, device, dtype, release)
-        self.tok_embd = load.matrix("token_embd.weight", pack=False)  # (vocab, d_embed)
+        self.tok_embd = load_embedding(load, cfg)  # (vocab, d_embed)
         self.pos_embd = load.tensor("position_embd.weight")  # (max positions + 2, d)
         self.project_in = load.matrix("project_in.weight") if cfg.d_embed else None  # (d, d_embed)
         self.layers = [self._load_layer(load, i) for i in range(cfg.n_layers)]

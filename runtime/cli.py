@@ -100,9 +100,14 @@ def runtime_options(f):
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ..."),
         click.option("--dtype", default="auto", show_default=True, help="Device compute dtype (auto: fp16 on CUDA, "
                      "fp32 on CPU)."),
-        click.option("--cold-dtype", type=click.Choice(COLD_DTYPES), default="bf16", show_default=True,
-                     help="Storage of the cold rows in CPU RAM: bf16, or int8 with a scale per 64 weights (half the "
-                          "bytes read per token, so faster when the CPU part dominates; a small rounding error)."),
+        click.option("--cold-dtype", type=click.Choice(("auto",) + COLD_DTYPES), default="auto", show_default=True,
+                     help="Storage of the cold rows in CPU RAM. auto: the file's format where the CPU kernels read it "
+                          "(a GGUF's Q4_0/Q8_0 rows as stored), else q4_0 for 4/5-bit files, q8_0 for 6-bit, bf16 for "
+                          "float ones. Fewer bits: fewer bytes read per token, a small rounding error."),
+        click.option("--gpu-dtype", type=click.Choice(("auto", "f32", "f16", "bf16", "q8_0", "q4_0")), default="auto",
+                     show_default=True, help="Storage of the hot rows on the device. auto: the file's format where "
+                     "the GPU kernels read it (Q4_0/Q8_0), q4_0 for other 4/5-bit files, q8_0 for 6-bit, the compute "
+                     "dtype for float files."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
                      help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
@@ -131,14 +136,15 @@ def runtime_options(f):
 
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
-                 threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
+                 gpu_dtype, threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
                  trust_remote_code) -> Runtime:
     """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
     if run_dir is None and model is None:
         raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     try:
         cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
-                            threads=threads, vram=_bytes(vram), gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
+                            gpu_dtype=gpu_dtype, threads=threads, vram=_bytes(vram),
+                            gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
                             static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, ops=ops)
         return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
                             trust_remote_code=trust_remote_code, recall=recall)

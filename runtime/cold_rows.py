@@ -1,6 +1,7 @@
-"""Cold rows in CPU RAM: their storage, as the kernels read them (`ColdRows`: bfloat16 bit patterns, or int8 with a
-float32 scale per group of INT8_GROUP weights), and the compute device's reads of them in place (`map_rows`,
-`ffn_rows_mapped`: the GPU's share of the active cold rows, read over PCIe)."""
+"""Cold rows in CPU RAM: their storage, as the kernels read them (`ColdRows`: bfloat16 bit patterns, int8 with a
+float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 blocks as a GGUF file stores them), and the
+compute device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold rows, read
+over PCIe)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ import numpy as np
 import torch
 from hotneurons.runtime.kernels import INT8_GROUP
 from hotneurons.runtime.ops import neuron_values
+from hotneurons.weights.formats import row_bytes, weight_format
+from hotneurons.weights.qtensor import QTensor
+from hotneurons.weights.quants import dequantize, quantize
 
 # ---------------------------------------------------------------------------------------------------------------
-# Cold-row storage: bf16 (default) or int8 with a scale per group of INT8_GROUP weights
+# Cold-row storage: bf16 (default), int8 with a scale per group of INT8_GROUP weights, or llama.cpp's blocks
 
-COLD_DTYPES = ("bf16", "int8")
+ROW_DTYPES = ("bf16", "int8")  # rows of one stored type per weight, scales apart (kernels.cold_ffn)
+BLOCK_DTYPES = ("q8_0", "q4_0")  # rows of 32-weight blocks, scales inside (kernels_q.cold_ffn_q)
+COLD_DTYPES = ROW_DTYPES + BLOCK_DTYPES
 QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
 
 
@@ -58,13 +64,36 @@ def from_int8_groups(q: np.ndarray, scale: np.ndarray, group: int) -> torch.Tens
     return torch.from_numpy(q).float() * per_weight
 
 
+def to_blocks(w: torch.Tensor, fmt: str) -> np.ndarray:
+    """(n, d) float, d a multiple of 32 -> (n, row_bytes) uint8 rows of `fmt` blocks (numpy-owned, as to_bf16_bits),
+    quantised with llama.cpp's rounding (weights.quants: the bytes gguf.quants.quantize writes) on w's device,
+    QUANT_CHUNK rows at a time."""
+    n, d = w.shape
+    out = np.empty((n, row_bytes(fmt, d)), np.uint8)
+    for s in range(0, n, QUANT_CHUNK):
+        torch.from_numpy(out[s:s + QUANT_CHUNK]).copy_(quantize(w[s:s + QUANT_CHUNK].detach(), fmt))
+    return out
+
+
+def _own(t: torch.Tensor, copy: bool) -> np.ndarray:
+    """A QTensor's (n, row_bytes) uint8 bytes as a C-contiguous numpy array: a numpy-owned copy, or (copy=False, a
+    C-contiguous CPU tensor) its memory in place."""
+    if not copy and t.device.type == "cpu" and t.is_contiguous():
+        return t.numpy()
+    out = np.empty(tuple(t.shape), np.uint8)
+    torch.from_numpy(out).copy_(t)
+    return out
+
+
 @dataclass(frozen=True)
 class ColdRows:
     """One layer's cold neurons in CPU RAM, one contiguous row per neuron and matrix, as the kernels read them.
 
     bf16: rows are bfloat16 bit patterns (uint16), one group of d per row, `scale` all ones. int8: rows are int8 with a
     float32 scale per `group` weights (w ~ scale * q, an error of at most scale / 2 per weight): 1.0625 bytes a weight,
-    so a token reads about half the bytes from DRAM."""
+    so a token reads about half the bytes from DRAM. q8_0 / q4_0 (`fmt`): rows are (n, row_bytes) uint8 of llama.cpp
+    blocks of 32 weights, each with its fp16 scale inside (1.0625 / 0.5625 bytes a weight), the bytes of a GGUF file's
+    rows; `scale` is (3, n, 0) and `group` 32. Read by kernels_q.cold_ffn_q / cold_layer_q."""
 
     gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
     up: np.ndarray  # (n, d)
@@ -72,24 +101,54 @@ class ColdRows:
     b_up: np.ndarray  # (n,) float32, zeros when the FFN has no up bias
     scale: np.ndarray  # (3, n, groups) float32: gate, up, down_t scales (gate's unused by ungated FFNs)
     group: int  # weights per scale along d
+    fmt: str | None = None  # "q8_0" / "q4_0" for rows of blocks; None: bf16 or int8, told by the rows' type
 
     @classmethod
     def from_weights(cls, gate: torch.Tensor | None, up: torch.Tensor, b_up: torch.Tensor | None,
                      down_t: torch.Tensor, dtype: str = "bf16") -> "ColdRows":
-        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES)."""
+        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES; q8_0 and
+        q4_0 quantise with llama.cpp's rounding and need d a multiple of 32)."""
         if dtype not in COLD_DTYPES:
             raise ValueError(f"unknown cold-row dtype '{dtype}': choose one of {', '.join(COLD_DTYPES)}")
         n, d = up.shape
         bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
+        if dtype in BLOCK_DTYPES:
+            return cls(None if gate is None else to_blocks(gate, dtype), to_blocks(up, dtype),
+                       to_blocks(down_t, dtype), bias, np.ones((3, n, 0), np.float32), 32, dtype)
         group = d if dtype == "bf16" else min(INT8_GROUP, max(d, 1))
         ones = np.ones((n, -(-d // group)), np.float32)
         store = (lambda w: (to_bf16_bits(w), ones)) if dtype == "bf16" else to_int8_groups  # noqa: E731
         (g, sg), (u, su), (dt, sd) = (store(gate) if gate is not None else (None, ones)), store(up), store(down_t)
         return cls(g, u, dt, bias, np.stack([sg, su, sd]), group)
 
+    @classmethod
+    def from_blocks(cls, gate: QTensor | None, up: QTensor, b_up: torch.Tensor | None, down_t: QTensor,
+                    copy: bool = True) -> "ColdRows":
+        """Rows already in q8_0 or q4_0 blocks (e.g. a GGUF file's gate and up rows), kept byte for byte: no
+        re-quantisation. gate (None: ungated), up, down_t (n, d) QTensors of one format on any device, b_up (n,) or
+        None. copy=False uses C-contiguous CPU bytes in place (e.g. a memory-mapped file's) instead of copying them."""
+        fmt = weight_format(up.fmt).value
+        shape = tuple(up.shape)
+        if fmt not in BLOCK_DTYPES:
+            raise ValueError(f"ColdRows.from_blocks: up is {fmt}, which the cold kernels do not read: choose one of "
+                             f"{', '.join(BLOCK_DTYPES)}, or convert with ColdRows.from_weights(..., dtype)")
+        for name, t in (("gate", gate), ("down_t", down_t)):
+            if t is not None and (weight_format(t.fmt).value != fmt or tuple(t.shape) != shape):
+                raise ValueError(f"ColdRows.from_blocks: {name} is {weight_format(t.fmt).value} {tuple(t.shape)}, up "
+                                 f"{fmt} {shape}: store gate, up and down_t in one format and shape")
+        n = shape[0]
+        bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
+        return cls(None if gate is None else _own(gate.data, copy), _own(up.data, copy), _own(down_t.data, copy),
+                   bias, np.ones((3, n, 0), np.float32), 32, fmt)
+
     @property
     def dtype(self) -> str:
-        return "int8" if self.up.dtype == np.int8 else "bf16"
+        return self.fmt or ("int8" if self.up.dtype == np.int8 else "bf16")
+
+    @property
+    def d(self) -> int:
+        """Weights per row (d_model)."""
+        return self.up.shape[1] // (34 if self.fmt == "q8_0" else 18) * 32 if self.fmt else self.up.shape[1]
 
     @property
     def gate_arg(self) -> np.ndarray:
@@ -99,15 +158,19 @@ class ColdRows:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.gate, self.up, self.down_t, self.b_up, self.scale) if a is not None)
 
-    def float32(self) -> dict[str, torch.Tensor | None]:
-        """The weights the rows stand for, float32 torch tensors on the CPU (copies): gate, up, down_t, b_up."""
+    def float32(self, rows: slice = slice(None), device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
+        """The weights rows `rows` stand for, float32 torch tensors on `device` (copies): gate, up, down_t, b_up.
+        Block rows cross to the device as stored and are widened there."""
         def wide(a: np.ndarray | None, s: np.ndarray) -> torch.Tensor | None:
             if a is None:
                 return None
-            return from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)
+            a, s = a[rows], s[rows]
+            if self.fmt:
+                return dequantize(torch.from_numpy(np.ascontiguousarray(a)).to(device), self.fmt, self.d)
+            return (from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)).to(device)
 
         return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
-                "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up)}
+                "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up[rows]).to(device)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,8 +219,7 @@ def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device, register:
 
 def map_rows(rows: ColdRows, device: torch.device) -> dict[str, torch.Tensor | str | int | None]:
     """rows' arrays as tensors on `device` over the same memory (CUDA: registered and mapped; CPU: views)."""
-    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "group": rows.group,
-                                                       "d": rows.up.shape[1]}
+    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "group": rows.group, "d": rows.d}
     for name in ("gate", "up", "down_t", "scale"):
         a = getattr(rows, name)
         if a is None:
@@ -169,11 +231,14 @@ def map_rows(rows: ColdRows, device: torch.device) -> dict[str, torch.Tensor | s
 
 
 def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows `ids` of mapped[name] as float32 (K, d), read over PCIe on CUDA; int8 rows times their group scales."""
+    """Rows `ids` of mapped[name] as float32 (K, d), read over PCIe on CUDA; int8 rows times their group scales, block
+    rows de-quantised on the device."""
     a = mapped[name]
     if a is None:
         return None
     r = a.index_select(0, ids)  # (K, row bytes / itemsize)
+    if mapped["dtype"] in BLOCK_DTYPES:
+        return dequantize(r.view(torch.uint8), mapped["dtype"], mapped["d"])  # (K, d)
     if mapped["dtype"] == "bf16":
         return r.view(torch.int16).view(torch.bfloat16).float()
     s = mapped["scale"][which].index_select(0, ids)  # (K, groups)

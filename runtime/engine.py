@@ -125,18 +125,23 @@ def forward(rt: Any, ids: list[int], pos0: int) -> torch.Tensor:
 
 
 def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model: str | None = None,
-                        gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None) -> Any:
-    """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs."""
+                        gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None,
+                        placement: Any = None) -> Any:
+    """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
+    `placement` (runtime.placement.Placement) replaces the run's (tests, benchmarks)."""
     from hotneurons.common import artifacts
     from hotneurons.models import build_model
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.kernels import set_threads
-    from hotneurons.runtime.memory import check_fits, plan_bytes
+    from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
     from hotneurons.runtime.placement import Placement
     from tqdm.auto import tqdm
 
+    if cfg.ctx is not None and cfg.ctx < 1:
+        raise ValueError(f"--ctx {cfg.ctx}: the static KV cache needs at least 1 token (leave it out for the "
+                         f"placement's)")
     if meta is not None and model is None:
         src = meta["model"]["source"]
         model, gguf_file = src["path"], gguf_file or src.get("gguf_file")
@@ -148,9 +153,9 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     info = model_info(source, sid, act, adapter.name, adapter.gated)
     device, dtype = device_and_dtype(cfg)
     L, n = info["n_layers"], info["n_neurons"]
-    placement = predictors = taus = None
+    predictors = taus = None
     solved: dict = {}
-    if run is not None and (run / "placement" / "placement.parquet").exists():
+    if placement is None and run is not None and (run / "placement" / "placement.parquet").exists():
         placement = Placement.from_run(run, info)
         if (run / "placement" / "summary.json").exists():
             solved = artifacts.read_json(run / "placement" / "summary.json")
@@ -174,16 +179,21 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     if mask == "oracle" and taus is None and act not in RELU_FAMILY:
         raise ArtifactError(f"--oracle on a {act} model needs the profile's thresholds (RUN/profile/)")
     placement = placement or Placement.uniform(L, n, True)
+    if len(placement.gpu) != L or any(len(g) != n for g in placement.gpu):
+        raise ArtifactError(f"the placement is for {len(placement.gpu)} layers of {len(placement.gpu[0])} neurons, the "
+                            f"model has {L} of {n}: run pi-solve for this model")
     cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype)
     cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt or str(dtype).removeprefix("torch."))  # as resolved
-    ctx = cfg.ctx or (solved.get("flags", {}).get("ctx")) or CAPACITY
+    ctx = cfg.ctx or min((solved.get("flags", {}).get("ctx")) or CAPACITY, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
-    check_fits(need, device, cfg.vram)
+    check_fits(need, device, cfg.vram, ctx)
     from hotneurons.predictors.form import PredictorForm
 
     prenorm = mask == "predictor" and predictors.form == PredictorForm.POWERINFER
     threads = set_threads(cfg.threads)
-    decoder = build_model(mcfg, source.get, torch.device(device), dtype, ctx, release=source.release)
+    decoder = build_model(mcfg, lambda name: source.get(name) if name in source.infos else None,
+                          torch.device(device), dtype, ctx,
+                          release=lambda name: source.release(name) if name in source.infos else 0)
     ffns = []
     for i in tqdm(range(L), desc="loading layers", unit="layer", leave=False, disable=L < 8):
         w = FFNWeights.from_source(source, i)
@@ -196,8 +206,12 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     tok = source.tokenizer()
     eos = getattr(tok, "eos_token_id", None)
     lm = SourceModel(decoder, tok, act, sid, info, source.config, set() if eos is None else {int(eos)})
-    bytes_cpu = sum(f.cold_bytes() for f in ffns)
-    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], need.gpu, bytes_cpu, L, threads, None)
+    # what the device really holds (the plan estimated it); an untied embedding stays in CPU RAM (models/common.py)
+    host_embedding = 0 if mcfg.tied_embeddings else tensor_bytes(decoder.tok_embd)
+    bytes_cpu = sum(f.cold_bytes() for f in ffns) + host_embedding
+    bytes_gpu = tensor_bytes(decoder, *ffns, device=device) - (host_embedding if device == "cpu" else 0)
+    check_vram(bytes_gpu, device, cfg.vram, ctx)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, None)
     rt.profile_gpu_share = solved.get("gpu_activation_share")
     rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
     rt.plan_dtype = solved.get("flags", {}).get("dtype")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +30,8 @@ from hotneurons.common.prenorm import ffn_norms
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from hotneurons.runtime.cold_rows import COLD_DTYPES
+from hotneurons.runtime.engine import SourceModel
+from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.kernels import set_threads
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
@@ -49,7 +51,12 @@ class RuntimeConfig:
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
     dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
-    cold_dtype: str = "bf16"  # storage of the rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, or int8 (half the bytes)
+    # storage of the cold rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, int8, q8_0, q4_0; auto: the file's format
+    # where the kernels read it (a GGUF's Q4_0/Q8_0 rows byte for byte), else the nearest they read (engine.auto_format)
+    cold_dtype: str = "auto"
+    # the hot rows, attention and head on the device: a float dtype, q8_0 or q4_0 (qlinear's GEMV); auto: the file's
+    # format where the GPU kernels read it, floats in the compute dtype
+    gpu_dtype: str = "auto"
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
@@ -159,6 +166,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     """
     if cfg.mode not in MODES:
         raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
+    if cfg.cold_dtype == "auto":  # an HF model in memory holds floats: bf16 rows lose the least
+        cfg = replace(cfg, cold_dtype="bf16")
     if cfg.cold_dtype not in COLD_DTYPES:
         raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
     if cfg.ops != "auto" and cfg.ops not in OPS:
@@ -240,12 +249,16 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token (vocab,), when asked
 
 
-def context_length(lm: LoadedModel) -> int:
+def context_length(lm: LoadedModel | SourceModel) -> int:
+    if isinstance(lm, SourceModel):  # its static KV cache
+        return int(lm.decoder.ctx)
     cfg = text_config(lm.model.config)
     return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
 
 
-def eos_ids(lm: LoadedModel) -> set[int]:
+def eos_ids(lm: LoadedModel | SourceModel) -> set[int]:
+    if isinstance(lm, SourceModel):
+        return set(lm.eos)
     eos = getattr(lm.model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = lm.tokenizer.eos_token_id
@@ -271,15 +284,19 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     if len(prompt_ids) >= ctx:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {ctx}: shorten it")
     max_new = min(max_new_tokens, ctx - len(prompt_ids))
-    model, tok = rt.lm.model, rt.lm.tokenizer
+    model, tok = getattr(rt.lm, "model", None), rt.lm.tokenizer
     stop = eos_ids(rt.lm) if stop_at_eos else set()
     gen = torch.Generator().manual_seed(sampling.seed)
     for f in rt.ffns:
         f.reset_counts()
 
+    ours = isinstance(rt.lm, SourceModel)  # our decoder (runtime/engine.py), else a transformers model
     t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([prompt_ids], device=rt.device), use_cache=True)
-    cache, logits = out.past_key_values, out.logits[0, -1]  # (vocab,)
+    if ours:
+        logits = source_forward(rt, prompt_ids, 0)  # (vocab,)
+    else:
+        out = model(input_ids=torch.tensor([prompt_ids], device=rt.device), use_cache=True)
+        cache, logits = out.past_key_values, out.logits[0, -1]  # (vocab,)
     _sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
@@ -308,7 +325,9 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         if should_stop is not None and should_stop():
             stopped = True
             break
-        if fast is not None:
+        if ours:
+            logits = source_forward(rt, [nxt], len(prompt_ids) + len(ids) - 1)
+        elif fast is not None:
             logits = fast.step(nxt, len(prompt_ids) + len(ids) - 1)
         else:
             out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
@@ -348,7 +367,8 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "plan_bytes_gpu": rt.plan_bytes_gpu, "plan_dtype": rt.plan_dtype,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
-            "static_ctx": None if rt.fast is None else rt.fast.capacity,
+            "static_ctx": rt.lm.decoder.ctx if isinstance(rt.lm, SourceModel) else
+            None if rt.fast is None else rt.fast.capacity,
             "ops": None if rt.fast is None else rt.fast.ops_name,
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))

@@ -27,10 +27,14 @@ import numba
 import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
-from hotneurons.runtime.cold_rows import ColdRows, ffn_rows_mapped, host_mapped, map_rows
+from hotneurons.runtime.cold_rows import ffn_rows_mapped, host_mapped, map_rows
 from hotneurons.runtime.cuda import capture
+from hotneurons.runtime.ffn_weights import FFNWeights, cold_rows_of, down_t_rows, hot_blocks, take_rows, to_float
 from hotneurons.runtime.kernels import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, mask_bytes, wait_ready
-from hotneurons.runtime.ops import ffn_rows_torch, neuron_values, predict
+from hotneurons.runtime.kernels_q import cold_layer_q
+from hotneurons.runtime.ops import act_torch, ffn_rows_torch, neuron_values, predict
+from hotneurons.runtime.qlinear import linear
+from hotneurons.weights.formats import spec, weight_format
 from torch import nn
 
 MASKS = ("dense", "oracle", "predictor")
@@ -71,9 +75,14 @@ class _Graphs:
 class HybridFFN(nn.Module):
     """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
 
-    def __init__(self, layer: int, activation: str, ffn: dict[str, nn.Linear], gpu: np.ndarray, mask: str,
-                 predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
-                 graphs: bool = True, prenorm: bool = False):
+    def __init__(self, layer: int, activation: str, ffn: FFNWeights | dict[str, nn.Linear], gpu: np.ndarray,
+                 mask: str, predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
+                 graphs: bool = True, prenorm: bool = False, gpu_dtype: str | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """`ffn`: the layer's weights as stored (FFNWeights: float tensors or QTensors), or an HF layer's Linear
+        modules. Hot rows go to `device` (None: where the weights are; the caller moves the module) in `gpu_dtype`
+        (a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own), cold rows
+        to CPU RAM in `cold_dtype` (cold_rows.COLD_DTYPES)."""
         super().__init__()
         if mask not in MASKS:
             raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
@@ -81,25 +90,35 @@ class HybridFFN(nn.Module):
             raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
         self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
         self.gated = activation in GATED
-        if self.gated and any(ffn[k].bias is not None for k in ("gate", "up")):
-            raise ValueError(f"layer {layer}: this gated FFN has gate/up biases (e.g. mlp_bias=True), which the "
-                             f"runtime does not compute yet: run it with HF transformers instead")
-        up, down = ffn["up"].weight.detach(), ffn["down"].weight.detach()  # (n, d), (d, n)
-        gate = ffn["gate"].weight.detach() if self.gated else None  # (n, d)
-        b_up = None if ffn["up"].bias is None else ffn["up"].bias.detach()  # (n,)
-        b_down = ffn["down"].bias
-        self.n_neurons, self.d_model = up.shape
+        try:
+            w = ffn if isinstance(ffn, FFNWeights) else FFNWeights.from_linears(ffn)
+        except ValueError as e:
+            raise ValueError(f"layer {layer}: {e}") from None
+        self.n_neurons, self.d_model = w.shape
         gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
         hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
         self.n_hot, self.n_cold = len(hot), len(cold)
-        self.register_buffer("up_hot", up[hot].clone())  # (n_hot, d)
-        self.register_buffer("gate_hot", gate[hot].clone() if self.gated else None)  # (n_hot, d)
-        self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].clone())  # (n_hot,)
-        self.register_buffer("down_t_hot", down[:, hot].T.contiguous())  # (n_hot, d)
-        self.register_buffer("b_down", None if b_down is None else b_down.detach().clone())  # (d,)
-        # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each
-        self.cold = ColdRows.from_weights(gate[cold] if self.gated else None, up[cold],
-                                          None if b_up is None else b_up[cold], down[:, cold].T, cold_dtype)
+        self.hot_fmt = None if gpu_dtype is None or spec(gpu_dtype).block == 1 else weight_format(gpu_dtype)
+        self.hot_q: dict[str, Any] | None = None  # block-format hot rows (qlinear's GpuQ/QTensor): gate, up, down
+        dev = device if device is not None else (w.up.device if isinstance(w.up, torch.Tensor) else "cpu")
+        fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
+                           else torch.float32)
+        b_up, b_down = w.b_up, w.b_down
+        if self.hot_fmt is None:  # float hot rows, in the model dtype
+            def hot_rows(m):
+                return None if m is None else to_float(take_rows(m, hot), fdtype).to(dev)
+
+            self.register_buffer("up_hot", hot_rows(w.up))  # (n_hot, d)
+            self.register_buffer("gate_hot", hot_rows(w.gate) if self.gated else None)  # (n_hot, d)
+            self.register_buffer("down_t_hot", to_float(down_t_rows(w, hot, "f32", dev), fdtype))  # (n_hot, d)
+        else:
+            self.up_hot = self.gate_hot = self.down_t_hot = None
+            self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated)
+        self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].to(dev, fdtype))  # (n_hot,)
+        self.register_buffer("b_down", None if b_down is None else b_down.to(dev, fdtype))  # (d,)
+        # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each; rows already in cold_dtype's block format
+        # (a GGUF's gate and up rows) are copied byte for byte
+        self.cold = cold_rows_of(w, cold, cold_dtype, self.gated)
         self.all_cold = np.arange(self.n_cold, dtype=np.int64)  # (n_cold,)
         # the compute device's share of the cold part: of a token's marked cold neurons (ascending ids) the device
         # computes the first `mapped_rows` from `mapped` (the cold rows, read in place over PCIe), the CPU the rest
@@ -116,7 +135,6 @@ class HybridFFN(nn.Module):
         self.prenorm = prenorm and p is not None  # the predictor reads the residual before the pre-FFN norm
         self.residual: torch.Tensor | None = None  # (..., d) that residual, from watch_norm's hook (HF's layers)
         self.use_graphs = graphs  # CUDA: replay the per-token GPU work as two CUDA graphs (_Graphs)
-        self._f32: dict[str, torch.Tensor] | None = None  # float32 cold rows, built on demand (prefill, oracle)
         self.io: HostIO | None = None
         self._graphs: _Graphs | None = None
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
@@ -142,10 +160,11 @@ class HybridFFN(nn.Module):
             c[1:] += torch.stack([fired.sum(), fired[self.n_cold:].sum(), fired[:self.n_cold].sum()]).cpu().numpy()
         return c
 
-    def _cold_f32(self) -> dict[str, torch.Tensor]:
-        if self._f32 is None:
-            self._f32 = self.cold.float32()
-        return self._f32
+    def _cold_chunks(self, device: torch.device):
+        """The cold rows as float32 on `device`, COLD_CHUNK rows at a time (prefill, oracle): never a float copy of
+        them all (on CUDA each chunk's stored bytes cross PCIe and are widened there)."""
+        for s in range(0, self.n_cold, COLD_CHUNK):
+            yield self.cold.float32(slice(s, s + COLD_CHUNK), device)
 
     def host_io(self, device: torch.device) -> HostIO:
         """The host buffers (HostIO) and the firing counts, made once, before any graph that uses them is captured."""
@@ -193,10 +212,24 @@ class HybridFFN(nn.Module):
             y = y + ffn_rows_mapped(self.activation, x, ids, valid, self.mapped).to(y.dtype)
         return y
 
+    def _hot_values(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, d) -> (tokens, n_hot) the hot neurons' values."""
+        if self.hot_q is None:
+            return neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot)
+        q = self.hot_q
+        up = linear(x, q["up"], self.b_up_hot)  # (tokens, n_hot)
+        return act_torch(self.activation, linear(x, q["gate"]), up) if self.gated else act_torch(self.activation, up)
+
     def _hot(self, x: torch.Tensor) -> torch.Tensor:
         """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device."""
-        y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot) \
-            if self.n_hot else torch.zeros_like(x)
+        if not self.n_hot:
+            y = torch.zeros_like(x)
+        elif self.hot_q is None:
+            y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot)
+        else:  # the down projection's hot columns, padded with zeros to whole blocks
+            h = self._hot_values(x)  # (tokens, n_hot)
+            h = torch.nn.functional.pad(h, (0, self.hot_q["down_cols"] - self.n_hot))
+            y = linear(h, self.hot_q["down"])  # (tokens, d)
         return y if self.b_down is None else y + self.b_down
 
     def watch_norm(self, norm: nn.Module):
@@ -237,14 +270,12 @@ class HybridFFN(nn.Module):
 
     # -- compute -----------------------------------------------------------------------------------------------
     def _cold_dense(self, x: torch.Tensor) -> torch.Tensor:
-        """All cold neurons for several tokens (prefill), float32 on the CPU: (tokens, d) -> (tokens, d)."""
-        w = self._cold_f32()
-        xc = x.detach().to("cpu", torch.float32)
+        """All cold neurons for several tokens (prefill): (tokens, d) -> (tokens, d) float32 on x's device, the rows
+        streamed a chunk at a time to where x is."""
+        xc = x.detach().float()
         y = torch.zeros_like(xc)
-        for s in range(0, self.n_cold, COLD_CHUNK):
-            sl = slice(s, s + COLD_CHUNK)
-            y += ffn_rows_torch(self.activation, xc, None if w["gate"] is None else w["gate"][sl], w["up"][sl],
-                                w["b_up"][sl], w["down_t"][sl])
+        for w in self._cold_chunks(xc.device):
+            y += ffn_rows_torch(self.activation, xc, w["gate"], w["up"], w["b_up"], w["down_t"])
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,10 +356,14 @@ class HybridFFN(nn.Module):
         io = self.io
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
         if self.mask == "predictor" and self.n_cold:
-            c = self.cold
-            k = cold_layer(ready, release, i if flags is not None else -1, io.mask_words, io.idx, self.mapped_rows,
-                           io.x_np, c.gate_arg, c.up, c.b_up, c.down_t, c.scale, c.group, io.part, io.out,
-                           ACT_CODE[self.activation], self.cold_marks)
+            c, layer = self.cold, i if flags is not None else -1
+            if c.fmt:  # rows in Q4_0 / Q8_0 blocks (kernels_q)
+                k = cold_layer_q(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
+                                 c.up, c.b_up, c.down_t, io.part, io.out, ACT_CODE[self.activation], self.cold_marks)
+            else:
+                k = cold_layer(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
+                               c.up, c.b_up, c.down_t, c.scale, c.group, io.part, io.out, ACT_CODE[self.activation],
+                               self.cold_marks)
             if k < 0:
                 raise self._no_signal()
             self.counts[0] += 1
@@ -356,11 +391,11 @@ class HybridFFN(nn.Module):
                             f"of the flag: a failed or stalled CUDA graph")
 
     def _oracle(self, x: torch.Tensor, x_host: torch.Tensor) -> np.ndarray:
-        w = self._cold_f32()
-        h_cold = neuron_values(self.activation, x_host[None], w["gate"], w["up"], w["b_up"])[0]  # (n_cold,)
+        h_cold = torch.cat([neuron_values(self.activation, x_host[None], w["gate"], w["up"], w["b_up"])[0]
+                            for w in self._cold_chunks(torch.device("cpu"))] or [torch.zeros(0)])  # (n_cold,)
         m_cold = active_mask(h_cold, self.tau)
         if self.n_hot:
-            h_hot = neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot)[0]  # (n_hot,)
+            h_hot = self._hot_values(x)[0]  # (n_hot,)
             n_hot_active = int(active_mask(h_hot, self.tau).sum())
         else:
             n_hot_active = 0

@@ -386,6 +386,10 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", 
     number of threads that share the active list."""
     if part is None:
         part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
+    if rows.fmt:  # llama.cpp blocks (q8_0, q4_0): their own kernel (imported here: kernels_q imports this module)
+        from hotneurons.runtime.kernels_q import cold_ffn_q
+        cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, ACT_CODE[activation])
+        return out
     cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
              ACT_CODE[activation])
     return out

@@ -49,6 +49,19 @@ def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> Non
         check_predictors(run, recall)
 
 
+def reads_in_place(meta: dict | None, model: str | None, cfg: RuntimeConfig) -> bool:
+    """Whether the model loads in place into our decoder (runtime/engine.py): a local folder of safetensors or a GGUF
+    file, in hybrid or dense mode. Layer-split (the baseline), --hf-decode and hub ids go through transformers."""
+    if cfg.mode == "layer-split" or not cfg.static_decode:
+        return False
+    if model is None:
+        kind = (meta or {}).get("model", {}).get("source", {}).get("kind")
+        return kind in ("gguf", "folder")
+    from hotneurons.common.model_source import resolve_source
+
+    return resolve_source(model, None).kind in ("gguf", "folder")
+
+
 def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybrid"], *, model: str | None = None,
                  gguf_file: str | None = None, use_predictor: bool = True, trust_remote_code: bool = False,
                  recall: float | None = None) -> Runtime:
@@ -67,6 +80,11 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         check_run(run, cfg, recall)
     if model is not None:
         check_model(model, gguf_file, trust_remote_code=trust_remote_code)
+    if reads_in_place(meta, model, cfg):
+        from hotneurons.runtime.engine import load_source_runtime
+
+        return load_source_runtime(run, meta, cfg, model=model, gguf_file=gguf_file, use_predictor=use_predictor,
+                                   recall=recall)
     lm = (load_model_from_meta(meta["model"], model, gguf_file, device="cpu", dtype=dname,
                                trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))

@@ -59,7 +59,9 @@ def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str | None, 
     n_cold = sum(len(g) for g in placement.gpu) - n_hot
     cold = int(n_cold * mats * d * bytes_per_weight(cold_fmt))
     hot = int(n_hot * mats * d * hot_bpw)
-    rest = sum(_stored_bytes(t, None, dtype) for name, t in source.infos.items() if not is_ffn_weight(name))
+    untied = "output.weight" in source.infos  # the embedding then stays in CPU RAM (models/common.load_embedding)
+    rest = sum(_stored_bytes(t, None, dtype) for name, t in source.infos.items()
+               if not is_ffn_weight(name) and not (untied and name == "token_embd.weight"))
     kv = 2 * info["n_layers"] * info["num_key_value_heads"] * info["head_dim"] * ctx * itemsize
     temp = 4 * n * d * 2  # a layer's down projection de-quantized a window at a time, and one matrix's float rows
     return MemoryNeed(host=cold + SLACK, gpu=rest + hot + kv, temp=temp)
@@ -79,8 +81,18 @@ def available_host() -> int:
     return 1 << 62  # unknown: no check
 
 
-def check_fits(need: MemoryNeed, device: str, vram: int | None = None) -> None:
+def check_vram(need: int, device: str, vram: int | None, ctx: int) -> None:
+    """Refuse a layout of `need` bytes on the device above --vram."""
+    if vram is not None and need > vram:
+        raise MemoryPlanError(f"the layout needs {need:,} B on {device} (with a static KV cache of {ctx} tokens: a "
+                              f"smaller --ctx needs less) but --vram is {vram:,} B: re-run pi-solve with this budget, "
+                              f"or raise --vram")
+
+
+def check_fits(need: MemoryNeed, device: str, vram: int | None = None, ctx: int = 0) -> None:
     """Refuse, in one line naming both figures and a fix, a layout that does not fit the host or the device."""
+    if vram is not None and need.gpu > 1.1 * vram:  # clearly over before loading; the exact count follows the load
+        check_vram(need.gpu, device, vram, ctx)
     on_cpu = not str(device).startswith("cuda")
     host = need.host + (need.gpu if on_cpu else 0) + need.temp
     have = available_host()
@@ -97,3 +109,32 @@ def check_fits(need: MemoryNeed, device: str, vram: int | None = None) -> None:
             f"{free / 1e9:.2f} GB is free on {device}"
         raise MemoryPlanError(f"the layout needs {need.gpu / 1e9:.2f} GB on {device} but {what}: re-run pi-solve with "
                            f"this budget, keep the hot rows in fewer bits (--gpu-dtype q4_0), or a smaller --ctx")
+
+
+def tensor_bytes(*objs: Any, device: torch.device | str | None = None) -> int:
+    """Bytes of the distinct tensors reachable from `objs` (attributes, lists, dicts, dataclasses, modules' buffers),
+    each storage counted once, those on `device` only when given: what a layout really holds."""
+    seen_obj: set[int] = set()
+    seen: dict[tuple[str, int], int] = {}  # (device, storage pointer) -> bytes
+    want = None if device is None else torch.device(device).type
+
+    def walk(o: Any, depth: int) -> None:
+        if id(o) in seen_obj or depth > 6 or isinstance(o, (str, bytes, int, float, bool, type(None), np.ndarray)):
+            return
+        seen_obj.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if want is None or o.device.type == want:
+                st = o.untyped_storage()
+                seen[(str(o.device), st.data_ptr())] = max(seen.get((str(o.device), st.data_ptr()), 0), st.nbytes())
+            return
+        if isinstance(o, torch.nn.Module):
+            for t in (*o.buffers(), *o.parameters()):
+                walk(t, depth + 1)
+        items = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else \
+            vars(o).values() if hasattr(o, "__dict__") else ()
+        for v in items:
+            walk(v, depth + 1)
+
+    for o in objs:
+        walk(o, 0)
+    return sum(seen.values())

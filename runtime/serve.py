@@ -125,7 +125,8 @@ class Server:
         self.rt, self.cfg, self._generate = rt, cfg, generate_fn
         self.model_id = cfg.model_id or _model_id(rt.lm.info)
         self.context = context_length(rt.lm)
-        self.vocab = int(rt.lm.model.get_input_embeddings().num_embeddings)
+        self.vocab = int(rt.lm.info["vocab_size"]) if not hasattr(rt.lm, "model") else \
+            int(rt.lm.model.get_input_embeddings().num_embeddings)
         self._eos = eos_ids(rt.lm)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()  # guards job states and the counters below

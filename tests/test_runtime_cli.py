@@ -138,16 +138,18 @@ def test_static_cache_holds_the_solvers_ctx_and_counts_in_the_budget(tiny_model_
     run = make_run(tmp_path / "llama", tiny_model_dir("llama-reglu"), family="llama-reglu")
     artifacts.write_json(run / "placement" / "summary.json", {"flags": {"ctx": 32}})
     stats = {}
-    for name, extra in {"solved": [], "flag": ["--ctx", 16]}.items():
-        r = invoke("--run", run, "--json", *extra)
+    for name, extra in {"solved": [], "flag": ["--ctx", 16]}.items():  # a prompt and answer within 16 tokens
+        r = invoke("--run", run, "--json", "--prompt", "fox", *extra)
         assert r.exit_code == 0, r.output
         stats[name] = json.loads(r.stdout.strip().splitlines()[-1])["stats"]
     assert stats["solved"]["static_ctx"] == 32 and stats["flag"]["static_ctx"] == 16
     cfg = load_model(str(tiny_model_dir("llama-reglu")), device="cpu", dtype="float32").model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    assert stats["solved"]["bytes_gpu"] - stats["flag"]["bytes_gpu"] == 16 * per_token  # float32 on the CPU
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    tables = 2 * hd * 4 + 8  # per position: RoPE's cos and sin rows (float32) and the cache slot's number (int64)
+    assert stats["solved"]["bytes_gpu"] - stats["flag"]["bytes_gpu"] == 16 * (per_token + tables)  # float32, CPU
     weights = stats["flag"]["bytes_gpu"] - 16 * per_token
-    r = invoke("--run", run, "--vram", f"{weights + 8 * per_token}B", "--ctx", 16)
+    r = invoke("--run", run, "--vram", f"{weights + 8 * per_token}B", "--ctx", 16, "--prompt", "fox")
     assert r.exit_code != 0 and "static KV cache of 16 tokens" in r.output, r.output
     r = invoke("--run", run, "--ctx", 0)
     assert r.exit_code != 0 and "--ctx 0" in r.output, r.output

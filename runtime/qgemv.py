@@ -1,0 +1,199 @@
+"""Triton kernels over 4- and 8-bit block weights in runtime/qlinear.py's GPU layout (`GpuQ`).
+
+The layout: an (n, k) Q4_0 or Q8_0 weight split, once at load, into two tensors with the GGUF file's bytes:
+  qs      (n, k/2) uint8 (Q4_0) or (n, k) int8 (Q8_0), row-major: each 32-weight block's 16 or 32 bytes, as 4 or 8
+          little-endian int32 words, their quants reordered within the block (KERNEL ORDER below) so that the
+          kernel's pieces of a word meet contiguous x
+  scales  (n, k/32) fp16 stored block-major (stride (1, n)): a block's scales for consecutive rows side by side
+so a row's quants are contiguous and 16-byte aligned (wide loads), which llama.cpp's interleaved 18- and 34-byte
+blocks are not. Total bytes are the file's: 18/32 (Q4_0) and 34/32 (Q8_0) bytes a weight.
+
+KERNEL ORDER, within a block (w = scale * (q - 8) for Q4_0, scale * q for Q8_0, as in the file):
+  Q4_0  word i (0..3), nibble u (bits 4u..4u+3, 0..7) = q of weight 4 u + i
+  Q8_0  word i (0..7), byte t (bits 8t..8t+7, 0..3) = q of weight 16 (i // 4) + 4 t + i % 4
+so piece u (t) of the block's words meets x[4 u + (0..3)] (x[4 t + (0..3)] and x[16 + 4 t + (0..3)]): contiguous
+runs of 4, loaded in the quants' own register layout (Triton then moves nothing through shared memory).
+
+  gemv     y (m, n) = x (m, k) @ w.T (+ b), or h += that, for m <= GEMV_MAX_ROWS tokens: each program reads
+           BLOCK_N rows of quants and scales once and multiplies them into every token's x (float32 sums), so the
+           weight's bytes are read once whatever m is. Decode is bound by those bytes as long as the arithmetic
+           a weight takes stays under ~5 instructions (H100: 3.35 TB/s / 0.5625 bytes = 6e12 Q4_0 weights a
+           second, against ~3e13 instructions issued): the tiles are 3-D (rows, 16-byte units, int32 words), a
+           thread loads 16 bytes of a row at once, turns each weight into a float with one mask, one add and no
+           conversion instruction, and sums its units in its registers (_gemv_kernel says how; sm_90's code: 4.2
+           instructions a Q4_0 weight, gemv_config's notes).
+           More tokens cost an FMA each a weight: past a few, the tensor cores of the prefill path win.
+  dequant  rows of a GpuQ to a float tensor (the prefill path: chunks of rows, then cuBLAS).
+
+No host syncs, no allocations: capturable in CUDA graphs (after a first call outside the capture compiles them).
+Without CUDA the tests run them in Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_ROWS = 8  # tokens the GEMV takes in one pass; more go through dequant + matmul
+QBLOCK = 32  # weights per Q4_0 / Q8_0 block
+
+
+# float32 bits of 2^23: OR-ed with an integer i < 2^23 in the mantissa, 2^23 + i. Passed as an argument, not a
+# constant: in a register, it frees the one immediate of LOP3 for the piece's mask (else ptxas re-materializes masks)
+MAGIC = 0x4B000000
+FLIP = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: XOR-ed into 4 int8s, each becomes q + 128 (unsigned)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_o, magic,
+                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
+    of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
+    a Q8_0 block: 32 | 16 weights), in the module's kernel order, so that a thread's unit meets 4 contiguous x a
+    piece and its words sum in its registers; scales block-major (stride_sb between blocks, 1 between rows). No
+    int-to-float conversions (a quarter of the FMA rate on the GPU: the 4-bit GEMV would be bound by them, not by
+    HBM): each piece is masked in place, OR-ed into the mantissa of 2^23, and 2^23 + 8 2^s (Q4_0; Q8_0, its sign
+    bits flipped: 2^23 + 128 2^s) subtracted: (q - 8) 2^s exactly, for the piece's shift s, folded into x (scaled
+    by 2^-s once a step and shared by the BLOCK_N rows of a thread). Unit sums are float32, scaled, kept per
+    (token, row, unit) and summed at the end; + b in float32, rounded once to out's dtype (ADD: out + that, rounded
+    once; with BIAS the linear is rounded first, as fused.add_linear rounds). EVEN: N % BLOCK_N == 0 and
+    NB % BLOCK_B == 0 (no masks on the weight's loads)."""
+    UPB: tl.constexpr = 1 if Q4 else 2  # 16-byte units a block
+    UW: tl.constexpr = 32 // UPB  # weights a unit
+    BLOCK_U: tl.constexpr = BLOCK_B * UPB
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) weight rows
+    un = tl.arange(0, BLOCK_U)  # (BLOCK_U,) units of a step
+    i = tl.arange(0, 4)  # (4,) words of a unit
+    nm = n < N
+    q_at = q_ptr + n.to(tl.int64)[:, None, None] * stride_q + un[None, :, None] * 4 + i[None, None, :]
+    s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
+    x_at = x_ptr + un[:, None] * UW + i[None, :]  # (BLOCK_U, 4): piece 0 of each word; piece u: + 4 u
+    mi = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), tl.float32)
+    for b0 in range(0, NB, BLOCK_B):
+        um = b0 + un // UPB < NB  # (BLOCK_U,)
+        if EVEN:
+            q = tl.load(q_at)  # (BLOCK_N, BLOCK_U, 4) int32
+            s = tl.load(s_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
+        else:
+            q = tl.load(q_at, mask=nm[:, None, None] & um[None, :, None], other=0)
+            s = tl.load(s_at, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
+        if not Q4:
+            q = q ^ FLIP  # 4 x (q + 128)
+        q2 = q >> 16  # the top half's pieces moved down, below the mantissa's 23 bits (the sign bits are masked off)
+        xm = um[:, None] & (i[None, :] < 4)  # (BLOCK_U, 4)
+        for m in tl.static_range(BLOCK_M):
+            xa = x_at + m * stride_x + b0 * 32
+            xmm = xm & (tl.full((1, 4), m, tl.int32) < M)
+            p = tl.zeros((BLOCK_N, BLOCK_U, 4), tl.float32)
+            for u in tl.static_range(8 if Q4 else 4):  # pieces of a word: nibbles at bit 4 u | bytes at bit 8 u
+                sh = 4 * u if Q4 else 8 * u
+                bias = 8 if Q4 else 128
+                if sh + (4 if Q4 else 8) <= 23:
+                    piece = q & ((15 if Q4 else 255) << sh)
+                else:
+                    sh = sh - 16
+                    piece = q2 & ((15 if Q4 else 255) << sh)
+                f = (piece | magic).to(tl.float32, bitcast=True) - (8388608.0 + bias * (1 << sh))  # (q - bias) 2^sh
+                xl = tl.load(xa + 4 * u, mask=xmm, other=0.0).to(tl.float32) * (1.0 / (1 << sh))  # (BLOCK_U, 4)
+                p += f * xl[None, :, :]
+            part = tl.sum(p, axis=2) * s  # (BLOCK_N, BLOCK_U): scaled unit sums of token m
+            if BLOCK_M == 1:
+                acc += part[None, :, :]
+            else:  # into token m's slice (a select: Triton has no indexed update of a register tensor)
+                acc += tl.where(mi[:, None, None] == m, part[None, :, :], 0.0)
+        q_at += BLOCK_U * 4
+        s_at += BLOCK_B * stride_sb
+    y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
+    if BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    o_at = out_ptr + mi[:, None] * stride_o + n[None, :]
+    om = (mi < M)[:, None] & nm[None, :]
+    dt = out_ptr.dtype.element_ty
+    if ADD:
+        if BIAS:
+            y = y.to(dt).to(tl.float32)
+        y += tl.load(o_at, mask=om, other=0.0).to(tl.float32)
+    tl.store(o_at, y.to(dt), mask=om)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_o,
+                    Q4: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program (p, r): rows [p * BLOCK_N, ...), blocks [r * BLOCK_B, ...) of the weight to out's dtype (scale * q
+    in float32, rounded once), from the kernel order back to the weights' order."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    p = tl.arange(0, BB)  # (BB,) byte p of a block: byte t of word i, p = 4 i + t
+    m3 = (n < N)[:, None, None] & (blk < NB)[None, :, None]  # (BLOCK_N, BLOCK_B, 1): broadcast over a block
+    n64 = n.to(tl.int64)[:, None, None]
+    q = tl.load(q_ptr + n64 * stride_q + blk[None, :, None] * BB + p[None, None, :], mask=m3, other=0)
+    s = tl.load(s_ptr + blk[None, :, None] * stride_sb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
+    o_at = out_ptr + n64 * stride_o + blk[None, :, None] * 32
+    dt = out_ptr.dtype.element_ty
+    if Q4:  # nibbles 2t, 2t + 1 of word i: weights 8 t + i, 8 t + 4 + i
+        wi = 8 * (p % 4) + p // 4
+        tl.store(o_at + wi[None, None, :], (s * ((q & 15).to(tl.float32) - 8.0)).to(dt), mask=m3)
+        tl.store(o_at + wi[None, None, :] + 4, (s * ((q >> 4).to(tl.float32) - 8.0)).to(dt), mask=m3)
+    else:  # byte t of word i: weight 16 (i // 4) + 4 t + i % 4
+        wi = 16 * (p // 16) + 4 * (p % 4) + (p // 4) % 4
+        tl.store(o_at + wi[None, None, :], (s * q.to(tl.float32)).to(dt), mask=m3)
+
+
+def _pow2(v: int) -> int:
+    return triton.next_power_of_2(max(1, v))
+
+
+def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps) for a GEMV of an (n, k) weight by m tokens. A step's 16-byte units span the
+    program's threads, one (a 128-bit load) a thread and row, so that Triton's layout puts a program's rows in each
+    thread's registers and a thread's x values (loaded, widened and scaled once a step) serve all its rows. 4 rows
+    (2 past 2 tokens: each token's sums are registers too; 4 rows by 8 tokens spill): 8 KB of quants a program a
+    step, and >= 2048 programs on the 70B shapes (n of 8192 and 28672); fewer rows for short n, so that every SM
+    gets programs. Compiled for sm_90 (ptxas, no GPU needed), the 1-token loop takes 4.2 (Q4_0) and 5.1 (Q8_0)
+    instructions a weight and row, 71 and 64 registers, no spills, no shared memory; 8 rows, 3.8 and 4.9 with 106
+    and 71 registers. A first guess from that arithmetic, not a sweep's result: bench/qgemv.py --sweep measures
+    the alternatives on the GPU."""
+    nw = 4
+    bb = min(_pow2(k // QBLOCK), 32 * nw // (1 if q4 else 2))  # blocks a step: one unit a thread
+    bn = 4 if m <= 2 else 2
+    while bn > 1 and triton.cdiv(n, bn) < 1024:
+        bn //= 2
+    return bn, bb, nw
+
+
+def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: torch.Tensor | None,
+         out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales) in the GpuQ layout; m <=
+    GEMV_MAX_ROWS, x and out with unit stride along their last dimension. config: (BLOCK_N, BLOCK_B, num_warps),
+    else gemv_config's."""
+    m, k = x.shape
+    n, nb = scales.shape
+    if (m > GEMV_MAX_ROWS or k != nb * QBLOCK or tuple(out.shape) != (m, n) or x.stride(1) != 1 or out.stride(1) != 1
+            or scales.stride(0) != 1):
+        raise ValueError(f"quantized GEMV: expected x (<= {GEMV_MAX_ROWS}, {nb * QBLOCK}) and out ({m}, {n}) with "
+                         f"unit last strides and block-major scales, got {tuple(x.shape)} and {tuple(out.shape)}")
+    bn, bb, nw = config or gemv_config(n, k, q4, m)
+    even = n % bn == 0 and nb % bb == 0
+    words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, words if b is None else b, out, m, n, nb, x.stride(0),
+                                        words.stride(0), scales.stride(1), out.stride(0), MAGIC, Q4=q4,
+                                        BIAS=b is not None, ADD=add, EVEN=even, BLOCK_M=_pow2(m), BLOCK_N=bn,
+                                        BLOCK_B=bb, num_warps=nw)
+    return out
+
+
+def dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor) -> torch.Tensor:
+    """out (n, k) (any float dtype, unit last stride) = the weight of (qs, scales) (block-major scales)."""
+    n, nb = scales.shape
+    if tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1:
+        raise ValueError(f"dequant: expected out ({n}, {nb * QBLOCK}) with a unit last stride, got "
+                         f"{tuple(out.shape)}")
+    bn, bb = 8, min(32, _pow2(nb))
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, out, n, nb, qs.stride(0),
+                                                                scales.stride(1), out.stride(0), Q4=q4,
+                                                                BB=16 if q4 else 32, BLOCK_N=bn, BLOCK_B=bb,
+                                                                num_warps=4)
+    return out

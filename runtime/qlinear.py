@@ -1,0 +1,268 @@
+"""Linear layers over weights kept at 4 or 8 bits, on the GPU and the CPU: one dispatcher and its torch reference.
+
+A weight is one of
+  torch.Tensor  (n, k) float: torch (F.linear / mm), cast to x's dtype where it differs
+  QTensor       (n, k) in its file's blocks (weights/qtensor.py), on any device: float formats are viewed as floats;
+                Q4_0 / Q8_0 (and the formats weights/quants.py reads) are de-quantized in chunks of rows and
+                multiplied (correct and memory-bounded, not fast: the CPU's path, and a GPU's before `pack`)
+  GpuQ          (n, k) Q4_0 / Q8_0 split once by `pack` into contiguous quants (reordered within each block) and
+                block-major fp16 scales, the file's bytes (runtime/qgemv.py says how and why)
+
+and `linear(x, w, bias)` runs, for x (..., k) -> (..., n) in x's dtype:
+  CUDA, GpuQ, <= qgemv.GEMV_MAX_ROWS tokens (decode): qgemv's Triton GEMV, reading the weight's bytes once, sums in
+      float32, rounded once (+ bias before the rounding) to x's dtype
+  CUDA, GpuQ, more tokens (prefill): chunks of rows de-quantized by a Triton kernel to x's dtype (each weight
+      rounded once there; exact for float32 x), times x by cuBLAS; the chunk is the only temporary (CHUNK_ELEMS
+      weights). Not a fused kernel: prefill is bound by the matmul's arithmetic, the chunk's extra traffic (2 + 2
+      bytes a weight in fp16) is small next to it for hundreds of tokens
+  CPU: chunks of rows de-quantized to float32 by torch, times x in float32, the output cast to x's dtype
+
+`out=` writes into a given (..., n) tensor and `add_linear(h, x, w, bias)` adds into one (h += x @ w.T + bias, as
+ops.add_linear), so that the static decoder's CUDA graphs keep fixed buffers; the GEMV path neither syncs nor
+allocates (beyond `linear`'s own output without out=), so it can be captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
+from hotneurons.weights.qtensor import QTensor
+
+QBLOCK = 32  # weights per Q4_0 / Q8_0 block
+BLOCKS = {WeightFormat.Q4_0: 16, WeightFormat.Q8_0: 32}  # bytes of quants per block
+QDTYPE = {WeightFormat.Q4_0: torch.uint8, WeightFormat.Q8_0: torch.int8}
+FLOATS = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
+CHUNK_ELEMS = 1 << 24  # weights de-quantized at a time (64 MB as float32): bounds the temporaries of big matrices
+PACK_CHUNK_BYTES = 1 << 24  # file bytes copied to the device at a time by pack
+
+
+def _block_major(s: torch.Tensor) -> torch.Tensor:
+    """(rows, nb) scales with stride (1, rows') (a copy where they are not)."""
+    return s if s.stride(0) == 1 else s.t().contiguous().t()
+
+
+@dataclass(frozen=True)
+class GpuQ:
+    """An (n, k) Q4_0 or Q8_0 weight in the GEMV's layout (runtime/qgemv.py): qs (n, k/2) uint8 (Q4_0) or (n, k) int8
+    (Q8_0), row-major, each block's quants in the kernel order; scales (n, k/32) fp16, block-major (stride (1, n):
+    given otherwise, they are copied so). Any device; rows of one (`rows`) are views."""
+
+    qs: torch.Tensor  # (n, k/2) uint8 | (n, k) int8, kernel order within blocks
+    scales: torch.Tensor  # (n, k/32) float16, stride (1, n)
+    fmt: WeightFormat
+    shape: tuple[int, int]  # (n, k), as torch's Linear.weight
+
+    def __post_init__(self):
+        fmt = weight_format(self.fmt)
+        object.__setattr__(self, "fmt", fmt)
+        if fmt not in BLOCKS:
+            raise ValueError(f"GpuQ holds q4_0 or q8_0 weights, not {fmt.value}")
+        n, k = self.shape
+        nb = k // QBLOCK
+        if (k % QBLOCK or self.qs.dtype != QDTYPE[fmt] or tuple(self.qs.shape) != (n, nb * BLOCKS[fmt])
+                or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != (n, nb)
+                or self.qs.stride(1) != 1 or self.qs.device != self.scales.device):
+            raise ValueError(f"GpuQ {fmt.value} {self.shape}: got qs {tuple(self.qs.shape)} {self.qs.dtype} and "
+                             f"scales {tuple(self.scales.shape)} {self.scales.dtype}, expected "
+                             f"({n}, {nb * BLOCKS[fmt]}) {QDTYPE[fmt]} and ({n}, {nb}) float16 on one device")
+        object.__setattr__(self, "scales", _block_major(self.scales))
+
+    @property
+    def q4(self) -> bool:
+        return self.fmt == WeightFormat.Q4_0
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device: the file's row_bytes * rows (rows of a view: its share)."""
+        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def to(self, device: torch.device | str) -> "GpuQ":
+        return GpuQ(self.qs.to(device), self.scales.to(device), self.fmt, self.shape)
+
+    def rows(self, idx: slice | torch.Tensor) -> "GpuQ":
+        """Some rows: a view for a slice, a copy for an index tensor."""
+        qs = self.qs[idx]
+        return GpuQ(qs, self.scales[idx], self.fmt, (qs.shape[0], self.shape[1]))
+
+    def file_blocks(self) -> torch.Tensor:
+        """(n, nb, 2 + block bytes) uint8: the file's interleaved blocks again (on the device)."""
+        n, k = self.shape
+        nb, bb = k // QBLOCK, BLOCKS[self.fmt]
+        data = torch.empty((n, nb, 2 + bb), dtype=torch.uint8, device=self.device)  # (n, blocks, block bytes)
+        data[:, :, :2] = self.scales.contiguous().view(torch.uint8).view(n, nb, 2)
+        data[:, :, 2:] = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, bb), self.q4)
+        return data
+
+    def to_qtensor(self) -> QTensor:
+        n = self.shape[0]
+        return QTensor(self.file_blocks().view(n, -1), self.fmt, self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(n, k) in dtype, on the device, by torch (the reference; a whole-matrix temporary)."""
+        n, nb = self.scales.shape
+        qs = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, -1), self.q4)
+        return _file_dequant(qs, self.scales, self.q4).to(dtype)
+
+
+Weight = torch.Tensor | QTensor | GpuQ
+
+
+def to_kernel_order(qs: torch.Tensor, q4: bool) -> torch.Tensor:
+    """(rows, nb, 16 | 32) uint8 blocks' quants, file order -> kernel order (runtime/qgemv.py); a new tensor."""
+    rows, nb, bb = qs.shape
+    if q4:  # file: byte j = weights j (low), 16 + j (high); kernel: byte 4 i + t = weights 8 t + i (low), 8 t + 4 + i
+        v = torch.cat([qs & 15, qs >> 4], dim=2).view(rows, nb, 4, 2, 4)  # (.., t, h, i): weight 8 t + 4 h + i
+        return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(2, 3).reshape(rows, nb, 16)  # (.., i, t)
+    # Q8_0: kernel byte 16 a + 4 c + t = weight 16 a + 4 t + c
+    return qs.view(rows, nb, 2, 4, 4).transpose(3, 4).reshape(rows, nb, 32)
+
+
+def from_kernel_order(qs: torch.Tensor, q4: bool) -> torch.Tensor:
+    """to_kernel_order's inverse."""
+    rows, nb, bb = qs.shape
+    if q4:
+        k = qs.view(rows, nb, 4, 4).transpose(2, 3)  # (.., t, i): weights 8 t + i (low), 8 t + 4 + i (high)
+        v = torch.stack([k & 15, k >> 4], dim=3).reshape(rows, nb, 32)  # weight order
+        return v[:, :, :16] | (v[:, :, 16:] << 4)
+    return qs.view(rows, nb, 2, 4, 4).transpose(3, 4).reshape(rows, nb, 32)
+
+
+def _file_dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool) -> torch.Tensor:
+    """(rows, k) float32 from file-order quants (rows, nb, 16 | 32) (uint8, or int8 for Q8_0) and fp16 scales
+    (rows, nb); gguf's arithmetic: scale * (q - 8) (Q4_0), scale * q (Q8_0), exact in float32."""
+    rows, nb = scales.shape
+    if q4:
+        w = torch.cat([qs & 15, qs >> 4], dim=2).to(torch.float32).sub_(8.0)  # (rows, nb, 32)
+    else:
+        w = qs.view(torch.int8).to(torch.float32)
+    return w.mul_(scales.to(torch.float32).reshape(rows, nb, 1)).reshape(rows, nb * QBLOCK)
+
+
+def _qtensor_rows(w: QTensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a QTensor as float32 (float formats: as stored), on its device."""
+    if w.fmt in FLOATS:
+        return w.data[r0:r1].view(FLOATS[w.fmt])
+    if w.fmt in BLOCKS:
+        bb = BLOCKS[w.fmt]
+        blocks = w.data[r0:r1].view(r1 - r0, -1, 2 + bb)  # (rows, nb, block bytes)
+        scales = blocks[:, :, :2].contiguous().view(torch.float16).squeeze(2)  # (rows, nb)
+        return _file_dequant(blocks[:, :, 2:], scales, w.fmt == WeightFormat.Q4_0)
+    return w.rows(slice(r0, r1)).dequantize(torch.float32)  # weights/quants.py's formats
+
+
+def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
+         chunk_bytes: int = PACK_CHUNK_BYTES) -> GpuQ | torch.Tensor:
+    """The form `linear` reads fastest on `device`: a Q4_0 / Q8_0 QTensor as a GpuQ (its file's bytes, split; copied
+    chunk_bytes of file at a time, with no float temporaries), a float one as a float tensor (its bytes viewed);
+    a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
+    if isinstance(w, (GpuQ, torch.Tensor)):
+        return w.to(device)
+    if w.fmt in FLOATS:
+        return w.data.to(device).view(FLOATS[w.fmt])
+    if w.fmt not in BLOCKS:
+        raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q8_0 or a float "
+                         f"format (llama.cpp's llama-quantize), or de-quantize them on load")
+    n, k = w.shape
+    nb, bb = k // QBLOCK, BLOCKS[w.fmt]
+    qs = torch.empty((n, nb * bb), dtype=QDTYPE[w.fmt], device=device)
+    scales = torch.empty((nb, n), dtype=torch.float16, device=device).t()  # (n, nb), block-major
+    step = max(1, chunk_bytes // row_bytes(w.fmt, k))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        blocks = w.data[r0:r1].to(device).view(r1 - r0, nb, 2 + bb)  # (rows, nb, block bytes): the file's
+        quants = to_kernel_order(blocks[:, :, 2:], w.fmt == WeightFormat.Q4_0)  # (rows, nb, bb): a chunk's copy
+        qs[r0:r1].view(torch.uint8).view(r1 - r0, nb, bb).copy_(quants)
+        scales[r0:r1].copy_(blocks[:, :, :2].contiguous().view(torch.float16).squeeze(2))
+    return GpuQ(qs, scales, w.fmt, (n, k))
+
+
+def shape_of(w: Weight) -> tuple[int, int]:
+    return tuple(w.shape) if isinstance(w, torch.Tensor) else w.shape
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether x's device runs qgemv's kernels (the tests patch it to run them in Triton's interpreter)."""
+    return x.is_cuda
+
+
+def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out2: torch.Tensor,
+             add: bool) -> None:
+    """out2 (m, n) = (or +=) x2 (m, k) @ w.T + bias, chunks of CHUNK_ELEMS weights de-quantized at a time: by
+    qgemv.dequant to x's dtype for a GpuQ on kernels, else by torch to float32 (the sums in float32)."""
+    n, k = w.shape
+    step = max(1, min(n, CHUNK_ELEMS // k))
+    kernels = isinstance(w, GpuQ) and _on_kernels(w.qs)
+    dtype = x2.dtype if kernels else torch.float32
+    xc = x2.to(dtype)
+    buf = torch.empty((step, k), dtype=dtype, device=w.device) if kernels else None  # (rows, k) the one chunk
+    if kernels:
+        from hotneurons.runtime import qgemv
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        if kernels:
+            wc = qgemv.dequant(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0])
+        elif isinstance(w, GpuQ):
+            wc = w.rows(slice(r0, r1)).dequantize()
+        else:
+            wc = _qtensor_rows(w, r0, r1).to(dtype)
+        y = F.linear(xc, wc.to(xc.device), None if bias is None else bias[r0:r1].to(xc.device, dtype))
+        if add:
+            out2[:, r0:r1] += y
+        else:
+            out2[:, r0:r1] = y
+
+
+def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Tensor, add: bool) -> torch.Tensor:
+    n, k = shape_of(w)
+    if x.shape[-1] != k or out.shape[-1] != n or out.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a weight of "
+                         f"{(n, k)}: expected (..., {k}) and (..., {n})")
+    x2 = x.reshape(-1, k)  # (m, k)
+    out2 = out.view(-1, n)  # (m, n): a view, so that writes land in out (a one-line error where it cannot be one)
+    if isinstance(w, QTensor) and w.fmt in FLOATS:
+        w = w.data.view(FLOATS[w.fmt])
+    if isinstance(w, torch.Tensor):
+        wt = w if w.dtype == x.dtype else w.to(x.dtype)
+        if add:
+            if bias is None:
+                out2.addmm_(x2, wt.t())
+            else:
+                out2.add_(F.linear(x2, wt, bias.to(x.dtype)))
+        elif bias is None:
+            torch.mm(x2, wt.t(), out=out2)
+        else:
+            torch.addmm(bias.to(x.dtype), x2, wt.t(), out=out2)
+    elif isinstance(w, GpuQ) and _on_kernels(x) and x2.shape[0] <= _gemv_rows():
+        from hotneurons.runtime import qgemv
+
+        qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add)
+    else:
+        _chunked(x2, w, bias, out2, add)
+    return out
+
+
+def _gemv_rows() -> int:
+    from hotneurons.runtime.qgemv import GEMV_MAX_ROWS
+
+    return GEMV_MAX_ROWS
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., k) @ w.T (+ bias) -> (..., n) in x's dtype, into `out` (..., n) where given (returned)."""
+    if out is None:
+        out = x.new_empty((*x.shape[:-1], shape_of(w)[0]))
+    return _apply(x, w, bias, out, add=False)
+
+
+def add_linear(h: torch.Tensor, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> None:
+    """h (..., n) += x (..., k) @ w.T + bias, in h's memory (as ops.add_linear: without a bias rounded once, with
+    one the linear rounded first). h is x's dtype."""
+    _apply(x, w, bias, h, add=True)

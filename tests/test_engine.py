@@ -1,0 +1,141 @@
+"""The in-place engine (runtime/engine.py): a model read from its safetensors or GGUF file into our decoder and
+hybrid FFNs, with no transformers model, gives HF `generate`'s greedy tokens; its layout's formats and memory
+checks.
+
+As in test_runtime.py, HF's reference model has its FFN weights rounded to what the cold rows store, so that both
+compute with identical weights; logits then agree within LOGIT_ATOL.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import tiny
+import torch
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import load_runtime
+from hotneurons.runtime.memory import MemoryPlanError
+from hotneurons.runtime.placement import Placement
+
+LOGIT_ATOL = 1e-4
+NEW = 10
+PROMPT = "The quick brown fox"
+
+
+def hf_greedy(lm, ids, n=NEW):
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), [lg[0] for lg in out.logits]
+
+
+def run_engine(folder, cfg, placement=None, monkeypatch=None):
+    if placement is not None:  # a placement without a run directory: the engine's own entry
+        from hotneurons.runtime import engine
+
+        real = engine.load_source_runtime
+        return real(None, None, cfg, model=str(folder), placement=placement)
+    return load_runtime(None, cfg, model=str(folder))
+
+
+def rounded_folder(family, folder, tmp_path):
+    """The tiny model with its FFN weights rounded to bf16, saved again: the file the engine reads then holds what
+    its bf16 cold rows store, and HF's reference computes with the same weights."""
+    lm = tiny.load_rounded(folder, family)
+    out = tmp_path / f"{family}-rounded"
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return lm, out
+
+
+def check(family, folder, cfg, tmp_path, placement=None, atol=LOGIT_ATOL):
+    lm, folder = rounded_folder(family, folder, tmp_path)
+    if callable(placement):
+        placement = placement(lm.info["n_layers"], lm.info["n_neurons"])
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    want, want_logits = hf_greedy(copy.deepcopy(lm), ids)
+    rt = run_engine(folder, cfg, placement)
+    assert type(rt.lm).__name__ == "SourceModel"  # no transformers model object
+    g = generate(rt, ids, NEW, keep_logits=True)
+    assert g.token_ids == want
+    diff = max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits))
+    assert diff < atol, diff
+    return rt, g
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_dense_equals_hf(family, tiny_model_dir, tmp_path):
+    cfg = RuntimeConfig(mode="dense", device="cpu", cold_dtype="bf16", gpu_dtype="f32")
+    if family == "mistral-drelu":
+        pytest.skip("dReLU is read from a run's meta (activation), not from a config: covered by the oracle test")
+    check(family, tiny_model_dir(family), cfg, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama-reglu", "falcon-relu"])
+def test_oracle_mixed_placement_equals_hf(family, tiny_model_dir, tmp_path):
+    folder = tiny_model_dir(family)
+    rng = np.random.default_rng(0)
+
+    def placement(L, n):
+        return Placement(tuple(rng.random(n) < 0.5 for _ in range(L)))
+    rt, g = check(family, folder, RuntimeConfig(oracle=True, device="cpu", cold_dtype="bf16", gpu_dtype="f32"),
+                  tmp_path, placement)
+    assert 0 < g.stats["ffn_sparsity"] < 1 and rt.bytes_cpu > 0
+
+
+def test_host_memory_check_refuses(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HOTNEURONS_HOST_MEMORY", "1MB")
+    with pytest.raises(MemoryPlanError, match="host memory but 0.00 GB is available"):
+        load_runtime(None, RuntimeConfig(mode="dense", device="cpu"), model=str(tiny_model_dir("llama-reglu")))
+
+
+# Weights that Q4_0 / Q8_0 blocks hold exactly however they are grouped: Q4_0 stores s * (q - 8) with the block's
+# largest-magnitude value at q = 0, so values in {-8, 0, 4} * s come back exact whether a block holds a -8 (scale s) or
+# not (scale -s / 2); Q8_0 stores amax / 127 * q, so values in {-127, 0, 127} * s do. Down rows are re-quantized along
+# another axis than the file's, and hot columns are regrouped: both stay exact, so the engine must equal HF's float
+# model on these weights up to float32 sums.
+EXACT = {"q4_0": (-8.0, 0.0, 4.0), "q8_0": (-127.0, 0.0, 127.0)}
+
+
+def exact_folder(family, folder, tmp_path, fmt):
+    from hotneurons.common.models import load_model
+
+    lm = load_model(str(folder), device="cpu", dtype="float32")
+    gen = torch.Generator().manual_seed(1)
+    levels = torch.tensor(EXACT[fmt]) * (2.0 ** -5 if fmt == "q4_0" else 2.0 ** -9)
+    with torch.no_grad():
+        for layer in lm.layers:
+            for m in lm.adapter.layer_ffn(layer).values():
+                m.weight.copy_(levels[torch.randint(0, 3, m.weight.shape, generator=gen)])
+    out = tmp_path / f"{family}-{fmt}"
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return lm, out
+
+
+@pytest.mark.parametrize("mask", ["oracle", "predictor"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("family", ["llama-reglu", "opt"])
+def test_block_rows_on_both_sides_equal_hf(family, fmt, mask, tiny_model_dir, tmp_path):
+    """Cold rows and hot rows in blocks, mixed placement, predictor masks that mark every neuron (so the result is the
+    dense one): the Numba block kernels on the cold side, qlinear on the hot side."""
+    lm, folder = exact_folder(family, tiny_model_dir(family), tmp_path, fmt)
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    want, want_logits = hf_greedy(copy.deepcopy(lm), ids)
+    run = tmp_path / "run"
+    run.mkdir()
+    from hotneurons.runtime.engine import load_source_runtime, open_model
+
+    if mask == "predictor":  # every neuron marked: the predictor path (cold_layer_q) with the dense result
+        source, sid, mcfg, act = open_model(str(folder))
+        from hotneurons.runtime.engine import model_info
+
+        tiny.write_predictors(run, model_info(source, sid, act, lm.adapter.name, lm.adapter.gated), -1e30)
+    rt = load_source_runtime(run, None, RuntimeConfig(device="cpu", cold_dtype=fmt, gpu_dtype=fmt,
+                                                      oracle=mask == "oracle"),
+                             model=str(folder), placement=Placement(tuple(
+                                 np.random.default_rng(i).random(lm.info["n_neurons"]) < 0.3
+                                 for i in range(lm.info["n_layers"]))))
+    assert {f.cold.fmt for f in rt.ffns} == {fmt} and all(f.hot_q is not None for f in rt.ffns)
+    g = generate(rt, ids, NEW, keep_logits=True)
+    assert g.token_ids == want
+    assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < LOGIT_ATOL

@@ -1,0 +1,246 @@
+"""The cold kernels over llama.cpp's Q8_0 / Q4_0 blocks (runtime/kernels_q.py) and the block cold rows
+(runtime/cold_rows.py) against float64 numpy over the weights that gguf-py's own de-quantizer reads from the same
+bytes, on rows laid out as gguf-py writes them (the GGUF file's layout).
+
+Tolerance: the kernels sum float32 products of exact de-quantized weights (every fp16 scale and every q * d is exact in
+float32), so they differ from float64 only by float32 rounding over d terms: |out - ref| <= 1e-4 |ref| + 2e-6 *
+max|ref| (d up to 4096 terms of either sign).
+"""
+
+import zlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hotneurons.runtime import cold_rows as C
+from hotneurons.runtime import kernels as K
+from hotneurons.runtime import kernels_q as KQ
+from hotneurons.weights.qtensor import QTensor
+
+FMTS = ("q8_0", "q4_0")
+QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+def _close(out: np.ndarray, ref: np.ndarray) -> None:
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-6 * max(1.0, float(np.abs(ref).max(initial=0))))
+
+
+def _w64(rows: np.ndarray | None, fmt: str) -> np.ndarray | None:
+    """Block rows -> the float64 weights gguf-py reads from them."""
+    return None if rows is None else gguf.quants.dequantize(rows, QTYPE[fmt]).astype(np.float64)
+
+
+def reference(act: str, x: np.ndarray, idx: np.ndarray, rows: C.ColdRows) -> np.ndarray:
+    """float64: sum over j in idx of h_j(x) * down_t[j] (tests/test_kernels.py's activations)."""
+    from math import erf
+
+    x = x.astype(np.float64)
+    u = _w64(rows.up, rows.fmt)[idx] @ x
+    g = _w64(rows.gate, rows.fmt)[idx] @ x if rows.gate is not None else None
+    if g is None:
+        u = u + rows.b_up[idx].astype(np.float64)
+    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
+    erf64 = np.vectorize(erf, otypes=[np.float64])
+    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + erf64(u / np.sqrt(2))),
+         "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
+         "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
+    return h @ _w64(rows.down_t, rows.fmt)[idx]
+
+
+def gguf_rows(rng, act: str, d: int, n: int, fmt: str) -> C.ColdRows:
+    """Random rows quantised by gguf-py (the bytes a GGUF file holds), taken as they are (ColdRows.from_blocks)."""
+    def q() -> QTensor:
+        w = rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
+        return QTensor(torch.from_numpy(gguf.quants.quantize(w, QTYPE[fmt])), fmt, (n, d))
+
+    gated = act in K.GATED
+    b_up = None if gated else torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.1)
+    return C.ColdRows.from_blocks(q() if gated else None, q(), b_up, q())
+
+
+def _idx(which: str, rng, n: int, pre: np.ndarray) -> np.ndarray:
+    """Active positions: none, one, all, a random odd count, or those with a positive gate (a predictor's marks)."""
+    if which == "random":
+        idx = np.flatnonzero(rng.random(n) < 0.4)
+        idx = idx[:len(idx) - 1 + len(idx) % 2] if len(idx) else np.array([n // 2])  # an odd count
+    else:
+        idx = {"empty": np.zeros(0), "one": np.array([n - 1]), "all": np.arange(n),
+               "active": np.flatnonzero(pre > 0)}[which]
+    return idx.astype(np.int64)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("act", list(K.ACT_CODE))
+@pytest.mark.parametrize("d,n", [(64, 129), (96, 23), (4096, 41)])
+@pytest.mark.parametrize("which", ["empty", "one", "random", "active", "all"])
+def test_kernel_matches_float64_reference(fmt, act, d, n, which):
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, act, d, n, which)).encode()))
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = gguf_rows(rng, act, d, n, fmt)
+    assert rows.dtype == fmt and rows.d == d
+    pre = _w64(rows.gate, fmt) @ x if act in K.GATED else _w64(rows.up, fmt) @ x + rows.b_up
+    idx = _idx(which, rng, n, pre)
+    ref = reference(act, x, idx, rows)
+    out = np.full(d, np.nan, np.float32)  # must be overwritten
+    K.ffn_rows(act, x, idx, rows, out, np.full((3, d), np.nan, np.float32))  # dispatches on rows.dtype
+    _close(out, ref)
+    # out of shape (0,): the sum left in part's rows, rows of threads without neurons zeroed over stale values
+    part = np.full((5, d), np.nan, np.float32)
+    K.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
+    _close(part.sum(0), ref)
+    # the device's reads in place (on the CPU: views), de-quantised by torch, with padding rows that add nothing
+    ids = torch.from_numpy(np.concatenate([idx, np.zeros(3, np.int64)]))
+    valid = torch.arange(len(ids)) < len(idx)
+    y = C.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, C.map_rows(rows, torch.device("cpu")))[0]
+    _close(y.numpy(), ref)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_threads_do_not_change_the_result(fmt):
+    rng = np.random.default_rng(1)
+    d, n = 64, 203
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = gguf_rows(rng, "swiglu", d, n, fmt)
+    idx = np.arange(n, dtype=np.int64)
+    outs = [K.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((t, d), np.float32))
+            for t in (1, 3, 7)]
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("act", ["reglu", "relu"])
+def test_cold_layer_q_equals_float64_reference(fmt, act):
+    """One layer's CPU part in one call over block rows: packed mask -> positions, the first `skip` left out."""
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, act)).encode()))
+    d, n = 96, 203
+    rows = gguf_rows(rng, act, d, n, fmt)
+    x = rng.standard_normal(d).astype(np.float32)
+    marks = np.zeros(2)
+    for p in (0.0, 0.1, 0.6):
+        m = rng.random(n) < p
+        for skip in (0, 5, n + 1):
+            out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
+            k = KQ.cold_layer_q(K.NO_FLAGS, K.NO_FLAGS, -1, K.pack_mask(m).view(np.uint64), np.full(n, -1, np.int64),
+                                skip, x, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, K.ACT_CODE[act],
+                                marks)
+            assert k == m.sum()
+            _close(out, reference(act, x, np.flatnonzero(m)[skip:], rows))
+    assert marks[0] == 9
+    # with a layer index: the GPU's ready flag (set already) is taken and reset, the release flag set after the sum
+    ready, release = np.array([0, 1, 0], np.int32), np.zeros(3, np.int32)
+    out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
+    k = KQ.cold_layer_q(ready, release, 1, K.pack_mask(m).view(np.uint64), np.full(n, -1, np.int64), 0, x,
+                        rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, K.ACT_CODE[act], marks)
+    assert k == m.sum() and ready.tolist() == [0, 0, 0] and release.tolist() == [0, 1, 0]
+    _close(out, reference(act, x, np.flatnonzero(m), rows))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("d,n", [(32, 1), (96, 203), (4096, 37)])
+def test_gemv_q_matches_float64(fmt, d, n):
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, d, n)).encode()))
+    w = rng.standard_normal((n, d)).astype(np.float32)
+    rows = gguf.quants.quantize(w, QTYPE[fmt])
+    x = rng.standard_normal(d).astype(np.float32)
+    out = np.full(n, np.nan, np.float32)
+    assert KQ.gemv_q(x, rows, out, fmt) is out
+    _close(out, _w64(rows, fmt) @ x.astype(np.float64))
+    with pytest.raises(ValueError, match="not q8_0 rows|not q4_0 rows"):
+        KQ.gemv_q(x, rows, out, "q4_0" if fmt == "q8_0" else "q8_0")  # the other format's width
+    with pytest.raises(ValueError, match="format 'bf16' has no CPU kernel"):
+        KQ.gemv_q(x, rows, out, "bf16")
+
+
+def test_block_layout_read_by_hand():
+    """One Q4_0 and one Q8_0 row written byte by byte from ggml-common.h's layout (not by any quantizer): fp16 scale,
+    then Q4_0's byte j = weight j (low nibble) | weight j + 16 (high nibble), w = d (q - 8); Q8_0's int8 q, w = d q."""
+    d = 64
+    q4 = np.arange(d) % 16  # the nibbles 0..15, repeated
+    row4 = np.zeros((1, 36), np.uint8)
+    row8 = np.zeros((1, 68), np.uint8)
+    scales = np.array([0.5, -0.25], np.float16)
+    q8 = (np.arange(d) * 7 % 255 - 127).astype(np.int8)
+    for b in range(2):
+        blk = q4[32 * b:32 * b + 32]
+        row4[0, 18 * b:18 * b + 2] = scales[b:b + 1].view(np.uint8)
+        row4[0, 18 * b + 2:18 * b + 18] = blk[:16] | (blk[16:] << 4)
+        row8[0, 34 * b:34 * b + 2] = scales[b:b + 1].view(np.uint8)
+        row8[0, 34 * b + 2:34 * b + 34] = q8[32 * b:32 * b + 32].view(np.uint8)
+    per_weight = np.repeat(scales.astype(np.float64), 32)  # (d,)
+    x = np.random.default_rng(3).standard_normal(d).astype(np.float32)
+    for rows, w in ((row4, per_weight * (q4 - 8)), (row8, per_weight * q8)):
+        fmt = "q4_0" if rows.shape[1] == 36 else "q8_0"
+        np.testing.assert_array_equal(_w64(rows, fmt)[0], w)  # gguf-py reads the same weights
+        _close(KQ.gemv_q(x, rows, np.empty(1, np.float32), fmt), np.array([w @ x]))
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")  # torch's, on the read-only map
+@pytest.mark.parametrize("fmt", FMTS)
+def test_rows_from_a_gguf_file_are_read_in_place(tmp_path, fmt):
+    """Rows written into a GGUF file by gguf-py's writer, memory-mapped back by its reader and taken in place
+    (from_blocks(copy=False)): the kernel reads the file's bytes right."""
+    rng = np.random.default_rng(7)
+    d, n = 128, 40
+    names = ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down_t.weight")
+    w = {k: rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d) for k in names}
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    for k in names:
+        writer.add_tensor(k, gguf.quants.quantize(w[k], QTYPE[fmt]), raw_dtype=QTYPE[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = {t.name: t.data for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}  # (n, row bytes) uint8 memmaps
+    gate, up, down_t = (QTensor(torch.from_numpy(np.asarray(data[k])), fmt, (n, d)) for k in names)
+    rows = C.ColdRows.from_blocks(gate, up, None, down_t, copy=False)
+    assert np.shares_memory(rows.up, data[names[1]])  # in place: no copy
+    x = rng.standard_normal(d).astype(np.float32)
+    idx = np.flatnonzero(_w64(rows.gate, fmt) @ x > 0).astype(np.int64)
+    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32))
+    _close(out, reference("reglu", x, idx, rows))
+    np.testing.assert_array_equal(rows.up, gguf.quants.quantize(w[names[1]], QTYPE[fmt]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_from_blocks_copies_bytes_exactly(fmt):
+    g = torch.Generator().manual_seed(0)
+    n, d = 45, 96
+    ws = [torch.randn(n, d, generator=g) for _ in range(3)]
+    qs = [QTensor(torch.from_numpy(gguf.quants.quantize(w.numpy(), QTYPE[fmt])), fmt, (n, d)) for w in ws]
+    rows = C.ColdRows.from_blocks(*qs[:2], torch.arange(n, dtype=torch.float32), qs[2])
+    for a, q in zip((rows.gate, rows.up, rows.down_t), qs):
+        assert a.dtype == np.uint8 and a.flags.c_contiguous and a.base is None  # numpy-owned copies
+        np.testing.assert_array_equal(a, q.data.numpy())
+    np.testing.assert_array_equal(rows.b_up, np.arange(n, dtype=np.float32))
+    assert rows.dtype == fmt and rows.d == d and rows.scale.shape == (3, n, 0)
+    assert rows.nbytes() == 3 * n * d // 32 * (34 if fmt == "q8_0" else 18) + 4 * n
+    f = rows.float32()
+    for k, q in zip(("gate", "up", "down_t"), qs):
+        assert torch.equal(f[k], torch.from_numpy(gguf.quants.dequantize(q.data.numpy(), QTYPE[fmt])))
+    # from float weights: quantised to the same bytes as gguf-py writes
+    same = C.ColdRows.from_weights(ws[0], ws[1], None, ws[2], fmt)
+    for a, q in zip((same.gate, same.up, same.down_t), qs):
+        np.testing.assert_array_equal(a, q.data.numpy())
+    assert same.dtype == fmt and same.fmt == fmt
+
+
+def test_block_rows_refuse_bad_inputs():
+    g = torch.Generator().manual_seed(0)
+    q4 = QTensor(torch.from_numpy(gguf.quants.quantize(torch.randn(8, 64, generator=g).numpy(), QTYPE["q4_0"])),
+                 "q4_0", (8, 64))
+    q8 = QTensor(torch.from_numpy(gguf.quants.quantize(torch.randn(8, 64, generator=g).numpy(), QTYPE["q8_0"])),
+                 "q8_0", (8, 64))
+    with pytest.raises(ValueError, match="down_t is q8_0 .* store gate, up and down_t in one format"):
+        C.ColdRows.from_blocks(None, q4, None, q8)
+    bf = QTensor(torch.zeros(8, 128, dtype=torch.uint8), "bf16", (8, 64))
+    with pytest.raises(ValueError, match="up is bf16, which the cold kernels do not read"):
+        C.ColdRows.from_blocks(None, bf, None, bf)
+    with pytest.raises(ValueError, match="not a whole number of q4_0 blocks"):
+        C.ColdRows.from_weights(None, torch.randn(4, 40), None, torch.randn(4, 40), "q4_0")
+    rows = C.ColdRows.from_blocks(None, q4, None, q4)
+    x = np.zeros(96, np.float32)  # another d than the rows'
+    with pytest.raises(ValueError, match="neither Q8_0 nor Q4_0 blocks of x's d weights"):
+        K.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
+    assert set(C.COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0"}
