@@ -175,6 +175,8 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
             or scales.stride(0) != 1):
         raise ValueError(f"quantized GEMV: expected x (<= {GEMV_MAX_ROWS}, {nb * QBLOCK}) and out ({m}, {n}) with "
                          f"unit last strides and block-major scales, got {tuple(x.shape)} and {tuple(out.shape)}")
+    if m == 0 or n == 0:  # nothing to compute (e.g. a layer with no hot rows): no launch of an empty grid
+        return out
     bn, bb, nw = config or gemv_config(n, k, q4, m)
     even = n % bn == 0 and nb % bb == 0
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
@@ -191,6 +193,8 @@ def dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor)
     if tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1:
         raise ValueError(f"dequant: expected out ({n}, {nb * QBLOCK}) with a unit last stride, got "
                          f"{tuple(out.shape)}")
+    if n == 0 or nb == 0:
+        return out
     bn, bb = 8, min(32, _pow2(nb))
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, out, n, nb, qs.stride(0),
                                                                 scales.stride(1), out.stride(0), Q4=q4,

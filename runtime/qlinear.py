@@ -24,6 +24,7 @@ allocates (beyond `linear`'s own output without out=), so it can be captured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,13 +102,13 @@ class GpuQ:
         return data
 
     def to_qtensor(self) -> QTensor:
-        n = self.shape[0]
-        return QTensor(self.file_blocks().view(n, -1), self.fmt, self.shape)
+        n, k = self.shape
+        return QTensor(self.file_blocks().view(n, row_bytes(self.fmt, k)), self.fmt, self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(n, k) in dtype, on the device, by torch (the reference; a whole-matrix temporary)."""
         n, nb = self.scales.shape
-        qs = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, -1), self.q4)
+        qs = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, BLOCKS[self.fmt]), self.q4)
         return _file_dequant(qs, self.scales, self.q4).to(dtype)
 
 
@@ -224,8 +225,9 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
     if x.shape[-1] != k or out.shape[-1] != n or out.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a weight of "
                          f"{(n, k)}: expected (..., {k}) and (..., {n})")
-    x2 = x.reshape(-1, k)  # (m, k)
-    out2 = out.view(-1, n)  # (m, n): a view, so that writes land in out (a one-line error where it cannot be one)
+    m = math.prod(x.shape[:-1])
+    x2 = x.reshape(m, k)  # (m, k)
+    out2 = out.view(m, n)  # (m, n): a view, so that writes land in out (a one-line error where it cannot be one)
     if isinstance(w, QTensor) and w.fmt in FLOATS:
         w = w.data.view(FLOATS[w.fmt])
     if isinstance(w, torch.Tensor):

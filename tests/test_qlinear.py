@@ -1,0 +1,364 @@
+"""runtime/qlinear.py (the dispatcher, pack, the torch paths) and runtime/qgemv.py (the Triton GEMV and de-quantizer)
+against float64: y = x @ dequantized(w).T + b, the weight de-quantized from its file bytes by this file's own numpy
+code (checked against gguf.quants where gguf is installed).
+
+Tolerances, elementwise: |y - ref| <= u_out |ref| + (1e-5 + u_w) (|x| @ |w|.T + |b|) + 1e-6, where u_out is the
+output dtype's rounding (float32 2^-23, fp16 2^-10; bfloat16 2^-7, 2^-6 in Triton's interpreter, which truncates),
+1e-5 bounds float32 sums over k (their error is ~ 2^-24 sqrt(k) of that bound) and u_w is the rounding of weights
+de-quantized to x's dtype on the prefill path (0 where they stay float32: the GEMV and the CPU path).
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny shapes; the tests
+marked gpu run them compiled on big ones (70B's shapes, n not a power of two), in CUDA graphs too."""
+
+import numpy as np
+import pytest
+import torch
+from hotneurons.runtime import qgemv, qlinear
+from hotneurons.runtime.qlinear import GpuQ, add_linear, linear, pack
+from hotneurons.weights.formats import row_bytes
+from hotneurons.weights.qtensor import QTensor
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+GGML = {"q4_0": 2, "q8_0": 8, "f16": 1, "f32": 0, "bf16": 30}
+U_OUT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7 if CUDA else 2.0 ** -6}
+U_W = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# references
+
+
+def ref_dequant(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(rows, cols) float64 from a QTensor's bytes (rows, row_bytes), any device, by llama.cpp's definitions."""
+    rows = data.shape[0]
+    if fmt in ("f16", "f32", "bf16"):
+        return data.view({"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}[fmt]).double()
+    bb = 16 if fmt == "q4_0" else 32
+    blocks = data.view(rows, -1, 2 + bb)  # (rows, nb, 2 + bb)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).double()  # (rows, nb, 1)
+    qs = blocks[:, :, 2:]
+    if fmt == "q4_0":
+        q = torch.cat([qs & 15, qs >> 4], dim=2).double() - 8  # weights j, then 16 + j
+    else:
+        q = qs.contiguous().view(torch.int8).double()
+    return (d * q).reshape(rows, -1)
+
+
+def quantize(w: np.ndarray, fmt: str) -> QTensor:
+    """A QTensor of w (rows, cols) float32 by gguf.quants (the file writer's code)."""
+    gguf = pytest.importorskip("gguf")
+    data = np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType(GGML[fmt])))
+    return QTensor(torch.from_numpy(data.view(np.uint8).reshape(w.shape[0], -1)), fmt, w.shape)
+
+
+def random_q(n: int, k: int, fmt: str, device: str, seed: int = 0) -> QTensor:
+    """Random valid blocks made on the device (no quantizer: big shapes, and gguf is not on the GPU machine):
+    fp16 scales ~ N(0, 0.02), uniform quants."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    nb, bb = k // 32, 16 if fmt == "q4_0" else 32
+    blocks = torch.empty((n, nb, 2 + bb), dtype=torch.uint8, device=device)
+    scales = (0.02 * torch.randn((n, nb, 1), generator=g, device=device)).half()
+    blocks[:, :, :2] = scales.view(torch.uint8)
+    blocks[:, :, 2:] = torch.randint(0, 256, (n, nb, bb), generator=g, device=device, dtype=torch.uint8)
+    return QTensor(blocks.view(n, nb * (2 + bb)), fmt, (n, k))
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, b: torch.Tensor | None, u_out: float,
+          u_w: float = 0.0, h0: torch.Tensor | None = None) -> None:
+    """y (.., n) against x (.., k) @ w64.T + b (+ h0, the tensor added into), float64, within the bound above."""
+    x64 = x.double().reshape(-1, x.shape[-1]).to(w64.device)
+    ref, bound = x64 @ w64.T, x64.abs() @ w64.abs().T  # (m, n)
+    if b is not None:
+        ref, bound = ref + b.double().to(w64.device), bound + b.double().abs().to(w64.device)
+    scale = ref.abs()
+    if h0 is not None:  # added into h: h's value and the linear's own rounding count too
+        h64 = h0.double().reshape(ref.shape).to(w64.device)
+        scale = scale + (ref + h64).abs()
+        ref = ref + h64
+    err = (y.double().reshape(ref.shape).to(w64.device) - ref).abs()
+    tol = u_out * scale + (1e-5 + u_w) * bound + 1e-6
+    worst = int(torch.argmax(err - tol))
+    assert bool((err <= tol).all()), (f"{int((err > tol).sum())} of {err.numel()} outside: worst err "
+                                      f"{float(err.flatten()[worst]):.3g} > tol {float(tol.flatten()[worst]):.3g}")
+
+
+def need_kernels():
+    """The kernels on CPU tensors need Triton's interpreter (conftest sets it before triton is imported)."""
+    import os
+
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and not in Triton's interpreter")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the bytes
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "f16", "f32"])
+def test_reference_matches_gguf(fmt):
+    gguf = pytest.importorskip("gguf")
+    w = np.random.default_rng(1).standard_normal((24, 96)).astype(np.float32)
+    q = quantize(w, fmt)
+    want = gguf.quants.dequantize(q.data.numpy(), gguf.GGMLQuantizationType(GGML[fmt])).astype(np.float64)
+    np.testing.assert_array_equal(ref_dequant(q.data, fmt).numpy(), want)
+    if fmt in ("q4_0", "q8_0"):
+        np.testing.assert_array_equal(pack(q, "cpu").dequantize().double().numpy(), want)  # exact in float32
+        np.testing.assert_array_equal(qlinear._qtensor_rows(q, 3, 10).double().numpy(), want[3:10])
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_pack_keeps_the_bytes(fmt):
+    n, k = 37, 160
+    q = random_q(n, k, fmt, "cpu", seed=3)
+    g = pack(q, "cpu")
+    assert isinstance(g, GpuQ) and g.shape == (n, k)
+    assert g.nbytes == row_bytes(fmt, k) * n == q.nbytes
+    assert g.qs.is_contiguous() and g.scales.stride() == (1, n) and g.scales.dtype == torch.float16
+    assert torch.equal(g.to_qtensor().data, q.data)
+    small = pack(q, "cpu", chunk_bytes=3 * row_bytes(fmt, k) + 5)  # 13 chunks, the last short
+    assert torch.equal(small.qs, g.qs) and torch.equal(small.scales, g.scales)
+    part = g.rows(slice(5, 12))
+    assert part.nbytes == 7 * row_bytes(fmt, k) and part.qs.data_ptr() == g.qs[5].data_ptr()  # a view
+    assert torch.equal(part.dequantize(torch.float64), ref_dequant(q.data[5:12], fmt))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_kernel_order_is_the_documented_one(fmt):
+    """One block whose quant j is j mod 16 (Q4_0) or j - 16 (Q8_0): the words pack's layout holds, read as
+    runtime/qgemv.py documents them (Q4_0: word i, nibble u = weight 4 u + i; Q8_0: word i, byte t = weight
+    16 (i // 4) + 4 t + i % 4)."""
+    j = np.arange(32)
+    if fmt == "q4_0":
+        quants = (j[:16] % 16) | ((j[16:] % 16) << 4)  # file: byte j = weight j (low nibble), 16 + j (high)
+    else:
+        quants = (j - 16).astype(np.int8).view(np.uint8)
+    block = np.concatenate([np.frombuffer(np.float16(1.0).tobytes(), np.uint8), quants.astype(np.uint8)])
+    g = pack(QTensor(torch.from_numpy(block[None, :].copy()), fmt, (1, 32)), "cpu")
+    words = g.qs.view(torch.int32)[0].numpy().view(np.uint32)  # (4 | 8,)
+    for i, word in enumerate(words):
+        if fmt == "q4_0":
+            assert [(word >> (4 * u)) & 15 for u in range(8)] == [(4 * u + i) % 16 for u in range(8)]
+        else:
+            got = [int(np.uint8((word >> (8 * t)) & 255).view(np.int8)) for t in range(4)]
+            assert got == [16 * (i // 4) + 4 * t + i % 4 - 16 for t in range(4)]
+    picked = g.rows(torch.tensor([0, 0]))  # an index tensor: a copy, scales made block-major again
+    assert picked.scales.stride(0) == 1 and torch.equal(picked.dequantize()[1], g.dequantize()[0])
+
+
+def test_pack_float_and_refusals():
+    w = torch.randn(8, 64)
+    q = QTensor(w.half().view(torch.uint8), "f16", (8, 64))
+    assert torch.equal(pack(q, "cpu"), w.half())
+    q4k = QTensor(torch.zeros((2, 144), dtype=torch.uint8), "q4_k", (2, 256))
+    with pytest.raises(ValueError, match="no GPU kernel") as e:
+        pack(q4k, "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="q4_0 or q8_0"):
+        GpuQ(torch.zeros((2, 256), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "f16", (2, 256))
+    with pytest.raises(ValueError, match="expected"):
+        GpuQ(torch.zeros((2, 100), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "q4_0", (2, 256))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the CPU paths: torch, float32
+
+
+@pytest.mark.parametrize("form", ["q4_0", "q8_0", "f16", "f32", "tensor", "packed_q4_0", "packed_q8_0"])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_linear_cpu(form, m, monkeypatch):
+    rng = np.random.default_rng(m + 10 * len(form))
+    n, k = 45, 96
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    fmt = form.removeprefix("packed_")
+    if form == "tensor":
+        weight, w64 = torch.from_numpy(w), torch.from_numpy(w).double()
+    else:
+        q = quantize(w, fmt)
+        weight, w64 = pack(q, "cpu") if form.startswith("packed") else q, ref_dequant(q.data, fmt)
+    monkeypatch.setattr(qlinear, "CHUNK_ELEMS", 4 * k)  # chunks of 4 rows: 12 of them, the last short
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    b = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    y = linear(x, weight)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    check(y, x, w64, None, U_OUT[torch.float32])
+    check(linear(x.view(1, m, k), weight, b), x, w64, b, U_OUT[torch.float32])  # leading dims, a bias
+    out = torch.full((m, n), float("nan"))
+    assert linear(x, weight, b, out=out) is out
+    check(out, x, w64, b, U_OUT[torch.float32])
+    h = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32))
+    h0 = h.clone()
+    add_linear(h, x, weight, b)
+    check(h, x, w64, b, U_OUT[torch.float32], h0=h0)
+
+
+def test_linear_cpu_bfloat16_activations():
+    """x in bfloat16 on the CPU: sums in float32, the output rounded once to bfloat16."""
+    w = np.random.default_rng(5).standard_normal((40, 64)).astype(np.float32)
+    q = quantize(w, "q4_0")
+    x = torch.randn(3, 64).bfloat16()
+    y = linear(x, q)
+    assert y.dtype == torch.bfloat16
+    check(y, x, ref_dequant(q.data, "q4_0"), None, 2.0 ** -8)
+
+
+def test_linear_shape_errors():
+    q = random_q(8, 64, "q8_0", "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        linear(torch.randn(2, 32), q)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear(torch.randn(2, 64), q, out=torch.empty(2, 9))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernels: interpreted on the CPU, compiled on CUDA; tiny shapes
+
+
+KERNEL_CASES = [  # fmt, m, (n, k), dtype, bias, add, config (None: gemv_config's)
+    ("q4_0", 1, (64, 128), torch.float16, False, False, None),
+    ("q8_0", 1, (64, 128), torch.bfloat16, True, False, (8, 2, 4)),
+    ("q4_0", 3, (50, 96), torch.float32, True, True, (8, 2, 4)),  # masked rows and blocks
+    ("q8_0", 3, (50, 96), torch.float16, False, True, (4, 4, 4)),
+    ("q4_0", 2, (64, 128), torch.bfloat16, True, False, (4, 2, 4)),
+    ("q8_0", 8, (24, 64), torch.float32, False, False, (8, 2, 4)),
+]
+
+
+@pytest.mark.parametrize("fmt,m,nk,dtype,bias,add,config", KERNEL_CASES)
+def test_gemv_kernel(fmt, m, nk, dtype, bias, add, config):
+    need_kernels()
+    n, k = nk
+    q = random_q(n, k, fmt, DEVICE, seed=m + n)
+    g, w64 = pack(q, DEVICE), ref_dequant(q.data, fmt)
+    gen = torch.Generator(device=DEVICE).manual_seed(n * m)
+    x = torch.randn((m, k), generator=gen, device=DEVICE).to(dtype)
+    b = torch.randn(n, generator=gen, device=DEVICE) if bias else None
+    out = torch.randn((m, n), generator=gen, device=DEVICE).to(dtype)
+    h0 = out.clone()
+    qgemv.gemv(x, g.qs, g.scales, g.q4, b, out, add=add, config=config)
+    check(out, x, w64, b, U_OUT[dtype], h0=h0 if add else None)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("q4_0", torch.float32), ("q8_0", torch.float16), ("q4_0", torch.bfloat16)])
+def test_dequant_kernel(fmt, dtype):
+    need_kernels()
+    q = random_q(21, 96, fmt, DEVICE, seed=7)
+    g = pack(q, DEVICE)
+    out = torch.empty((21, 96), dtype=dtype, device=DEVICE)
+    qgemv.dequant(g.qs, g.scales, g.q4, out)
+    want = ref_dequant(q.data, fmt).float().to(dtype)  # one rounding from the exact float32 value
+    if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bfloat16
+        torch.testing.assert_close(out.double(), want.double(), atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_linear_dispatches_to_kernels(fmt, monkeypatch):
+    """linear / add_linear on the kernels' path (patched on for CPU tensors in the interpreter): <= GEMV_MAX_ROWS
+    tokens through the GEMV, more through the de-quantizer and a matmul, chunk by chunk."""
+    need_kernels()
+    monkeypatch.setattr(qlinear, "_on_kernels", lambda t: True)
+    monkeypatch.setattr(qlinear, "CHUNK_ELEMS", 16 * 64)  # chunks of 16 rows
+    calls = []
+    for name in ("gemv", "dequant"):
+        real = getattr(qgemv, name)
+        monkeypatch.setattr(qgemv, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    q = random_q(40, 64, fmt, DEVICE, seed=11)
+    g, w64 = pack(q, DEVICE), ref_dequant(q.data, fmt)
+    dt = torch.float16 if CUDA else torch.float32  # the CPU's matmul of the prefill path: float32
+    for m in (2, qgemv.GEMV_MAX_ROWS + 1):
+        calls.clear()
+        x = torch.randn((1, m, 64), device=DEVICE).to(dt)
+        b = torch.randn(40, device=DEVICE)
+        y = linear(x, g, b)
+        assert y.shape == (1, m, 40) and y.dtype == dt
+        assert calls == (["gemv"] if m <= qgemv.GEMV_MAX_ROWS else ["dequant"] * 3)
+        check(y, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0)
+        h = torch.randn((1, m, 40), device=DEVICE).to(dt)
+        h0 = h.clone()
+        add_linear(h, x, g, b)
+        check(h, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0, h0=h0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: compiled kernels, big shapes
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("nk", [(8192, 8192), (28672, 8192), (8192, 28672), (3001, 4096), (1000, 11008)])
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+def test_linear_cuda_big(fmt, nk, m):
+    n, k = nk
+    q = random_q(n, k, fmt, "cuda", seed=n + k + m)
+    g = pack(q, "cuda")
+    assert g.nbytes == row_bytes(fmt, k) * n
+    w64 = ref_dequant(q.data, fmt)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn((m, k), device="cuda").to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype)
+        u_w = U_W[dtype] if m > qgemv.GEMV_MAX_ROWS else 0.0
+        check(linear(x, g, b), x, w64, b, U_OUT[dtype], u_w)
+        h = torch.randn((m, n), device="cuda").to(dtype)
+        h0 = h.clone()
+        add_linear(h, x, g)
+        check(h, x, w64, None, U_OUT[dtype], u_w, h0=h0)
+    del w64
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@gpu
+def test_linear_cuda_unpacked_and_float():
+    """A QTensor left in its file blocks on the GPU (chunks de-quantized by torch) and float weights."""
+    q = random_q(1500, 2048, "q4_0", "cuda", seed=2)
+    x = torch.randn((2, 2048), device="cuda").half()
+    check(linear(x, q), x, ref_dequant(q.data, "q4_0"), None, U_OUT[torch.float16])
+    w = torch.randn(300, 2048, device="cuda")
+    check(linear(x, w.half()), x, w.half().double(), None, U_OUT[torch.float16])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_gemv_in_cuda_graph(fmt):
+    """linear(out=) and add_linear captured in one CUDA graph (after a warm-up call that compiles), replayed on
+    new inputs: the same results as eager calls."""
+    n, k = 4096 + 96, 8192
+    g = pack(random_q(n, k, fmt, "cuda", seed=5), "cuda")
+    x = torch.randn((1, k), device="cuda").half()
+    out = torch.empty((1, n), device="cuda").half()
+    h = torch.zeros((1, n), device="cuda").half()
+    b = torch.randn(n, device="cuda").half()
+    linear(x, g, b, out=out)
+    add_linear(h, x, g)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(x, g, b, out=out)
+        add_linear(h, x, g)
+    for seed in range(3):
+        x.copy_(torch.randn((1, k), device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).half())
+        h.fill_(1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, linear(x, g, b))
+        want = torch.ones_like(h)
+        add_linear(want, x, g)
+        assert torch.equal(h, want)
+
+
+def test_empty_weight_and_tokens():
+    """A layer with no hot rows (n = 0) and a step with no tokens: empty outputs, nothing launched."""
+    need_kernels()
+    g = pack(random_q(0, 64, "q4_0", DEVICE), DEVICE)
+    assert g.nbytes == 0
+    out = torch.empty((2, 0), device=DEVICE)
+    assert qgemv.gemv(torch.randn((2, 64), device=DEVICE), g.qs, g.scales, True, None, out) is out
+    assert linear(torch.randn((3, 64)), pack(random_q(0, 64, "q8_0", "cpu"), "cpu")).shape == (3, 0)
+    g5 = pack(random_q(5, 64, "q8_0", DEVICE), DEVICE)
+    assert qgemv.gemv(torch.empty((0, 64), device=DEVICE), g5.qs, g5.scales, False, None,
+                      torch.empty((0, 5), device=DEVICE)).shape == (0, 5)
