@@ -112,16 +112,16 @@ def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dty
 
 
 @torch.inference_mode()
-def forward(rt: Any, ids: list[int], pos0: int) -> torch.Tensor:
+def forward(rt: Any, ids: list[int], pos0: int, every: bool = False) -> torch.Tensor:
     """Logits (vocab,) float32 of the last of `ids` (at positions pos0...), through the decoder and the hybrid FFNs;
-    several ids (a prompt) run each FFN dense over them, one id is a decode step."""
+    several ids (a prompt) run each FFN dense over them, one id is a decode step. every: (T, vocab), all positions'."""
     m = rt.lm.decoder
     h = m.embed(torch.tensor(ids, device=rt.device), pos0)  # (T, d)
     for i, f in enumerate(rt.ffns):
         h2, x = m.attention(i, h, pos0)  # (T, d) the residual after attention, the FFN's input
         f.residual = h2 if f.prenorm else None  # the powerinfer-form predictor reads the residual before the norm
         h = m.after_ffn(i, h2, f(x))
-    return m.logits(h[-1:])[0]
+    return m.logits(h) if every else m.logits(h[-1:])[0]
 
 
 def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model: str | None = None,
