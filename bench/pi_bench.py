@@ -17,6 +17,8 @@ Stages (each device call may start a fresh machine; files persist in --work whil
            placement (bench_powerinfer.py), run alone
   report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine kind>-pi-bench.{json,md}
   all      build + bench (more than one 10-minute device call at the 70B shape)
+  memory   anywhere, no GPU needed: peak host RSS of every pipeline stage on random ReLU LLaMAs written for it (HF
+           bf16 and Q4_0 GGUF) against the model file; its own flags: pi-bench --stage memory --help (bench/memory.py)
 CPU smoke test: pi-bench --stage all --device cpu --shape tiny --layers 2 --ctx 64 --work /tmp/pib --out /tmp/pib/out
 This module is the command line (parse, main); the stages live in bench_build.py (build), bench_stages.py (bench:
 the child process, fairness, our systems through bench_pipeline.py and bench_systems.py), bench_powerinfer.py
@@ -47,7 +49,8 @@ from hotneurons.bench.bench_stages import stage_accelerate, stage_bench, stage_o
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all"), required=True)
+    ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all", "memory"),
+                    required=True, help="memory: bench/memory.py, with its own flags (pi-bench --stage memory --help)")
     ap.add_argument("--work", type=Path, default=Path("/root/pi-bench"), help="local disk: build, GGUF, run dir")
     ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
     ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
@@ -132,6 +135,11 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
+    memory = _memory_argv(argv)
+    if memory is not None:  # its own click command: none of the flags below apply to it
+        from hotneurons.bench.memory import main as memory_main
+
+        return memory_main(args=memory, prog_name="pi-bench --stage memory", standalone_mode=False)
     args = parse(argv)
     args.argv = [a for a in argv]  # what a child process of the bench stage runs again, with --part
     if args.stage == "prepare":
@@ -189,6 +197,16 @@ def main(argv=None) -> dict:
     if "bench" in done:
         print(markdown(done["bench"]))
     return done
+
+
+def _memory_argv(argv: list[str]) -> list[str] | None:
+    """The arguments other than `--stage memory` when that is the stage asked for, else None."""
+    for i, a in enumerate(argv):
+        if a == "--stage" and argv[i + 1:i + 2] == ["memory"]:
+            return argv[:i] + argv[i + 2:]
+        if a == "--stage=memory":
+            return argv[:i] + argv[i + 1:]
+    return None
 
 
 def cli() -> None:
