@@ -238,6 +238,8 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
         kw["gguf_file"] = source.gguf_file
     with _hf_progress(progress if progress is not None else bool(source.gguf_file)):
         config = AutoConfig.from_pretrained(source.path, **kw)
+        if source.gguf_file and activation is None:  # what the file records (transformers reads llama as SwiGLU)
+            _gguf_activation(os.path.join(source.path, source.gguf_file), text_config(config))
         adapter = adapter_for(text_config(config))
         adapter.activation(text_config(config), activation)  # fail before loading weights
         patched, threshold = sparse_act.config_activation(text_config(config))
@@ -252,6 +254,16 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     if entry is not None and not patched:
         entry.save(hf_model, tokenizer)
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
+
+
+def _gguf_activation(path: str, config: Any) -> None:
+    """Set the config's activation to the one a GGUF records (our key, PowerInfer's arch: weights/gguf_source.py)."""
+    from hotneurons.weights.gguf_source import GGUFSource
+    from hotneurons.weights.names import config_activation
+
+    with GGUFSource(path) as src:
+        if src.activation is not None:
+            config_activation(config, src.activation, getattr(src.config, "fat_threshold", 0.0))
 
 
 @contextmanager

@@ -34,7 +34,9 @@ SHARE_WARN_STEPS = 16  # ... once this many tokens were decoded (fewer say littl
 def format_stats(s: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     profile = s.get("profile_gpu_activation_share")
-    text = (f"[{s['mode']} on {s['device']} ({s['dtype']}, cold rows {s['cold_dtype']}), {s['threads']} CPU "
+    hot = s.get("gpu_dtype", s["dtype"])
+    text = (f"[{s['mode']} on {s['device']} ({s['dtype']}" + (f", hot rows {hot}" if hot != s["dtype"] else "")
+            + f", cold rows {s['cold_dtype']}), {s['threads']} CPU "
             f"threads] prefill "
             f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "
             f"FFN sparsity {s['ffn_sparsity']:.3f}, GPU share of activations {s['gpu_activation_share']:.3f}"

@@ -366,6 +366,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
             "plan_bytes_gpu": rt.plan_bytes_gpu, "plan_dtype": rt.plan_dtype,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
+            "gpu_dtype": rt.cfg.gpu_dtype if isinstance(rt.lm, SourceModel) else str(rt.dtype).removeprefix("torch."),
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
             "static_ctx": rt.lm.decoder.ctx if isinstance(rt.lm, SourceModel) else
             None if rt.fast is None else rt.fast.capacity,

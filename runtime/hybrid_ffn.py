@@ -104,7 +104,7 @@ class HybridFFN(nn.Module):
         fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
                            else torch.float32)
         b_up, b_down = w.b_up, w.b_down
-        if self.hot_fmt is None:  # float hot rows, in the model dtype
+        if self.hot_fmt is None or not self.n_hot:  # float hot rows, in the model dtype (or none at all)
             def hot_rows(m):
                 return None if m is None else to_float(take_rows(m, hot), fdtype).to(dev)
 

@@ -39,73 +39,126 @@ GEMV_MAX_ROWS = 8  # tokens the GEMV takes in one pass; more go through dequant 
 QBLOCK = 32  # weights per Q4_0 / Q8_0 block
 
 
-# float32 bits of 2^23: OR-ed with an integer i < 2^23 in the mantissa, 2^23 + i. Passed as an argument, not a
-# constant: in a register, it frees the one immediate of LOP3 for the piece's mask (else ptxas re-materializes masks)
-MAGIC = 0x4B000000
-FLIP = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: XOR-ed into 4 int8s, each becomes q + 128 (unsigned)
+# float32 bits of 2^23, a runtime argument: the pieces' LOP3 takes it from a register (derived once a program), with
+# the piece's mask as its one immediate (as constants, ptxas re-materializes them inside the loop: a MOV a piece)
+MAGIC = 150 << 23
+
+
+@triton.jit
+def _lop(src, b, MASK: tl.constexpr, ASM: tl.constexpr):
+    """(src & MASK) ^ b, one LOP3 (compiled: inline PTX, as ptxas, short of registers, sometimes splits it in two;
+    Triton's interpreter: plain operators)."""
+    if ASM:
+        bb = tl.zeros_like(src) + b
+        if MASK == 0xF:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF, $2, 0x6A;"
+        elif MASK == 0xF0:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF0, $2, 0x6A;"
+        elif MASK == 0xF00:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF00, $2, 0x6A;"
+        elif MASK == 0xF000:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF000, $2, 0x6A;"
+        elif MASK == 0xF0000:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF0000, $2, 0x6A;"
+        elif MASK == 0xFF:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF, $2, 0x6A;"
+        elif MASK == 0xFF00:
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF00, $2, 0x6A;"
+        else:
+            tl.static_assert(MASK == 0xFF0000)
+            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF0000, $2, 0x6A;"
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [src, bb], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (src & MASK) ^ b
+
+
+@triton.jit
+def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, ASM: tl.constexpr):
+    """Piece u (nibble | byte) of each int32 word of q (q2 = q >> 16) as float32, exactly q - 8 (Q4_0) | q (Q8_0),
+    with no conversion instruction: the piece, masked in place at bit sh, becomes the mantissa of a float whose
+    exponent (150 - sh) puts its lowest bit at 1, i.e. 2^(23 - sh) + q (Q8_0: its sign bit flipped by the same
+    LOP3, 2^(23 - sh) + q + 128), and one FADD takes that offset off. Pieces past bit 23 come from q2."""
+    W: tl.constexpr = 4 if Q4 else 8
+    SH0: tl.constexpr = W * u
+    HI: tl.constexpr = SH0 + W > 23
+    SH: tl.constexpr = SH0 - 16 if HI else SH0
+    MASK: tl.constexpr = ((1 << W) - 1) << SH
+    FLIP: tl.constexpr = 0 if Q4 else 128 << SH
+    OFF: tl.constexpr = float(2 ** (23 - SH) + (8 if Q4 else 128))
+    b = magic - (SH << 23) + FLIP  # exponent 150 - sh (and the sign flip), outside | inside the mask
+    f = _lop(q2 if HI else q, b, MASK, ASM)
+    return f.to(tl.float32, bitcast=True) - OFF
+
+
+@triton.jit
+def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, ASM: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N, BLOCK_U) += each unit's sum of weights times x, scaled: q (BLOCK_N, BLOCK_U, 4) words,
+    s (BLOCK_N, BLOCK_U) their scales as float32, x_at (BLOCK_M, 1, BLOCK_U, 4) x of piece 0, masked by xm."""
+    q2 = q >> 16  # the top half's pieces moved down, below the mantissa's 23 bits (the sign bits are masked off)
+    p = tl.zeros((acc.shape[0], acc.shape[1], acc.shape[2], 4), tl.float32)
+    for u in tl.static_range(8 if Q4 else 4):  # pieces of a word: nibbles at bit 4 u | bytes at bit 8 u
+        f = _piece(q, q2, magic, u, Q4, ASM)  # (BLOCK_N, BLOCK_U, 4)
+        xl = tl.load(x_at + 4 * u, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_M, 1, BLOCK_U, 4)
+        p += f[None, :, :, :] * xl
+    return acc + tl.sum(p, axis=3) * s[None, :, :]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_o, magic,
-                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr,
+                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
     of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
-    a Q8_0 block: 32 | 16 weights), in the module's kernel order, so that a thread's unit meets 4 contiguous x a
-    piece and its words sum in its registers; scales block-major (stride_sb between blocks, 1 between rows). No
-    int-to-float conversions (a quarter of the FMA rate on the GPU: the 4-bit GEMV would be bound by them, not by
-    HBM): each piece is masked in place, OR-ed into the mantissa of 2^23, and 2^23 + 8 2^s (Q4_0; Q8_0, its sign
-    bits flipped: 2^23 + 128 2^s) subtracted: (q - 8) 2^s exactly, for the piece's shift s, folded into x (scaled
-    by 2^-s once a step and shared by the BLOCK_N rows of a thread). Unit sums are float32, scaled, kept per
-    (token, row, unit) and summed at the end; + b in float32, rounded once to out's dtype (ADD: out + that, rounded
-    once; with BIAS the linear is rounded first, as fused.add_linear rounds). EVEN: N % BLOCK_N == 0 and
-    NB % BLOCK_B == 0 (no masks on the weight's loads)."""
+    a Q8_0 block: 32 | 16 weights), in the module's kernel order, a step's units across the program's threads (one
+    or more a thread) and its BLOCK_N rows in each thread's registers, so that a thread's x values (loaded and
+    widened once a step) serve all its rows; scales block-major (stride_sb between blocks, 1 between rows). Each
+    piece of a word becomes q - 8 (q) as a float by one LOP3 and one FADD (_piece), then one FFMA a token. Sums are
+    float32: per (token, row, unit) over a step's pieces and words, scaled, added across steps, summed across
+    units at the end; + b in float32, rounded once to out's dtype (ADD: out + that, rounded once; with BIAS the
+    linear is rounded first, as fused.add_linear rounds). A step's quants and scales are loaded before the previous
+    step is computed (registers double-buffered: the loads of one step in flight during the other's arithmetic).
+    EVEN: N % BLOCK_N == 0, NB % BLOCK_B == 0 and M == BLOCK_M (no masks). ASM: inline PTX (compiled, not
+    interpreted)."""
     UPB: tl.constexpr = 1 if Q4 else 2  # 16-byte units a block
     UW: tl.constexpr = 32 // UPB  # weights a unit
     BLOCK_U: tl.constexpr = BLOCK_B * UPB
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) weight rows
     un = tl.arange(0, BLOCK_U)  # (BLOCK_U,) units of a step
     i = tl.arange(0, 4)  # (4,) words of a unit
+    mi = tl.arange(0, BLOCK_M)  # (BLOCK_M,) tokens
     nm = n < N
     q_at = q_ptr + n.to(tl.int64)[:, None, None] * stride_q + un[None, :, None] * 4 + i[None, None, :]
     s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
-    x_at = x_ptr + un[:, None] * UW + i[None, :]  # (BLOCK_U, 4): piece 0 of each word; piece u: + 4 u
-    mi = tl.arange(0, BLOCK_M)
+    # (BLOCK_M, 1, BLOCK_U, 4): x of token m, piece 0 of word i of unit un (piece u: + 4 u)
+    x_at = x_ptr + mi[:, None, None, None] * stride_x + (un * UW)[None, None, :, None] + i[None, None, None, :]
+    mm = (mi < M)[:, None, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), tl.float32)
-    for b0 in range(0, NB, BLOCK_B):
-        um = b0 + un // UPB < NB  # (BLOCK_U,)
+    steps = tl.cdiv(NB, BLOCK_B)
+    if EVEN:
+        q = tl.load(q_at)  # (BLOCK_N, BLOCK_U, 4) int32
+        s = tl.load(s_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
+    else:
+        um = un // UPB < NB
+        q = tl.load(q_at, mask=nm[:, None, None] & um[None, :, None], other=0)
+        s = tl.load(s_at, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
+    for j in range(1, steps):
         if EVEN:
-            q = tl.load(q_at)  # (BLOCK_N, BLOCK_U, 4) int32
-            s = tl.load(s_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
+            qn = tl.load(q_at + j * (BLOCK_U * 4))
+            sn = tl.load(s_at + j * BLOCK_B * stride_sb).to(tl.float32)
+            acc = _step(acc, q, s, x_at + (j - 1) * (BLOCK_B * 32), None, magic, Q4, ASM)
         else:
-            q = tl.load(q_at, mask=nm[:, None, None] & um[None, :, None], other=0)
-            s = tl.load(s_at, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
-        if not Q4:
-            q = q ^ FLIP  # 4 x (q + 128)
-        q2 = q >> 16  # the top half's pieces moved down, below the mantissa's 23 bits (the sign bits are masked off)
-        xm = um[:, None] & (i[None, :] < 4)  # (BLOCK_U, 4)
-        for m in tl.static_range(BLOCK_M):
-            xa = x_at + m * stride_x + b0 * 32
-            xmm = xm & (tl.full((1, 4), m, tl.int32) < M)
-            p = tl.zeros((BLOCK_N, BLOCK_U, 4), tl.float32)
-            for u in tl.static_range(8 if Q4 else 4):  # pieces of a word: nibbles at bit 4 u | bytes at bit 8 u
-                sh = 4 * u if Q4 else 8 * u
-                bias = 8 if Q4 else 128
-                if sh + (4 if Q4 else 8) <= 23:
-                    piece = q & ((15 if Q4 else 255) << sh)
-                else:
-                    sh = sh - 16
-                    piece = q2 & ((15 if Q4 else 255) << sh)
-                f = (piece | magic).to(tl.float32, bitcast=True) - (8388608.0 + bias * (1 << sh))  # (q - bias) 2^sh
-                xl = tl.load(xa + 4 * u, mask=xmm, other=0.0).to(tl.float32) * (1.0 / (1 << sh))  # (BLOCK_U, 4)
-                p += f * xl[None, :, :]
-            part = tl.sum(p, axis=2) * s  # (BLOCK_N, BLOCK_U): scaled unit sums of token m
-            if BLOCK_M == 1:
-                acc += part[None, :, :]
-            else:  # into token m's slice (a select: Triton has no indexed update of a register tensor)
-                acc += tl.where(mi[:, None, None] == m, part[None, :, :], 0.0)
-        q_at += BLOCK_U * 4
-        s_at += BLOCK_B * stride_sb
+            um = j * BLOCK_B + un // UPB < NB
+            qn = tl.load(q_at + j * (BLOCK_U * 4), mask=nm[:, None, None] & um[None, :, None], other=0)
+            sn = tl.load(s_at + j * BLOCK_B * stride_sb, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
+            xm = mm & ((j - 1) * BLOCK_B + un // UPB < NB)[None, None, :, None]
+            acc = _step(acc, q, s, x_at + (j - 1) * (BLOCK_B * 32), xm, magic, Q4, ASM)
+        q = qn
+        s = sn
+    if EVEN:
+        acc = _step(acc, q, s, x_at + (steps - 1) * (BLOCK_B * 32), None, magic, Q4, ASM)
+    else:
+        xm = mm & ((steps - 1) * BLOCK_B + un // UPB < NB)[None, None, :, None]
+        acc = _step(acc, q, s, x_at + (steps - 1) * (BLOCK_B * 32), xm, magic, Q4, ASM)
     y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
     if BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]

@@ -139,3 +139,30 @@ def test_block_rows_on_both_sides_equal_hf(family, fmt, mask, tiny_model_dir, tm
     g = generate(rt, ids, NEW, keep_logits=True)
     assert g.token_ids == want
     assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < LOGIT_ATOL
+
+
+def test_q4_0_gguf_read_in_place_equals_hf(tmp_path):
+    """A Q4_0 GGUF in llama.cpp's conventions (Q/K rows permuted, ReGLU recorded): every neuron on the device side in
+    float32 gives the greedy tokens of transformers' own GGUF load (de-quantized whole); cold rows kept in the file's
+    Q4_0 blocks (gate/up copied byte for byte) run too."""
+    from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
+    from hotneurons.common.models import load_model
+
+    path = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
+    lm = load_model(str(path), device="cpu", dtype="float32", cache=False)
+    assert lm.activation == "reglu"
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    want, want_logits = hf_greedy(lm, ids)
+    rt = load_runtime(None, RuntimeConfig(mode="dense", device="cpu", gpu_dtype="f32"), model=str(path))
+    g = generate(rt, ids, NEW, keep_logits=True)
+    assert g.token_ids == want
+    assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < LOGIT_ATOL
+    from hotneurons.runtime.engine import load_source_runtime
+
+    n, L = lm.info["n_neurons"], lm.info["n_layers"]
+    rt = load_source_runtime(None, None, RuntimeConfig(device="cpu", oracle=True), model=str(path),
+                             placement=Placement(tuple(np.arange(n) < n // 4 for _ in range(L))))
+    assert rt.cfg.cold_dtype == "q4_0" and rt.cfg.gpu_dtype == "q4_0"  # auto: the file's format, on both sides
+    assert all(f.cold.fmt == "q4_0" for f in rt.ffns)
+    g = generate(rt, ids, NEW)
+    assert len(g.token_ids) == NEW and 0 < g.stats["ffn_sparsity"] < 1

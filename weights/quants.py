@@ -131,7 +131,9 @@ _DEQUANT: dict[WeightFormat, Callable[[torch.Tensor], torch.Tensor]] = {
 # ---- quantization: (n blocks, block) float32 -> (n, block bytes) uint8, llama.cpp's reference rounding ----
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).view(torch.uint8)  # (n, 1) float32 -> (n, 2): round to nearest even, as numpy
+    # (n, 1) float32 -> (n, 2): round to nearest even, as numpy; flattened first, since a size-1 last dimension may
+    # carry any stride (0 after some reductions), which a dtype view refuses
+    return x.to(torch.float16).reshape(-1).view(torch.uint8).view(-1, 2)
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
