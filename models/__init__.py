@@ -22,9 +22,13 @@ __all__ = ["MODELS", "Decoder", "Falcon", "Llama", "ModelConfig", "OPT", "Rope",
 
 
 def build_model(cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,
-                release: Callable[[str], None] | None = None) -> Decoder:
+                release: Callable[[str], None] | None = None, layers: bool = True) -> Decoder:
     """The model of cfg's family, its non-FFN weights pulled from `weights` by canonical name (each `release`d after)
-    and a KV cache of `ctx` tokens allocated on `device`."""
+    and a KV cache of `ctx` tokens allocated on `device`.
+
+    layers=False: a lazy model, for models bigger than the device: only embeddings, final norm and head now (and a
+    cache of one layer); `weights` is kept, and decoder.load_layer(i) / drop_layer(i) bring in and free one layer's
+    attention at a time."""
     if cfg.family not in MODELS:
         raise ValueError(f"no model definition for family '{cfg.family}': the definitions are {', '.join(MODELS)}")
-    return MODELS[cfg.family](cfg, weights, device, dtype, ctx, release)
+    return MODELS[cfg.family](cfg, weights, device, dtype, ctx, release, layers)

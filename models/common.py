@@ -74,9 +74,16 @@ class Loader:
         if isinstance(w, QTensor):
             w = _pack(w, self.device) if pack else w.to(self.device)
         elif w is not None:
-            w = w.to(device=self.device, dtype=self.dtype)
+            w = self._float(w)
         self._done(name)
         return w
+
+    def _float(self, w: torch.Tensor) -> torch.Tensor:
+        """A float matrix on the device in the compute dtype; on the CPU as stored (a bf16 file stays bf16, often a
+        view of the file: a float32 copy would double the host memory; the GEMM casts per call)."""
+        if self.device.type == "cpu":
+            return w.to(self.device)
+        return w.to(device=self.device, dtype=self.dtype)
 
     def fused(self, names: list[str], biases: bool) -> tuple[Weight, torch.Tensor | None]:
         """The weights of `names` stacked by rows into one (so one GEMV reads q, k and v), and their biases (zeros
@@ -86,9 +93,9 @@ class Loader:
             data = torch.cat([w.data.to(self.device) for w in ws])  # (rows, row bytes) uint8
             w = _pack(QTensor(data, ws[0].fmt, (data.shape[0], ws[0].shape[1])), self.device)
         elif not any(isinstance(w, QTensor) for w in ws):
-            w = torch.cat([w.to(device=self.device, dtype=self.dtype) for w in ws])
+            w = torch.cat([self._float(w) for w in ws])
         else:
-            w = [_pack(w, self.device) if isinstance(w, QTensor) else w.to(self.device, self.dtype) for w in ws]
+            w = [_pack(w, self.device) if isinstance(w, QTensor) else self._float(w) for w in ws]
         for n in names:
             self._done(n)
         b = None
@@ -195,17 +202,53 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 class Decoder:
     """The base of the model definitions: the static KV cache and the engine's loop. A family defines `embed`,
-    `attention`, `after_ffn` and `logits` (see forward); the cache holds positions 0..ctx-1 of every layer."""
+    `attention`, `after_ffn`, `logits` and `_load_layer` (see forward); the cache holds positions 0..ctx-1 of every
+    layer.
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, ctx: int):
+    A lazy model (build_model(layers=False)) holds only embeddings, final norm and head: `load_layer(i)` brings layer
+    i's attention and norms to the device, `drop_layer(i)` frees them, and its cache holds one layer, which each
+    layer overwrites in turn (the stages that run models bigger than the device run one sequence through one layer at
+    a time)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, ctx: int,
+                 kv_layers: int | None = None):
         if ctx > cfg.max_positions:
             raise ValueError(f"ctx {ctx} is past the {cfg.max_positions} positions {cfg.model_type} was trained for: "
                              f"pass ctx <= {cfg.max_positions}")
         self.cfg, self.device, self.dtype, self.ctx = cfg, torch.device(device), dtype, ctx
-        kv = (cfg.n_layers, cfg.n_kv_heads, ctx, cfg.head_dim)
+        kv = (kv_layers or cfg.n_layers, cfg.n_kv_heads, ctx, cfg.head_dim)
         self.k_cache = torch.zeros(kv, device=self.device, dtype=dtype)  # (layers, kv heads, ctx, hd)
         self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
         self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
+        self._loader: Loader | None = None  # kept by lazy models only: it pulls a layer's weights again
+        self.layers: list = []
+
+    def _load_layers(self, load: Loader, all_layers: bool) -> list:
+        """Every layer's weights now, or (lazy) none yet: then `load` is kept for load_layer."""
+        if all_layers:
+            return [self._load_layer(load, i) for i in range(self.cfg.n_layers)]
+        self._loader = load
+        return [None] * self.cfg.n_layers
+
+    @property
+    def lazy(self) -> bool:
+        return self._loader is not None
+
+    def load_layer(self, i: int) -> None:
+        """Layer i's non-FFN weights (attention, its norms) onto the device, pulled from the weights again (each
+        released after, as at construction); a no-op where they are there."""
+        if self.layers[i] is None:
+            self.layers[i] = self._load_layer(self._loader, i)
+
+    def drop_layer(self, i: int) -> None:
+        """Free layer i's weights (a lazy model's: a whole one could not pull them again)."""
+        if not self.lazy:
+            raise ValueError(f"layer {i} cannot be dropped: this model was built with all its layers; build it with "
+                             f"layers=False to load and drop them one at a time")
+        self.layers[i] = None
+
+    def _load_layer(self, load: Loader, i: int):
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget the cache: the next call starts again at position 0."""
@@ -223,8 +266,9 @@ class Decoder:
                          pos0: int | torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Write k, v (T, K, hd) at positions pos (T,) of layer i's cache, then attend q (T, H, hd) causally over the
         cache (within layer i's sliding window) -> (T, H * hd). `scale`: of the scores, if not cfg.scale."""
-        self.k_cache[i].index_copy_(1, pos, k.transpose(0, 1))
-        self.v_cache[i].index_copy_(1, pos, v.transpose(0, 1))
+        c = i % len(self.k_cache)  # a lazy model's one-layer cache serves every layer in turn
+        self.k_cache[c].index_copy_(1, pos, k.transpose(0, 1))
+        self.v_cache[c].index_copy_(1, pos, v.transpose(0, 1))
         S = pos0 + q.shape[0] if isinstance(pos0, int) else self.ctx  # eager: only the filled slots
         slots = self.slots[:S]
         mask = slots[None, :] <= pos[:, None]  # (T, S) causal
@@ -232,7 +276,7 @@ class Decoder:
         if window:
             mask &= slots[None, :] > pos[:, None] - window
         scale = self.cfg.scale if scale is None else scale
-        return attend(q, self.k_cache[i, :, :S], self.v_cache[i, :, :S], mask, scale, self.cfg.attn_softcap)
+        return attend(q, self.k_cache[c, :, :S], self.v_cache[c, :, :S], mask, scale, self.cfg.attn_softcap)
 
     def head(self, h: torch.Tensor, norm: Norm | None, w: Weight) -> torch.Tensor:
         """(T, vocab) float32 logits: final norm, head, softcap."""
@@ -262,8 +306,12 @@ class Decoder:
         ffn(i, x) is layer i's FFN."""
         h = self.embed(tokens, pos0)  # (T, d)
         for i in range(self.cfg.n_layers):
+            if self.lazy:
+                self.load_layer(i)
             h2, x = self.attention(i, h, pos0)  # (T, d) residual after attention, (T, d) the FFN's input
             h = self.after_ffn(i, h2, ffn(i, x))
+            if self.lazy:
+                self.drop_layer(i)
         return self.logits(h)
 
 

@@ -46,11 +46,11 @@ class _Layer:
 
 class Llama(Decoder):
     def __init__(self, cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,
-                 release: Callable[[str], None] | None = None):
-        super().__init__(cfg, device, dtype, ctx)
+                 release: Callable[[str], None] | None = None, layers: bool = True):
+        super().__init__(cfg, device, dtype, ctx, kv_layers=None if layers else 1)
         load = Loader(weights, device, dtype, release)
         self.tok_embd = load_embedding(load, cfg)  # (vocab, d)
-        self.layers = [self._load_layer(load, i) for i in range(cfg.n_layers)]
+        self.layers = self._load_layers(load, layers)
         self.norm = load_norm(load, cfg, "output_norm")
         self.output = load_head(load, cfg, self.tok_embd)  # (vocab, d)
         self.cos, self.sin = rope_tables(cfg.rope, cfg.head_dim, ctx, self.device, dtype)  # (ctx, hd) each

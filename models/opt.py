@@ -41,13 +41,13 @@ class _Layer:
 
 class OPT(Decoder):
     def __init__(self, cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,
-                 release: Callable[[str], None] | None = None):
-        super().__init__(cfg, device, dtype, ctx)
+                 release: Callable[[str], None] | None = None, layers: bool = True):
+        super().__init__(cfg, device, dtype, ctx, kv_layers=None if layers else 1)
         load = Loader(weights, device, dtype, release)
         self.tok_embd = load_embedding(load, cfg)  # (vocab, d_embed)
         self.pos_embd = load.tensor("position_embd.weight")  # (max positions + 2, d)
         self.project_in = load.matrix("project_in.weight") if cfg.d_embed else None  # (d, d_embed)
-        self.layers = [self._load_layer(load, i) for i in range(cfg.n_layers)]
+        self.layers = self._load_layers(load, layers)
         self.norm = load_norm(load, cfg, "output_norm") if cfg.final_norm else None
         self.project_out = load.matrix("project_out.weight") if cfg.d_embed else None  # (d_embed, d)
         self.output = load_head(load, cfg, self.tok_embd)  # (vocab, d_embed)

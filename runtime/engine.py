@@ -44,11 +44,14 @@ class SourceModel:
         return range(self.info["n_layers"])
 
 
-def auto_format(stored: WeightFormat, where: str, compute: torch.dtype) -> str:
+def auto_format(stored: WeightFormat, where: str, compute: torch.dtype, device: str = "cuda") -> str:
     """`auto` for --cold-dtype (where="cpu") or --gpu-dtype (where="gpu"): the stored format where the kernels read
-    it, else the nearest one they read."""
-    if spec(stored).block == 1:  # floats: bf16 rows on the CPU, the compute dtype on the device
-        return "bf16" if where == "cpu" else str(compute).removeprefix("torch.")
+    it, else the nearest one they read. Float files: bf16 cold rows; hot rows in the compute dtype on a GPU, as
+    stored when the device is the CPU (a float32 copy of a bf16 file would double its memory there)."""
+    if spec(stored).block == 1:
+        if where == "cpu":
+            return "bf16"
+        return str(stored) if device == "cpu" else str(compute).removeprefix("torch.")
     readable = FORMATS[stored].cpu_kernel if where == "cpu" else FORMATS[stored].gpu_kernel
     return str(stored if readable else _AUTO.get(stored, WeightFormat.Q8_0))
 
@@ -103,12 +106,25 @@ def open_model(model: str | None, gguf_file: str | None = None, activation: str 
     return source, sid, mcfg, act
 
 
-def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dtype) -> tuple[str, str | None]:
-    """(cold rows' format, hot rows' block format or None for float) from the flags and the file's FFN format."""
+def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dtype,
+                device: str) -> tuple[str, str]:
+    """(cold rows' format, hot rows' format) from the flags and the file's FFN format."""
     stored = source.infos["blk.0.ffn_up.weight"].fmt
     cold = auto_format(stored, "cpu", compute) if cold_dtype == "auto" else str(weight_format(cold_dtype))
-    gpu = auto_format(stored, "gpu", compute) if gpu_dtype == "auto" else str(weight_format(gpu_dtype))
-    return cold, (None if spec(gpu).block == 1 else gpu)
+    gpu = auto_format(stored, "gpu", compute, device) if gpu_dtype == "auto" else str(weight_format(gpu_dtype))
+    return cold, gpu
+
+
+def requantized(source: Any, cold: str, hot: str) -> None:
+    """Warn, once, where 4-bit rows of the file are re-quantized to another 4-bit format: a real cost in quality."""
+    import warnings
+
+    stored = source.infos["blk.0.ffn_up.weight"].fmt
+    four = (WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q4_K, WeightFormat.Q5_K)
+    if stored != WeightFormat.Q4_0 and stored in four and WeightFormat.Q4_0 in (cold, hot):
+        warnings.warn(f"the file's {stored} FFN rows are re-quantized to q4_0, which costs quality (SmolLM2-135M from "
+                      f"Q4_1: +15% perplexity, docs/memory.md); --cold-dtype q8_0 --gpu-dtype q8_0 keeps it (+0.4%) "
+                      f"at about twice the bytes", stacklevel=3)
 
 
 @torch.inference_mode()
@@ -182,8 +198,9 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     if len(placement.gpu) != L or any(len(g) != n for g in placement.gpu):
         raise ArtifactError(f"the placement is for {len(placement.gpu)} layers of {len(placement.gpu[0])} neurons, the "
                             f"model has {L} of {n}: run pi-solve for this model")
-    cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype)
-    cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt or str(dtype).removeprefix("torch."))  # as resolved
+    cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype, device)
+    cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt)  # as resolved
+    requantized(source, cold_fmt, hot_fmt)
     ctx = cfg.ctx or min((solved.get("flags", {}).get("ctx")) or CAPACITY, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
     check_fits(need, device, cfg.vram, ctx)

@@ -68,11 +68,17 @@ class FFNWeights:
                                 "ffn_down.bias", "ffn_down_t.weight")]
 
 
+FLOAT_DTYPES = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
+
+
+def float_dtype(fmt: WeightFormat) -> torch.dtype:
+    return FLOAT_DTYPES[fmt]
+
+
 def fmt_of(w: Weight) -> WeightFormat:
     if isinstance(w, QTensor):
         return w.fmt
-    return {torch.float32: WeightFormat.F32, torch.float16: WeightFormat.F16,
-            torch.bfloat16: WeightFormat.BF16}.get(w.dtype, WeightFormat.F32)
+    return {v: k for k, v in FLOAT_DTYPES.items()}.get(w.dtype, WeightFormat.F32)
 
 
 def _chunk_rows(cols: int) -> int:
@@ -100,8 +106,7 @@ def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu"
         return w.to(device)
     rows, cols = w.shape
     if spec(fmt).block == 1:  # a float format
-        dtype = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16,
-                 WeightFormat.BF16: torch.bfloat16}[fmt]
+        dtype = FLOAT_DTYPES[fmt]
         out = torch.empty((rows, cols), dtype=dtype, device=device)  # (rows, cols)
         step = _chunk_rows(cols)
         for s in range(0, rows, step):

@@ -29,7 +29,15 @@ import torch
 from hotneurons.common.ffn import active_mask
 from hotneurons.runtime.cold_rows import ffn_rows_mapped, host_mapped, map_rows
 from hotneurons.runtime.cuda import capture
-from hotneurons.runtime.ffn_weights import FFNWeights, cold_rows_of, down_t_rows, hot_blocks, take_rows, to_float
+from hotneurons.runtime.ffn_weights import (
+    FFNWeights,
+    cold_rows_of,
+    down_t_rows,
+    float_dtype,
+    hot_blocks,
+    take_rows,
+    to_float,
+)
 from hotneurons.runtime.kernels import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, mask_bytes, wait_ready
 from hotneurons.runtime.kernels_q import cold_layer_q
 from hotneurons.runtime.ops import act_torch, ffn_rows_torch, neuron_values, predict
@@ -98,12 +106,15 @@ class HybridFFN(nn.Module):
         gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
         hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
         self.n_hot, self.n_cold = len(hot), len(cold)
-        self.hot_fmt = None if gpu_dtype is None or spec(gpu_dtype).block == 1 else weight_format(gpu_dtype)
         self.hot_q: dict[str, Any] | None = None  # block-format hot rows (qlinear's GpuQ/QTensor): gate, up, down
         dev = device if device is not None else (w.up.device if isinstance(w.up, torch.Tensor) else "cpu")
         fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
                            else torch.float32)
         b_up, b_down = w.b_up, w.b_down
+        # hot rows in the compute dtype: torch's ops on buffers; in another format (blocks, or bf16 rows of a CPU run
+        # kept as stored): qlinear, which reads blocks and casts floats per call
+        fmt = None if gpu_dtype is None else weight_format(gpu_dtype)
+        self.hot_fmt = None if fmt is None or (spec(fmt).block == 1 and float_dtype(fmt) == fdtype) else fmt
         if self.hot_fmt is None or not self.n_hot:  # float hot rows, in the model dtype (or none at all)
             def hot_rows(m):
                 return None if m is None else to_float(take_rows(m, hot), fdtype).to(dev)

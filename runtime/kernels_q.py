@@ -10,25 +10,36 @@ up and down_t (the down projection transposed). The kernels tell the format from
 d / 32 * 34 or d / 32 * 18; no width is both for one d) and each thread runs the code compiled for that format.
 
 The contract is kernels.cold_ffn's and kernels.cold_layer's without `scale` and `group` (runtime/kernels.py: work
-claimed CHUNK neurons at a time from an atomic counter, four neurons' gate and up rows read in one pass of eight rows
-(_dot8), then their down rows (_axpy4), per-thread partial sums in `part`, `out` of shape (0,) leaves the sum there;
-the GIL released):
-  cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act)
-  cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, part, out, act, marks)
+claimed CHUNK neurons at a time from an atomic counter, four neurons' gate and up rows read in one pass of eight rows,
+then their down rows, per-thread partial sums in `part`, `out` of shape (0,) leaves the sum there; the GIL released):
+  cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ)
+  cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, part, out, act, marks, xq=XQ)
 and a dense GEMV over all rows, parallel over groups of eight rows (CPU-only decode of 4-bit attention weights):
-  gemv_q(x, rows, out, fmt)
+  gemv_q(x, rows, out, fmt, xq=False)
 
-All arithmetic is float32 on exact weights: a weight q (int8, or a nibble minus 8 in 8-bit integers) is converted to
-float32 and multiplied by x; a block's products are summed, then multiplied by its scale d (fp16 -> float32 by LLVM's
-fpext: one vcvtph2ps with F16C), so a block costs one scale multiply per row, not one per weight. Unlike bf16 rows,
-the weights' conversions, not DRAM, bound a core (bench/kernel_q.py), so the row math is LLVM vector IR
-(_rows_codegen), and each group of four neurons prefetches the next group's rows while it computes.
+Two routes for the gate and up dots (runtime/kernels_q_ir.py has the row math):
+  xq=False (float): float32 arithmetic on exact weights (every d * (q - 8) and d * q is exact in float32), as the
+    float64 reference up to float32 sums: the route that exactness tests (tests/test_engine.py) rely on.
+  xq=True (int): x quantized once per call as llama.cpp quantizes activations for its own CPU dots (Q8_0 of x: an int8
+    per weight and a float32 scale per 32, `quantize_x`), the block dots in integers (AVX-512 VNNI). It adds x's
+    rounding error: a dot differs from the float route's by at most sum over blocks of d_x / 2 * sum |w| (d_x =
+    max|x| / 127 of the block; tests/test_kernels_q.py checks that bound). Only where the compile target has the
+    instructions (kernels_q_ir.XQ_OK); elsewhere xq=True runs the float route.
+XQ, the default, is the float route unless HOTNEURONS_COLD_XQ=1 in the environment at import (and XQ_OK): the int
+route changes results, so it is asked for, not assumed. The down rows (axpys) are float32 on both routes.
 
-Numba's cache (cache=True) checks only this file: after editing kernels.py, activations.py or intrinsics.py, delete
-runtime/__pycache__ (or touch this file), or the cached kernels keep the old code.
+Prefetch: each group of four neurons asks for the rows of the thread's own next group (PREFETCH_AHEAD groups later)
+while it computes, its gate and up rows during the dots, its down rows during the axpys. A thread claims its next
+chunk of the active list before it starts on the last group of its current one, so that the prefetched rows are the
+ones it reads next (the positions after a chunk in idx belong to another thread's chunk).
+
+Numba's cache (cache=True) checks only this file: after editing kernels.py, kernels_q_ir.py, activations.py or
+intrinsics.py, delete runtime/__pycache__ (or touch this file), or the cached kernels keep the old code.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from hotneurons.runtime.activations import _gated_value, _ungated_value
@@ -44,18 +55,25 @@ from hotneurons.runtime.kernels import (
     bit_indices,
     wait_ready,
 )
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from hotneurons.runtime.kernels_q_ir import (
+    BLOCK,
+    BLOCK_BYTES,
+    F16_TO_F32,
+    Q4_0,
+    Q8_0,
+    XQ_OK,
+    rows_axpy,
+    rows_dot,
+)
+from numba import njit, prange
 
-BLOCK = 32  # weights per block, both formats
-Q8_0, Q4_0 = 0, 1  # format codes
-BLOCK_BYTES = (34, 18)  # by format code
 FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0}
 GEMV_ROWS = 8  # rows a thread reads at once in gemv_q
-_F32, _I8, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
-_V16F, _V16B = ir.VectorType(_F32, 16), ir.VectorType(_I8, 16)
+XQ = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "0") == "1"  # cold_ffn_q's default route (module docstring)
+PREFETCH_AHEAD = 1  # groups of four neurons between the one computed and the one whose rows are prefetched
+_LUT = F16_TO_F32  # fp16 pattern -> float32 (a constant in the compiled code)
+__all__ = ["cold_ffn_q", "cold_layer_q", "gemv_q", "quantize_x", "FORMAT_CODE", "XQ", "XQ_OK", "BLOCK", "Q4_0",
+           "Q8_0", "BLOCK_BYTES"]
 
 
 @njit(nogil=True, cache=True)
@@ -69,187 +87,99 @@ def _format(d, row_bytes):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Row math, written as LLVM vector IR: a block's 32 weights as two <16 x float> halves. Dots of one, four or eight rows
-# in one pass over x keep each row's sum in a vector across its blocks (+= d_b * (x_lo * w_lo + x_hi * w_hi)) and
-# reduce it once at the end: the loop vectoriser, given the same loops in Numba, reduced every block's sum to a
-# scalar, which took about as long as the products. Axpys (acc += h * row) of one or four rows. Both may prefetch
-# other rows (the next neurons') in step, one line a block, into the L2: a core's compute then overlaps its DRAM
-# reads, which the hardware prefetchers do not start early enough on rows of a few KiB at random places.
+# x quantized for the int route (kernels_q_ir's XQ_LAYOUT)
 
 
-def _vec_at(builder, base, offset, vt, align):
-    return builder.load(builder.bitcast(builder.gep(base, [offset]), ir.PointerType(vt)), align=align)
+@njit(nogil=True, cache=True)
+def quantize_x(x, q, dx):
+    """x (d,) float32 -> q (d,) int8 and dx (d / 32,) float32 with x ~ dx[i // 32] * q[i]: llama.cpp's Q8_0 of an
+    activation row (dx = max|x| / 127 of the block, q = x / dx rounded to nearest; an all-zero block: dx = 0, q = 0)."""
+    for b in range(x.shape[0] // BLOCK):
+        amax = np.float32(0.0)
+        for i in range(b * BLOCK, b * BLOCK + BLOCK):
+            amax = max(amax, abs(x[i]))
+        dx[b] = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for i in range(b * BLOCK, b * BLOCK + BLOCK):
+            q[i] = np.int8(min(127, max(-127, round(x[i] * inv))))
 
 
-def _splat(builder, v):  # a float32 in all 16 lanes
-    one = builder.insert_element(ir.Constant(_V16F, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-
-
-def _prefetch(builder, data, o):
-    """Ask for the cache line of byte o of a row, into the L2 (LLVM's prefetch: read, locality 2, data)."""
-    i8p = ir.PointerType(_I8)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(builder.gep(data, [o]), i8p)] + [ir.Constant(_I32, v) for v in (0, 2, 1)])
-
-
-def _block_weights(builder, data, o, q4, intp):
-    """Block at byte o of a row: its fp16 scale as float32 and its weights as two <16 x float> halves (q - 8 for
-    Q4_0, in 8-bit integers: the low nibbles, then the high ones; Q8_0: bytes 2-17, then 18-33)."""
-    c = lambda v: ir.Constant(_V16B, [v] * 16)  # noqa: E731
-    scale = builder.fpext(builder.load(builder.bitcast(builder.gep(data, [o]), ir.PointerType(ir.HalfType())),
-                                       align=1), _F32)
-    q = _vec_at(builder, data, builder.add(o, ir.Constant(intp, 2)), _V16B, 1)
-    if q4:
-        lo, hi = builder.sub(builder.and_(q, c(15)), c(8)), builder.sub(builder.lshr(q, c(4)), c(8))
-    else:
-        lo, hi = q, _vec_at(builder, data, builder.add(o, ir.Constant(intp, 18)), _V16B, 1)
-    return scale, builder.sitofp(lo, _V16F), builder.sitofp(hi, _V16F)
-
-
-def _rows_codegen(q4: bool, dot: bool, nh: int, nrows: int, nnext: int):
-    """Codegen of a dot (args: x, rows, next rows, fmt) or an axpy (args: h's, rows, next rows, fmt, acc)."""
-    def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else a
-                  for t, a in zip(signature.args, args)]
-        vec = arrays[-1] if not dot else arrays[0]  # x, or acc: (d,) float32
-        rows, nxt = arrays[nh:nh + nrows], arrays[nh + nrows:nh + nrows + nnext]
-        d = cgutils.unpack_tuple(builder, vec.shape)[0]
-        intp = d.type
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                             "llvm.fmuladd.v16f32")
-        sums = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in rows] if dot else []
-        with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(intp, BLOCK)), intp=intp) as loop:
-            xo = builder.mul(loop.index, ir.Constant(intp, BLOCK))
-            xo2 = builder.add(xo, ir.Constant(intp, 16))
-            vl, vh = _vec_at(builder, vec.data, xo, _V16F, 4), _vec_at(builder, vec.data, xo2, _V16F, 4)  # 2 x (16,)
-            o = builder.mul(loop.index, ir.Constant(intp, BLOCK_BYTES[Q4_0 if q4 else Q8_0]))
-            for r in nxt:
-                _prefetch(builder, r.data, o)
-            for i, r in enumerate(rows):
-                scale, wl, wh = _block_weights(builder, r.data, o, q4, intp)
-                if dot:  # sum += d * (x_lo . w_lo + x_hi . w_hi), lane by lane
-                    t = builder.call(fma, [vh, wh, builder.fmul(vl, wl)])
-                    builder.store(builder.call(fma, [t, _splat(builder, scale), builder.load(sums[i])]), sums[i])
-                else:  # acc += (h d) w
-                    a = _splat(builder, builder.fmul(arrays[i], scale))
-                    vl, vh = builder.call(fma, [wl, a, vl]), builder.call(fma, [wh, a, vh])
-            if not dot:
-                for at, v in ((xo, vl), (xo2, vh)):
-                    builder.store(v, builder.bitcast(builder.gep(vec.data, [at]), ir.PointerType(_V16F)), align=4)
-        if not dot:
-            return context.get_dummy_value()
-        out = []
-        for acc in sums:  # 16 lanes -> 1, halving
-            v, n = builder.load(acc), 16
-            while n > 1:
-                n //= 2
-                v = builder.fadd(*(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n),
-                                                                            list(range(k, k + n))))
-                                   for k in (0, n)))
-            out.append(builder.extract_element(v, ir.Constant(_I32, 0)))
-        return out[0] if nrows == 1 else context.make_tuple(builder, signature.return_type, out)
-    return codegen
-
-
-def _rows_typer(fmt, vec, rows, nxt=(), hs=()):
-    """Signature and codegen of a dot (no hs: x . rows) or an axpy (vec += sum of hs * rows) over rows (1-D C uint8
-    arrays), vec (1-D C float32), a literal format code (the caller's source: see _work), prefetching the rows
-    `nxt`; None (a typing error) for anything else."""
-    if not (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in (Q8_0, Q4_0)):
-        return None
-    ok = lambda a, dt: isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == dt  # noqa: E731
-    if not ok(vec, types.float32) or not all(ok(r, types.uint8) for r in rows + nxt) or \
-            any(h != types.float32 for h in hs):
-        return None
-    gen = _rows_codegen(fmt.literal_value == Q4_0, not hs, len(hs) or 1, len(rows), len(nxt))
-    if hs:
-        return types.none(*hs, *rows, *nxt, fmt, vec), gen
-    ret = types.float32 if len(rows) == 1 else types.UniTuple(types.float32, len(rows))
-    return ret(vec, *rows, *nxt, fmt), gen
-
-
-@intrinsic
-def _dot1(typingctx, x, r, fmt):  # (d,) float32 . one row of blocks -> float32
-    return _rows_typer(fmt, x, (r,))
-
-
-@intrinsic
-def _dot4(typingctx, x, r0, r1, r2, r3, fmt):  # four rows' dots in one pass over x
-    return _rows_typer(fmt, x, (r0, r1, r2, r3))
-
-
-@intrinsic
-def _dot8(typingctx, x, r0, r1, r2, r3, r4, r5, r6, r7, fmt):  # eight rows' dots in one pass over x
-    return _rows_typer(fmt, x, (r0, r1, r2, r3, r4, r5, r6, r7))
-
-
-@intrinsic
-def _dot8p(typingctx, x, r0, r1, r2, r3, r4, r5, r6, r7, p0, p1, p2, p3, p4, p5, p6, p7, fmt):  # _dot8, p prefetched
-    return _rows_typer(fmt, x, (r0, r1, r2, r3, r4, r5, r6, r7), (p0, p1, p2, p3, p4, p5, p6, p7))
-
-
-@intrinsic
-def _axpy1(typingctx, h, r, fmt, acc):  # acc (d,) float32 += h * one row of blocks
-    return _rows_typer(fmt, acc, (r,), (), (h,))
-
-
-@intrinsic
-def _axpy4(typingctx, h0, h1, h2, h3, r0, r1, r2, r3, p0, p1, p2, p3, fmt, acc):  # acc += four rows x h, p prefetched
-    return _rows_typer(fmt, acc, (r0, r1, r2, r3), (p0, p1, p2, p3), (h0, h1, h2, h3))
+@njit(nogil=True, cache=True)
+def _xq_buffers(x, fmt, use):
+    """The int route's (xb, corr, dxv) for x in `fmt`'s layout (kernels_q_ir XQ_LAYOUT); empty when not `use`."""
+    d = x.shape[0]
+    nb = d // BLOCK
+    n = (nb + 3) // 4 * 4 * BLOCK if use else 0  # weights in whole steps (4 blocks; 2 for Q8_0 fit too)
+    xb, corr, dxv = np.zeros(n, np.int8), np.zeros(n // 4, np.int32), np.zeros(n // 4, np.float32)
+    if not use:
+        return xb, corr, dxv
+    q, dx = np.empty(d, np.int8), np.empty(nb, np.float32)
+    quantize_x(x, q, dx)
+    for b in range(nb):
+        for i in range(BLOCK):
+            if fmt == Q4_0:  # step s = b // 4, slot b % 4; low halves then high halves; lane = 4 bytes of a half
+                s, slot, j = b // 4, b % 4, i % 16
+                xb[128 * s + (64 if i >= 16 else 0) + 16 * slot + j] = q[b * BLOCK + i]
+                corr[16 * s + 4 * slot + j // 4] -= 8 * np.int32(q[b * BLOCK + i])
+                dxv[16 * s + 4 * slot + j // 4] = dx[b]
+            else:  # in order; lane = 4 weights
+                w = b * BLOCK + i
+                xb[w] = q[w]
+                corr[w // 4] -= 128 * np.int32(q[w])
+                dxv[w // 4] = dx[b]
+    return xb, corr, dxv
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Neurons (kernels.py's _gated4 / _ungated4 / _down4 over blocks)
+# Neurons (kernels.py's _gated4 / _ungated4 / _down4 over blocks). xs: (x,) or the int route's (xb, corr, dxv).
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _down1(h, j, down_t, fmt, acc):
+def _down1(h, j, down_t, lut, fmt, acc):
     if h != 0:
-        _axpy1(h, down_t[j], fmt, acc)
+        rows_axpy((h,), (down_t[j],), (), lut, fmt, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _down4(h0, h1, h2, h3, j0, j1, j2, j3, n0, n1, n2, n3, down_t, fmt, acc):
+def _down4(h0, h1, h2, h3, j0, j1, j2, j3, n0, n1, n2, n3, down_t, lut, fmt, acc):
     """acc += four neurons' down rows x h, prefetching the next four neurons' (n0-n3)."""
     if h0 != 0 and h1 != 0 and h2 != 0 and h3 != 0:
-        _axpy4(h0, h1, h2, h3, down_t[j0], down_t[j1], down_t[j2], down_t[j3], down_t[n0], down_t[n1], down_t[n2],
-               down_t[n3], fmt, acc)
+        rows_axpy((h0, h1, h2, h3), (down_t[j0], down_t[j1], down_t[j2], down_t[j3]),
+                  (down_t[n0], down_t[n1], down_t[n2], down_t[n3]), lut, fmt, acc)
         return
-    _down1(h0, j0, down_t, fmt, acc)  # an inactive neuron (a wrong guess) skips its down row
-    _down1(h1, j1, down_t, fmt, acc)
-    _down1(h2, j2, down_t, fmt, acc)
-    _down1(h3, j3, down_t, fmt, acc)
+    _down1(h0, j0, down_t, lut, fmt, acc)  # an inactive neuron (a wrong guess) skips its down row
+    _down1(h1, j1, down_t, lut, fmt, acc)
+    _down1(h2, j2, down_t, lut, fmt, acc)
+    _down1(h3, j3, down_t, lut, fmt, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated4(x, j0, j1, j2, j3, n0, n1, n2, n3, gate, up, down_t, fmt, acc, act):
+def _gated4(xs, j0, j1, j2, j3, n0, n1, n2, n3, gate, up, down_t, lut, fmt, acc, act):
     """Four neurons: their gate and up rows in one pass (eight rows), then their down rows; the next four neurons'
     (n0-n3) rows prefetched meanwhile."""
-    g0, g1, g2, g3, u0, u1, u2, u3 = _dot8p(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2],
-                                            up[j3], gate[n0], gate[n1], gate[n2], gate[n3], up[n0], up[n1], up[n2],
-                                            up[n3], fmt)
+    g0, g1, g2, g3, u0, u1, u2, u3 = rows_dot(
+        xs, (gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3]),
+        (gate[n0], gate[n1], gate[n2], gate[n3], up[n0], up[n1], up[n2], up[n3]), lut, fmt)
     _down4(_gated_value(act, g0, u0), _gated_value(act, g1, u1), _gated_value(act, g2, u2),
-           _gated_value(act, g3, u3), j0, j1, j2, j3, n0, n1, n2, n3, down_t, fmt, acc)
+           _gated_value(act, g3, u3), j0, j1, j2, j3, n0, n1, n2, n3, down_t, lut, fmt, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _ungated4(x, j0, j1, j2, j3, n0, n1, n2, n3, up, b_up, down_t, fmt, acc, act):
-    a0, a1, a2, a3 = _dot4(x, up[j0], up[j1], up[j2], up[j3], fmt)
+def _ungated4(xs, j0, j1, j2, j3, n0, n1, n2, n3, up, b_up, down_t, lut, fmt, acc, act):
+    a0, a1, a2, a3 = rows_dot(xs, (up[j0], up[j1], up[j2], up[j3]), (up[n0], up[n1], up[n2], up[n3]), lut, fmt)
     _down4(_ungated_value(a0 + b_up[j0], act), _ungated_value(a1 + b_up[j1], act), _ungated_value(a2 + b_up[j2], act),
-           _ungated_value(a3 + b_up[j3], act), j0, j1, j2, j3, n0, n1, n2, n3, down_t, fmt, acc)
+           _ungated_value(a3 + b_up[j3], act), j0, j1, j2, j3, n0, n1, n2, n3, down_t, lut, fmt, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _one(x, j, gate, up, b_up, down_t, fmt, acc, act, gated):  # one neuron, its rows one at a time
+def _one(xs, j, gate, up, b_up, down_t, lut, fmt, acc, act, gated):  # one neuron, its rows one at a time
     if not gated:
-        _down1(_ungated_value(_dot1(x, up[j], fmt) + b_up[j], act), j, down_t, fmt, acc)
+        _down1(_ungated_value(rows_dot(xs, (up[j],), (), lut, fmt) + b_up[j], act), j, down_t, lut, fmt, acc)
         return
-    g = _dot1(x, gate[j], fmt)
+    g = rows_dot(xs, (gate[j],), (), lut, fmt)
     if act <= 3 and g <= 0:  # ReLU gates: a zero gate skips the up and down rows
         return
-    _down1(_gated_value(act, g, _dot1(x, up[j], fmt)), j, down_t, fmt, acc)
+    _down1(_gated_value(act, g, rows_dot(xs, (up[j],), (), lut, fmt)), j, down_t, lut, fmt, acc)
 
 
 @njit(nogil=True, cache=True)
@@ -268,48 +198,74 @@ def _check(x, gate, up, down_t, part, out, gated):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _work(x, idx, gate, up, b_up, down_t, acc, act, gated, counter, head, fmt):
-    """One thread's share of cold_ffn_q: claims from `counter` until idx runs out, sums into acc (d,). `fmt` must be
-    a literal number in the caller's source (Numba types it Literal[int], a global's value int64): the row intrinsics
-    pick their code from it when they compile, so each format gets code of its own."""
+def _work(xs, idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, fmt):
+    """One thread's share of cold_ffn_q: claims from `counter` until idx runs out, sums into acc (d,). Its groups (up
+    to four positions of idx) in order in a ring: the one computed and up to `ahead` more, claimed ahead, the last of
+    which has its rows prefetched. `fmt` must be a literal number in the caller's source (Numba types it
+    Literal[int], a global's value int64): the row intrinsics pick their code from it when they compile."""
     k = idx.shape[0]
+    ring = np.empty((4, 2), np.int64)  # (start, end) of the queued groups
+    first, n = 0, 0
+    c0, c1 = 0, 0  # what is left of the last chunk claimed
+    done = False
     while True:
-        q0, q1 = _claim(_fetch_add(counter, 1), k, head)
-        if q0 >= k:
+        while n <= ahead and not done:
+            if c0 >= c1:
+                c0, c1 = _claim(_fetch_add(counter, 1), k, head)
+                if c0 >= k:
+                    done = True
+                    break
+            e = min(c0 + 4, c1)
+            ring[(first + n) % 4, 0], ring[(first + n) % 4, 1] = c0, e
+            n += 1
+            c0 = e
+        if n == 0:
             return
-        q = q0
-        while q + 4 <= q1:
-            e = k - 1  # the next four positions' rows are prefetched (past the end: the last one's)
-            n0, n1, n2, n3 = idx[min(q + 4, e)], idx[min(q + 5, e)], idx[min(q + 6, e)], idx[min(q + 7, e)]
+        q, q1 = ring[first, 0], ring[first, 1]
+        t = (first + min(ahead, n - 1)) % 4  # the group prefetched (the last queued; itself when none)
+        t0, tl = ring[t, 0], ring[t, 1] - 1
+        first, n = (first + 1) % 4, n - 1
+        if q1 - q == 4:
+            n0, n1, n2, n3 = idx[t0], idx[min(t0 + 1, tl)], idx[min(t0 + 2, tl)], idx[min(t0 + 3, tl)]
             if gated:
-                _gated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], n0, n1, n2, n3, gate, up, down_t, fmt, acc, act)
+                _gated4(xs, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], n0, n1, n2, n3, gate, up, down_t, lut, fmt,
+                        acc, act)
             else:
-                _ungated4(x, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], n0, n1, n2, n3, up, b_up, down_t, fmt, acc,
-                          act)
-            q += 4
-        for q in range(q, q1):
-            _one(x, idx[q], gate, up, b_up, down_t, fmt, acc, act, gated)
+                _ungated4(xs, idx[q], idx[q + 1], idx[q + 2], idx[q + 3], n0, n1, n2, n3, up, b_up, down_t, lut, fmt,
+                          acc, act)
+        else:
+            for p in range(q, q1):
+                _one(xs, idx[p], gate, up, b_up, down_t, lut, fmt, acc, act, gated)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act):
+def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREFETCH_AHEAD):
     """kernels.cold_ffn over block rows: out (d,) = sum over j in idx of h_j(x) * down_t[j] (or, with out of shape
     (0,), part's rows hold that sum). x (d,) float32, idx (k,) int64, gate / up / down_t (n, row_bytes) uint8
     (gate: any such array for ungated FFNs, never read), b_up (n,) float32, part (threads, d) float32 scratch,
-    act: kernels.ACT_CODE."""
+    act: kernels.ACT_CODE, xq: the int route (module docstring), ahead: PREFETCH_AHEAD (0 to 3)."""
     d, k = x.shape[0], idx.shape[0]
     gated = act >= FIRST_GATED
     fmt = _check(x, gate, up, down_t, part, out, gated)
+    use = xq and XQ_OK
+    xb, corr, dxv = _xq_buffers(x, fmt, use)
+    lut = _LUT
+    ahead = min(max(ahead, 0), 3)
     T = _n_chunks(k, part.shape[0])
     head = max(0, k - TAIL * T) // CHUNK * CHUNK  # positions taken CHUNK at a time; the rest 4 at a time
     counter = np.zeros(1, np.int64)  # claims taken
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum
         acc[:] = 0.0
-        if fmt == Q4_0:  # the code as a literal in the source (1: Q4_0, 0: Q8_0), not a global: see _work
-            _work(x, idx, gate, up, b_up, down_t, acc, act, gated, counter, head, 1)
+        # formats as literals in the source (1: Q4_0, 0: Q8_0), not globals: see _work
+        if use and fmt == Q4_0:
+            _work((xb, corr, dxv), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 1)
+        elif use:
+            _work((xb, corr, dxv), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 0)
+        elif fmt == Q4_0:
+            _work((x,), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 1)
         else:
-            _work(x, idx, gate, up, b_up, down_t, acc, act, gated, counter, head, 0)
+            _work((x,), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 0)
     if out.shape[0] == 0:  # the caller sums part's rows; those past T are zero
         part[T:] = 0.0
         return
@@ -318,7 +274,7 @@ def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act):
 
 
 @njit(nogil=True, cache=True)
-def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, part, out, act, marks):
+def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, part, out, act, marks, xq=XQ):
     """kernels.cold_layer over block rows (its arguments less `scale` and `group`): wait for ready[i] (i >= 0), the
     packed mask -> idx[:k], cold_ffn_q over idx[skip:k], marks += (1, k), release[i] = 1. Returns k, or -1 when no
     signal came within SPINS reads."""
@@ -327,7 +283,7 @@ def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t,
     k = bit_indices(words, idx.shape[0], idx)
     marks[0] += 1
     marks[1] += k
-    cold_ffn_q(x, idx[min(skip, k):k], gate, up, b_up, down_t, part, out, act)
+    cold_ffn_q(x, idx[min(skip, k):k], gate, up, b_up, down_t, part, out, act, xq)
     if i >= 0:
         _store_release(release, i, np.int32(1))
     return k
@@ -338,27 +294,37 @@ def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t,
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gemv8(x, rows, out, i, fmt):  # out[i:i + 8] (fmt a literal, as in _work)
+def _gemv8(xs, rows, out, i, lut, fmt):  # out[i:i + 8] (fmt a literal, as in _work)
     (out[i], out[i + 1], out[i + 2], out[i + 3], out[i + 4], out[i + 5], out[i + 6],
-     out[i + 7]) = _dot8(x, rows[i], rows[i + 1], rows[i + 2], rows[i + 3], rows[i + 4], rows[i + 5], rows[i + 6],
-                         rows[i + 7], fmt)
+     out[i + 7]) = rows_dot(xs, (rows[i], rows[i + 1], rows[i + 2], rows[i + 3], rows[i + 4], rows[i + 5],
+                                 rows[i + 6], rows[i + 7]), (), lut, fmt)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _gemv(x, rows, out, fmt):
+def _gemv(x, rows, out, fmt, use):
     n = rows.shape[0]
+    xb, corr, dxv = _xq_buffers(x, fmt, use)
+    lut = _LUT
     for g in prange(n // GEMV_ROWS):
-        if fmt == Q4_0:  # literal codes, as in cold_ffn_q
-            _gemv8(x, rows, out, g * GEMV_ROWS, 1)
+        if use and fmt == Q4_0:  # literal codes, as in cold_ffn_q
+            _gemv8((xb, corr, dxv), rows, out, g * GEMV_ROWS, lut, 1)
+        elif use:
+            _gemv8((xb, corr, dxv), rows, out, g * GEMV_ROWS, lut, 0)
+        elif fmt == Q4_0:
+            _gemv8((x,), rows, out, g * GEMV_ROWS, lut, 1)
         else:
-            _gemv8(x, rows, out, g * GEMV_ROWS, 0)
+            _gemv8((x,), rows, out, g * GEMV_ROWS, lut, 0)
     for i in range(n // GEMV_ROWS * GEMV_ROWS, n):
-        out[i] = _dot1(x, rows[i], 1) if fmt == Q4_0 else _dot1(x, rows[i], 0)
+        if use:
+            out[i] = rows_dot((xb, corr, dxv), (rows[i],), (), lut, 1) if fmt == Q4_0 else \
+                rows_dot((xb, corr, dxv), (rows[i],), (), lut, 0)
+        else:
+            out[i] = rows_dot((x,), (rows[i],), (), lut, 1) if fmt == Q4_0 else rows_dot((x,), (rows[i],), (), lut, 0)
 
 
-def gemv_q(x: np.ndarray, rows: np.ndarray, out: np.ndarray, fmt: str) -> np.ndarray:
+def gemv_q(x: np.ndarray, rows: np.ndarray, out: np.ndarray, fmt: str, xq: bool = False) -> np.ndarray:
     """out (n,) float32 = rows @ x: rows (n, row_bytes) uint8 of `fmt` blocks ("q8_0" or "q4_0"; a GGUF tensor's
-    bytes), x (d,) float32, parallel over groups of eight rows. Returns out."""
+    bytes), x (d,) float32, parallel over groups of eight rows; xq: the int route (module docstring). Returns out."""
     code = FORMAT_CODE.get(str(getattr(fmt, "value", fmt)).lower())
     if code is None:
         raise ValueError(f"gemv_q: format {fmt!r} has no CPU kernel: choose one of {', '.join(FORMAT_CODE)}")
@@ -366,5 +332,5 @@ def gemv_q(x: np.ndarray, rows: np.ndarray, out: np.ndarray, fmt: str) -> np.nda
     if _format(d, rows.shape[1]) != code or out.shape != (rows.shape[0],):
         raise ValueError(f"gemv_q: rows {rows.shape} are not {fmt} rows of x's {d} weights, or out {out.shape} is "
                          f"not ({rows.shape[0]},): pass rows (n, {d} / 32 * {BLOCK_BYTES[code]}) uint8 and out (n,)")
-    _gemv(x, rows, out, code)
+    _gemv(x, rows, out, code, bool(xq and XQ_OK))
     return out

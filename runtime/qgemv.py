@@ -36,12 +36,15 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_ROWS = 8  # tokens the GEMV takes in one pass; more go through dequant + matmul
+DENORM_MAX_ROWS = 2  # tokens up to which the GEMV takes pieces as denormals (_piece), for fp16 / bf16 x
 QBLOCK = 32  # weights per Q4_0 / Q8_0 block
 
 
 # float32 bits of 2^23, a runtime argument: the pieces' LOP3 takes it from a register (derived once a program), with
 # the piece's mask as its one immediate (as constants, ptxas re-materializes them inside the loop: a MOV a piece)
 MAGIC = 150 << 23
+FLIP4 = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: XOR-ed into 4 int8s, each becomes q + 128 (unsigned)
+XEXP = tl.constexpr(100)  # DENORM: products carry 2^-XEXP (see _step)
 
 
 @triton.jit
@@ -51,62 +54,113 @@ def _lop(src, b, MASK: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         bb = tl.zeros_like(src) + b
         if MASK == 0xF:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
         elif MASK == 0xF0:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF0, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
         elif MASK == 0xF00:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF00, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF00, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True,
+                                             1)
         elif MASK == 0xF000:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF000, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF000, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True,
+                                             1)
         elif MASK == 0xF0000:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xF0000, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0000, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32,
+                                             True, 1)
         elif MASK == 0xFF:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xFF, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
         elif MASK == 0xFF00:
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF00, $2, 0x6A;"
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xFF00, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True,
+                                             1)
         else:
             tl.static_assert(MASK == 0xFF0000)
-            asm: tl.constexpr = "lop3.b32 $0, $1, 0xFF0000, $2, 0x6A;"
-        return tl.inline_asm_elementwise(asm, "=r,r,r", [src, bb], dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xFF0000, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32,
+                                             True, 1)
     else:
         return (src & MASK) ^ b
 
 
 @triton.jit
-def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, ASM: tl.constexpr):
-    """Piece u (nibble | byte) of each int32 word of q (q2 = q >> 16) as float32, exactly q - 8 (Q4_0) | q (Q8_0),
-    with no conversion instruction: the piece, masked in place at bit sh, becomes the mantissa of a float whose
-    exponent (150 - sh) puts its lowest bit at 1, i.e. 2^(23 - sh) + q (Q8_0: its sign bit flipped by the same
-    LOP3, 2^(23 - sh) + q + 128), and one FADD takes that offset off. Pieces past bit 23 come from q2."""
+def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr):
+    """Piece u (nibble | byte) of int32 words q (q2 = q >> 16; Q8_0 with DENORM: both with their bytes' sign bits
+    flipped) as float32, with no conversion instruction: the piece, masked in place at bit sh (pieces past bit 23
+    from q2), becomes a float's mantissa.
+    DENORM: alone, a denormal: exactly Q 2^(sh - 149), Q = q (Q4_0) | q + 128 (Q8_0), one LOP3 (x is scaled by
+    2^(149 - sh - XEXP) to meet it, and the offset 8 | 128 is taken off per unit with the sum of x: _step).
+    Else: OR-ed into a float whose exponent (150 - sh) puts the piece's lowest bit at 1, 2^(23 - sh) + Q (Q8_0's sign
+    bit flipped by the same LOP3), and one FADD takes 2^(23 - sh) + 8 | 128 off: exactly q - 8 | q."""
     W: tl.constexpr = 4 if Q4 else 8
     SH0: tl.constexpr = W * u
     HI: tl.constexpr = SH0 + W > 23
     SH: tl.constexpr = SH0 - 16 if HI else SH0
     MASK: tl.constexpr = ((1 << W) - 1) << SH
+    src = q2 if HI else q
+    if DENORM:
+        return (src & MASK).to(tl.float32, bitcast=True)
     FLIP: tl.constexpr = 0 if Q4 else 128 << SH
     OFF: tl.constexpr = float(2 ** (23 - SH) + (8 if Q4 else 128))
     b = magic - (SH << 23) + FLIP  # exponent 150 - sh (and the sign flip), outside | inside the mask
-    f = _lop(q2 if HI else q, b, MASK, ASM)
-    return f.to(tl.float32, bitcast=True) - OFF
+    return _lop(src, b, MASK, ASM).to(tl.float32, bitcast=True) - OFF
 
 
 @triton.jit
-def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, ASM: tl.constexpr):
-    """acc (BLOCK_M, BLOCK_N, BLOCK_U) += each unit's sum of weights times x, scaled: q (BLOCK_N, BLOCK_U, 4) words,
-    s (BLOCK_N, BLOCK_U) their scales as float32, x_at (BLOCK_M, 1, BLOCK_U, 4) x of piece 0, masked by xm."""
-    q2 = q >> 16  # the top half's pieces moved down, below the mantissa's 23 bits (the sign bits are masked off)
-    p = tl.zeros((acc.shape[0], acc.shape[1], acc.shape[2], 4), tl.float32)
+def _split4(t, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """(A, B, C * 4) -> its 4 elements of each group of 4 along the last axis, (A, B, C) each (in-thread: free)."""
+    e, o = tl.split(tl.reshape(t, (A, B, C, 2, 2)))  # elements 0, 2 | 1, 3
+    t0, t2 = tl.split(e)
+    t1, t3 = tl.split(o)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N, BLOCK_U) += each unit's sum of weights times x, scaled: q (BLOCK_N, BLOCK_U * 4) words
+    (unit w // 4, word w % 4), s (BLOCK_N, BLOCK_U) their scales as float32, x_at (BLOCK_M, BLOCK_U * 4) the x of
+    each word's piece 0 (piece u: + 4 u), masked by xm (None: no mask). Loads are 2-D, contiguous along their last
+    axis (so that Triton's coalescing gives a thread a unit's 4 words, whatever its version); a unit's 4 words
+    (and their x) are split apart in registers, so that each (token, row, unit) sums into one register, a chain of
+    FFMAs. DENORM: pieces as denormals (_piece), x scaled by 2^(149 - sh - XEXP): products Q x 2^-XEXP, normal
+    for |x| >= 2^(XEXP - 126) (smaller ones lose bits, < 2^-(149 - XEXP) each, absolute), finite for
+    |x| < 2^(XEXP - 21); a unit's sum is 2^XEXP (sum Q x) - (8 | 128) sum x."""
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    BU: tl.constexpr = acc.shape[2]
+    if DENORM and not Q4:
+        q = q ^ FLIP4  # 4 x (q + 128): unsigned bytes
+    q0, q1, q2, q3 = _split4(q, 1, BN, BU)  # (1, BLOCK_N, BLOCK_U) each
+    h0 = q0 >> 16  # the top half's pieces moved down, below the mantissa's 23 bits (the sign bits are masked off)
+    h1 = q1 >> 16
+    h2 = q2 >> 16
+    h3 = q3 >> 16
+    p = tl.zeros((BM, BN, BU), tl.float32)
+    xs = tl.zeros((BM, 1, BU), tl.float32)
     for u in tl.static_range(8 if Q4 else 4):  # pieces of a word: nibbles at bit 4 u | bytes at bit 8 u
-        f = _piece(q, q2, magic, u, Q4, ASM)  # (BLOCK_N, BLOCK_U, 4)
-        xl = tl.load(x_at + 4 * u, mask=xm, other=0.0).to(tl.float32)  # (BLOCK_M, 1, BLOCK_U, 4)
-        p += f[None, :, :, :] * xl
-    return acc + tl.sum(p, axis=3) * s[None, :, :]
+        if xm is None:
+            xl = tl.load(x_at + 4 * u)
+        else:
+            xl = tl.load(x_at + 4 * u, mask=xm, other=0.0)
+        x0, x1, x2, x3 = _split4(xl.to(tl.float32), BM, 1, BU)  # (BLOCK_M, 1, BLOCK_U) each
+        if DENORM:
+            W: tl.constexpr = 4 if Q4 else 8
+            SH: tl.constexpr = W * u - 16 if W * u + W > 23 else W * u
+            XS: tl.constexpr = float(2.0 ** (149 - SH - XEXP))
+            xs += (x0 + x1) + (x2 + x3)
+            x0 = x0 * XS
+            x1 = x1 * XS
+            x2 = x2 * XS
+            x3 = x3 * XS
+        p += _piece(q0, h0, magic, u, Q4, DENORM, ASM) * x0
+        p += _piece(q1, h1, magic, u, Q4, DENORM, ASM) * x1
+        p += _piece(q2, h2, magic, u, Q4, DENORM, ASM) * x2
+        p += _piece(q3, h3, magic, u, Q4, DENORM, ASM) * x3
+    if DENORM:
+        p = p * float(2.0 ** XEXP) - xs * (8.0 if Q4 else 128.0)
+    return acc + p * s[None, :, :]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_o, magic,
-                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr, DENORM: tl.constexpr,
+                 ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
     of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
     a Q8_0 block: 32 | 16 weights), in the module's kernel order, a step's units across the program's threads (one
@@ -122,43 +176,43 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride
     UPB: tl.constexpr = 1 if Q4 else 2  # 16-byte units a block
     UW: tl.constexpr = 32 // UPB  # weights a unit
     BLOCK_U: tl.constexpr = BLOCK_B * UPB
+    BLOCK_W: tl.constexpr = BLOCK_U * 4
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) weight rows
     un = tl.arange(0, BLOCK_U)  # (BLOCK_U,) units of a step
-    i = tl.arange(0, 4)  # (4,) words of a unit
+    w = tl.arange(0, BLOCK_W)  # (BLOCK_W,) words of a step: unit w // 4, word w % 4
     mi = tl.arange(0, BLOCK_M)  # (BLOCK_M,) tokens
     nm = n < N
-    q_at = q_ptr + n.to(tl.int64)[:, None, None] * stride_q + un[None, :, None] * 4 + i[None, None, :]
+    q_at = q_ptr + n.to(tl.int64)[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
     s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
-    # (BLOCK_M, 1, BLOCK_U, 4): x of token m, piece 0 of word i of unit un (piece u: + 4 u)
-    x_at = x_ptr + mi[:, None, None, None] * stride_x + (un * UW)[None, None, :, None] + i[None, None, None, :]
-    mm = (mi < M)[:, None, None, None]
+    x_at = x_ptr + mi[:, None] * stride_x + ((w // 4) * UW + w % 4)[None, :]  # (BLOCK_M, BLOCK_W)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), tl.float32)
     steps = tl.cdiv(NB, BLOCK_B)
     if EVEN:
-        q = tl.load(q_at)  # (BLOCK_N, BLOCK_U, 4) int32
+        q = tl.load(q_at)  # (BLOCK_N, BLOCK_W) int32
         s = tl.load(s_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
     else:
-        um = un // UPB < NB
-        q = tl.load(q_at, mask=nm[:, None, None] & um[None, :, None], other=0)
-        s = tl.load(s_at, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
+        q = tl.load(q_at, mask=nm[:, None] & (w // (4 * UPB) < NB)[None, :], other=0)
+        s = tl.load(s_at, mask=nm[:, None] & (un // UPB < NB)[None, :], other=0.0).to(tl.float32)
     for j in range(1, steps):
+        b0 = j * BLOCK_B  # first block of step j
         if EVEN:
-            qn = tl.load(q_at + j * (BLOCK_U * 4))
-            sn = tl.load(s_at + j * BLOCK_B * stride_sb).to(tl.float32)
-            acc = _step(acc, q, s, x_at + (j - 1) * (BLOCK_B * 32), None, magic, Q4, ASM)
+            qn = tl.load(q_at + b0 * (UPB * 4))
+            sn = tl.load(s_at + b0 * stride_sb).to(tl.float32)
+            acc = _step(acc, q, s, x_at + (b0 - BLOCK_B) * 32, None, magic, Q4, DENORM, ASM)
         else:
-            um = j * BLOCK_B + un // UPB < NB
-            qn = tl.load(q_at + j * (BLOCK_U * 4), mask=nm[:, None, None] & um[None, :, None], other=0)
-            sn = tl.load(s_at + j * BLOCK_B * stride_sb, mask=nm[:, None] & um[None, :], other=0.0).to(tl.float32)
-            xm = mm & ((j - 1) * BLOCK_B + un // UPB < NB)[None, None, :, None]
-            acc = _step(acc, q, s, x_at + (j - 1) * (BLOCK_B * 32), xm, magic, Q4, ASM)
+            qn = tl.load(q_at + b0 * (UPB * 4), mask=nm[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], other=0)
+            sn = tl.load(s_at + b0 * stride_sb, mask=nm[:, None] & (b0 + un // UPB < NB)[None, :],
+                         other=0.0).to(tl.float32)
+            xm = (mi < M)[:, None] & (b0 - BLOCK_B + w // (4 * UPB) < NB)[None, :]
+            acc = _step(acc, q, s, x_at + (b0 - BLOCK_B) * 32, xm, magic, Q4, DENORM, ASM)
         q = qn
         s = sn
+    b0 = (steps - 1) * BLOCK_B
     if EVEN:
-        acc = _step(acc, q, s, x_at + (steps - 1) * (BLOCK_B * 32), None, magic, Q4, ASM)
+        acc = _step(acc, q, s, x_at + b0 * 32, None, magic, Q4, DENORM, ASM)
     else:
-        xm = mm & ((steps - 1) * BLOCK_B + un // UPB < NB)[None, None, :, None]
-        acc = _step(acc, q, s, x_at + (steps - 1) * (BLOCK_B * 32), xm, magic, Q4, ASM)
+        acc = _step(acc, q, s, x_at + b0 * 32, (mi < M)[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], magic, Q4,
+                    DENORM, ASM)
     y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
     if BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -218,7 +272,8 @@ def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: torch.Tensor | None,
-         out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None,
+         denorm: bool | None = None) -> torch.Tensor:
     """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales) in the GpuQ layout; m <=
     GEMV_MAX_ROWS, x and out with unit stride along their last dimension. config: (BLOCK_N, BLOCK_B, num_warps),
     else gemv_config's."""
@@ -231,12 +286,14 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     if m == 0 or n == 0:  # nothing to compute (e.g. a layer with no hot rows): no launch of an empty grid
         return out
     bn, bb, nw = config or gemv_config(n, k, q4, m)
-    even = n % bn == 0 and nb % bb == 0
+    bm = _pow2(m)
+    denorm = x.dtype != torch.float32 and m <= DENORM_MAX_ROWS if denorm is None else denorm
+    even = n % bn == 0 and nb % bb == 0 and m == bm
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
     _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, words if b is None else b, out, m, n, nb, x.stride(0),
                                         words.stride(0), scales.stride(1), out.stride(0), MAGIC, Q4=q4,
-                                        BIAS=b is not None, ADD=add, EVEN=even, BLOCK_M=_pow2(m), BLOCK_N=bn,
-                                        BLOCK_B=bb, num_warps=nw)
+                                        BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm, ASM=x.is_cuda, BLOCK_M=bm,
+                                        BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
     return out
 
 
