@@ -35,7 +35,8 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--max-steps", type=click.IntRange(0), default=None,
               help="Size changes tried per layer by the skewness search [preset: 2].")
 @click.option("--magnitude-weight", type=click.FloatRange(0), default=None,
-              help="Weigh active pairs by (|h|/tau)^W in the loss (loads the model; 0 = off) [preset: 1].")
+              help="Weigh active pairs by (|h|/tau)^W in the loss (reads the model's FFN weights; 0 = off) "
+              "[preset: 1].")
 @click.option("--seed", type=int, default=None, help="Seed of the split, init and batch order [preset: 0].")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--force", is_flag=True, help="Replace predictors of another model.")
@@ -102,10 +103,14 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, fp16 on CUDA), float32, ...")
+@click.option("--layer-by-layer/--whole-model", default=None,
+              help="How the model runs: layer by layer from its file (one layer's weights on the device at a time: "
+              "models bigger than it) or whole through transformers. Default: layer by layer for a local "
+              "safetensors folder or .gguf file, whole for hub ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, recall_sweep, model,
-              gguf_file, device, dtype, as_json, quiet) -> None:
+              gguf_file, device, dtype, layer_by_layer, as_json, quiet) -> None:
     """Perplexity with the FFN dense, oracle-sparse, predictor-sparse and as the runtime would run it.
 
     Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
@@ -123,7 +128,8 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
             report = evaluate(run_dir, modes=list(modes) or None, recall_sweep=sweep, dataset=dataset,
                               text_column=text_column,
                               tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
-                              gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet)
+                              gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet,
+                              layer_by_layer=layer_by_layer)
     except (ArtifactError, CorpusError, ValueError) as e:
         raise cli_error(e, {"modes": "--mode"}) from None
     except KeyboardInterrupt:

@@ -8,6 +8,9 @@ Modes (a neuron's value h = the input of the down projection; a masked neuron co
 - placement: what the runtime computes: GPU neurons always, CPU neurons where the predictor fires.
 A computed neuron keeps its true value; only skipped ones are zeroed, exactly as a sparse kernel would do.
 
+A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
+on the device at a time), a hub id whole through transformers; the masks are the same hooks either way.
+
 Results go to `RUN/eval/eval.json` (predictors/schema.EvalReport; docs/predictors.md lists the fields).
 """
 
@@ -23,42 +26,43 @@ import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
-from hotneurons.common.ffn import FFNHooks, active_mask
+from hotneurons.common.ffn import active_mask
 from hotneurons.common.kinds import choose
-from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device
+from hotneurons.common.model_source import ModelError
+from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device, pick_dtype
 from hotneurons.common.placement import Placement, PlacementMeta, read_placement
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
+from hotneurons.profiler.hooks import StageHooks, device_of, dtype_of
+from hotneurons.profiler.stream_memory import check_memory, eval_need
+from hotneurons.profiler.streamed import StreamedModel, meta_source, open_streamed, streams
 from tqdm.auto import tqdm
 
 MODES = EvalMode.values()
 
 
-class FFNMasks(FFNHooks):
+class FFNMasks(StageHooks):
     """Hooks that mask each layer's FFN neurons per `mode` and count what was computed and what was missed."""
 
-    def __init__(self, lm: LoadedModel, mode: EvalMode | str, taus: list[float] | None,
+    def __init__(self, lm: LoadedModel | StreamedModel, mode: EvalMode | str, taus: list[float] | None,
                  predictors: Predictors | None = None, gpu: Placement | dict[int, torch.Tensor] | None = None):
         mode = choose(mode, EvalMode, "eval mode", param="modes")
         super().__init__(lm)
         self.mode, self.taus, self.predictors, self.gpu = mode, taus, predictors, gpu
         # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
         self.stats = np.zeros((len(lm.layers), 6), dtype=np.float64)
-        prenorm = self.wants_x() and predictors.form == PredictorForm.POWERINFER
-        self.norms = ffn_norms(lm) if prenorm else None  # powerinfer form: its input is the norm's input
+        if self.wants_x() and predictors.form == PredictorForm.POWERINFER:  # its input is the norm's input
+            self.pre_norms = ffn_norms(lm) if isinstance(lm, LoadedModel) else lm.ffn_norms(required=True)
         self._pre: dict[int, torch.Tensor] = {}
 
     def wants_x(self) -> bool:
         return self.mode in (EvalMode.PREDICTOR, EvalMode.PLACEMENT)  # x (..., d_model): what the predictor sees
 
-    def __enter__(self):
-        super().__enter__()
-        for i, norm in enumerate(self.norms or ()):
-            self._handles.append(norm.module.register_forward_pre_hook(
-                lambda _mod, args, i=i: self._pre.__setitem__(i, args[0])))  # (..., d_model) the pre-norm residual
-        return self
+    def on_pre_norm(self, i: int, x_pre: torch.Tensor) -> None:
+        if self.pre_norms is not None:
+            self._pre[i] = x_pre  # (..., d_model) the pre-norm residual
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
@@ -72,7 +76,7 @@ class FFNMasks(FFNHooks):
             mask = true
         else:
             pred = self.predictors.layers[i]
-            inp = x if self.norms is None else self._pre.pop(i)  # (..., d_model)
+            inp = x if self.pre_norms is None else self._pre.pop(i)  # (..., d_model)
             mask = pred.mask(inp.to(pred.fc1.weight.dtype))  # (..., n) bool
             if self.mode == EvalMode.PLACEMENT:
                 mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
@@ -98,11 +102,15 @@ class FFNMasks(FFNHooks):
 
 
 @torch.inference_mode()
-def perplexity(lm: LoadedModel, batches: list[torch.Tensor], progress: bool = False,
+def perplexity(lm: LoadedModel | StreamedModel, batches: list[torch.Tensor], progress: bool = False,
                desc: str = "eval") -> tuple[float, int]:
     """(summed next-token NLL in float64, number of predicted tokens) over `batches` of (b, s) token ids."""
     nll, count = 0.0, 0
     for ids in tqdm(batches, desc=desc, unit="batch", disable=not progress, dynamic_ncols=True, leave=False):
+        if isinstance(lm, StreamedModel):
+            part, n = lm.nll(ids)
+            nll, count = nll + part, count + n
+            continue
         ids = ids.to(lm.model.device)
         logits = lm.model(input_ids=ids, use_cache=False).logits  # (b, s, vocab)
         v = logits.shape[-1]
@@ -115,11 +123,14 @@ def perplexity(lm: LoadedModel, batches: list[torch.Tensor], progress: bool = Fa
 def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: str = "wikipedia-sample:eval",
              text_column: str = "text", tokens: int = 32768, seq_len: int = 512, batch_size: int = 2,
              recall: float | None = None, model: str | None = None, gguf_file: str | None = None,
-             device: str = "auto", dtype: str = "auto", progress: bool = True, lm: LoadedModel | None = None,
-             recall_sweep: list[float] | None = None, write: bool = True) -> EvalReport:
+             device: str = "auto", dtype: str = "auto", progress: bool = True,
+             lm: LoadedModel | StreamedModel | None = None, recall_sweep: list[float] | None = None,
+             write: bool = True, layer_by_layer: bool | None = None) -> EvalReport:
     """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it.
 
     `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
+    `layer_by_layer`: run the model from its file one layer at a time (True), whole through transformers (False),
+    or (None) the first where it is a local safetensors folder or GGUF file.
     """
     run_dir = Path(run_dir)
     # everything that can be refused without the model, before it loads
@@ -142,12 +153,12 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
                               f"pi-solve --run {run_dir}")
     check_corpus(dataset, text_column)
     if lm is None:
-        lm = load_model_from_meta(pmeta.model, model, gguf_file, device=pick_device(device), dtype=dtype)
+        lm = _load(run_dir, pmeta.model, model, gguf_file, pick_device(device), dtype, batch_size, seq_len,
+                   layer_by_layer)
     artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     preds = gpu = None
     if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
-        dev = next(lm.model.parameters())
-        preds = load_predictors(run_dir, lm.info, device=str(dev.device), dtype=dev.dtype)
+        preds = load_predictors(run_dir, lm.info, device=str(device_of(lm)), dtype=dtype_of(lm))
         if recall is not None:
             preds.set_recall(recall)
     if EvalMode.PLACEMENT in modes:
@@ -188,11 +199,31 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         model=pmeta.model["name"], fingerprint=lm.info["fingerprint"], dataset=dataset, tokens=tokens,
         seq_len=seq_len, rule=pmeta.rule,
         threshold_recall=recall if recall is not None else (preds.summary.target_recall if preds else None),
-        device=str(lm.model.device), dtype=str(next(lm.model.parameters()).dtype), modes=results,
+        device=str(device_of(lm)), dtype=str(dtype_of(lm)), modes=results,
         recall_sweep=sweep)
     if write:
         report.save(run_dir / "eval" / "eval.json")
     return report
+
+
+def _load(run_dir: Path, info: dict, model: str | None, gguf_file: str | None, device: str, dtype: str,
+          batch_size: int, seq_len: int, layer_by_layer: bool | None) -> LoadedModel | StreamedModel:
+    """The profile's model (or `model`), layer by layer from its file after checking that a layer and the batch fit,
+    or whole through transformers: as asked, or where the file's architecture has no model definition of ours."""
+    path, gguf, activation = meta_source(info, model, gguf_file)
+    if streams(path, gguf, layer_by_layer):
+        try:
+            sm = open_streamed(path, gguf, activation=activation, device=device, dtype=pick_dtype(dtype, device),
+                               ctx=seq_len)
+        except ValueError as e:  # an architecture feature our definitions lack: transformers runs it
+            if layer_by_layer or isinstance(e, ModelError):
+                raise
+        else:
+            pfile = run_dir / "predictors" / "predictors.safetensors"
+            pbytes = pfile.stat().st_size * sm.dtype.itemsize // 4 if pfile.exists() else 0  # stored float32
+            check_memory(eval_need(sm, batch_size, seq_len, pbytes), device, "pi-eval")
+            return sm
+    return load_model_from_meta(info, model, gguf_file, device=device, dtype=dtype)
 
 
 def format_table(report: EvalReport | dict) -> str:

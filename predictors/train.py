@@ -204,10 +204,12 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
                      lm=None) -> PredictorsSummary:
     """Train RUN/predictors/ from RUN/profile/; returns summary.json. `layers` restricts training (tests).
 
-    With cfg.magnitude_weight > 0 or the powerinfer form (its pre-FFN norm weights) the model is needed: `lm` (a
-    LoadedModel), else the profile's model is loaded.
+    With cfg.magnitude_weight > 0 (the FFN's values) or the powerinfer form (its pre-FFN norm weights) the model is
+    needed: `lm` (a LoadedModel or StreamedModel), else the profile's model: read from its file, a layer's FFN at a
+    time, where it is a local safetensors folder or GGUF file; loaded whole through transformers otherwise.
     """
     from hotneurons.common.models import pick_device
+    from hotneurons.profiler.streamed import StreamedModel
 
     run_dir = Path(run_dir)
     device = pick_device(device)
@@ -234,15 +236,14 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     torch.manual_seed(cfg.seed)
     agreement: dict[int, float] = {}
     if (cfg.magnitude_weight > 0 or prenorm) and lm is None:
-        from hotneurons.common.models import load_model_from_meta
-
-        lm = load_model_from_meta(info, device=device, dtype=(pmeta.config or {}).get("dtype", "auto"))
+        lm = _model(pmeta, device, count, cfg.magnitude_weight > 0)
     if lm is not None:
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
     if prenorm:
         from hotneurons.common.prenorm import ffn_norms
 
-        gammas = [n.gamma().cpu() for n in ffn_norms(lm)]  # (d,) float32 per layer
+        norms = lm.ffn_norms(required=True) if isinstance(lm, StreamedModel) else ffn_norms(lm)
+        gammas = [n.gamma().cpu() for n in norms]  # (d,) float32 per layer
     taus = pmeta.layer_taus
     cache: dict[int, tuple] = {}
 
@@ -257,7 +258,8 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
                 s = float(r[splits[0]].median())
                 rows = (r / s, s)
             if cfg.magnitude_weight > 0:
-                hv = ffn_values(lm, layer, x)  # (count, n)
+                streamed = isinstance(lm, StreamedModel)
+                hv = lm.ffn_values(layer, x) if streamed else ffn_values(lm, layer, x)  # (count, n)
                 tau = None if taus is None else taus[layer]
                 # the stored masks came from the same rule on the same x (up to fp16 storage of x)
                 agreement[layer] = float(((hv.abs() > tau if tau is not None else hv != 0) == m).float().mean())
@@ -305,6 +307,31 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
         summary.save(partial / "summary.json")
         meta.save(partial / "meta.json")
     return summary
+
+
+def _model(pmeta: ProfileMeta, device: str, count: int, magnitude: bool):
+    """The profile's model, for its FFN weights and pre-FFN norms: a StreamedModel of its file (nothing loads until
+    a layer is read) after checking that a layer's FFN and samples fit; a LoadedModel where it is a hub id or an
+    architecture our definitions lack."""
+    from hotneurons.common.model_source import ModelError
+    from hotneurons.common.models import load_model_from_meta, pick_dtype
+    from hotneurons.profiler.stream_memory import check_memory, train_need
+    from hotneurons.profiler.streamed import meta_source, open_streamed, streams
+
+    path, gguf, activation = meta_source(pmeta.model)
+    dtype = (pmeta.config or {}).get("dtype", "auto")
+    if streams(path, gguf):
+        try:
+            sm = open_streamed(path, gguf, activation=activation, device=device, dtype=pick_dtype(dtype, device),
+                               ctx=1)
+        except ValueError as e:
+            if isinstance(e, ModelError):
+                raise
+        else:
+            check_memory(train_need(sm, count, magnitude), device, "pi-train-predictors",
+                         "free memory, or re-run pi-profile with a smaller --samples-per-layer", ())
+            return sm
+    return load_model_from_meta(pmeta.model, device=device, dtype=dtype)
 
 
 def _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d,

@@ -41,13 +41,17 @@ FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
               help="auto (fp32 on CPU, fp16 on CUDA), float32, float16, bfloat16.")
+@click.option("--layer-by-layer/--whole-model", default=None,
+              help="How the model runs: layer by layer from its file (one layer's weights on the device at a time: "
+              "models bigger than it) or whole through transformers. Default: layer by layer for a local "
+              "safetensors folder or .gguf file, whole for hub ids.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the sample reservoir.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repo's own Python code (off by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print meta.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batch_size, target_sparsity,
          calibration_tokens, samples_per_layer, activation, out, resume, force, checkpoint_every, device, dtype,
-         seed, trust_remote_code, as_json, quiet) -> None:
+         layer_by_layer, seed, trust_remote_code, as_json, quiet) -> None:
     """Count which FFN neurons fire on a corpus; store predictor training samples.
 
     Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/.
@@ -62,7 +66,8 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
     try:
         with stdout_to_stderr(as_json):
             meta = profile_model(cfg, out, resume=resume, force=force, device=device,
-                                 checkpoint_every=checkpoint_every, progress=not quiet)
+                                 checkpoint_every=checkpoint_every, progress=not quiet,
+                                 layer_by_layer=layer_by_layer)
     except (ArtifactError, CorpusError, ValueError) as e:
         raise cli_error(e, FLAGS) from None
     except KeyboardInterrupt as e:

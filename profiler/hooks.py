@@ -5,7 +5,8 @@ activation values h (what `fc2` / `down_proj` multiplies), and, only on batches 
 pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks) and, where the model has a pre-FFN RMSNorm,
 one on that norm sees the residual before it, of which each sample keeps the norm's divisor r (common/prenorm.py:
 with x, it is what the powerinfer predictor form trains on). The activation rule itself (active_mask, as_tau) is in
-common/ffn.py: later stages apply the same one.
+common/ffn.py: later stages apply the same one. A model run layer by layer (profiler/streamed.py) registers no hooks:
+its forward hands the same tensors to the same methods (StageHooks).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import FFNHooks, active_mask, as_tau
 from hotneurons.common.models import LoadedModel
-from hotneurons.common.prenorm import FFNNorm, ffn_norm
+from hotneurons.common.prenorm import ffn_norm
 
 
 def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:
@@ -205,35 +206,68 @@ def packbits(mask: torch.Tensor) -> torch.Tensor:
     return (m.view(rows, (n + 7) // 8, 8) * _bits(m.device)).sum(-1, dtype=torch.uint8)
 
 
-def sample_norms(lm: LoadedModel) -> list[FFNNorm] | None:
-    """The pre-FFN RMSNorms whose divisors the samples keep, or None for families without them (OPT, Falcon)."""
+def sample_norms(lm) -> list | None:
+    """The pre-FFN RMSNorms whose divisors the samples keep, or None for families without them (OPT, Falcon): a
+    LoadedModel's modules (common/prenorm.FFNNorm), or a StreamedModel's read from its file (FileNorm)."""
+    if not isinstance(lm, LoadedModel):
+        return lm.ffn_norms()
     norms = [ffn_norm(lm.adapter.name, layer) for layer in lm.layers]
     return None if any(n is None for n in norms) else norms
 
 
-class ActivationCounter(FFNHooks):
-    """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device."""
+def device_of(lm) -> torch.device:
+    """Where a LoadedModel or a StreamedModel computes."""
+    return next(lm.model.parameters()).device if isinstance(lm, LoadedModel) else lm.device
 
-    def __init__(self, lm: LoadedModel, taus: list[float] | None, reservoir: SampleReservoir | None = None):
-        super().__init__(lm)
-        self.taus, self.reservoir = taus, reservoir
-        device = next(lm.model.parameters()).device
-        self.counts = torch.zeros(lm.info["n_layers"], lm.info["n_neurons"], dtype=torch.int64, device=device)
-        self.norms = sample_norms(lm) if reservoir is not None and reservoir.rms is not None else None
-        self._rms: dict[int, torch.Tensor] = {}  # layer -> (rows,) r of the kept rows, from the norm's pre-hook
+
+def dtype_of(lm) -> torch.dtype:
+    return next(lm.model.parameters()).dtype if isinstance(lm, LoadedModel) else lm.dtype
+
+
+class StageHooks(FFNHooks):
+    """FFNHooks for both ways a stage runs a model. On a LoadedModel (transformers): the FFN's forward hooks, and where
+    `pre_norms` lists the layers' pre-FFN RMSNorms, a pre-hook on each that hands its input (the residual x_pre) to
+    `on_pre_norm`. On a StreamedModel (profiler/streamed.py) nothing is registered: entered, the hooks attach to it,
+    and its layer-by-layer forward calls on_pre_norm, on_ffn (x only while wants_x) and end_layer itself."""
+
+    pre_norms: list | None = None
 
     def __enter__(self):
+        if not isinstance(self.lm, LoadedModel):
+            self.lm.attach(self)
+            return self
         super().__enter__()
-        for i, norm in enumerate(self.norms or ()):
-            self._handles.append(norm.module.register_forward_pre_hook(self._norm_hook(i, norm)))
+        for i, norm in enumerate(self.pre_norms or ()):
+            self._handles.append(norm.module.register_forward_pre_hook(
+                lambda _mod, args, i=i: self.on_pre_norm(i, args[0])))  # (..., d_model) the pre-norm residual
         return self
 
-    def _norm_hook(self, i: int, norm: FFNNorm):
-        def hook(_mod, args):
-            if self.wants_x():
-                x_pre = args[0]  # (..., d_model) the residual entering the FFN block
-                self._rms[i] = norm.divisor(x_pre.reshape(-1, x_pre.shape[-1])[self.reservoir.pos])  # (rows,)
-        return hook
+    def __exit__(self, *exc) -> None:
+        if not isinstance(self.lm, LoadedModel):
+            self.lm.detach(self)
+            return
+        super().__exit__(*exc)
+
+    def on_pre_norm(self, layer: int, x_pre: torch.Tensor) -> None:
+        """The residual entering layer `layer`'s pre-FFN RMSNorm (..., d_model), before its on_ffn."""
+
+    def end_layer(self, layer: int) -> None:
+        """After layer `layer`'s FFN (the streamed path only)."""
+
+
+class ActivationCounter(StageHooks):
+    """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device."""
+
+    def __init__(self, lm, taus: list[float] | None, reservoir: SampleReservoir | None = None):
+        super().__init__(lm)
+        self.taus, self.reservoir = taus, reservoir
+        self.counts = torch.zeros(lm.info["n_layers"], lm.info["n_neurons"], dtype=torch.int64, device=device_of(lm))
+        self.pre_norms = sample_norms(lm) if reservoir is not None and reservoir.rms is not None else None
+        self._rms: dict[int, torch.Tensor] = {}  # layer -> (rows,) r of the kept rows, from the norm's input
+
+    def on_pre_norm(self, i: int, x_pre: torch.Tensor) -> None:
+        if self.pre_norms is not None and self.wants_x():
+            self._rms[i] = self.pre_norms[i].divisor(x_pre.reshape(-1, x_pre.shape[-1])[self.reservoir.pos])  # (rows,)
 
     def wants_x(self) -> bool:
         return self.reservoir is not None and self.reservoir.pos is not None
@@ -247,11 +281,15 @@ class ActivationCounter(FFNHooks):
             self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], active_mask(h[rows], tau),
                                  self._rms.pop(i, None))
 
+    def end_layer(self, i: int) -> None:
+        if self.reservoir is not None:  # one layer's rows to the host at a time, not the whole model's
+            self.reservoir.commit()
 
-class MagnitudeCollector(FFNHooks):
+
+class MagnitudeCollector(StageHooks):
     """Calibration hooks: keep a random subset of |h| per layer, to set tau_l at a target sparsity."""
 
-    def __init__(self, lm: LoadedModel, per_batch: int = 1 << 18, seed: int = 0):
+    def __init__(self, lm, per_batch: int = 1 << 18, seed: int = 0):
         super().__init__(lm)
         self.per_batch = per_batch
         self.values: list[list[torch.Tensor]] = [[] for _ in range(lm.info["n_layers"])]

@@ -6,6 +6,10 @@ RMSNorm). Work goes to `RUN/.profile.partial/`
 (common/artifacts.staged) with periodic checkpoints; the finished folder is swapped into place in one rename,
 so an existing profile survives any failure, and an interrupted run can be resumed from its checkpoint.
 Under `torchrun` each rank profiles every world_size-th batch and the counts are all-reduced at the end.
+
+A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
+on the device at a time, for models bigger than it), a hub id whole through transformers; both feed the same hooks
+(profiler/hooks.py) and write the same artifacts. Under torchrun either way shards by batches.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from hotneurons.common.artifacts import (
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.kinds import Rule
-from hotneurons.common.model_source import resolve_source
-from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device
-from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
+from hotneurons.common.model_source import ModelError, resolve_source
+from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms
+from hotneurons.profiler.stream_memory import check_memory, profile_need
+from hotneurons.profiler.streamed import StreamedModel, open_streamed, streams
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
@@ -65,12 +71,15 @@ class ProfileConfig:
 
 
 @torch.inference_mode()
-def forward(lm: LoadedModel, ids: torch.Tensor) -> None:
+def forward(lm: LoadedModel | StreamedModel, ids: torch.Tensor) -> None:
     """The decoder stack only: counting needs no logits, so the LM head is skipped."""
-    lm.model.base_model(input_ids=ids.to(lm.model.device), use_cache=False)
+    if isinstance(lm, StreamedModel):
+        lm.forward(ids)
+    else:
+        lm.model.base_model(input_ids=ids.to(lm.model.device), use_cache=False)
 
 
-def calibrate_taus(lm: LoadedModel, cfg: ProfileConfig) -> list[float]:
+def calibrate_taus(lm: LoadedModel | StreamedModel, cfg: ProfileConfig) -> list[float]:
     """tau_l so that cfg.target_sparsity of (token, neuron) pairs in layer l fall at or below it."""
     batches = token_batches(lm.tokenizer, iter_texts(cfg.dataset, cfg.text_column), cfg.seq_len,
                             cfg.batch_size, cfg.calibration_tokens)
@@ -96,8 +105,8 @@ def _dist() -> tuple[int, int]:
 
 def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, resume: bool = False,
                   force: bool = False, device: str = "auto", checkpoint_every: int = 50,
-                  progress: bool = True, lm: LoadedModel | None = None,
-                  _stop_after: int | None = None) -> ProfileMeta | None:
+                  progress: bool = True, lm: LoadedModel | StreamedModel | None = None,
+                  layer_by_layer: bool | None = None, _stop_after: int | None = None) -> ProfileMeta | None:
     """Profile `cfg.model` over `cfg.dataset`; write RUN/profile/ and return its meta.json (None on the ranks
     other than 0 of a distributed run).
 
@@ -105,8 +114,10 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     refused before it loads. An interrupt (KeyboardInterrupt) at any moment comes out as StageInterrupted: `kept` is
     the partial folder when a checkpoint in it can be resumed, else None and nothing stands in the way of a fresh
     run; an interrupt while the finished profile is written waits for the write (`done`).
-    `lm` reuses an already loaded model (notebooks, tests). `_stop_after` interrupts after that many batches,
-    leaving a checkpoint, as a crash would (tests of `resume`).
+    `lm` reuses an already loaded model (notebooks, tests). `layer_by_layer`: run the model from its file one layer
+    at a time (True), whole through transformers (False), or (None) the first where it is a local safetensors folder
+    or GGUF file. `_stop_after` interrupts after that many batches, leaving a checkpoint, as a crash would (tests of
+    `resume`).
     """
     rank, world = _dist()
     if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
@@ -125,9 +136,7 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
         if lm is None:
             check_model(cfg.model, cfg.gguf_file, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                         activation=cfg.activation)
-            say(f"loading {name}")
-            lm = load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
-                            trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
+            lm = _load(cfg, name, device, layer_by_layer, world, say)
         _check_existing(final, lm.info, force)
         _barrier(world)  # every rank has checked before rank 0 creates the partial folder
         with contextlib.ExitStack() as writing:  # holds a deferred interrupt from the final write until the swap
@@ -147,12 +156,35 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     return meta
 
 
+def _load(cfg: ProfileConfig, name: str, device: str, layer_by_layer: bool | None, world: int,
+          say) -> LoadedModel | StreamedModel:
+    """The model, layer by layer from its file (after checking that a layer, the batch and the samples fit), or whole
+    through transformers: as asked, or where the file's architecture has no model definition of ours."""
+    if streams(cfg.model, cfg.gguf_file, layer_by_layer):
+        try:
+            sm = open_streamed(cfg.model, cfg.gguf_file, activation=cfg.activation, device=device,
+                               dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len)
+        except ValueError as e:  # an architecture feature our definitions lack: transformers runs it
+            if isinstance(e, ModelError) or layer_by_layer:
+                raise
+            say(f"{e}; profiling the whole model through transformers")
+        else:
+            calibrate = activation_rule(sm.activation) == Rule.ABS_TAU
+            check_memory(profile_need(sm, cfg.batch_size, cfg.seq_len, -(-cfg.samples_per_layer // world),
+                                      cfg.calibration_tokens, calibrate), device, "pi-profile")
+            say(f"loading {name} layer by layer, as it runs")
+            return sm
+    say(f"loading {name}")
+    return load_model(cfg.model, cfg.gguf_file, revision=cfg.revision, device=device, dtype=cfg.dtype,
+                      trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
+
+
 def _resumable(partial: Path) -> bool:
     """A partial folder that a resumed run can continue: the shared state and at least one rank's checkpoint."""
     return (partial / "state.json").exists() and any(partial.glob("state.rank*.json"))
 
 
-def _profile(cfg: ProfileConfig, lm: LoadedModel, partial: Path, rank: int, world: int, resume: bool,
+def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path, rank: int, world: int, resume: bool,
              checkpoint_every: int, progress: bool, _stop_after: int | None, writing: contextlib.ExitStack,
              say=lambda msg: None) -> ProfileMeta | None:
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
@@ -285,7 +317,7 @@ def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reserv
         artifacts.write_json(rank_state, state)
 
 
-def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
+def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
               taus: list[float] | None, seconds: float, world: int, filled: list[int], capacity: int,
               short: bool) -> ProfileMeta:
     """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in)."""
@@ -302,7 +334,8 @@ def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.nda
     meta = ProfileMeta(
         inputs={"dataset": cfg.dataset},
         model=lm.info,
-        config={k: v for k, v in asdict(cfg).items() if k not in ("model", "gguf_file", "revision")},
+        config={**{k: v for k, v in asdict(cfg).items() if k not in ("model", "gguf_file", "revision")},
+                "layer_by_layer": isinstance(lm, StreamedModel)},  # how it ran (both give the same profile)
         dataset=cfg.dataset,
         tokens=tokens,
         tokens_requested=cfg.tokens,
@@ -323,7 +356,7 @@ def _finalize(partial: Path, lm: LoadedModel, cfg: ProfileConfig, counts: np.nda
         seconds=round(seconds, 3),
         tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
         world_size=world,
-        device=str(lm.model.device),
+        device=str(device_of(lm)),
     )
     meta.save(partial / "meta.json")
     for name in os.listdir(partial):

@@ -270,6 +270,11 @@ class GGUFSource(WeightSource):
                       bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
                       eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"),
                       pad_token_id=self.meta.get("tokenizer.ggml.padding_token_id"))
+        # as transformers' own GGUF config has them, where the file has them: the model's fingerprint hashes the config
+        for k, meta_key in (("unk_token_id", "tokenizer.ggml.unknown_token_id"),
+                            ("_model_name_or_path", "general.name")):
+            if self.meta.get(meta_key) is not None:
+                common[k] = self.meta[meta_key]
         if key("context_length") is not None:
             common["max_position_embeddings"] = int(key("context_length"))
         if mt == "opt":
