@@ -15,7 +15,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import Predictor
 from hotneurons.predictors.schema import PredictorForm, PredictorsMeta, PredictorsSummary
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 
 @dataclass
@@ -76,12 +76,12 @@ def load_predictors(run_dir: str | Path, model_info: dict | None = None, *, chec
                                 f"(profile meta sha256 {want[:12]}): re-run pi-train-predictors, forcing a "
                                 f"replacement")
     summary = check_predictors(run_dir)
-    tensors = load_file(str(pdir / "predictors.safetensors"))
+    tensors = safe_open(str(pdir / "predictors.safetensors"), "pt")  # read a tensor at a time, not all at once
     layers: dict[int, Predictor] = {}
     for row in summary.layers:
         i = row.layer
-        w1, w2 = tensors[f"layers.{i}.fc1.weight"], tensors[f"layers.{i}.fc2.weight"]
-        p = Predictor(w1.shape[1], w1.shape[0], w2.shape[0], float(tensors[f"layers.{i}.threshold"][0]))
+        w1, w2 = tensors.get_tensor(f"layers.{i}.fc1.weight"), tensors.get_tensor(f"layers.{i}.fc2.weight")
+        p = Predictor(w1.shape[1], w1.shape[0], w2.shape[0], float(tensors.get_tensor(f"layers.{i}.threshold")[0]))
         p.fc1.weight.data.copy_(w1)
         p.fc2.weight.data.copy_(w2)
         layers[i] = p.to(device=device, dtype=dtype).eval()  # threshold buffer follows dtype; compare in x dtype

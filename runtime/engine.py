@@ -214,7 +214,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     ffns = []
     for i in tqdm(range(L), desc="loading layers", unit="layer", leave=False, disable=L < 8):
         w = FFNWeights.from_source(source, i)
-        pred = predictors.layers[i].to("cpu", dtype) if mask == "predictor" else None
+        # taken out of `predictors`: the FFN keeps its own (reordered) copy, so the file's is freed layer by layer
+        pred = predictors.layers.pop(i).to("cpu", dtype) if mask == "predictor" else None
         ffns.append(HybridFFN(i, act, w, placement.gpu[i], mask, pred, None if taus is None else taus[i], cold_fmt,
                               cfg.cuda_graphs, prenorm, hot_fmt, device, dtype).to(device))
         for name in w.names(i):

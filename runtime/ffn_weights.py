@@ -122,24 +122,26 @@ def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu"
     return QTensor(data, fmt, (rows, cols))
 
 
-def _columns(w: Weight, lo: int, hi: int) -> torch.Tensor:
-    """Columns [lo, hi) of a (rows, cols) weight as float32 (rows, hi - lo); for QTensors lo and hi on block edges
-    are read without touching other blocks, else the covering blocks are de-quantized and cut."""
+def _columns(w: Weight, lo: int, hi: int, work: torch.device | str | None = None) -> torch.Tensor:
+    """Columns [lo, hi) of a (rows, cols) weight as float32 (rows, hi - lo) on `work` (default: where w is); for
+    QTensors lo and hi on block edges are read without touching other blocks, else the covering blocks are
+    de-quantized and cut."""
     if not isinstance(w, QTensor):
-        return w[:, lo:hi].float()
+        return w[:, lo:hi].to(work or w.device).float()
     from hotneurons.weights.quants import dequantize
 
     s = spec(w.fmt)
     b0, b1 = lo // s.block, -(-hi // s.block)
     raw = w.data[:, b0 * s.block_bytes:b1 * s.block_bytes]  # (rows, blocks' bytes): a strided view
-    cols = dequantize(raw.contiguous(), w.fmt, (b1 - b0) * s.block)  # (rows, covered cols)
+    cols = dequantize(raw.contiguous().to(work or raw.device), w.fmt, (b1 - b0) * s.block)  # (rows, covered cols)
     return cols[:, lo - b0 * s.block:hi - b0 * s.block]
 
 
 def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
-                device: torch.device | str = "cpu") -> Weight:
+                device: torch.device | str = "cpu", work: torch.device | str | None = None) -> Weight:
     """(len(idx), d): the down projection's columns idx as rows (neuron j's row = down[:, j]), in `fmt` on `device`.
-    idx ascending. Read a window of block columns at a time: de-quantized, cut to its neurons, transposed, stored."""
+    idx ascending. Read a window of block columns at a time: de-quantized, cut to its neurons, transposed, stored.
+    `work`: where the conversion runs (a GPU does it in a fraction of the CPU's time; the stored bytes come back)."""
     if w.down_t is not None:  # stored transposed already: rows
         return store(take_rows(w.down_t, idx), fmt, device)
     n, d = w.shape
@@ -153,7 +155,7 @@ def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
         ids = idx[(idx >= lo) & (idx < hi)]  # (c,) ascending
         if len(ids) == 0:
             continue
-        cols = _columns(w.down, lo, hi)  # (d, hi - lo) float32
+        cols = _columns(w.down, lo, hi, work)  # (d, hi - lo) float32
         rows = cols[:, (ids - lo).to(cols.device)].T.contiguous()  # (c, d)
         parts.append(store(rows, fmt, device))
     if not parts:
@@ -172,24 +174,27 @@ def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torc
 
     block = spec(fmt).block
     cols = -(-len(hot) // block) * block
-    down = to_float(down_t_rows(w, hot, WeightFormat.F32)).T  # (d, n_hot) float32
+    down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
     down = torch.nn.functional.pad(down, (0, cols - len(hot)))  # (d, cols)
     return {"up": pack(store(take_rows(w.up, hot), fmt), device),
             "gate": pack(store(take_rows(w.gate, hot), fmt), device) if gated else None,
             "down": pack(store(down.contiguous(), fmt), device), "down_cols": cols}
 
 
-def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool):
+def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool,
+                 work: torch.device | str | None = None):
     """The cold neurons' rows in CPU RAM as runtime/cold_rows.ColdRows stores them in `dtype`: block formats from the
-    stored rows (copied as they are when the file has that format), bf16 / int8 from float rows."""
+    stored rows (copied as they are when the file has that format), bf16 / int8 from float rows. The down rows'
+    conversion runs on `work` (the compute device)."""
     from hotneurons.runtime.cold_rows import ColdRows
 
     fmt = weight_format(dtype)
     b_up = None if w.b_up is None else w.b_up[cold.to(w.b_up.device)]
     if spec(fmt).block > 1 and fmt != WeightFormat.INT8:
         gate = store(take_rows(w.gate, cold), fmt) if gated else None
-        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), fmt), b_up, down_t_rows(w, cold, fmt))
+        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), fmt), b_up,
+                                    down_t_rows(w, cold, fmt, work=work))
     wide = torch.bfloat16 if fmt == WeightFormat.BF16 else torch.float32  # bf16 rows lose nothing from bf16
     gate = to_float(take_rows(w.gate, cold), wide) if gated else None
     return ColdRows.from_weights(gate, to_float(take_rows(w.up, cold), wide), b_up,
-                                 to_float(down_t_rows(w, cold, WeightFormat.F32), wide), str(fmt))
+                                 to_float(down_t_rows(w, cold, WeightFormat.F32, work=work), wide), str(fmt))

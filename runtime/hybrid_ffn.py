@@ -129,7 +129,7 @@ class HybridFFN(nn.Module):
         self.register_buffer("b_down", None if b_down is None else b_down.to(dev, fdtype))  # (d,)
         # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each; rows already in cold_dtype's block format
         # (a GGUF's gate and up rows) are copied byte for byte
-        self.cold = cold_rows_of(w, cold, cold_dtype, self.gated)
+        self.cold = cold_rows_of(w, cold, cold_dtype, self.gated, work=dev)
         self.all_cold = np.arange(self.n_cold, dtype=np.int64)  # (n_cold,)
         # the compute device's share of the cold part: of a token's marked cold neurons (ascending ids) the device
         # computes the first `mapped_rows` from `mapped` (the cold rows, read in place over PCIe), the CPU the rest
