@@ -49,22 +49,23 @@ class Stage:
     requests: bool = False
 
 
-_GEN = ("pi-generate", "--run", "{run}", "--prompt", "{prompt}", "-n", "{new_tokens}", "--device", "cpu")
+_GEN = ("pi-generate", "--run", "{run}", "--prompt", "{prompt}", "-n", "{new_tokens}", "--device", "{device}")
 STAGES: dict[str, Stage] = {
     "profile": Stage(("pi-profile", "--model", "{model}", "--out", "{run}", "--tokens", "{profile_tokens}",
-                      "--seq-len", "{seq_len}", "--dataset", "{corpus}", "--activation", "reglu", "--device", "cpu",
-                      "--force", "--quiet")),
+                      "--seq-len", "{seq_len}", "--dataset", "{corpus}", "--activation", "reglu",
+                      "--device", "{device}", "--force", "--quiet")),
     "solve": Stage(("pi-solve", "--run", "{run}", "--vram", "{vram}", "--reserve", "0", "--ctx", "{ctx}")),
-    "train-predictors": Stage(("pi-train-predictors", "--run", "{run}", "--preset", "fast", "--device", "cpu",
+    "train-predictors": Stage(("pi-train-predictors", "--run", "{run}", "--preset", "fast", "--device", "{device}",
                                "--force", "--quiet")),
     "eval": Stage(("pi-eval", "--run", "{run}", "--tokens", "{eval_tokens}", "--seq-len", "{seq_len}", "--dataset",
-                   "{corpus}", "--device", "cpu", "--mode", "dense", "--mode", "predictor", "--quiet")),
+                   "{corpus}", "--device", "{device}", "--mode", "dense", "--mode", "predictor", "--quiet")),
     "generate-bf16": Stage((*_GEN, "--cold-dtype", "bf16"), first_output=r"(?s)."),
     "generate-int8": Stage((*_GEN, "--cold-dtype", "int8"), first_output=r"(?s)."),
     # the 4-bit path: cold rows kept in the file's Q4_0 blocks (weights/formats.py); skipped until the flag exists
     "generate-q4": Stage((*_GEN, "--cold-dtype", "q4_0"), first_output=r"(?s).", needs="q4_0"),
-    "serve": Stage(("pi-serve", "--run", "{run}", "--device", "cpu", "--port", "0", "--max-tokens", "{serve_tokens}",
-                    "-q"), first_output=r"(https?://\S+?)/v1", first_output_on=("stdout", "stderr"), requests=True),
+    "serve": Stage(("pi-serve", "--run", "{run}", "--device", "{device}", "--port", "0", "--max-tokens",
+                    "{serve_tokens}", "-q"), first_output=r"(https?://\S+?)/v1", first_output_on=("stdout", "stderr"),
+                   requests=True),
 }
 
 
@@ -86,6 +87,7 @@ class Settings:
     prompt: str = "The capital of France is"
     interval_s: float = 0.025
     stage_timeout_s: float = 3600.0
+    device: str = "cpu"  # every stage's --device (cuda on a GPU machine: the device's memory is not sampled here)
     gguf_cache: str = "off"  # HOTNEURONS_CACHE of the stages: off = every GGUF load de-quantizes (no disk cache)
     seed: int = 0
 
@@ -126,7 +128,7 @@ def gpu_budget(run: Path, share: float, ctx: int) -> str:
 def values(s: Settings, model: str, run: Path, corpus: Path) -> dict[str, str]:
     return {"model": model, "run": str(run), "corpus": str(corpus), "prompt": s.prompt, "ctx": str(s.ctx),
             "profile_tokens": str(s.profile_tokens), "eval_tokens": str(s.eval_tokens), "seq_len": str(s.seq_len),
-            "new_tokens": str(s.new_tokens), "serve_tokens": str(s.serve_tokens)}
+            "new_tokens": str(s.new_tokens), "serve_tokens": str(s.serve_tokens), "device": s.device}
 
 
 def _has_flag(exe: str, word: str, env: dict) -> bool:
@@ -300,13 +302,14 @@ def write(figures: dict, out: Path | None, kind: str | None = None, command: str
 @click.option("--interval-ms", type=float, default=None, help="Sampling period [preset: 25].")
 @click.option("--gguf-cache", default=None, help="HOTNEURONS_CACHE of the stages: off, or a folder [preset: off].")
 @click.option("--machine-kind", default=None, help="The results' machine kind [detected: cpu, nvidia-h200, ...].")
+@click.option("--device", default=None, help="Every stage's --device [preset: cpu].")
 @click.option("--write-only", is_flag=True, help="Write the models and stop.")
 def main(preset, shapes, formats, stages, models, runs, out, profile_tokens, requests, interval_ms, gguf_cache,
-         machine_kind, write_only):
+         machine_kind, device, write_only):
     s = PRESETS[preset]
     given = {"shapes": tuple(shapes) or None, "formats": tuple(formats) or None, "profile_tokens": profile_tokens,
              "stages": tuple(stages.split(",")) if stages else None, "requests": requests, "gguf_cache": gguf_cache,
-             "interval_s": None if interval_ms is None else interval_ms / 1000}
+             "interval_s": None if interval_ms is None else interval_ms / 1000, "device": device}
     s = replace(s, **{k: v for k, v in given.items() if v is not None})
     bad = [x for x in s.stages if x not in STAGES]
     if bad:
