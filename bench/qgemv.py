@@ -13,7 +13,7 @@ Weights are random bytes (valid blocks: random quants, fp16 scales ~ N(0, 0.02))
 --sweep also times the (BLOCK_N, BLOCK_B, num_warps) alternatives around gemv_config's choice (graph timing) and
 reports the best: the data to retune gemv_config with.
 
-Usage (GPU machine): python bench/qgemv.py --out bench/results/<date>-<kind>-qgemv.json [--sweep] [--tokens 1,8]
+Usage (GPU machine): python bench/qgemv.py --out bench/results/<date>-<kind>-qgemv.json [--sweep] [--tokens 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -144,14 +144,15 @@ def bench_fp16(n: int, k: int, m: int, repeats: int, calls: int) -> list[dict]:
 
 
 def sweep_configs(n: int, k: int, q4: bool, m: int) -> list[tuple[int, int, int]]:
-    nb = k // 32
+    """(BLOCK_N, BLOCK_B, num_warps) around gemv_config's: a step's units one a thread (the kernel's layout)."""
     out = []
-    for nw in (4, 8):
-        for bn in (1, 2, 4, 8):
-            base = 32 * nw // (1 if q4 else 2)  # gemv_config's: a step's 16-byte units span the threads
-            for bb in (base // 2, base, base * 2):
-                if 1 <= bb <= triton_pow2(nb) and bn * bb * (16 if q4 else 32) <= 32768:
-                    out.append((bn, bb, nw))
+    for nw in (1, 2, 4):
+        bb = 32 * nw // (1 if q4 else 2)
+        if bb > triton_pow2(k // 32):
+            continue
+        for bn in (2, 4, 8):
+            if m * bn <= 32:  # each token's and row's sums are registers
+                out.append((bn, bb, nw))
     return sorted(set(out))
 
 
@@ -165,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="results JSON (bench/record.py's schema)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="n x k, comma separated")
-    ap.add_argument("--tokens", default="1,8", help="rows of x, comma separated (<= 8: the GEMV)")
+    ap.add_argument("--tokens", default="1,2,4,8", help="rows of x, comma separated (<= 8: the GEMV)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--calls", type=int, default=20, help="GEMVs a timed run (a graph holds this many)")
-    ap.add_argument("--sweep", action="store_true", help="also time the alternative block configs (tokens 1 only)")
+    ap.add_argument("--sweep", action="store_true", help="also time the alternative block configs")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/qgemv.py needs CUDA", file=sys.stderr)
@@ -198,12 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in shapes:
         for m in tokens:
             for fmt in ("q4_0", "q8_0"):
-                sweep = sweep_configs(n, k, fmt == "q4_0", m) if a.sweep and m == 1 else None
+                sweep = sweep_configs(n, k, fmt == "q4_0", m) if a.sweep else None
                 add(bench_quant(n, k, fmt, m, dtype, a.repeats, a.calls, sweep))
                 torch.cuda.empty_cache()  # the last weights' copies (each bench function's locals are gone)
             for r in bench_fp16(n, k, m, a.repeats, a.calls):
                 add(r)
             torch.cuda.empty_cache()
+    ones = {(r["format"], r["n"], r["k"]): r["graph_s"] for r in rows if r["tokens"] == 1}
+    for r in rows:  # m tokens in one call against m calls of one token (<= 1: no slower per token)
+        t1 = ones.get((r["format"], r["n"], r["k"]))
+        if t1 and r["tokens"] > 1:
+            r["graph_s_over_tokens_times_1"] = r["graph_s"] / (r["tokens"] * t1)
     figures = {"ceilings": ceil, "gemv": rows, "dtype": a.dtype, "repeats": a.repeats, "calls": a.calls,
                "weights": "random bytes (valid Q4_0 / Q8_0 blocks), fp16 scales ~ N(0, 0.02); x ~ N(0, 1)",
                "bandwidth": "bytes of the weight as stored (quants + scales) / time; of_copy: over the copy's "

@@ -12,17 +12,21 @@ KERNEL ORDER, within a block (w = scale * (q - 8) for Q4_0, scale * q for Q8_0, 
   Q4_0  word i (0..3), nibble u (bits 4u..4u+3, 0..7) = q of weight 4 u + i
   Q8_0  word i (0..7), byte t (bits 8t..8t+7, 0..3) = q of weight 16 (i // 4) + 4 t + i % 4
 so piece u (t) of the block's words meets x[4 u + (0..3)] (x[4 t + (0..3)] and x[16 + 4 t + (0..3)]): contiguous
-runs of 4, loaded in the quants' own register layout (Triton then moves nothing through shared memory).
+runs of 4, loaded in the quants' own register layout (Triton then moves nothing through shared memory in
+the loop).
 
   gemv     y (m, n) = x (m, k) @ w.T (+ b), or h += that, for m <= GEMV_MAX_ROWS tokens: each program reads
            BLOCK_N rows of quants and scales once and multiplies them into every token's x (float32 sums), so the
-           weight's bytes are read once whatever m is. Decode is bound by those bytes as long as the arithmetic
-           a weight takes stays under ~5 instructions (H100: 3.35 TB/s / 0.5625 bytes = 6e12 Q4_0 weights a
-           second, against ~3e13 instructions issued): the tiles are 3-D (rows, 16-byte units, int32 words), a
-           thread loads 16 bytes of a row at once, turns each weight into a float with one mask, one add and no
-           conversion instruction, and sums its units in its registers (_gemv_kernel says how; sm_90's code: 4.2
-           instructions a Q4_0 weight, gemv_config's notes).
-           More tokens cost an FMA each a weight: past a few, the tensor cores of the prefill path win.
+           weight's bytes are read once whatever m is. One token is bound by issued instructions as much as by
+           bytes (H200: 4.1 TB/s / 0.5625 bytes = 7.4e12 Q4_0 weights a second, against 3.3e13 instructions
+           issued at best), so a weight takes as few as possible: a thread loads 16 bytes of each of its rows at
+           once, the next step's quants while it computes this one's (registers double-buffered), and turns each
+           piece into a float with no conversion instruction: for fp16 / bf16 x and up to DENORM_MAX_ROWS tokens, one
+           LOP3 (the piece as a denormal float; x scaled per piece, the offset 8 | 128 taken off per unit with the
+           sum of x), else one LOP3 and one FADD (2^23 offset); then one FFMA a token into one register per (token,
+           row, unit) (_gemv_kernel, _step, _piece say how). sm_90's code (Triton 3.6): 2.7 instructions a Q4_0
+           weight, 3.4 a Q8_0 one, at one token; 1.65-1.9 a weight and token at 8 (gemv_config's notes).
+           More tokens cost an FMA each a weight: past GEMV_MAX_ROWS, the tensor cores of the prefill path win.
   dequant  rows of a GpuQ to a float tensor (the prefill path: chunks of rows, then cuBLAS).
 
 No host syncs, no allocations: capturable in CUDA graphs (after a first call outside the capture compiles them).
@@ -40,8 +44,10 @@ DENORM_MAX_ROWS = 2  # tokens up to which the GEMV takes pieces as denormals (_p
 QBLOCK = 32  # weights per Q4_0 / Q8_0 block
 
 
-# float32 bits of 2^23, a runtime argument: the pieces' LOP3 takes it from a register (derived once a program), with
-# the piece's mask as its one immediate (as constants, ptxas re-materializes them inside the loop: a MOV a piece)
+# float32 exponent field of 2^23 (150 << 23), a runtime argument: the pieces' LOP3 takes its per-piece variant from a
+# register (derived once a program), with the piece's mask as its one immediate (as constants, ptxas re-materializes
+# them inside the loop: a MOV a piece). Denormal pieces (_piece, DENORM) need the GPU's denormals kept: Triton's
+# float32 arithmetic is not flush-to-zero (no .ftz in its PTX), nor is the interpreter's numpy.
 MAGIC = 150 << 23
 FLIP4 = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: XOR-ed into 4 int8s, each becomes q + 128 (unsigned)
 XEXP = tl.constexpr(100)  # DENORM: products carry 2^-XEXP (see _step)
@@ -103,6 +109,14 @@ def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, DENORM: tl.constexpr
 
 
 @triton.jit
+def _xscale(x, u: tl.constexpr, Q4: tl.constexpr):
+    """x * 2^(149 - sh - XEXP), sh: piece u's bit in its word (_piece)."""
+    W: tl.constexpr = 4 if Q4 else 8
+    SH: tl.constexpr = W * u - 16 if W * u + W > 23 else W * u
+    return x * float(2 ** (149 - SH - XEXP))
+
+
+@triton.jit
 def _split4(t, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
     """(A, B, C * 4) -> its 4 elements of each group of 4 along the last axis, (A, B, C) each (in-thread: free)."""
     e, o = tl.split(tl.reshape(t, (A, B, C, 2, 2)))  # elements 0, 2 | 1, 3
@@ -140,20 +154,17 @@ def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, DENORM: tl.constexpr, AS
             xl = tl.load(x_at + 4 * u, mask=xm, other=0.0)
         x0, x1, x2, x3 = _split4(xl.to(tl.float32), BM, 1, BU)  # (BLOCK_M, 1, BLOCK_U) each
         if DENORM:
-            W: tl.constexpr = 4 if Q4 else 8
-            SH: tl.constexpr = W * u - 16 if W * u + W > 23 else W * u
-            XS: tl.constexpr = float(2.0 ** (149 - SH - XEXP))
             xs += (x0 + x1) + (x2 + x3)
-            x0 = x0 * XS
-            x1 = x1 * XS
-            x2 = x2 * XS
-            x3 = x3 * XS
+            x0 = _xscale(x0, u, Q4)
+            x1 = _xscale(x1, u, Q4)
+            x2 = _xscale(x2, u, Q4)
+            x3 = _xscale(x3, u, Q4)
         p += _piece(q0, h0, magic, u, Q4, DENORM, ASM) * x0
         p += _piece(q1, h1, magic, u, Q4, DENORM, ASM) * x1
         p += _piece(q2, h2, magic, u, Q4, DENORM, ASM) * x2
         p += _piece(q3, h3, magic, u, Q4, DENORM, ASM) * x3
     if DENORM:
-        p = p * float(2.0 ** XEXP) - xs * (8.0 if Q4 else 128.0)
+        p = p * float(2 ** XEXP) - xs * (8.0 if Q4 else 128.0)
     return acc + p * s[None, :, :]
 
 
@@ -255,18 +266,20 @@ def _pow2(v: int) -> int:
 
 def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_B, num_warps) for a GEMV of an (n, k) weight by m tokens. A step's 16-byte units span the
-    program's threads, one (a 128-bit load) a thread and row, so that Triton's layout puts a program's rows in each
-    thread's registers and a thread's x values (loaded, widened and scaled once a step) serve all its rows. 4 rows
-    (2 past 2 tokens: each token's sums are registers too; 4 rows by 8 tokens spill): 8 KB of quants a program a
-    step, and >= 2048 programs on the 70B shapes (n of 8192 and 28672); fewer rows for short n, so that every SM
-    gets programs. Compiled for sm_90 (ptxas, no GPU needed), the 1-token loop takes 4.2 (Q4_0) and 5.1 (Q8_0)
-    instructions a weight and row, 71 and 64 registers, no spills, no shared memory; 8 rows, 3.8 and 4.9 with 106
-    and 71 registers. A first guess from that arithmetic, not a sweep's result: bench/qgemv.py --sweep measures
-    the alternatives on the GPU."""
-    nw = 4
-    bb = min(_pow2(k // QBLOCK), 32 * nw // (1 if q4 else 2))  # blocks a step: one unit a thread
-    bn = 4 if m <= 2 else 2
-    while bn > 1 and triton.cdiv(n, bn) < 1024:
+    program's threads, one a thread (BLOCK_B * units a block = 32 * num_warps: Triton then lays the warps along
+    the units and a program's rows in each thread's registers, so that a thread's x values, loaded and widened
+    once a step, serve all its rows). From bench/qgemv.py --sweep on an H200 (Triton 3.6) at the 70B shapes
+    (bench/results/*-qgemv.json): 2 warps; Q4_0 8 rows up to 2 tokens, 4 past that (sums of each token and row
+    are registers: 8 rows by 8 tokens spill); Q8_0 8 rows up to 2 tokens, then 4. sm_90's code (ptxas, Triton 3.6):
+    Q4_0 2.7 instructions a weight (denormal pieces, 1 token, 127 registers), Q8_0 3.4 (8 rows); 8 tokens: 1.65
+    a weight and token (4 rows, 168 registers). Fewer rows for short n, so that every SM gets programs; one warp
+    for short k."""
+    nb = max(1, k // QBLOCK)
+    upb = 1 if q4 else 2  # 16-byte units a block
+    nw = 2 if nb * upb >= 64 else 1
+    bb = 32 * nw // upb
+    bn = 8 if m <= 2 else 4
+    while bn > 1 and triton.cdiv(n, bn) < 512:
         bn //= 2
     return bn, bb, nw
 
@@ -276,7 +289,9 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
          denorm: bool | None = None) -> torch.Tensor:
     """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales) in the GpuQ layout; m <=
     GEMV_MAX_ROWS, x and out with unit stride along their last dimension. config: (BLOCK_N, BLOCK_B, num_warps),
-    else gemv_config's."""
+    else gemv_config's. denorm: pieces as denormals (_piece; |x| must stay under 2^79, see _step), else with the
+    2^23 offset; None: denormals for fp16 / bf16 x and up to DENORM_MAX_ROWS tokens (fewer instructions a weight;
+    past that, x's per-token scaling costs more than the FADD it saves)."""
     m, k = x.shape
     n, nb = scales.shape
     if (m > GEMV_MAX_ROWS or k != nb * QBLOCK or tuple(out.shape) != (m, n) or x.stride(1) != 1 or out.stride(1) != 1
@@ -292,8 +307,8 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
     _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, words if b is None else b, out, m, n, nb, x.stride(0),
                                         words.stride(0), scales.stride(1), out.stride(0), MAGIC, Q4=q4,
-                                        BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm, ASM=x.is_cuda, BLOCK_M=bm,
-                                        BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
+                                        BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm, ASM=x.is_cuda,
+                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
     return out
 
 
