@@ -13,6 +13,7 @@ key `powerinfer.sparse_threshold`, and beside the file `<file>.generated.gpuidx`
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -345,8 +346,16 @@ class GGUFSource(WeightSource):
         gguf_file=...)` (its get_gguf_tokenizer + convert_gguf_tokenizer), fed from this header: that call would
         parse the file again with gguf-py (seconds for a large vocabulary) and refuses PWRI files."""
         from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
 
+        try:  # these names are transformers' own, which versions move; where they differ, its public loader
+            from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
+
+            tm.GGUF_TOKENIZER_MAPPING, tm._SPECIAL_TOKENS, tm.convert_gguf_tokenizer  # noqa: B018
+        except (ImportError, AttributeError):
+            from transformers import AutoTokenizer
+
+            path = os.path.abspath(self.path)
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
         grouped = {group: {name: meta[f"tokenizer.{k}"] for k, name in renames.items() if f"tokenizer.{k}" in meta}
                    for group, renames in tm.GGUF_TOKENIZER_MAPPING.items()}
