@@ -250,7 +250,8 @@ def markdown(rec: dict) -> str:
     gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
     out = [f"# Host memory per stage ({rec['created'][:10]}, {rec['machine_kind']})", "",
            f"{m.get('cpu_model', '?')}, {m.get('nproc', '?')} cores, {m.get('mem_total_gib', '?')} GiB RAM; commit "
-           f"{rec['commit']}. Random-weight ReLU LLaMAs (bench/memory_models.py), everything on the CPU; peaks of "
+           f"{rec['commit']}. Random-weight ReLU LLaMAs (bench/memory_models.py), every stage with "
+           f"--device {f['settings'].get('device', 'cpu')}; host memory only: peaks of "
            f"the stage's process tree sampled every {f['settings']['interval_s'] * 1000:.0f} ms from /proc. "
            f"GB = 10^9 bytes.", "",
            f"Floor (`python -c '{FLOOR[2]}'`): {gb(f['floor']['peak_rss_bytes'])} GB; \"above floor\" "
