@@ -245,9 +245,31 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
         from hotneurons.runtime import qgemv
 
         qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add)
+    elif isinstance(w, QTensor) and w.fmt in BLOCKS and not x.is_cuda and not w.data.is_cuda and m <= CPU_GEMV_ROWS:
+        _cpu_gemv(x2, w, bias, out2, add)  # decode on the CPU: the Numba GEMV reads the blocks in place
     else:
         _chunked(x2, w, bias, out2, add)
     return out
+
+
+CPU_GEMV_ROWS = 4  # tokens up to which the CPU reads a block weight once per token (GEMVs) rather than widening it
+
+
+def _cpu_gemv(x2: torch.Tensor, w: QTensor, bias: torch.Tensor | None, out2: torch.Tensor, add: bool) -> None:
+    """out2 (m, n) = (or +=) x2 (m, k) @ w.T + bias on the CPU, one Numba GEMV per token over the stored blocks
+    (runtime/kernels_q.gemv_q): no float copy of the weight, in float32."""
+    from hotneurons.runtime.kernels_q import gemv_q
+
+    rows = w.data.numpy()  # (n, row bytes) uint8, the file's blocks (a view)
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32)  # (m, n)
+    for t in range(x2.shape[0]):
+        gemv_q(x2[t].float().contiguous().numpy(), rows, y[t].numpy(), w.fmt.value)
+    if bias is not None:
+        y += bias.float()
+    if add:
+        out2 += y.to(out2.dtype)
+    else:
+        out2.copy_(y)
 
 
 def _gemv_rows() -> int:
