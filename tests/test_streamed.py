@@ -314,3 +314,27 @@ def test_which_models_stream(tiny_model_dir, tmp_path):
     assert not streams("some-org/some-model")  # a hub id: transformers
     assert not streams(str(tiny_model_dir("opt")), layer_by_layer=False)
     assert streams("some-org/some-model", layer_by_layer=True)  # asked: open_streamed then refuses a hub id
+
+
+def test_cuda_counts_compile_without_a_worker_pool(monkeypatch):
+    """The counters' torch.compile runs with Inductor's compile_threads = 1, at the first call and at every later one
+    (a recompile): Inductor's default pool of one process per core held ~6 GB of host memory on a 16-core machine."""
+    from hotneurons.profiler import hooks
+    from torch._inductor import config
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        def run(*args):
+            seen.append(config.compile_threads)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(hooks, "_compiled", None)
+    before = config.compile_threads
+    h = torch.tensor([[0.0, 1.0, -2.0], [0.5, 0.0, 0.0]])
+    for _ in range(2):
+        assert hooks._count_cuda(h, torch.tensor(0.75)).tolist() == [0, 1, 1]
+    assert seen == [1, 1, 1]  # the warm-up call and two counts
+    assert config.compile_threads == before  # the process's setting is left as it was
