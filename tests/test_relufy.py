@@ -218,8 +218,8 @@ def test_drelu_fatrelu_outputs_load_only_through_our_loader(activation, relufied
 def test_profiler_counts_exact_zeros(activation, relufied, text_corpus, tmp_path):
     out = relufied(activation)
     res = CliRunner().invoke(profile_cli, ["--model", str(out), "--dataset", str(text_corpus), "--tokens", "2048",
-                                           "--out", str(tmp_path / "run"), "--samples-per-layer", "0", "--quiet",
-                                           "--json"])
+                                           "--seq-len", "256", "--out", str(tmp_path / "run"),
+                                           "--samples-per-layer", "0", "--quiet", "--json"])
     assert res.exit_code == 0, res.output
     df, meta = read_profile(tmp_path / "run")
     assert meta["taus"] is None and meta["model"]["activation"] == {"relu": "reglu"}.get(activation, activation)
@@ -233,7 +233,9 @@ def test_profiler_counts_exact_zeros(activation, relufied, text_corpus, tmp_path
         lambda m, a, i=i: xs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))) for i, layer in enumerate(lm.layers)]
     ref = np.zeros_like(counts)
     tokens = 0
-    for ids in token_batches(lm.tokenizer, iter_texts(str(text_corpus)), 512, 8, 2048):  # pi-profile's defaults
+    # pi-profile's batches (its default batch size; sequences within the tiny model's 256 positions, which the
+    # layer-by-layer path refuses to pass)
+    for ids in token_batches(lm.tokenizer, iter_texts(str(text_corpus)), 256, 8, 2048):
         tokens += ids.numel()
         with torch.no_grad():
             lm.model.base_model(input_ids=ids, use_cache=False)
