@@ -33,6 +33,14 @@ while it computes, its gate and up rows during the dots, its down rows during th
 chunk of the active list before it starts on the last group of its current one, so that the prefetched rows are the
 ones it reads next (the positions after a chunk in idx belong to another thread's chunk).
 
+Measured (bench/kernel_q.py, bench/results/2026-11-26-nvidia-h200-kernel-q*.json; 16 Emerald Rapids cores, d 8192):
+the float route reads Q4_0 rows 1.37-1.49x and Q8_0 rows 1.22-1.26x as fast as the kernel before this one
+(interleaved in one run), and 0.79-0.92 (Q4_0) / 0.85-0.95 (Q8_0) as fast as a pure read of the same rows in the
+same pattern (bench read_rows: no arithmetic), which is what bounds it now: 4.6 KiB Q4_0 rows at random places,
+20-80 MB a call, read at 0.71-0.82 of the 16 KiB row-gather ceiling. The int route (3 instructions per 32 weights
+against the float route's 7) computes 1.1-1.5x as fast with rows in the cache, but in DRAM it matches the float route
+at 10-20% of rows active and trails it at 5% (the per-call quantization of x).
+
 Numba's cache (cache=True) checks only this file: after editing kernels.py, kernels_q_ir.py, activations.py or
 intrinsics.py, delete runtime/__pycache__ (or touch this file), or the cached kernels keep the old code.
 """
@@ -90,43 +98,54 @@ def _format(d, row_bytes):
 # x quantized for the int route (kernels_q_ir's XQ_LAYOUT)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _block_scale(x, base):
+    """d_x and 1 / d_x of x[base:base + 32] (0 and 0 for an all-zero block)."""
+    amax = np.float32(0.0)
+    for i in range(base, base + BLOCK):
+        amax = max(amax, abs(x[i]))
+    return amax / np.float32(127.0), (np.float32(127.0) / amax if amax > 0 else np.float32(0.0))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _q(v, inv):  # one weight of x -> int8, rounded to nearest
+    return np.int8(min(np.float32(127.0), max(np.float32(-127.0), np.rint(v * inv))))
+
+
 @njit(nogil=True, cache=True)
 def quantize_x(x, q, dx):
     """x (d,) float32 -> q (d,) int8 and dx (d / 32,) float32 with x ~ dx[i // 32] * q[i]: llama.cpp's Q8_0 of an
-    activation row (dx = max|x| / 127 of the block, q = x / dx rounded to nearest; an all-zero block: dx = 0, q = 0)."""
+    activation row (dx = max|x| / 127 of the block, q = x / dx rounded to nearest; an all-zero block: dx = 0, q = 0),
+    as the int route computes it."""
     for b in range(x.shape[0] // BLOCK):
-        amax = np.float32(0.0)
+        dx[b], inv = _block_scale(x, b * BLOCK)
         for i in range(b * BLOCK, b * BLOCK + BLOCK):
-            amax = max(amax, abs(x[i]))
-        dx[b] = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        for i in range(b * BLOCK, b * BLOCK + BLOCK):
-            q[i] = np.int8(min(127, max(-127, round(x[i] * inv))))
+            q[i] = _q(x[i], inv)
 
 
 @njit(nogil=True, cache=True)
 def _xq_buffers(x, fmt, use):
     """The int route's (xb, corr, dxv) for x in `fmt`'s layout (kernels_q_ir XQ_LAYOUT); empty when not `use`."""
-    d = x.shape[0]
-    nb = d // BLOCK
+    nb = x.shape[0] // BLOCK
     n = (nb + 3) // 4 * 4 * BLOCK if use else 0  # weights in whole steps (4 blocks; 2 for Q8_0 fit too)
     xb, corr, dxv = np.zeros(n, np.int8), np.zeros(n // 4, np.int32), np.zeros(n // 4, np.float32)
-    if not use:
-        return xb, corr, dxv
-    q, dx = np.empty(d, np.int8), np.empty(nb, np.float32)
-    quantize_x(x, q, dx)
-    for b in range(nb):
-        for i in range(BLOCK):
-            if fmt == Q4_0:  # step s = b // 4, slot b % 4; low halves then high halves; lane = 4 bytes of a half
-                s, slot, j = b // 4, b % 4, i % 16
-                xb[128 * s + (64 if i >= 16 else 0) + 16 * slot + j] = q[b * BLOCK + i]
-                corr[16 * s + 4 * slot + j // 4] -= 8 * np.int32(q[b * BLOCK + i])
-                dxv[16 * s + 4 * slot + j // 4] = dx[b]
-            else:  # in order; lane = 4 weights
-                w = b * BLOCK + i
-                xb[w] = q[w]
-                corr[w // 4] -= 128 * np.int32(q[w])
-                dxv[w // 4] = dx[b]
+    for b in range(nb if use else 0):
+        dx, inv = _block_scale(x, b * BLOCK)
+        if fmt == Q4_0:  # step b // 4, slot b % 4: its low half at lo, its high half 64 bytes on; lanes of 4 bytes
+            lo, lane = 128 * (b // 4) + 16 * (b % 4), 16 * (b // 4) + 4 * (b % 4)
+            for j in range(16):
+                xb[lo + j], xb[lo + 64 + j] = _q(x[b * BLOCK + j], inv), _q(x[b * BLOCK + 16 + j], inv)
+            for m in range(4):
+                c = 0
+                for j in range(4 * m, 4 * m + 4):
+                    c += np.int32(xb[lo + j]) + np.int32(xb[lo + 64 + j])
+                corr[lane + m], dxv[lane + m] = -8 * c, dx
+        else:  # in order; lanes of 4 weights
+            for i in range(b * BLOCK, b * BLOCK + BLOCK):
+                xb[i] = _q(x[i], inv)
+            for m in range(b * 8, b * 8 + 8):
+                c = np.int32(xb[4 * m]) + np.int32(xb[4 * m + 1]) + np.int32(xb[4 * m + 2]) + np.int32(xb[4 * m + 3])
+                corr[m], dxv[m] = -128 * c, dx
     return xb, corr, dxv
 
 

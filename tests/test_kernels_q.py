@@ -5,6 +5,11 @@ bytes, on rows laid out as gguf-py writes them (the GGUF file's layout).
 Tolerance: the kernels sum float32 products of exact de-quantized weights (every fp16 scale and every q * d is exact in
 float32), so they differ from float64 only by float32 rounding over d terms: |out - ref| <= 1e-4 |ref| + 2e-6 *
 max|ref| (d up to 4096 terms of either sign).
+
+The int route (xq=True: x quantized per 32 weights as llama.cpp's Q8_0, integer block dots) is checked twice: against
+the float64 reference on the x it computes with (x~ = d_x * q_x, from kernels_q.quantize_x), within the float
+tolerance above; and each dot against float64 on the true x within the bound that x's rounding allows, sum over
+blocks of d_x / 2 * sum |w| (|x - x~| <= d_x / 2 per weight), plus the float tolerance.
 """
 
 import zlib
@@ -20,6 +25,9 @@ from hotneurons.weights.qtensor import QTensor
 
 FMTS = ("q8_0", "q4_0")
 QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+XQ = pytest.mark.skipif(not KQ.XQ_OK, reason="the int route needs AVX-512 VNNI and VBMI (kernels_q_ir.XQ_OK)")
 
 
 def _close(out: np.ndarray, ref: np.ndarray) -> None:
@@ -244,3 +252,82 @@ def test_block_rows_refuse_bad_inputs():
     with pytest.raises(ValueError, match="neither Q8_0 nor Q4_0 blocks of x's d weights"):
         K.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
     assert set(C.COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0"}
+
+
+def _x_quantized(x: np.ndarray) -> np.ndarray:
+    """The x the int route computes with: d_x * q_x per 32 weights (float64)."""
+    q, dx = np.empty(x.shape[0], np.int8), np.empty(x.shape[0] // 32, np.float32)
+    KQ.quantize_x(x, q, dx)
+    return q.astype(np.float64) * np.repeat(dx.astype(np.float64), 32)
+
+
+def test_quantize_x_is_llamas_q8_0_of_x():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(256) * np.repeat(10.0 ** rng.uniform(-3, 3, 8), 32)).astype(np.float32)
+    x[64:96] = 0  # an all-zero block: d_x = 0, q = 0
+    q, dx = np.empty(256, np.int8), np.empty(8, np.float32)
+    KQ.quantize_x(x, q, dx)
+    blocks = x.reshape(8, 32)
+    np.testing.assert_allclose(dx, np.abs(blocks).max(1) / 127, rtol=1e-6)
+    want = np.rint(blocks * np.where(dx > 0, 127 / np.maximum(np.abs(blocks).max(1), 1e-30), 0)[:, None])
+    assert np.abs(q.reshape(8, 32) - want).max() <= 1  # rounding ties of x * (127 / max) in float32
+    assert np.all(np.abs(_x_quantized(x) - x) <= np.repeat(dx, 32) / 2 * (1 + 1e-5))
+
+
+@XQ
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
+@pytest.mark.parametrize("d,n", [(32, 9), (96, 23), (4192, 41)])
+@pytest.mark.parametrize("which", ["one", "random", "all"])
+def test_int_route_equals_float64_on_the_quantized_x(fmt, act, d, n, which):
+    """d 32, 96, 4192: steps of 4 (Q4_0) / 2 (Q8_0) blocks with partial last steps of every length."""
+    rng = np.random.default_rng(zlib.crc32(repr(("xq", fmt, act, d, n, which)).encode()))
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = gguf_rows(rng, act, d, n, fmt)
+    xt = _x_quantized(x)
+    pre = _w64(rows.gate, fmt) @ xt if act in K.GATED else _w64(rows.up, fmt) @ xt + rows.b_up
+    idx = _idx(which, rng, n, pre)
+    ref = reference(act, xt, idx, rows)
+    for out, part in ((np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)),
+                      (np.full(d, np.nan, np.float32), np.full((16, d), np.nan, np.float32)),
+                      (np.empty(0, np.float32), np.full((5, d), np.nan, np.float32))):
+        KQ.cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, K.ACT_CODE[act], True)
+        _close(out if out.size else part.sum(0), ref)
+
+
+@XQ
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("d,n", [(32, 3), (96, 203), (4192, 37)])
+def test_int_route_dots_within_the_bound_of_x_rounding(fmt, d, n):
+    """gemv_q(xq=True) against float64 on the true x: |dot - ref| <= sum_b d_x,b / 2 * sum_{j in b} |w_j| + the
+    float tolerance; x with blocks of very different magnitudes (an outlier block sets no other block's scale)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("bound", fmt, d, n)).encode()))
+    x = (rng.standard_normal(d) * np.repeat(10.0 ** rng.uniform(-2, 2, d // 32), 32)).astype(np.float32)
+    rows = gguf.quants.quantize(rng.standard_normal((n, d)).astype(np.float32), QTYPE[fmt])
+    w = _w64(rows, fmt)
+    ref = w @ x.astype(np.float64)
+    out = KQ.gemv_q(x, rows, np.full(n, np.nan, np.float32), fmt, xq=True)
+    q, dx = np.empty(d, np.int8), np.empty(d // 32, np.float32)
+    KQ.quantize_x(x, q, dx)
+    bound = (np.abs(w).reshape(n, -1, 32).sum(2) * dx.astype(np.float64) / 2).sum(1)  # (n,)
+    slack = 1e-4 * np.abs(w) @ np.abs(x.astype(np.float64)) + 1e-30
+    assert np.all(np.abs(out - ref) <= bound + slack), np.max((np.abs(out - ref) - bound) / slack)
+    assert np.abs(out - ref).max() > 0  # x's rounding shows: this is the int route
+    _close(out, w @ _x_quantized(x))  # and it is exactly the dots on the quantized x
+
+
+def test_float_route_is_the_default():
+    """The int route changes results, so it is asked for (xq=True, or HOTNEURONS_COLD_XQ=1 at import): by default
+    ffn_rows / cold_layer_q run the float route, which equals float64 up to float32 sums."""
+    import os
+
+    assert KQ.XQ == (KQ.XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "0") == "1")
+    if KQ.XQ:
+        pytest.skip("HOTNEURONS_COLD_XQ=1: the int route is the default")
+    rng = np.random.default_rng(11)
+    d, n = 96, 40
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = gguf_rows(rng, "reglu", d, n, "q4_0")
+    idx = np.arange(n, dtype=np.int64)
+    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
+    np.testing.assert_allclose(out, reference("reglu", x, idx, rows), rtol=1e-5, atol=1e-6)
