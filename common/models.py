@@ -151,7 +151,7 @@ def check_model(model: str | None, gguf_file: str | None = None, *, revision: st
         path = os.path.join(source.path, source.gguf_file)
         with open(path, "rb") as f:
             magic = f.read(4)
-        if magic != b"GGUF":
+        if magic not in (b"GGUF", b"PWRI"):  # PWRI: PowerInfer's own files (read in place only)
             raise ModelError(f"'{path}' is not a GGUF file (it does not start with GGUF)", params="model")
         return source
     from transformers import AutoConfig

@@ -59,7 +59,8 @@ def auto_format(stored: WeightFormat, where: str, compute: torch.dtype, device: 
 def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
     """The meta.json "model" section from the file's tensor table (the same keys as common.models.model_info)."""
     infos, cfg = source.infos, source.config
-    numel = {n: int(np.prod(t.shape)) for n, t in infos.items()}
+    # the model's tensors (a PowerInfer file also holds its predictors, blk.{i}.fc1/fc2: not the model's)
+    numel = {n: int(np.prod(t.shape)) for n, t in infos.items() if not n.endswith((".fc1.weight", ".fc2.weight"))}
     L = int(cfg.num_hidden_layers)
     layer = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.")) for i in range(L)]
     ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
@@ -113,6 +114,35 @@ def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dty
     cold = auto_format(stored, "cpu", compute) if cold_dtype == "auto" else str(weight_format(cold_dtype))
     gpu = auto_format(stored, "gpu", compute, device) if gpu_dtype == "auto" else str(weight_format(gpu_dtype))
     return cold, gpu
+
+
+def file_predictors(source: Any, dtype: torch.dtype) -> Any:
+    """PowerInfer's predictors from its own file (fc1, fc2 per layer; a neuron computed iff its logit >= the file's
+    sparse threshold, 0 by default), in the powerinfer form: they read the residual before the pre-FFN norm."""
+    from hotneurons.predictors.fit import Predictor
+    from hotneurons.predictors.load import Predictors
+    from hotneurons.predictors.schema import PredictorForm
+    from hotneurons.runtime.ffn_weights import to_float
+
+    threshold = source.sparse_threshold or 0.0
+    layers = {}
+    for i in range(int(source.config.num_hidden_layers)):
+        fc1, fc2 = (to_float(w) for w in source.predictor(i))  # (r, d), (n, r)
+        p = Predictor(fc1.shape[1], fc1.shape[0], fc2.shape[0], threshold)
+        p.fc1.weight.data.copy_(fc1)
+        p.fc2.weight.data.copy_(fc2)
+        layers[i] = p.to(dtype=dtype).eval()
+    return Predictors(layers, None, None, PredictorForm.POWERINFER)
+
+
+def file_placement(source: Any, n_layers: int) -> Any:
+    """PowerInfer's split beside its file (`.generated.gpuidx`), or none: every neuron on the CPU side."""
+    from hotneurons.runtime.placement import Placement
+
+    masks = source.gpu_index()
+    if masks is None:
+        return Placement.uniform(n_layers, source.infos["blk.0.ffn_up.weight"].shape[0], False)
+    return Placement(tuple(np.asarray(m, dtype=bool) for m in masks))
 
 
 def requantized(source: Any, cold: str, hot: str) -> None:
@@ -180,9 +210,12 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     if mode == "hybrid" and not oracle and not use_predictor:
         mode = "dense"
     mask = "dense" if mode == "dense" else ("oracle" if oracle else "predictor")
-    if mode == "hybrid" and placement is None:
-        raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
-    if mask == "predictor":
+
+    pwri = run is None and getattr(source, "powerinfer", False)  # PowerInfer's own file: predictors and split in it
+    if pwri and mask == "predictor":
+        predictors = file_predictors(source, dtype)
+        placement = placement or file_placement(source, L)
+    elif mask == "predictor":
         from hotneurons.predictors.train import load_predictors
 
         predictors = load_predictors(run, info, device="cpu", dtype=dtype)
@@ -192,6 +225,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         _, pmeta = artifacts.read_profile(run)
         artifacts.check_same_model(pmeta, {"model": info}, f"profile {run / 'profile'}", "the model")
         taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+    if mode == "hybrid" and placement is None:
+        raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
     if mask == "oracle" and taus is None and act not in RELU_FAMILY:
         raise ArtifactError(f"--oracle on a {act} model needs the profile's thresholds (RUN/profile/)")
     placement = placement or Placement.uniform(L, n, True)

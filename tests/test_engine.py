@@ -166,3 +166,36 @@ def test_q4_0_gguf_read_in_place_equals_hf(tmp_path):
     assert all(f.cold.fmt == "q4_0" for f in rt.ffns)
     g = generate(rt, ids, NEW)
     assert len(g.token_ids) == NEW and 0 < g.stats["ffn_sparsity"] < 1
+
+
+def test_powerinfer_file_runs_as_model_predictors_and_split(tmp_path):
+    """PowerInfer's own file (PWRI: F16 weights, ffn_down_t, predictors, a .generated.gpuidx split) loads with no run
+    directory as model + predictors (its threshold, the powerinfer input form) + placement. Written with a threshold
+    every logit passes and a split of every neuron on the device, the result is the dense model's: HF's greedy tokens
+    on the same (fp16-rounded) weights."""
+    from hotneurons.common.models import load_model
+    from hotneurons.export import roundtrip
+    from hotneurons.export.gguf_model import hf_state, vocab_from_tokenizer
+    from hotneurons.export.powerinfer import write_powerinfer
+
+    folder = roundtrip.build_model(tmp_path / "model", hidden_size=32, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    lm = load_model(str(folder), device="cpu", dtype="float32")
+    with torch.no_grad():  # the file stores 2-D weights in fp16: the reference computes with the same values
+        for p in lm.model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    g = torch.Generator().manual_seed(0)
+    preds = [(torch.randn(8, 32, generator=g).half().float(), torch.randn(1024, 8, generator=g).half().float())
+             for _ in range(2)]
+    every = [np.ones(1024, dtype=bool) for _ in range(2)]
+    summary = write_powerinfer(hf_state(lm.model), vocab_from_tokenizer(lm.tokenizer, lm.model.config.vocab_size),
+                               preds, -1e30, [np.arange(1024)] * 2, every, 1 << 20, tmp_path / "out",
+                               config=lm.model.config)
+    path = tmp_path / "out" / summary["files"]["model"]
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    want, _ = hf_greedy(lm, ids)
+    rt = load_runtime(None, RuntimeConfig(device="cpu", gpu_dtype="f32"), model=str(path))
+    assert rt.mode == "hybrid" and all(f.prenorm and f.n_cold == 0 for f in rt.ffns)
+    g = generate(rt, ids, NEW)
+    assert g.token_ids == want and g.stats["ffn_sparsity"] == 0.0
