@@ -92,8 +92,8 @@ class Loader:
         if all(isinstance(w, QTensor) and w.fmt == ws[0].fmt for w in ws):
             data = torch.cat([w.data.to(self.device) for w in ws])  # (rows, row bytes) uint8
             w = _pack(QTensor(data, ws[0].fmt, (data.shape[0], ws[0].shape[1])), self.device)
-        elif not any(isinstance(w, QTensor) for w in ws):
-            w = torch.cat([self._float(w) for w in ws])
+        elif not any(isinstance(w, QTensor) for w in ws) and self.device.type != "cpu":
+            w = torch.cat([self._float(w) for w in ws])  # on the CPU the parts stay apart: views of the file
         else:
             w = [_pack(w, self.device) if isinstance(w, QTensor) else self._float(w) for w in ws]
         for n in names:
