@@ -89,7 +89,7 @@ class Loader:
         """The weights of `names` stacked by rows into one (so one GEMV reads q, k and v), and their biases (zeros
         where one has none). Quantized weights of different formats stay apart: a list, each its own GEMV."""
         ws = [self._get(n, True) for n in names]
-        if all(isinstance(w, QTensor) and w.fmt == ws[0].fmt for w in ws):
+        if all(isinstance(w, QTensor) and w.fmt == ws[0].fmt for w in ws) and self.device.type != "cpu":
             data = torch.cat([w.data.to(self.device) for w in ws])  # (rows, row bytes) uint8
             w = _pack(QTensor(data, ws[0].fmt, (data.shape[0], ws[0].shape[1])), self.device)
         elif not any(isinstance(w, QTensor) for w in ws) and self.device.type != "cpu":
