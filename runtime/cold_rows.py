@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from hotneurons.runtime.kernels import INT8_GROUP
 from hotneurons.runtime.ops import neuron_values
-from hotneurons.weights.formats import row_bytes, weight_format
+from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.quants import dequantize, quantize
 
@@ -148,7 +148,10 @@ class ColdRows:
     @property
     def d(self) -> int:
         """Weights per row (d_model)."""
-        return self.up.shape[1] // (34 if self.fmt == "q8_0" else 18) * 32 if self.fmt else self.up.shape[1]
+        if not self.fmt:
+            return self.up.shape[1]
+        s = spec(self.fmt)
+        return self.up.shape[1] // s.block_bytes * s.block
 
     @property
     def gate_arg(self) -> np.ndarray:

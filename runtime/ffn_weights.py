@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from hotneurons.weights.formats import WeightFormat, spec, weight_format
-from hotneurons.weights.qtensor import QTensor
+from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 from torch import nn
 
 Weight = torch.Tensor | QTensor
@@ -66,9 +66,6 @@ class FFNWeights:
         p = f"blk.{i}."
         return [p + n for n in ("ffn_up.weight", "ffn_down.weight", "ffn_gate.weight", "ffn_up.bias",
                                 "ffn_down.bias", "ffn_down_t.weight")]
-
-
-FLOAT_DTYPES = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
 
 
 def float_dtype(fmt: WeightFormat) -> torch.dtype:

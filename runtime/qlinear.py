@@ -30,12 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
-from hotneurons.weights.qtensor import QTensor
+from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
 QBLOCK = 32  # weights per Q4_0 / Q8_0 block
 BLOCKS = {WeightFormat.Q4_0: 16, WeightFormat.Q8_0: 32}  # bytes of quants per block
 QDTYPE = {WeightFormat.Q4_0: torch.uint8, WeightFormat.Q8_0: torch.int8}
-FLOATS = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
 CHUNK_ELEMS = 1 << 24  # weights de-quantized at a time (64 MB as float32): bounds the temporaries of big matrices
 PACK_CHUNK_BYTES = 1 << 24  # file bytes copied to the device at a time by pack
 
@@ -148,8 +147,8 @@ def _file_dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool) -> torch.Ten
 
 def _qtensor_rows(w: QTensor, r0: int, r1: int) -> torch.Tensor:
     """Rows [r0, r1) of a QTensor as float32 (float formats: as stored), on its device."""
-    if w.fmt in FLOATS:
-        return w.data[r0:r1].view(FLOATS[w.fmt])
+    if w.fmt in FLOAT_DTYPES:
+        return w.data[r0:r1].view(FLOAT_DTYPES[w.fmt])
     if w.fmt in BLOCKS:
         bb = BLOCKS[w.fmt]
         blocks = w.data[r0:r1].view(r1 - r0, -1, 2 + bb)  # (rows, nb, block bytes)
@@ -165,8 +164,8 @@ def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
     a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
     if isinstance(w, (GpuQ, torch.Tensor)):
         return w.to(device)
-    if w.fmt in FLOATS:
-        return w.data.to(device).view(FLOATS[w.fmt])
+    if w.fmt in FLOAT_DTYPES:
+        return w.data.to(device).view(FLOAT_DTYPES[w.fmt])
     if w.fmt not in BLOCKS:
         raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q8_0 or a float "
                          f"format (llama.cpp's llama-quantize), or de-quantize them on load")
@@ -228,8 +227,8 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
     m = math.prod(x.shape[:-1])
     x2 = x.reshape(m, k)  # (m, k)
     out2 = out.view(m, n)  # (m, n): a view, so that writes land in out (a one-line error where it cannot be one)
-    if isinstance(w, QTensor) and w.fmt in FLOATS:
-        w = w.data.view(FLOATS[w.fmt])
+    if isinstance(w, QTensor) and w.fmt in FLOAT_DTYPES:
+        w = w.data.view(FLOAT_DTYPES[w.fmt])
     if isinstance(w, torch.Tensor):
         wt = w if w.dtype == x.dtype else w.to(x.dtype)
         if add:

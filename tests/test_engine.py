@@ -28,12 +28,11 @@ def hf_greedy(lm, ids, n=NEW):
     return out.sequences[0, len(ids):].tolist(), [lg[0] for lg in out.logits]
 
 
-def run_engine(folder, cfg, placement=None, monkeypatch=None):
+def run_engine(folder, cfg, placement=None):
     if placement is not None:  # a placement without a run directory: the engine's own entry
-        from hotneurons.runtime import engine
+        from hotneurons.runtime.engine import load_source_runtime
 
-        real = engine.load_source_runtime
-        return real(None, None, cfg, model=str(folder), placement=placement)
+        return load_source_runtime(None, None, cfg, model=str(folder), placement=placement)
     return load_runtime(None, cfg, model=str(folder))
 
 

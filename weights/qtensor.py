@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
 
+# the float formats as torch dtypes (their bytes can be viewed as these)
+FLOAT_DTYPES = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class QTensor:

@@ -26,9 +26,7 @@ import torch
 from hotneurons.common.kinds import Activation
 from hotneurons.common.model_source import ModelError
 from hotneurons.weights.formats import WeightFormat
-from hotneurons.weights.qtensor import QTensor
-
-FLOAT_DTYPES = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16}
+from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
 
 @dataclass(frozen=True)
