@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from hotneurons.common import prenorm
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values
-from hotneurons.runtime.ffn_weights import CHUNK_BYTES, FFNWeights
+from hotneurons.runtime.ffn_weights import FFNWeights, float_format, store
 from hotneurons.weights.qtensor import QTensor
 
 LOGIT_BYTES = 256 << 20  # the head's output is computed this many bytes of (tokens, vocab) at a time
@@ -93,15 +93,10 @@ class FloatFFN:
 
 def to_device(w: torch.Tensor | QTensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """A stored weight as a float tensor on `device`: block formats de-quantized there a chunk of rows at a time (no
-    float32 copy of the whole matrix beside the result)."""
+    float32 copy of the whole matrix beside the result: ffn_weights.store)."""
     if w is None or not isinstance(w, QTensor):
         return None if w is None else w.to(device=device, dtype=dtype)
-    rows, cols = w.shape
-    out = torch.empty((rows, cols), device=device, dtype=dtype)  # (rows, cols)
-    step = max(1, CHUNK_BYTES // (4 * cols))
-    for s in range(0, rows, step):
-        out[s:s + step] = w.rows(slice(s, s + step)).to(device).dequantize(dtype)
-    return out
+    return store(w, float_format(dtype), device)
 
 
 @dataclass

@@ -72,10 +72,13 @@ def float_dtype(fmt: WeightFormat) -> torch.dtype:
     return FLOAT_DTYPES[fmt]
 
 
+def float_format(dtype: torch.dtype) -> WeightFormat:
+    """The float format of a torch dtype (float32 for any other)."""
+    return {v: k for k, v in FLOAT_DTYPES.items()}.get(dtype, WeightFormat.F32)
+
+
 def fmt_of(w: Weight) -> WeightFormat:
-    if isinstance(w, QTensor):
-        return w.fmt
-    return {v: k for k, v in FLOAT_DTYPES.items()}.get(w.dtype, WeightFormat.F32)
+    return w.fmt if isinstance(w, QTensor) else float_format(w.dtype)
 
 
 def _chunk_rows(cols: int) -> int:
@@ -95,7 +98,8 @@ def take_rows(w: Weight, idx: torch.Tensor) -> Weight:
 
 def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu") -> Weight:
     """w in `fmt` on `device`: kept as it is when it is in that format already (a GGUF's rows byte for byte),
-    else converted a chunk of rows at a time. Float formats give float tensors, block formats QTensors."""
+    else converted a chunk of rows at a time, on `device` (each chunk's stored bytes cross, then are widened or
+    quantized there). Float formats give float tensors, block formats QTensors."""
     from hotneurons.weights.quants import quantize
 
     fmt = weight_format(fmt)
@@ -107,7 +111,8 @@ def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu"
         out = torch.empty((rows, cols), dtype=dtype, device=device)  # (rows, cols)
         step = _chunk_rows(cols)
         for s in range(0, rows, step):
-            out[s:s + step] = to_float(w.rows(slice(s, s + step)) if isinstance(w, QTensor) else w[s:s + step])
+            part = w.rows(slice(s, s + step)) if isinstance(w, QTensor) else w[s:s + step]
+            out[s:s + step] = to_float(part.to(device))
         return out
     from hotneurons.weights.formats import row_bytes
 
@@ -115,7 +120,7 @@ def store(w: Weight, fmt: str | WeightFormat, device: torch.device | str = "cpu"
     step = _chunk_rows(cols)
     for s in range(0, rows, step):
         part = w.rows(slice(s, s + step)) if isinstance(w, QTensor) else w[s:s + step]
-        data[s:s + step] = quantize(to_float(part), fmt).to(device)
+        data[s:s + step] = quantize(to_float(part.to(device)), fmt)
     return QTensor(data, fmt, (rows, cols))
 
 
