@@ -176,7 +176,9 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
     `placement` (runtime.placement.Placement) replaces the run's (tests, benchmarks)."""
     from hotneurons.common import artifacts
+    from hotneurons.common.models import RELU_FAMILY, adapter_for
     from hotneurons.models import build_model
+    from hotneurons.predictors.form import PredictorForm
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
@@ -193,8 +195,6 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         model, gguf_file = src["path"], gguf_file or src.get("gguf_file")
     activation = meta["model"]["activation"] if meta is not None and meta["model"]["activation"] == "drelu" else None
     source, sid, mcfg, act = open_model(model, gguf_file, activation)
-    from hotneurons.common.models import RELU_FAMILY, adapter_for
-
     adapter = adapter_for(source.config)
     info = model_info(source, sid, act, adapter.name, adapter.gated)
     device, dtype = device_and_dtype(cfg)
@@ -239,8 +239,6 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     ctx = cfg.ctx or min((solved.get("flags", {}).get("ctx")) or CAPACITY, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
     check_fits(need, device, cfg.vram, ctx)
-    from hotneurons.predictors.form import PredictorForm
-
     prenorm = mask == "predictor" and predictors.form == PredictorForm.POWERINFER
     threads = set_threads(cfg.threads)
     decoder = build_model(mcfg, lambda name: source.get(name) if name in source.infos else None,

@@ -40,27 +40,26 @@ def is_ffn_weight(name: str) -> bool:
     return ".ffn_" in name and "norm" not in name
 
 
-def _stored_bytes(info: Any, fmt: str | None, dtype: torch.dtype) -> int:
-    """Bytes of a non-FFN tensor on the device: block formats as stored (or `fmt`), floats in the compute dtype."""
-    n = int(np.prod(info.shape))
-    if spec(info.fmt).block > 1:  # kept in blocks (the GEMV reads them)
-        return int(info.nbytes) if fmt is None else int(n * bytes_per_weight(fmt))
-    return n * torch.empty((), dtype=dtype).element_size()
+def _stored_bytes(info: Any, dtype: torch.dtype) -> int:
+    """Bytes of a non-FFN tensor on the device: block formats as stored (the GEMV reads them), floats in the compute
+    dtype."""
+    if spec(info.fmt).block > 1:
+        return int(info.nbytes)
+    return int(np.prod(info.shape)) * torch.empty((), dtype=dtype).element_size()
 
 
-def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str | None, dtype: torch.dtype, ctx: int,
+def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str, dtype: torch.dtype, ctx: int,
                info: dict) -> MemoryNeed:
     """The memory a layout of `source` will take (see the module's docstring)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     d, n = info["d_model"], info["n_neurons"]
     mats = 3 if info["gated"] else 2
-    hot_bpw = bytes_per_weight(hot_fmt) if hot_fmt else itemsize
     n_hot = sum(int(g.sum()) for g in placement.gpu)
     n_cold = sum(len(g) for g in placement.gpu) - n_hot
     cold = int(n_cold * mats * d * bytes_per_weight(cold_fmt))
-    hot = int(n_hot * mats * d * hot_bpw)
+    hot = int(n_hot * mats * d * bytes_per_weight(hot_fmt))
     untied = "output.weight" in source.infos  # the embedding then stays in CPU RAM (models/common.load_embedding)
-    rest = sum(_stored_bytes(t, None, dtype) for name, t in source.infos.items()
+    rest = sum(_stored_bytes(t, dtype) for name, t in source.infos.items()
                if not is_ffn_weight(name) and not (untied and name == "token_embd.weight"))
     kv = 2 * info["n_layers"] * info["num_key_value_heads"] * info["head_dim"] * ctx * itemsize
     temp = 4 * n * d * 2  # a layer's down projection de-quantized a window at a time, and one matrix's float rows
