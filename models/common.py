@@ -288,7 +288,9 @@ class Decoder:
         return logits
 
     # the engine's contract, defined by each family
-    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, d) hidden states of tokens (T,) at positions pos0..; rows (T, d_embed): their embedding rows, looked up
+        already (a CUDA graph's step, where an untied table lives in CPU RAM: runtime/source_steps.py)."""
         raise NotImplementedError
 
     def attention(self, i: int, h: torch.Tensor, pos0: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,8 +75,8 @@ class Falcon(Decoder):
         g = qkv.view(T, H, 3, hd)  # fused_heads: per head q, k, v
         return g[:, :, 0], g[:, :, 1], g[:, :, 2]
 
-    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
-        return embed_rows(self.tok_embd, tokens, self.dtype)  # (T, d)
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return embed_rows(self.tok_embd, tokens, self.dtype) if rows is None else rows  # (T, d)
 
     def attention(self, i: int, h: torch.Tensor, pos0: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[i]

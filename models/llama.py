@@ -72,8 +72,8 @@ class Llama(Decoder):
         post_ffw = load_norm(load, cfg, p + "post_ffw_norm") if cfg.post_norms else None
         return _Layer(attn_norm, wqkv, bqkv, wo, bo, ffn_norm, q_norm, k_norm, post_attn, post_ffw)
 
-    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
-        h = embed_rows(self.tok_embd, tokens, self.dtype)  # (T, d)
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        h = embed_rows(self.tok_embd, tokens, self.dtype) if rows is None else rows  # (T, d)
         return h * self.embed_scale if self.cfg.embed_scale != 1.0 else h
 
     def attention(self, i: int, h: torch.Tensor, pos0: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,9 +60,9 @@ class OPT(Decoder):
         bo = load.tensor(p + "attn_output.bias") if cfg.out_bias else None
         return _Layer(attn_norm, wqkv, bqkv, wo, bo, load_norm(load, cfg, p + "ffn_norm"))
 
-    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, pos0: int | torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         pos = self.positions(tokens.shape[0], pos0)  # (T,)
-        h = embed_rows(self.tok_embd, tokens, self.dtype)  # (T, d_embed)
+        h = embed_rows(self.tok_embd, tokens, self.dtype) if rows is None else rows  # (T, d_embed)
         if self.project_in is not None:
             h = _linear(h, self.project_in)  # (T, d)
         return h + self.pos_embd[pos + POSITION_OFFSET]

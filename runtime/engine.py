@@ -21,10 +21,11 @@ from hotneurons.common.kinds import Activation, choose
 from hotneurons.common.model_source import ModelSource, fingerprint, resolve_source
 from hotneurons.weights.formats import FORMATS, WeightFormat, spec, weight_format
 
-# the formats `auto` turns a stored format into, where the kernels do not read it: 4- and 5-bit k-quants to q4_0,
-# 6-bit and wider to q8_0, floats to bf16 in CPU RAM (the compute dtype on the device)
-_AUTO = {WeightFormat.Q4_1: WeightFormat.Q4_0, WeightFormat.Q4_K: WeightFormat.Q4_0,
-         WeightFormat.Q5_K: WeightFormat.Q4_0, WeightFormat.Q6_K: WeightFormat.Q8_0}
+# the formats `auto` turns a stored format into, where the kernels do not read it (Q4_0, Q4_1 and Q8_0 they read as
+# stored): 4- and 5-bit k-quants to q4_0, 6-bit and wider to q8_0, floats to bf16 in CPU RAM (the compute dtype on the
+# device)
+_AUTO = {WeightFormat.Q4_K: WeightFormat.Q4_0, WeightFormat.Q5_K: WeightFormat.Q4_0,
+         WeightFormat.Q6_K: WeightFormat.Q8_0}
 
 
 @dataclass
@@ -152,9 +153,10 @@ def requantized(source: Any, cold: str, hot: str) -> None:
     stored = source.infos["blk.0.ffn_up.weight"].fmt
     four = (WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q4_K, WeightFormat.Q5_K)
     if stored != WeightFormat.Q4_0 and stored in four and WeightFormat.Q4_0 in (cold, hot):
+        keep = "--cold-dtype auto --gpu-dtype auto reads them as stored" if stored == WeightFormat.Q4_1 else \
+            "--cold-dtype q8_0 --gpu-dtype q8_0 keeps it (+0.4%) at about twice the bytes"
         warnings.warn(f"the file's {stored} FFN rows are re-quantized to q4_0, which costs quality (SmolLM2-135M from "
-                      f"Q4_1: +15% perplexity, docs/memory.md); --cold-dtype q8_0 --gpu-dtype q8_0 keeps it (+0.4%) "
-                      f"at about twice the bytes", stacklevel=3)
+                      f"Q4_1: +15% perplexity, docs/memory.md); {keep}", stacklevel=3)
 
 
 @torch.inference_mode()
@@ -179,12 +181,15 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.common.models import RELU_FAMILY, adapter_for
     from hotneurons.models import build_model
     from hotneurons.predictors.form import PredictorForm
+    from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.kernels import set_threads
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
+    from hotneurons.runtime.ops import default_ops
     from hotneurons.runtime.placement import Placement
+    from hotneurons.runtime.source_steps import SourceSteps
     from tqdm.auto import tqdm
 
     if cfg.ctx is not None and cfg.ctx < 1:
@@ -262,7 +267,12 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     bytes_cpu = sum(f.cold_bytes() for f in ffns) + host_embedding
     bytes_gpu = tensor_bytes(decoder, *ffns, device=device) - (host_embedding if device == "cpu" else 0)
     check_vram(bytes_gpu, device, cfg.vram, ctx)
-    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, None)
+    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
+    # decode steps as CUDA graphs over the decoder's own cache (eager on a CPU, the same pieces)
+    fast = (SourceSteps(decoder, ffns, torch.device(device), dtype, cfg.cuda_graphs, ops, cfg.prelaunch)
+            if cfg.static_decode else None)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
+    rt.pcie_share = pcie_share(rt, mask)
     rt.profile_gpu_share = solved.get("gpu_activation_share")
     rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
     rt.plan_dtype = solved.get("flags", {}).get("dtype")

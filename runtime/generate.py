@@ -32,6 +32,7 @@ from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_row
 from hotneurons.runtime.cold_rows import COLD_DTYPES
 from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
+from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.kernels import set_threads
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
@@ -118,7 +119,7 @@ class Runtime:
     bytes_cpu: int
     gpu_layers: int
     threads: int
-    fast: StaticDecoder | None = None  # decode steps without HF's per-layer launches (LLaMA family)
+    fast: GraphSteps | None = None  # decode steps as CUDA graphs (StaticDecoder: HF's LLaMA; SourceSteps: ours)
     pcie_share: float = 0.0  # see RuntimeConfig; the FFNs' mapped_rows are set from it after CALIBRATION_TOKENS
     pcie_tuned: bool = False  # the share's series of balancing rounds is over (re-checks may start another)
     pcie_balance: ShareBalance | None = None  # a measured share on CUDA graphs: moved by timed rounds first
@@ -303,7 +304,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     # the static decoder when it applies (LLaMA family, cache long enough, no FFN probed: its marks are HF's path's)
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
                        and all(f.probe is None for f in rt.ffns)) else None
-    if fast is not None:
+    if fast is not None and not ours:  # ours prefilled the decoder's own cache, which its steps read
         fast.load_prefill(cache, len(prompt_ids))
     ids: list[int] = []
     kept: list[torch.Tensor] = []
@@ -325,10 +326,10 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         if should_stop is not None and should_stop():
             stopped = True
             break
-        if ours:
-            logits = source_forward(rt, [nxt], len(prompt_ids) + len(ids) - 1)
-        elif fast is not None:
+        if fast is not None:
             logits = fast.step(nxt, len(prompt_ids) + len(ids) - 1)
+        elif ours:
+            logits = source_forward(rt, [nxt], len(prompt_ids) + len(ids) - 1)
         else:
             out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
             logits = out.logits[0, -1]

@@ -36,3 +36,41 @@ def test_block_rows_on_cuda_equal_hf(family, fmt, dtype, atol, tiny_model_dir, t
     assert diff < atol, diff
     if dtype == "float32":
         assert g.token_ids == want
+
+
+@pytest.mark.parametrize("cold, hot", [("q4_0", "q4_0"), ("bf16", "f32")])
+@pytest.mark.parametrize("family", ["llama-reglu", "opt", "gemma3-geglu"])
+def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_path):
+    """Decode steps replayed as CUDA graphs (runtime/source_steps.py, prelaunched where the driver can) against the
+    same steps run eagerly, with random predictors (real sparsity: cold rows computed by the CPU between the graphs)
+    and a mixed placement: the same tokens and logits. llama-reglu's untied embedding is looked up on the host and
+    copied in by layer 0's graph; gemma3 has sliding-window layers and norms after attention and FFN. The graphs'
+    default ops (Triton) give the same tokens."""
+    from hotneurons.common import tiny
+    from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
+    from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.placement import Placement
+
+    folder = tiny_model_dir(family)
+    source, sid, mcfg, act = open_model(str(folder))
+    from hotneurons.common.models import adapter_for
+
+    ad = adapter_for(source.config)
+    info = model_info(source, sid, act, ad.name, ad.gated)
+    run = tmp_path / "run"
+    run.mkdir()
+    tiny.write_predictors(run, info, 0.0)
+    placement = Placement(tuple(np.random.default_rng(i).random(info["n_neurons"]) < 0.3
+                                for i in range(info["n_layers"])))
+    ids = list(range(3, 12))
+    runs = {}
+    for name, graphs, ops in (("eager", False, "torch"), ("graphs", True, "torch"), ("triton", True, "auto")):
+        rt = load_source_runtime(run, None, RuntimeConfig(device="cuda", dtype="float32", cold_dtype=cold,
+                                                          gpu_dtype=hot, cuda_graphs=graphs, ops=ops),
+                                 model=str(folder), placement=placement)
+        runs[name] = generate(rt, ids, 8, keep_logits=True, stop_at_eos=False)
+        assert (rt.fast._graphs is not None) == graphs
+    assert runs["graphs"].token_ids == runs["eager"].token_ids == runs["triton"].token_ids
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs["graphs"].logits, runs["eager"].logits))
+    assert diff < 1e-4, diff
+    assert 0 < runs["graphs"].stats["ffn_sparsity"] < 1

@@ -449,3 +449,28 @@ def test_one_line_errors(tmp_path, llama_gguf):
     with GGUFSource(llama_gguf[0]) as src, pytest.raises(KeyError) as e:
         src.get("blk.9.ffn_up.weight")
     assert "no tensor" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_byte_level_bpe_fallback_equals_transformers(which, llama_gguf):
+    """Where transformers' GGUF converter fails (versions that disagree on the merges' type), the tokenizer is built
+    from the file's byte-level BPE tables with `tokenizers` alone: the same ids as transformers' on text with spaces,
+    digits, punctuation, non-ASCII and special tokens, and the same text back."""
+    from hotneurons.common.model_source import resolve_source
+    from hotneurons.weights.gguf_source import byte_level_bpe
+
+    if which == "tiny":
+        path = llama_gguf[0]
+    else:
+        src = resolve_source(None)
+        path = Path(src.path) / src.gguf_file
+    with GGUFSource(path) as s:
+        theirs = s.tokenizer()
+        meta = {k: s.file.array(k) for k in s.meta if k.startswith("tokenizer.")}
+    ours = byte_level_bpe(meta)
+    eos = theirs.eos_token or ""
+    for text in ("Sparse activations make large models fast.", "  two  spaces, 1234 digits; é ü 東京 — ok?",
+                 f"The end.{eos} Next"):
+        ids = theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)

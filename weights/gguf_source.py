@@ -344,7 +344,22 @@ class GGUFSource(WeightSource):
     def tokenizer(self) -> Any:
         """The tokenizer the file describes, as transformers builds it for `AutoTokenizer.from_pretrained(folder,
         gguf_file=...)` (its get_gguf_tokenizer + convert_gguf_tokenizer), fed from this header: that call would
-        parse the file again with gguf-py (seconds for a large vocabulary) and refuses PWRI files."""
+        parse the file again with gguf-py (seconds for a large vocabulary) and refuses PWRI files. Where transformers
+        cannot build it (versions of transformers and tokenizers that disagree on the merges' type), a byte-level BPE
+        vocabulary is built from the file's tables with `tokenizers` alone (byte_level_bpe)."""
+        meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
+        try:
+            return self._transformers_tokenizer(meta)
+        except (TypeError, ValueError) as e:
+            if meta.get("tokenizer.ggml.model") != "gpt2":
+                raise
+            import warnings
+
+            warnings.warn(f"transformers could not build this file's tokenizer ({type(e).__name__}: {e}); built it "
+                          f"from the file's byte-level BPE tables instead", stacklevel=2)
+            return byte_level_bpe(meta)
+
+    def _transformers_tokenizer(self, meta: dict[str, Any]) -> Any:
         from transformers import PreTrainedTokenizerFast
 
         try:  # these names are transformers' own, which versions move; where they differ, its public loader
@@ -356,7 +371,6 @@ class GGUFSource(WeightSource):
 
             path = os.path.abspath(self.path)
             return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
         grouped = {group: {name: meta[f"tokenizer.{k}"] for k, name in renames.items() if f"tokenizer.{k}" in meta}
                    for group, renames in tm.GGUF_TOKENIZER_MAPPING.items()}
         tok, tok_cfg = grouped["tokenizer"], grouped["tokenizer_config"]
@@ -371,3 +385,24 @@ class GGUFSource(WeightSource):
     def close(self) -> None:
         super().close()
         self.file = None
+
+
+def byte_level_bpe(meta: dict[str, Any]) -> Any:
+    """A byte-level BPE tokenizer (tokenizer.ggml.model "gpt2": GPT-2, LLaMA-3, SmolLM2, Qwen) from a GGUF header's
+    tokenizer.* values, with `tokenizers` alone: GPT-2's pre-tokenizer and decoder, the file's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    special = {name: tokens[int(meta[f"tokenizer.ggml.{key}"])]
+               for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                                 ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+               if f"tokenizer.ggml.{key}" in meta}
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:  # control tokens (type 3) are special: never split, skipped when decoding
+        tk.add_special_tokens([tokens[i] for i, t in enumerate(types) if int(t) == 3])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, **special)
