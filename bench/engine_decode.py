@@ -29,30 +29,38 @@ def decode_rates(rt, prompt: list[int], tokens: int, reps: int) -> dict:
             "bytes_gpu": runs[-1]["bytes_gpu"], "bytes_cpu": runs[-1]["bytes_cpu"], "runs": len(runs)}
 
 
-def main(a) -> dict:
+def setup(models: str, shape: str, threshold: float, hot_share: float):
+    """The memory benchmark's model (written once under `models`), a run with random predictors for its GGUF, and a
+    random placement of `hot_share` of each layer's neurons on the GPU: (files, run, placement)."""
     import numpy as np
-    import torch
     from hotneurons.bench import memory_models as mm
+    from hotneurons.common import tiny
+    from hotneurons.common.models import adapter_for
+    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.runtime.placement import Placement
+
+    files = mm.ensure_models(shape, Path(models))
+    source, sid, mcfg, act = open_model(files["gguf"]["model"])
+    ad = adapter_for(source.config)
+    info = model_info(source, sid, act, ad.name, ad.gated)
+    run = Path(models) / shape / "decode-run"
+    if not (run / "predictors").exists():
+        run.mkdir(parents=True, exist_ok=True)
+        tiny.write_predictors(run, info, threshold)
+    n, L = info["n_neurons"], info["n_layers"]
+    return files, run, Placement(tuple(np.random.default_rng(i).random(n) < hot_share for i in range(L)))
+
+
+def main(a) -> dict:
+    import torch
     from hotneurons.common import tiny
     from hotneurons.common.models import load_model
     from hotneurons.predictors.train import load_predictors
-    from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
+    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, build_runtime
-    from hotneurons.runtime.placement import Placement
 
-    files = mm.ensure_models(a.shape, Path(a.models))
+    files, run, placement = setup(a.models, a.shape, a.threshold, a.hot_share)
     gguf, hf = files["gguf"]["model"], files["hf"]["model"]
-    source, sid, mcfg, act = open_model(gguf)
-    from hotneurons.common.models import adapter_for
-
-    ad = adapter_for(source.config)
-    info = model_info(source, sid, act, ad.name, ad.gated)
-    run = Path(a.models) / a.shape / "decode-run"
-    if not (run / "predictors").exists():
-        run.mkdir(parents=True, exist_ok=True)
-        tiny.write_predictors(run, info, a.threshold)
-    n, L = info["n_neurons"], info["n_layers"]
-    placement = Placement(tuple(np.random.default_rng(i).random(n) < a.hot_share for i in range(L)))
     prompt = list(range(300, 316))
     rows = {}
     for name, graphs in (("engine, CUDA graphs", True), ("engine, eager launches", False)):
