@@ -7,7 +7,6 @@ one process, beside what the layout itself counts (the cold rows, the predictors
 
 from __future__ import annotations
 
-import argparse
 import time
 
 
@@ -88,16 +87,12 @@ def main(a) -> dict:
 
 def cli() -> None:
     from hotneurons.bench import record
+    from hotneurons.bench.engine_decode import parser
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", required=True, help="Folder for the benchmark models (written once, reused).")
-    p.add_argument("--shape", default="3.1GB", help="bench/memory_models.SHAPES preset.")
-    p.add_argument("--device", default="cuda", help="cuda or cpu.")
+    p = parser(__doc__)
     p.add_argument("--warm-shape", default=None,
                    help="Load and run this SHAPES preset first (the libraries' one-time state), e.g. small.")
     p.add_argument("--cold-dtype", default="auto", help="The cold rows' format (auto: the file's).")
-    p.add_argument("--hot-share", type=float, default=0.3, help="Share of each layer's neurons on the GPU.")
-    p.add_argument("--threshold", type=float, default=2.0, help="The random predictors' logit threshold.")
     p.add_argument("--out", default=None, help="Results file (default: bench/results/, dated).")
     a = p.parse_args()
     record.write_dated("anon-breakdown", main(a), path=a.out)

@@ -90,15 +90,21 @@ def main(a) -> dict:
             "systems": rows}
 
 
-def cli() -> None:
-    from hotneurons.bench import record
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The flags of setup()'s model, run and placement, and the device (the scripts that use setup share them)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", required=True, help="Folder for the benchmark models (written once, reused).")
     p.add_argument("--shape", default="3.1GB", help="bench/memory_models.SHAPES preset.")
     p.add_argument("--hot-share", type=float, default=0.3, help="Share of each layer's neurons on the GPU.")
     p.add_argument("--threshold", type=float, default=2.0, help="The random predictors' logit threshold.")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (a smoke run: graphs need CUDA).")
+    return p
+
+
+def cli() -> None:
+    from hotneurons.bench import record
+
+    p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=64, help="Decode steps per run.")
     p.add_argument("--reps", type=int, default=3, help="Runs per system (median).")
     p.add_argument("--out", default=None, help="Results file (default bench/results/<date>-<kind>-engine-decode.json).")
