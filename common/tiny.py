@@ -120,22 +120,26 @@ def round_ffns_to_int8(lm, group: int | None = None) -> None:
                 m.weight.copy_(back.T if name == "down" else back)
 
 
-def write_predictors(run: Path, info: dict, threshold: float, profile_sha: str = "none", hidden: int = 8) -> None:
-    """RUN/predictors written by hand (random weights, one `threshold` for every layer), so a test needs no training.
-    `profile_sha`: the sha256 of RUN/profile/meta.json where the run has a profile (load_predictors checks it)."""
+def write_predictors(run: Path, info: dict, threshold: float, profile_sha: str = "none", hidden: int = 8,
+                     tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """RUN/predictors written by hand, so a test or a benchmark needs no training: random weights of `hidden` units and
+    one `threshold` for every layer, or `tensors` as predictors.safetensors holds them (layers.{i}.fc1.weight,
+    .fc2.weight, .threshold). `profile_sha`: the sha256 of RUN/profile/meta.json where the run has a profile
+    (load_predictors checks it)."""
     from hotneurons.common import artifacts
     from safetensors.torch import save_file
 
     L, d, n = info["n_layers"], info["d_model"], info["n_neurons"]
     (run / "predictors").mkdir()
-    torch.manual_seed(0)
-    t = {}
-    for i in range(L):
-        t[f"layers.{i}.fc1.weight"] = torch.randn(hidden, d)
-        t[f"layers.{i}.fc2.weight"] = torch.randn(n, hidden)
-        t[f"layers.{i}.threshold"] = torch.tensor([threshold])
-    save_file(t, str(run / "predictors" / "predictors.safetensors"))
+    if tensors is None:
+        torch.manual_seed(0)
+        tensors = {}
+        for i in range(L):
+            tensors[f"layers.{i}.fc1.weight"] = torch.randn(hidden, d)
+            tensors[f"layers.{i}.fc2.weight"] = torch.randn(n, hidden)
+            tensors[f"layers.{i}.threshold"] = torch.tensor([threshold])
+    save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
     artifacts.write_json(run / "predictors" / "summary.json", {"layers": [
-        {"layer": i, "thresholds_by_recall": {"0.9": threshold}} for i in range(L)]})
+        {"layer": i, "thresholds_by_recall": {"0.9": float(tensors[f"layers.{i}.threshold"])}} for i in range(L)]})
     artifacts.write_json(run / "predictors" / "meta.json", {
         **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": profile_sha}}), "model": info})
