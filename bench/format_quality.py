@@ -1,5 +1,6 @@
 """Perplexity of a model as the in-place runtime computes it, per storage format of its FFN rows: each format's
-rounding (bf16; q8_0 / q4_0 blocks, the down projection re-quantized along neurons) on held-out Wikipedia text.
+rounding (bf16; q8_0 / q4_0 / q4_1 blocks, the down projection re-quantized along neurons) on held-out Wikipedia text.
+On a Q4_1 file (SmolLM2's), q4_1 keeps the file's gate and up rows as stored; q4_0 and q8_0 re-quantize them.
 
 Every neuron is computed (dense mode), so the figure is the formats' cost alone, not the predictors'. The hot rows
 (on the device, here the CPU) and the cold rows get the same format; `--hot-share` puts that share of each layer's
@@ -18,7 +19,7 @@ import platform
 import time
 from pathlib import Path
 
-FORMATS = ("bf16", "q8_0", "q4_0")
+FORMATS = ("bf16", "q8_0", "q4_0", "q4_1")
 
 
 def perplexity(rt, batches) -> float:

@@ -12,6 +12,10 @@ Stages (each fits one 10-minute device call; --work persists while the machine s
             predictors (export/roundtrip.make_run) against HF, which separates the trained predictor from
             PowerInfer's path; then both exports at 2, 4 and 16 threads, 3 runs each (PowerInfer's CPU
             down-projection races); OUT/roundtrip.json
+  formats   the storage formats' cost in perplexity on both models: relufy into WORK/models/NAME (--relufy-preset,
+            default quick, KL on corpus rows only; a model already there is reused), then pi-profile and pi-eval
+            --mode dense --row-format bf16,q8_0,q4_0,q4_1 on it and on the original GGUF ->
+            OUT/<date>-<kind>-format-quality-relufied.{json,md} (for bench/results/)
   report    (anywhere) the sweep and pipeline files (--inputs) -> bench/results/<date>-<kind>-relufy.{json,md}
 
 The corpus is the Wikipedia sample as one .txt file per article (--wiki DIR with train/ and eval/, written by
@@ -27,7 +31,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from hotneurons.bench import record
@@ -126,6 +130,105 @@ def pipeline(args) -> None:
     (out / f"pipeline-{args.name}.json").write_text(json.dumps(res, indent=1))
 
 
+def formats(args) -> None:
+    work = Path(args.work)
+    model = work / "models" / args.name
+    train, held = str(Path(args.wiki) / "train"), str(Path(args.wiki) / "eval")
+    info = record.machine()
+    kind = record.machine_kind(info)
+    path = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-{kind}-format-quality-relufied.json"
+    log: list = []
+    res: dict = {"commands": log, "row_formats": args.row_formats.split(","), "eval_tokens": args.eval_tokens,
+                 "relufy": None, "models": {}}
+
+    def save() -> None:  # after each model: a call that runs out of time still brings back what it measured
+        rec = record.write_result(path, res, machine_info=info, kind=kind, commit=record.git_commit(args.commit))
+        path.with_suffix(".md").write_text(formats_md(rec))
+        print(f"wrote {path} and its .md", flush=True)
+
+    # the original first: it needs no training, so its rows come back even if the relufication runs long
+    _format_rows(args, "original", args.gguf, train, held, work, res, log)
+    save()
+    res["relufy"] = _relufied(args, model, train, held, log)
+    _format_rows(args, "relufied", str(model), train, held, work, res, log)
+    save()
+
+
+def _relufied(args, model: Path, train: str, held: str, log: list) -> dict:
+    """Relufy the GGUF into `model` unless a model is there (from an earlier call: its summary says how it was made);
+    the summary's figures."""
+    from hotneurons.relufy.distill import relufy
+    from hotneurons.relufy.relufy import preset
+
+    if not (model / "config.json").exists():
+        # corpus rows only: the teacher's samples (minutes) keep chat behaviour, which perplexity does not measure
+        cfg = replace(preset(args.relufy_preset), dataset=train, eval_dataset=held, teacher_text=0.0,
+                      **({"tokens": args.relufy_tokens} if args.relufy_tokens else {}))
+        t0 = time.perf_counter()
+        relufy(args.gguf, model, cfg, device=args.device, force=True, progress=False)
+        log.append({"command": f"relufy({args.gguf!r}, {str(model)!r}, {asdict(cfg)})",
+                    "seconds": round(time.perf_counter() - t0, 1)})
+    s = json.loads((model / "summary.json").read_text())
+    ev = s["eval"]
+    print(f"relufied: ppl x{ev['perplexity_ratio']:.3f}, zeros {ev['relufied']['ffn_sparsity']:.1%}", flush=True)
+    return {"model": str(model), "activation": s["activation"], "tokens": s["tokens"], "seconds": s["seconds"],
+            "teacher_text": s["config"]["teacher_text"], "perplexity_original": ev["original"]["perplexity"],
+            "perplexity_relufied": ev["relufied"]["perplexity"], "perplexity_ratio": ev["perplexity_ratio"],
+            "ffn_sparsity": ev["relufied"]["ffn_sparsity"]}
+
+
+def _format_rows(args, label: str, model: str, train: str, held: str, work: Path, res: dict, log: list) -> None:
+    """pi-profile (pi-eval needs a run) and pi-eval --row-format on `model`: res["models"][label]."""
+    from hotneurons.weights.formats import bytes_per_weight
+
+    run = str(work / "runs" / f"formats-{label}")
+    # float32 compute: fp16 (the CUDA default) would round the weights again, on top of the format under test
+    dev = ["--device", args.device, "--dtype", "float32"]
+    _cli(["pi-profile", "--model", model, "--dataset", train, "--tokens", str(args.profile_tokens),
+          "--samples-per-layer", str(args.samples), "--out", run, "--force", "--quiet", "--json", *dev], log)
+    rep = _cli(["pi-eval", "--run", run, "--dataset", held, "--tokens", str(args.eval_tokens), "--mode", "dense",
+                "--row-format", args.row_formats, "--batch-size", "8", "--json", "--quiet", *dev], log)
+    if not rep:
+        return
+    rows = {"unrounded": rep["modes"]["dense"], **{f: r["dense"] for f, r in rep["row_formats"].items()}}
+    res["models"][label] = {
+        "model": model, "dataset": rep["dataset"], "tokens": rep["modes"]["dense"]["tokens"], "device": rep["device"],
+        "dtype": rep["dtype"], "true_sparsity": rep["modes"]["dense"]["true_sparsity"],
+        "rows": {f: {"perplexity": r["perplexity"], "ppl_vs_unrounded": r.get("ppl_vs_unrounded", 0.0),
+                     "bytes_per_weight": None if f == "unrounded" else bytes_per_weight(f), "seconds": r["seconds"]}
+                 for f, r in rows.items()}}
+
+
+def formats_md(rec: dict) -> str:
+    """The formats stage's record as markdown: a table per model, the relufication, the commands."""
+    f, r = rec["figures"], rec["figures"]["relufy"]
+    made = "not made (the call ended first)." if r is None else (
+        f"{r['activation']}, {r['tokens']:,} tokens of KL to the original (teacher text share {r['teacher_text']}), "
+        f"{r['seconds']:.0f} s: perplexity {r['perplexity_original']:.2f} -> {r['perplexity_relufied']:.2f} "
+        f"({r['perplexity_ratio']:.3f}x) in its own evaluation, {r['ffn_sparsity']:.1%} of FFN activations exactly "
+        f"zero.")
+    lines = [f"# FFN row formats on SmolLM2-135M-Instruct and a relufied copy, {rec['machine_kind']} "
+             f"({rec['created'][:10]})", "",
+             "pi-eval --mode dense --row-format: every neuron's gate and up rows and down column stored as the "
+             "runtime stores its rows (blocks along d_model), widened back to float32; attention as the model runs "
+             "it. Perplexity on the Wikipedia sample's held-out articles; `unrounded` is the file's weights as read "
+             "(the original's Q4_1 blocks de-quantized, the relufied model's float32).", "",
+             f"Relufied: {made}", ""]
+    for label, m in f["models"].items():
+        lines += [f"## {label}: {m['model']}", "",
+                  f"{m['tokens']:,} predicted tokens on {m['device']}, {m['dtype']}; {m['true_sparsity']:.1%} of h "
+                  f"inactive by the profile's rule (exact zeros where ReLU, |h| <= tau for SwiGLU).", "",
+                  "| rows | bytes a weight | perplexity | vs unrounded | seconds |", "|---|---|---|---|---|"]
+        for fmt, x in m["rows"].items():
+            b = "as read" if x["bytes_per_weight"] is None else f"{x['bytes_per_weight']:.4g}"
+            lines.append(f"| {fmt} | {b} | {x['perplexity']:.3f} | {100 * x['ppl_vs_unrounded']:+.2f}% | "
+                         f"{x['seconds']:.1f} |")
+        lines.append("")
+    lines += ["## Commands", ""] + [f"- `{c['command']}` ({c.get('seconds', '-')} s, rc {c.get('rc', 0)})"
+                                    for c in f["commands"]]
+    return "\n".join(lines) + "\n"
+
+
 def roundtrip(args) -> None:
     from hotneurons.bench.bench_powerinfer import default_source
     from hotneurons.bench.powerinfer_check import build, f16_attention, predictor_f16_flips
@@ -209,7 +312,8 @@ def roundtrip(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("wiki", "sweep", "pipeline", "roundtrip", "report"), required=True)
+    ap.add_argument("--stage", choices=("wiki", "sweep", "pipeline", "roundtrip", "formats", "report"),
+                    required=True)
     ap.add_argument("--gguf", default="/root/smol/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--wiki", default="/root/wiki")
     ap.add_argument("--work", default="/root/rl")
@@ -226,7 +330,11 @@ def main() -> None:
     ap.add_argument("--rt-threads", type=int, default=2, help="roundtrip: PowerInfer's -t (its CPU sparse path races "
                     "with more threads; its CUDA build needs at least 2)")
     ap.add_argument("--device", default="cuda", help="roundtrip: where relufy trains and PowerInfer runs (cpu: a smoke "
-                    "test on a tiny model)")
+                    "test on a tiny model); formats: where relufy, pi-profile and pi-eval run")
+    ap.add_argument("--relufy-preset", default="quick", help="formats: pi-relufy's preset (tiny: a CPU smoke test)")
+    ap.add_argument("--relufy-tokens", type=int, default=None, help="formats: relufy's training tokens (default: "
+                    "the preset's)")
+    ap.add_argument("--row-formats", default="bf16,q8_0,q4_0,q4_1", help="formats: pi-eval's --row-format")
     ap.add_argument("--powerinfer-src", default=None, help="roundtrip: PowerInfer's source tarball")
     ap.add_argument("--inputs", nargs="*", default=[], help="report: folders of sweep-*.json and pipeline-*.json")
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
@@ -239,7 +347,7 @@ def main() -> None:
     Path(args.work).mkdir(parents=True, exist_ok=True)
     print(json.dumps({"host": platform.node(), "python": sys.version.split()[0]}), flush=True)
     stages = {"wiki": lambda a: write_wiki(Path(a.out)), "sweep": sweep, "pipeline": pipeline, "roundtrip": roundtrip,
-              "report": report}
+              "formats": formats, "report": report}
     stages[args.stage](args)
 
 

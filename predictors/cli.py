@@ -103,6 +103,10 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, fp16 on CUDA), float32, ...")
+@click.option("--row-format", "row_formats", multiple=True, metavar="FMT",
+              help="Also evaluate every mode with the FFN rows stored as the runtime stores them in FMT: "
+              "bf16, q8_0, q4_0 or q4_1 (repeat, or a comma list; gate and up rows and the down projection's "
+              "columns, blocks along d_model). Default: none.")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="How the model runs: layer by layer from its file (one layer's weights on the device at a time: "
               "models bigger than it) or whole through transformers. Default: layer by layer for a local "
@@ -110,13 +114,14 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, recall_sweep, model,
-              gguf_file, device, dtype, layer_by_layer, as_json, quiet) -> None:
+              gguf_file, device, dtype, row_formats, layer_by_layer, as_json, quiet) -> None:
     """Perplexity with the FFN dense, oracle-sparse, predictor-sparse and as the runtime would run it.
 
     Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
     computed iff the predictor fires. Placement: GPU neurons always, the others where the predictor fires.
+    --row-format repeats the modes with the FFN rows rounded to each storage format (eval.json's row_formats).
     """
-    from hotneurons.predictors.evaluate import evaluate, format_table
+    from hotneurons.predictors.row_formats import RowFormatError, parse_row_formats
 
     try:
         sweep = [float(r) for r in recall_sweep.split(",")] if recall_sweep else None
@@ -124,14 +129,20 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
         raise click.BadParameter(f"'{recall_sweep}' is not a comma-separated list of numbers, e.g. 0.9,0.8",
                                  param_hint="--recall-sweep") from None
     try:
+        row_formats = parse_row_formats(row_formats)  # refused here, before torch and the model load
+    except RowFormatError as e:
+        raise cli_error(e, {"row_formats": "--row-format"}) from None
+    from hotneurons.predictors.evaluate import evaluate, format_table
+
+    try:
         with stdout_to_stderr(as_json):
             report = evaluate(run_dir, modes=list(modes) or None, recall_sweep=sweep, dataset=dataset,
                               text_column=text_column,
                               tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
                               gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet,
-                              layer_by_layer=layer_by_layer)
+                              layer_by_layer=layer_by_layer, row_formats=row_formats)
     except (ArtifactError, CorpusError, ValueError) as e:
-        raise cli_error(e, {"modes": "--mode"}) from None
+        raise cli_error(e, {"modes": "--mode", "row_formats": "--row-format"}) from None
     except KeyboardInterrupt:
         interrupted(f"nothing was written ({Path(run_dir) / 'eval'} is as it was): run the command again")
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_table(report))

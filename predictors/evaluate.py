@@ -8,6 +8,9 @@ Modes (a neuron's value h = the input of the down projection; a masked neuron co
 - placement: what the runtime computes: GPU neurons always, CPU neurons where the predictor fires.
 A computed neuron keeps its true value; only skipped ones are zeroed, exactly as a sparse kernel would do.
 
+`row_formats` runs every mode again with the FFN rows rounded to each storage format the runtime keeps them in (bf16,
+q8_0, q4_0, q4_1: predictors/row_formats.py), so each format's cost in perplexity sits beside the unrounded figures.
+
 A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
 on the device at a time), a hub id whole through transformers; the masks are the same hooks either way.
 
@@ -33,6 +36,7 @@ from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_dev
 from hotneurons.common.placement import Placement, PlacementMeta, read_placement
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.predictors.form import PredictorForm
+from hotneurons.predictors.row_formats import check_rows, parse_row_formats, stored_as
 from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
 from hotneurons.profiler.hooks import StageHooks, device_of, dtype_of
@@ -125,10 +129,13 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
              recall: float | None = None, model: str | None = None, gguf_file: str | None = None,
              device: str = "auto", dtype: str = "auto", progress: bool = True,
              lm: LoadedModel | StreamedModel | None = None, recall_sweep: list[float] | None = None,
-             write: bool = True, layer_by_layer: bool | None = None) -> EvalReport:
+             write: bool = True, layer_by_layer: bool | None = None,
+             row_formats: list[str] | None = None) -> EvalReport:
     """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it.
 
     `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
+    `row_formats`: also run every mode with the FFN rows stored in each of these row formats (bf16, q8_0, q4_0, q4_1;
+    names or comma lists), reported under `row_formats` (the recall sweep stays unrounded).
     `layer_by_layer`: run the model from its file one layer at a time (True), whole through transformers (False),
     or (None) the first where it is a local safetensors folder or GGUF file.
     """
@@ -141,6 +148,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         modes = [EvalMode.DENSE, EvalMode.ORACLE] + ([EvalMode.PREDICTOR] if have_pred else []) + \
                 ([EvalMode.PLACEMENT] if have_pred and have_place else [])
     modes = [choose(m, EvalMode, "eval mode", param="modes") for m in modes]
+    fmts = parse_row_formats(row_formats)
     if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
         for r in [recall, *(recall_sweep or [])]:
             check_predictors(run_dir, r)
@@ -154,8 +162,9 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     check_corpus(dataset, text_column)
     if lm is None:
         lm = _load(run_dir, pmeta.model, model, gguf_file, pick_device(device), dtype, batch_size, seq_len,
-                   layer_by_layer)
+                   layer_by_layer, rounding=bool(fmts))
     artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run_dir / 'profile'}", "the model")
+    check_rows(fmts, lm.info["d_model"])
     preds = gpu = None
     if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
         preds = load_predictors(run_dir, lm.info, device=str(device_of(lm)), dtype=dtype_of(lm))
@@ -172,19 +181,23 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         t0 = time.perf_counter()
         with FFNMasks(lm, m, taus, preds, gpu) as masks:
             nll, count = perplexity(lm, batches, progress, desc=desc)
-        return ModeResult(perplexity=math.exp(nll / count), nll_per_token=nll / count, tokens=count,
-                          **masks.summary(), seconds=round(time.perf_counter() - t0, 2), **extra)
-
-    results: dict[str, ModeResult] = {}
-    for m in modes:
-        res = run_mode(m, m.value)
+        res = ModeResult(perplexity=math.exp(nll / count), nll_per_token=nll / count, tokens=count,
+                         **masks.summary(), seconds=round(time.perf_counter() - t0, 2), **extra)
         if m == EvalMode.PLACEMENT:
             g = torch.stack([gpu[i] for i in range(len(lm.layers))]).double()  # (layers, n)
             res.gpu_neuron_share = float(g.mean())
             comp = np.array(res.per_layer["computed_share"])
             res.cpu_computed_share_of_cold = float(np.mean(
                 (comp - g.mean(1).numpy()) / np.maximum(1e-12, 1 - g.mean(1).numpy())))
-        results[m.value] = res
+        return res
+
+    results = {m.value: run_mode(m, m.value) for m in modes}
+    by_format: dict[str, dict[str, ModeResult]] = {}
+    for fmt in fmts:
+        with stored_as(lm, fmt):
+            by_format[fmt.value] = {m.value: run_mode(m, f"{fmt} {m}") for m in modes}
+        for m, res in by_format[fmt.value].items():  # the format's cost, mode by mode
+            res.ppl_vs_unrounded = res.perplexity / results[m].perplexity - 1
     sweep = []
     for r in recall_sweep or []:
         preds.set_recall(r)
@@ -194,20 +207,24 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     if EvalMode.DENSE in results:
         for res in [*results.values(), *sweep]:
             res.ppl_vs_dense = res.perplexity / results[EvalMode.DENSE].perplexity - 1
+        for rows in by_format.values():  # against the same format's dense: what the masks cost with those rows
+            for res in rows.values():
+                res.ppl_vs_dense = res.perplexity / rows[EvalMode.DENSE].perplexity - 1
     report = EvalReport(
         inputs={"profile": {"meta_sha256": artifacts.sha256_file(run_dir / "profile" / "meta.json")}},
         model=pmeta.model["name"], fingerprint=lm.info["fingerprint"], dataset=dataset, tokens=tokens,
         seq_len=seq_len, rule=pmeta.rule,
         threshold_recall=recall if recall is not None else (preds.summary.target_recall if preds else None),
         device=str(device_of(lm)), dtype=str(dtype_of(lm)), modes=results,
-        recall_sweep=sweep)
+        recall_sweep=sweep, row_formats=by_format or None)
     if write:
         report.save(run_dir / "eval" / "eval.json")
     return report
 
 
 def _load(run_dir: Path, info: dict, model: str | None, gguf_file: str | None, device: str, dtype: str,
-          batch_size: int, seq_len: int, layer_by_layer: bool | None) -> LoadedModel | StreamedModel:
+          batch_size: int, seq_len: int, layer_by_layer: bool | None,
+          rounding: bool = False) -> LoadedModel | StreamedModel:
     """The profile's model (or `model`), layer by layer from its file after checking that a layer and the batch fit,
     or whole through transformers: as asked, or where the file's architecture has no model definition of ours."""
     path, gguf, activation = meta_source(info, model, gguf_file)
@@ -221,23 +238,31 @@ def _load(run_dir: Path, info: dict, model: str | None, gguf_file: str | None, d
         else:
             pfile = run_dir / "predictors" / "predictors.safetensors"
             pbytes = pfile.stat().st_size * sm.dtype.itemsize // 4 if pfile.exists() else 0  # stored float32
-            check_memory(eval_need(sm, batch_size, seq_len, pbytes), device, "pi-eval")
+            check_memory(eval_need(sm, batch_size, seq_len, pbytes, rounding), device, "pi-eval")
             return sm
     return load_model_from_meta(info, model, gguf_file, device=device, dtype=dtype)
 
 
 def format_table(report: EvalReport | dict) -> str:
-    lines = [f"{report['model']} on {report['dataset']} ({report['modes'][next(iter(report['modes']))]['tokens']:,} "
-             f"predicted tokens, seq_len {report['seq_len']})",
-             f"{'mode':10} {'ppl':>9} {'vs dense':>9} {'FFN sparsity':>13} {'recall':>7} {'|h| recall':>10} "
-             f"{'seconds':>8}"]
-    for m, r in report["modes"].items():
-        vs = f"{100 * r['ppl_vs_dense']:+.2f}%" if "ppl_vs_dense" in r else "-"
-        lines.append(f"{m:10} {r['perplexity']:9.3f} {vs:>9} {r['ffn_sparsity']:13.3f} {r['recall']:7.3f} "
-                     f"{r['magnitude_recall']:10.3f} {r['seconds']:8.1f}")
-    for r in report.get("recall_sweep", []):
-        vs = f"{100 * r['ppl_vs_dense']:+.2f}%" if "ppl_vs_dense" in r else "-"
-        m = f"pred@{r['threshold_recall']:g}"
-        lines.append(f"{m:10} {r['perplexity']:9.3f} {vs:>9} {r['ffn_sparsity']:13.3f} {r['recall']:7.3f} "
-                     f"{r['magnitude_recall']:10.3f} {r['seconds']:8.1f}")
+    """The report as a table: a row per mode, per recall-sweep point, then per row format and mode (`q8_0 dense`);
+    a format's `vs dense` is against its own dense row, `vs unrounded` against the same mode with the rows as read."""
+    first = report["modes"][next(iter(report["modes"]))]
+    formats = report.get("row_formats") or {}
+    w = 15 if formats else 10  # "q4_1 placement"
+    lines = [f"{report['model']} on {report['dataset']} ({first['tokens']:,} predicted tokens, seq_len "
+             f"{report['seq_len']})",
+             f"{'mode':{w}} {'ppl':>9} {'vs dense':>9} {'FFN sparsity':>13} {'recall':>7} {'|h| recall':>10} "
+             f"{'seconds':>8}" + (f" {'vs unrounded':>12}" if formats else "")]
+
+    def pct(r: dict, key: str) -> str:
+        return f"{100 * r[key]:+.2f}%" if key in r else "-"
+
+    def row(name: str, r: dict) -> str:
+        return (f"{name:{w}} {r['perplexity']:9.3f} {pct(r, 'ppl_vs_dense'):>9} {r['ffn_sparsity']:13.3f} "
+                f"{r['recall']:7.3f} {r['magnitude_recall']:10.3f} {r['seconds']:8.1f}"
+                + (f" {pct(r, 'ppl_vs_unrounded'):>12}" if formats else ""))
+
+    lines += [row(m, r) for m, r in report["modes"].items()]
+    lines += [row(f"pred@{r['threshold_recall']:g}", r) for r in report.get("recall_sweep", [])]
+    lines += [row(f"{fmt} {m}", r) for fmt, rows in formats.items() for m, r in rows.items()]
     return "\n".join(lines)

@@ -138,6 +138,8 @@ class ModeResult(Section):
     gpu_neuron_share: float | None = optional()  # placement mode only
     cpu_computed_share_of_cold: float | None = optional()  # placement mode only
     ppl_vs_dense: float | None = optional()  # perplexity / dense perplexity - 1 (when dense ran)
+    # row_formats only: perplexity / the same mode's perplexity with the rows unrounded (`modes`) - 1
+    ppl_vs_unrounded: float | None = optional()
 
 
 @dataclass(kw_only=True)
@@ -159,3 +161,6 @@ class EvalReport(StageMeta):
     dtype: str
     modes: dict[str, ModeResult]
     recall_sweep: list[ModeResult]
+    # pi-eval --row-format: format -> mode -> the mode with the FFN rows stored in that format (predictors/row_formats);
+    # ppl_vs_dense there is against the same format's dense
+    row_formats: dict[str, dict[str, ModeResult]] | None = optional()

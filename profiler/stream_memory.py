@@ -104,11 +104,14 @@ def profile_need(sm, batch: int, seq_len: int, samples_per_layer: int, calibrati
                 host={"samples": 2 * sample_bytes(sm, rows), "calibration values": calib, "runtime": SLACK})
 
 
-def eval_need(sm, batch: int, seq_len: int, predictor_bytes: int) -> Need:
-    """pi-eval's need: a layer, the batch's activations with the mode masks and the head's logits, the predictors."""
+def eval_need(sm, batch: int, seq_len: int, predictor_bytes: int, rounding: bool = False) -> Need:
+    """pi-eval's need: a layer, the batch's activations with the mode masks and the head's logits, the predictors;
+    `rounding` (--row-format): one FFN matrix's stored rows (2 bytes a weight at most) and float32 copy besides."""
+    rows = sm.cfg.n_ff * sm.cfg.d_model * (2 + 4) + CHUNK_BYTES if rounding else 0
     return Need(device={"one layer's weights in float": layer_bytes(sm), "embeddings, head and cache":
                         resident_bytes(sm), "the batch's activations":
-                        batch_bytes(sm, batch, seq_len, masks=True, logits=True), "predictors": predictor_bytes},
+                        batch_bytes(sm, batch, seq_len, masks=True, logits=True), "predictors": predictor_bytes,
+                        "row-format rounding": rows},
                 host={"runtime": SLACK})
 
 

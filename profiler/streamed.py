@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from hotneurons.common import prenorm
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values
-from hotneurons.runtime.ffn_weights import FFNWeights, float_format, store
+from hotneurons.runtime.ffn_weights import FFNWeights, as_stored, float_format, store
+from hotneurons.weights.formats import WeightFormat
 from hotneurons.weights.qtensor import QTensor
 
 LOGIT_BYTES = 256 << 20  # the head's output is computed this many bytes of (tokens, vocab) at a time
@@ -114,6 +115,8 @@ class StreamedModel:
     _decoder: Decoder | None = None
     _tokenizer: Any = None
     consumers: list = field(default_factory=list)  # StageHooks attached (entered) on this model
+    # pi-eval --row-format: each layer's FFN as the runtime stores its rows in this format (None: as the file has it)
+    row_format: WeightFormat | None = None
 
     @property
     def layers(self) -> range:
@@ -170,6 +173,8 @@ class StreamedModel:
         """Layer i's FFN from the file, in float on the device (release_ffn(i) drops its pages after)."""
         w = FFNWeights.from_source(self.source, i)
         dev, dt = self.device, self.dtype
+        if self.row_format is not None:  # rounded anew each batch, as the file is read anew: no layer is kept
+            w = as_stored(w, self.row_format, dev, dt)
         down = to_device(w.down_t, dev, dt).T if w.down_t is not None else to_device(w.down, dev, dt)  # (d, n)
         b_gate = self.source.get(f"blk.{i}.ffn_gate.bias") if f"blk.{i}.ffn_gate.bias" in self.source.infos else None
         return FloatFFN(up=to_device(w.up, dev, dt), down=down, gate=to_device(w.gate, dev, dt),

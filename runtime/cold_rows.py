@@ -1,7 +1,7 @@
 """Cold rows in CPU RAM: their storage, as the kernels read them (`ColdRows`: bfloat16 bit patterns, int8 with a
-float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 blocks as a GGUF file stores them), and the
-compute device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold rows, read
-over PCIe)."""
+float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks as a GGUF file stores them),
+and the compute device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold
+rows, read over PCIe)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hotneurons.weights.quants import dequantize, quantize
 # Cold-row storage: bf16 (default), int8 with a scale per group of INT8_GROUP weights, or llama.cpp's blocks
 
 ROW_DTYPES = ("bf16", "int8")  # rows of one stored type per weight, scales apart (kernels.cold_ffn)
-BLOCK_DTYPES = ("q8_0", "q4_0")  # rows of 32-weight blocks, scales inside (kernels_q.cold_ffn_q)
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")  # rows of 32-weight blocks, scales (and mins) inside (kernels_q.cold_ffn_q)
 COLD_DTYPES = ROW_DTYPES + BLOCK_DTYPES
 QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
 
@@ -91,9 +91,10 @@ class ColdRows:
 
     bf16: rows are bfloat16 bit patterns (uint16), one group of d per row, `scale` all ones. int8: rows are int8 with a
     float32 scale per `group` weights (w ~ scale * q, an error of at most scale / 2 per weight): 1.0625 bytes a weight,
-    so a token reads about half the bytes from DRAM. q8_0 / q4_0 (`fmt`): rows are (n, row_bytes) uint8 of llama.cpp
-    blocks of 32 weights, each with its fp16 scale inside (1.0625 / 0.5625 bytes a weight), the bytes of a GGUF file's
-    rows; `scale` is (3, n, 0) and `group` 32. Read by kernels_q.cold_ffn_q / cold_layer_q."""
+    so a token reads about half the bytes from DRAM. q8_0 / q4_0 / q4_1 (`fmt`): rows are (n, row_bytes) uint8 of
+    llama.cpp blocks of 32 weights, each with its fp16 scale (and q4_1's fp16 min) inside (1.0625 / 0.5625 / 0.625
+    bytes a weight), the bytes of a GGUF file's rows; `scale` is (3, n, 0) and `group` 32. Read by
+    kernels_q.cold_ffn_q / cold_layer_q."""
 
     gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
     up: np.ndarray  # (n, d)
@@ -101,13 +102,13 @@ class ColdRows:
     b_up: np.ndarray  # (n,) float32, zeros when the FFN has no up bias
     scale: np.ndarray  # (3, n, groups) float32: gate, up, down_t scales (gate's unused by ungated FFNs)
     group: int  # weights per scale along d
-    fmt: str | None = None  # "q8_0" / "q4_0" for rows of blocks; None: bf16 or int8, told by the rows' type
+    fmt: str | None = None  # "q8_0" / "q4_0" / "q4_1" for rows of blocks; None: bf16 or int8, told by the rows' type
 
     @classmethod
     def from_weights(cls, gate: torch.Tensor | None, up: torch.Tensor, b_up: torch.Tensor | None,
                      down_t: torch.Tensor, dtype: str = "bf16") -> "ColdRows":
-        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES; q8_0 and
-        q4_0 quantise with llama.cpp's rounding and need d a multiple of 32)."""
+        """gate, up, down_t (n, d) on any device, b_up (n,) or None -> rows stored as `dtype` (COLD_DTYPES; q8_0, q4_0
+        and q4_1 quantise with llama.cpp's rounding and need d a multiple of 32)."""
         if dtype not in COLD_DTYPES:
             raise ValueError(f"unknown cold-row dtype '{dtype}': choose one of {', '.join(COLD_DTYPES)}")
         n, d = up.shape
@@ -124,7 +125,7 @@ class ColdRows:
     @classmethod
     def from_blocks(cls, gate: QTensor | None, up: QTensor, b_up: torch.Tensor | None, down_t: QTensor,
                     copy: bool = True) -> "ColdRows":
-        """Rows already in q8_0 or q4_0 blocks (e.g. a GGUF file's gate and up rows), kept byte for byte: no
+        """Rows already in q8_0, q4_0 or q4_1 blocks (e.g. a GGUF file's gate and up rows), kept byte for byte: no
         re-quantisation. gate (None: ungated), up, down_t (n, d) QTensors of one format on any device, b_up (n,) or
         None. copy=False uses C-contiguous CPU bytes in place (e.g. a memory-mapped file's) instead of copying them."""
         fmt = weight_format(up.fmt).value

@@ -223,6 +223,11 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     elif mask == "predictor":
         from hotneurons.predictors.train import load_predictors
 
+        if run is None:  # a model file alone (not PowerInfer's, which carries its own): no predictors to read
+            raise ArtifactError("hybrid mode needs predictors: pass --run RUN (pi-profile, pi-solve, "
+                                "pi-train-predictors), or use --mode dense (--no-predictor) or --oracle with a "
+                                "placement")
+
         predictors = load_predictors(run, info, device="cpu", dtype=dtype)
         if recall is not None:
             predictors.set_recall(recall)

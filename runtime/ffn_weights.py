@@ -4,7 +4,8 @@ selections the hybrid layout makes of them: a neuron's gate and up rows, and its
 Rows of gate and up are rows of the stored matrices, so they keep the file's format byte for byte. The down
 projection is stored (d, n) with blocks along n, so a neuron's column is spread over d rows: it is read a block column
 at a time (`down_t_rows`), de-quantized, transposed and stored again in the format asked for, a chunk of neurons at a
-time so that no float copy of the whole matrix is ever made.
+time so that no float copy of the whole matrix is ever made. A dense layout (every neuron hot) needs no such
+conversion: its down projection is taken as stored (`every_column`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
     k = len(idx)
     fmt = weight_format(fmt)
     idx = idx.cpu()
+    if k and _on_cpu_kernels(w, fmt, device, work):  # one pass in Numba, the same bytes (weights/quants_cpu.py)
+        from hotneurons.weights.quants_cpu import columns_as_rows
+
+        out = columns_as_rows(w.down.data.contiguous().numpy(), w.down.fmt.value, idx.numpy(), fmt.value)
+        if out is not None:
+            return torch.from_numpy(out) if fmt == WeightFormat.F32 else QTensor(torch.from_numpy(out), fmt, (k, d))
     parts: list[Weight] = []
     step = max(256, _chunk_rows(d) // 256 * 256)  # columns per window: whole blocks of every format
     for lo in range(0, n, step):  # windows of columns, so the float temporary is (d, step) whatever idx holds
@@ -167,20 +174,81 @@ def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
     return torch.cat(parts)
 
 
+def as_stored(w: FFNWeights, fmt: str | WeightFormat, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> FFNWeights:
+    """The FFN the runtime computes with when every neuron's rows are stored in `fmt` (cold_rows_of's layout), as
+    `dtype` tensors on `device`: gate and up rows (blocks along d_model; kept byte for byte where the file stores
+    that format) and the down projection's columns as rows (down_t, blocks along d_model too), each stored with
+    `store` / `down_t_rows` and widened back. Biases as they are (the runtime keeps them in float). pi-eval
+    --row-format evaluates with these (predictors/row_formats.py); the stored bytes are dropped as each matrix is
+    widened, so one matrix's bytes and its float32 copy are the only temporaries."""
+    fmt = weight_format(fmt)
+    every = torch.arange(w.shape[0])
+    return FFNWeights(up=to_float(store(w.up, fmt, device), dtype), down=None,
+                      gate=None if w.gate is None else to_float(store(w.gate, fmt, device), dtype), b_up=w.b_up,
+                      b_down=w.b_down, down_t=to_float(down_t_rows(w, every, fmt, device, work=device), dtype))
+
+
 def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str,
                gated: bool) -> dict[str, Any]:
     """The hot rows in a block format on `device`, as qlinear reads them: gate and up (n_hot, d) rows (kept as stored
     when the file has that format), and the down projection's hot columns (d, n_hot padded to whole blocks with zero
     columns: the padded neurons' values are zeros too)."""
-    from hotneurons.runtime.qlinear import pack
-
     block = spec(fmt).block
     cols = -(-len(hot) // block) * block
-    down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
-    down = torch.nn.functional.pad(down, (0, cols - len(hot)))  # (d, cols)
-    return {"up": pack(store(take_rows(w.up, hot), fmt), device),
-            "gate": pack(store(take_rows(w.gate, hot), fmt), device) if gated else None,
-            "down": pack(store(down.contiguous(), fmt), device), "down_cols": cols}
+    if every_column(w, hot, fmt):  # dense: the file's own matrices, no row copies and no re-quantization
+        return {"up": _device_form(store(w.up, fmt), device),
+                "gate": _device_form(store(w.gate, fmt), device) if gated else None,
+                "down": _device_form(w.down, device), "down_cols": cols}
+    down = None
+    if fmt != WeightFormat.F32 and _on_cpu_kernels(w, fmt, device, device):  # one pass in Numba, the same bytes
+        from hotneurons.weights.quants_cpu import columns_reblocked
+
+        out = columns_reblocked(w.down.data.contiguous().numpy(), w.down.fmt.value, hot.cpu().numpy(), cols, fmt.value)
+        down = None if out is None else QTensor(torch.from_numpy(out), fmt, (w.shape[1], cols))
+    if down is None:
+        down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
+        down = store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt)  # (d, cols)
+    return {"up": _device_form(store(take_rows(w.up, hot), fmt), device),
+            "gate": _device_form(store(take_rows(w.gate, hot), fmt), device) if gated else None,
+            "down": _device_form(down, device), "down_cols": cols}
+
+
+def _on_cpu_kernels(w: FFNWeights, fmt: WeightFormat, device: torch.device | str,
+                    work: torch.device | str | None) -> bool:
+    """Whether the down projection's columns can be taken by weights/quants_cpu.py's Numba kernels: stored (d, n) in
+    Q4_0 or Q8_0 blocks in CPU memory, d whole blocks, converted on the CPU into f32, q4_0 or q8_0 (a GPU's `work`
+    keeps torch's kernels there: they are fast on it)."""
+    from hotneurons.weights import quants
+
+    fmts = (WeightFormat.Q4_0, WeightFormat.Q8_0)
+    return (quants.CPU_KERNELS and isinstance(w.down, QTensor) and w.down.fmt in fmts and w.down.device.type == "cpu"
+            and fmt in (WeightFormat.F32, *fmts) and w.shape[1] % 32 == 0 and torch.device(device).type == "cpu"
+            and (work is None or torch.device(work).type == "cpu"))
+
+
+def _device_form(w: QTensor, device: torch.device | str) -> Any:
+    """Block rows as `device` reads them fastest, by the decoder's rule (models/common._pack): on CUDA qlinear's
+    packed layout (its Triton GEMV); on the CPU the stored blocks themselves, which qlinear's Numba GEMV reads in place
+    and its prefill de-quantizes with no reordering (packing them cost a CPU load seconds, and every prefill the
+    unpacking)."""
+    from hotneurons.runtime.qlinear import pack
+
+    if torch.device(device).type == "cuda":
+        return pack(w, device)
+    return w.to(device)
+
+
+def every_column(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat) -> bool:
+    """Whether the hot rows are every neuron (hot ascending, as HybridFFN makes it) of a down projection stored
+    (d, n) in `fmt` with n whole blocks: hot_blocks then takes the stored matrix as it is. Re-quantizing what
+    de-quantizing a Q4_0 or Q8_0 block gives returns that block byte for byte where the file was written with
+    llama.cpp's reference rounding (each block's largest weight maps back to the same scale; an all-zero block's
+    scale may come back +0 for -0, the same zeros: tests/test_ffn_weights_fast.py), so for such files this is only
+    the time saved (seconds of a CPU load); for a file quantized otherwise (an importance matrix's search) the file's
+    own bytes are kept, as gate and up are."""
+    n = w.shape[0]
+    return isinstance(w.down, QTensor) and w.down.fmt == fmt and len(hot) == n and n % spec(fmt).block == 0
 
 
 def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool,

@@ -4,10 +4,11 @@
   Q8_0: 34 bytes a block: fp16 scale d, then 32 int8 q; w = d * q                        (1.0625 bytes a weight)
   Q4_0: 18 bytes a block: fp16 scale d, then 16 bytes, byte j = weight j in its low nibble and weight j + 16 in its
         high nibble; w = d * (q - 8)                                                     (0.5625 bytes a weight)
+  Q4_1: 20 bytes a block: fp16 scale d, fp16 min m, then Q4_0's 16 bytes; w = d * q + m  (0.625 bytes a weight)
 
 A row of d weights (d a multiple of 32) is d / 32 blocks, (n, row_bytes) uint8 per matrix, one row per neuron: gate,
 up and down_t (the down projection transposed). The kernels tell the format from the rows' width (row_bytes is
-d / 32 * 34 or d / 32 * 18; no width is both for one d) and each thread runs the code compiled for that format.
+d / 32 * 34, * 18 or * 20; no width is two of them for one d) and each thread runs the code compiled for that format.
 
 The contract is kernels.cold_ffn's and kernels.cold_layer's without `scale` and `group` (runtime/kernels.py: work
 claimed CHUNK neurons at a time from an atomic counter, four neurons' gate and up rows read in one pass of eight rows,
@@ -18,13 +19,15 @@ and a dense GEMV over all rows, parallel over groups of eight rows (CPU-only dec
   gemv_q(x, rows, out, fmt, xq=False)
 
 Two routes for the gate and up dots (runtime/kernels_q_ir.py has the row math):
-  xq=False (float): float32 arithmetic on exact weights (every d * (q - 8) and d * q is exact in float32), as the
-    float64 reference up to float32 sums: the route that exactness tests (tests/test_engine.py) rely on.
+  xq=False (float): float32 arithmetic on the file's weights (every d * (q - 8) and d * q is exact in float32; a
+    Q4_1 weight d * q + m is rounded once, to the float32 that gguf-py's de-quantizer gives), as the float64
+    reference up to float32 sums: the route that exactness tests (tests/test_engine.py) rely on.
   xq=True (int): x quantized once per call as llama.cpp quantizes activations for its own CPU dots (Q8_0 of x: an int8
     per weight and a float32 scale per 32, `quantize_x`), the block dots in integers (AVX-512 VNNI). It adds x's
     rounding error: a dot differs from the float route's by at most sum over blocks of d_x / 2 * sum |w| (d_x =
     max|x| / 127 of the block; tests/test_kernels_q.py checks that bound). Only where the compile target has the
-    instructions (kernels_q_ir.XQ_OK); elsewhere xq=True runs the float route.
+    instructions (kernels_q_ir.XQ_OK), and for Q4_0 and Q8_0 rows only; elsewhere (Q4_1 rows: their min would need a
+    second per-block term) xq=True runs the float route (`_int_route`).
 XQ, the default, is the float route unless HOTNEURONS_COLD_XQ=1 in the environment at import (and XQ_OK): the int
 route changes results, so it is asked for, not assumed. The down rows (axpys) are float32 on both routes.
 
@@ -68,6 +71,7 @@ from hotneurons.runtime.kernels_q_ir import (
     BLOCK_BYTES,
     F16_TO_F32,
     Q4_0,
+    Q4_1,
     Q8_0,
     XQ_OK,
     rows_axpy,
@@ -75,23 +79,30 @@ from hotneurons.runtime.kernels_q_ir import (
 )
 from numba import njit, prange
 
-FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0}
+FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
 GEMV_ROWS = 8  # rows a thread reads at once in gemv_q
 XQ = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "0") == "1"  # cold_ffn_q's default route (module docstring)
 PREFETCH_AHEAD = 1  # groups of four neurons between the one computed and the one whose rows are prefetched
 _LUT = F16_TO_F32  # fp16 pattern -> float32 (a constant in the compiled code)
 __all__ = ["cold_ffn_q", "cold_layer_q", "gemv_q", "quantize_x", "FORMAT_CODE", "XQ", "XQ_OK", "BLOCK", "Q4_0",
-           "Q8_0", "BLOCK_BYTES"]
+           "Q4_1", "Q8_0", "BLOCK_BYTES"]
 
 
 @njit(nogil=True, cache=True)
 def _format(d, row_bytes):
     """The format code of rows of `row_bytes` bytes holding d weights, or -1."""
     if d % BLOCK == 0:
-        for f in (Q8_0, Q4_0):
+        for f in (Q8_0, Q4_0, Q4_1):
             if d // BLOCK * BLOCK_BYTES[f] == row_bytes:
                 return f
     return -1
+
+
+@njit(nogil=True, cache=True)
+def _int_route(xq, fmt):
+    """Whether rows of `fmt` run the int route when xq asks for it (module docstring): not Q4_1, and only where the
+    compile target has the instructions."""
+    return xq and XQ_OK and fmt != Q4_1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,8 +218,9 @@ def _check(x, gate, up, down_t, part, out, gated):
     d = x.shape[0]
     fmt = _format(d, up.shape[1])
     if fmt < 0:
-        raise ValueError("cold_ffn_q: rows are neither Q8_0 nor Q4_0 blocks of x's d weights (d a multiple of 32, "
-                         "row bytes d / 32 * 34 or * 18): store them with ColdRows(..., dtype='q8_0' or 'q4_0')")
+        raise ValueError("cold_ffn_q: rows are not Q8_0, Q4_0 or Q4_1 blocks of x's d weights (d a multiple of 32, "
+                         "row bytes d / 32 * 34, * 18 or * 20): store them with ColdRows(..., dtype='q8_0', 'q4_0' or "
+                         "'q4_1')")
     if down_t.shape[1] != up.shape[1] or (gated and gate.shape[1] != up.shape[1]):
         raise ValueError("cold_ffn_q: gate, up and down_t rows differ in width: store all three in one format")
     if part.shape[1] != d or (out.shape[0] != 0 and out.shape[0] != d):
@@ -266,7 +278,7 @@ def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREF
     d, k = x.shape[0], idx.shape[0]
     gated = act >= FIRST_GATED
     fmt = _check(x, gate, up, down_t, part, out, gated)
-    use = xq and XQ_OK
+    use = _int_route(xq, fmt)
     xb, corr, dxv = _xq_buffers(x, fmt, use)
     lut = _LUT
     ahead = min(max(ahead, 0), 3)
@@ -276,13 +288,16 @@ def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREF
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum
         acc[:] = 0.0
-        # formats as literals in the source (1: Q4_0, 0: Q8_0), not globals: see _work
-        if use and fmt == Q4_0:
+        # formats as literals in the source (2: Q4_1, 1: Q4_0, 0: Q8_0), not globals: see _work. XQ_OK, a global
+        # constant, prunes the int route's calls where it cannot compile (rows_dot types them only with XQ_OK)
+        if XQ_OK and use and fmt == Q4_0:
             _work((xb, corr, dxv), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 1)
-        elif use:
+        elif XQ_OK and use:
             _work((xb, corr, dxv), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 0)
         elif fmt == Q4_0:
             _work((x,), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 1)
+        elif fmt == Q4_1:
+            _work((x,), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 2)
         else:
             _work((x,), idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, ahead, 0)
     if out.shape[0] == 0:  # the caller sums part's rows; those past T are zero
@@ -313,7 +328,12 @@ def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t,
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gemv8(xs, rows, out, i, lut, fmt):  # out[i:i + 8] (fmt a literal, as in _work)
+def _gemv8(xs, rows, out, i, lut, fmt):
+    """out[i:i + 8], or out[i:] one row at a time where fewer than 8 rows are left (fmt a literal, as in _work)."""
+    if i + GEMV_ROWS > rows.shape[0]:
+        for r in range(i, rows.shape[0]):
+            out[r] = rows_dot(xs, (rows[r],), (), lut, fmt)
+        return
     (out[i], out[i + 1], out[i + 2], out[i + 3], out[i + 4], out[i + 5], out[i + 6],
      out[i + 7]) = rows_dot(xs, (rows[i], rows[i + 1], rows[i + 2], rows[i + 3], rows[i + 4], rows[i + 5],
                                  rows[i + 6], rows[i + 7]), (), lut, fmt)
@@ -321,29 +341,25 @@ def _gemv8(xs, rows, out, i, lut, fmt):  # out[i:i + 8] (fmt a literal, as in _w
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _gemv(x, rows, out, fmt, use):
-    n = rows.shape[0]
     xb, corr, dxv = _xq_buffers(x, fmt, use)
     lut = _LUT
-    for g in prange(n // GEMV_ROWS):
-        if use and fmt == Q4_0:  # literal codes, as in cold_ffn_q
+    for g in prange(-(-rows.shape[0] // GEMV_ROWS)):  # groups of 8 rows, the last maybe short
+        if XQ_OK and use and fmt == Q4_0:  # literal codes and XQ_OK, as in cold_ffn_q
             _gemv8((xb, corr, dxv), rows, out, g * GEMV_ROWS, lut, 1)
-        elif use:
+        elif XQ_OK and use:
             _gemv8((xb, corr, dxv), rows, out, g * GEMV_ROWS, lut, 0)
         elif fmt == Q4_0:
             _gemv8((x,), rows, out, g * GEMV_ROWS, lut, 1)
+        elif fmt == Q4_1:
+            _gemv8((x,), rows, out, g * GEMV_ROWS, lut, 2)
         else:
             _gemv8((x,), rows, out, g * GEMV_ROWS, lut, 0)
-    for i in range(n // GEMV_ROWS * GEMV_ROWS, n):
-        if use:
-            out[i] = rows_dot((xb, corr, dxv), (rows[i],), (), lut, 1) if fmt == Q4_0 else \
-                rows_dot((xb, corr, dxv), (rows[i],), (), lut, 0)
-        else:
-            out[i] = rows_dot((x,), (rows[i],), (), lut, 1) if fmt == Q4_0 else rows_dot((x,), (rows[i],), (), lut, 0)
 
 
 def gemv_q(x: np.ndarray, rows: np.ndarray, out: np.ndarray, fmt: str, xq: bool = False) -> np.ndarray:
-    """out (n,) float32 = rows @ x: rows (n, row_bytes) uint8 of `fmt` blocks ("q8_0" or "q4_0"; a GGUF tensor's
-    bytes), x (d,) float32, parallel over groups of eight rows; xq: the int route (module docstring). Returns out."""
+    """out (n,) float32 = rows @ x: rows (n, row_bytes) uint8 of `fmt` blocks ("q8_0", "q4_0" or "q4_1"; a GGUF
+    tensor's bytes), x (d,) float32, parallel over groups of eight rows; xq: the int route (module docstring; Q4_1 rows
+    take the float route). Returns out."""
     code = FORMAT_CODE.get(str(getattr(fmt, "value", fmt)).lower())
     if code is None:
         raise ValueError(f"gemv_q: format {fmt!r} has no CPU kernel: choose one of {', '.join(FORMAT_CODE)}")
@@ -351,5 +367,5 @@ def gemv_q(x: np.ndarray, rows: np.ndarray, out: np.ndarray, fmt: str, xq: bool 
     if _format(d, rows.shape[1]) != code or out.shape != (rows.shape[0],):
         raise ValueError(f"gemv_q: rows {rows.shape} are not {fmt} rows of x's {d} weights, or out {out.shape} is "
                          f"not ({rows.shape[0]},): pass rows (n, {d} / 32 * {BLOCK_BYTES[code]}) uint8 and out (n,)")
-    _gemv(x, rows, out, code, bool(xq and XQ_OK))
+    _gemv(x, rows, out, code, _int_route(bool(xq), code))
     return out

@@ -1,25 +1,27 @@
 """The row math of runtime/kernels_q.py as LLVM vector IR (Numba intrinsics): dots of 1, 4 or 8 block rows with x in
 one pass, and axpys (acc += h * row) of 1 or 4 rows, each prefetching other rows (the next neurons') in step.
 
-Rows are llama.cpp blocks (kernels_q's docstring): Q8_0 (fp16 scale d, 32 int8 q) and Q4_0 (d, 16 bytes of nibbles:
-weight j in byte j's low nibble, weight j + 16 in its high one; w = d (q - 8)). A scale d is read through F16_TO_F32
-(65536 float32: every fp16 pattern's value), one load from memory that the multiply broadcasts, instead of a
-vcvtph2ps and a broadcast per block and row.
+Rows are llama.cpp blocks (kernels_q's docstring): Q8_0 (fp16 scale d, 32 int8 q), Q4_0 (d, 16 bytes of nibbles:
+weight j in byte j's low nibble, weight j + 16 in its high one; w = d (q - 8)) and Q4_1 (d, fp16 min m, Q4_0's 16
+bytes; w = d q + m). A scale d (and a min m) is read through F16_TO_F32 (65536 float32: every fp16 pattern's value),
+one load from memory that the multiply broadcasts, instead of a vcvtph2ps and a broadcast per block and row.
 
 Two routes for the dots (the axpys are float32 only):
-  float (exact weights, float32 sums): Q4_0 weights d (q - 8) as a 16-entry table d * (-8..7) (one multiply a block)
-    looked up by the nibbles (vpermps: one instruction per 16 weights, no integer -> float conversion); Q8_0 weights
-    converted (vpmovsxbd, vcvtdq2ps), their block sum scaled by d. Products with x fused (FMA), one vector of sums per
-    row across blocks, reduced at the end.
+  float (the file's weights, float32 sums): Q4_0 weights d (q - 8) as a 16-entry table d * (-8..7) (one multiply a
+    block), Q4_1 weights d q + m as a table d * (0..15) + m (one FMA a block: d q is exact, so each entry is d q + m
+    rounded once to float32, as gguf-py and weights/quants.py de-quantize it), looked up by the nibbles (vpermps: one
+    instruction per 16 weights, no integer -> float conversion); Q8_0 weights converted (vpmovsxbd, vcvtdq2ps), their
+    block sum scaled by d. Products with x fused (FMA), one vector of sums per row across blocks, reduced at the end.
   int (x quantized once per call, llama.cpp's Q8_0 of x: an int8 q_x and a float32 d_x per 32 weights; XQ_LAYOUT):
     a block's dot in integers, u8 x s8 -> s32 (AVX-512 VNNI vpdpbusd), 64 weights an instruction; then d_w * d_x *
     (dot + corr). Q4_0: four blocks (72 bytes) gathered into one register with one byte permute, the low nibbles and
     the high ones (unsigned 0..15) against x's matching bytes, corr = -8 * the sum of x's bytes in each lane (the
     weights' offset, a per-call constant that seeds the accumulator). Q8_0: two blocks; w + 128 (unsigned, an xor)
     against q_x, corr = -128 * that sum. About three instructions per 32 weights against the float route's seven.
-    Only where the compile target has AVX-512 BW/VL/VBMI/VNNI (XQ_OK).
+    Only where the compile target has AVX-512 BW/VL/VBMI/VNNI (XQ_OK), and not for Q4_1 (its min would need a second
+    per-block term; dot_typer refuses the pair, and kernels_q runs Q4_1 rows on the float route whatever xq says).
 
-Without AVX-512 (F and BW), the Q4_0 table lookup falls back to integer -> float conversions (slower, same values).
+Without AVX-512 (F and BW), the Q4 table lookups fall back to integer -> float conversions (slower, same values).
 Loops step four Q4_0 blocks (two Q8_0 blocks in the int route) at a time with one or two prefetches per row and step;
 the int route's last, partial step reads the row's last bytes from a zero-padded copy.
 """
@@ -34,9 +36,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-BLOCK = 32  # weights per block, both formats
-Q8_0, Q4_0 = 0, 1  # format codes
-BLOCK_BYTES = (34, 18)  # by format code
+BLOCK = 32  # weights per block, every format
+Q8_0, Q4_0, Q4_1 = 0, 1, 2  # format codes
+BLOCK_BYTES = (34, 18, 20)  # by format code
 STEP = (2, 4)  # blocks per step of the int route, by format code (64 / 128 weights: one register of x's bytes)
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -58,7 +60,7 @@ _F32, _I1, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(1), ir.IntType(8),
     ir.IntType(64)
 _V16F, _V16I, _V16B, _V64B = (ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 16),
                               ir.VectorType(_I8, 64))
-_TABLE = [float(v) for v in range(-8, 8)]  # Q4_0's q - 8 for q = 0..15
+_TABLE = {Q4_0: [float(v) for v in range(-8, 8)], Q4_1: [float(v) for v in range(16)]}  # q - 8 | q for q = 0..15
 
 
 def _c(t, v):  # a constant; a list for a vector
@@ -114,25 +116,31 @@ def _scale(builder, lut, data, o):
 # The float route: one block's 32 weights as two <16 x float> halves
 
 
-def _weights(builder, lut, data, o, q4):
-    """Block at byte o: (w_lo, w_hi, d). Q4_0: exact weights d (q - 8) (d None); Q8_0: unscaled q (d the scale)."""
+def _weights(builder, lut, data, o, fmt):
+    """Block at byte o: (w_lo, w_hi, d). Q4_0 / Q4_1: the weights d (q - 8) / d q + m (d None); Q8_0: unscaled q (d
+    the scale)."""
     d = _scale(builder, lut, data, o)
-    if not q4:
+    if fmt == Q8_0:
         return tuple(builder.sitofp(_ld(builder, data, builder.add(o, _c(o.type, k)), _V16B), _V16F)
                      for k in (2, 18)) + (d,)
-    raw = builder.zext(_ld(builder, data, builder.add(o, _c(o.type, 2)), _V16B), _V16I)
+    m = _splat(builder, _scale(builder, lut, data, builder.add(o, _c(o.type, 2)))) if fmt == Q4_1 else None
+    raw = builder.zext(_ld(builder, data, builder.add(o, _c(o.type, BLOCK_BYTES[fmt] - 16)), _V16B), _V16I)
     hi = builder.lshr(raw, _c(_V16I, [4] * 16))
-    if HAS_512:  # table d * (q - 8), looked up by the nibble (vpermps reads an index's low 4 bits: no mask needed)
-        table = builder.fmul(_splat(builder, d), _c(_V16F, _TABLE))
+    if HAS_512:  # the table of the 16 weights, looked up by the nibble (vpermps reads an index's low 4 bits: no mask)
+        table = _c(_V16F, _TABLE[fmt])
+        table = builder.fmul(_splat(builder, d), table) if m is None else _fma(builder, _splat(builder, d), table, m)
         perm = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I])
         return builder.call(perm, [table, raw]), builder.call(perm, [table, hi]), None
-    ds, eight, lo = _splat(builder, d), _c(_V16I, [8] * 16), builder.and_(raw, _c(_V16I, [15] * 16))
+    ds, lo = _splat(builder, d), builder.and_(raw, _c(_V16I, [15] * 16))
+    if m is not None:  # d q + m, d q exact: one rounding, as the table's
+        return tuple(_fma(builder, builder.sitofp(v, _V16F), ds, m) for v in (lo, hi)) + (None,)
+    eight = _c(_V16I, [8] * 16)
     return tuple(builder.fmul(builder.sitofp(builder.sub(v, eight), _V16F), ds) for v in (lo, hi)) + (None,)
 
 
-def _dot_float(builder, q4, x, rows, nxt, lut, intp):
+def _dot_float(builder, fmt, x, rows, nxt, lut, intp):
     """x . row for each row, x (d,) float32: the sums per row (float32)."""
-    bb = BLOCK_BYTES[Q4_0 if q4 else Q8_0]
+    bb = BLOCK_BYTES[fmt]
     nb = builder.sdiv(cgutils.unpack_tuple(builder, x.shape)[0], _c(intp, BLOCK))
     sums = [[cgutils.alloca_once_value(builder, _c(_V16F, None)) for _ in range(2)] for _ in rows]
 
@@ -141,7 +149,7 @@ def _dot_float(builder, q4, x, rows, nxt, lut, intp):
         xl, xh = _ld(builder, x.data, xo, _V16F, 4), _ld(builder, x.data, builder.add(xo, _c(intp, 16)), _V16F, 4)
         o = builder.mul(b, _c(intp, bb))
         for r, (sl, sh) in zip(rows, sums):
-            wl, wh, d = _weights(builder, lut, r.data, o, q4)
+            wl, wh, d = _weights(builder, lut, r.data, o, fmt)
             if d is None:  # exact weights: one FMA a half, a sum a half
                 builder.store(_fma(builder, xl, wl, builder.load(sl)), sl)
                 builder.store(_fma(builder, xh, wh, builder.load(sh)), sh)
@@ -155,7 +163,7 @@ def _dot_float(builder, q4, x, rows, nxt, lut, intp):
 
 def _block_loops(builder, nb, bb, nxt, block, intp):
     """block(b) for b < nb: four at a time, prefetching the lines of those four blocks of the rows nxt (1 + 4 bb / 64
-    lines: 2 for Q4_0, 3 for Q8_0), then the rest one at a time."""
+    lines: 2 for Q4_0 and Q4_1, 3 for Q8_0), then the rest one at a time."""
     four = builder.sdiv(nb, _c(intp, 4))
     with cgutils.for_range(builder, four, intp=intp) as loop:
         b = builder.mul(loop.index, _c(intp, 4))
@@ -172,9 +180,9 @@ def _block_loops(builder, nb, bb, nxt, block, intp):
         block(b)
 
 
-def _axpy(builder, q4, hs, rows, nxt, lut, acc, intp):
-    """acc (d,) float32 += sum of h * row (float32, exact weights)."""
-    bb = BLOCK_BYTES[Q4_0 if q4 else Q8_0]
+def _axpy(builder, fmt, hs, rows, nxt, lut, acc, intp):
+    """acc (d,) float32 += sum of h * row (float32, the float route's weights)."""
+    bb = BLOCK_BYTES[fmt]
     nb = builder.sdiv(cgutils.unpack_tuple(builder, acc.shape)[0], _c(intp, BLOCK))
     hv = [_splat(builder, h) for h in hs]
 
@@ -184,7 +192,7 @@ def _axpy(builder, q4, hs, rows, nxt, lut, acc, intp):
         vl, vh = _ld(builder, acc.data, xo, _V16F, 4), _ld(builder, acc.data, xo2, _V16F, 4)
         o = builder.mul(b, _c(intp, bb))
         for r, h, hvec in zip(rows, hs, hv):
-            wl, wh, d = _weights(builder, lut, r.data, o, q4)
+            wl, wh, d = _weights(builder, lut, r.data, o, fmt)
             a = hvec if d is None else _splat(builder, builder.fmul(h, d))
             vl, vh = _fma(builder, wl, a, vl), _fma(builder, wh, a, vh)
         for at, v in ((xo, vl), (xo2, vh)):
@@ -236,9 +244,9 @@ def _finish(builder, parts, d, xs, s, stride, acc):
     return _fma(builder, f, d, acc)
 
 
-def _dot_int(builder, q4, xs, rows, nxt, lut, intp):
-    """Each row's dot with x quantized (XQ_LAYOUT): the sums per row (float32)."""
-    fmt = Q4_0 if q4 else Q8_0
+def _dot_int(builder, fmt, xs, rows, nxt, lut, intp):
+    """Each row's dot with x quantized (XQ_LAYOUT): the sums per row (float32). Q4_0 or Q8_0."""
+    q4 = fmt == Q4_0
     bb, step = BLOCK_BYTES[fmt], STEP[fmt]
     sb = step * bb  # bytes a step
     nb = builder.sdiv(cgutils.unpack_tuple(builder, rows[0].shape)[0], _c(intp, bb))
@@ -288,7 +296,7 @@ def _arrays(context, builder, tup_type, tup):
 
 
 def _rows_ok(rows, nxt, lut, fmt):
-    return (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in (Q8_0, Q4_0)
+    return (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in (Q8_0, Q4_0, Q4_1)
             and isinstance(rows, types.BaseTuple) and isinstance(nxt, types.BaseTuple) and len(rows) >= 1
             and all(_ok(r, types.uint8) for r in tuple(rows) + tuple(nxt)) and _ok(lut, types.float32))
 
@@ -296,16 +304,18 @@ def _rows_ok(rows, nxt, lut, fmt):
 def dot_typer(xs, rows, nxt, lut, fmt):
     """Signature and codegen of dots of the rows (a tuple of 1-D C uint8 arrays) with xs: (x,) (d,) float32 (the
     float route) or (xb int8, corr int32, dxv float32) in XQ_LAYOUT (the int route); prefetching the rows nxt (a
-    tuple, maybe empty); lut = F16_TO_F32; fmt a literal format code. Returns float32, or a tuple per row."""
+    tuple, maybe empty); lut = F16_TO_F32; fmt a literal format code (the int route: Q4_0 or Q8_0). Returns float32,
+    or a tuple per row."""
     if not _rows_ok(rows, nxt, lut, fmt) or not isinstance(xs, types.BaseTuple):
         return None
     if len(xs) == 1 and _ok(xs[0], types.float32):
         route = _dot_float
-    elif len(xs) == 3 and XQ_OK and all(_ok(a, t) for a, t in zip(xs, (types.int8, types.int32, types.float32))):
+    elif len(xs) == 3 and XQ_OK and fmt.literal_value != Q4_1 and \
+            all(_ok(a, t) for a, t in zip(xs, (types.int8, types.int32, types.float32))):
         route = _dot_int
     else:
         return None
-    q4 = fmt.literal_value == Q4_0
+    code = fmt.literal_value
 
     def codegen(context, builder, signature, args):
         xa = _arrays(context, builder, signature.args[0], args[0])
@@ -313,7 +323,7 @@ def dot_typer(xs, rows, nxt, lut, fmt):
                                                                                    args[2])
         lut_ptr = context.make_array(signature.args[3])(context, builder, args[3]).data
         intp = context.get_value_type(types.intp)
-        out = route(builder, q4, xa[0] if route is _dot_float else xa, ra, na, lut_ptr, intp)
+        out = route(builder, code, xa[0] if route is _dot_float else xa, ra, na, lut_ptr, intp)
         return out[0] if len(out) == 1 else context.make_tuple(builder, signature.return_type, out)
 
     ret = types.float32 if len(rows) == 1 else types.UniTuple(types.float32, len(rows))
@@ -325,7 +335,7 @@ def axpy_typer(hs, rows, nxt, lut, fmt, acc):
     if not _rows_ok(rows, nxt, lut, fmt) or not _ok(acc, types.float32) or not isinstance(hs, types.BaseTuple) \
             or len(hs) != len(rows) or any(h != types.float32 for h in hs):
         return None
-    q4 = fmt.literal_value == Q4_0
+    code = fmt.literal_value
 
     def codegen(context, builder, signature, args):
         h = cgutils.unpack_tuple(builder, args[0])
@@ -333,7 +343,7 @@ def axpy_typer(hs, rows, nxt, lut, fmt, acc):
                                                                                    args[2])
         lut_ptr = context.make_array(signature.args[3])(context, builder, args[3]).data
         acc_a = context.make_array(signature.args[5])(context, builder, args[5])
-        _axpy(builder, q4, h, ra, na, lut_ptr, acc_a, context.get_value_type(types.intp))
+        _axpy(builder, code, h, ra, na, lut_ptr, acc_a, context.get_value_type(types.intp))
         return context.get_dummy_value()
 
     return types.none(hs, rows, nxt, lut, fmt, acc), codegen

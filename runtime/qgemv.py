@@ -1,15 +1,18 @@
 """Triton kernels over 4- and 8-bit block weights in runtime/qlinear.py's GPU layout (`GpuQ`).
 
-The layout: an (n, k) Q4_0 or Q8_0 weight split, once at load, into two tensors with the GGUF file's bytes:
-  qs      (n, k/2) uint8 (Q4_0) or (n, k) int8 (Q8_0), row-major: each 32-weight block's 16 or 32 bytes, as 4 or 8
-          little-endian int32 words, their quants reordered within the block (KERNEL ORDER below) so that the
+The layout: an (n, k) Q4_0, Q4_1 or Q8_0 weight split, once at load, into two tensors (three for Q4_1) with the GGUF
+file's bytes:
+  qs      (n, k/2) uint8 (Q4_0, Q4_1) or (n, k) int8 (Q8_0), row-major: each 32-weight block's 16 or 32 bytes, as 4
+          or 8 little-endian int32 words, their quants reordered within the block (KERNEL ORDER below) so that the
           kernel's pieces of a word meet contiguous x
   scales  (n, k/32) fp16 stored block-major (stride (1, n)): a block's scales for consecutive rows side by side
-so a row's quants are contiguous and 16-byte aligned (wide loads), which llama.cpp's interleaved 18- and 34-byte
-blocks are not. Total bytes are the file's: 18/32 (Q4_0) and 34/32 (Q8_0) bytes a weight.
+  mins    Q4_1 only: (n, k/32) fp16, block-major as the scales
+so a row's quants are contiguous and 16-byte aligned (wide loads), which llama.cpp's interleaved 18-, 20- and 34-byte
+blocks are not. Total bytes are the file's: 18/32 (Q4_0), 20/32 (Q4_1) and 34/32 (Q8_0) bytes a weight.
 
-KERNEL ORDER, within a block (w = scale * (q - 8) for Q4_0, scale * q for Q8_0, as in the file):
-  Q4_0  word i (0..3), nibble u (bits 4u..4u+3, 0..7) = q of weight 4 u + i
+KERNEL ORDER, within a block (w = scale * (q - 8) for Q4_0, scale * q + min for Q4_1, scale * q for Q8_0, as in the
+file):
+  Q4_0, Q4_1  word i (0..3), nibble u (bits 4u..4u+3, 0..7) = q of weight 4 u + i
   Q8_0  word i (0..7), byte t (bits 8t..8t+7, 0..3) = q of weight 16 (i // 4) + 4 t + i % 4
 so piece u (t) of the block's words meets x[4 u + (0..3)] (x[4 t + (0..3)] and x[16 + 4 t + (0..3)]): contiguous
 runs of 4, loaded in the quants' own register layout (Triton then moves nothing through shared memory in
@@ -25,7 +28,9 @@ the loop).
            LOP3 (the piece as a denormal float; x scaled per piece, the offset 8 | 128 taken off per unit with the
            sum of x), else one LOP3 and one FADD (2^23 offset); then one FFMA a token into one register per (token,
            row, unit) (_gemv_kernel, _step, _piece say how). sm_90's code (Triton 3.6): 2.7 instructions a Q4_0
-           weight, 3.4 a Q8_0 one, at one token; 1.65-1.9 a weight and token at 8 (gemv_config's notes).
+           weight, 3.4 a Q8_0 one, at one token; 1.65-1.9 a weight and token at 8 (gemv_config's notes). Q4_1 runs
+           Q4_0's code with no offset (pieces are q, 0..15) and adds min * (the unit's sum of x) once a unit and row
+           (MIN): one more load of fp16 mins a block and one FFMA a unit, next to Q4_0's 32 weights' work.
            More tokens cost an FMA each a weight: past GEMV_MAX_ROWS, the tensor cores of the prefill path win.
   dequant  rows of a GpuQ to a float tensor (the prefill path: chunks of rows, then cuBLAS).
 
@@ -41,7 +46,7 @@ import triton.language as tl
 
 GEMV_MAX_ROWS = 8  # tokens the GEMV takes in one pass; more go through dequant + matmul
 DENORM_MAX_ROWS = 2  # tokens up to which the GEMV takes pieces as denormals (_piece), for fp16 / bf16 x
-QBLOCK = 32  # weights per Q4_0 / Q8_0 block
+QBLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 
 
 # float32 exponent field of 2^23 (150 << 23), a runtime argument: the pieces' LOP3 takes its per-piece variant from a
@@ -86,14 +91,16 @@ def _lop(src, b, MASK: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr):
+def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, MIN: tl.constexpr, DENORM: tl.constexpr,
+           ASM: tl.constexpr):
     """Piece u (nibble | byte) of int32 words q (q2 = q >> 16; Q8_0 with DENORM: both with their bytes' sign bits
     flipped) as float32, with no conversion instruction: the piece, masked in place at bit sh (pieces past bit 23
     from q2), becomes a float's mantissa.
-    DENORM: alone, a denormal: exactly Q 2^(sh - 149), Q = q (Q4_0) | q + 128 (Q8_0), one LOP3 (x is scaled by
-    2^(149 - sh - XEXP) to meet it, and the offset 8 | 128 is taken off per unit with the sum of x: _step).
+    DENORM: alone, a denormal: exactly Q 2^(sh - 149), Q = q (Q4_0, Q4_1) | q + 128 (Q8_0), one LOP3 (x is scaled by
+    2^(149 - sh - XEXP) to meet it, and Q4_0's / Q8_0's offset 8 | 128 is taken off per unit with the sum of x: _step).
     Else: OR-ed into a float whose exponent (150 - sh) puts the piece's lowest bit at 1, 2^(23 - sh) + Q (Q8_0's sign
-    bit flipped by the same LOP3), and one FADD takes 2^(23 - sh) + 8 | 128 off: exactly q - 8 | q."""
+    bit flipped by the same LOP3), and one FADD takes 2^(23 - sh) + 8 | 0 | 128 off: exactly q - 8 (Q4_0) | q (Q4_1,
+    MIN) | q (Q8_0)."""
     W: tl.constexpr = 4 if Q4 else 8
     SH0: tl.constexpr = W * u
     HI: tl.constexpr = SH0 + W > 23
@@ -103,7 +110,7 @@ def _piece(q, q2, magic, u: tl.constexpr, Q4: tl.constexpr, DENORM: tl.constexpr
     if DENORM:
         return (src & MASK).to(tl.float32, bitcast=True)
     FLIP: tl.constexpr = 0 if Q4 else 128 << SH
-    OFF: tl.constexpr = float(2 ** (23 - SH) + (8 if Q4 else 128))
+    OFF: tl.constexpr = float(2 ** (23 - SH) + (0 if MIN else 8 if Q4 else 128))
     b = magic - (SH << 23) + FLIP  # exponent 150 - sh (and the sign flip), outside | inside the mask
     return _lop(src, b, MASK, ASM).to(tl.float32, bitcast=True) - OFF
 
@@ -126,15 +133,17 @@ def _split4(t, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr):
+def _step(acc, q, s, mn, x_at, xm, magic, Q4: tl.constexpr, MIN: tl.constexpr, DENORM: tl.constexpr,
+          ASM: tl.constexpr):
     """acc (BLOCK_M, BLOCK_N, BLOCK_U) += each unit's sum of weights times x, scaled: q (BLOCK_N, BLOCK_U * 4) words
-    (unit w // 4, word w % 4), s (BLOCK_N, BLOCK_U) their scales as float32, x_at (BLOCK_M, BLOCK_U * 4) the x of
+    (unit w // 4, word w % 4), s (BLOCK_N, BLOCK_U) their scales as float32, mn (MIN, Q4_1: BLOCK_N, BLOCK_U) their
+    mins as float32, which add mn * (the unit's sum of x) (else None), x_at (BLOCK_M, BLOCK_U * 4) the x of
     each word's piece 0 (piece u: + 4 u), masked by xm (None: no mask). Loads are 2-D, contiguous along their last
     axis (so that Triton's coalescing gives a thread a unit's 4 words, whatever its version); a unit's 4 words
     (and their x) are split apart in registers, so that each (token, row, unit) sums into one register, a chain of
     FFMAs. DENORM: pieces as denormals (_piece), x scaled by 2^(149 - sh - XEXP): products Q x 2^-XEXP, normal
     for |x| >= 2^(XEXP - 126) (smaller ones lose bits, < 2^-(149 - XEXP) each, absolute), finite for
-    |x| < 2^(XEXP - 21); a unit's sum is 2^XEXP (sum Q x) - (8 | 128) sum x."""
+    |x| < 2^(XEXP - 21); a unit's sum is 2^XEXP (sum Q x) - (8 | 0 | 128) sum x."""
     BM: tl.constexpr = acc.shape[0]
     BN: tl.constexpr = acc.shape[1]
     BU: tl.constexpr = acc.shape[2]
@@ -153,31 +162,38 @@ def _step(acc, q, s, x_at, xm, magic, Q4: tl.constexpr, DENORM: tl.constexpr, AS
         else:
             xl = tl.load(x_at + 4 * u, mask=xm, other=0.0)
         x0, x1, x2, x3 = _split4(xl.to(tl.float32), BM, 1, BU)  # (BLOCK_M, 1, BLOCK_U) each
-        if DENORM:
+        if DENORM or MIN:
             xs += (x0 + x1) + (x2 + x3)
+        if DENORM:
             x0 = _xscale(x0, u, Q4)
             x1 = _xscale(x1, u, Q4)
             x2 = _xscale(x2, u, Q4)
             x3 = _xscale(x3, u, Q4)
-        p += _piece(q0, h0, magic, u, Q4, DENORM, ASM) * x0
-        p += _piece(q1, h1, magic, u, Q4, DENORM, ASM) * x1
-        p += _piece(q2, h2, magic, u, Q4, DENORM, ASM) * x2
-        p += _piece(q3, h3, magic, u, Q4, DENORM, ASM) * x3
-    if DENORM:
+        p += _piece(q0, h0, magic, u, Q4, MIN, DENORM, ASM) * x0
+        p += _piece(q1, h1, magic, u, Q4, MIN, DENORM, ASM) * x1
+        p += _piece(q2, h2, magic, u, Q4, MIN, DENORM, ASM) * x2
+        p += _piece(q3, h3, magic, u, Q4, MIN, DENORM, ASM) * x3
+    if DENORM and MIN:
+        p = p * float(2 ** XEXP)
+    elif DENORM:
         p = p * float(2 ** XEXP) - xs * (8.0 if Q4 else 128.0)
+    if MIN:  # Q4_1: the unit's sum of (s q + m) x = s (sum q x) + m (sum x)
+        return acc + p * s[None, :, :] + xs * mn[None, :, :]
     return acc + p * s[None, :, :]
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_o, magic,
-                 Q4: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr, EVEN: tl.constexpr, DENORM: tl.constexpr,
-                 ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_mb,
+                 stride_o, magic, Q4: tl.constexpr, MIN: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr,
+                 EVEN: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
     of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
     a Q8_0 block: 32 | 16 weights), in the module's kernel order, a step's units across the program's threads (one
     or more a thread) and its BLOCK_N rows in each thread's registers, so that a thread's x values (loaded and
-    widened once a step) serve all its rows; scales block-major (stride_sb between blocks, 1 between rows). Each
-    piece of a word becomes q - 8 (q) as a float by one LOP3 and one FADD (_piece), then one FFMA a token. Sums are
+    widened once a step) serve all its rows; scales block-major (stride_sb between blocks, 1 between rows); MIN
+    (Q4_1): mins as the scales (stride_mb), loaded with them. Each piece of a word becomes q - 8 (q) as a float by
+    one LOP3 and one FADD (_piece), then one FFMA a token. Sums are
     float32: per (token, row, unit) over a step's pieces and words, scaled, added across steps, summed across
     units at the end; + b in float32, rounded once to out's dtype (ADD: out + that, rounded once; with BIAS the
     linear is rounded first, as fused.add_linear rounds). A step's quants and scales are loaded before the previous
@@ -195,35 +211,50 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride
     nm = n < N
     q_at = q_ptr + n.to(tl.int64)[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
     s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
+    m_at = m_ptr + (un // UPB)[None, :] * stride_mb + n[:, None]  # (BLOCK_N, BLOCK_U): MIN's mins, as s_at
     x_at = x_ptr + mi[:, None] * stride_x + ((w // 4) * UW + w % 4)[None, :]  # (BLOCK_M, BLOCK_W)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), tl.float32)
     steps = tl.cdiv(NB, BLOCK_B)
+    # MIN: the step's mins mn (BLOCK_N, BLOCK_U) float32, loaded, double-buffered and passed on as the scales; without
+    # MIN the names are never made (constexpr branches), so Q4_0's and Q8_0's code is as before
     if EVEN:
         q = tl.load(q_at)  # (BLOCK_N, BLOCK_W) int32
         s = tl.load(s_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
+        if MIN:
+            mn = tl.load(m_at).to(tl.float32)  # (BLOCK_N, BLOCK_U)
     else:
         q = tl.load(q_at, mask=nm[:, None] & (w // (4 * UPB) < NB)[None, :], other=0)
         s = tl.load(s_at, mask=nm[:, None] & (un // UPB < NB)[None, :], other=0.0).to(tl.float32)
+        if MIN:
+            mn = tl.load(m_at, mask=nm[:, None] & (un // UPB < NB)[None, :], other=0.0).to(tl.float32)
     for j in range(1, steps):
         b0 = j * BLOCK_B  # first block of step j
         if EVEN:
             qn = tl.load(q_at + b0 * (UPB * 4))
             sn = tl.load(s_at + b0 * stride_sb).to(tl.float32)
-            acc = _step(acc, q, s, x_at + (b0 - BLOCK_B) * 32, None, magic, Q4, DENORM, ASM)
+            if MIN:
+                mnn = tl.load(m_at + b0 * stride_mb).to(tl.float32)
+            acc = _step(acc, q, s, mn if MIN else None, x_at + (b0 - BLOCK_B) * 32, None, magic, Q4, MIN, DENORM,
+                        ASM)
         else:
             qn = tl.load(q_at + b0 * (UPB * 4), mask=nm[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], other=0)
             sn = tl.load(s_at + b0 * stride_sb, mask=nm[:, None] & (b0 + un // UPB < NB)[None, :],
                          other=0.0).to(tl.float32)
+            if MIN:
+                mnn = tl.load(m_at + b0 * stride_mb, mask=nm[:, None] & (b0 + un // UPB < NB)[None, :],
+                              other=0.0).to(tl.float32)
             xm = (mi < M)[:, None] & (b0 - BLOCK_B + w // (4 * UPB) < NB)[None, :]
-            acc = _step(acc, q, s, x_at + (b0 - BLOCK_B) * 32, xm, magic, Q4, DENORM, ASM)
+            acc = _step(acc, q, s, mn if MIN else None, x_at + (b0 - BLOCK_B) * 32, xm, magic, Q4, MIN, DENORM, ASM)
         q = qn
         s = sn
+        if MIN:
+            mn = mnn
     b0 = (steps - 1) * BLOCK_B
     if EVEN:
-        acc = _step(acc, q, s, x_at + b0 * 32, None, magic, Q4, DENORM, ASM)
+        acc = _step(acc, q, s, mn if MIN else None, x_at + b0 * 32, None, magic, Q4, MIN, DENORM, ASM)
     else:
-        acc = _step(acc, q, s, x_at + b0 * 32, (mi < M)[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], magic, Q4,
-                    DENORM, ASM)
+        acc = _step(acc, q, s, mn if MIN else None, x_at + b0 * 32,
+                    (mi < M)[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], magic, Q4, MIN, DENORM, ASM)
     y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
     if BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
@@ -238,10 +269,12 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_o,
-                    Q4: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program (p, r): rows [p * BLOCK_N, ...), blocks [r * BLOCK_B, ...) of the weight to out's dtype (scale * q
-    in float32, rounded once), from the kernel order back to the weights' order."""
+def _dequant_kernel(q_ptr, s_ptr, m_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_mb, stride_o,
+                    Q4: tl.constexpr, MIN: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_B: tl.constexpr):
+    """Program (p, r): rows [p * BLOCK_N, ...), blocks [r * BLOCK_B, ...) of the weight to out's dtype (scale * (q - 8)
+    | scale * q + min (MIN, Q4_1) | scale * q in float32, rounded to out's dtype), from the kernel order back to the
+    weights' order."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     p = tl.arange(0, BB)  # (BB,) byte p of a block: byte t of word i, p = 4 i + t
@@ -251,7 +284,12 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_o,
     s = tl.load(s_ptr + blk[None, :, None] * stride_sb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
     o_at = out_ptr + n64 * stride_o + blk[None, :, None] * 32
     dt = out_ptr.dtype.element_ty
-    if Q4:  # nibbles 2t, 2t + 1 of word i: weights 8 t + i, 8 t + 4 + i
+    if Q4 and MIN:  # Q4_1's nibbles, placed as Q4_0's below; s q exact, + min rounded once (as gguf-py's float32)
+        mn = tl.load(m_ptr + blk[None, :, None] * stride_mb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
+        wi = 8 * (p % 4) + p // 4
+        tl.store(o_at + wi[None, None, :], (s * (q & 15).to(tl.float32) + mn).to(dt), mask=m3)
+        tl.store(o_at + wi[None, None, :] + 4, (s * (q >> 4).to(tl.float32) + mn).to(dt), mask=m3)
+    elif Q4:  # nibbles 2t, 2t + 1 of word i: weights 8 t + i, 8 t + 4 + i
         wi = 8 * (p % 4) + p // 4
         tl.store(o_at + wi[None, None, :], (s * ((q & 15).to(tl.float32) - 8.0)).to(dt), mask=m3)
         tl.store(o_at + wi[None, None, :] + 4, (s * ((q >> 4).to(tl.float32) - 8.0)).to(dt), mask=m3)
@@ -273,7 +311,7 @@ def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
     are registers: 8 rows by 8 tokens spill); Q8_0 8 rows up to 2 tokens, then 4. sm_90's code (ptxas, Triton 3.6):
     Q4_0 2.7 instructions a weight (denormal pieces, 1 token, 127 registers), Q8_0 3.4 (8 rows); 8 tokens: 1.65
     a weight and token (4 rows, 168 registers). Fewer rows for short n, so that every SM gets programs; one warp
-    for short k."""
+    for short k. Q4_1 (q4, with mins) takes Q4_0's configuration, not swept on its own."""
     nb = max(1, k // QBLOCK)
     upb = 1 if q4 else 2  # 16-byte units a block
     nw = 2 if nb * upb >= 64 else 1
@@ -284,20 +322,27 @@ def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
     return bn, bb, nw
 
 
+def _mins_ok(mins: torch.Tensor | None, scales: torch.Tensor, q4: bool) -> bool:
+    """Q4_1's mins, where given: 4-bit quants, the scales' shape, block-major."""
+    return mins is None or (q4 and tuple(mins.shape) == tuple(scales.shape) and mins.stride(0) == 1)
+
+
 def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: torch.Tensor | None,
          out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None,
-         denorm: bool | None = None) -> torch.Tensor:
-    """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales) in the GpuQ layout; m <=
-    GEMV_MAX_ROWS, x and out with unit stride along their last dimension. config: (BLOCK_N, BLOCK_B, num_warps),
-    else gemv_config's. denorm: pieces as denormals (_piece; |x| must stay under 2^79, see _step), else with the
-    2^23 offset; None: denormals for fp16 / bf16 x and up to DENORM_MAX_ROWS tokens (fewer instructions a weight;
-    past that, x's per-token scaling costs more than the FADD it saves)."""
+         denorm: bool | None = None, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales[, mins]) in the GpuQ layout (mins:
+    Q4_1's, with q4; None for Q4_0 and Q8_0); m <= GEMV_MAX_ROWS, x and out with unit stride along their last
+    dimension. config: (BLOCK_N, BLOCK_B, num_warps), else gemv_config's. denorm: pieces as denormals (_piece; |x|
+    must stay under 2^79, see _step), else with the 2^23 offset; None: denormals for fp16 / bf16 x and up to
+    DENORM_MAX_ROWS tokens (fewer instructions a weight; past that, x's per-token scaling costs more than the FADD
+    it saves)."""
     m, k = x.shape
     n, nb = scales.shape
     if (m > GEMV_MAX_ROWS or k != nb * QBLOCK or tuple(out.shape) != (m, n) or x.stride(1) != 1 or out.stride(1) != 1
-            or scales.stride(0) != 1):
+            or scales.stride(0) != 1 or not _mins_ok(mins, scales, q4)):
         raise ValueError(f"quantized GEMV: expected x (<= {GEMV_MAX_ROWS}, {nb * QBLOCK}) and out ({m}, {n}) with "
-                         f"unit last strides and block-major scales, got {tuple(x.shape)} and {tuple(out.shape)}")
+                         f"unit last strides and block-major scales (and 4-bit mins of their shape), got "
+                         f"{tuple(x.shape)} and {tuple(out.shape)}")
     if m == 0 or n == 0:  # nothing to compute (e.g. a layer with no hot rows): no launch of an empty grid
         return out
     bn, bb, nw = config or gemv_config(n, k, q4, m)
@@ -305,24 +350,29 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     denorm = x.dtype != torch.float32 and m <= DENORM_MAX_ROWS if denorm is None else denorm
     even = n % bn == 0 and nb % bb == 0 and m == bm
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, words if b is None else b, out, m, n, nb, x.stride(0),
-                                        words.stride(0), scales.stride(1), out.stride(0), MAGIC, Q4=q4,
-                                        BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm, ASM=x.is_cuda,
-                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
+    ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, ms, words if b is None else b, out, m, n, nb, x.stride(0),
+                                        words.stride(0), scales.stride(1), ms.stride(1), out.stride(0), MAGIC, Q4=q4,
+                                        MIN=mins is not None, BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm,
+                                        ASM=x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
     return out
 
 
-def dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor) -> torch.Tensor:
-    """out (n, k) (any float dtype, unit last stride) = the weight of (qs, scales) (block-major scales)."""
+def dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor,
+            mins: torch.Tensor | None = None) -> torch.Tensor:
+    """out (n, k) (any float dtype, unit last stride) = the weight of (qs, scales[, mins]) (block-major scales; mins:
+    Q4_1's, as gemv's)."""
     n, nb = scales.shape
-    if tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1:
-        raise ValueError(f"dequant: expected out ({n}, {nb * QBLOCK}) with a unit last stride, got "
-                         f"{tuple(out.shape)}")
+    if (tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1
+            or not _mins_ok(mins, scales, q4)):
+        raise ValueError(f"dequant: expected out ({n}, {nb * QBLOCK}) with a unit last stride, block-major scales "
+                         f"(and 4-bit mins of their shape), got {tuple(out.shape)}")
     if n == 0 or nb == 0:
         return out
     bn, bb = 8, min(32, _pow2(nb))
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, out, n, nb, qs.stride(0),
-                                                                scales.stride(1), out.stride(0), Q4=q4,
-                                                                BB=16 if q4 else 32, BLOCK_N=bn, BLOCK_B=bb,
-                                                                num_warps=4)
+    ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, ms, out, n, nb, qs.stride(0),
+                                                                scales.stride(1), ms.stride(1), out.stride(0), Q4=q4,
+                                                                MIN=mins is not None, BB=16 if q4 else 32,
+                                                                BLOCK_N=bn, BLOCK_B=bb, num_warps=4)
     return out

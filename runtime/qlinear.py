@@ -3,10 +3,10 @@
 A weight is one of
   torch.Tensor  (n, k) float: torch (F.linear / mm), cast to x's dtype where it differs
   QTensor       (n, k) in its file's blocks (weights/qtensor.py), on any device: float formats are viewed as floats;
-                Q4_0 / Q8_0 (and the formats weights/quants.py reads) are de-quantized in chunks of rows and
+                Q4_0 / Q4_1 / Q8_0 (and the formats weights/quants.py reads) are de-quantized in chunks of rows and
                 multiplied (correct and memory-bounded, not fast: the CPU's path, and a GPU's before `pack`)
-  GpuQ          (n, k) Q4_0 / Q8_0 split once by `pack` into contiguous quants (reordered within each block) and
-                block-major fp16 scales, the file's bytes (runtime/qgemv.py says how and why)
+  GpuQ          (n, k) Q4_0 / Q4_1 / Q8_0 split once by `pack` into contiguous quants (reordered within each block) and
+                block-major fp16 scales (and Q4_1's fp16 mins), the file's bytes (runtime/qgemv.py says how and why)
 
 and `linear(x, w, bias)` runs, for x (..., k) -> (..., n) in x's dtype:
   CUDA, GpuQ, <= qgemv.GEMV_MAX_ROWS tokens (decode): qgemv's Triton GEMV, reading the weight's bytes once, sums in
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
+from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
-QBLOCK = 32  # weights per Q4_0 / Q8_0 block
-BLOCKS = {WeightFormat.Q4_0: 16, WeightFormat.Q8_0: 32}  # bytes of quants per block
-QDTYPE = {WeightFormat.Q4_0: torch.uint8, WeightFormat.Q8_0: torch.int8}
+QBLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
+BLOCKS = {WeightFormat.Q4_0: 16, WeightFormat.Q4_1: 16, WeightFormat.Q8_0: 32}  # bytes of quants per block
+QDTYPE = {WeightFormat.Q4_0: torch.uint8, WeightFormat.Q4_1: torch.uint8, WeightFormat.Q8_0: torch.int8}
 CHUNK_ELEMS = 1 << 24  # weights de-quantized at a time (64 MB as float32): bounds the temporaries of big matrices
 PACK_CHUNK_BYTES = 1 << 24  # file bytes copied to the device at a time by pack
 
@@ -44,35 +44,50 @@ def _block_major(s: torch.Tensor) -> torch.Tensor:
     return s if s.stride(0) == 1 else s.t().contiguous().t()
 
 
+def _head(fmt: WeightFormat) -> int:
+    """Bytes before a block's quants: its fp16 scale (and Q4_1's fp16 min)."""
+    return spec(fmt).block_bytes - BLOCKS[fmt]
+
+
 @dataclass(frozen=True)
 class GpuQ:
-    """An (n, k) Q4_0 or Q8_0 weight in the GEMV's layout (runtime/qgemv.py): qs (n, k/2) uint8 (Q4_0) or (n, k) int8
-    (Q8_0), row-major, each block's quants in the kernel order; scales (n, k/32) fp16, block-major (stride (1, n):
-    given otherwise, they are copied so). Any device; rows of one (`rows`) are views."""
+    """An (n, k) Q4_0, Q4_1 or Q8_0 weight in the GEMV's layout (runtime/qgemv.py): qs (n, k/2) uint8 (Q4_0, Q4_1)
+    or (n, k) int8 (Q8_0), row-major, each block's quants in the kernel order; scales (n, k/32) fp16, block-major
+    (stride (1, n): given otherwise, they are copied so); mins (Q4_1 only) as scales. Any device; rows of one
+    (`rows`) are views."""
 
     qs: torch.Tensor  # (n, k/2) uint8 | (n, k) int8, kernel order within blocks
     scales: torch.Tensor  # (n, k/32) float16, stride (1, n)
     fmt: WeightFormat
     shape: tuple[int, int]  # (n, k), as torch's Linear.weight
+    mins: torch.Tensor | None = None  # (n, k/32) float16, stride (1, n): Q4_1's m (w = scale * q + m); else None
 
     def __post_init__(self):
         fmt = weight_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
         if fmt not in BLOCKS:
-            raise ValueError(f"GpuQ holds q4_0 or q8_0 weights, not {fmt.value}")
+            raise ValueError(f"GpuQ holds q4_0, q4_1 or q8_0 weights, not {fmt.value}")
         n, k = self.shape
         nb = k // QBLOCK
+        m = self.mins
+        mins_ok = m is None if fmt != WeightFormat.Q4_1 else (
+            m is not None and m.dtype == torch.float16 and tuple(m.shape) == (n, nb) and m.device == self.qs.device)
         if (k % QBLOCK or self.qs.dtype != QDTYPE[fmt] or tuple(self.qs.shape) != (n, nb * BLOCKS[fmt])
                 or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != (n, nb)
-                or self.qs.stride(1) != 1 or self.qs.device != self.scales.device):
+                or self.qs.stride(1) != 1 or self.qs.device != self.scales.device or not mins_ok):
+            mins = "" if self.mins is None else f" and mins {tuple(self.mins.shape)} {self.mins.dtype}"
+            want = f" and mins ({n}, {nb}) float16" if fmt == WeightFormat.Q4_1 else " and no mins"
             raise ValueError(f"GpuQ {fmt.value} {self.shape}: got qs {tuple(self.qs.shape)} {self.qs.dtype} and "
-                             f"scales {tuple(self.scales.shape)} {self.scales.dtype}, expected "
-                             f"({n}, {nb * BLOCKS[fmt]}) {QDTYPE[fmt]} and ({n}, {nb}) float16 on one device")
+                             f"scales {tuple(self.scales.shape)} {self.scales.dtype}{mins}, expected "
+                             f"({n}, {nb * BLOCKS[fmt]}) {QDTYPE[fmt]} and ({n}, {nb}) float16{want} on one device")
         object.__setattr__(self, "scales", _block_major(self.scales))
+        if self.mins is not None:
+            object.__setattr__(self, "mins", _block_major(self.mins))
 
     @property
     def q4(self) -> bool:
-        return self.fmt == WeightFormat.Q4_0
+        """4-bit quants (Q4_0, Q4_1: nibbles), else 8-bit (Q8_0)."""
+        return self.fmt != WeightFormat.Q8_0
 
     @property
     def device(self) -> torch.device:
@@ -81,23 +96,27 @@ class GpuQ:
     @property
     def nbytes(self) -> int:
         """Bytes held on the device: the file's row_bytes * rows (rows of a view: its share)."""
-        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * self.scales.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
 
     def to(self, device: torch.device | str) -> "GpuQ":
-        return GpuQ(self.qs.to(device), self.scales.to(device), self.fmt, self.shape)
+        return GpuQ(self.qs.to(device), self.scales.to(device), self.fmt, self.shape,
+                    None if self.mins is None else self.mins.to(device))
 
     def rows(self, idx: slice | torch.Tensor) -> "GpuQ":
         """Some rows: a view for a slice, a copy for an index tensor."""
         qs = self.qs[idx]
-        return GpuQ(qs, self.scales[idx], self.fmt, (qs.shape[0], self.shape[1]))
+        return GpuQ(qs, self.scales[idx], self.fmt, (qs.shape[0], self.shape[1]),
+                    None if self.mins is None else self.mins[idx])
 
     def file_blocks(self) -> torch.Tensor:
-        """(n, nb, 2 + block bytes) uint8: the file's interleaved blocks again (on the device)."""
+        """(n, nb, block bytes) uint8: the file's interleaved blocks again (on the device)."""
         n, k = self.shape
-        nb, bb = k // QBLOCK, BLOCKS[self.fmt]
-        data = torch.empty((n, nb, 2 + bb), dtype=torch.uint8, device=self.device)  # (n, blocks, block bytes)
+        nb, bb, head = k // QBLOCK, BLOCKS[self.fmt], _head(self.fmt)
+        data = torch.empty((n, nb, head + bb), dtype=torch.uint8, device=self.device)  # (n, blocks, block bytes)
         data[:, :, :2] = self.scales.contiguous().view(torch.uint8).view(n, nb, 2)
-        data[:, :, 2:] = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, bb), self.q4)
+        if self.mins is not None:
+            data[:, :, 2:4] = self.mins.contiguous().view(torch.uint8).view(n, nb, 2)
+        data[:, :, head:] = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, bb), self.q4)
         return data
 
     def to_qtensor(self) -> QTensor:
@@ -108,14 +127,15 @@ class GpuQ:
         """(n, k) in dtype, on the device, by torch (the reference; a whole-matrix temporary)."""
         n, nb = self.scales.shape
         qs = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, BLOCKS[self.fmt]), self.q4)
-        return _file_dequant(qs, self.scales, self.q4).to(dtype)
+        return _file_dequant(qs, self.scales, self.q4, self.mins).to(dtype)
 
 
 Weight = torch.Tensor | QTensor | GpuQ
 
 
 def to_kernel_order(qs: torch.Tensor, q4: bool) -> torch.Tensor:
-    """(rows, nb, 16 | 32) uint8 blocks' quants, file order -> kernel order (runtime/qgemv.py); a new tensor."""
+    """(rows, nb, 16 | 32) uint8 blocks' quants, file order -> kernel order (runtime/qgemv.py); a new tensor. q4: the
+    nibbles of Q4_0 and Q4_1 (one layout), else Q8_0's bytes."""
     rows, nb, bb = qs.shape
     if q4:  # file: byte j = weights j (low), 16 + j (high); kernel: byte 4 i + t = weights 8 t + i (low), 8 t + 4 + i
         v = torch.cat([qs & 15, qs >> 4], dim=2).view(rows, nb, 4, 2, 4)  # (.., t, h, i): weight 8 t + 4 h + i
@@ -134,15 +154,21 @@ def from_kernel_order(qs: torch.Tensor, q4: bool) -> torch.Tensor:
     return qs.view(rows, nb, 2, 4, 4).transpose(3, 4).reshape(rows, nb, 32)
 
 
-def _file_dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool) -> torch.Tensor:
-    """(rows, k) float32 from file-order quants (rows, nb, 16 | 32) (uint8, or int8 for Q8_0) and fp16 scales
-    (rows, nb); gguf's arithmetic: scale * (q - 8) (Q4_0), scale * q (Q8_0), exact in float32."""
+def _file_dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, k) float32 from file-order quants (rows, nb, 16 | 32) (uint8, or int8 for Q8_0), fp16 scales (rows, nb)
+    and Q4_1's fp16 mins (rows, nb); gguf's arithmetic: scale * (q - 8) (Q4_0), scale * q (Q8_0), both exact in
+    float32, scale * q + min (Q4_1: the product exact, the sum rounded once, as gguf-py's)."""
     rows, nb = scales.shape
     if q4:
-        w = torch.cat([qs & 15, qs >> 4], dim=2).to(torch.float32).sub_(8.0)  # (rows, nb, 32)
+        w = torch.cat([qs & 15, qs >> 4], dim=2).to(torch.float32)  # (rows, nb, 32) q
+        if mins is None:
+            w.sub_(8.0)
     else:
         w = qs.view(torch.int8).to(torch.float32)
-    return w.mul_(scales.to(torch.float32).reshape(rows, nb, 1)).reshape(rows, nb * QBLOCK)
+    w.mul_(scales.to(torch.float32).reshape(rows, nb, 1))
+    if mins is not None:
+        w.add_(mins.to(torch.float32).reshape(rows, nb, 1))
+    return w.reshape(rows, nb * QBLOCK)
 
 
 def _qtensor_rows(w: QTensor, r0: int, r1: int) -> torch.Tensor:
@@ -150,37 +176,49 @@ def _qtensor_rows(w: QTensor, r0: int, r1: int) -> torch.Tensor:
     if w.fmt in FLOAT_DTYPES:
         return w.data[r0:r1].view(FLOAT_DTYPES[w.fmt])
     if w.fmt in BLOCKS:
-        bb = BLOCKS[w.fmt]
-        blocks = w.data[r0:r1].view(r1 - r0, -1, 2 + bb)  # (rows, nb, block bytes)
-        scales = blocks[:, :, :2].contiguous().view(torch.float16).squeeze(2)  # (rows, nb)
-        return _file_dequant(blocks[:, :, 2:], scales, w.fmt == WeightFormat.Q4_0)
+        head = _head(w.fmt)
+        blocks = w.data[r0:r1].view(r1 - r0, -1, head + BLOCKS[w.fmt])  # (rows, nb, block bytes)
+        scales, mins = _block_fields(blocks, w.fmt)  # (rows, nb) each (mins None)
+        return _file_dequant(blocks[:, :, head:], scales, w.fmt != WeightFormat.Q8_0, mins)
     return w.rows(slice(r0, r1)).dequantize(torch.float32)  # weights/quants.py's formats
+
+
+def _block_fields(blocks: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows, nb, block bytes) uint8 file blocks -> their fp16 scales (rows, nb) and Q4_1's fp16 mins (else None)."""
+    def f16(at: int) -> torch.Tensor:
+        return blocks[:, :, at:at + 2].contiguous().view(torch.float16).squeeze(2)  # (rows, nb)
+
+    return f16(0), f16(2) if fmt == WeightFormat.Q4_1 else None
 
 
 def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
          chunk_bytes: int = PACK_CHUNK_BYTES) -> GpuQ | torch.Tensor:
-    """The form `linear` reads fastest on `device`: a Q4_0 / Q8_0 QTensor as a GpuQ (its file's bytes, split; copied
-    chunk_bytes of file at a time, with no float temporaries), a float one as a float tensor (its bytes viewed);
-    a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
+    """The form `linear` reads fastest on `device`: a Q4_0 / Q4_1 / Q8_0 QTensor as a GpuQ (its file's bytes, split;
+    copied chunk_bytes of file at a time, with no float temporaries), a float one as a float tensor (its bytes
+    viewed); a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
     if isinstance(w, (GpuQ, torch.Tensor)):
         return w.to(device)
     if w.fmt in FLOAT_DTYPES:
         return w.data.to(device).view(FLOAT_DTYPES[w.fmt])
     if w.fmt not in BLOCKS:
-        raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q8_0 or a float "
+        raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q4_1, q8_0 or a float "
                          f"format (llama.cpp's llama-quantize), or de-quantize them on load")
     n, k = w.shape
-    nb, bb = k // QBLOCK, BLOCKS[w.fmt]
+    nb, bb, head = k // QBLOCK, BLOCKS[w.fmt], _head(w.fmt)
     qs = torch.empty((n, nb * bb), dtype=QDTYPE[w.fmt], device=device)
     scales = torch.empty((nb, n), dtype=torch.float16, device=device).t()  # (n, nb), block-major
+    mins = torch.empty((nb, n), dtype=torch.float16, device=device).t() if w.fmt == WeightFormat.Q4_1 else None
     step = max(1, chunk_bytes // row_bytes(w.fmt, k))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        blocks = w.data[r0:r1].to(device).view(r1 - r0, nb, 2 + bb)  # (rows, nb, block bytes): the file's
-        quants = to_kernel_order(blocks[:, :, 2:], w.fmt == WeightFormat.Q4_0)  # (rows, nb, bb): a chunk's copy
+        blocks = w.data[r0:r1].to(device).view(r1 - r0, nb, head + bb)  # (rows, nb, block bytes): the file's
+        quants = to_kernel_order(blocks[:, :, head:], w.fmt != WeightFormat.Q8_0)  # (rows, nb, bb): a chunk's copy
         qs[r0:r1].view(torch.uint8).view(r1 - r0, nb, bb).copy_(quants)
-        scales[r0:r1].copy_(blocks[:, :, :2].contiguous().view(torch.float16).squeeze(2))
-    return GpuQ(qs, scales, w.fmt, (n, k))
+        s, m = _block_fields(blocks, w.fmt)  # (rows, nb) each
+        scales[r0:r1].copy_(s)
+        if mins is not None:
+            mins[r0:r1].copy_(m)
+    return GpuQ(qs, scales, w.fmt, (n, k), mins)
 
 
 def shape_of(w: Weight) -> tuple[int, int]:
@@ -207,7 +245,8 @@ def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         if kernels:
-            wc = qgemv.dequant(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0])
+            wc = qgemv.dequant(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0],
+                               mins=None if w.mins is None else w.mins[r0:r1])
         elif isinstance(w, GpuQ):
             wc = w.rows(slice(r0, r1)).dequantize()
         else:
@@ -243,7 +282,8 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
     elif isinstance(w, GpuQ) and _on_kernels(x) and x2.shape[0] <= _gemv_rows():
         from hotneurons.runtime import qgemv
 
-        qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add)
+        qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add,
+                   mins=w.mins)
     elif isinstance(w, QTensor) and w.fmt in BLOCKS and not x.is_cuda and not w.data.is_cuda and m <= CPU_GEMV_ROWS:
         _cpu_gemv(x2, w, bias, out2, add)  # decode on the CPU: the Numba GEMV reads the blocks in place
     else:

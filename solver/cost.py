@@ -27,7 +27,7 @@ DTYPE_BYTES: dict[str, float] = {name: s.bytes_per_weight for name, s in _GGUF.i
 ACT_BYTES: dict[str, float] = {name: float(s.block_bytes) if s.block == 1 else 2.0  # KV cache, norms
                                for name, s in _GGUF.items()}
 # bytes per weight of the cold rows in CPU RAM, in the formats the runtime's CPU kernels read (--cold-dtype): bf16,
-# int8 with a float32 scale per 64 weights (runtime/cold_rows.ColdRows), q8_0 / q4_0 in llama.cpp's blocks
+# int8 with a float32 scale per 64 weights (runtime/cold_rows.ColdRows), q8_0 / q4_0 / q4_1 in llama.cpp's blocks
 COLD_BYTES: dict[str, float] = {f.value: s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel}
 
 

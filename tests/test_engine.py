@@ -87,12 +87,15 @@ def test_host_memory_check_refuses(tiny_model_dir, monkeypatch):
         load_runtime(None, RuntimeConfig(mode="dense", device="cpu"), model=str(tiny_model_dir("llama-reglu")))
 
 
-# Weights that Q4_0 / Q8_0 blocks hold exactly however they are grouped: Q4_0 stores s * (q - 8) with the block's
-# largest-magnitude value at q = 0, so values in {-8, 0, 4} * s come back exact whether a block holds a -8 (scale s) or
-# not (scale -s / 2); Q8_0 stores amax / 127 * q, so values in {-127, 0, 127} * s do. Down rows are re-quantized along
-# another axis than the file's, and hot columns are regrouped: both stay exact, so the engine must equal HF's float
-# model on these weights up to float32 sums.
-EXACT = {"q4_0": (-8.0, 0.0, 4.0), "q8_0": (-127.0, 0.0, 127.0)}
+# Weights that Q4_0 / Q4_1 / Q8_0 blocks hold exactly however they are grouped: Q4_0 stores s * (q - 8) with the
+# block's largest-magnitude value at q = 0, so values in {-8, 0, 4} * s come back exact whether a block holds a -8
+# (scale s) or not (scale -s / 2); Q8_0 stores amax / 127 * q, so values in {-127, 0, 127} * s do; Q4_1 stores
+# min + (max - min) / 15 * q, so values in {-30, 0, 15} * s do (scales 3 s, 2 s, s for the pairs, each value a whole
+# number of scales from the min, and a lone value as the min). Down rows are re-quantized along another axis than the
+# file's, and hot columns are regrouped: both stay exact, so the engine must equal HF's float model on these weights
+# up to float32 sums.
+EXACT = {"q4_0": (-8.0, 0.0, 4.0), "q8_0": (-127.0, 0.0, 127.0), "q4_1": (-30.0, 0.0, 15.0)}
+EXACT_SCALE = {"q4_0": 2.0 ** -5, "q8_0": 2.0 ** -9, "q4_1": 2.0 ** -7}
 
 
 def exact_folder(family, folder, tmp_path, fmt):
@@ -100,7 +103,7 @@ def exact_folder(family, folder, tmp_path, fmt):
 
     lm = load_model(str(folder), device="cpu", dtype="float32")
     gen = torch.Generator().manual_seed(1)
-    levels = torch.tensor(EXACT[fmt]) * (2.0 ** -5 if fmt == "q4_0" else 2.0 ** -9)
+    levels = torch.tensor(EXACT[fmt]) * EXACT_SCALE[fmt]
     with torch.no_grad():
         for layer in lm.layers:
             for m in lm.adapter.layer_ffn(layer).values():
@@ -111,8 +114,42 @@ def exact_folder(family, folder, tmp_path, fmt):
     return lm, out
 
 
+def test_exact_levels_survive_every_block_format():
+    """EXACT's premise, for every grouping a block can see: any 32 of a format's levels quantize (weights.quants, the
+    bytes gguf-py writes) and de-quantize back to themselves."""
+    from hotneurons.weights.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    for fmt, levels in EXACT.items():
+        lv = torch.tensor(levels) * EXACT_SCALE[fmt]
+        picks = [torch.randint(0, 3, (64, 32), generator=gen)] + [  # any mix, then every pair and lone value
+            torch.tensor([a, b] * 16).expand(4, 32) for a in range(3) for b in range(3)]
+        w = lv[torch.cat(picks)]  # (rows, 32)
+        assert torch.equal(dequantize(quantize(w, fmt), fmt, 32), w), fmt
+
+
+def test_auto_keeps_the_formats_the_kernels_read():
+    """`auto` for each stored FFN format: Q4_0, Q4_1 and Q8_0 kept on both sides; k-quants to q4_0 / q8_0, with the
+    warning where 4-bit rows become q4_0 (a Q4_1 file's names `auto` as the way to keep them)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from hotneurons.runtime.engine import auto_format, requantized
+    from hotneurons.weights.formats import WeightFormat as F
+
+    want = {F.Q4_0: "q4_0", F.Q4_1: "q4_1", F.Q8_0: "q8_0", F.Q4_K: "q4_0", F.Q5_K: "q4_0", F.Q6_K: "q8_0"}
+    for stored, fmt in want.items():
+        assert auto_format(stored, "cpu", torch.float16) == fmt and auto_format(stored, "gpu", torch.float16) == fmt
+    q41 = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q4_1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        requantized(q41, "q4_1", "q4_1")  # auto's choice: nothing re-quantized to q4_0, no warning
+    with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto reads them as stored"):
+        requantized(q41, "q4_0", "q4_1")
+
+
 @pytest.mark.parametrize("mask", ["oracle", "predictor"])
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("family", ["llama-reglu", "opt"])
 def test_block_rows_on_both_sides_equal_hf(family, fmt, mask, tiny_model_dir, tmp_path):
     """Cold rows and hot rows in blocks, mixed placement, predictor masks that mark every neuron (so the result is the
@@ -198,3 +235,14 @@ def test_powerinfer_file_runs_as_model_predictors_and_split(tmp_path):
     assert rt.mode == "hybrid" and all(f.prenorm and f.n_cold == 0 for f in rt.ffns)
     g = generate(rt, ids, NEW)
     assert g.token_ids == want and g.stats["ffn_sparsity"] == 0.0
+
+
+def test_hybrid_from_a_model_file_alone_asks_for_predictors(tmp_path):
+    """`pi-generate --model FILE.gguf` in the default hybrid mode has no predictors to read: one line naming the fix
+    (it was a TypeError from a None run directory)."""
+    from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
+    from hotneurons.common.artifacts import ArtifactError
+
+    path = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
+    with pytest.raises(ArtifactError, match="hybrid mode needs predictors: pass --run RUN"):
+        load_runtime(None, RuntimeConfig(device="cpu"), model=str(path))

@@ -1,6 +1,6 @@
-"""The in-place engine on CUDA: hot rows in Q4_0/Q8_0 blocks through qlinear's Triton GEMV, cold rows in blocks on the
-CPU, equal to HF's float model on weights the blocks hold exactly (test_engine.py's EXACT); the device's bytes as
-counted equal what CUDA allocated."""
+"""The in-place engine on CUDA: hot rows in Q4_0/Q4_1/Q8_0 blocks through qlinear's Triton GEMV, cold rows in blocks
+on the CPU, equal to HF's float model on weights the blocks hold exactly (test_engine.py's EXACT); the device's bytes
+as counted equal what CUDA allocated."""
 
 import copy
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 10 * LOGIT_ATOL), ("float16", 0.05)])
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("family", ["llama-reglu", "opt"])
 def test_block_rows_on_cuda_equal_hf(family, fmt, dtype, atol, tiny_model_dir, tmp_path):
     from hotneurons.runtime.engine import load_source_runtime
@@ -38,7 +38,7 @@ def test_block_rows_on_cuda_equal_hf(family, fmt, dtype, atol, tiny_model_dir, t
         assert g.token_ids == want
 
 
-@pytest.mark.parametrize("cold, hot", [("q4_0", "q4_0"), ("bf16", "f32")])
+@pytest.mark.parametrize("cold, hot", [("q4_0", "q4_0"), ("q4_1", "q4_1"), ("bf16", "f32")])
 @pytest.mark.parametrize("family", ["llama-reglu", "opt", "gemma3-geglu"])
 def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_path):
     """Decode steps replayed as CUDA graphs (runtime/source_steps.py, prelaunched where the driver can) against the

@@ -1,15 +1,17 @@
-"""The cold kernels over llama.cpp's Q8_0 / Q4_0 blocks (runtime/kernels_q.py) and the block cold rows
+"""The cold kernels over llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks (runtime/kernels_q.py) and the block cold rows
 (runtime/cold_rows.py) against float64 numpy over the weights that gguf-py's own de-quantizer reads from the same
 bytes, on rows laid out as gguf-py writes them (the GGUF file's layout).
 
-Tolerance: the kernels sum float32 products of exact de-quantized weights (every fp16 scale and every q * d is exact in
-float32), so they differ from float64 only by float32 rounding over d terms: |out - ref| <= 1e-4 |ref| + 2e-6 *
-max|ref| (d up to 4096 terms of either sign).
+Tolerance: the kernels sum float32 products of the de-quantized weights gguf-py reads (every fp16 scale and every q * d
+is exact in float32; a Q4_1 weight d * q + m is rounded once to float32, by gguf-py as by the kernels), so they differ
+from float64 only by float32 rounding over d terms: |out - ref| <= 1e-4 |ref| + 2e-6 * max|ref| (d up to 4096 terms
+of either sign).
 
 The int route (xq=True: x quantized per 32 weights as llama.cpp's Q8_0, integer block dots) is checked twice: against
 the float64 reference on the x it computes with (x~ = d_x * q_x, from kernels_q.quantize_x), within the float
 tolerance above; and each dot against float64 on the true x within the bound that x's rounding allows, sum over
-blocks of d_x / 2 * sum |w| (|x - x~| <= d_x / 2 per weight), plus the float tolerance.
+blocks of d_x / 2 * sum |w| (|x - x~| <= d_x / 2 per weight), plus the float tolerance. Q4_1 rows have no int route:
+xq=True runs the float route on them, bit for bit.
 """
 
 import zlib
@@ -23,8 +25,11 @@ from hotneurons.runtime import kernels as K
 from hotneurons.runtime import kernels_q as KQ
 from hotneurons.weights.qtensor import QTensor
 
-FMTS = ("q8_0", "q4_0")
-QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+FMTS = ("q8_0", "q4_0", "q4_1")
+XQ_FMTS = ("q8_0", "q4_0")  # the formats the int route reads
+QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "q4_1": gguf.GGMLQuantizationType.Q4_1}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
 XQ = pytest.mark.skipif(not KQ.XQ_OK, reason="the int route needs AVX-512 VNNI and VBMI (kernels_q_ir.XQ_OK)")
@@ -155,31 +160,37 @@ def test_gemv_q_matches_float64(fmt, d, n):
     out = np.full(n, np.nan, np.float32)
     assert KQ.gemv_q(x, rows, out, fmt) is out
     _close(out, _w64(rows, fmt) @ x.astype(np.float64))
-    with pytest.raises(ValueError, match="not q8_0 rows|not q4_0 rows"):
-        KQ.gemv_q(x, rows, out, "q4_0" if fmt == "q8_0" else "q8_0")  # the other format's width
+    for other in set(FMTS) - {fmt}:
+        with pytest.raises(ValueError, match=f"not {other} rows"):
+            KQ.gemv_q(x, rows, out, other)  # another format's width
     with pytest.raises(ValueError, match="format 'bf16' has no CPU kernel"):
         KQ.gemv_q(x, rows, out, "bf16")
 
 
 def test_block_layout_read_by_hand():
-    """One Q4_0 and one Q8_0 row written byte by byte from ggml-common.h's layout (not by any quantizer): fp16 scale,
-    then Q4_0's byte j = weight j (low nibble) | weight j + 16 (high nibble), w = d (q - 8); Q8_0's int8 q, w = d q."""
+    """One Q4_0, one Q4_1 and one Q8_0 row written byte by byte from ggml-common.h's layout (not by any quantizer):
+    fp16 scale d, then Q4_0's byte j = weight j (low nibble) | weight j + 16 (high nibble), w = d (q - 8); Q4_1's fp16
+    min m, then Q4_0's nibbles, w = d q + m; Q8_0's int8 q, w = d q."""
     d = 64
     q4 = np.arange(d) % 16  # the nibbles 0..15, repeated
-    row4 = np.zeros((1, 36), np.uint8)
-    row8 = np.zeros((1, 68), np.uint8)
+    row4, row41, row8 = np.zeros((1, 36), np.uint8), np.zeros((1, 40), np.uint8), np.zeros((1, 68), np.uint8)
     scales = np.array([0.5, -0.25], np.float16)
+    mins = np.array([-3.0, 1.25], np.float16)  # with these scales every d q + m is exact in float32
     q8 = (np.arange(d) * 7 % 255 - 127).astype(np.int8)
     for b in range(2):
         blk = q4[32 * b:32 * b + 32]
         row4[0, 18 * b:18 * b + 2] = scales[b:b + 1].view(np.uint8)
         row4[0, 18 * b + 2:18 * b + 18] = blk[:16] | (blk[16:] << 4)
+        row41[0, 20 * b:20 * b + 2] = scales[b:b + 1].view(np.uint8)
+        row41[0, 20 * b + 2:20 * b + 4] = mins[b:b + 1].view(np.uint8)
+        row41[0, 20 * b + 4:20 * b + 20] = blk[:16] | (blk[16:] << 4)
         row8[0, 34 * b:34 * b + 2] = scales[b:b + 1].view(np.uint8)
         row8[0, 34 * b + 2:34 * b + 34] = q8[32 * b:32 * b + 32].view(np.uint8)
     per_weight = np.repeat(scales.astype(np.float64), 32)  # (d,)
+    min_per_weight = np.repeat(mins.astype(np.float64), 32)  # (d,)
     x = np.random.default_rng(3).standard_normal(d).astype(np.float32)
-    for rows, w in ((row4, per_weight * (q4 - 8)), (row8, per_weight * q8)):
-        fmt = "q4_0" if rows.shape[1] == 36 else "q8_0"
+    for fmt, rows, w in (("q4_0", row4, per_weight * (q4 - 8)), ("q4_1", row41, per_weight * q4 + min_per_weight),
+                         ("q8_0", row8, per_weight * q8)):
         np.testing.assert_array_equal(_w64(rows, fmt)[0], w)  # gguf-py reads the same weights
         _close(KQ.gemv_q(x, rows, np.empty(1, np.float32), fmt), np.array([w @ x]))
 
@@ -223,7 +234,7 @@ def test_from_blocks_copies_bytes_exactly(fmt):
         np.testing.assert_array_equal(a, q.data.numpy())
     np.testing.assert_array_equal(rows.b_up, np.arange(n, dtype=np.float32))
     assert rows.dtype == fmt and rows.d == d and rows.scale.shape == (3, n, 0)
-    assert rows.nbytes() == 3 * n * d // 32 * (34 if fmt == "q8_0" else 18) + 4 * n
+    assert rows.nbytes() == 3 * n * d // 32 * BLOCK_BYTES[fmt] + 4 * n
     f = rows.float32()
     for k, q in zip(("gate", "up", "down_t"), qs):
         assert torch.equal(f[k], torch.from_numpy(gguf.quants.dequantize(q.data.numpy(), QTYPE[fmt])))
@@ -249,9 +260,9 @@ def test_block_rows_refuse_bad_inputs():
         C.ColdRows.from_weights(None, torch.randn(4, 40), None, torch.randn(4, 40), "q4_0")
     rows = C.ColdRows.from_blocks(None, q4, None, q4)
     x = np.zeros(96, np.float32)  # another d than the rows'
-    with pytest.raises(ValueError, match="neither Q8_0 nor Q4_0 blocks of x's d weights"):
+    with pytest.raises(ValueError, match="not Q8_0, Q4_0 or Q4_1 blocks of x's d weights"):
         K.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
-    assert set(C.COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0"}
+    assert set(C.COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0", "q4_1"}
 
 
 def _x_quantized(x: np.ndarray) -> np.ndarray:
@@ -275,7 +286,7 @@ def test_quantize_x_is_llamas_q8_0_of_x():
 
 
 @XQ
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", XQ_FMTS)
 @pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
 @pytest.mark.parametrize("d,n", [(32, 9), (96, 23), (4192, 41)])
 @pytest.mark.parametrize("which", ["one", "random", "all"])
@@ -296,7 +307,7 @@ def test_int_route_equals_float64_on_the_quantized_x(fmt, act, d, n, which):
 
 
 @XQ
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", XQ_FMTS)
 @pytest.mark.parametrize("d,n", [(32, 3), (96, 203), (4192, 37)])
 def test_int_route_dots_within_the_bound_of_x_rounding(fmt, d, n):
     """gemv_q(xq=True) against float64 on the true x: |dot - ref| <= sum_b d_x,b / 2 * sum_{j in b} |w_j| + the
@@ -316,6 +327,29 @@ def test_int_route_dots_within_the_bound_of_x_rounding(fmt, d, n):
     _close(out, w @ _x_quantized(x))  # and it is exactly the dots on the quantized x
 
 
+@pytest.mark.parametrize("act", ["swiglu", "relu"])
+def test_q4_1_rows_take_the_float_route_when_xq_asks_for_the_int_one(act):
+    """Q4_1 has no int route (kernels_q._int_route): cold_ffn_q and gemv_q with xq=True give the float route's result
+    bit for bit (one thread, so that both sum in one order), which equals float64 on the true x (not on x
+    quantized)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("q4_1 xq", act)).encode()))
+    d, n = 4192, 41  # 131 blocks: steps of every kind on the routes that have them
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = gguf_rows(rng, act, d, n, "q4_1")
+    idx = np.arange(n, dtype=np.int64)
+    outs = []
+    for xq in (False, True):
+        out = np.full(d, np.nan, np.float32)
+        KQ.cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, np.full((1, d), np.nan, np.float32),
+                      out, K.ACT_CODE[act], xq)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    _close(outs[0], reference(act, x, idx, rows))
+    g = [KQ.gemv_q(x, rows.up, np.full(n, np.nan, np.float32), "q4_1", xq=xq) for xq in (False, True)]
+    np.testing.assert_array_equal(g[1], g[0])
+    _close(g[0], _w64(rows.up, "q4_1") @ x.astype(np.float64))
+
+
 def test_float_route_is_the_default():
     """The int route changes results, so it is asked for (xq=True, or HOTNEURONS_COLD_XQ=1 at import): by default
     ffn_rows / cold_layer_q run the float route, which equals float64 up to float32 sums."""
@@ -331,3 +365,46 @@ def test_float_route_is_the_default():
     idx = np.arange(n, dtype=np.int64)
     out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
     np.testing.assert_allclose(out, reference("reglu", x, idx, rows), rtol=1e-5, atol=1e-6)
+
+
+_NO_AVX512 = """
+import numpy as np, gguf, torch
+from hotneurons.runtime import kernels as K, kernels_q as KQ, kernels_q_ir as I
+from hotneurons.runtime.cold_rows import ColdRows
+from hotneurons.weights.qtensor import QTensor
+assert not I.HAS_512 and not I.XQ_OK
+rng = np.random.default_rng(0)
+for fmt in ("q8_0", "q4_0", "q4_1"):
+    t = gguf.GGMLQuantizationType[fmt.upper()]
+    n, d = 37, 4192
+    q = [gguf.quants.quantize(rng.standard_normal((n, d)).astype(np.float32) / 64, t) for _ in range(3)]
+    g, u, dn = (gguf.quants.dequantize(a, t).astype(np.float64) for a in q)
+    x = rng.standard_normal(d).astype(np.float32)
+    for xq in (False, True):  # no int route without the instructions: both the float route
+        out = KQ.gemv_q(x, q[0], np.full(n, np.nan, np.float32), fmt, xq=xq)
+        ref = g @ x.astype(np.float64)
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-6 * np.abs(ref).max())
+    rows = ColdRows.from_blocks(*(QTensor(torch.from_numpy(a), fmt, (n, d)) for a in q[:2]), None,
+                                QTensor(torch.from_numpy(q[2]), fmt, (n, d)))
+    idx = np.flatnonzero(rng.random(n) < 0.6).astype(np.int64)
+    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
+    ref = (np.maximum(g[idx] @ x, 0) * (u[idx] @ x)) @ dn[idx]
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-6 * np.abs(ref).max())
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compiled_without_avx512(tmp_path):
+    """The kernels compiled for a CPU without AVX-512 (NUMBA_CPU_NAME=haswell, in a subprocess with its own Numba
+    cache): the table lookups' fallback (integer -> float conversions; Q4_1's d q + m by one FMA) and the int route
+    left out (xq=True runs the float route), against float64 as above, for each format."""
+    import os
+    import subprocess
+    import sys
+
+    feats = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,+sse3," \
+            "+sse4.1,+sse4.2,+ssse3,+xsave"
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _NO_AVX512], env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

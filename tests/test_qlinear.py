@@ -5,7 +5,9 @@ code (checked against gguf.quants where gguf is installed).
 Tolerances, elementwise: |y - ref| <= u_out |ref| + (1e-5 + u_w) (|x| @ |w|.T + |b|) + 1e-6, where u_out is the
 output dtype's rounding (float32 2^-23, fp16 2^-10; bfloat16 2^-7, 2^-6 in Triton's interpreter, which truncates),
 1e-5 bounds float32 sums over k (their error is ~ 2^-24 sqrt(k) of that bound) and u_w is the rounding of weights
-de-quantized to x's dtype on the prefill path (0 where they stay float32: the GEMV and the CPU path).
+de-quantized to x's dtype on the prefill path (0 where they stay float32: the GEMV and the CPU path). Q4_1 (w = d q +
+m) takes |d q| + |m| for |w| in that bound (ref_magnitude): the GEMV sums d (sum q x) + m (sum x), whose float32
+rounding scales with those terms, not with their (smaller) sum; float64 is the reference either way.
 
 Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny shapes; the tests
 marked gpu run them compiled on big ones (70B's shapes, n not a power of two), in CUDA graphs too."""
@@ -20,7 +22,9 @@ from hotneurons.weights.qtensor import QTensor
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-GGML = {"q4_0": 2, "q8_0": 8, "f16": 1, "f32": 0, "bf16": 30}
+GGML = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "f16": 1, "f32": 0, "bf16": 30}
+QFMTS = ["q4_0", "q4_1", "q8_0"]  # the block formats with kernels
+HEAD = {"q4_0": 2, "q4_1": 4, "q8_0": 2}  # bytes before a block's quants: fp16 scale (and Q4_1's fp16 min)
 U_OUT = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7 if CUDA else 2.0 ** -6}
 U_W = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -30,20 +34,37 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # references
 
 
+def _ref_fields(data: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block QTensor's bytes (rows, row_bytes) -> float64 d (rows, nb, 1), q (rows, nb, 32) (Q4_0: q - 8) and m
+    (rows, nb, 1) (zeros but for Q4_1), by llama.cpp's definitions."""
+    rows, head = data.shape[0], HEAD[fmt]
+    blocks = data.view(rows, -1, head + (32 if fmt == "q8_0" else 16))  # (rows, nb, block bytes)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).double()  # (rows, nb, 1)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).double() if fmt == "q4_1" else torch.zeros_like(d)
+    qs = blocks[:, :, head:]
+    if fmt == "q8_0":
+        q = qs.contiguous().view(torch.int8).double()
+    else:
+        q = torch.cat([qs & 15, qs >> 4], dim=2).double() - (8 if fmt == "q4_0" else 0)  # weights j, then 16 + j
+    return d, q, m
+
+
 def ref_dequant(data: torch.Tensor, fmt: str) -> torch.Tensor:
-    """(rows, cols) float64 from a QTensor's bytes (rows, row_bytes), any device, by llama.cpp's definitions."""
-    rows = data.shape[0]
+    """(rows, cols) float64 from a QTensor's bytes (rows, row_bytes), any device, by llama.cpp's definitions (exact:
+    Q4_1's d q + m too, which float32 rounds once)."""
     if fmt in ("f16", "f32", "bf16"):
         return data.view({"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}[fmt]).double()
-    bb = 16 if fmt == "q4_0" else 32
-    blocks = data.view(rows, -1, 2 + bb)  # (rows, nb, 2 + bb)
-    d = blocks[:, :, :2].contiguous().view(torch.float16).double()  # (rows, nb, 1)
-    qs = blocks[:, :, 2:]
-    if fmt == "q4_0":
-        q = torch.cat([qs & 15, qs >> 4], dim=2).double() - 8  # weights j, then 16 + j
-    else:
-        q = qs.contiguous().view(torch.int8).double()
-    return (d * q).reshape(rows, -1)
+    d, q, m = _ref_fields(data, fmt)
+    return (d * q + m).reshape(data.shape[0], -1)
+
+
+def ref_magnitude(data: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """(rows, cols) float64 |d q| + |m| of a Q4_1 QTensor's bytes (the tolerance's |w|, module docstring); None for
+    other formats (|w| itself)."""
+    if fmt != "q4_1":
+        return None
+    d, q, m = _ref_fields(data, fmt)
+    return ((d * q).abs() + m.abs()).reshape(data.shape[0], -1)
 
 
 def quantize(w: np.ndarray, fmt: str) -> QTensor:
@@ -55,21 +76,26 @@ def quantize(w: np.ndarray, fmt: str) -> QTensor:
 
 def random_q(n: int, k: int, fmt: str, device: str, seed: int = 0) -> QTensor:
     """Random valid blocks made on the device (no quantizer: big shapes, and gguf is not on the GPU machine):
-    fp16 scales ~ N(0, 0.02), uniform quants."""
+    fp16 scales ~ N(0, 0.02), Q4_1's fp16 mins ~ -7.5 |scale| + N(0, 0.1) (as llama.cpp's: near the block's
+    smallest weight, with room for either sign), uniform quants."""
     g = torch.Generator(device=device).manual_seed(seed)
-    nb, bb = k // 32, 16 if fmt == "q4_0" else 32
-    blocks = torch.empty((n, nb, 2 + bb), dtype=torch.uint8, device=device)
+    nb, bb, head = k // 32, 32 if fmt == "q8_0" else 16, HEAD[fmt]
+    blocks = torch.empty((n, nb, head + bb), dtype=torch.uint8, device=device)
     scales = (0.02 * torch.randn((n, nb, 1), generator=g, device=device)).half()
     blocks[:, :, :2] = scales.view(torch.uint8)
-    blocks[:, :, 2:] = torch.randint(0, 256, (n, nb, bb), generator=g, device=device, dtype=torch.uint8)
-    return QTensor(blocks.view(n, nb * (2 + bb)), fmt, (n, k))
+    if fmt == "q4_1":
+        mins = -7.5 * scales.float().abs() + 0.1 * torch.randn((n, nb, 1), generator=g, device=device)
+        blocks[:, :, 2:4] = mins.half().view(torch.uint8)
+    blocks[:, :, head:] = torch.randint(0, 256, (n, nb, bb), generator=g, device=device, dtype=torch.uint8)
+    return QTensor(blocks.view(n, nb * (head + bb)), fmt, (n, k))
 
 
 def check(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, b: torch.Tensor | None, u_out: float,
-          u_w: float = 0.0, h0: torch.Tensor | None = None) -> None:
-    """y (.., n) against x (.., k) @ w64.T + b (+ h0, the tensor added into), float64, within the bound above."""
+          u_w: float = 0.0, h0: torch.Tensor | None = None, mag: torch.Tensor | None = None) -> None:
+    """y (.., n) against x (.., k) @ w64.T + b (+ h0, the tensor added into), float64, within the bound above (mag:
+    ref_magnitude's |w| for Q4_1, else |w64|)."""
     x64 = x.double().reshape(-1, x.shape[-1]).to(w64.device)
-    ref, bound = x64 @ w64.T, x64.abs() @ w64.abs().T  # (m, n)
+    ref, bound = x64 @ w64.T, x64.abs() @ (w64.abs() if mag is None else mag.to(w64.device)).T  # (m, n)
     if b is not None:
         ref, bound = ref + b.double().to(w64.device), bound + b.double().abs().to(w64.device)
     scale = ref.abs()
@@ -96,19 +122,24 @@ def need_kernels():
 # the bytes
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
 def test_reference_matches_gguf(fmt):
+    """This file's float64 reference is gguf-py's de-quantization (Q4_1: gguf-py's float32 d q + m is the exact value
+    rounded once), and so are pack's and the QTensor path's float32 weights."""
     gguf = pytest.importorskip("gguf")
     w = np.random.default_rng(1).standard_normal((24, 96)).astype(np.float32)
     q = quantize(w, fmt)
     want = gguf.quants.dequantize(q.data.numpy(), gguf.GGMLQuantizationType(GGML[fmt])).astype(np.float64)
-    np.testing.assert_array_equal(ref_dequant(q.data, fmt).numpy(), want)
-    if fmt in ("q4_0", "q8_0"):
-        np.testing.assert_array_equal(pack(q, "cpu").dequantize().double().numpy(), want)  # exact in float32
+    ref = ref_dequant(q.data, fmt)
+    np.testing.assert_array_equal(ref.float().double().numpy(), want)
+    if fmt != "q4_1":
+        np.testing.assert_array_equal(ref.numpy(), want)  # exact in float32
+    if fmt in QFMTS:
+        np.testing.assert_array_equal(pack(q, "cpu").dequantize().double().numpy(), want)
         np.testing.assert_array_equal(qlinear._qtensor_rows(q, 3, 10).double().numpy(), want[3:10])
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 def test_pack_keeps_the_bytes(fmt):
     n, k = 37, 160
     q = random_q(n, k, fmt, "cpu", seed=3)
@@ -121,24 +152,27 @@ def test_pack_keeps_the_bytes(fmt):
     assert torch.equal(small.qs, g.qs) and torch.equal(small.scales, g.scales)
     part = g.rows(slice(5, 12))
     assert part.nbytes == 7 * row_bytes(fmt, k) and part.qs.data_ptr() == g.qs[5].data_ptr()  # a view
-    assert torch.equal(part.dequantize(torch.float64), ref_dequant(q.data[5:12], fmt))
+    assert torch.equal(part.dequantize(torch.float64), ref_dequant(q.data[5:12], fmt).float().double())
+    assert (g.mins is not None) == (fmt == "q4_1") and (part.mins is None or part.mins.stride() == (1, n))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 def test_kernel_order_is_the_documented_one(fmt):
-    """One block whose quant j is j mod 16 (Q4_0) or j - 16 (Q8_0): the words pack's layout holds, read as
-    runtime/qgemv.py documents them (Q4_0: word i, nibble u = weight 4 u + i; Q8_0: word i, byte t = weight
-    16 (i // 4) + 4 t + i % 4)."""
+    """One block whose quant j is j mod 16 (Q4_0, Q4_1) or j - 16 (Q8_0): the words pack's layout holds, read as
+    runtime/qgemv.py documents them (Q4_0, Q4_1: word i, nibble u = weight 4 u + i; Q8_0: word i, byte t = weight
+    16 (i // 4) + 4 t + i % 4); Q4_1's min goes to mins."""
     j = np.arange(32)
-    if fmt == "q4_0":
+    if fmt != "q8_0":
         quants = (j[:16] % 16) | ((j[16:] % 16) << 4)  # file: byte j = weight j (low nibble), 16 + j (high)
     else:
         quants = (j - 16).astype(np.int8).view(np.uint8)
-    block = np.concatenate([np.frombuffer(np.float16(1.0).tobytes(), np.uint8), quants.astype(np.uint8)])
+    head = np.array([1.0, -2.5] if fmt == "q4_1" else [1.0], np.float16).view(np.uint8)  # d (and m)
+    block = np.concatenate([head, quants.astype(np.uint8)])
     g = pack(QTensor(torch.from_numpy(block[None, :].copy()), fmt, (1, 32)), "cpu")
+    assert g.mins is None if fmt != "q4_1" else float(g.mins[0, 0]) == -2.5
     words = g.qs.view(torch.int32)[0].numpy().view(np.uint32)  # (4 | 8,)
     for i, word in enumerate(words):
-        if fmt == "q4_0":
+        if fmt != "q8_0":
             assert [(word >> (4 * u)) & 15 for u in range(8)] == [(4 * u + i) % 16 for u in range(8)]
         else:
             got = [int(np.uint8((word >> (8 * t)) & 255).view(np.int8)) for t in range(4)]
@@ -155,19 +189,26 @@ def test_pack_float_and_refusals():
     with pytest.raises(ValueError, match="no GPU kernel") as e:
         pack(q4k, "cpu")
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="q4_0 or q8_0"):
+    with pytest.raises(ValueError, match="q4_0, q4_1 or q8_0"):
         GpuQ(torch.zeros((2, 256), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "f16", (2, 256))
     with pytest.raises(ValueError, match="expected"):
         GpuQ(torch.zeros((2, 100), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "q4_0", (2, 256))
+    qs, sc = torch.zeros((2, 128), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16)
+    with pytest.raises(ValueError, match="and mins \\(2, 8\\) float16"):  # Q4_1 without its mins
+        GpuQ(qs, sc, "q4_1", (2, 256))
+    with pytest.raises(ValueError, match="and no mins"):  # Q4_0 with some
+        GpuQ(qs, sc, "q4_0", (2, 256), sc.clone())
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the CPU paths: torch, float32
 
 
-@pytest.mark.parametrize("form", ["q4_0", "q8_0", "f16", "f32", "tensor", "packed_q4_0", "packed_q8_0"])
+@pytest.mark.parametrize("form", ["q4_0", "q4_1", "q8_0", "f16", "f32", "tensor", "packed_q4_0", "packed_q4_1",
+                                  "packed_q8_0"])
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_linear_cpu(form, m, monkeypatch):
+    """m 1, 3: a block QTensor through the Numba GEMV (kernels_q.gemv_q); 17: chunks de-quantized by torch."""
     rng = np.random.default_rng(m + 10 * len(form))
     n, k = 45, 96
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -222,6 +263,10 @@ KERNEL_CASES = [  # fmt, m, (n, k), dtype, bias, add, config (None: gemv_config'
     ("q8_0", 3, (50, 96), torch.float16, False, True, (4, 4, 4)),
     ("q4_0", 2, (64, 128), torch.bfloat16, True, False, (4, 2, 4)),
     ("q8_0", 8, (24, 64), torch.float32, False, False, (8, 2, 4)),
+    ("q4_1", 1, (64, 128), torch.float16, False, False, None),
+    ("q4_1", 3, (50, 96), torch.float32, True, True, (8, 2, 4)),
+    ("q4_1", 2, (64, 128), torch.bfloat16, True, False, (4, 2, 4)),
+    ("q4_1", 8, (24, 64), torch.float16, False, True, (8, 2, 4)),
 ]
 
 
@@ -236,11 +281,11 @@ def test_gemv_kernel(fmt, m, nk, dtype, bias, add, config):
     b = torch.randn(n, generator=gen, device=DEVICE) if bias else None
     out = torch.randn((m, n), generator=gen, device=DEVICE).to(dtype)
     h0 = out.clone()
-    qgemv.gemv(x, g.qs, g.scales, g.q4, b, out, add=add, config=config)
-    check(out, x, w64, b, U_OUT[dtype], h0=h0 if add else None)
+    qgemv.gemv(x, g.qs, g.scales, g.q4, b, out, add=add, config=config, mins=g.mins)
+    check(out, x, w64, b, U_OUT[dtype], h0=h0 if add else None, mag=ref_magnitude(q.data, fmt))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 @pytest.mark.parametrize("denorm", [True, False])
 def test_gemv_piece_paths(fmt, denorm):
     """Both ways of turning pieces into floats (qgemv._piece: denormals, or the 2^23 offset and an FADD), whatever
@@ -256,17 +301,20 @@ def test_gemv_piece_paths(fmt, denorm):
     b = torch.randn(n, generator=gen, device=DEVICE)
     out = torch.randn((m, n), generator=gen, device=DEVICE).half()
     h0 = out.clone()
-    qgemv.gemv(x, g.qs, g.scales, g.q4, b, out, add=True, config=(4, 2, 1), denorm=denorm)
-    check(out, x, w64, b, U_OUT[torch.float16], h0=h0)
+    qgemv.gemv(x, g.qs, g.scales, g.q4, b, out, add=True, config=(4, 2, 1), denorm=denorm, mins=g.mins)
+    check(out, x, w64, b, U_OUT[torch.float16], h0=h0, mag=ref_magnitude(q.data, fmt))
 
 
-@pytest.mark.parametrize("fmt,dtype", [("q4_0", torch.float32), ("q8_0", torch.float16), ("q4_0", torch.bfloat16)])
+@pytest.mark.parametrize("fmt,dtype", [("q4_0", torch.float32), ("q8_0", torch.float16), ("q4_0", torch.bfloat16),
+                                       ("q4_1", torch.float32), ("q4_1", torch.float16)])
 def test_dequant_kernel(fmt, dtype):
+    """The prefill path's de-quantizer: each weight its float32 value (Q4_1's d q + m rounded once) rounded once to
+    out's dtype."""
     need_kernels()
     q = random_q(21, 96, fmt, DEVICE, seed=7)
     g = pack(q, DEVICE)
     out = torch.empty((21, 96), dtype=dtype, device=DEVICE)
-    qgemv.dequant(g.qs, g.scales, g.q4, out)
+    qgemv.dequant(g.qs, g.scales, g.q4, out, mins=g.mins)
     want = ref_dequant(q.data, fmt).float().to(dtype)  # one rounding from the exact float32 value
     if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bfloat16
         torch.testing.assert_close(out.double(), want.double(), atol=0, rtol=2 ** -7)
@@ -274,7 +322,7 @@ def test_dequant_kernel(fmt, dtype):
         assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 def test_linear_dispatches_to_kernels(fmt, monkeypatch):
     """linear / add_linear on the kernels' path (patched on for CPU tensors in the interpreter): <= GEMV_MAX_ROWS
     tokens through the GEMV, more through the de-quantizer and a matmul, chunk by chunk."""
@@ -286,7 +334,7 @@ def test_linear_dispatches_to_kernels(fmt, monkeypatch):
         real = getattr(qgemv, name)
         monkeypatch.setattr(qgemv, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     q = random_q(40, 64, fmt, DEVICE, seed=11)
-    g, w64 = pack(q, DEVICE), ref_dequant(q.data, fmt)
+    g, w64, mag = pack(q, DEVICE), ref_dequant(q.data, fmt), ref_magnitude(q.data, fmt)
     dt = torch.float16 if CUDA else torch.float32  # the CPU's matmul of the prefill path: float32
     for m in (2, qgemv.GEMV_MAX_ROWS + 1):
         calls.clear()
@@ -295,11 +343,11 @@ def test_linear_dispatches_to_kernels(fmt, monkeypatch):
         y = linear(x, g, b)
         assert y.shape == (1, m, 40) and y.dtype == dt
         assert calls == (["gemv"] if m <= qgemv.GEMV_MAX_ROWS else ["dequant"] * 3)
-        check(y, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0)
+        check(y, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0, mag=mag)
         h = torch.randn((1, m, 40), device=DEVICE).to(dt)
         h0 = h.clone()
         add_linear(h, x, g, b)
-        check(h, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0, h0=h0)
+        check(h, x, w64, b, U_OUT[dt], U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0, h0=h0, mag=mag)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,7 +356,7 @@ def test_linear_dispatches_to_kernels(fmt, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 @pytest.mark.parametrize("nk", [(8192, 8192), (28672, 8192), (8192, 28672), (3001, 4096), (1000, 11008)])
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
 def test_linear_cuda_big(fmt, nk, m):
@@ -316,17 +364,17 @@ def test_linear_cuda_big(fmt, nk, m):
     q = random_q(n, k, fmt, "cuda", seed=n + k + m)
     g = pack(q, "cuda")
     assert g.nbytes == row_bytes(fmt, k) * n
-    w64 = ref_dequant(q.data, fmt)
+    w64, mag = ref_dequant(q.data, fmt), ref_magnitude(q.data, fmt)
     for dtype in (torch.float16, torch.bfloat16):
         x = torch.randn((m, k), device="cuda").to(dtype)
         b = torch.randn(n, device="cuda").to(dtype)
         u_w = U_W[dtype] if m > qgemv.GEMV_MAX_ROWS else 0.0
-        check(linear(x, g, b), x, w64, b, U_OUT[dtype], u_w)
+        check(linear(x, g, b), x, w64, b, U_OUT[dtype], u_w, mag=mag)
         h = torch.randn((m, n), device="cuda").to(dtype)
         h0 = h.clone()
         add_linear(h, x, g)
-        check(h, x, w64, None, U_OUT[dtype], u_w, h0=h0)
-    del w64
+        check(h, x, w64, None, U_OUT[dtype], u_w, h0=h0, mag=mag)
+    del w64, mag
     torch.cuda.empty_cache()
 
 
@@ -352,7 +400,7 @@ def test_linear_cuda_unpacked_and_float():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", QFMTS)
 def test_gemv_in_cuda_graph(fmt):
     """linear(out=) and add_linear captured in one CUDA graph (after a warm-up call that compiles), replayed on
     new inputs: the same results as eager calls."""

@@ -68,9 +68,12 @@ def random_weights(rng, rows: int, cols: int) -> np.ndarray:
     return w
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "torch"])
 @pytest.mark.parametrize("fmt", DEQUANT, ids=str)
-def test_dequantize_equals_gguf_exactly(fmt, monkeypatch):
-    """Odd rows, two blocks a row, and chunks of 2 rows (so the last chunk is partial), against gguf.quants."""
+def test_dequantize_equals_gguf_exactly(fmt, cpu_kernels, monkeypatch):
+    """Odd rows, two blocks a row, and chunks of 2 rows (so the last chunk is partial), against gguf.quants; Q4_0 and
+    Q8_0 through the CPU's Numba kernels (weights/quants_cpu.py) and torch's."""
+    monkeypatch.setattr(quants, "CPU_KERNELS", cpu_kernels)
     rng = np.random.default_rng(list(F).index(fmt))
     cols = 2 * FORMATS[fmt].block if FORMATS[fmt].block > 1 else 96
     b = random_rows(rng, fmt, 7, cols)  # (7, row bytes)
@@ -105,8 +108,10 @@ def test_fp16_bits_match_numpy():
     np.testing.assert_array_equal(ours.numpy(), bits.view(np.float16).astype(np.float32))
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "torch"])
 @pytest.mark.parametrize("fmt", QUANT, ids=str)
-def test_quantize_equals_gguf_bytes(fmt, monkeypatch):
+def test_quantize_equals_gguf_bytes(fmt, cpu_kernels, monkeypatch):
+    monkeypatch.setattr(quants, "CPU_KERNELS", cpu_kernels)
     rng = np.random.default_rng(100 + list(F).index(fmt))
     w = random_weights(rng, 9, 96)  # (9, 96) float32
     ref = gguf_quantize(w, fmt).reshape(9, -1)  # (9, row bytes)
@@ -188,3 +193,39 @@ def test_cuda_equals_cpu(fmt):
     if fmt in QUANT:
         w = torch.from_numpy(random_weights(rng, 5, cols))
         assert torch.equal(quantize(w.cuda(), fmt).cpu(), quantize(w, fmt))
+
+
+def hard_weights(rng, rows: int, cols: int) -> np.ndarray:
+    """random_weights' corners over a wider range of magnitudes: blocks from ~1e-34 (scales fp16 flushes to zero or
+    keeps subnormal) to ~1e10 (scales past fp16's largest), zeros of both signs, exact ties of -m and +m."""
+    w = random_weights(rng, rows, cols)
+    w *= (10.0 ** rng.uniform(-30, 6, (rows, cols // 32, 1))).astype(np.float32).repeat(32, axis=2).reshape(rows, -1)
+    w[3, 32:64] = -0.0
+    w[4, 64:96] = np.where(rng.random(32) < 0.5, 0.0, -0.0).astype(np.float32)
+    w[5, 32:64] = rng.choice(np.array([-3.0, 3.0, 1.0], np.float32), 32)
+    return w
+
+
+@pytest.mark.parametrize("fmt", [F.Q4_0, F.Q8_0], ids=str)
+def test_cpu_kernels_equal_torch_kernels(fmt, monkeypatch):
+    """weights/quants_cpu.py's Numba kernels give torch's kernels' bytes and floats, over many magnitudes and the
+    rounding's corners; blocks with inf or NaN they leave to torch's (the same bytes either way)."""
+    from hotneurons.weights import quants_cpu
+
+    rng = np.random.default_rng(21)
+    w = torch.from_numpy(hard_weights(rng, 16, 256))  # (16, 256)
+    out = np.empty((16 * 256 // 32, FORMATS[fmt].block_bytes), np.uint8)
+    assert quants_cpu.quantize_q(w.numpy().reshape(-1, 32), fmt.value, out)  # every block on the Numba path
+    bad = w.clone()
+    bad[6, 5], bad[7, 40], bad[8, 100] = float("inf"), float("nan"), float("-inf")
+    assert not quants_cpu.quantize_q(bad.numpy().reshape(-1, 32), fmt.value, out.copy())
+    fast_q, fast_bad = quantize(w, fmt), quantize(bad, fmt)
+    b = torch.from_numpy(random_rows(rng, fmt, 16, 256))  # (16, row bytes): every scale an fp16
+    fast_d = dequantize(b, fmt, 256)
+    fast_back = dequantize(fast_q, fmt, 256)
+    monkeypatch.setattr(quants, "CPU_KERNELS", False)
+    np.testing.assert_array_equal(fast_q.numpy(), quantize(w, fmt).numpy())
+    np.testing.assert_array_equal(fast_q.numpy(), out.reshape(16, -1))
+    np.testing.assert_array_equal(fast_bad.numpy(), quantize(bad, fmt).numpy())
+    np.testing.assert_array_equal(fast_d.numpy(), dequantize(b, fmt, 256).numpy())
+    np.testing.assert_array_equal(fast_back.numpy(), dequantize(fast_q, fmt, 256).numpy())

@@ -49,7 +49,7 @@ FORMATS: dict[WeightFormat, FormatSpec] = {
     WeightFormat.INT8: FormatSpec(64, 64 + 4, None, cpu_kernel=True, gpu_kernel=False),
     WeightFormat.Q8_0: FormatSpec(32, 34, 8, cpu_kernel=True, gpu_kernel=True),
     WeightFormat.Q4_0: FormatSpec(32, 18, 2, cpu_kernel=True, gpu_kernel=True),
-    WeightFormat.Q4_1: FormatSpec(32, 20, 3, cpu_kernel=False, gpu_kernel=False),
+    WeightFormat.Q4_1: FormatSpec(32, 20, 3, cpu_kernel=True, gpu_kernel=True),
     WeightFormat.Q4_K: FormatSpec(256, 144, 12, cpu_kernel=False, gpu_kernel=False),
     WeightFormat.Q5_K: FormatSpec(256, 176, 13, cpu_kernel=False, gpu_kernel=False),
     WeightFormat.Q6_K: FormatSpec(256, 210, 14, cpu_kernel=False, gpu_kernel=False),
@@ -80,7 +80,7 @@ def row_bytes(fmt: str | WeightFormat, d: int) -> int:
     s = spec(fmt)
     if d % s.block:
         raise ValueError(f"a row of {d} weights is not a whole number of {fmt} blocks of {s.block}: store it in a "
-                         f"format with smaller blocks (q8_0, q4_0 take multiples of 32; bf16 any)")
+                         f"format with smaller blocks (q8_0, q4_0, q4_1 take multiples of 32; bf16 any)")
     return d // s.block * s.block_bytes
 
 

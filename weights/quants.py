@@ -5,7 +5,8 @@ hold these functions to it bit for bit). Every product and sum is taken in float
 ops (no fused multiply-add), so the results are the reference's exactly, not merely close.
 
 Big inputs go in chunks of rows (`_CHUNK_FLOATS` float32 values of output at a time), so the temporaries stay bounded
-however large the tensor; the result itself is allocated once.
+however large the tensor; the result itself is allocated once. Q4_0 and Q8_0 on the CPU take Numba kernels of the
+same arithmetic instead (weights/quants_cpu.py: one pass over a chunk, equal bytes and floats).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import torch
 from hotneurons.weights.formats import FORMATS, WeightFormat, row_bytes, weight_format
 
 _CHUNK_FLOATS = 1 << 24  # float32 values per chunk: 64 MB of output; the temporaries are a few times that
+# Q4_0 / Q8_0 on the CPU go through weights/quants_cpu.py's Numba kernels: the same bytes and floats in one pass over
+# the data instead of torch's ten or more (a CPU load of a 4-bit GGUF spends most of its time here). False: torch's
+# kernels everywhere (the tests hold the two to each other)
+CPU_KERNELS = True
+_CPU_FORMATS = (WeightFormat.Q4_0, WeightFormat.Q8_0)
 
 
 def fp16_bits_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -207,6 +213,27 @@ def _chunk_rows(cols: int) -> int:
     return max(1, _CHUNK_FLOATS // max(cols, 1))
 
 
+def _on_cpu_kernels(t: torch.Tensor, fmt: WeightFormat) -> bool:
+    return CPU_KERNELS and fmt in _CPU_FORMATS and t.device.type == "cpu"
+
+
+def _dequantize_cpu(chunk: torch.Tensor, fmt: WeightFormat, out: torch.Tensor) -> None:
+    """A chunk (r, row bytes) of Q4_0 / Q8_0 rows -> out (r, cols) float32 (C-contiguous), by quants_cpu."""
+    from hotneurons.weights import quants_cpu
+
+    blocks = chunk.contiguous().numpy().reshape(-1, FORMATS[fmt].block_bytes)  # (blocks, block bytes)
+    quants_cpu.dequantize_q(blocks, fmt.value, out.numpy().reshape(-1, FORMATS[fmt].block))
+
+
+def _quantize_cpu(chunk: torch.Tensor, fmt: WeightFormat, out: torch.Tensor) -> bool:
+    """A chunk (r, cols) float32 -> out (r, row bytes) uint8 (C-contiguous) by quants_cpu; False where a block needs
+    torch's kernel (non-finite weights, or scales too small to invert)."""
+    from hotneurons.weights import quants_cpu
+
+    x = chunk.detach().contiguous().numpy().reshape(-1, FORMATS[fmt].block)  # (blocks, 32)
+    return quants_cpu.quantize_q(x, fmt.value, out.numpy().reshape(-1, FORMATS[fmt].block_bytes))
+
+
 def dequantize(data: torch.Tensor, fmt: str | WeightFormat, cols: int) -> torch.Tensor:
     """Rows of `fmt` blocks -> float32 weights, on data's device.
 
@@ -226,8 +253,12 @@ def dequantize(data: torch.Tensor, fmt: str | WeightFormat, cols: int) -> torch.
     spec, kernel = FORMATS[fmt], _DEQUANT[fmt]
     out = torch.empty((rows, cols), dtype=torch.float32, device=data.device)  # (rows, cols)
     step = _chunk_rows(cols)
+    fast = _on_cpu_kernels(data, fmt)
     for r0 in range(0, rows, step):
         chunk = data[r0:r0 + step]  # (r, rb)
+        if fast:
+            _dequantize_cpu(chunk, fmt, out[r0:r0 + step])
+            continue
         blocks = chunk.reshape(-1, spec.block_bytes)  # (r * cols / block, block bytes)
         out[r0:r0 + step] = kernel(blocks).reshape(chunk.shape[0], cols)
     return out[0] if one_row else out
@@ -251,8 +282,11 @@ def quantize(w: torch.Tensor, fmt: str | WeightFormat) -> torch.Tensor:
     spec, kernel = FORMATS[fmt], _QUANT[fmt]
     out = torch.empty((rows, rb), dtype=torch.uint8, device=w.device)  # (rows, rb) bytes
     step = _chunk_rows(cols)
+    fast = _on_cpu_kernels(w, fmt)
     for r0 in range(0, rows, step):
         chunk = w[r0:r0 + step].float()  # (r, cols)
+        if fast and _quantize_cpu(chunk, fmt, out[r0:r0 + step]):
+            continue
         blocks = chunk.reshape(-1, spec.block)  # (r * cols / block, block)
         out[r0:r0 + step] = kernel(blocks).reshape(chunk.shape[0], rb)
     return out[0] if one_row else out
