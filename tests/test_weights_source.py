@@ -474,3 +474,24 @@ def test_byte_level_bpe_fallback_equals_transformers(which, llama_gguf):
         ids = theirs(text, add_special_tokens=False)["input_ids"]
         assert ours(text, add_special_tokens=False)["input_ids"] == ids, text
         assert ours.decode(ids) == theirs.decode(ids)
+
+
+def test_byte_level_bpe_without_transformers_tables(monkeypatch):
+    """Where transformers' GGUF tables have other names (other versions), a byte-level BPE file's tokenizer is built
+    from the header straight away, without transformers' loader (which parses the file again): the same ids."""
+    import transformers
+    from hotneurons.common.model_source import resolve_source
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
+
+    src = resolve_source(None)
+    with GGUFSource(Path(src.path) / src.gguf_file) as s:
+        theirs = s.tokenizer()
+        monkeypatch.delattr(tm, "GGUF_TOKENIZER_MAPPING")
+
+        def refuse(*a, **k):
+            raise AssertionError("transformers' loader was called")
+
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+        ours = s.tokenizer()
+    text = "Sparse activations, 1234 digits; é 東京."
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]

@@ -349,7 +349,7 @@ class GGUFSource(WeightSource):
         vocabulary is built from the file's tables with `tokenizers` alone (byte_level_bpe)."""
         meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
         try:
-            return self._transformers_tokenizer(meta)
+            return self._transformers_tokenizer(meta, fallback=meta.get("tokenizer.ggml.model") != "gpt2")
         except (TypeError, ValueError) as e:
             if meta.get("tokenizer.ggml.model") != "gpt2":
                 raise
@@ -359,14 +359,19 @@ class GGUFSource(WeightSource):
                           f"from the file's byte-level BPE tables instead", stacklevel=2)
             return byte_level_bpe(meta)
 
-    def _transformers_tokenizer(self, meta: dict[str, Any]) -> Any:
+    def _transformers_tokenizer(self, meta: dict[str, Any], fallback: bool) -> Any:
+        """transformers' conversion fed from this header. Where its tables have other names (versions move them):
+        its public loader if `fallback`, else byte_level_bpe straight away (the loader parses the file again, which
+        takes seconds)."""
         from transformers import PreTrainedTokenizerFast
 
-        try:  # these names are transformers' own, which versions move; where they differ, its public loader
+        try:  # these names are transformers' own, which versions move
             from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
 
             tm.GGUF_TOKENIZER_MAPPING, tm._SPECIAL_TOKENS, tm.convert_gguf_tokenizer  # noqa: B018
         except (ImportError, AttributeError):
+            if not fallback:
+                return byte_level_bpe(meta)
             from transformers import AutoTokenizer
 
             path = os.path.abspath(self.path)
