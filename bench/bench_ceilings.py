@@ -11,8 +11,8 @@ import numba
 import numpy as np
 import torch
 from hotneurons.bench import bench_model as bm
-from hotneurons.runtime.dram import row_gather_bw
-from hotneurons.runtime.intrinsics import _fetch_add
+from hotneurons.kernels.dram import row_gather_bw
+from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
 
 
@@ -181,7 +181,7 @@ def zero_copy_read(dram_bytes: int, nbytes: int = 2**30, row_bytes: int = 16384,
 def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, seed: int = 0,
                  rows=None, activation: str = "reglu", dtype: str = "bf16", windows: int = 8,
                  gap_ms: float = 0.0) -> dict:
-    """hotneurons.runtime.kernels.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
+    """hotneurons.runtime.cold_rows.ffn_rows (a gated FFN) on one layer's cold rows at several row densities.
 
     rows: a layer's cold_rows.ColdRows (n, d); default fresh random ones stored as `dtype`. The active rows are drawn
     among neurons whose gate is positive for x (what a predictor marks active), so each reads its gate, up and down
@@ -194,8 +194,7 @@ def kernel_bench(d: int, n: int, densities=(0.05, 0.10, 0.20), reps: int = 5, se
     other memory before each call instead also evicts those, which decode does not.)
 
     gap_ms: the main thread spins this long before each timed call (untimed), as it waits for `pre` in decode."""
-    from hotneurons.runtime.cold_rows import ColdRows
-    from hotneurons.runtime.kernels import ffn_rows
+    from hotneurons.runtime.cold_rows import ColdRows, ffn_rows
 
     g = torch.Generator().manual_seed(seed)
     if rows is None:

@@ -2,7 +2,7 @@
 per-neuron firing probabilities calibrated to a power law.
 
 Why no FFN biases: LlamaConfig(mlp_bias=True) gives gate_proj a bias, but the runtime's gated path ignores FFN
-biases (kernels.neuron_values and the gated Numba kernel take no gate bias, and the up bias is not applied on gated
+biases (ops.neuron_values and the gated Numba kernel take no gate bias, and the up bias is not applied on gated
 models), so a model calibrated through the gate bias would run differently in pi-generate than in HF. The bias is
 therefore realised through a weight the runtime supports: a CONSTANT CHANNEL. Channel 0 of the residual stream holds
 a constant C for every token (embedding column 0 = C; row 0 of every o_proj and down_proj = 0, so nothing writes to

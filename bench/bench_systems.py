@@ -15,7 +15,7 @@ from hotneurons.bench import bench_timeline as tl
 AB_FIELDS = {"no-prelaunch": {"prelaunch": False}, "no-balance": {"pcie_balance": False},
              "no-recheck": {"pcie_recheck": False}}
 # A/Bs whose decision is taken, their old paths gone from the runtime (docs/history.md): the CPU part as before
-# kernels.cold_layer, cold_layer after a CUDA event wait, the CPU adding up its threads' partial sums
+# cold.cold_layer, cold_layer after a CUDA event wait, the CPU adding up its threads' partial sums
 REMOVED_AB = ("split-cold", "event-wait", "cpu-sum")
 
 

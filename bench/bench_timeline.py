@@ -46,8 +46,8 @@ def cold_replay(rt, prompt: list[int], tokens: int, gap_ms: float) -> dict:
     as in decode (`replay_gpu`). decode = replay puts the gap in the work (rows, indices); decode = replay_gpu >
     replay in what the GPU does meanwhile; decode > replay_gpu in the mask -> indices and what else decode's call
     does around the kernel. Per call decode / replay ratios tell a uniform slowdown from a few stalled calls."""
+    from hotneurons.runtime.cold_rows import ffn_rows
     from hotneurons.runtime.generate import generate
-    from hotneurons.runtime.kernels import ffn_rows
 
     calls: list[tuple] = []  # (layer, ffn, indices, x, decode ms)
     for i, f in enumerate(rt.ffns):

@@ -8,7 +8,7 @@ held-out Wikipedia sample (wikipedia-sample:eval):
   bf16  the runtime in dense mode with every FFN neuron cold, rows stored as bf16 (the default);
   int8  the same with int8 rows and a float32 scale per 64 weights (--cold-dtype int8);
   int8-group-G  (G = 32, 128, d) the FFN weights replaced by what int8 rows with a scale per G weights stand for,
-        through HF: the choice of runtime/kernels.py's INT8_GROUP (G = d: one scale per row).
+        through HF: the choice of kernels/cold.py's INT8_GROUP (G = d: one scale per row).
 Every neuron cold and dense masks make the FFN weights' storage the only difference from `hf` (the worst case: in
 hybrid mode the hot rows stay in the model dtype on the GPU). The GGUF holds Q4_1 weights, dequantised on load: the
 int8 error is on top of that. Also: greedy continuations of a few prompts, and the share of generated tokens equal to

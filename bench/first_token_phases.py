@@ -31,7 +31,7 @@ TIMED = (
     ("hotneurons.runtime.hybrid_ffn", "hot_blocks", 2, "hot rows (ffn_weights.hot_blocks)"),
     ("hotneurons.runtime.hybrid_ffn", "cold_rows_of", 2, "cold rows (ffn_weights.cold_rows_of)"),
     ("hotneurons.runtime.ffn_weights", "down_t_rows", 3, "down columns as rows, re-quantized (down_t_rows)"),
-    ("hotneurons.runtime.qlinear", "pack", 3, "hot rows split for the kernels (qlinear.pack)"),
+    ("hotneurons.kernels.qlinear", "pack", 3, "hot rows split for the kernels (qlinear.pack)"),
     ("hotneurons.weights.gguf_source", "GGUFSource.tokenizer", 1, "tokenizer"),
     ("hotneurons.runtime.balance", "pcie_share", 1, "PCIe share measured at start"),
     ("hotneurons.runtime.cli", "generate", 0, "generate: prefill and the first token"),

@@ -11,13 +11,14 @@ feeds faster). Bytes per active neuron: its three rows with their scales (bf16 2
 34/32, q4_0 18/32 bytes a weight). The ceiling (bench_ceilings.dram_read_bw: 16 KiB rows gathered in random order,
 four at once per thread, the cold kernel's read pattern) is measured before and after the kernels and averaged.
 
-Block dtypes run on kernels_q.cold_ffn_q's float route; a dtype written with "+xq" (q4_0+xq, q8_0+xq) runs the int
-route (x quantized once per call: kernels_q's docstring). --ahead sets the prefetch distance (groups of four neurons).
+Block dtypes run on cold_q.cold_ffn_q's float route; a dtype written with "+xq" (q4_0+xq, q8_0+xq) runs the int
+route (x quantized once per call: cold_q's docstring). --ahead sets the prefetch distance (groups of four neurons).
 --with-read times, in turn with the kernel's calls and on the same draws, a pure read of the same rows in the kernel's
 pattern (read_rows: gate and up rows eight at once, then down rows four at once, eight neurons a claim, no arithmetic):
 the rate that pattern itself gets from DRAM, which bounds the kernel's (`read_median_bytes_per_s`, `share_of_read`).
-Row-gather ceiling and read_rows alike run under the OpenMP wait policy that importing hotneurons.runtime sets
-(common.hardware.openmp_wait_policy: ACTIVE with a bounded spin on GPU hosts), recorded in the JSON.
+Row-gather ceiling and read_rows alike run under the OpenMP wait policy that importing hotneurons.kernels (or
+hotneurons.runtime) sets (common.hardware.openmp_wait_policy: ACTIVE with a bounded spin on GPU hosts), recorded in
+the JSON.
 
   python bench/kernel_q.py --out results.json            # the full size (~8 GB of rows per dtype, 16 cores)
   python bench/kernel_q.py --small --out small.json      # a quick run (d 2048, ~1 GB per dtype)
@@ -37,10 +38,9 @@ import numba
 import numpy as np
 import torch
 from hotneurons.bench.bench_ceilings import dram_read_bw
-from hotneurons.runtime.cold_rows import BLOCK_DTYPES, COLD_DTYPES, ColdRows, from_bf16_bits, from_int8_groups
-from hotneurons.runtime.intrinsics import _fetch_add
-from hotneurons.runtime.kernels import ffn_rows
-from hotneurons.runtime.kernels_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
+from hotneurons.kernels.cold_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
+from hotneurons.kernels.intrinsics import _fetch_add
+from hotneurons.runtime.cold_rows import BLOCK_DTYPES, COLD_DTYPES, ColdRows, ffn_rows, from_bf16_bits, from_int8_groups
 from numba import njit, prange
 
 
@@ -201,7 +201,7 @@ def bench_dtype(dtype: str, d: int, n: int, total_bytes: float, densities: list[
     """dtype: a cold-row dtype, "+xq" for the int route of a block dtype; b: build()'s rows of it to reuse."""
     base, xq = dtype.split("+")[0], dtype.endswith("+xq")
     if xq and not XQ_OK:
-        raise SystemExit(f"{dtype}: this CPU lacks the int route's instructions (kernels_q_ir.XQ_OK)")
+        raise SystemExit(f"{dtype}: this CPU lacks the int route's instructions (cold_q_ir.XQ_OK)")
     b = b or build(base, d, n, total_bytes, seed)
     call = lambda rows: kernel(rows, xq, ahead)  # noqa: E731
     in_cache = core_rate(b["one"], b["x"], b["positive"], call)

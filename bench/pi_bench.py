@@ -92,7 +92,7 @@ def parse(argv=None):
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
                          "'hybrid-compiled' for hybrid with torch.compile on pre's small ops (RuntimeConfig.ops), "
-                         "'hybrid-torch-ops' for hybrid with torch's kernels there instead of runtime/fused.py's, "
+                         "'hybrid-torch-ops' for hybrid with torch's kernels there instead of kernels/fused.py's, "
                          "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system "

@@ -1,5 +1,5 @@
-"""The quantized GEMV's speed on the GPU (runtime/qgemv.py): time and effective bandwidth (bytes of the weight as
-stored / time) for Q4_0, Q8_0 and fp16 (cuBLAS through F.linear, and runtime/fused.py's Triton GEMV) on LLaMA-2-70B's
+"""The quantized GEMV's speed on the GPU (kernels/qgemv.py): time and effective bandwidth (bytes of the weight as
+stored / time) for Q4_0, Q8_0 and fp16 (cuBLAS through F.linear, and kernels/fused.py's Triton GEMV) on LLaMA-2-70B's
 shapes, against two ceilings measured in the same run: a device-to-device copy of a 1 GiB buffer (bytes moved, read +
 written, / time: the HBM figure common/hardware.py measures; its bytes read / time too) and a read-only reduction
 (torch.sum of a 1 GiB fp16 buffer).
@@ -24,8 +24,8 @@ import sys
 
 import torch
 from hotneurons.bench import record
-from hotneurons.runtime import qgemv
-from hotneurons.runtime.qlinear import GpuQ
+from hotneurons.kernels import qgemv
+from hotneurons.kernels.qlinear import GpuQ
 from hotneurons.weights.formats import row_bytes
 
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672)]  # (n, k): q/o projections, gate/up, down
@@ -131,7 +131,7 @@ def bench_fp16(n: int, k: int, m: int, repeats: int, calls: int) -> list[dict]:
     rows = []
     kernels = {"fp16_cublas": lambda i: torch.mm(x, ws[i % len(ws)].t(), out=out)}
     if m == 1:
-        from hotneurons.runtime import fused
+        from hotneurons.kernels import fused
 
         kernels["fp16_triton"] = lambda i: fused._gemv(x, ws[i % len(ws)], None, out)
     for name, fn in kernels.items():

@@ -150,7 +150,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
     try:
         for mode in modes:
             port = free_port()
-            cmd = [sys.executable, "-m", "hotneurons.runtime.serve_cli", "--run", run_dir, "--mode", mode,
+            cmd = [sys.executable, "-m", "hotneurons.server.cli", "--run", run_dir, "--mode", mode,
                    "--port", str(port), "--max-queue", "64", "--quiet"]
             servers[mode] = subprocess.Popen(cmd + (["--threads", str(threads)] if threads is not None else [])), port
         for mode, (proc, port) in servers.items():

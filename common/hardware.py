@@ -110,12 +110,12 @@ def presets_table() -> str:
 def _measure_dram_bw(cores: int, nbytes: int = 2**30, repeats: int = 3) -> float:
     """Read bandwidth over a buffer far larger than the caches (server L3s reach 300 MiB), one thread per core: the
     best of sequential numpy sums (numpy releases the GIL inside the reduction) and the cold kernels' own pattern
-    (runtime.dram.row_gather_bw: rows in random order, 4 at once per thread), which keeps more reads in flight and
+    (kernels.dram.row_gather_bw: rows in random order, 4 at once per thread), which keeps more reads in flight and
     so can read several times faster than the sums on a server."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
-    from hotneurons.runtime.dram import row_gather_bw
+    from hotneurons.kernels.dram import row_gather_bw
 
     a = np.ones(nbytes // 4, dtype=np.float32)  # (n,) 4 bytes each
     chunks = np.array_split(a, cores)

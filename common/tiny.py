@@ -108,8 +108,8 @@ def load_rounded(folder, family: str):
 def round_ffns_to_int8(lm, group: int | None = None) -> None:
     """FFN weights -> what int8 cold rows with a scale per `group` weights (default: the runtime's INT8_GROUP) stand
     for, in place: groups along each neuron's gate and up rows and its down column, as the runtime stores them."""
+    from hotneurons.kernels.cold import INT8_GROUP
     from hotneurons.runtime.cold_rows import from_int8_groups, to_int8_groups
-    from hotneurons.runtime.kernels import INT8_GROUP
 
     group = group or INT8_GROUP
     with torch.no_grad():

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from hotneurons.common.kinds import Activation
+from hotneurons.kernels import qlinear
 from hotneurons.models.config import ModelConfig, Rope
-from hotneurons.runtime import qlinear
 from hotneurons.weights.formats import FORMATS
 from hotneurons.weights.qtensor import QTensor
 
@@ -25,7 +25,7 @@ FFN = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, x (T, d)) -> y (T, 
 
 
 def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., k) @ w.T (+ bias) -> (..., n) for a float, QTensor or GpuQ weight (runtime/qlinear.py: a Triton GEMV
+    """x (..., k) @ w.T (+ bias) -> (..., n) for a float, QTensor or GpuQ weight (kernels/qlinear.py: a Triton GEMV
     on CUDA for packed Q4_0/Q8_0, chunks of de-quantized rows otherwise)."""
     return qlinear.linear(x, w, bias)
 

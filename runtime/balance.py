@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 import torch
-from hotneurons.runtime.cold_rows import ffn_rows_mapped
-from hotneurons.runtime.kernels import ffn_rows
+from hotneurons.runtime.cold_rows import ffn_rows, ffn_rows_mapped
 
 if TYPE_CHECKING:
     from hotneurons.runtime.generate import Runtime

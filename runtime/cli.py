@@ -9,11 +9,12 @@ import sys
 import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
+from hotneurons.kernels.ops import OPS
 from hotneurons.runtime.cold_rows import COLD_DTYPES
 from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, prompt_ids
 from hotneurons.runtime.load import load_runtime
-from hotneurons.runtime.ops import OPS
 from hotneurons.runtime.sampling import Sampling
+from hotneurons.weights.formats import GPU_DTYPES
 
 
 def _bytes(text: str | None) -> int | None:
@@ -104,12 +105,12 @@ def runtime_options(f):
                      "fp32 on CPU)."),
         click.option("--cold-dtype", type=click.Choice(("auto",) + COLD_DTYPES), default="auto", show_default=True,
                      help="Storage of the cold rows in CPU RAM. auto: the file's format where the CPU kernels read it "
-                          "(a GGUF's Q4_0/Q8_0 rows as stored), else q4_0 for 4/5-bit files, q8_0 for 6-bit, bf16 for "
-                          "float ones. Fewer bits: fewer bytes read per token, a small rounding error."),
-        click.option("--gpu-dtype", type=click.Choice(("auto", "f32", "f16", "bf16", "q8_0", "q4_0")), default="auto",
-                     show_default=True, help="Storage of the hot rows on the device. auto: the file's format where "
-                     "the GPU kernels read it (Q4_0/Q8_0), q4_0 for other 4/5-bit files, q8_0 for 6-bit, the compute "
-                     "dtype for float files."),
+                          "(a GGUF's Q4_0/Q4_1/Q8_0 rows as stored), else q4_0 for Q4_K/Q5_K files, q8_0 for Q6_K, "
+                          "bf16 for float ones. Fewer bits: fewer bytes read per token, a small rounding error."),
+        click.option("--gpu-dtype", type=click.Choice(("auto",) + GPU_DTYPES), default="auto", show_default=True,
+                     help="Storage of the hot rows on the device. auto: the file's format where the GPU kernels "
+                          "read it (Q4_0/Q4_1/Q8_0), else q4_0 for Q4_K/Q5_K files, q8_0 for Q6_K, the compute dtype "
+                          "for float files."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
                      help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
@@ -125,7 +126,7 @@ def runtime_options(f):
                      "for checks and profiling)."),
         click.option("--ops", type=click.Choice(("auto",) + OPS), default="auto", show_default=True,
                      help="CUDA graphs: what computes a decode step's GPU ops (norms, RoPE, attention, the "
-                          "predictor, one token's GEMVs). triton: fused kernels (runtime/fused.py); torch: torch's "
+                          "predictor, one token's GEMVs). triton: fused kernels (kernels/fused.py); torch: torch's "
                           "kernels; compile: torch.compile on the small ops (a few seconds at start); auto: triton "
                           "where it imports, else torch."),
         click.option("--hf-decode", is_flag=True, help="Decode through the HF decoder layers instead of the static "

@@ -1,17 +1,20 @@
 """Cold rows in CPU RAM: their storage, as the kernels read them (`ColdRows`: bfloat16 bit patterns, int8 with a
 float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks as a GGUF file stores them),
-and the compute device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold
-rows, read over PCIe)."""
+the CPU's sum over a token's active rows (`ffn_rows`, by the Numba kernels of hotneurons.kernels), and the compute
+device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold rows, read over
+PCIe)."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
-from hotneurons.runtime.kernels import INT8_GROUP
-from hotneurons.runtime.ops import neuron_values
+from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
+from hotneurons.kernels.cold_q import cold_ffn_q
+from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.quants import dequantize, quantize
@@ -19,8 +22,8 @@ from hotneurons.weights.quants import dequantize, quantize
 # ---------------------------------------------------------------------------------------------------------------
 # Cold-row storage: bf16 (default), int8 with a scale per group of INT8_GROUP weights, or llama.cpp's blocks
 
-ROW_DTYPES = ("bf16", "int8")  # rows of one stored type per weight, scales apart (kernels.cold_ffn)
-BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")  # rows of 32-weight blocks, scales (and mins) inside (kernels_q.cold_ffn_q)
+ROW_DTYPES = ("bf16", "int8")  # rows of one stored type per weight, scales apart (cold.cold_ffn)
+BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")  # rows of 32-weight blocks, scales (and mins) inside (cold_q.cold_ffn_q)
 COLD_DTYPES = ROW_DTYPES + BLOCK_DTYPES
 QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
 
@@ -94,7 +97,7 @@ class ColdRows:
     so a token reads about half the bytes from DRAM. q8_0 / q4_0 / q4_1 (`fmt`): rows are (n, row_bytes) uint8 of
     llama.cpp blocks of 32 weights, each with its fp16 scale (and q4_1's fp16 min) inside (1.0625 / 0.5625 / 0.625
     bytes a weight), the bytes of a GGUF file's rows; `scale` is (3, n, 0) and `group` 32. Read by
-    kernels_q.cold_ffn_q / cold_layer_q."""
+    cold_q.cold_ffn_q / cold_layer_q."""
 
     gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
     up: np.ndarray  # (n, d)
@@ -175,6 +178,27 @@ class ColdRows:
 
         return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
                 "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up[rows]).to(device)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CPU's reads of them
+
+
+def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: ColdRows, out: np.ndarray,
+             part: np.ndarray | None = None) -> np.ndarray:
+    """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j], by the Numba kernel of the
+    rows' format (kernels/cold.py cold_ffn, kernels/cold_q.py cold_ffn_q).
+
+    part: (threads, d) float32 scratch for the per-thread partial sums (made here if None); its row count is the
+    number of threads that share the active list."""
+    if part is None:
+        part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
+    if rows.fmt:  # llama.cpp blocks (q8_0, q4_0, q4_1): their own kernel
+        cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, ACT_CODE[activation])
+        return out
+    cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
+             ACT_CODE[activation])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class HostFlags:
     """Flags in pinned host memory, both ways between the CPU and captured graphs. `wait(i)`, recorded into a graph,
     holds the stream until flag i is 1 and then sets it back to 0; `release(i)` (the CPU) sets it to 1. `signal(i)`,
     recorded into a graph, sets ready[i] to 1 once the work before it is done and its writes are visible to the host
-    (the driver's default memory barrier); the CPU spins on it (kernels.cold_layer) and resets it. Uses the driver's
+    (the driver's default memory barrier); the CPU spins on it (cold.cold_layer) and resets it. Uses the driver's
     stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32) through ctypes. `open` returns None where
     they are missing or fail a probe (a captured wait released by the host, then a captured signal)."""
 

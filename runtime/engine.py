@@ -179,15 +179,15 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     `placement` (runtime.placement.Placement) replaces the run's (tests, benchmarks)."""
     from hotneurons.common import artifacts
     from hotneurons.common.models import RELU_FAMILY, adapter_for
+    from hotneurons.kernels.cold import set_threads
+    from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
     from hotneurons.predictors.form import PredictorForm
     from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
-    from hotneurons.runtime.kernels import set_threads
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
-    from hotneurons.runtime.ops import default_ops
     from hotneurons.runtime.placement import Placement
     from hotneurons.runtime.source_steps import SourceSteps
     from tqdm.auto import tqdm

@@ -232,7 +232,7 @@ def _device_form(w: QTensor, device: torch.device | str) -> Any:
     packed layout (its Triton GEMV); on the CPU the stored blocks themselves, which qlinear's Numba GEMV reads in place
     and its prefill de-quantizes with no reordering (packing them cost a CPU load seconds, and every prefill the
     unpacking)."""
-    from hotneurons.runtime.qlinear import pack
+    from hotneurons.kernels.qlinear import pack
 
     if torch.device(device).type == "cuda":
         return pack(w, device)

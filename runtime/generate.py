@@ -27,6 +27,8 @@ from hotneurons.common.models import (
     text_config,
 )
 from hotneurons.common.prenorm import ffn_norms
+from hotneurons.kernels.cold import set_threads
+from hotneurons.kernels.ops import OPS, default_ops
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from hotneurons.runtime.cold_rows import COLD_DTYPES
@@ -34,9 +36,7 @@ from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
-from hotneurons.runtime.kernels import set_threads
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
-from hotneurons.runtime.ops import OPS, default_ops
 from hotneurons.runtime.placement import Placement
 from hotneurons.runtime.sampling import Sampling, sample
 from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
@@ -52,11 +52,12 @@ class RuntimeConfig:
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
     dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
-    # storage of the cold rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, int8, q8_0, q4_0; auto: the file's format
-    # where the kernels read it (a GGUF's Q4_0/Q8_0 rows byte for byte), else the nearest they read (engine.auto_format)
+    # storage of the cold rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, int8, q8_0, q4_0, q4_1; auto: the file's
+    # format where the kernels read it (a GGUF's Q4_0/Q4_1/Q8_0 rows byte for byte), else the nearest they read
+    # (engine.auto_format)
     cold_dtype: str = "auto"
-    # the hot rows, attention and head on the device: a float dtype, q8_0 or q4_0 (qlinear's GEMV); auto: the file's
-    # format where the GPU kernels read it, floats in the compute dtype
+    # the hot rows on the device (formats.GPU_DTYPES): a float dtype, q8_0, q4_0 or q4_1 (qlinear's GEMV); auto: the
+    # file's format where the GPU kernels read it, floats in the compute dtype
     gpu_dtype: str = "auto"
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
@@ -71,7 +72,7 @@ class RuntimeConfig:
     # --ctx when loaded from a run, else static_decoder.CAPACITY); longer generations decode through HF
     ctx: int | None = None
     # static decoder with CUDA graphs: what computes a step's GPU ops, the norms, RoPE, attention, the predictor and
-    # one token's GEMVs (ops.OPS): "triton" (runtime/fused.py, one kernel where torch runs several), "torch", or
+    # one token's GEMVs (ops.OPS): "triton" (kernels/fused.py, one kernel where torch runs several), "torch", or
     # "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it imports
     # (torch's CUDA builds bring it), else torch
     ops: str = "auto"

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from hotneurons.kernels.ops import Ops
 from hotneurons.runtime.cuda import HostFlags, capture
 from hotneurons.runtime.hybrid_ffn import HybridFFN
-from hotneurons.runtime.ops import Ops
 
 
 @dataclass(frozen=True)

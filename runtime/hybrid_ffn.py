@@ -12,9 +12,9 @@ Decode (one token): the mask comes from the predictor (mode "predictor"), the tr
 all ones ("dense"). A predictor of the normed form reads the FFN input x; one of the powerinfer form
 (predictors/form.py, `prenorm`) reads the residual before the pre-FFN norm: the static decoder passes its h2, and on
 HF's layers a pre-hook on that norm (`watch_norm`) keeps it for the FFN's call that follows. Hot neurons are always
-computed (as pi-eval's placement mode does); x and the cold part of the mask go to the CPU (`HostIO`), the Numba
-kernel computes the active cold neurons while the device computes the hot ones, and the CPU's partial sums are added
-on the device. Prefill (several tokens) goes dense. The static decoder
+computed (as pi-eval's placement mode does); x and the cold part of the mask go to the CPU (`HostIO`,
+runtime/host_io.py), the Numba kernel computes the active cold neurons while the device computes the hot ones, and the
+CPU's partial sums are added on the device. Prefill (several tokens) goes dense. The static decoder
 (runtime/static_decoder.py) calls the same pieces from its own graphs; `_decode` is the path of the other families.
 """
 
@@ -23,11 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numba
 import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
-from hotneurons.runtime.cold_rows import ffn_rows_mapped, host_mapped, map_rows
+from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
+from hotneurons.kernels.cold_q import cold_layer_q
+from hotneurons.kernels.ops import act_torch, ffn_rows_torch, neuron_values, predict
+from hotneurons.kernels.qlinear import linear
+from hotneurons.runtime.cold_rows import ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.ffn_weights import (
     FFNWeights,
@@ -38,33 +41,12 @@ from hotneurons.runtime.ffn_weights import (
     take_rows,
     to_float,
 )
-from hotneurons.runtime.kernels import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, ffn_rows, mask_bytes, wait_ready
-from hotneurons.runtime.kernels_q import cold_layer_q
-from hotneurons.runtime.ops import act_torch, ffn_rows_torch, neuron_values, predict
-from hotneurons.runtime.qlinear import linear
+from hotneurons.runtime.host_io import HostIO
 from hotneurons.weights.formats import spec, weight_format
 from torch import nn
 
 MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
-
-
-@dataclass(frozen=True)
-class HostIO:
-    """One token's buffers between the device and the CPU's kernel, made at the first decode. On CUDA they are pinned
-    and also seen as device tensors (mapped), so that GPU kernels write x and the mask and read the CPU's sums over
-    PCIe themselves: no copy nodes and no dtype casts around them."""
-
-    x: torch.Tensor  # (d,) float32 the FFN input on the host
-    x_np: np.ndarray  # (d,) float32 x's memory, as the kernel reads it
-    mask_words: np.ndarray  # (ceil(n_cold / 64),) uint64 the cold mask as bits, bit j of word w = neuron 64 w + j
-    part: np.ndarray  # (threads, d) float32 the kernel's per-thread partial sums
-    out: np.ndarray  # (d,) float32 their sum; (0,) on CUDA, where the GPU adds `part` up itself
-    x_dev: torch.Tensor  # (d,) float32 x's memory on the device, which a kernel writes
-    mask_dev_bits: torch.Tensor  # (mask_bytes(n_cold),) uint8 the mask's memory on the device, which predict writes
-    sums_dev: torch.Tensor  # (rows, d) float32 `part`, or `out` as one row, on the device: cold_sum adds the rows
-    idx: np.ndarray  # (n_cold,) int64 scratch: a token's active cold positions, the first k
-    mask_dev: torch.Tensor  # (n_cold,) bool the cold mask on the device, which its PCIe share reads
 
 
 @dataclass(frozen=True)
@@ -180,27 +162,13 @@ class HybridFFN(nn.Module):
     def host_io(self, device: torch.device) -> HostIO:
         """The host buffers (HostIO) and the firing counts, made once, before any graph that uses them is captured."""
         if self.io is None:
-            pin = device.type == "cuda"
-            x = torch.empty(self.d_model, dtype=torch.float32, pin_memory=pin)  # (d,)
-            # (mask_bytes(n_cold),) bit b of byte i = cold neuron 8 i + b, zero padded to whole uint64 words; the GPU
-            # writes the first ceil(n_cold / 8) bytes, the padding stays zero
-            bits = torch.zeros(mask_bytes(self.n_cold), dtype=torch.uint8, pin_memory=pin).numpy()
-            part = torch.zeros((numba.get_num_threads(), self.d_model), dtype=torch.float32, pin_memory=pin).numpy()
-            out = torch.empty(0 if pin else self.d_model, dtype=torch.float32, pin_memory=pin).numpy()  # (d,) or (0,)
-            x_np, sums = x.numpy(), (part if pin else out[None])  # the numpy views hold the pinned tensors alive
-            self.io = HostIO(x, x_np, bits.view(np.uint64), part, out,
-                             host_mapped(x_np, x_np, device, register=False),
-                             host_mapped(bits, bits, device, register=False),
-                             host_mapped(sums, sums, device, register=False), np.empty(self.n_cold, np.int64),
-                             torch.ones(self.n_cold, dtype=torch.bool, device=device))
+            self.io = HostIO.make(self.d_model, self.n_cold, device)
             self.fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=device)
         return self.io
 
     def cold_sum(self) -> torch.Tensor:
-        """(d,) float32 on the compute device: the CPU's cold rows' sum for the token, from the host buffers (CUDA:
-        the GPU reads the threads' partial sums over PCIe and adds them up here)."""
-        c = self.io.sums_dev  # (rows, d)
-        return c[0] if c.shape[0] == 1 else c.sum(0)
+        """(d,) float32 on the compute device: the CPU's cold rows' sum for the token (HostIO.cold_sum)."""
+        return self.io.cold_sum()
 
     def map_cold(self, device: torch.device) -> None:
         """Make the cold rows readable by `device` in place (CUDA: page-locked, mapped); mapped_rows may then be set."""
@@ -368,7 +336,7 @@ class HybridFFN(nn.Module):
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
         if self.mask == "predictor" and self.n_cold:
             c, layer = self.cold, i if flags is not None else -1
-            if c.fmt:  # rows in Q4_0 / Q8_0 blocks (kernels_q)
+            if c.fmt:  # rows in Q4_0 / Q4_1 / Q8_0 blocks (cold_q)
                 k = cold_layer_q(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
                                  c.up, c.b_up, c.down_t, io.part, io.out, ACT_CODE[self.activation], self.cold_marks)
             else:

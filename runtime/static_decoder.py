@@ -18,10 +18,10 @@ The same functions run eagerly without CUDA (tests check them there against HF).
 from __future__ import annotations
 
 import torch
+from hotneurons.kernels.ops import rms_eps, rms_norm
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.offload import OnCPUEmbedding
-from hotneurons.runtime.ops import rms_eps, rms_norm
 from torch import nn
 
 CAPACITY = 4096  # static KV cache length (tokens); longer generations fall back to HF's decode

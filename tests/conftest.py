@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's and Numba's OpenM
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():  # runtime/fused.py's Triton kernels run in Triton's interpreter (numpy, CPU tensors)
+if not torch.cuda.is_available():  # kernels/fused.py's Triton kernels run in Triton's interpreter (numpy, CPU tensors)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tiny  # noqa: E402

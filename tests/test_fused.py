@@ -1,4 +1,4 @@
-"""runtime/fused.py's Triton kernels against ops.py's torch ops (the reference) and float64, on fresh random inputs.
+"""kernels/fused.py's Triton kernels against ops.py's torch ops (the reference) and float64, on fresh random inputs.
 
 Without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on CUDA as compiled kernels: the
 same checks either way. Tolerances: outputs that torch rounds at the same points as the kernels (residual sums, RoPE,
@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from hotneurons.runtime import ops
+from hotneurons.kernels import ops
 
 triton = pytest.importorskip("triton")
-fused = pytest.importorskip("hotneurons.runtime.fused")
+fused = pytest.importorskip("hotneurons.kernels.fused")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -119,7 +119,7 @@ def test_predict_equals_torch_and_float64(dtype, d, hidden, rows, n_cold, where,
     rounding of h and of the logit (its unit, eps), each GEMV's float32 sum, and the interpreter's bfloat16
     truncation (two units)."""
     import numpy as np
-    from hotneurons.runtime.kernels import mask_bytes
+    from hotneurons.kernels.cold import mask_bytes
 
     g = torch.Generator().manual_seed(d + hidden + n_cold + DTYPES.index(dtype))
     x, fc1 = rand(g, d, dtype=dtype), rand(g, hidden, d, dtype=dtype, scale=d ** -0.5)

@@ -1,5 +1,5 @@
-"""The decode step's CPU kernels (runtime/kernels.py) and the cold rows they read (runtime/cold_rows.py) against a
-float64 numpy reference; the torch backend (runtime/ops.py) and the device's reads in place against the same reference.
+"""The decode step's CPU kernels (kernels/cold.py) and the cold rows they read (runtime/cold_rows.py) against a
+float64 numpy reference; the torch backend (kernels/ops.py) and the device's reads in place against the same reference.
 """
 
 import zlib
@@ -7,9 +7,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from hotneurons.kernels import cold as K
+from hotneurons.kernels import ops
 from hotneurons.runtime import cold_rows as C
-from hotneurons.runtime import kernels as K
-from hotneurons.runtime import ops
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -65,13 +65,13 @@ def test_kernel_matches_float64_reference(act, d, n, which, dtype):
            "random": np.flatnonzero(rng.random(n) < 0.4), "active": np.flatnonzero(pre > 0)}[which].astype(np.int64)
     out = np.full(d, np.nan, np.float32)  # must be overwritten
     part = np.full((3, d), np.nan, np.float32)  # scratch: its contents must not matter
-    K.ffn_rows(act, x, idx, rows, out, part)
+    C.ffn_rows(act, x, idx, rows, out, part)
     ref = reference(act, x, idx, rows)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     # out of shape (0,): the sum left in the partial rows, for the GPU to add up; rows of threads with no neurons
     # (more rows than active neurons: "empty", "one") zeroed over stale values
     part = np.full((5, d), np.nan, np.float32)
-    K.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
+    C.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
     np.testing.assert_allclose(part.sum(0), ref, rtol=1e-4, atol=1e-5)
     # the torch backend (hot neurons) against the same reference, on the same weights
     w = rows.float32()
@@ -100,7 +100,7 @@ def test_kernel_threads_do_not_change_the_result(dtype):
     x = rng.standard_normal(d).astype(np.float32)
     rows = random_rows(rng, "swiglu", d, n, dtype)
     idx = np.arange(n, dtype=np.int64)
-    outs = [K.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((threads, d), np.float32))
+    outs = [C.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((threads, d), np.float32))
             for threads in (1, 3, 7)]
     for o in outs[1:]:
         np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-5)
@@ -108,7 +108,7 @@ def test_kernel_threads_do_not_change_the_result(dtype):
 
 @pytest.mark.parametrize("threads", [1, 3, 16])
 def test_kernel_claims_cover_each_position_once(threads):
-    """cold_ffn's claims (kernels._claim): claim numbers 0, 1, ... take [0, k) in order, each position once, CHUNK at
+    """cold_ffn's claims (cold._claim): claim numbers 0, 1, ... take [0, k) in order, each position once, CHUNK at
     a time and 4 at a time over the last TAIL * threads positions (nothing past k: the claims after the last are
     empty)."""
     for k in (0, 1, 3, 4, 5, 8, 9, 31, 32, 33, K.TAIL * threads, K.TAIL * threads + 5, 1433):
@@ -127,7 +127,7 @@ def test_kernel_claims_cover_each_position_once(threads):
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 128, 1003, 25001])
 def test_bit_indices_equal_flatnonzero(n):
-    """The packed cold mask -> active positions (kernels.bit_indices, one count-trailing-zeros per set bit) as
+    """The packed cold mask -> active positions (cold.bit_indices, one count-trailing-zeros per set bit) as
     np.flatnonzero gives them from the bool mask, at densities from none to all, lengths that are not a multiple of
     64 (or of 8) included; the packing as numpy's (little bit order); nothing written past out[:n]."""
     rng = np.random.default_rng(n)
@@ -184,7 +184,7 @@ def test_predict_packs_the_host_mask_as_bits(n_cold):
 def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: int, marks: np.ndarray,
                 ready: np.ndarray = K.NO_FLAGS, release: np.ndarray = K.NO_FLAGS, i: int = -1,
                 bits: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-    """kernels.cold_layer on the bool mask m packed (or on `bits`, its packed buffer, written elsewhere), over fresh
+    """cold.cold_layer on the bool mask m packed (or on `bits`, its packed buffer, written elsewhere), over fresh
     scratch (NaN-filled: its contents must not matter) -> (k, out)."""
     n, d = m.shape[0], x.shape[0]
     out, part = np.full(d, np.nan, np.float32), np.full((3, d), np.nan, np.float32)
@@ -247,7 +247,7 @@ def test_cold_layer_waits_for_the_ready_signal_then_releases():
 
 def test_row_gather_sums_every_row_once():
     """The DRAM ceiling's read (dram.row_gather_bw) covers every row it times, whatever the thread count."""
-    from hotneurons.runtime import dram
+    from hotneurons.kernels import dram
 
     rng = np.random.default_rng(2)
     rows = rng.standard_normal((40, 96)).astype(np.float32)  # 40 rows: five groups of 8

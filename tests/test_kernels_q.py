@@ -1,4 +1,4 @@
-"""The cold kernels over llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks (runtime/kernels_q.py) and the block cold rows
+"""The cold kernels over llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks (kernels/cold_q.py) and the block cold rows
 (runtime/cold_rows.py) against float64 numpy over the weights that gguf-py's own de-quantizer reads from the same
 bytes, on rows laid out as gguf-py writes them (the GGUF file's layout).
 
@@ -8,7 +8,7 @@ from float64 only by float32 rounding over d terms: |out - ref| <= 1e-4 |ref| + 
 of either sign).
 
 The int route (xq=True: x quantized per 32 weights as llama.cpp's Q8_0, integer block dots) is checked twice: against
-the float64 reference on the x it computes with (x~ = d_x * q_x, from kernels_q.quantize_x), within the float
+the float64 reference on the x it computes with (x~ = d_x * q_x, from cold_q.quantize_x), within the float
 tolerance above; and each dot against float64 on the true x within the bound that x's rounding allows, sum over
 blocks of d_x / 2 * sum |w| (|x - x~| <= d_x / 2 per weight), plus the float tolerance. Q4_1 rows have no int route:
 xq=True runs the float route on them, bit for bit.
@@ -20,9 +20,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from hotneurons.kernels import cold as K
+from hotneurons.kernels import cold_q as KQ
 from hotneurons.runtime import cold_rows as C
-from hotneurons.runtime import kernels as K
-from hotneurons.runtime import kernels_q as KQ
 from hotneurons.weights.qtensor import QTensor
 
 FMTS = ("q8_0", "q4_0", "q4_1")
@@ -32,7 +32,7 @@ QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationTy
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
-XQ = pytest.mark.skipif(not KQ.XQ_OK, reason="the int route needs AVX-512 VNNI and VBMI (kernels_q_ir.XQ_OK)")
+XQ = pytest.mark.skipif(not KQ.XQ_OK, reason="the int route needs AVX-512 VNNI and VBMI (cold_q_ir.XQ_OK)")
 
 
 def _close(out: np.ndarray, ref: np.ndarray) -> None:
@@ -96,11 +96,11 @@ def test_kernel_matches_float64_reference(fmt, act, d, n, which):
     idx = _idx(which, rng, n, pre)
     ref = reference(act, x, idx, rows)
     out = np.full(d, np.nan, np.float32)  # must be overwritten
-    K.ffn_rows(act, x, idx, rows, out, np.full((3, d), np.nan, np.float32))  # dispatches on rows.dtype
+    C.ffn_rows(act, x, idx, rows, out, np.full((3, d), np.nan, np.float32))  # dispatches on rows.dtype
     _close(out, ref)
     # out of shape (0,): the sum left in part's rows, rows of threads without neurons zeroed over stale values
     part = np.full((5, d), np.nan, np.float32)
-    K.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
+    C.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
     _close(part.sum(0), ref)
     # the device's reads in place (on the CPU: views), de-quantised by torch, with padding rows that add nothing
     ids = torch.from_numpy(np.concatenate([idx, np.zeros(3, np.int64)]))
@@ -116,7 +116,7 @@ def test_kernel_threads_do_not_change_the_result(fmt):
     x = rng.standard_normal(d).astype(np.float32)
     rows = gguf_rows(rng, "swiglu", d, n, fmt)
     idx = np.arange(n, dtype=np.int64)
-    outs = [K.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((t, d), np.float32))
+    outs = [C.ffn_rows("swiglu", x, idx, rows, np.empty(d, np.float32), np.empty((t, d), np.float32))
             for t in (1, 3, 7)]
     for o in outs[1:]:
         np.testing.assert_allclose(o, outs[0], rtol=1e-5, atol=1e-6)
@@ -217,7 +217,7 @@ def test_rows_from_a_gguf_file_are_read_in_place(tmp_path, fmt):
     assert np.shares_memory(rows.up, data[names[1]])  # in place: no copy
     x = rng.standard_normal(d).astype(np.float32)
     idx = np.flatnonzero(_w64(rows.gate, fmt) @ x > 0).astype(np.int64)
-    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32))
+    out = C.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32))
     _close(out, reference("reglu", x, idx, rows))
     np.testing.assert_array_equal(rows.up, gguf.quants.quantize(w[names[1]], QTYPE[fmt]))
 
@@ -261,7 +261,7 @@ def test_block_rows_refuse_bad_inputs():
     rows = C.ColdRows.from_blocks(None, q4, None, q4)
     x = np.zeros(96, np.float32)  # another d than the rows'
     with pytest.raises(ValueError, match="not Q8_0, Q4_0 or Q4_1 blocks of x's d weights"):
-        K.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
+        C.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
     assert set(C.COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0", "q4_1"}
 
 
@@ -329,7 +329,7 @@ def test_int_route_dots_within_the_bound_of_x_rounding(fmt, d, n):
 
 @pytest.mark.parametrize("act", ["swiglu", "relu"])
 def test_q4_1_rows_take_the_float_route_when_xq_asks_for_the_int_one(act):
-    """Q4_1 has no int route (kernels_q._int_route): cold_ffn_q and gemv_q with xq=True give the float route's result
+    """Q4_1 has no int route (cold_q._int_route): cold_ffn_q and gemv_q with xq=True give the float route's result
     bit for bit (one thread, so that both sum in one order), which equals float64 on the true x (not on x
     quantized)."""
     rng = np.random.default_rng(zlib.crc32(repr(("q4_1 xq", act)).encode()))
@@ -363,14 +363,14 @@ def test_float_route_is_the_default():
     x = rng.standard_normal(d).astype(np.float32)
     rows = gguf_rows(rng, "reglu", d, n, "q4_0")
     idx = np.arange(n, dtype=np.int64)
-    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
+    out = C.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
     np.testing.assert_allclose(out, reference("reglu", x, idx, rows), rtol=1e-5, atol=1e-6)
 
 
 _NO_AVX512 = """
 import numpy as np, gguf, torch
-from hotneurons.runtime import kernels as K, kernels_q as KQ, kernels_q_ir as I
-from hotneurons.runtime.cold_rows import ColdRows
+from hotneurons.kernels import cold_q as KQ, cold_q_ir as I
+from hotneurons.runtime.cold_rows import ColdRows, ffn_rows
 from hotneurons.weights.qtensor import QTensor
 assert not I.HAS_512 and not I.XQ_OK
 rng = np.random.default_rng(0)
@@ -387,7 +387,7 @@ for fmt in ("q8_0", "q4_0", "q4_1"):
     rows = ColdRows.from_blocks(*(QTensor(torch.from_numpy(a), fmt, (n, d)) for a in q[:2]), None,
                                 QTensor(torch.from_numpy(q[2]), fmt, (n, d)))
     idx = np.flatnonzero(rng.random(n) < 0.6).astype(np.int64)
-    out = K.ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
+    out = ffn_rows("reglu", x, idx, rows, np.empty(d, np.float32), np.empty((3, d), np.float32))
     ref = (np.maximum(g[idx] @ x, 0) * (u[idx] @ x)) @ dn[idx]
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-6 * np.abs(ref).max())
 print("ok")

@@ -1,4 +1,4 @@
-"""runtime/qlinear.py (the dispatcher, pack, the torch paths) and runtime/qgemv.py (the Triton GEMV and de-quantizer)
+"""kernels/qlinear.py (the dispatcher, pack, the torch paths) and kernels/qgemv.py (the Triton GEMV and de-quantizer)
 against float64: y = x @ dequantized(w).T + b, the weight de-quantized from its file bytes by this file's own numpy
 code (checked against gguf.quants where gguf is installed).
 
@@ -15,8 +15,8 @@ marked gpu run them compiled on big ones (70B's shapes, n not a power of two), i
 import numpy as np
 import pytest
 import torch
-from hotneurons.runtime import qgemv, qlinear
-from hotneurons.runtime.qlinear import GpuQ, add_linear, linear, pack
+from hotneurons.kernels import qgemv, qlinear
+from hotneurons.kernels.qlinear import GpuQ, add_linear, linear, pack
 from hotneurons.weights.formats import row_bytes
 from hotneurons.weights.qtensor import QTensor
 
@@ -159,7 +159,7 @@ def test_pack_keeps_the_bytes(fmt):
 @pytest.mark.parametrize("fmt", QFMTS)
 def test_kernel_order_is_the_documented_one(fmt):
     """One block whose quant j is j mod 16 (Q4_0, Q4_1) or j - 16 (Q8_0): the words pack's layout holds, read as
-    runtime/qgemv.py documents them (Q4_0, Q4_1: word i, nibble u = weight 4 u + i; Q8_0: word i, byte t = weight
+    kernels/qgemv.py documents them (Q4_0, Q4_1: word i, nibble u = weight 4 u + i; Q8_0: word i, byte t = weight
     16 (i // 4) + 4 t + i % 4); Q4_1's min goes to mins."""
     j = np.arange(32)
     if fmt != "q8_0":
@@ -208,7 +208,7 @@ def test_pack_float_and_refusals():
                                   "packed_q8_0"])
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_linear_cpu(form, m, monkeypatch):
-    """m 1, 3: a block QTensor through the Numba GEMV (kernels_q.gemv_q); 17: chunks de-quantized by torch."""
+    """m 1, 3: a block QTensor through the Numba GEMV (cold_q.gemv_q); 17: chunks de-quantized by torch."""
     rng = np.random.default_rng(m + 10 * len(form))
     n, k = 45, 96
     w = rng.standard_normal((n, k)).astype(np.float32)

@@ -194,3 +194,15 @@ def test_share_warning_rule():
     assert share_warning({**s, "mode": "dense"}) is None
     assert share_warning({**s, "profile_gpu_activation_share": None}) is None
     assert "warning" not in format_stats({**s, "profile_gpu_activation_share": None})
+
+
+def test_dtype_choices_are_the_formats_the_kernels_read():
+    """--cold-dtype and --gpu-dtype offer what the CPU and GPU kernels read (weights/formats.py), Q4_1 on both."""
+    from hotneurons.runtime.cold_rows import COLD_DTYPES
+    from hotneurons.weights.formats import FORMATS
+
+    choices = {p.name: set(p.type.choices) for p in main.params if p.name in ("cold_dtype", "gpu_dtype")}
+    assert choices["gpu_dtype"] == {"auto"} | {str(f) for f, s in FORMATS.items() if s.gpu_kernel}
+    assert choices["cold_dtype"] == {"auto", *COLD_DTYPES}
+    assert set(COLD_DTYPES) == {str(f) for f, s in FORMATS.items() if s.cpu_kernel}
+    assert "q4_1" in choices["gpu_dtype"] and "q4_1" in choices["cold_dtype"]

@@ -84,7 +84,7 @@ def test_cuda_static_decoder_graphs_equal_hf(family, tiny_model_dir):
 @pytest.mark.parametrize("ops", ["triton", "torch", "compile"])
 @pytest.mark.parametrize("family", ["llama-reglu", "qwen3-swiglu"])
 def test_cuda_pre_ops_equal_hf(family, ops, tiny_model_dir):
-    """RuntimeConfig.ops: the step's norms, residual, RoPE, attention, GEMVs and predictor as runtime/fused.py's Triton
+    """RuntimeConfig.ops: the step's norms, residual, RoPE, attention, GEMVs and predictor as kernels/fused.py's Triton
     kernels, torch's kernels or through torch.compile, captured in the layers' graphs: the tokens and logits of HF
     generate (Qwen3: its per-head q/k norms too). LLaMA-ReGLU with exact predictors: the masks reach their neurons."""
     lm = tiny.load_rounded(tiny_model_dir(family), family)

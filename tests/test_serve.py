@@ -17,7 +17,7 @@ from hotneurons.runtime.load import load_runtime
 
 pytest.importorskip("fastapi")  # a GPU image may lack the server's packages: its GPU tests still collect
 pytest.importorskip("uvicorn")
-from hotneurons.runtime.serve import ServeConfig, Server  # noqa: E402
+from hotneurons.server.serve import ServeConfig, Server  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -167,7 +167,7 @@ def test_openapi_page(server):
                                   "/v1/chat/completions"}
     schemas = spec["components"]["schemas"]
     common = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "stream",
-              "stream_options", "user"}  # the fields runtime/api.py reads (user: ignored), as docs/serve.md lists
+              "stream_options", "user"}  # the fields server/api.py reads (user: ignored), as docs/serve.md lists
     for path, name, own in (("/v1/completions", "CompletionRequest", ["prompt"]),
                             ("/v1/chat/completions", "ChatRequest", ["messages", "max_completion_tokens"])):
         post = spec["paths"][path]["post"]
@@ -279,7 +279,7 @@ def test_api_key(tiny_model_dir):
 
 
 def test_cli_refuses_bad_settings():
-    from hotneurons.runtime.serve_cli import main
+    from hotneurons.server.cli import main
 
     r = CliRunner().invoke(main, ["--model", "x", "--port", "70000"])
     assert r.exit_code != 0 and "--port 70000" in r.output

@@ -1,5 +1,5 @@
 """pi-serve streaming: a streamed response that reaches the client while the generation still runs, and the stop
-strings' matcher (runtime/api.py) that never sends part of a stop string. Helpers from test_serve.py."""
+strings' matcher (server/api.py) that never sends part of a stop string. Helpers from test_serve.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import http.client
 import json
 import threading
 
-from hotneurons.runtime.api import StopMatcher
 from hotneurons.runtime.generate import generate
+from hotneurons.server.api import StopMatcher
 from test_serve import DONE, FAMILY, PROMPT, client, health, running
 
 

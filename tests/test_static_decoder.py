@@ -7,7 +7,7 @@ import zlib
 import pytest
 import tiny
 import torch
-from hotneurons.runtime import ops
+from hotneurons.kernels import ops
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 from test_runtime import LOGIT_ATOL, NEW, PROMPT, always_on_predictors, make_placement
 

@@ -1,5 +1,5 @@
 """The decode step's device ops as torch functions (the reference), and `Ops`, the one dispatch between them, their
-torch.compile twins and runtime/fused.py's Triton kernels (same arguments, same roundings).
+torch.compile twins and kernels/fused.py's Triton kernels (same arguments, same roundings).
 
 The FFN's torch twin of the Numba kernels (`ffn_rows_torch`: hot rows, dense prefill, oracle masks) is here too.
 """
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from hotneurons.runtime.kernels import ACT_CODE, GATED
+from hotneurons.kernels.cold import ACT_CODE, GATED
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
 
@@ -47,7 +47,8 @@ def neuron_values(activation: str, x: torch.Tensor, gate: torch.Tensor | None, u
 
 def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                    b_up: torch.Tensor | None, down_t: torch.Tensor) -> torch.Tensor:
-    """Torch twin of kernels.ffn_rows over all given rows: (tokens, d) -> (tokens, d), in x's dtype and device."""
+    """Torch twin of the Numba cold kernels (runtime/cold_rows.ffn_rows) over all given rows: (tokens, d) ->
+    (tokens, d), in x's dtype and device."""
     return neuron_values(activation, x, gate, up, b_up) @ down_t  # (tokens, n) @ (n, d)
 
 
@@ -63,7 +64,7 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: to
     decisions; the first n_cold rows' decisions (HybridFFN orders fc2's rows cold neurons first), where given, into
     m_dev (n_cold,) bool and into m_host packed as bits, bit b of byte i = row 8 i + b (uint8, at least
     ceil(n_cold / 8) bytes: the first ceil(n_cold / 8) written, the bits past n_cold zero, the bytes after left
-    alone; kernels.bit_indices reads them). fused.predict is its Triton twin."""
+    alone; cold.bit_indices reads them). fused.predict is its Triton twin."""
     logits = F.linear(torch.relu(F.linear(x, fc1)), fc2)  # (rows,)
     full = logits >= threshold.to(logits.dtype)  # (rows,) bool
     fired += full
@@ -151,7 +152,7 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 class Ops:
     """The ops of a decode step's graphs, as functions of tensors, by name in OPS: "torch" (the reference, and what the
     CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each into one or a few kernels
-    (the GEMVs stay cuBLAS; bench/pre_compile.py); "triton", the hand-written kernels of runtime/fused.py, GEMVs
+    (the GEMVs stay cuBLAS; bench/pre_compile.py); "triton", the hand-written kernels of kernels/fused.py, GEMVs
     included (one or two kernels each)."""
 
     residual_norm: Callable = residual_norm
@@ -169,7 +170,7 @@ class Ops:
         if name == "compile":
             return cls(*(torch.compile(f) for f in (residual_norm, weighted_rms, rope_cache, attend, predict)))
         if name == "triton":
-            from hotneurons.runtime import fused
+            from hotneurons.kernels import fused
 
             return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend, fused.predict,
                        fused.linear, fused.add_linear)

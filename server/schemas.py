@@ -1,6 +1,6 @@
 """pydantic models of pi-serve's requests and responses, for the OpenAPI page (/docs) only.
 
-The server checks requests with runtime/api.py, whose rules and error codes are the API's; these models describe
+The server checks requests with server/api.py, whose rules and error codes are the API's; these models describe
 the same fields for people and tools (tests/test_serve.py checks that they name only fields api.py reads).
 """
 

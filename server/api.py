@@ -1,6 +1,6 @@
 """The OpenAI API's shapes for pi-serve: request checking, stop strings, response bodies and stream chunks.
 
-No HTTP here (runtime/app.py speaks it), so every rule is testable on plain dicts. Requests follow the OpenAI
+No HTTP here (server/app.py speaks it), so every rule is testable on plain dicts. Requests follow the OpenAI
 completions and chat completions APIs; `top_k` and `repetition_penalty` are extensions. Parameters the runtime
 cannot honour are refused when set to anything but their neutral value (a client that asks for logprobs or a
 frequency penalty is told, instead of silently getting something else); unknown fields are ignored, as most

@@ -10,7 +10,7 @@ A row of d weights (d a multiple of 32) is d / 32 blocks, (n, row_bytes) uint8 p
 up and down_t (the down projection transposed). The kernels tell the format from the rows' width (row_bytes is
 d / 32 * 34, * 18 or * 20; no width is two of them for one d) and each thread runs the code compiled for that format.
 
-The contract is kernels.cold_ffn's and kernels.cold_layer's without `scale` and `group` (runtime/kernels.py: work
+The contract is cold.cold_ffn's and cold.cold_layer's without `scale` and `group` (kernels/cold.py: work
 claimed CHUNK neurons at a time from an atomic counter, four neurons' gate and up rows read in one pass of eight rows,
 then their down rows, per-thread partial sums in `part`, `out` of shape (0,) leaves the sum there; the GIL released):
   cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ)
@@ -18,7 +18,7 @@ then their down rows, per-thread partial sums in `part`, `out` of shape (0,) lea
 and a dense GEMV over all rows, parallel over groups of eight rows (CPU-only decode of 4-bit attention weights):
   gemv_q(x, rows, out, fmt, xq=False)
 
-Two routes for the gate and up dots (runtime/kernels_q_ir.py has the row math):
+Two routes for the gate and up dots (kernels/cold_q_ir.py has the row math):
   xq=False (float): float32 arithmetic on the file's weights (every d * (q - 8) and d * q is exact in float32; a
     Q4_1 weight d * q + m is rounded once, to the float32 that gguf-py's de-quantizer gives), as the float64
     reference up to float32 sums: the route that exactness tests (tests/test_engine.py) rely on.
@@ -26,7 +26,7 @@ Two routes for the gate and up dots (runtime/kernels_q_ir.py has the row math):
     per weight and a float32 scale per 32, `quantize_x`), the block dots in integers (AVX-512 VNNI). It adds x's
     rounding error: a dot differs from the float route's by at most sum over blocks of d_x / 2 * sum |w| (d_x =
     max|x| / 127 of the block; tests/test_kernels_q.py checks that bound). Only where the compile target has the
-    instructions (kernels_q_ir.XQ_OK), and for Q4_0 and Q8_0 rows only; elsewhere (Q4_1 rows: their min would need a
+    instructions (cold_q_ir.XQ_OK), and for Q4_0 and Q8_0 rows only; elsewhere (Q4_1 rows: their min would need a
     second per-block term) xq=True runs the float route (`_int_route`).
 XQ, the default, is the float route unless HOTNEURONS_COLD_XQ=1 in the environment at import (and XQ_OK): the int
 route changes results, so it is asked for, not assumed. The down rows (axpys) are float32 on both routes.
@@ -44,8 +44,8 @@ same pattern (bench read_rows: no arithmetic), which is what bounds it now: 4.6 
 against the float route's 7) computes 1.1-1.5x as fast with rows in the cache, but in DRAM it matches the float route
 at 10-20% of rows active and trails it at 5% (the per-call quantization of x).
 
-Numba's cache (cache=True) checks only this file: after editing kernels.py, kernels_q_ir.py, activations.py or
-intrinsics.py, delete runtime/__pycache__ (or touch this file), or the cached kernels keep the old code.
+Numba's cache (cache=True) checks only this file: after editing cold.py, cold_q_ir.py, activations.py or
+intrinsics.py, delete kernels/__pycache__ (or touch this file), or the cached kernels keep the old code.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hotneurons.runtime.activations import _gated_value, _ungated_value
-from hotneurons.runtime.intrinsics import _fetch_add, _store_release
-from hotneurons.runtime.kernels import (
+from hotneurons.kernels.activations import _gated_value, _ungated_value
+from hotneurons.kernels.cold import (
     CHUNK,
     FIRST_GATED,
     SPINS,
@@ -66,7 +65,7 @@ from hotneurons.runtime.kernels import (
     bit_indices,
     wait_ready,
 )
-from hotneurons.runtime.kernels_q_ir import (
+from hotneurons.kernels.cold_q_ir import (
     BLOCK,
     BLOCK_BYTES,
     F16_TO_F32,
@@ -77,6 +76,7 @@ from hotneurons.runtime.kernels_q_ir import (
     rows_axpy,
     rows_dot,
 )
+from hotneurons.kernels.intrinsics import _fetch_add, _store_release
 from numba import njit, prange
 
 FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
@@ -106,7 +106,7 @@ def _int_route(xq, fmt):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# x quantized for the int route (kernels_q_ir's XQ_LAYOUT)
+# x quantized for the int route (cold_q_ir's XQ_LAYOUT)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -136,7 +136,7 @@ def quantize_x(x, q, dx):
 
 @njit(nogil=True, cache=True)
 def _xq_buffers(x, fmt, use):
-    """The int route's (xb, corr, dxv) for x in `fmt`'s layout (kernels_q_ir XQ_LAYOUT); empty when not `use`."""
+    """The int route's (xb, corr, dxv) for x in `fmt`'s layout (cold_q_ir XQ_LAYOUT); empty when not `use`."""
     nb = x.shape[0] // BLOCK
     n = (nb + 3) // 4 * 4 * BLOCK if use else 0  # weights in whole steps (4 blocks; 2 for Q8_0 fit too)
     xb, corr, dxv = np.zeros(n, np.int8), np.zeros(n // 4, np.int32), np.zeros(n // 4, np.float32)
@@ -161,7 +161,7 @@ def _xq_buffers(x, fmt, use):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Neurons (kernels.py's _gated4 / _ungated4 / _down4 over blocks). xs: (x,) or the int route's (xb, corr, dxv).
+# Neurons (cold.py's _gated4 / _ungated4 / _down4 over blocks). xs: (x,) or the int route's (xb, corr, dxv).
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -271,10 +271,10 @@ def _work(xs, idx, gate, up, b_up, down_t, lut, acc, act, gated, counter, head, 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREFETCH_AHEAD):
-    """kernels.cold_ffn over block rows: out (d,) = sum over j in idx of h_j(x) * down_t[j] (or, with out of shape
+    """cold.cold_ffn over block rows: out (d,) = sum over j in idx of h_j(x) * down_t[j] (or, with out of shape
     (0,), part's rows hold that sum). x (d,) float32, idx (k,) int64, gate / up / down_t (n, row_bytes) uint8
     (gate: any such array for ungated FFNs, never read), b_up (n,) float32, part (threads, d) float32 scratch,
-    act: kernels.ACT_CODE, xq: the int route (module docstring), ahead: PREFETCH_AHEAD (0 to 3)."""
+    act: cold.ACT_CODE, xq: the int route (module docstring), ahead: PREFETCH_AHEAD (0 to 3)."""
     d, k = x.shape[0], idx.shape[0]
     gated = act >= FIRST_GATED
     fmt = _check(x, gate, up, down_t, part, out, gated)
@@ -309,7 +309,7 @@ def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREF
 
 @njit(nogil=True, cache=True)
 def cold_layer_q(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, part, out, act, marks, xq=XQ):
-    """kernels.cold_layer over block rows (its arguments less `scale` and `group`): wait for ready[i] (i >= 0), the
+    """cold.cold_layer over block rows (its arguments less `scale` and `group`): wait for ready[i] (i >= 0), the
     packed mask -> idx[:k], cold_ffn_q over idx[skip:k], marks += (1, k), release[i] = 1. Returns k, or -1 when no
     signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):

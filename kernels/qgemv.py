@@ -1,4 +1,4 @@
-"""Triton kernels over 4- and 8-bit block weights in runtime/qlinear.py's GPU layout (`GpuQ`).
+"""Triton kernels over 4- and 8-bit block weights in kernels/qlinear.py's GPU layout (`GpuQ`).
 
 The layout: an (n, k) Q4_0, Q4_1 or Q8_0 weight split, once at load, into two tensors (three for Q4_1) with the GGUF
 file's bytes:

@@ -6,7 +6,7 @@ A weight is one of
                 Q4_0 / Q4_1 / Q8_0 (and the formats weights/quants.py reads) are de-quantized in chunks of rows and
                 multiplied (correct and memory-bounded, not fast: the CPU's path, and a GPU's before `pack`)
   GpuQ          (n, k) Q4_0 / Q4_1 / Q8_0 split once by `pack` into contiguous quants (reordered within each block) and
-                block-major fp16 scales (and Q4_1's fp16 mins), the file's bytes (runtime/qgemv.py says how and why)
+                block-major fp16 scales (and Q4_1's fp16 mins), the file's bytes (kernels/qgemv.py says how and why)
 
 and `linear(x, w, bias)` runs, for x (..., k) -> (..., n) in x's dtype:
   CUDA, GpuQ, <= qgemv.GEMV_MAX_ROWS tokens (decode): qgemv's Triton GEMV, reading the weight's bytes once, sums in
@@ -51,7 +51,7 @@ def _head(fmt: WeightFormat) -> int:
 
 @dataclass(frozen=True)
 class GpuQ:
-    """An (n, k) Q4_0, Q4_1 or Q8_0 weight in the GEMV's layout (runtime/qgemv.py): qs (n, k/2) uint8 (Q4_0, Q4_1)
+    """An (n, k) Q4_0, Q4_1 or Q8_0 weight in the GEMV's layout (kernels/qgemv.py): qs (n, k/2) uint8 (Q4_0, Q4_1)
     or (n, k) int8 (Q8_0), row-major, each block's quants in the kernel order; scales (n, k/32) fp16, block-major
     (stride (1, n): given otherwise, they are copied so); mins (Q4_1 only) as scales. Any device; rows of one
     (`rows`) are views."""
@@ -134,7 +134,7 @@ Weight = torch.Tensor | QTensor | GpuQ
 
 
 def to_kernel_order(qs: torch.Tensor, q4: bool) -> torch.Tensor:
-    """(rows, nb, 16 | 32) uint8 blocks' quants, file order -> kernel order (runtime/qgemv.py); a new tensor. q4: the
+    """(rows, nb, 16 | 32) uint8 blocks' quants, file order -> kernel order (kernels/qgemv.py); a new tensor. q4: the
     nibbles of Q4_0 and Q4_1 (one layout), else Q8_0's bytes."""
     rows, nb, bb = qs.shape
     if q4:  # file: byte j = weights j (low), 16 + j (high); kernel: byte 4 i + t = weights 8 t + i (low), 8 t + 4 + i
@@ -241,7 +241,7 @@ def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out
     xc = x2.to(dtype)
     buf = torch.empty((step, k), dtype=dtype, device=w.device) if kernels else None  # (rows, k) the one chunk
     if kernels:
-        from hotneurons.runtime import qgemv
+        from hotneurons.kernels import qgemv
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         if kernels:
@@ -280,7 +280,7 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
         else:
             torch.addmm(bias.to(x.dtype), x2, wt.t(), out=out2)
     elif isinstance(w, GpuQ) and _on_kernels(x) and x2.shape[0] <= _gemv_rows():
-        from hotneurons.runtime import qgemv
+        from hotneurons.kernels import qgemv
 
         qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add,
                    mins=w.mins)
@@ -296,8 +296,8 @@ CPU_GEMV_ROWS = 4  # tokens up to which the CPU reads a block weight once per to
 
 def _cpu_gemv(x2: torch.Tensor, w: QTensor, bias: torch.Tensor | None, out2: torch.Tensor, add: bool) -> None:
     """out2 (m, n) = (or +=) x2 (m, k) @ w.T + bias on the CPU, one Numba GEMV per token over the stored blocks
-    (runtime/kernels_q.gemv_q): no float copy of the weight, in float32."""
-    from hotneurons.runtime.kernels_q import gemv_q
+    (kernels/cold_q.py: gemv_q): no float copy of the weight, in float32."""
+    from hotneurons.kernels.cold_q import gemv_q
 
     rows = w.data.numpy()  # (n, row bytes) uint8, the file's blocks (a view)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32)  # (m, n)
@@ -312,7 +312,7 @@ def _cpu_gemv(x2: torch.Tensor, w: QTensor, bias: torch.Tensor | None, out2: tor
 
 
 def _gemv_rows() -> int:
-    from hotneurons.runtime.qgemv import GEMV_MAX_ROWS
+    from hotneurons.kernels.qgemv import GEMV_MAX_ROWS
 
     return GEMV_MAX_ROWS
 

@@ -1,10 +1,10 @@
-"""Numba intrinsics written in LLVM IR, each an instruction or two inlined where it is called (runtime/kernels.py,
-runtime/dram.py): a stored weight widened to float32 (`_widen`: a bf16 pattern's bitcast), atomics on a shared counter
+"""Numba intrinsics written in LLVM IR, each an instruction or two inlined where it is called (kernels/cold.py,
+kernels/dram.py): a stored weight widened to float32 (`_widen`: a bf16 pattern's bitcast), atomics on a shared counter
 (`_fetch_add`) and on the int32 flags that the GPU's graphs share with the host (`_load_acquire`, `_store_release`),
 and count-trailing-zeros (`_ctz`).
 
 Numba's cache (cache=True) checks only the calling kernel's own file: after editing this module, delete
-runtime/__pycache__ (or touch runtime/kernels.py), or the cached kernels keep the old code.
+kernels/__pycache__ (or touch kernels/cold.py), or the cached kernels keep the old code.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Numba kernels for the cold FFN neurons of one batch-1 token (their torch twin: ops.ffn_rows_torch), and the CPU's
 side of the flags it shares with the GPU's graphs (`cold_layer`).
 
-Cold rows live in CPU RAM (`cold_rows.ColdRows`), one contiguous row per neuron and matrix: `gate` and `up` rows
-(n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active neuron
-reads three contiguous rows. They are stored as bfloat16 bit patterns (uint16: Numba has no 16-bit float type), or
-as int8 with a float32 scale per group of INT8_GROUP weights of a row (1.0625 bytes a weight, as llama.cpp's Q8_0).
-Each element is widened to float32 inside the dot and axpy loops, each group's scale is applied once per group (bf16:
-one group of d with scale 1), and all arithmetic is float32.
+Cold rows live in CPU RAM (`ColdRows`, runtime/cold_rows.py), one contiguous row per neuron and matrix: `gate` and `up`
+rows (n_cold, d_model) and the down projection transposed, `down_t` (n_cold, d_model), so that every active neuron reads
+three contiguous rows. They are stored as bfloat16 bit patterns (uint16: Numba has no 16-bit float type), or as int8
+with a float32 scale per group of INT8_GROUP weights of a row (1.0625 bytes a weight, as llama.cpp's Q8_0). Each element
+is widened to float32 inside the dot and axpy loops, each group's scale is applied once per group (bf16: one group of d
+with scale 1), and all arithmetic is float32.
 
 Work split: threads take CHUNK neurons of the active list at a time from a shared atomic counter (a fixed contiguous
 share each left the call waiting for its slowest thread; bench/NOTES.md), and the last TAIL per thread 4 at a time
@@ -41,16 +41,11 @@ bias is added by the caller once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numba
 import numpy as np
-from hotneurons.runtime.activations import _gated_value, _ungated_value
-from hotneurons.runtime.intrinsics import _ctz, _fetch_add, _load_acquire, _store_release, _widen
+from hotneurons.kernels.activations import _gated_value, _ungated_value
+from hotneurons.kernels.intrinsics import _ctz, _fetch_add, _load_acquire, _store_release, _widen
 from numba import njit, prange
-
-if TYPE_CHECKING:
-    from hotneurons.runtime.cold_rows import ColdRows
 
 GATED = ("reglu", "drelu", "swiglu", "geglu")
 CHUNK = 8  # active neurons a thread takes at a time, read four at once (kernel_variants quad8)
@@ -375,23 +370,6 @@ def pack_mask(mask: np.ndarray) -> np.ndarray:
     out = np.zeros(mask_bytes(mask.shape[0]), np.uint8)
     packed = np.packbits(mask, bitorder="little")  # (ceil(n / 8),)
     out[:packed.shape[0]] = packed
-    return out
-
-
-def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: "ColdRows", out: np.ndarray,
-             part: np.ndarray | None = None) -> np.ndarray:
-    """CPU backend: out (d,) float32 = sum over neurons j in idx of h_j(x) * down_t[j].
-
-    part: (threads, d) float32 scratch for the per-thread partial sums (made here if None); its row count is the
-    number of threads that share the active list."""
-    if part is None:
-        part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
-    if rows.fmt:  # llama.cpp blocks (q8_0, q4_0): their own kernel (imported here: kernels_q imports this module)
-        from hotneurons.runtime.kernels_q import cold_ffn_q
-        cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, ACT_CODE[activation])
-        return out
-    cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
-             ACT_CODE[activation])
     return out
 
 

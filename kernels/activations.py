@@ -1,9 +1,9 @@
-"""The cold kernels' activations (runtime/kernels.py) as float32 Numba scalar functions, and a neuron's value h from
-its activation code (kernels.ACT_CODE: 0 relu, 1 gelu, 2 reglu, 3 drelu, 4 swiglu, 5 geglu): ungated
+"""The cold kernels' activations (kernels/cold.py) as float32 Numba scalar functions, and a neuron's value h from
+its activation code (cold.ACT_CODE: 0 relu, 1 gelu, 2 reglu, 3 drelu, 4 swiglu, 5 geglu): ungated
 h = act(up_j . x + b_j), gated h = act(gate_j . x) * up_j . x (drelu: relu of both).
 
 Numba's cache (cache=True) checks only the calling kernel's own file: after editing this module, delete
-runtime/__pycache__ (or touch runtime/kernels.py), or the cached kernels keep the old code.
+kernels/__pycache__ (or touch kernels/cold.py), or the cached kernels keep the old code.
 """
 
 from __future__ import annotations

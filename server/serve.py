@@ -1,7 +1,7 @@
 """`pi-serve`: an OpenAI-compatible HTTP server over the batch-1 runtime, on FastAPI and uvicorn.
 
 One worker thread owns the runtime and runs one generation at a time; requests wait in a FIFO queue bounded by
-`max_queue` (503 beyond it). The HTTP side (runtime/app.py) runs on uvicorn's event loop: each request is read,
+`max_queue` (503 beyond it). The HTTP side (server/app.py) runs on uvicorn's event loop: each request is read,
 checked and tokenised (in a thread of the loop's pool), queued as a `Job`, and the worker's events for it come
 back to the loop through `Events`. A client that leaves is noticed by its request (the ASGI disconnect message):
 a queued job is dropped and its slot freed at once, a running one stops at the next token through `generate`'s
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
-from hotneurons.runtime import api
-from hotneurons.runtime.api import ApiError, Result, StopMatcher
-from hotneurons.runtime.app import Events, make_app
 from hotneurons.runtime.generate import Runtime, context_length, eos_ids, generate, prompt_ids
 from hotneurons.runtime.sampling import Sampling
+from hotneurons.server import api
+from hotneurons.server.api import ApiError, Result, StopMatcher
+from hotneurons.server.app import Events, make_app
 
 log = logging.getLogger("hotneurons.serve")
 

@@ -1,7 +1,7 @@
-"""pi-serve's HTTP side: the FastAPI application over a `Server` (runtime/serve.py).
+"""pi-serve's HTTP side: the FastAPI application over a `Server` (server/serve.py).
 
-Request bodies are read raw and checked by runtime/api.py alone (its messages and codes are the API's), not by
-FastAPI: the pydantic models of runtime/schemas.py only describe them on the OpenAPI page (/docs). Every error
+Request bodies are read raw and checked by server/api.py alone (its messages and codes are the API's), not by
+FastAPI: the pydantic models of server/schemas.py only describe them on the OpenAPI page (/docs). Every error
 is answered in OpenAI's shape, 404 and 405 included. A streamed response sends its headers when the generation
 starts, so that a request refused while it waits still gets a plain JSON error.
 """
@@ -19,14 +19,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
-from hotneurons.runtime import api, schemas
-from hotneurons.runtime.api import ApiError, Reply, Result
+from hotneurons.server import api, schemas
+from hotneurons.server.api import ApiError, Reply, Result
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from hotneurons.runtime.serve import Job, Server
+    from hotneurons.server.serve import Job, Server
 
 log = logging.getLogger("hotneurons.serve")
 

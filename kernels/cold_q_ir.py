@@ -1,7 +1,7 @@
-"""The row math of runtime/kernels_q.py as LLVM vector IR (Numba intrinsics): dots of 1, 4 or 8 block rows with x in
+"""The row math of kernels/cold_q.py as LLVM vector IR (Numba intrinsics): dots of 1, 4 or 8 block rows with x in
 one pass, and axpys (acc += h * row) of 1 or 4 rows, each prefetching other rows (the next neurons') in step.
 
-Rows are llama.cpp blocks (kernels_q's docstring): Q8_0 (fp16 scale d, 32 int8 q), Q4_0 (d, 16 bytes of nibbles:
+Rows are llama.cpp blocks (cold_q's docstring): Q8_0 (fp16 scale d, 32 int8 q), Q4_0 (d, 16 bytes of nibbles:
 weight j in byte j's low nibble, weight j + 16 in its high one; w = d (q - 8)) and Q4_1 (d, fp16 min m, Q4_0's 16
 bytes; w = d q + m). A scale d (and a min m) is read through F16_TO_F32 (65536 float32: every fp16 pattern's value),
 one load from memory that the multiply broadcasts, instead of a vcvtph2ps and a broadcast per block and row.
@@ -19,7 +19,7 @@ Two routes for the dots (the axpys are float32 only):
     weights' offset, a per-call constant that seeds the accumulator). Q8_0: two blocks; w + 128 (unsigned, an xor)
     against q_x, corr = -128 * that sum. About three instructions per 32 weights against the float route's seven.
     Only where the compile target has AVX-512 BW/VL/VBMI/VNNI (XQ_OK), and not for Q4_1 (its min would need a second
-    per-block term; dot_typer refuses the pair, and kernels_q runs Q4_1 rows on the float route whatever xq says).
+    per-block term; dot_typer refuses the pair, and cold_q runs Q4_1 rows on the float route whatever xq says).
 
 Without AVX-512 (F and BW), the Q4 table lookups fall back to integer -> float conversions (slower, same values).
 Loops step four Q4_0 blocks (two Q8_0 blocks in the int route) at a time with one or two prefetches per row and step;

@@ -1,4 +1,4 @@
-"""`pi-serve`: thin click command over `Server` (runtime/serve.py); the model flags are pi-generate's."""
+"""`pi-serve`: thin click command over `Server` (server/serve.py); the model flags are pi-generate's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import click
 from hotneurons.runtime.cli import open_runtime, runtime_options
-from hotneurons.runtime.serve import ServeConfig, serve
+from hotneurons.server.serve import ServeConfig, serve
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,5 +1,5 @@
 """The DRAM read ceiling as the cold kernels see it: a reduction over 16 KiB rows in random order, four at once per
-thread, threads taking eight rows at a time from a shared counter (runtime/kernels.py reads cold rows that way).
+thread, threads taking eight rows at a time from a shared counter (kernels/cold.py reads cold rows that way).
 One core reading one sequential stream keeps fewer reads in flight, so sequential reductions under-read DRAM
 (bench/NOTES.md). hotneurons.common.hardware and bench_ceilings use it."""
 
@@ -9,7 +9,7 @@ import functools
 import time
 
 import numpy as np
-from hotneurons.runtime.intrinsics import _fetch_add
+from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
 
 

@@ -1,0 +1,3 @@
+from hotneurons.server.cli import main
+
+main()
