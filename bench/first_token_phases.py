@@ -34,7 +34,7 @@ TIMED = (
     ("hotneurons.kernels.qlinear", "pack", 3, "hot rows split for the kernels (qlinear.pack)"),
     ("hotneurons.weights.gguf_source", "GGUFSource.tokenizer", 1, "tokenizer"),
     ("hotneurons.runtime.balance", "pcie_share", 1, "PCIe share measured at start"),
-    ("hotneurons.runtime.cli", "generate", 0, "generate: prefill and the first token"),
+    ("hotneurons.runtime.generate", "generate", 0, "generate: prefill and the first token"),
     ("hotneurons.runtime.hybrid_ffn", "HybridFFN.forward", 1, "FFNs (HybridFFN.forward)"),
 )
 
@@ -117,7 +117,7 @@ def run(argv: list[str]) -> dict:
     main_s, main_cpu = time.perf_counter() - t, time.process_time() - c
     rows = [{"name": "interpreter start", "label": "python starts, until this module runs", "depth": 0,
              "calls": 1, "seconds": before, "cpu_seconds": None},
-            {"name": "imports", "label": "import hotneurons.runtime.cli (torch, numba, our modules)", "depth": 0,
+            {"name": "imports", "label": "import the engine's modules (torch, numba, ours)", "depth": 0,
              "calls": 1, "seconds": imports, "cpu_seconds": imports_cpu}]
     rows += [{"name": k, **v} for k, v in timers.rows.items() if v["calls"]]
     top = [r for r in rows if r["depth"] == 0 and r["name"] not in ("interpreter start", "imports")]

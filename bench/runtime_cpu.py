@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
-from hotneurons.runtime.generate import PRESETS, generate, prompt_ids
+from hotneurons.runtime.config import PRESETS
+from hotneurons.runtime.generate import generate, prompt_ids
 from hotneurons.runtime.load import load_runtime
 
 PROMPT = "Explain in a few sentences why the sky is blue."

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from hotneurons.kernels.cold import ACT_CODE, GATED
+from hotneurons.kernels.names import OPS
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
 
@@ -177,7 +178,6 @@ class Ops:
         raise ValueError(f"unknown ops {name!r}: known are {', '.join(OPS)}")
 
 
-OPS = ("torch", "compile", "triton")
 
 
 def default_ops(device: torch.device) -> str:

@@ -7,14 +7,14 @@ import json
 import sys
 
 import click
-from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
-from hotneurons.kernels.ops import OPS
-from hotneurons.runtime.cold_rows import COLD_DTYPES
-from hotneurons.runtime.generate import MODES, Runtime, RuntimeConfig, generate, prompt_ids
-from hotneurons.runtime.load import load_runtime
-from hotneurons.runtime.sampling import Sampling
+from hotneurons.common.schema import ArtifactError
+from hotneurons.kernels.names import COLD_DTYPES, OPS
+from hotneurons.runtime.config import MODES, RuntimeConfig
 from hotneurons.weights.formats import GPU_DTYPES
+
+# torch, numba and transformers load after the flags are parsed (--help answers at once): the engine's modules are
+# imported where they are used, as modules, so that tests and benchmarks can wrap their functions
 
 
 def _bytes(text: str | None) -> int | None:
@@ -140,8 +140,11 @@ def runtime_options(f):
 
 def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
                  gpu_dtype, threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
-                 trust_remote_code) -> Runtime:
-    """Load and lay out the model that `runtime_options` describe; errors become one-line click errors."""
+                 trust_remote_code):
+    """Load and lay out the model that `runtime_options` describe (a runtime.generate.Runtime); errors become
+    one-line click errors."""
+    from hotneurons.runtime.load import load_runtime
+
     if run_dir is None and model is None:
         raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     try:
@@ -175,6 +178,9 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 
     Example: pi-generate --run runs/SmolLM2-135M-Instruct --prompt "The capital of France is" -n 64
     """
+    from hotneurons.runtime import generate as gen
+    from hotneurons.runtime.sampling import Sampling
+
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, seed)
     try:
         with stdout_to_stderr(as_json):
@@ -183,9 +189,9 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
                 return _chat_loop(rt, max_new_tokens, sampling)
             if prompt is None:
                 prompt = sys.stdin.read()
-            ids = prompt_ids(rt, prompt, chat)
+            ids = gen.prompt_ids(rt, prompt, chat)
             stream = None if as_json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-            g = generate(rt, ids, max_new_tokens, sampling, on_text=stream)
+            g = gen.generate(rt, ids, max_new_tokens, sampling, on_text=stream)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e))
     except KeyboardInterrupt:
@@ -197,7 +203,9 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
         click.echo(format_stats(g.stats), err=True)
 
 
-def _chat_loop(rt, max_new_tokens: int, sampling: Sampling) -> None:
+def _chat_loop(rt, max_new_tokens: int, sampling) -> None:
+    from hotneurons.runtime import generate as gen
+
     messages: list[dict] = []
     while True:
         try:
@@ -207,7 +215,7 @@ def _chat_loop(rt, max_new_tokens: int, sampling: Sampling) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        g = generate(rt, prompt_ids(rt, messages, chat=True), max_new_tokens, sampling,
+        g = gen.generate(rt, gen.prompt_ids(rt, messages, chat=True), max_new_tokens, sampling,
                      on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         messages.append({"role": "assistant", "content": g.text})
         click.echo("")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
 from hotneurons.kernels.cold_q import cold_ffn_q
+from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, ROW_DTYPES  # noqa: F401  (re-exported)
 from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
@@ -22,9 +23,6 @@ from hotneurons.weights.quants import dequantize, quantize
 # ---------------------------------------------------------------------------------------------------------------
 # Cold-row storage: bf16 (default), int8 with a scale per group of INT8_GROUP weights, or llama.cpp's blocks
 
-ROW_DTYPES = ("bf16", "int8")  # rows of one stored type per weight, scales apart (cold.cold_ffn)
-BLOCK_DTYPES = ("q8_0", "q4_0", "q4_1")  # rows of 32-weight blocks, scales (and mins) inside (cold_q.cold_ffn_q)
-COLD_DTYPES = ROW_DTYPES + BLOCK_DTYPES
 QUANT_CHUNK = 4096  # rows quantised at a time (bounds the float32 temporary)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
-from hotneurons.runtime.generate import PRESETS, Runtime, RuntimeConfig, build_runtime, device_and_dtype
+from hotneurons.runtime.config import PRESETS, RuntimeConfig
+from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
 from hotneurons.runtime.placement import Placement
 
 

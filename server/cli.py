@@ -6,7 +6,7 @@ import logging
 
 import click
 from hotneurons.runtime.cli import open_runtime, runtime_options
-from hotneurons.server.serve import ServeConfig, serve
+from hotneurons.server.config import ServeConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,6 +36,8 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, *
     except ValueError as e:
         raise click.UsageError(str(e))
     rt = open_runtime(**runtime)
+    from hotneurons.server.serve import serve
+
     serve(rt, cfg, ready=lambda s: click.echo(f"pi-serve: {s.model_id} ({rt.mode} on {rt.device}) at {s.url}/v1, "
                                               f"queue {cfg.max_queue}, Ctrl-C stops", err=True))
 

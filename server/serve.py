@@ -28,33 +28,13 @@ from hotneurons.runtime.sampling import Sampling
 from hotneurons.server import api
 from hotneurons.server.api import ApiError, Result, StopMatcher
 from hotneurons.server.app import Events, make_app
+from hotneurons.server.config import ServeConfig
 
 log = logging.getLogger("hotneurons.serve")
 
 SHUTTING_DOWN = "the server is shutting down: retry on another one"
 IDLE_S = 60.0  # an idle keep-alive connection is closed after this long
 GRACE_S = 10.0  # on shutdown, how long responses still being sent may take before they are cut
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080  # 0: any free port (tests)
-    api_key: str | None = None  # set: every /v1 request needs "Authorization: Bearer <key>"
-    max_queue: int = 16  # requests waiting behind the running one; more are answered 503
-    timeout: float | None = 600.0  # seconds from arrival to the last token (queue wait included); None: no limit
-    max_tokens: int = 256  # for requests that name none (OpenAI's own default for completions is 16)
-    model_id: str | None = None  # the name /v1/models lists and responses carry (default: the model's name)
-
-    def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port {self.port} is out of range: use 0-65535")
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue {self.max_queue} is negative: use 0 (only the running request) or more")
-        if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"--timeout {self.timeout} must be positive (seconds); 0 on the command line: no limit")
-        if self.max_tokens < 1:
-            raise ValueError(f"--max-tokens {self.max_tokens} must be at least 1")
 
 
 @dataclass(eq=False)

@@ -100,16 +100,16 @@ def test_no_run_no_model():
 
 def test_interactive_chat_keeps_the_conversation(opt_run, monkeypatch):
     """-i: each line is a user turn; the prompt of turn 2 holds turn 1 and its answer; an empty line ends."""
-    import hotneurons.runtime.cli as cli
+    import hotneurons.runtime.generate as gen
 
     prompts = []
-    real = cli.prompt_ids
+    real = gen.prompt_ids
 
     def spy(rt, prompt, chat=False):
         prompts.append((prompt if isinstance(prompt, str) else [dict(m) for m in prompt], chat))
         return real(rt, prompt, chat)
 
-    monkeypatch.setattr(cli, "prompt_ids", spy)
+    monkeypatch.setattr(gen, "prompt_ids", spy)
     r = CliRunner().invoke(main, ["--run", str(opt_run), "--device", "cpu", "-n", "4", "-i"],
                            input="Hello there\nAnd again\n\nnot read\n")
     assert r.exit_code == 0, r.output
@@ -206,3 +206,15 @@ def test_dtype_choices_are_the_formats_the_kernels_read():
     assert choices["cold_dtype"] == {"auto", *COLD_DTYPES}
     assert set(COLD_DTYPES) == {str(f) for f, s in FORMATS.items() if s.cpu_kernel}
     assert "q4_1" in choices["gpu_dtype"] and "q4_1" in choices["cold_dtype"]
+
+
+@pytest.mark.parametrize("module", ["hotneurons.runtime.cli", "hotneurons.server.cli"])
+def test_help_imports_no_torch(module):
+    """pi-generate and pi-serve parse their flags before torch, numba or transformers load: --help answers at once."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; from {module} import main; main(['--help'], standalone_mode=False); "
+            f"print(sorted(m for m in ('torch', 'numba', 'transformers', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
