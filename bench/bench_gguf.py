@@ -16,7 +16,7 @@ run once it has a profile (install_predictors).
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -89,119 +89,98 @@ def write_model(shape: str, layers: int, path: Path, device: str, seed: int = 0,
     """The calibrated model as a Q4_0 GGUF at `path` (written to a temp name, then renamed), its exact predictors in
     path.with_suffix(".predictors.safetensors") (with per-layer thresholds that keep `recall` of the stored gate's
     firings). Returns the calibration's figures."""
-    import gguf
-    from hotneurons.common.kinds import Activation
-    from hotneurons.export.gguf_model import llama_metadata, vocab_from_tokenizer
-    from hotneurons.models import build_model
-    from hotneurons.models.config import ModelConfig
-    from hotneurons.predictors.fit import metrics, threshold_for_recall
     from safetensors.torch import save_file
 
     s = shape_of(shape, layers)
-    tok = mm.tokenizer(s.vocab)
-    cfg = mm.config(s, tok)
-    plan = mm.tensor_plan(s)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    llama_metadata(mm._Q4Metadata(w), cfg, path.stem)
-    if not any(mm.ACTIVATION_KEY in kv for kv in w.kv_data):
-        w.add_string(mm.ACTIVATION_KEY, "reglu")
-    vocab_from_tokenizer(tok, s.vocab).add_to(w)
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    block, block_bytes = gguf.GGML_QUANT_SIZES[q4]
-    for t in plan:
-        if t.norm:
-            w.add_tensor_info(t.gguf, t.shape, np.dtype(np.float32), 4 * t.shape[0])
-        else:
-            byte_shape = (t.shape[0], t.shape[1] // block * block_bytes)
-            w.add_tensor_info(t.gguf, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=q4)
-    mcfg = ModelConfig.from_hf(cfg, Activation.REGLU)
-    floats: dict[str, torch.Tensor] = {}  # canonical name -> the float32 weights the file stands for (one layer's)
-    stored: dict[str, torch.Tensor] = {}  # canonical name -> what the file holds (one layer's)
     preds: dict[str, torch.Tensor] = {}
-    rows = []
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for name, t in globals_(s, seed, std, embed_std, device).items():
-            stored[name], floats[name] = (t, t) if t.dim() == 1 else _stored(t)
-        m = build_model(mcfg, floats.get, device, torch.float16, ctx=seq, layers=False)
-        g = torch.Generator(device).manual_seed(seed + 1)
-        ids = torch.randint(0, s.vocab, (max(1, calibration_tokens // seq), seq), device=device, generator=g)
-        hs = [m.embed(row, 0) for row in ids]  # per sequence (seq, d) fp16: the hidden states, layer by layer
-        for t in plan[:3]:  # token_embd, output_norm, output: the file's order (mm.tensor_plan)
-            w.write_tensor_data(_file_bytes(t, stored))
-        floats.clear()  # the model holds what it needs of them
-        stored.clear()
-        i_next = 3  # the plan's tensors written so far
-        for i in range(layers):
-            lw = layer_weights(s, shape, i, seed, std, rank, device)
-            a, b = lw.pop(f"blk.{i}.gate_factors")
-            p = f"blk.{i}."
-            for name, t in lw.items():
-                if t.dim() == 1:
-                    stored[name] = floats[name] = t
-                elif not name.endswith("ffn_gate.weight"):
-                    stored[name], floats[name] = _stored(t)
-            m.load_layer(i)
-            h2s, xs = zip(*(m.attention(i, h, 0) for h in hs))  # (seq, d) fp16 each
-            m.drop_layer(i)
-            x = torch.cat(xs).float()  # (tokens, d) the FFN inputs
-            x0 = float(x[:, 0].mean())
-            floats[p + "ffn_norm.weight"][0] /= x0  # x[0] -> ~1 (the norm's weight scales channel 0 alone)
-            x[:, 0] /= x0
-            prob = np.clip(bm.power_law(s.n_neurons, seed=seed * 1000 + i, mean=mean), *bm.P_CLIP)
-            gate = lw[p + "ffn_gate.weight"]
-            pre = x[:, 1:] @ gate[:, 1:].T  # (tokens, n) the gate pre-activation without channel 0
-            z = torch.special.ndtri(torch.from_numpy(1 - prob).to(device, torch.float32))
-            gate[:, 0] = -(pre.mean(0) + pre.std(0) * z)
-            del pre
-            stored[p + "ffn_gate.weight"], floats[p + "ffn_gate.weight"] = _stored(gate)
-            gq, up, down = (floats[p + k] for k in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
-            fired = 0.0
-            for j, (h2, xj) in enumerate(zip(h2s, x.split(seq))):
-                gx = xj @ gq.T  # (seq, n) as stored
-                fired += float((gx > 0).float().mean())
-                hs[j] = (h2.float() + (torch.relu(gx) * (xj @ up.T)) @ down.T).half()
-            e0 = torch.zeros((1, s.d_model), device=device)
-            e0[0, 0] = 1.0
-            g0 = gq[:, :1]  # (n, 1) the stored gate's column 0: the calibrated bias
-            fc1 = torch.cat([b, -b, e0, -e0])  # (2r+2, d)
-            fc2 = torch.cat([a, -a, g0, -g0], dim=1)  # (n, 2r+2)
-            # its logits are the fp32 gate's pre-activations; the stored gate differs by Q4_0's rounding, so the
-            # threshold is the one that keeps `recall` of the stored gate's firings on the calibration tokens
-            logits = torch.relu(x @ fc1.T) @ fc2.T  # (tokens, n)
-            active = x @ gq.T > 0  # (tokens, n)
-            threshold = min(0.0, threshold_for_recall(logits, active, recall))
-            fit = metrics(logits, active, threshold)
-            del logits, active
-            preds[f"layers.{i}.fc1.weight"] = fc1.half().cpu()
-            preds[f"layers.{i}.fc2.weight"] = fc2.half().cpu()
-            preds[f"layers.{i}.threshold"] = torch.tensor([threshold])
-            rows.append({"layer": i, "x0_raw_mean": x0, "target_mean": float(prob.mean()),
-                         "fired_as_stored": fired / len(hs), "predictor_threshold": threshold,
-                         "predictor_recall": fit["recall"], "predictor_precision": fit["precision"]})
-            for t in plan[i_next:i_next + 9]:
-                w.write_tensor_data(_file_bytes(t, stored))
-            i_next += 9
-            for name in [k for k in floats if k.startswith(p)]:
-                floats.pop(name)
-                stored.pop(name)
-            del lw, gate, gq, up, down, x
-            log(f"layer {i}: x0 {x0:.3f}, fired {rows[-1]['fired_as_stored']:.3f} (target {prob.mean():.3f}), "
-                f"predictor recall {fit['recall']:.3f} precision {fit['precision']:.3f}")
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    rows: list[dict] = []
+    mm.write_q4_file(s, path, _calibrated(s, shape, device, seed, std, embed_std, rank, calibration_tokens, seq,
+                                          mean, recall, preds, rows, log))
     pred_path = path.with_suffix(".predictors.safetensors")
     save_file(preds, str(pred_path))
     return {"gguf": str(path), "gguf_bytes": path.stat().st_size, "predictors": str(pred_path),
             "predictor_hidden": 2 * rank + 2,
             "predictor_bytes": sum(t.numel() * t.element_size() for t in preds.values()),
-            "calibration": {"tokens": int(ids.numel()), "seq": seq, "layers": rows,
+            "calibration": {"tokens": max(1, calibration_tokens // seq) * seq, "seq": seq, "layers": rows,
                             "mean_fired_as_stored": float(np.mean([r["fired_as_stored"] for r in rows]))}}
+
+
+def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, embed_std: float, rank: int,
+                calibration_tokens: int, seq: int, mean: float, recall: float, preds: dict, rows: list,
+                log) -> Iterator[np.ndarray]:
+    """The file's tensors in its order (mm.tensor_plan), each layer's made and calibrated as it comes (module
+    docstring); the exact predictors into `preds`, each layer's figures into `rows`."""
+    from hotneurons.common.kinds import Activation
+    from hotneurons.models import build_model
+    from hotneurons.models.config import ModelConfig
+    from hotneurons.predictors.fit import metrics, threshold_for_recall
+
+    plan = mm.tensor_plan(s)
+    mcfg = ModelConfig.from_hf(mm.config(s, mm.tokenizer(s.vocab)), Activation.REGLU)
+    floats: dict[str, torch.Tensor] = {}  # canonical name -> the float32 weights the file stands for (one layer's)
+    stored: dict[str, torch.Tensor] = {}  # canonical name -> what the file holds (one layer's)
+    for name, t in globals_(s, seed, std, embed_std, device).items():
+        stored[name], floats[name] = (t, t) if t.dim() == 1 else _stored(t)
+    m = build_model(mcfg, floats.get, device, torch.float16, ctx=seq, layers=False)
+    g = torch.Generator(device).manual_seed(seed + 1)
+    ids = torch.randint(0, s.vocab, (max(1, calibration_tokens // seq), seq), device=device, generator=g)
+    hs = [m.embed(row, 0) for row in ids]  # per sequence (seq, d) fp16: the hidden states, layer by layer
+    for t in plan[:3]:  # token_embd, output_norm, output
+        yield _file_bytes(t, stored)
+    floats.clear()  # the model holds what it needs of them
+    stored.clear()
+    for i in range(s.n_layers):
+        lw = layer_weights(s, shape, i, seed, std, rank, device)
+        a, b = lw.pop(f"blk.{i}.gate_factors")
+        p = f"blk.{i}."
+        for name, t in lw.items():
+            if t.dim() == 1:
+                stored[name] = floats[name] = t
+            elif not name.endswith("ffn_gate.weight"):
+                stored[name], floats[name] = _stored(t)
+        m.load_layer(i)
+        h2s, xs = zip(*(m.attention(i, h, 0) for h in hs))  # (seq, d) fp16 each
+        m.drop_layer(i)
+        x = torch.cat(xs).float()  # (tokens, d) the FFN inputs
+        x0 = float(x[:, 0].mean())
+        floats[p + "ffn_norm.weight"][0] /= x0  # x[0] -> ~1 (the norm's weight scales channel 0 alone)
+        x[:, 0] /= x0
+        prob = np.clip(bm.power_law(s.n_neurons, seed=seed * 1000 + i, mean=mean), *bm.P_CLIP)
+        gate = lw[p + "ffn_gate.weight"]
+        pre = x[:, 1:] @ gate[:, 1:].T  # (tokens, n) the gate pre-activation without channel 0
+        z = torch.special.ndtri(torch.from_numpy(1 - prob).to(device, torch.float32))
+        gate[:, 0] = -(pre.mean(0) + pre.std(0) * z)
+        del pre
+        stored[p + "ffn_gate.weight"], floats[p + "ffn_gate.weight"] = _stored(gate)
+        gq, up, down = (floats[p + k] for k in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+        fired = 0.0
+        for j, (h2, xj) in enumerate(zip(h2s, x.split(seq))):
+            gx = xj @ gq.T  # (seq, n) as stored
+            fired += float((gx > 0).float().mean())
+            hs[j] = (h2.float() + (torch.relu(gx) * (xj @ up.T)) @ down.T).half()
+        e0 = torch.zeros((1, s.d_model), device=device)
+        e0[0, 0] = 1.0
+        g0 = gq[:, :1]  # (n, 1) the stored gate's column 0: the calibrated bias
+        fc1 = torch.cat([b, -b, e0, -e0])  # (2r+2, d)
+        fc2 = torch.cat([a, -a, g0, -g0], dim=1)  # (n, 2r+2)
+        # its logits are the fp32 gate's pre-activations; the stored gate differs by Q4_0's rounding, so the
+        # threshold is the one that keeps `recall` of the stored gate's firings on the calibration tokens
+        logits = torch.relu(x @ fc1.T) @ fc2.T  # (tokens, n)
+        active = x @ gq.T > 0  # (tokens, n)
+        threshold = min(0.0, threshold_for_recall(logits, active, recall))
+        fit = metrics(logits, active, threshold)
+        del logits, active
+        preds[f"layers.{i}.fc1.weight"] = fc1.half().cpu()
+        preds[f"layers.{i}.fc2.weight"] = fc2.half().cpu()
+        preds[f"layers.{i}.threshold"] = torch.tensor([threshold])
+        rows.append({"layer": i, "x0_raw_mean": x0, "target_mean": float(prob.mean()),
+                     "fired_as_stored": fired / len(hs), "predictor_threshold": threshold,
+                     "predictor_recall": fit["recall"], "predictor_precision": fit["precision"]})
+        for t in plan[3 + 9 * i:3 + 9 * (i + 1)]:  # the layer's nine tensors
+            yield _file_bytes(t, stored)
+        for name in [k for k in floats if k.startswith(p)]:
+            floats.pop(name)
+            stored.pop(name)
+        del lw, gate, gq, up, down, x
+        log(f"layer {i}: x0 {x0:.3f}, fired {rows[-1]['fired_as_stored']:.3f} (target {prob.mean():.3f}), "
+            f"predictor recall {fit['recall']:.3f} precision {fit['precision']:.3f}")

@@ -197,6 +197,13 @@ class _Q4Metadata:
 
 def write_gguf_q4(s: Shape, path: Path, seed: int = 0) -> Path:
     """A Q4_0 GGUF of the same weights, written tensor by tensor after the header of every tensor's info."""
+    return write_q4_file(s, path, (a for _, a in _gguf_tensors(s, seed)))
+
+
+def write_q4_file(s: Shape, path: Path, arrays: Iterator[np.ndarray], activation: str = "reglu") -> Path:
+    """A Q4_0 GGUF of shape `s` whose tensors (tensor_plan's order: norms float32, matrices Q4_0 bytes (rows, row
+    bytes), q and k in llama.cpp's row order) come from `arrays` one at a time, after a header that holds every
+    tensor's info; written to a temp name and renamed, removed if `arrays` fails."""
     import gguf
     from hotneurons.export.gguf_model import llama_metadata, vocab_from_tokenizer
 
@@ -206,7 +213,7 @@ def write_gguf_q4(s: Shape, path: Path, seed: int = 0) -> Path:
     w = gguf.GGUFWriter(str(tmp), "llama")
     llama_metadata(_Q4Metadata(w), config(s, tok), path.stem)  # newer versions record the activation themselves
     if not any(ACTIVATION_KEY in kv for kv in w.kv_data):
-        w.add_string(ACTIVATION_KEY, "reglu")
+        w.add_string(ACTIVATION_KEY, activation)
     vocab_from_tokenizer(tok, s.vocab).add_to(w)
     q4 = gguf.GGMLQuantizationType.Q4_0
     block, block_bytes = gguf.GGML_QUANT_SIZES[q4]
@@ -220,7 +227,7 @@ def write_gguf_q4(s: Shape, path: Path, seed: int = 0) -> Path:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, a in _gguf_tensors(s, seed):
+        for a in arrays:
             w.write_tensor_data(a)
         w.close()
         os.replace(tmp, path)
