@@ -7,10 +7,12 @@ Stages, each within one 10-minute call on the GPU machine, sharing --work (local
   pipeline  pi-profile (layer by layer, no samples), the exact predictors installed into WORK/run, pi-solve --vram
   ours      pi-generate's runtime in a child process: load to the first token, prefill of a 512-token prompt, decode
             over 32 and 256 tokens; the child's peak host memory (/proc) and GPU memory (the driver's, per process)
-  llamacpp  llama.cpp built from .llamacpp/ (CUDA), llama-bench on the same file: the most layers that fit the budget
-            (found by measuring), every layer on the GPU, the CPU alone
-  report    the stage files (--inputs) into bench/results/<date>-<kind>-llama70b.{json,md}
-CPU smoke run: --device cpu --shape tiny --layers 2 (stages build, pipeline, ours).
+  llamacpp  llama.cpp built from .llamacpp/ (CUDA), llama-bench on the same file: the most layers whose measured GPU
+            memory, plus the KV cache of --ctx tokens that ours holds, fits --vram (probed up or down from the
+            arithmetic's count), every layer on the GPU, the CPU alone (GPUs hidden)
+  report    the stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-llama70b.{json,md}
+CPU smoke run: --device cpu --shape tiny --layers 2 --ctx 1024 --vram 1100MiB --hardware rtx4090 (every stage;
+llamacpp with --llama-bench of a CPU build).
 """
 
 from __future__ import annotations
@@ -166,12 +168,140 @@ def ours_child(a) -> None:
     (a.work / "ours-child.json").write_text(json.dumps(out))
 
 
-STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours}
+def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, prompt: int, env: dict | None = None,
+                timeout: float = 400) -> dict:
+    """One `llama-bench` process (every layer past the first `ngl` on the CPU), its tokens/s per test and its peak
+    host and GPU memory."""
+    from hotneurons.bench.memory_probe import Monitor
+
+    argv = [binary, "-m", str(gguf), "-ngl", str(ngl), "-p", str(prompt), "-n", gen, "-r", "1", "-t", str(threads),
+            "-o", "json"]
+    with Monitor(argv, env=env) as m, GpuMemory(m.proc.pid) as g:
+        res = m.wait(timeout)
+    row = {"command": " ".join(argv), "ngl": ngl, "exit_code": res.exit_code, "seconds": res.wall_s,
+           "host_peak_rss_bytes": res.peak_rss_bytes, "gpu_peak_bytes": g.peak}
+    if res.exit_code != 0:
+        return {**row, "error": res.stderr_tail[-2000:]}
+    tests = json.loads(m.out.buf.decode())
+    row["decode_tok_s"] = {str(t["n_gen"]): t["avg_ts"] for t in tests if t["n_gen"]}
+    row["prefill_tok_s"] = next((t["avg_ts"] for t in tests if t["n_prompt"]), None)
+    row["build_commit"] = tests[0].get("build_commit")
+    return row
+
+
+def kv_bytes(gguf: Path, ctx: int) -> int:
+    """The fp16 KV cache of `ctx` tokens for the model in `gguf` (what our runtime holds and pi-solve reserves)."""
+    from hotneurons.runtime.engine import open_model
+
+    _, _, cfg, _ = open_model(str(gguf))
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 2
+
+
+def stage_llamacpp(a) -> dict:
+    """llama.cpp on the same file: the most layers on the GPU whose measured memory, plus the KV cache our runtime
+    holds for --ctx tokens (llama-bench's holds only its prompt and generation), fits --vram; all on the GPU; the CPU
+    alone."""
+    import os
+
+    from hotneurons.bench import bench_llamacpp as lcpp
+    from hotneurons.bench import bench_model as bm
+    from hotneurons.common.units import parse_bytes
+
+    gguf = a.work / "model.gguf"
+    cuda = a.device == "cuda"
+    built = lcpp.build(a.work, cuda, os.cpu_count() or 4) if a.llama_bench is None else {"binary": a.llama_bench}
+    binary, threads = built["binary"], os.cpu_count() or 4
+    budget = parse_bytes(a.vram) - kv_bytes(gguf, a.ctx)
+    rows: dict = {"build": built, "budget_for_weights_bytes": budget}
+    if cuda:
+        probe = {}  # ngl -> its run: a short one to find the most layers that fit
+        ngl = bm.gpu_layers_for(budget, a.shape, a.layers, size=18 / 32)
+        while 0 < ngl and ngl not in probe:
+            probe[ngl] = llama_bench(binary, gguf, ngl, threads, "8", 0)
+            fits = "error" not in probe[ngl] and probe[ngl]["gpu_peak_bytes"] <= budget
+            if fits and ngl + 1 <= a.layers and ngl + 1 not in probe:
+                ngl += 1
+            elif not fits:
+                ngl -= 1
+            else:
+                break
+        ngl = max([n for n, r in probe.items() if "error" not in r and r["gpu_peak_bytes"] <= budget], default=0)
+        rows["ngl_probes"] = probe
+        rows[f"llama.cpp -ngl {ngl}"] = llama_bench(binary, gguf, ngl, threads, "32,256", 512)
+        rows["llama.cpp all layers on the GPU"] = llama_bench(binary, gguf, 99, threads, "32,256", 512)
+    cpu_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    rows["llama.cpp CPU only"] = llama_bench(binary, gguf, 0, threads, "32", 512 if not cuda else 64, env=cpu_env)
+    return rows
+
+
+SYSTEM_KEYS = ("decode_tok_s", "prefill_tok_s", "load_to_first_token_s", "host_peak_rss_bytes", "gpu_peak_bytes")
+
+
+def report(stages: dict[str, dict]) -> dict:
+    """The stage files' figures (by stage name) as one record: `systems` keyed by the names printed, each with
+    SYSTEM_KEYS (None where not measured), and the goals' ratios."""
+    ours, lc = stages["ours"], stages.get("llamacpp", {})
+    systems = {"hybrid": {k: ours.get(k) for k in SYSTEM_KEYS} | {"gpu_activation_share": ours["gpu_activation_share"],
+                                                                  "ffn_sparsity": ours["ffn_sparsity"]}}
+    for name, row in lc.items():
+        if name.startswith("llama.cpp") and "error" not in row:
+            systems[name] = {k: row.get(k) for k in SYSTEM_KEYS}
+    split = next((n for n in systems if n.startswith("llama.cpp -ngl")), None)
+
+    def ratio(other: str | None, n: str = "256") -> float | None:
+        theirs = systems.get(other, {}).get("decode_tok_s") or {}
+        return ours["decode_tok_s"][n] / theirs[n] if theirs.get(n) else None
+
+    return {"shape": stages["build"]["shape"], "layers": stages["build"]["layers"], "gguf_bytes": ours["gguf_bytes"],
+            "gpu_budget_bytes": stages.get("llamacpp", {}).get("budget_for_weights_bytes"),
+            "systems": systems, "calibration": stages["build"]["calibration"]["mean_fired_as_stored"],
+            "predictor_bytes": stages["pipeline"]["predictors"]["bytes"],
+            "goals": {"decode_vs_layer_split": ratio(split),
+                      "decode_vs_all_gpu": ratio("llama.cpp all layers on the GPU"),
+                      "host_rss_vs_file": ours["host_peak_rss_bytes"] / ours["gguf_bytes"],
+                      "load_to_first_token_s": ours["load_to_first_token_s"],
+                      "prefill_vs_layer_split": (ours["prefill_tok_s"] / systems[split]["prefill_tok_s"]
+                                                 if split and systems[split].get("prefill_tok_s") else None)}}
+
+
+def markdown(fig: dict) -> str:
+    gb = lambda b: "" if b is None else f"{b / 1e9:.1f} GB"  # noqa: E731
+    lines = [f"# {fig['shape']} shape, {fig['layers']} layers, Q4_0 GGUF of {gb(fig['gguf_bytes'])}: random weights, "
+             f"firing calibrated ({fig['calibration']:.1%} of FFN neurons active), exact predictors", "",
+             "| system | decode tok/s (32 / 256) | prefill tok/s (512) | load to first token | host peak RSS | GPU |",
+             "|---|---|---|---|---|---|"]
+    for name, r in fig["systems"].items():
+        dec = r.get("decode_tok_s") or {}
+        lines.append(f"| {name} | {' / '.join(f'{dec[n]:.2f}' if dec.get(n) else '-' for n in ('32', '256'))} | "
+                     f"{r['prefill_tok_s'] or 0:.0f} | {r['load_to_first_token_s'] or '-'} | "
+                     f"{gb(r['host_peak_rss_bytes'])} | {gb(r['gpu_peak_bytes'])} |")
+    lines += ["", "Goals: " + ", ".join(f"{k} {v:.2f}" for k, v in fig["goals"].items() if v is not None), ""]
+    return "\n".join(lines)
+
+
+def stage_report(a) -> dict:
+    """The stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-llama70b.{json,md} (or
+    --out and its .md)."""
+    from hotneurons.bench import record
+
+    files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in STAGES}
+    recs = {name: record.read(f) for name, f in files.items() if f.exists()}
+    fig = report({name: r["figures"] for name, r in recs.items()})
+    machine = recs["ours"]["machine"]  # where the systems ran, not where the report is made
+    kind = record.machine_kind(machine)
+    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-llama70b.json")
+    record.write_result(out, fig, machine_info=machine, kind=kind, commit=recs["ours"].get("commit"))
+    out.with_suffix(".md").write_text(markdown(fig))
+    return fig
+
+
+STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", required=True, choices=[*STAGES, "ours-child"])
+    p.add_argument("--stage", required=True, choices=[*STAGES, "report", "ours-child"])
+    p.add_argument("--inputs", nargs="*", default=[], help="report: the stage files (default: WORK/<stage>.json).")
     p.add_argument("--work", type=Path, default=Path("/root/llama70b"), help="Local disk for the model and run.")
     p.add_argument("--out", type=Path, default=None, help="The stage's JSON.")
     p.add_argument("--device", default="cuda")
@@ -183,6 +313,7 @@ def parse(argv=None):
     p.add_argument("--vram", default="24GiB", help="The GPU budget of pi-solve and the runtime.")
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
     p.add_argument("--hardware", default="h100", help="pi-solve's hardware preset (bandwidths of the cost model).")
+    p.add_argument("--llama-bench", default=None, help="llamacpp: a built llama-bench (default: build it in --work).")
     return p.parse_args(argv)
 
 
@@ -191,6 +322,9 @@ def main(argv=None) -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.stage == "ours-child":
         ours_child(a)
+        return
+    if a.stage == "report":
+        print(markdown(stage_report(a)))
         return
     from hotneurons.bench import record
 
