@@ -125,7 +125,7 @@ def stage_pipeline(a) -> dict:
                              "--samples-per-layer", "0", "--device", a.device, "--quiet"], 560)}
     rows["predictors"] = install_predictors(run, gguf)
     solve = _run([_tool("pi-solve"), "--run", str(run), "--vram", a.vram, "--dtype", "q4_0", "--cold-dtype", "q4_0",
-                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--json"], 300)
+                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--json"] + (["--measure"] if a.measure else []), 300)
     rows["solve"] = {**solve, "summary": json.loads(solve.pop("stdout"))}
     rows["profile"].pop("stdout")
     return rows
@@ -313,6 +313,9 @@ def parse(argv=None):
     p.add_argument("--vram", default="24GiB", help="The GPU budget of pi-solve and the runtime.")
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
     p.add_argument("--hardware", default="h100", help="pi-solve's hardware preset (bandwidths of the cost model).")
+    p.add_argument("--no-measure", dest="measure", action="store_false",
+                   help="pipeline: pi-solve with the preset's bandwidths instead of this machine's measured ones "
+                   "(pi-solve --measure): a preset's faster DRAM makes the cold side look cheap, budget unused")
     p.add_argument("--llama-bench", default=None, help="llamacpp: a built llama-bench (default: build it in --work).")
     return p.parse_args(argv)
 
