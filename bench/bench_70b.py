@@ -94,7 +94,7 @@ def stage_build(a) -> dict:
 
     t0 = time.perf_counter()
     info = write_model(a.shape, a.layers, a.work / "model.gguf", a.device, seed=a.seed,
-                       calibration_tokens=a.calibration_tokens)
+                       calibration_tokens=a.calibration_tokens, rank=a.gate_rank)
     mm.write_corpus(a.work / "corpus.txt", 8 * a.profile_tokens)
     return {**info, "build_s": round(time.perf_counter() - t0, 1)}
 
@@ -157,6 +157,11 @@ def ours_child(a) -> None:
     first = generate(rt, short, 1, stop_at_eos=False)
     print("first token", flush=True)
     rows = {"first": first.stats}
+    # the runtime's own tuning (the PCIe share's calibration and balancing rounds, graph captures) runs over its
+    # first decode steps: timed apart, so that the decode figures are the steady state a served model runs at
+    from hotneurons.runtime.balance import TUNING_TOKENS
+
+    rows["tuning"] = generate(rt, short, TUNING_TOKENS + 8, stop_at_eos=False).stats
     for n in (32, 256):
         rows[f"decode_{n}"] = generate(rt, short, n, stop_at_eos=False).stats
     rows["prefill_512"] = generate(rt, ids, 2, stop_at_eos=False).stats
@@ -309,6 +314,9 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibration-tokens", type=int, default=2048)
+    p.add_argument("--gate-rank", type=int, default=511,
+                   help="build: rank of the gate's columns 1..; the exact predictor has 2 * rank + 2 hidden units "
+                   "(511: d/8 = 1024, a trained predictor's size at d 8192)")
     p.add_argument("--profile-tokens", type=int, default=4096)
     p.add_argument("--vram", default="24GiB", help="The GPU budget of pi-solve and the runtime.")
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
