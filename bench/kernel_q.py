@@ -40,7 +40,8 @@ import torch
 from hotneurons.bench.bench_ceilings import dram_read_bw
 from hotneurons.kernels.cold_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
 from hotneurons.kernels.intrinsics import _fetch_add
-from hotneurons.runtime.cold_rows import BLOCK_DTYPES, COLD_DTYPES, ColdRows, ffn_rows, from_bf16_bits, from_int8_groups
+from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
+from hotneurons.runtime.cold_rows import ColdRows, ffn_rows, from_bf16_bits, from_int8_groups
 from numba import njit, prange
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
 from hotneurons.kernels.cold_q import cold_ffn_q
-from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, ROW_DTYPES  # noqa: F401  (re-exported)
+from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
 from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor

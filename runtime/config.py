@@ -16,7 +16,7 @@ class RuntimeConfig:
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
     dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
-    # storage of the cold rows in CPU RAM (cold_rows.COLD_DTYPES): bf16, int8, q8_0, q4_0, q4_1; auto: the file's
+    # storage of the cold rows in CPU RAM (kernels/names.COLD_DTYPES): bf16, int8, q8_0, q4_0, q4_1; auto: the file's
     # format where the kernels read it (a GGUF's Q4_0/Q4_1/Q8_0 rows byte for byte), else the nearest they read
     # (engine.auto_format)
     cold_dtype: str = "auto"

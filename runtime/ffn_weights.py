@@ -221,7 +221,7 @@ def _on_cpu_kernels(w: FFNWeights, fmt: WeightFormat, device: torch.device | str
     keeps torch's kernels there: they are fast on it)."""
     from hotneurons.weights import quants
 
-    fmts = (WeightFormat.Q4_0, WeightFormat.Q8_0)
+    fmts = quants.CPU_FORMATS
     return (quants.CPU_KERNELS and isinstance(w.down, QTensor) and w.down.fmt in fmts and w.down.device.type == "cpu"
             and fmt in (WeightFormat.F32, *fmts) and w.shape[1] % 32 == 0 and torch.device(device).type == "cpu"
             and (work is None or torch.device(work).type == "cpu"))

@@ -28,10 +28,10 @@ from hotneurons.common.models import (
 )
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.kernels.cold import set_threads
+from hotneurons.kernels.names import COLD_DTYPES
 from hotneurons.kernels.ops import OPS, default_ops
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
-from hotneurons.runtime.cold_rows import COLD_DTYPES
 from hotneurons.runtime.config import MODES, RuntimeConfig
 from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward

@@ -72,7 +72,7 @@ class HybridFFN(nn.Module):
         """`ffn`: the layer's weights as stored (FFNWeights: float tensors or QTensors), or an HF layer's Linear
         modules. Hot rows go to `device` (None: where the weights are; the caller moves the module) in `gpu_dtype`
         (a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own), cold rows
-        to CPU RAM in `cold_dtype` (cold_rows.COLD_DTYPES)."""
+        to CPU RAM in `cold_dtype` (kernels/names.COLD_DTYPES)."""
         super().__init__()
         if mask not in MASKS:
             raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")

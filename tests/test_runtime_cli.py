@@ -198,7 +198,7 @@ def test_share_warning_rule():
 
 def test_dtype_choices_are_the_formats_the_kernels_read():
     """--cold-dtype and --gpu-dtype offer what the CPU and GPU kernels read (weights/formats.py), Q4_1 on both."""
-    from hotneurons.runtime.cold_rows import COLD_DTYPES
+    from hotneurons.kernels.names import COLD_DTYPES
     from hotneurons.weights.formats import FORMATS
 
     choices = {p.name: set(p.type.choices) for p in main.params if p.name in ("cold_dtype", "gpu_dtype")}

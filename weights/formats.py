@@ -54,7 +54,7 @@ FORMATS: dict[WeightFormat, FormatSpec] = {
     WeightFormat.Q5_K: FormatSpec(256, 176, 13, cpu_kernel=False, gpu_kernel=False),
     WeightFormat.Q6_K: FormatSpec(256, 210, 14, cpu_kernel=False, gpu_kernel=False),
 }
-# the hot rows' formats that the GPU kernels read: --gpu-dtype's choices (the cold rows': cold_rows.COLD_DTYPES, the
+# the hot rows' formats that the GPU kernels read: --gpu-dtype's choices (the cold rows': kernels/names.COLD_DTYPES, the
 # formats marked cpu_kernel)
 GPU_DTYPES = tuple(str(f) for f, s in FORMATS.items() if s.gpu_kernel)  # f32 f16 bf16 q8_0 q4_0 q4_1
 # the names earlier versions took (pi-solve --dtype fp16, meta.json files written by them)

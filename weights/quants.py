@@ -21,7 +21,7 @@ _CHUNK_FLOATS = 1 << 24  # float32 values per chunk: 64 MB of output; the tempor
 # the data instead of torch's ten or more (a CPU load of a 4-bit GGUF spends most of its time here). False: torch's
 # kernels everywhere (the tests hold the two to each other)
 CPU_KERNELS = True
-_CPU_FORMATS = (WeightFormat.Q4_0, WeightFormat.Q8_0)
+CPU_FORMATS = (WeightFormat.Q4_0, WeightFormat.Q8_0)
 
 
 def fp16_bits_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -214,7 +214,7 @@ def _chunk_rows(cols: int) -> int:
 
 
 def _on_cpu_kernels(t: torch.Tensor, fmt: WeightFormat) -> bool:
-    return CPU_KERNELS and fmt in _CPU_FORMATS and t.device.type == "cpu"
+    return CPU_KERNELS and fmt in CPU_FORMATS and t.device.type == "cpu"
 
 
 def _dequantize_cpu(chunk: torch.Tensor, fmt: WeightFormat, out: torch.Tensor) -> None:
