@@ -9,6 +9,7 @@ import pytest
 import torch
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import ops
+from hotneurons.kernels.names import ROW_DTYPES
 from hotneurons.runtime import cold_rows as C
 
 
@@ -48,7 +49,7 @@ def random_rows(rng, act: str, d: int, n: int, dtype: str) -> C.ColdRows:
     return C.ColdRows.from_weights(w() if gated else None, w(), b_up, w(), dtype)
 
 
-@pytest.mark.parametrize("dtype", C.ROW_DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 @pytest.mark.parametrize("act", list(K.ACT_CODE))
 @pytest.mark.parametrize("d,n", [(37, 23), (64, 129), (192, 17), (200, 40)])  # int8 groups: 1 short, 1, 3, 3 + a short
 @pytest.mark.parametrize("which", ["empty", "all", "random", "one", "active"])
@@ -93,7 +94,7 @@ def test_gated_codes_are_the_gated_activations():
     assert set(K.ACT_CODE) == set(K.GATED) | set(K.UNGATED)
 
 
-@pytest.mark.parametrize("dtype", C.ROW_DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 def test_kernel_threads_do_not_change_the_result(dtype):
     rng = np.random.default_rng(1)
     d, n = 48, 200
@@ -194,7 +195,7 @@ def _cold_layer(rows: C.ColdRows, act: str, m: np.ndarray, x: np.ndarray, skip: 
     return k, out
 
 
-@pytest.mark.parametrize("dtype", C.ROW_DTYPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
 @pytest.mark.parametrize("act", ["reglu", "swiglu", "relu", "gelu"])
 def test_cold_layer_equals_float64_reference(act, dtype):
     """One decode layer's CPU part in one Numba call (the packed mask -> positions, the device's first `skip` left
