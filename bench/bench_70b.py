@@ -133,7 +133,7 @@ def stage_pipeline(a) -> dict:
 
 def stage_ours(a) -> dict:
     argv = [sys.executable, "-m", "hotneurons.bench.bench_70b", "--stage", "ours-child", "--work", str(a.work),
-            "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx)]
+            "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--timeline", str(a.timeline)]
     res = measured(argv, 560, pattern=r"first token")
     if res["exit_code"] != 0:
         raise SystemExit(f"the runtime's child failed:\n{res['stderr_tail'][-3000:]}")
@@ -165,12 +165,20 @@ def ours_child(a) -> None:
     for n in (32, 256):
         rows[f"decode_{n}"] = generate(rt, short, n, stop_at_eos=False).stats
     rows["prefill_512"] = generate(rt, ids, 2, stop_at_eos=False).stats
+    if a.timeline and rt.fast is not None and a.device == "cuda":  # where a step's time goes (after the timed runs)
+        from hotneurons.bench.bench_timeline import step_timeline
+
+        try:  # a diagnostic: its failure must not cost the figures above
+            rows["timeline"] = step_timeline(rt, short, a.timeline)
+        except Exception as e:  # noqa: BLE001
+            rows["timeline"] = {"error": f"{type(e).__name__}: {e}"}
     out = {"decode_tok_s": {str(n): rows[f"decode_{n}"]["decode_tokens_per_s"] for n in (32, 256)},
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],
            "gpu_activation_share": rows["decode_256"]["gpu_activation_share"],
            "ffn_sparsity": rows["decode_256"]["ffn_sparsity"], "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu,
            "runs": rows}
     (a.work / "ours-child.json").write_text(json.dumps(out))
+    print(f"wrote {a.work / 'ours-child.json'}", flush=True)
 
 
 def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, prompt: int, env: dict | None = None,
@@ -324,6 +332,9 @@ def parse(argv=None):
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="pipeline: pi-solve with the preset's bandwidths instead of this machine's measured ones "
                    "(pi-solve --measure): a preset's faster DRAM makes the cold side look cheap, budget unused")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="ours: after the timed runs, one more generation of this many tokens with the step's host "
+                   "clock on (bench_timeline.step_timeline: per layer, the wait for the GPU and the CPU's cold part)")
     p.add_argument("--llama-bench", default=None, help="llamacpp: a built llama-bench (default: build it in --work).")
     return p.parse_args(argv)
 

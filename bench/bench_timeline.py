@@ -109,7 +109,7 @@ def graph_times(fast, reps: int = 20) -> dict:
     kernels behind the wait for `pre`."""
     out = {"layer_gpu_ms": []}
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(len(fast.layers)):
+    for i in range(len(fast.ffns)):
         fast.replay_alone(i)
         torch.cuda.synchronize()
         ms = []

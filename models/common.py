@@ -189,15 +189,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """Attention of q (T, H, hd) over keys, values (K, S, hd) where mask (T, S) is True -> (T, H * hd). Query head h
     reads kv head h // (H / K) (grouped-query), without repeating the cache: a kv head's G query heads go together."""
     T, H, hd = q.shape
-    K = keys.shape[0]
-    qg = q.transpose(0, 1).reshape(K, H // K, T, hd)  # (K, G, T, hd)
-    scores = (qg @ keys.transpose(-1, -2)[:, None]) * scale  # (K, G, T, S)
+    K, S = keys.shape[0], keys.shape[1]
+    G = H // K
+    # batched over kv heads only, a kv head's G query heads and T tokens as the rows of one matmul: a matmul that
+    # broadcast the cache over G (keys[:, None]) would first copy it G times (67 MB a layer at 4,096 slots, 64 heads)
+    qg = q.transpose(0, 1).reshape(K, G * T, hd)  # (K, G T, hd)
+    scores = torch.bmm(qg, keys.transpose(-1, -2)).view(K, G, T, S) * scale  # (K, G, T, S)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (K, G, T, S)
-    out = p @ values[:, None]  # (K, G, T, hd)
-    return out.reshape(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+    out = torch.bmm(p.view(K, G * T, S), values)  # (K, G T, hd)
+    return out.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
 
 
 class Decoder:

@@ -270,3 +270,24 @@ def test_decode_step_replays_as_a_cuda_graph(reference, family, quantized):
         graph.replay()
         replayed.append(out.clone())
     torch.testing.assert_close(torch.cat(replayed), torch.cat(eager), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("T,H,K,S,softcap", [(1, 8, 2, 7, 0.0), (5, 12, 4, 9, 0.0), (3, 4, 4, 6, 30.0)])
+def test_grouped_attention_equals_float64_per_head(T, H, K, S, softcap):
+    """models.common.attend (kv heads batched, no copy of the cache per query head) against each query head's
+    attention over its kv head in float64, on random inputs and a random mask."""
+    from hotneurons.models.common import attend
+
+    g = torch.Generator().manual_seed(T * 100 + H)
+    q, keys, values = (torch.randn(*s, 16, generator=g) for s in ((T, H), (K, S), (K, S)))
+    mask = torch.rand(T, S, generator=g) > 0.3
+    mask[:, 0] = True
+    out = attend(q, keys, values, mask, 0.25, softcap)  # (T, H * hd)
+    ref = torch.zeros(T, H, 16, dtype=torch.float64)
+    for h in range(H):
+        kv = h // (H // K)
+        s = q[:, h].double() @ keys[kv].double().T * 0.25  # (T, S)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        ref[:, h] = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ values[kv].double()
+    torch.testing.assert_close(out.double(), ref.reshape(T, H * 16), atol=2e-6, rtol=0)
