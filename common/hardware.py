@@ -186,6 +186,23 @@ def measure_hardware(base: HardwareSpec) -> tuple[HardwareSpec, list[str]]:
     return dataclasses.replace(base, name=f"{base.name}+measured", **changes), notes
 
 
+def measure_cold_rate(hw: HardwareSpec, model: dict, sparsity: float | None, cold_dtype: str
+                      ) -> tuple[HardwareSpec, str]:
+    """hw with cpu_bw set to the rate of the cold kernels themselves (kernels.dram.cold_call_bw) on this machine, for
+    rows of `cold_dtype` of the profiled `model` (its dict in the profile's meta) at about a fifth of a token's active
+    neurons a call (a placement's usual cold share; `sparsity`: the profile's mean, None: 0.9). The solver prices an
+    active cold neuron at cpu_bw: a DRAM figure (one long pass) would price it several times too cheap, and the
+    budget would be left unused for hot rows; the note gives both."""
+    from hotneurons.kernels.dram import cold_call_bw
+
+    active = (1.0 - (0.9 if sparsity is None else sparsity)) * int(model["n_neurons"])  # neurons a token
+    rows = max(16, round(0.2 * active))
+    rate = cold_call_bw(int(model["d_model"]), cold_dtype, bool(model["gated"]), rows)
+    note = (f"measured the {cold_dtype} cold kernel at {rate / 1e9:.1f} GB/s on calls of {rows} neurons (DRAM "
+            f"{hw.cpu_bw / 1e9:.1f} GB/s): the cost model's CPU rate")
+    return hw.replace(cpu_bw=rate), note
+
+
 def machine_info(*packages: str) -> dict:
     """What a results file records about the machine it was measured on, plus the versions of `packages`."""
     import platform

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numba
 import numpy as np
 from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
@@ -58,3 +59,66 @@ def _gather_order(n: int) -> np.ndarray:
     """The fixed random order of row_gather_bw's rows: drawn once, not before every timed pass (the zero-copy
     ceiling times passes back to back while the GPU reads)."""
     return np.random.default_rng(1).permutation(n).astype(np.int64)
+
+
+def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes: int = 2**30, calls: int = 200,
+                 gap_s: float = 2e-4, seed: int = 0) -> float:
+    """bytes/s of the cold kernels themselves as a decode step calls them: `calls` calls, each over `rows_per_call`
+    random neurons (ascending, as the runtime passes them) of a table of about `table_bytes` of `fmt` rows
+    (kernels/names.COLD_DTYPES) of d weights, every row of each neuron read (an activation that never skips), the
+    host spinning `gap_s` between calls as it waits for the GPU's part of the next layer. Small calls on threads that
+    start and stop at every layer read several times slower than row_gather_bw's one long pass; this is the rate
+    the solver's cost model needs for an active cold neuron."""
+    from hotneurons.kernels.cold import ACT_CODE, cold_ffn
+    from hotneurons.kernels.cold_q import cold_ffn_q
+    from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
+    from hotneurons.weights.formats import spec
+
+    if fmt not in COLD_DTYPES:
+        raise ValueError(f"unknown cold-row format '{fmt}': choose one of {', '.join(COLD_DTYPES)}")
+    rng = np.random.default_rng(seed)
+    n_mats = 3 if gated else 2
+    if fmt in BLOCK_DTYPES:
+        s = spec(fmt)
+        row_bytes = d // s.block * s.block_bytes
+        head = {"q4_1": 4}.get(fmt, 2)  # bytes of the fp16 scale (and q4_1's fp16 min) before each block's quants
+    else:
+        row_bytes = d * (2 if fmt == "bf16" else 1)
+    n = max(rows_per_call * 4, table_bytes // (n_mats * row_bytes))  # neurons: far more than the caches hold
+
+    def table() -> np.ndarray:
+        if fmt in BLOCK_DTYPES:
+            a = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+            blocks = a.reshape(n, -1, spec(fmt).block_bytes)
+            blocks[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(), np.uint8)  # normal
+            return a
+        if fmt == "bf16":  # normal numbers about 0.01, never subnormal
+            return rng.integers(0x3C00, 0x3D00, (n, d), dtype=np.uint16)
+        return rng.integers(-127, 128, (n, d), dtype=np.int8)
+
+    up, down_t = table(), table()
+    gate = table() if gated else up
+    b_up = np.zeros(n, np.float32)
+    x = rng.standard_normal(d).astype(np.float32)
+    part = np.empty((numba.get_num_threads(), d), np.float32)
+    out = np.empty(d, np.float32)
+    act = ACT_CODE["swiglu" if gated else "gelu"]  # smooth: every row of every neuron is read
+    scale, group = np.ones((3, n, 1), np.float32), d
+
+    def call(idx: np.ndarray) -> None:
+        if fmt in BLOCK_DTYPES:
+            cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act)
+        else:
+            cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act)
+
+    ids = [np.sort(rng.choice(n, rows_per_call, replace=False)).astype(np.int64) for _ in range(calls)]
+    call(ids[0])  # compiled (or loaded from the cache)
+    spent = 0.0
+    for idx in ids:
+        t_end = time.perf_counter() + gap_s
+        while time.perf_counter() < t_end:  # the host waits for the GPU: a spin, as the runtime's
+            pass
+        t0 = time.perf_counter()
+        call(idx)
+        spent += time.perf_counter() - t0
+    return calls * rows_per_call * n_mats * row_bytes / spent

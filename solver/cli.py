@@ -8,7 +8,14 @@ import sys
 import click
 from hotneurons.common.artifacts import ArtifactError, check_profile
 from hotneurons.common.cli import cli_error, stdout_to_stderr
-from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, measure_hardware, presets_table
+from hotneurons.common.hardware import (
+    HARDWARE,
+    UnknownHardware,
+    get_hardware,
+    measure_cold_rate,
+    measure_hardware,
+    presets_table,
+)
 from hotneurons.common.placement import Objective, PlacementSummary
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 
@@ -36,10 +43,11 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--hardware", default="rtx4090", show_default=True,
               help=f"Preset ({', '.join(HARDWARE)}), or 'list' to print them.")
 @click.option("--measure", is_flag=True,
-              help="Measure DRAM (and, with CUDA, VRAM, PCIe, GPU bandwidth) on this machine.")
+              help="Measure this machine: DRAM and the cold kernel's own rate on decode-sized calls (which becomes "
+                   "the CPU rate of the cost model), and with CUDA VRAM, PCIe, GPU bandwidth, sync.")
 @click.option("--pcie-bw", help="Override PCIe bandwidth, e.g. 25GB/s.")
 @click.option("--gpu-bw", help="Override GPU memory bandwidth, e.g. 1008GB/s.")
-@click.option("--cpu-bw", help="Override CPU DRAM bandwidth, e.g. 60GB/s.")
+@click.option("--cpu-bw", help="Override the CPU's rate for cold rows (DRAM, or the cold kernel's), e.g. 60GB/s.")
 @click.option("--cores", type=int, help="Override CPU cores used for cold neurons.")
 @click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)), default="fp16", show_default=True,
@@ -83,13 +91,15 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
     if sync_us is not None and sync_us < 0:
         raise click.ClickException(f"--sync-us must be >= 0, got {sync_us}")
     try:
-        check_profile(run_dir)  # before --measure's seconds
+        meta = check_profile(run_dir)  # before --measure's seconds
     except ArtifactError as e:
         raise cli_error(e, FLAGS) from None
     with stdout_to_stderr(as_json):  # HiGHS prints its banner to fd 1 whatever it is told
         notes: list[str] = []
         if measure:
             hw, notes = measure_hardware(hw)
+            hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype)
+            notes.append(note)
             if not as_json:
                 for n in notes:
                     click.echo(f"measure: {n}", err=True)

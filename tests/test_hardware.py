@@ -69,3 +69,20 @@ def test_openmp_wait_policy_by_gpu(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPUs hidden: as without one
     assert hardware.openmp_wait_policy() == "PASSIVE"
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_cold_call_rate_is_the_kernels_and_becomes_the_cost_models_cpu_rate(fmt):
+    """cold_call_bw times the cold kernels on decode-sized calls; measure_cold_rate makes it the solver's CPU rate and
+    says so beside the DRAM figure it replaces. Unknown formats are refused by name."""
+    from hotneurons.common.hardware import measure_cold_rate
+    from hotneurons.kernels.dram import cold_call_bw
+
+    assert cold_call_bw(256, fmt, True, 32, table_bytes=2**22, calls=8) > 1e7
+    with pytest.raises(ValueError, match="q3_k"):
+        cold_call_bw(256, "q3_k", True, 32)
+    base = get_hardware("rtx4090")
+    model = {"n_neurons": 1024, "d_model": 256, "gated": True}
+    h, note = measure_cold_rate(base, model, 0.9, fmt)
+    assert h.cpu_bw != base.cpu_bw and h.cpu_bw > 1e7 and h.gpu_bw == base.gpu_bw
+    assert f"{h.cpu_bw / 1e9:.1f} GB/s" in note and f"DRAM {base.cpu_bw / 1e9:.1f} GB/s" in note
