@@ -125,7 +125,8 @@ def stage_pipeline(a) -> dict:
                              "--samples-per-layer", "0", "--device", a.device, "--quiet"], 560)}
     rows["predictors"] = install_predictors(run, gguf)
     solve = _run([_tool("pi-solve"), "--run", str(run), "--vram", a.vram, "--dtype", "q4_0", "--cold-dtype", "q4_0",
-                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--json"] + (["--measure"] if a.measure else []), 300)
+                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--reserve", a.reserve, "--json"]
+                 + (["--measure"] if a.measure else []), 300)
     rows["solve"] = {**solve, "summary": json.loads(solve.pop("stdout"))}
     rows["profile"].pop("stdout")
     return rows
@@ -154,8 +155,18 @@ def ours_child(a) -> None:
 
     ids = np.random.default_rng(0).integers(0, rt.lm.info["vocab_size"], PROMPT_LONG).tolist()  # random tokens
     short = ids[:PROMPT_SHORT]
+    import torch
+
+    def gpu_mem() -> dict:  # torch's own figures beside the driver's: what the tensors hold, what it keeps cached
+        if a.device != "cuda":
+            return {}
+        return {"allocated": torch.cuda.memory_allocated(), "max_allocated": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved()}
+
+    mem = {"loaded": gpu_mem()}
     first = generate(rt, short, 1, stop_at_eos=False)
     print("first token", flush=True)
+    mem["first_token"] = gpu_mem()
     rows = {"first": first.stats}
     # the runtime's own tuning (the PCIe share's calibration and balancing rounds, graph captures) runs over its
     # first decode steps: timed apart, so that the decode figures are the steady state a served model runs at
@@ -164,7 +175,9 @@ def ours_child(a) -> None:
     rows["tuning"] = generate(rt, short, TUNING_TOKENS + 8, stop_at_eos=False).stats
     for n in (32, 256):
         rows[f"decode_{n}"] = generate(rt, short, n, stop_at_eos=False).stats
+    mem["decode"] = gpu_mem()
     rows["prefill_512"] = generate(rt, ids, 2, stop_at_eos=False).stats
+    mem["prefill"] = gpu_mem()
     if a.timeline and rt.fast is not None and a.device == "cuda":  # where a step's time goes (after the timed runs)
         from hotneurons.bench.bench_timeline import step_timeline
 
@@ -176,7 +189,7 @@ def ours_child(a) -> None:
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],
            "gpu_activation_share": rows["decode_256"]["gpu_activation_share"],
            "ffn_sparsity": rows["decode_256"]["ffn_sparsity"], "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu,
-           "runs": rows}
+           "torch_gpu_bytes": mem, "runs": rows}
     (a.work / "ours-child.json").write_text(json.dumps(out))
     print(f"wrote {a.work / 'ours-child.json'}", flush=True)
 
@@ -250,6 +263,25 @@ def stage_llamacpp(a) -> dict:
 SYSTEM_KEYS = ("decode_tok_s", "prefill_tok_s", "load_to_first_token_s", "host_peak_rss_bytes", "gpu_peak_bytes")
 
 
+def serial_floor(pipeline: dict, ours: dict, layers: int) -> dict:
+    """The decode floor of this model and placement from the ceilings pi-solve --measure took on the machine: per layer
+    its attention and predictor read at the HBM ceiling and one GPU-CPU round trip before the cold rows (an exact
+    decoder needs them first), the token's active cold rows (the measured activation share left to the CPU; the
+    predictor's extra rows not counted) at the cold kernel's measured rate, and the LM head. ms, and tok/s."""
+    s = pipeline["solve"]["summary"]
+    hw, gpu = s["hardware"], s["memory"]["gpu"]
+    n = s["layers"][0]["neurons"]
+    active = (1.0 - ours["ffn_sparsity"]) * n * layers  # neurons a token
+    cold_bytes = active * (1.0 - ours["gpu_activation_share"]) * s["memory"]["bytes_per_neuron"]  # bytes a token
+    parts = {"attention_and_predictor_ms": 1e3 * (gpu["attention"] + gpu["predictors"]) / hw["gpu_bw"],
+             "syncs_ms": 1e3 * layers * hw["sync_latency_s"],
+             "cold_rows_ms": 1e3 * cold_bytes / hw["cpu_bw"],
+             "lm_head_ms": 1e3 * gpu["lm_head"] / hw["gpu_bw"]}
+    ms = sum(parts.values())
+    return {"tok_s": 1e3 / ms, "ms": ms, **parts, "cold_bytes_per_token": cold_bytes,
+            "cold_rate_bytes_s": hw["cpu_bw"], "hbm_bytes_s": hw["gpu_bw"]}
+
+
 def report(stages: dict[str, dict]) -> dict:
     """The stage files' figures (by stage name) as one record: `systems` keyed by the names printed, each with
     SYSTEM_KEYS (None where not measured), and the goals' ratios."""
@@ -265,16 +297,23 @@ def report(stages: dict[str, dict]) -> dict:
         theirs = systems.get(other, {}).get("decode_tok_s") or {}
         return ours["decode_tok_s"][n] / theirs[n] if theirs.get(n) else None
 
-    return {"shape": stages["build"]["shape"], "layers": stages["build"]["layers"], "gguf_bytes": ours["gguf_bytes"],
+    layers = stages["build"]["layers"]
+    floor = serial_floor(stages["pipeline"], ours, layers) if "solve" in stages["pipeline"] else None
+    return {"shape": stages["build"]["shape"], "layers": layers, "gguf_bytes": ours["gguf_bytes"],
             "gpu_budget_bytes": stages.get("llamacpp", {}).get("budget_for_weights_bytes"),
             "systems": systems, "calibration": stages["build"]["calibration"]["mean_fired_as_stored"],
-            "predictor_bytes": stages["pipeline"]["predictors"]["bytes"],
+            "predictor_bytes": stages["pipeline"]["predictors"]["bytes"], "serial_floor": floor,
             "goals": {"decode_vs_layer_split": ratio(split),
                       "decode_vs_all_gpu": ratio("llama.cpp all layers on the GPU"),
                       "host_rss_vs_file": ours["host_peak_rss_bytes"] / ours["gguf_bytes"],
                       "load_to_first_token_s": ours["load_to_first_token_s"],
+                      "decode_vs_serial_floor": ours["decode_tok_s"]["256"] / floor["tok_s"] if floor else None,
                       "prefill_vs_layer_split": (ours["prefill_tok_s"] / systems[split]["prefill_tok_s"]
                                                  if split and systems[split].get("prefill_tok_s") else None)}}
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.0f} s"
 
 
 def markdown(fig: dict) -> str:
@@ -286,8 +325,14 @@ def markdown(fig: dict) -> str:
     for name, r in fig["systems"].items():
         dec = r.get("decode_tok_s") or {}
         lines.append(f"| {name} | {' / '.join(f'{dec[n]:.2f}' if dec.get(n) else '-' for n in ('32', '256'))} | "
-                     f"{r['prefill_tok_s'] or 0:.0f} | {r['load_to_first_token_s'] or '-'} | "
+                     f"{r['prefill_tok_s'] or 0:.0f} | {_seconds(r['load_to_first_token_s'])} | "
                      f"{gb(r['host_peak_rss_bytes'])} | {gb(r['gpu_peak_bytes'])} |")
+    f = fig.get("serial_floor")
+    if f:
+        lines += ["", f"Serial floor {f['tok_s']:.1f} tok/s ({f['ms']:.2f} ms a token: attention and predictors "
+                  f"{f['attention_and_predictor_ms']:.2f}, syncs {f['syncs_ms']:.2f}, cold rows "
+                  f"{f['cold_rows_ms']:.2f} ({f['cold_bytes_per_token'] / 1e6:.0f} MB at "
+                  f"{f['cold_rate_bytes_s'] / 1e9:.1f} GB/s), LM head {f['lm_head_ms']:.2f})"]
     lines += ["", "Goals: " + ", ".join(f"{k} {v:.2f}" for k, v in fig["goals"].items() if v is not None), ""]
     return "\n".join(lines)
 
@@ -327,6 +372,10 @@ def parse(argv=None):
                    "(511: d/8 = 1024, a trained predictor's size at d 8192)")
     p.add_argument("--profile-tokens", type=int, default=4096)
     p.add_argument("--vram", default="24GiB", help="The GPU budget of pi-solve and the runtime.")
+    p.add_argument("--reserve", default="2.75GB",
+                   help="pipeline: pi-solve's GPU memory kept for what is not a tensor of the model: the CUDA context, "
+                   "kernels, graphs, the allocator's cache and a 512-token prefill's activations (measured on the "
+                   "70B shape: 2.3-2.5 GB over the tensors' bytes)")
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
     p.add_argument("--hardware", default="h100", help="pi-solve's hardware preset (bandwidths of the cost model).")
     p.add_argument("--no-measure", dest="measure", action="store_false",
