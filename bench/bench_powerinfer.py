@@ -70,7 +70,7 @@ def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: lis
             gamma = lm.layers[i].post_attention_layernorm.weight.float()  # (d,)
             preds.append(((p.fc1.weight.float() * gamma).cpu(), p.fc2.weight.float().cpu()))  # (r, d), (n, r)
     d = bm.SHAPES[args.shape][0]
-    capacity = split_bytes(gpu_mask, d)
+    capacity = split_bytes(gpu_mask, 3 * d * 2)  # F16 rows of gate, up, down_t
     summary = write_powerinfer(lm.model, placeholder_vocab(lm.model.config.vocab_size), preds, 0.0, counts, gpu_mask,
                                capacity, out, name="bench", force=True,
                                info={"predictor": "exact (bench_model.exact_predictor, γ folded into fc1)"})

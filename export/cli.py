@@ -25,6 +25,9 @@ FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
 @click.option("--out", required=True, type=click.Path(), help="Output folder (created; --force replaces it).")
 @click.option("--recall", type=float, default=None,
               help="Use the predictor thresholds tabulated for this recall (default: the trained target's).")
+@click.option("--threshold", type=float, default=None,
+              help="One threshold for every layer in place of the run's per-layer ones (PowerInfer applies one; "
+                   "export.json keeps those replaced). Normed-form predictors convert exactly at 0 only.")
 @click.option("--vram-capacity", default=None,
               help="split.vram_capacity of the .gpuidx, e.g. 6GiB [the GPU neurons' own F16 bytes].")
 @click.option("--model", default=None, help="Load this model (same fingerprint) instead of the one the run names.")
@@ -32,7 +35,7 @@ FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
               help="Dtype the model loads in before the F16 write (float32 keeps the folded norm weights exact).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (stdout holds only the JSON).")
-def main(run_dir, fmt, out, recall, vram_capacity, model, dtype, force, as_json):
+def main(run_dir, fmt, out, recall, threshold, vram_capacity, model, dtype, force, as_json):
     """Export a run for PowerInfer's C++ runtime.
 
     Writes OUT/<model>.powerinfer.gguf (GGUF v3 with magic PWRI: the model in F16, ffn_down transposed, the
@@ -50,7 +53,7 @@ def main(run_dir, fmt, out, recall, vram_capacity, model, dtype, force, as_json)
     try:
         with stdout_to_stderr(as_json):
             s = export_run(run_dir, out, fmt=fmt, recall=recall, vram_capacity=cap, model=model, dtype=dtype,
-                           force=force, progress=sys.stderr.isatty())
+                           threshold=threshold, force=force, progress=sys.stderr.isatty())
     except (ExportError, ArtifactError, ValueError) as e:
         raise cli_error(e, FLAGS) from None
     except KeyboardInterrupt:

@@ -29,12 +29,14 @@ class ExportError(FixableError, ValueError):
 @dataclass(frozen=True)
 class Tensor:
     """One tensor of a GGUF file. `shape` is numpy's order (gguf writes ggml's `ne`, the reverse); `data` makes the
-    array (of `dtype` and `shape`) when the writer reaches it."""
+    array (of `dtype` and `shape`) when the writer reaches it. A tensor of blocks (Q4_0, ...) is given as its bytes:
+    `ggml_type` set, dtype uint8, shape (rows, row bytes)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
     data: Callable[[], np.ndarray]
+    ggml_type: int | None = None  # a block format's ggml type number: then shape and dtype are its bytes' (uint8)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +79,8 @@ def write_gguf(path: Path, arch: str, metadata: Callable[[Any], None], tensors: 
     w = gguf.GGUFWriter(str(tmp), arch)
     metadata(w)
     for t in tensors:
-        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes)
+        raw = None if t.ggml_type is None else gguf.GGMLQuantizationType(t.ggml_type)
+        w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes, raw_dtype=raw)
     total = sum(t.nbytes for t in tensors)
     try:
         w.write_header_to_file()

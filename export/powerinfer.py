@@ -161,16 +161,7 @@ def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.
     if len(vocab.tokens) != cfg.vocab_size:
         raise ExportError(f"the vocabulary has {len(vocab.tokens)} tokens but the model {cfg.vocab_size} embedding "
                           f"rows: use the model's own tokenizer")
-    if len(predictors) != L:
-        raise ExportError(f"{len(predictors)} predictor layers for a {L}-layer model: one predictor per layer needed")
-    for i, (f1, f2) in enumerate(predictors):
-        if f1.dim() != 2 or f2.dim() != 2 or f1.shape[1] != d or f2.shape != (n_ff, f1.shape[0]):
-            raise ExportError(f"layer {i}'s predictor has fc1 {tuple(f1.shape)} and fc2 {tuple(f2.shape)}; PowerInfer "
-                              f"needs fc1 (r, {d}) and fc2 ({n_ff}, r)")
-    if not math.isfinite(threshold):
-        raise ExportError(f"threshold {threshold} is not finite: PowerInfer's sparse_threshold is one finite float")
-    if vram_capacity < 0:
-        raise ExportError(f"vram_capacity {vram_capacity} is negative: give bytes >= 0", params="vram_capacity")
+    check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
     counts, gpu_mask = _counts_and_masks(counts, gpu_mask, L, n_ff)
     state = hf_state(model)
 
@@ -200,8 +191,30 @@ def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.
                   "gpu_index": f"{gguf_name}.generated.gpuidx" if gpu_mask is not None else None},
         "gpu_neurons_per_layer": None if gpu_mask is None else [int(m.sum()) for m in gpu_mask],
         "vram_capacity": int(vram_capacity) if gpu_mask is not None else None, **(info or {})}
-    final = out.resolve()
-    with artifacts.staged(final) as tmp:
+    return write_folder(out, gguf_name, arch, metadata, tensors, counts, gpu_mask, vram_capacity, summary, progress)
+
+
+def check_predictors(predictors: Sequence[tuple[torch.Tensor, torch.Tensor]], n_layers: int, d: int, n_ff: int,
+                     threshold: float, vram_capacity: int) -> None:
+    """One-line refusals of predictors, threshold and capacity that PowerInfer cannot take."""
+    if len(predictors) != n_layers:
+        raise ExportError(f"{len(predictors)} predictor layers for a {n_layers}-layer model: one predictor per layer "
+                          f"needed")
+    for i, (f1, f2) in enumerate(predictors):
+        if f1.dim() != 2 or f2.dim() != 2 or f1.shape[1] != d or f2.shape != (n_ff, f1.shape[0]):
+            raise ExportError(f"layer {i}'s predictor has fc1 {tuple(f1.shape)} and fc2 {tuple(f2.shape)}; PowerInfer "
+                              f"needs fc1 (r, {d}) and fc2 ({n_ff}, r)")
+    if not math.isfinite(threshold):
+        raise ExportError(f"threshold {threshold} is not finite: PowerInfer's sparse_threshold is one finite float")
+    if vram_capacity < 0:
+        raise ExportError(f"vram_capacity {vram_capacity} is negative: give bytes >= 0", params="vram_capacity")
+
+
+def write_folder(out: Path, gguf_name: str, arch: str, metadata, tensors: Sequence[Tensor], counts, gpu_mask,
+                 vram_capacity: int, summary: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """OUT/{gguf_name} (magic PWRI), OUT/activation/, the .generated.gpuidx (with `gpu_mask`) and OUT/export.json,
+    in a staging folder renamed into place: the folder appears whole or not at all."""
+    with artifacts.staged(out.resolve()) as tmp:
         res = write_gguf(tmp / gguf_name, arch, metadata, tensors, magic=MAGIC, progress=progress,
                          desc=f"writing {gguf_name}")
         summary.update(tensor_bytes=res["tensor_bytes"], file_bytes=res["file_bytes"], seconds=round(res["seconds"], 3))

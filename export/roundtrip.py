@@ -99,17 +99,26 @@ def activation_counts(lm, text: str = TEXT) -> tuple[np.ndarray, int]:
 def make_run(folder: Path, run: Path, form: str = "normed", gpu_share: float = 0.25) -> Path:
     """RUN/profile (counted on TEXT), RUN/placement (each layer's hottest `gpu_share` of neurons on the GPU) and
     RUN/predictors (the exact predictors in `form`, threshold 0) for the model in `folder`."""
-    from hotneurons.common import artifacts
-    from hotneurons.common.artifacts import ProfileMeta
-    from hotneurons.common.kinds import Rule
     from hotneurons.common.models import load_model
-    from hotneurons.common.placement import PlacementMeta
 
     from .predictors import exact_predictors, write_predictors
 
     lm = load_model(str(folder), device="cpu", dtype="float32")
-    info, L, n = lm.info, lm.info["n_layers"], lm.info["n_neurons"]
     counts, tokens = activation_counts(lm)
+    write_profile_and_placement(run, lm.info, counts, tokens, gpu_share)
+    write_predictors(run, lm.info, exact_predictors(dict(lm.model.state_dict()), lm.info["n_layers"], form), 0.0, form)
+    return run
+
+
+def write_profile_and_placement(run: Path, info: dict, counts: np.ndarray, tokens: int, gpu_share: float) -> None:
+    """RUN/profile of `counts` (layers, neurons) over `tokens`, and RUN/placement: each layer's hottest `gpu_share`
+    of neurons on the GPU."""
+    from hotneurons.common import artifacts
+    from hotneurons.common.artifacts import ProfileMeta
+    from hotneurons.common.kinds import Rule
+    from hotneurons.common.placement import PlacementMeta
+
+    L, n = info["n_layers"], info["n_neurons"]
     rows = []
     for i in range(L):
         order = np.argsort(-counts[i], kind="stable")
@@ -128,8 +137,6 @@ def make_run(folder: Path, run: Path, form: str = "normed", gpu_share: float = 0
     with artifacts.staged(run / "placement") as tmp:
         artifacts.write_parquet(tmp / "placement.parquet", pd.concat(rows, ignore_index=True))
         PlacementMeta(model=info).save(tmp / "meta.json")
-    write_predictors(run, info, exact_predictors(dict(lm.model.state_dict()), L, form), 0.0, form)
-    return run
 
 
 def hf_tokens(folder: Path, prompt: str, n: int) -> dict[str, Any]:

@@ -23,22 +23,25 @@ FORMATS = ("powerinfer",)
 F16_BYTES = 2
 
 
-def split_bytes(gpu_mask: list[np.ndarray], d_model: int) -> int:
-    """Bytes the GPU neurons' rows take in F16: gate, up and down_t rows of d_model each (what llama.cpp:2956-2963
-    copies to the GPU). The least split.vram_capacity that is honest for this placement."""
-    return int(sum(int(m.sum()) for m in gpu_mask)) * 3 * d_model * F16_BYTES
+def split_bytes(gpu_mask: list[np.ndarray], neuron_bytes: int) -> int:
+    """Bytes the GPU neurons' rows take: gate, up and down_t rows, `neuron_bytes` the three together as written (what
+    llama.cpp:2956-2963 copies to the GPU). The least split.vram_capacity that is honest for this placement."""
+    return int(sum(int(m.sum()) for m in gpu_mask)) * neuron_bytes
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer", recall: float | None = None,
                vram_capacity: int | None = None, model: str | None = None, dtype: str = "float32",
-               force: bool = False, progress: bool = False) -> dict[str, Any]:
+               force: bool = False, progress: bool = False, threshold: float | None = None) -> dict[str, Any]:
     """Export RUN's model with its predictors, profile and placement for PowerInfer into OUT (see write_powerinfer).
 
     `recall`: use the predictors' thresholds tabulated for this recall instead of the trained target's;
     `vram_capacity`: the gpuidx's split.vram_capacity in bytes (default: the GPU neurons' own F16 bytes, so that
     PowerInfer loads the split whenever its budget left after the dense tensors holds them); `model`: load this
     model instead of the one the run names (its fingerprint must match). Without RUN/placement no gpuidx is
-    written (PowerInfer then solves its own split on a CUDA build). Returns the summary (OUT/export.json)."""
+    written (PowerInfer then solves its own split on a CUDA build); `threshold`: one threshold for every layer in
+    place of the run's per-layer ones (PowerInfer applies one; the summary keeps those it replaced). A run of a GGUF
+    model is exported from the file as stored (export/powerinfer_gguf.py); `dtype` is then unused. Returns the
+    summary (OUT/export.json)."""
     from hotneurons.common.kinds import choose
     from hotneurons.common.models import load_model_from_meta
     from hotneurons.common.placement import read_placement
@@ -63,6 +66,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     L, n, d = info["n_layers"], info["n_neurons"], info["d_model"]
     check_width(n)
     layers, thresholds, form = read_predictors(run, L, recall)
+    replaced = None
+    if threshold is not None:
+        replaced, thresholds = thresholds, [float(threshold)] * L
     powerinfer_threshold(thresholds, form)  # refused here, before the model loads
     prof_sha = artifacts.sha256_file(run / "profile" / "meta.json")
     pred_meta = artifacts.read_json(run / "predictors" / "meta.json")
@@ -77,16 +83,46 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     if (run / "placement" / "placement.parquet").exists():
         placement = read_placement(run, info)
         gpu_mask = [placement[i].numpy() for i in range(L)]
+    source = {"run": str(run), "model": info["name"], "fingerprint": info["fingerprint"], "predictor_form": form,
+              "recall": recall, "profile_tokens": pmeta.tokens, "profile_meta_sha256": prof_sha,
+              "folded_norm_into_fc1": form == Form.NORMED, "replaced_thresholds": replaced,
+              "command": artifacts.command_line()}
+    if info.get("source", {}).get("kind") == "gguf" or str(model or "").endswith(".gguf"):
+        return _export_gguf(info, model, pmeta, layers, thresholds, form, counts, gpu_mask, vram_capacity, out,
+                            progress, source)
     lm = load_model_from_meta(info, model, device="cpu", dtype=dtype)
     artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
     state = hf_state(lm.model)
     pi_layers, threshold = to_powerinfer(layers, thresholds, form, gammas(state, L))
     vocab = vocab_from_tokenizer(lm.tokenizer, lm.model.config.vocab_size)
-    cap = (split_bytes(gpu_mask, d) if vram_capacity is None else vram_capacity) if gpu_mask is not None else 0
-    source = {"run": str(run), "model": info["name"], "fingerprint": info["fingerprint"], "predictor_form": form,
-              "recall": recall, "profile_tokens": pmeta.tokens, "profile_meta_sha256": prof_sha,
-              "folded_norm_into_fc1": form == Form.NORMED, "command": artifacts.command_line()}
+    cap = (0 if gpu_mask is None else split_bytes(gpu_mask, 3 * d * F16_BYTES) if vram_capacity is None
+           else vram_capacity)
     return write_powerinfer(state, vocab, pi_layers, threshold, counts, gpu_mask, cap, out,
                             config=lm.model.config, activation=lm.activation, name=slugify(info["name"]),
                             force=force, progress=progress, info={"source": source})
 
+
+
+def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form, counts, gpu_mask, vram_capacity,
+                 out: Path, progress: bool, source: dict) -> dict[str, Any]:
+    """export_run for a GGUF model: its header read, its tensors streamed as stored (powerinfer_gguf)."""
+    from hotneurons.common.models import adapter_for
+    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.weights.formats import row_bytes
+
+    from .powerinfer import powerinfer_arch
+    from .powerinfer_gguf import write_powerinfer_gguf
+
+    src = info.get("source", {})
+    file, sid, _, act = open_model(model or src.get("path"), None if model else src.get("gguf_file"))
+    ad = adapter_for(file.config)
+    artifacts.check_same_model(pmeta, {"model": model_info(file, sid, act, ad.name, ad.gated)},
+                               "the profile", "the model")
+    powerinfer_arch(file.config, act)
+    L, d = info["n_layers"], info["d_model"]
+    gamma = [file.get(f"blk.{i}.ffn_norm.weight").float() for i in range(L)]  # (d,) each
+    pi_layers, threshold = to_powerinfer(layers, thresholds, form, gamma)
+    neuron = sum(row_bytes(file.infos[f"blk.0.ffn_{k}.weight"].fmt, d) for k in ("gate", "up", "down"))  # bytes
+    cap = 0 if gpu_mask is None else split_bytes(gpu_mask, neuron) if vram_capacity is None else vram_capacity
+    return write_powerinfer_gguf(file.path, pi_layers, threshold, counts, gpu_mask, cap, out, activation=act,
+                                 name=slugify(info["name"]), progress=progress, info={"source": source})

@@ -1,0 +1,135 @@
+"""PowerInfer's files from a GGUF model, streamed: the model's tensors are copied as stored (Q4_0 stays Q4_0, byte for
+byte), each layer's down projection is cut into one row per neuron in its own block format (`ffn_down_t`, what
+PowerInfer's axpy kernel reads), and the predictors are added as F16 `fc1` / `fc2`. No tensor is widened to float
+but one layer's down matrix at a time where its blocks need torch's path, so a 39 GB 70B exports in a few GB of
+memory. The metadata (architecture keys, tokenizer) is the source file's, renamed to PowerInfer's arch; the
+tensor set is the one its sparse loader requires (export/powerinfer.py's docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .gguf_model import ExportError, Tensor, host
+from .powerinfer import ARCH, check_predictors, write_folder
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up")
+SKIPPED_KEYS = ("general.architecture", "general.alignment")  # the writer sets both
+
+
+def _copied(f, name: str, as_name: str | None = None) -> Tensor:
+    """A tensor of the source file as stored: its bytes, (rows, row bytes), of its ggml type."""
+    e = f.tensors[name]
+    rows = int(np.prod(e.shape[:-1])) if len(e.shape) > 1 else 1
+    shape = (rows, e.nbytes // rows) if len(e.shape) > 1 else (e.nbytes,)  # bytes
+    return Tensor(as_name or name, shape, np.dtype(np.uint8),
+                  lambda: f.buf[e.offset:e.offset + e.nbytes].reshape(shape), ggml_type=e.ggml_type)
+
+
+def down_t(f, layer: int) -> Tensor:
+    """blk.{layer}.ffn_down_t: the down matrix (d, n) as n rows of d weights, in the file's own format."""
+    from hotneurons.weights.formats import WeightFormat, from_ggml_type, row_bytes, spec
+    from hotneurons.weights.quants import dequantize, quantize
+    from hotneurons.weights.quants_cpu import columns_as_rows
+
+    e = f.tensors[f"blk.{layer}.ffn_down.weight"]
+    d, n = e.shape  # torch order: (d_model, n_ff)
+    fmt = from_ggml_type(e.ggml_type)
+    name = f"blk.{layer}.ffn_down_t.weight"
+    if fmt in (WeightFormat.F16, WeightFormat.F32):
+        dtype = np.dtype(np.float16 if fmt == WeightFormat.F16 else np.float32)
+        return Tensor(name, (n, d), dtype,
+                      lambda: np.ascontiguousarray(f.buf[e.offset:e.offset + e.nbytes].view(dtype).reshape(d, n).T))
+    if fmt not in (WeightFormat.Q4_0, WeightFormat.Q8_0):
+        raise ExportError(f"blk.{layer}.ffn_down.weight is {fmt.value}: the down rows are re-cut for PowerInfer from "
+                          f"q4_0, q8_0, f16 or f32 only; quantize the model to one of those (llama-quantize)")
+
+    def rows() -> np.ndarray:  # (n, row bytes) uint8
+        src = f.buf[e.offset:e.offset + e.nbytes].reshape(d, -1)  # (d, row bytes)
+        out = columns_as_rows(src, fmt.value, np.arange(n), fmt.value)
+        if out is None:  # blocks the Numba path leaves to torch (columns_as_rows' docstring)
+            w = dequantize(torch.from_numpy(np.ascontiguousarray(src)), fmt.value, n)  # (d, n) float32
+            out = quantize(w.T.contiguous(), fmt.value).numpy()
+        return out
+
+    return Tensor(name, (n, row_bytes(fmt, d)), np.dtype(np.uint8), rows, ggml_type=spec(fmt).ggml_type)
+
+
+def tensors_of(f, n_layers: int, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Tensor]:
+    """PowerInfer's tensor set from the source file, in its order per layer (the loader takes them by name)."""
+    need = ["token_embd.weight", "output_norm.weight", *(f"blk.{i}.{k}.weight" for i in range(n_layers)
+                                                        for k in (*LAYER_TENSORS, "ffn_down"))]
+    missing = [n for n in need if n not in f.tensors]
+    if missing:
+        raise ExportError(f"the model file lacks {missing[0]} ({len(missing)} missing): PowerInfer's LLaMA needs "
+                          f"every one of {', '.join(LAYER_TENSORS)}, ffn_down per layer")
+    out = [_copied(f, "token_embd.weight"), _copied(f, "output_norm.weight"),
+           _copied(f, "output.weight") if "output.weight" in f.tensors else  # a tied model: its embedding again
+           _copied(f, "token_embd.weight", "output.weight")]
+    for i, (fc1, fc2) in enumerate(predictors):
+        out += [_copied(f, f"blk.{i}.{k}.weight") for k in LAYER_TENSORS]
+        out += [down_t(f, i),
+                Tensor(f"blk.{i}.fc1.weight", tuple(fc1.shape), np.dtype(np.float16),  # (r, d)
+                       lambda w=fc1, i=i: host(w, np.float16, f"blk.{i}.fc1.weight")),
+                Tensor(f"blk.{i}.fc2.weight", tuple(fc2.shape), np.dtype(np.float16),  # (n_ff, r)
+                       lambda w=fc2, i=i: host(w, np.float16, f"blk.{i}.fc2.weight"))]
+    return out
+
+
+def source_metadata(path: Path, src_arch: str, arch: str, threshold: float):
+    """The writer's metadata callable: the source's key-values (its arch's keys renamed to `arch`), PowerInfer's
+    threshold."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    fields = [(f.name, f.contents(), f.types) for f in r.fields.values()
+              if not f.name.startswith("GGUF.") and f.name not in SKIPPED_KEYS]
+
+    def metadata(w) -> None:
+        for name, value, types in fields:
+            if name.startswith(src_arch + "."):
+                name = arch + name[len(src_arch):]
+            sub = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, value, types[0], sub_type=sub)
+        w.add_float32("powerinfer.sparse_threshold", float(threshold))
+
+    return metadata
+
+
+def write_powerinfer_gguf(path: str | Path, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                          threshold: float, counts: Sequence[np.ndarray], gpu_mask: Sequence[np.ndarray] | None,
+                          vram_capacity: int, out: str | Path, *, activation: str, name: str = "model",
+                          progress: bool = False, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """write_powerinfer's files for the GGUF model at `path` (its tensors as stored, export/powerinfer_gguf.py's
+    docstring); `predictors` already in PowerInfer's form. The caller has checked the model (powerinfer_arch) and
+    the output folder. Returns the summary (OUT/export.json)."""
+    from hotneurons.weights.formats import from_ggml_type
+    from hotneurons.weights.gguf_source import GGUFFile
+
+    from .powerinfer import _counts_and_masks
+
+    path, out = Path(path), Path(out)
+    f = GGUFFile(path)
+    src_arch = str(f.meta.get("general.architecture", ""))
+    L = int(f.meta[f"{src_arch}.block_count"])
+    n_ff, d = f.tensors["blk.0.ffn_up.weight"].shape  # (n_ff, d_model)
+    arch = ARCH[activation]
+    check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
+    counts, gpu_mask = _counts_and_masks(counts, gpu_mask, L, n_ff)
+    gguf_name = f"{name}.powerinfer.gguf"
+    tensors = tensors_of(f, L, predictors)
+    summary: dict[str, Any] = {
+        "format": "powerinfer", "arch": arch, "activation": activation, "name": name, "n_layers": L, "d_model": d,
+        "n_neurons": n_ff, "source_file": str(path), "sparse_threshold": float(threshold),
+        "predictor_hidden": [int(f1.shape[0]) for f1, _ in predictors],
+        "formats": sorted({from_ggml_type(e.ggml_type).value for e in f.tensors.values()}),  # as stored
+        "files": {"model": gguf_name, "activation": "activation/activation_{i}.pt",
+                  "gpu_index": f"{gguf_name}.generated.gpuidx" if gpu_mask is not None else None},
+        "gpu_neurons_per_layer": None if gpu_mask is None else [int(m.sum()) for m in gpu_mask],
+        "vram_capacity": int(vram_capacity) if gpu_mask is not None else None, **(info or {})}
+    metadata = source_metadata(path, src_arch, arch, threshold)
+    return write_folder(out, gguf_name, arch, metadata, tensors, counts, gpu_mask, vram_capacity, summary, progress)
