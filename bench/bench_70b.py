@@ -10,6 +10,8 @@ Stages, each within one 10-minute call on the GPU machine, sharing --work (local
   llamacpp  llama.cpp built from .llamacpp/ (CUDA), llama-bench on the same file: the most layers whose measured GPU
             memory, plus the KV cache of --ctx tokens that ours holds, fits --vram (probed up or down from the
             arithmetic's count), every layer on the GPU, the CPU alone (GPUs hidden)
+  powerinfer  pi-export of the run (PowerInfer's Q4_0 format, our placement as its split, the same predictors at
+            threshold 0) into --pwri-dir, PowerInfer's CUDA main built, its decode at --vram (every core, 2 threads)
   report    the stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-llama70b.{json,md}
 CPU smoke run: --device cpu --shape tiny --layers 2 --ctx 1024 --vram 1100MiB --hardware rtx4090 (every stage;
 llamacpp with --llama-bench of a CPU build).
@@ -21,7 +23,6 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,41 +44,9 @@ def _run(cmd: list[str], timeout: float) -> dict:
     return {**row, "stdout": r.stdout}
 
 
-class GpuMemory:
-    """The driver's figure of GPU memory used by a process tree (nvidia-smi's compute apps, context included), sampled
-    in a thread; the peak in bytes."""
-
-    def __init__(self, root_pid: int, interval: float = 0.25):
-        self.root, self.interval, self.peak, self._stop = root_pid, interval, 0, threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> GpuMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        from hotneurons.bench.memory_probe import tree_pids
-
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
-                pids = set(tree_pids(self.root))
-                used = sum(int(m) for p, m in (line.split(",") for line in out.stdout.splitlines() if "," in line)
-                           if int(p) in pids)
-                self.peak = max(self.peak, used << 20)  # MiB
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
-            self._stop.wait(self.interval)
-
-
 def measured(argv: list[str], timeout: float, pattern: str | None = None) -> dict:
     """Run argv with its host memory (bench/memory_probe.Monitor) and GPU memory (GpuMemory) sampled."""
-    from hotneurons.bench.memory_probe import Monitor
+    from hotneurons.bench.memory_probe import GpuMemory, Monitor
 
     with Monitor(argv, first_output=pattern) as m, GpuMemory(m.proc.pid) as g:
         res = m.wait(timeout)
@@ -194,72 +163,6 @@ def ours_child(a) -> None:
     print(f"wrote {a.work / 'ours-child.json'}", flush=True)
 
 
-def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, prompt: int, env: dict | None = None,
-                timeout: float = 400) -> dict:
-    """One `llama-bench` process (every layer past the first `ngl` on the CPU), its tokens/s per test and its peak
-    host and GPU memory."""
-    from hotneurons.bench.memory_probe import Monitor
-
-    argv = [binary, "-m", str(gguf), "-ngl", str(ngl), "-p", str(prompt), "-n", gen, "-r", "1", "-t", str(threads),
-            "-o", "json"]
-    with Monitor(argv, env=env) as m, GpuMemory(m.proc.pid) as g:
-        res = m.wait(timeout)
-    row = {"command": " ".join(argv), "ngl": ngl, "exit_code": res.exit_code, "seconds": res.wall_s,
-           "host_peak_rss_bytes": res.peak_rss_bytes, "gpu_peak_bytes": g.peak}
-    if res.exit_code != 0:
-        return {**row, "error": res.stderr_tail[-2000:]}
-    tests = json.loads(m.out.buf.decode())
-    row["decode_tok_s"] = {str(t["n_gen"]): t["avg_ts"] for t in tests if t["n_gen"]}
-    row["prefill_tok_s"] = next((t["avg_ts"] for t in tests if t["n_prompt"]), None)
-    row["build_commit"] = tests[0].get("build_commit")
-    return row
-
-
-def kv_bytes(gguf: Path, ctx: int) -> int:
-    """The fp16 KV cache of `ctx` tokens for the model in `gguf` (what our runtime holds and pi-solve reserves)."""
-    from hotneurons.runtime.engine import open_model
-
-    _, _, cfg, _ = open_model(str(gguf))
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 2
-
-
-def stage_llamacpp(a) -> dict:
-    """llama.cpp on the same file: the most layers on the GPU whose measured memory, plus the KV cache our runtime
-    holds for --ctx tokens (llama-bench's holds only its prompt and generation), fits --vram; all on the GPU; the CPU
-    alone."""
-    import os
-
-    from hotneurons.bench import bench_llamacpp as lcpp
-    from hotneurons.bench import bench_model as bm
-    from hotneurons.common.units import parse_bytes
-
-    gguf = a.work / "model.gguf"
-    cuda = a.device == "cuda"
-    built = lcpp.build(a.work, cuda, os.cpu_count() or 4) if a.llama_bench is None else {"binary": a.llama_bench}
-    binary, threads = built["binary"], os.cpu_count() or 4
-    budget = parse_bytes(a.vram) - kv_bytes(gguf, a.ctx)
-    rows: dict = {"build": built, "budget_for_weights_bytes": budget}
-    if cuda:
-        probe = {}  # ngl -> its run: a short one to find the most layers that fit
-        ngl = bm.gpu_layers_for(budget, a.shape, a.layers, size=18 / 32)
-        while 0 < ngl and ngl not in probe:
-            probe[ngl] = llama_bench(binary, gguf, ngl, threads, "8", 0)
-            fits = "error" not in probe[ngl] and probe[ngl]["gpu_peak_bytes"] <= budget
-            if fits and ngl + 1 <= a.layers and ngl + 1 not in probe:
-                ngl += 1
-            elif not fits:
-                ngl -= 1
-            else:
-                break
-        ngl = max([n for n, r in probe.items() if "error" not in r and r["gpu_peak_bytes"] <= budget], default=0)
-        rows["ngl_probes"] = probe
-        rows[f"llama.cpp -ngl {ngl}"] = llama_bench(binary, gguf, ngl, threads, "32,256", 512)
-        rows["llama.cpp all layers on the GPU"] = llama_bench(binary, gguf, 99, threads, "32,256", 512)
-    cpu_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    rows["llama.cpp CPU only"] = llama_bench(binary, gguf, 0, threads, "32", 512 if not cuda else 64, env=cpu_env)
-    return rows
-
-
 SYSTEM_KEYS = ("decode_tok_s", "prefill_tok_s", "load_to_first_token_s", "host_peak_rss_bytes", "gpu_peak_bytes")
 
 
@@ -291,6 +194,10 @@ def report(stages: dict[str, dict]) -> dict:
     for name, row in lc.items():
         if name.startswith("llama.cpp") and "error" not in row:
             systems[name] = {k: row.get(k) for k in SYSTEM_KEYS}
+    if "powerinfer" in stages:
+        from hotneurons.bench.bench_70b_baselines import powerinfer_systems
+
+        systems.update(powerinfer_systems(stages["powerinfer"]))
     split = next((n for n in systems if n.startswith("llama.cpp -ngl")), None)
 
     def ratio(other: str | None, n: str = "256") -> float | None:
@@ -305,6 +212,7 @@ def report(stages: dict[str, dict]) -> dict:
             "predictor_bytes": stages["pipeline"]["predictors"]["bytes"], "serial_floor": floor,
             "goals": {"decode_vs_layer_split": ratio(split),
                       "decode_vs_all_gpu": ratio("llama.cpp all layers on the GPU"),
+                      "decode_vs_powerinfer": ratio("powerinfer"),
                       "host_rss_vs_file": ours["host_peak_rss_bytes"] / ours["gguf_bytes"],
                       "load_to_first_token_s": ours["load_to_first_token_s"],
                       "decode_vs_serial_floor": ours["decode_tok_s"]["256"] / floor["tok_s"] if floor else None,
@@ -353,7 +261,20 @@ def stage_report(a) -> dict:
     return fig
 
 
-STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp}
+def stage_llamacpp(a) -> dict:
+    from hotneurons.bench.bench_70b_baselines import stage_llamacpp
+
+    return stage_llamacpp(a)
+
+
+def stage_powerinfer(a) -> dict:
+    from hotneurons.bench.bench_70b_baselines import stage_powerinfer
+
+    return stage_powerinfer(a)
+
+
+STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp,
+          "powerinfer": stage_powerinfer}
 
 
 def parse(argv=None):
@@ -384,6 +305,11 @@ def parse(argv=None):
     p.add_argument("--timeline", type=int, default=0,
                    help="ours: after the timed runs, one more generation of this many tokens with the step's host "
                    "clock on (bench_timeline.step_timeline: per layer, the wait for the GPU and the CPU's cold part)")
+    p.add_argument("--pwri-dir", type=Path, default=Path("/dev/shm/pwri70b"),
+                   help="powerinfer: where pi-export writes PowerInfer's files (a second 38.8 GB file: the GPU "
+                   "machine's disk holds one, its RAM the other)")
+    p.add_argument("--powerinfer-src", default=None, help="powerinfer: PowerInfer's source tarball (default: the "
+                   "shared one, or .gpu/PowerInfer-src.tgz)")
     p.add_argument("--llama-bench", default=None, help="llamacpp: a built llama-bench (default: build it in --work).")
     return p.parse_args(argv)
 

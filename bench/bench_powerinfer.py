@@ -79,13 +79,14 @@ def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: lis
 
 
 def run_main(binary: Path, gguf: Path, budget_gib: float, threads: int, tokens: int, env: dict | None = None,
-             timeout: float = 300, logdir: Path | None = None, greedy: bool = False) -> dict:
+             timeout: float = 300, logdir: Path | None = None, greedy: bool = False, prompt: str = PROMPT) -> dict:
     """PowerInfer's `main` at --temp 0, `tokens` new tokens past the 16-token prompt (export/roundtrip.py's runner):
     decode and prompt rates from its llama_print_timings lines, its loader's lines on the split it applied, its token
     ids. `greedy` adds --repeat-penalty 1.0; the timed runs keep main's default penalty."""
     from hotneurons.export.roundtrip import powerinfer_tokens
 
-    r = powerinfer_tokens(binary, gguf, PROMPT, tokens, threads, timeout, logdir=logdir, env=env, ctx=512,
+    r = powerinfer_tokens(binary, gguf, prompt, tokens, threads, timeout, logdir=logdir, env=env,
+                          ctx=max(512, len(prompt) + tokens + 8),
                           extra=["--ignore-eos", "--vram-budget", f"{budget_gib:.4f}"],
                           repeat_penalty=1.0 if greedy else None)
     if "error" not in r and "decode_tokens_per_s" not in r:

@@ -259,3 +259,33 @@ def measure(argv: list[str], *, timeout: float | None = None, **kw) -> Measureme
     """Run `argv` to its end under a Monitor (kw: env, cwd, interval, first_output)."""
     with Monitor(argv, **kw) as m:
         return m.wait(timeout)
+
+
+class GpuMemory:
+    """The driver's figure of GPU memory used by a process tree (nvidia-smi's compute apps, context included), sampled
+    in a thread; the peak in bytes."""
+
+    def __init__(self, root_pid: int, interval: float = 0.25):
+        self.root, self.interval, self.peak, self._stop = root_pid, interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> GpuMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+                pids = set(tree_pids(self.root))
+                used = sum(int(m) for p, m in (line.split(",") for line in out.stdout.splitlines() if "," in line)
+                           if int(p) in pids)
+                self.peak = max(self.peak, used << 20)  # MiB
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(self.interval)

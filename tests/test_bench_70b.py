@@ -13,8 +13,13 @@ def stages():
           "llama.cpp all layers on the GPU": {"decode_tok_s": {"32": 50.0, "256": 48.0}, "prefill_tok_s": 1400.0,
                                               "host_peak_rss_bytes": 2e9, "gpu_peak_bytes": 40e9},
           "llama.cpp CPU only": {"error": "out of memory"}}
+    pw = {"decode, 16 threads": {"decode_tokens_per_s": 4.0, "threads": 16, "new_tokens": 256, "gpu_peak_bytes": 25e9},
+          "decode, 2 threads": {"decode_tokens_per_s": 1.0, "threads": 2, "new_tokens": 64, "gpu_peak_bytes": 25e9},
+          "prompt of 512 tokens": {"prefill_tokens_per_s": 100.0, "gpu_peak_bytes": 26e9},
+          "host_peak_rss_bytes": 41e9}
     return {"build": {"shape": "llama-2-70b", "layers": 80, "calibration": {"mean_fired_as_stored": 0.1}},
-            "pipeline": {"predictors": {"bytes": 6e9}, "solve": {"summary": SOLVED}}, "ours": ours, "llamacpp": lc}
+            "pipeline": {"predictors": {"bytes": 6e9}, "solve": {"summary": SOLVED}}, "ours": ours, "llamacpp": lc,
+            "powerinfer": pw}
 
 
 # pi-solve's summary, the parts the floor reads: 1 GB of attention and predictors a token at 1e12 B/s (1 ms), 80
@@ -28,10 +33,15 @@ def test_report_keys_systems_and_goals():
     from hotneurons.bench.bench_70b import SYSTEM_KEYS, markdown, report
 
     fig = report(stages())
-    assert list(fig["systems"]) == ["hybrid", "llama.cpp -ngl 50", "llama.cpp all layers on the GPU"]  # failed: out
+    assert list(fig["systems"]) == ["hybrid", "llama.cpp -ngl 50", "llama.cpp all layers on the GPU",  # CPU: failed
+                                    "powerinfer", "powerinfer, 2 threads"]
+    assert fig["systems"]["powerinfer"] == {"decode_tok_s": {"256": 4.0}, "prefill_tok_s": 100.0,
+                                            "load_to_first_token_s": None, "host_peak_rss_bytes": 41e9,
+                                            "gpu_peak_bytes": 26e9}
     assert all(set(SYSTEM_KEYS) <= set(r) for r in fig["systems"].values())
     g = fig["goals"]
     assert g["decode_vs_layer_split"] == pytest.approx(4.0) and g["decode_vs_all_gpu"] == pytest.approx(0.25)
+    assert g["decode_vs_powerinfer"] == pytest.approx(3.0)
     assert g["prefill_vs_layer_split"] == pytest.approx(150 / 170) and g["host_rss_vs_file"] == pytest.approx(30 / 38.8)
     # cold rows: 0.1 x 1000 neurons x 80 layers x 0.23 left to the CPU x 10 kB = 18.4 MB at 50 GB/s = 0.368 ms
     f = fig["serial_floor"]
@@ -40,3 +50,34 @@ def test_report_keys_systems_and_goals():
     md = markdown(fig)
     assert "Serial floor 440.9 tok/s (2.27 ms a token" in md
     assert "| llama.cpp -ngl 50 | 3.00 / 3.00 | 170 |" in md and "decode_vs_layer_split 4.00" in md
+
+
+def test_powerinfer_stage_exports_once_and_runs_main_three_ways(tmp_path, monkeypatch):
+    """The stage's wiring, PowerInfer's build, pi-export and `main` replaced by recorders: the run exported at threshold
+    0 into --pwri-dir (reused when there), main at every core, at 2 threads and on a 512-token prompt, each with the
+    budget in GiB and its GPU peak."""
+    import argparse
+
+    from hotneurons import export
+    from hotneurons.bench import bench_70b_baselines as b
+    from hotneurons.bench import bench_powerinfer, powerinfer_check
+
+    calls = []
+    monkeypatch.setattr(powerinfer_check, "build", lambda *a, **k: {"binary": "/bin/main"})
+    monkeypatch.setattr(export, "export_run", lambda run, out, **k: calls.append(("export", k)) or {
+        "files": {"model": "m.powerinfer.gguf"}})
+
+    def main(binary, gguf, budget, threads, n, **k):
+        calls.append(("main", budget, threads, n, len(k.get("prompt", "x" * 16))))
+        return {"decode_tokens_per_s": 5.0, "prefill_tokens_per_s": 50.0, "tokens": [1], "prompt_ids": [1]}
+
+    monkeypatch.setattr(bench_powerinfer, "run_main", main)
+    monkeypatch.setattr(b.os, "cpu_count", lambda: 16)
+    a = argparse.Namespace(pwri_dir=tmp_path / "pwri", powerinfer_src=None, work=tmp_path, vram="24GiB")
+    res = b.stage_powerinfer(a)
+    assert calls[0] == ("export", {"threshold": 0.0, "force": True})
+    mains = [c for c in calls if c[0] == "main"]
+    assert [c[2:] for c in mains] == [(16, 256, 16), (2, 64, 16), (16, 2, 511)]
+    assert all(c[1] == pytest.approx(24.0) for c in mains)
+    assert "tokens" not in res["decode, 2 threads"] and res["decode, 2 threads"]["new_tokens"] == 64
+    assert set(b.powerinfer_systems(res)) == {"powerinfer", "powerinfer, 2 threads"}
