@@ -87,7 +87,7 @@ def parse(argv=None):
     ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
                     help="comma list; add 'dense' for cold-on-CPU dense at the budget, "
                          "'hybrid-no-prelaunch' for hybrid "
-                         "with each graph launched after the previous cold part (an A/B of runtime/fast.py), "
+                         "with each graph launched after the previous cold part (an A/B of runtime/graph_steps.py), "
                          "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
                          "'hybrid-no-pcie-no-prelaunch' for both, "
                          "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "

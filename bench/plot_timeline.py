@@ -1,6 +1,7 @@
 """Plot one decode token's per-layer FFN timeline (CPU kernel vs GPU hot rows) from a runtime_gpu_check.py result.
 
-Usage: python bench/plot_timeline.py [bench/results/runtime_gpu_h100.json] [notebooks/figures/runtime_timeline_h100.png]
+Usage: python bench/plot_timeline.py [bench/results/runtime_gpu_h100_omp_active.json]
+                                     [notebooks/figures/runtime_timeline_h100.png]
 """
 
 import json
@@ -13,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str = "bench/results/runtime_gpu_h100.json",
+def main(src: str = "bench/results/runtime_gpu_h100_omp_active.json",
          dst: str = "notebooks/figures/runtime_timeline_h100.png") -> None:
     res = json.loads(Path(src).read_text())
     rows = res["speed"]["timing"]["timeline_one_token"]  # one token, per layer, ms from that FFN's start

@@ -27,7 +27,7 @@ def openmp_wait_policy() -> str:
     layer, and threads of one pool spinning after their work starve the other: PASSIVE (sleep at once), or CPU
     decode runs many times slower. With an NVIDIA GPU the CPU runs little besides the cold kernel, once per layer
     with sub-millisecond gaps, and waking sleeping threads at every layer costs more than the kernel saves
-    (bench/NOTES.md has the measurements). So ACTIVE, with the spin bounded (GOMP_SPINCOUNT) so that idle
+    (docs/history.md has the measurements). So ACTIVE, with the spin bounded (GOMP_SPINCOUNT) so that idle
     threads still go to sleep."""
     gpu = os.path.exists("/proc/driver/nvidia/version") and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
     if "OMP_WAIT_POLICY" not in os.environ:

@@ -9,7 +9,7 @@ is widened to float32 inside the dot and axpy loops, each group's scale is appli
 with scale 1), and all arithmetic is float32.
 
 Work split: threads take CHUNK neurons of the active list at a time from a shared atomic counter (a fixed contiguous
-share each left the call waiting for its slowest thread; bench/NOTES.md), and the last TAIL per thread 4 at a time
+share each left the call waiting for its slowest thread; docs/history.md), and the last TAIL per thread 4 at a time
 (`_claim`, so that the threads end closer together); each thread
 accumulates its neurons' `h_j * down_t[j]` into its own row of `part`; then every thread sums one slice of d across
 those rows. Which thread sums which neuron varies from call to call, so results vary in the last float32 bits. The GIL
@@ -18,7 +18,7 @@ is released, so the GPU (or another Python thread) keeps working.
 Several rows at once: a thread reads the gate and up rows of four neurons in one loop (`_dot8`: eight rows), then
 their down rows (`_axpy4`); ungated FFNs read four up rows (`_dot4`), then four down rows. One core alone keeps too few
 reads in flight over one 16 KiB row at a random place to fill its share of DRAM bandwidth, so four rows are read at
-once, and the gate and up rows in one pass (bench/kernel_variants.py, bench/NOTES.md). A neuron marked active whose
+once, and the gate and up rows in one pass (docs/history.md). A neuron marked active whose
 activation is zero (a wrong guess) skips its down row; under a ReLU gate it has read its up row for nothing.
 
 One kernel, the activation passed as an integer code (ACT_CODE; gated from FIRST_GATED on):
@@ -35,7 +35,7 @@ one count-trailing-zeros per set bit.
 numba.get_num_threads() inside would stop the kernels from caching). `out` (d_model,) float32 is overwritten with
 sum_j h_j * down_t[j]; or, with `out` of shape (0,), that sum is left in `part` as its rows' sum (the rows of threads
 that took no neurons zeroed), for the GPU to add up: reading a few more rows over PCIe costs the GPU less than the
-CPU's sum costs the CPU (a second parallel region, each row in another core's cache; bench/cold_sum_gpu.py). The down
+CPU's sum costs the CPU (a second parallel region, each row in another core's cache; docs/history.md). The down
 bias is added by the caller once.
 """
 
@@ -238,7 +238,7 @@ def _down4(h0, h1, h2, h3, j0, j1, j2, j3, down_t, scale, group, acc):  # acc +=
 @njit(nogil=True, cache=True, fastmath=True)
 def _gated4(x, j0, j1, j2, j3, gate, up, down_t, scale, group, acc, act):  # four neurons, their rows read at once
     """The gate and up rows of four neurons in one pass (8 rows at once), then their down rows: fewer passes over x
-    keep more reads in flight than gate, up and down in three passes of four rows (bench/NOTES.md). A neuron marked
+    keep more reads in flight than gate, up and down in three passes of four rows (docs/history.md). A neuron marked
     active whose ReLU gate is zero (a wrong guess) has read its up row for nothing (one row more than reading the
     gates first: worth it while the predictor's precision is high)."""
     g0, g1, g2, g3, u0, u1, u2, u3 = _dot8(x, gate[j0], gate[j1], gate[j2], gate[j3], up[j0], up[j1], up[j2], up[j3],
@@ -305,7 +305,7 @@ def bit_indices(words, n, out):
     unpacked mask); returns k. words: (ceil(n / 64),) uint64, bit j of word w = entry 64 w + j (the host mask's
     bytes, bit b of byte i = entry 8 i + b, viewed as little-endian uint64); bits at n and past are left out. out:
     (n,) int64. Serial, one count-trailing-zeros per set bit: a few percent of a layer's cold neurons are set, and
-    the byte mask this replaced took a parallel region's fork and join to scan (bench/mask_indices.py)."""
+    the byte mask this replaced took a parallel region's fork and join to scan (docs/history.md)."""
     k = 0
     for w in range(min(words.shape[0], (n + 63) // 64)):
         b = words[w]
@@ -335,7 +335,7 @@ def wait_ready(ready, i, spins):
 @njit(nogil=True, cache=True)
 def cold_layer(ready, release, i, words, idx, skip, x, gate, up, b_up, down_t, scale, group, part, out, act, marks):
     """One decode layer's CPU part in one call, so that no Python runs between the GPU's signal and the kernel (in
-    decode the main thread runs Python slower than alone, its caches flushed by the rows just read; bench/NOTES.md):
+    decode the main thread runs Python slower than alone, its caches flushed by the rows just read; docs/history.md):
 
       i >= 0: wait until ready[i] is 1 (the GPU wrote x and the cold mask to the host, then ready[i]), then reset it;
       the set bits of the packed cold mask `words` (ceil(n_cold / 64),) uint64 -> idx[:k] ascending (bit_indices;

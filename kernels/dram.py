@@ -1,7 +1,7 @@
 """The DRAM read ceiling as the cold kernels see it: a reduction over 16 KiB rows in random order, four at once per
 thread, threads taking eight rows at a time from a shared counter (kernels/cold.py reads cold rows that way).
 One core reading one sequential stream keeps fewer reads in flight, so sequential reductions under-read DRAM
-(bench/NOTES.md). hotneurons.common.hardware and bench_ceilings use it."""
+(docs/history.md). hotneurons.common.hardware and bench_ceilings use it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def row_gather_bw(a: np.ndarray, threads: int, repeats: int = 1) -> float:
     """bytes/s of the best of `repeats` reads of a float32 array far larger than the caches, as the cold kernels read
     DRAM: 16 KiB rows in a fixed random order (the same each pass, so the L3 holds only the rows read last), 4 at
     once per thread. One core reading one sequential stream keeps fewer reads in flight, so sequential reductions read
-    less (bench/NOTES.md)."""
+    less (docs/history.md)."""
     rows = a[:a.size // 32768 * 32768].reshape(-1, 4096)  # (rows, 4096) float32: 16 KiB rows, a multiple of 8
     order = _gather_order(rows.shape[0])
     _sum_gathered(rows, order[:8], threads)  # compiled (or loaded from the cache) on first use

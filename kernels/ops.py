@@ -153,7 +153,7 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 class Ops:
     """The ops of a decode step's graphs, as functions of tensors, by name in OPS: "torch" (the reference, and what the
     CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each into one or a few kernels
-    (the GEMVs stay cuBLAS; bench/pre_compile.py); "triton", the hand-written kernels of kernels/fused.py, GEMVs
+    (the GEMVs stay cuBLAS; docs/history.md); "triton", the hand-written kernels of kernels/fused.py, GEMVs
     included (one or two kernels each)."""
 
     residual_norm: Callable = residual_norm

@@ -41,7 +41,7 @@ RECHECK_GAIN = 0.05  # a re-check whose proposal would shorten the layer's time 
 class ShareBalance:
     """The share's balancing rounds (tune_mapped_rows). The share measured at start times the GPU and the CPU each
     alone, but in decode the GPU's part also holds the hot rows and the two share DRAM, so the GPU's part can end well
-    after the CPU's (bench/NOTES.md). So the decode steps themselves are timed (StaticDecoder.timing, on while
+    after the CPU's (docs/history.md). So the decode steps themselves are timed (StaticDecoder.timing, on while
     balancing)."""
     device_rows_per_ms: float  # the GPU's rate over PCIe, measured at start
     base_ms: np.ndarray | None = None  # (layers + 1,) ms: each wait for `pre` and the final graph's, without a share

@@ -202,7 +202,7 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: ColdRows, ou
 # ---------------------------------------------------------------------------------------------------------------
 # Cold rows the compute device reads in place. On CUDA the arrays are page-locked and mapped into the GPU's address
 # space (cudaHostRegister), so a GPU kernel reads them over PCIe while the CPU reads other rows from DRAM: the two
-# reads add up, the CPU keeping most of its bandwidth (bench/pcie_cold.py, bench/NOTES.md). On the CPU the
+# reads add up, the CPU keeping most of its bandwidth (docs/history.md). On the CPU the
 # "mapped" tensors are plain views, which tests use.
 
 

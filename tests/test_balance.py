@@ -169,7 +169,7 @@ def test_next_share_from_overruns_lands_on_the_balance():
 
 def test_next_share_is_not_moved_by_one_stalled_cpu_part():
     """One CPU part stalled for 20 ms among a round's 48 samples (a page fault, the OS) does not send the share to its
-    cap: the stall does not shrink with the rows the CPU keeps (bench/NOTES.md, machine BD)."""
+    cap: the stall does not shrink with the rows the CPU keeps (docs/history.md, machine BD)."""
     import hotneurons.runtime.balance as B
 
     rng = np.random.default_rng(0)
