@@ -287,17 +287,28 @@ def test_interrupt_after_a_checkpoint_resumes(tiny_model_dir, text_corpus, tmp_p
     assert a.equals(b) and not partial.exists()
 
 
+def _default_sigint() -> None:
+    """In a child before exec: SIGINT back to its default, which Python then turns into KeyboardInterrupt. A shell
+    that starts jobs in the background (`make test &`, nohup) starts them with SIGINT ignored, and a child inherits
+    that: the tests would test the shell, not the product."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_while_writing_waits_for_the_write(tiny_model_dir, text_corpus, tmp_path, monkeypatch):
     """A real SIGINT during the final write: the profile is completed and swapped in first."""
     real = artifacts.write_parquet
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python installs it (_default_sigint)
 
     def signalled(*a, **kw):
         os.kill(os.getpid(), signal.SIGINT)
         return real(*a, **kw)
 
     monkeypatch.setattr(artifacts, "write_parquet", signalled)
-    line = interrupted_line(CliRunner().invoke(profile_cli, profile_args(tiny_model_dir("llama-reglu"), text_corpus,
-                                                                         tmp_path / "r")))
+    try:
+        line = interrupted_line(CliRunner().invoke(profile_cli, profile_args(tiny_model_dir("llama-reglu"),
+                                                                             text_corpus, tmp_path / "r")))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert "complete" in line
     assert (tmp_path / "r" / "profile" / "meta.json").exists() and not (tmp_path / "r" / ".profile.partial").exists()
 
@@ -314,7 +325,7 @@ def test_partial_folder_without_checkpoint_does_not_block(tiny_model_dir, text_c
 
 def sigint_after(marker: str, args: list, wait: float = 0.0, timeout: float = 60) -> tuple[int, str]:
     p = subprocess.Popen([str(BIN / "pi-profile"), *map(str, args)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=_default_sigint)
     buf = bytearray()
     seen = threading.Event()
 
