@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError, check_profile
@@ -105,6 +106,12 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                     click.echo(f"measure: {n}", err=True)
         hw = hw.replace(pcie_bw=rates["--pcie-bw"], gpu_bw=rates["--gpu-bw"], cpu_bw=rates["--cpu-bw"], cores=cores,
                         sync_latency_s=None if sync_us is None else sync_us * 1e-6)
+        # a placement is re-solved in place (another budget, a new profile): said, never silent
+        before = Path(run_dir) / "placement" / "summary.json"
+        try:
+            replaced = PlacementSummary.load(before).budget.vram if before.exists() else None
+        except (ArtifactError, ValueError, KeyError, TypeError):  # unreadable: replaced all the same
+            replaced = "an unreadable summary"
         try:
             summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
                                       reserve_bytes=reserve_bytes, group_size=group_size,
@@ -112,6 +119,8 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                                       mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
+    if before.exists() and replaced is not None:
+        click.echo(f"replaced the placement in {before.parent} (solved before for {replaced})", err=True)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:

@@ -376,3 +376,14 @@ def test_real_sigint_leaves_a_resumable_checkpoint_or_nothing(tiny_model_dir, tm
         r = pi("pi-profile", *args, "--quiet")
     assert r.returncode == 0, r.stderr
     assert (out / "profile" / "meta.json").exists() and not (out / ".profile.partial").exists()
+
+
+def test_solve_says_when_it_replaces_a_placement(run):
+    """Re-solving a run (another budget, a new profile) replaces its placement in place, and says so on stderr."""
+    copy = run  # a copy of its own
+    shutil.rmtree(copy / "placement", ignore_errors=True)
+    first = pi("pi-solve", "--run", copy, "--json", "--ctx", 16, "--vram", "2GB")
+    assert first.returncode == 0 and "replaced" not in first.stderr, first.stderr
+    again = pi("pi-solve", "--run", copy, "--json", "--ctx", 16, "--vram", "3GB")
+    assert again.returncode == 0 and json.loads(again.stdout)["budget"]["vram_bytes"] == 3 * 10**9
+    assert f"replaced the placement in {copy / 'placement'} (solved before for 2.00 GB" in again.stderr
