@@ -216,16 +216,18 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
         row["device_map"] = {k: str(v) for k, v in dm.items()}
     else:
         row["device_map"] = {"": "cpu"}
+    from hotneurons.common.models import step as hf_step
+
     dev = "cuda:0" if device == "cuda" else "cpu"
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt], device=dev), use_cache=True)
-        cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+        logits, cache = hf_step(model, torch.tensor([prompt], device=dev))
+        nxt = int(logits[0, -1].argmax())
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(tokens):
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
-            cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+            logits, cache = hf_step(model, torch.tensor([[nxt]], device=dev), cache)
+            nxt = int(logits[0, -1].argmax())
         seconds = time.perf_counter() - t0
     import accelerate
     import transformers

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from hotneurons.bench import ROOT, record
+from hotneurons.common.models import step as hf_step
 
 TARBALL = ROOT.parent / "shared" / "vendor" / "PowerInfer-src.tgz"
 CMAKE_FLAGS = ["-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
@@ -117,12 +118,12 @@ def predictor_f16_flips(run: Path, prompt: str, n: int) -> list[dict]:
         lambda _m, args, i=i: seen.append((i, args[0].reshape(-1).clone()))) for i, layer in enumerate(r.lm.layers)]
     ids, cache, steps = prompt_ids(r, prompt), None, []
     for tok in ids[:-1]:
-        cache = r.lm.model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).past_key_values
+        cache = hf_step(r.lm.model, torch.tensor([[tok]]), cache)[1]
     nxt = ids[-1]
     for _ in range(n):
         seen.clear()
-        o = r.lm.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-        cache, top = o.past_key_values, o.logits[0, -1].topk(2)
+        logits, cache = hf_step(r.lm.model, torch.tensor([[nxt]]), cache)
+        top = logits[0, -1].topk(2)
         nxt = int(top.indices[0])
         flips = []
         for i, x in seen:  # x (d,): the residual entering layer i's FFN block

@@ -376,3 +376,18 @@ def model_info(model: nn.Module, adapter: FamilyAdapter, activation: str, source
             "ffn_per_layer": ffn_params,
         },
     }
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_arg(forward_type: type) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(forward_type.forward).parameters else "past_key_values"
+
+
+def step(model: nn.Module, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
+    """One cached forward of a transformers causal LM: (logits (batch, T, vocab), its cache). transformers 5.2x names
+    the cache `cache` and warns on every call that passes `past_key_values`; earlier versions know only the latter."""
+    name = _cache_arg(type(model))
+    out = model(input_ids=input_ids, use_cache=True, **({} if cache is None else {name: cache}))
+    return out.logits, out[name]

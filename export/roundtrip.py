@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.common.models import step as hf_step
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 TEXT = ("The quick brown fox jumps over the lazy dog. Sparse activations make the large models fast, "
@@ -175,11 +176,11 @@ def our_tokens_stepwise(run: Path, prompt: str, n: int, threads: int = 1,
     handles = hooks(rt.lm) if hooks is not None else []
     ids, cache, out = prompt_ids(rt, prompt), None, []
     for t in ids[:-1]:
-        cache = rt.lm.model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).past_key_values
+        cache = hf_step(rt.lm.model, torch.tensor([[t]]), cache)[1]
     nxt = ids[-1]
     for _ in range(n):
-        o = rt.lm.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-        cache, nxt = o.past_key_values, int(o.logits[0, -1].argmax())
+        logits, cache = hf_step(rt.lm.model, torch.tensor([[nxt]]), cache)
+        nxt = int(logits[0, -1].argmax())
         out.append(nxt)
         if nxt == rt.lm.tokenizer.eos_token_id:
             break

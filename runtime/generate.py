@@ -26,6 +26,9 @@ from hotneurons.common.models import (
     pick_dtype,
     text_config,
 )
+from hotneurons.common.models import (
+    step as hf_step,
+)
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.kernels.cold import set_threads
 from hotneurons.kernels.names import COLD_DTYPES
@@ -243,8 +246,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     if ours:
         logits = source_forward(rt, prompt_ids, 0)  # (vocab,)
     else:
-        out = model(input_ids=torch.tensor([prompt_ids], device=rt.device), use_cache=True)
-        cache, logits = out.past_key_values, out.logits[0, -1]  # (vocab,)
+        out, cache = hf_step(model, torch.tensor([prompt_ids], device=rt.device))
+        logits = out[0, -1]  # (vocab,)
     _sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
@@ -278,8 +281,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         elif ours:
             logits = source_forward(rt, [nxt], len(prompt_ids) + len(ids) - 1)
         else:
-            out = model(input_ids=torch.tensor([[nxt]], device=rt.device), past_key_values=cache, use_cache=True)
-            logits = out.logits[0, -1]
+            out, cache = hf_step(model, torch.tensor([[nxt]], device=rt.device), cache)
+            logits = out[0, -1]
         steps += 1
         tune_mapped_rows(rt)
         step_s.append(time.perf_counter() - t_step)

@@ -291,3 +291,22 @@ def test_grouped_attention_equals_float64_per_head(T, H, K, S, softcap):
             s = torch.tanh(s / softcap) * softcap
         ref[:, h] = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ values[kv].double()
     torch.testing.assert_close(out.double(), ref.reshape(T, H * 16), atol=2e-6, rtol=0)
+
+
+def test_cached_step_equals_full_forward_without_deprecation_warnings(recwarn):
+    """common.models.step, the cached forward the transformers paths decode with: the last position's logits equal a
+    full forward's over the whole sequence, and no call warns about the cache argument's name."""
+    from hotneurons.common.models import step
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     vocab_size=50)).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    with torch.no_grad():
+        logits, cache = step(m, ids[:, :5])
+        for t in (5, 6):
+            logits, cache = step(m, ids[:, t:t + 1], cache)
+        full = m(input_ids=ids).logits
+    torch.testing.assert_close(logits[0, -1], full[0, -1], atol=1e-5, rtol=1e-5)
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
