@@ -14,6 +14,8 @@ from hotneurons.profiler.profile import ProfileConfig, profile_model
 # library parameters that are not spelled as their flag (a resumed run's settings name ProfileConfig fields)
 FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
 
+MIN_USEFUL_TOKENS = 1000  # tokens: below this a neuron firing 1% of the time is counted ~10 times or fewer
+
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--model", default=None, help="HF hub id, local folder, or .gguf file. Default: the embedded "
@@ -74,6 +76,10 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         interrupted(interrupt_message(e))
     if meta is None:  # a non-zero rank under torchrun
         return
+    if meta.tokens < MIN_USEFUL_TOKENS:
+        click.echo(f"warning: only {meta.tokens:,} tokens profiled: activation counts (and predictors trained on "
+                   f"their samples) are mostly noise below {MIN_USEFUL_TOKENS:,}; profile 10,000 or more (--tokens)",
+                   err=True)
     try:
         click.echo(json.dumps(meta.to_dict(), indent=2) if as_json else format_summary(meta))
     except KeyboardInterrupt:

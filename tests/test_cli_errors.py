@@ -387,3 +387,15 @@ def test_solve_says_when_it_replaces_a_placement(run):
     again = pi("pi-solve", "--run", copy, "--json", "--ctx", 16, "--vram", "3GB")
     assert again.returncode == 0 and json.loads(again.stdout)["budget"]["vram_bytes"] == 3 * 10**9
     assert f"replaced the placement in {copy / 'placement'} (solved before for 2.00 GB" in again.stderr
+
+
+def test_profile_of_few_tokens_warns(tiny_model_dir, text_corpus, tmp_path):
+    """A profile of fewer tokens than MIN_USEFUL_TOKENS is written, with one warning line that names --tokens."""
+    from hotneurons.profiler.cli import MIN_USEFUL_TOKENS
+
+    r = pi("pi-profile", "--model", tiny_model_dir("llama-reglu"), "--dataset", text_corpus, "--tokens", 64,
+           "--seq-len", 32, "--samples-per-layer", 0, "--out", tmp_path / "r", "--quiet")
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: only")]
+    assert len(warn) == 1 and "--tokens" in warn[0] and f"{MIN_USEFUL_TOKENS:,}" in warn[0]
+    assert (tmp_path / "r" / "profile" / "meta.json").exists()
