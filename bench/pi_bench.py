@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from hotneurons.bench import ROOT, record
 from hotneurons.bench import bench_llamacpp as lcpp
 from hotneurons.bench import bench_model as bm
@@ -148,6 +147,8 @@ def main(argv=None) -> dict:
         return info
     if args.stage == "report":
         return write_results(args.inputs, args.results, kind=args.machine_kind, commit=args.commit, label=args.label)
+    import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu for a smoke test")
     import numba

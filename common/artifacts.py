@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import pandas as pd
 from hotneurons import __version__
 from hotneurons.common.kinds import Rule
 from hotneurons.common.schema import (  # noqa: F401  (re-exported: the stages' one import for artifact I/O)
@@ -70,6 +69,10 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+if TYPE_CHECKING:  # pandas loads in ~0.3 s: only where a table is read or written (the CLIs' --help stays quick)
+    import pandas as pd
+
+
 def write_parquet(path: str | os.PathLike, df: pd.DataFrame) -> None:
     with atomic_path(path) as tmp:
         df.to_parquet(tmp, index=False)
@@ -99,6 +102,8 @@ def read_table(path: str | os.PathLike, columns: tuple[str, ...], writer: str) -
     """`check_table`, then the table; a file that breaks while read is refused the same way."""
     check_table(path, columns, writer)
     try:
+        import pandas as pd
+
         return pd.read_parquet(path)
     except Exception as e:
         raise ArtifactError(f"{path} is not a readable parquet table ({_reason(e)}): re-run {writer}") from None

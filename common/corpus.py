@@ -19,9 +19,12 @@ import re
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from hotneurons.common.kinds import FixableError
+
+if TYPE_CHECKING:  # torch loads in ~1 s: only where token ids are stacked
+    import torch
 
 WIKI_SAMPLE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 EVAL_EVERY = 10  # article i is held out for evaluation iff i % EVAL_EVERY == EVAL_EVERY - 1
@@ -226,4 +229,6 @@ def token_batches(tokenizer, texts: Iterator[str], seq_len: int, batch_size: int
 
 
 def _stack(rows: list[list[int]]) -> torch.Tensor:
+    import torch
+
     return torch.tensor(rows, dtype=torch.int64)

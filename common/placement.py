@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import pandas as pd
-import torch
 from hotneurons.common.artifacts import ArtifactError, JsonFile, Section, StageMeta, check_same_model
 from hotneurons.common.kinds import Kind
+
+if TYPE_CHECKING:  # torch loads in ~1 s: only where a placement is read (pi-solve --help stays quick)
+    import torch
 
 
 class Objective(Kind):
@@ -161,6 +162,8 @@ def read_placement(run_dir: str | os.PathLike, model_info: dict, n_layers: int |
         raise ArtifactError(f"no placement in {pdir}: run pi-solve on {run_dir} first")
     meta = PlacementMeta.load(pdir / "meta.json")
     check_same_model(meta, {"model": model_info}, f"placement {pdir}", "the model")
+    import pandas as pd
+
     df = pd.read_parquet(table, columns=["layer", "neuron", "gpu"])
     n = model_info["n_neurons"]
     layer = df["layer"].to_numpy(np.int64)
@@ -169,4 +172,6 @@ def read_placement(run_dir: str | os.PathLike, model_info: dict, n_layers: int |
     if len(df) and (layer.max() >= gpu.shape[0] or neuron.max() >= n):
         raise ArtifactError(f"{table} names neurons outside {gpu.shape[0]} layers x {n}: re-run pi-solve")
     gpu[layer, neuron] = df["gpu"].to_numpy(bool)
+    import torch
+
     return Placement({i: torch.from_numpy(gpu[i].copy()) for i in range(gpu.shape[0])}, meta)

@@ -27,10 +27,20 @@ Two layers, so that a benchmark can export a model it holds in memory and the CL
         Trained predictors of either form -> PowerInfer's, or a one-line refusal (ExportError).
 """
 
-from .gguf_model import ExportError, Vocab, placeholder_vocab, vocab_from_tokenizer
-from .powerinfer import write_powerinfer
-from .predictors import exact_predictors, to_powerinfer, write_predictors
-from .run import export_run
+import importlib
 
-__all__ = ["ExportError", "Vocab", "export_run", "exact_predictors", "placeholder_vocab", "to_powerinfer",
+FORMATS = ("powerinfer",)  # pi-export --format
+
+_LAZY = {"ExportError": ".gguf_model", "Vocab": ".gguf_model", "placeholder_vocab": ".gguf_model",
+         "vocab_from_tokenizer": ".gguf_model", "write_powerinfer": ".powerinfer", "exact_predictors": ".predictors",
+         "to_powerinfer": ".predictors", "write_predictors": ".predictors", "export_run": ".run"}  # on first use: the
+# CLI's --help stays quick
+
+__all__ = ["FORMATS", "ExportError", "Vocab", "export_run", "exact_predictors", "placeholder_vocab", "to_powerinfer",
            "vocab_from_tokenizer", "write_powerinfer", "write_predictors"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,8 +11,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.units import format_bytes, parse_bytes
 
-from .gguf_model import ExportError
-from .run import FORMATS, export_run
+from . import FORMATS
 
 FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
 
@@ -50,6 +49,9 @@ def main(run_dir, fmt, out, recall, threshold, vram_capacity, model, dtype, forc
             cap = parse_bytes(vram_capacity)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--vram-capacity") from None
+    from .gguf_model import ExportError  # torch: after the arguments are read
+    from .run import export_run
+
     try:
         with stdout_to_stderr(as_json):
             s = export_run(run_dir, out, fmt=fmt, recall=recall, vram_capacity=cap, model=model, dtype=dtype,

@@ -15,11 +15,11 @@ import numpy as np
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError, slugify
 
+from . import FORMATS
 from .gguf_model import ExportError, hf_state, vocab_from_tokenizer
 from .powerinfer import ARCH, MODEL_TYPES, RELUFY, check_width, write_powerinfer
 from .predictors import Form, gammas, powerinfer_threshold, read_predictors, to_powerinfer
 
-FORMATS = ("powerinfer",)
 F16_BYTES = 2
 
 

@@ -9,7 +9,6 @@ from hotneurons.common.artifacts import ArtifactError, ProfileMeta, StageInterru
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.kinds import Activation
-from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 # library parameters that are not spelled as their flag (a resumed run's settings name ProfileConfig fields)
 FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
@@ -60,6 +59,8 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
     Under torchrun (`torchrun --nproc-per-node N -m hotneurons.profiler ...`) ranks share the corpus and
     the counts are all-reduced.
     """
+    from hotneurons.profiler.profile import ProfileConfig, profile_model  # torch: after the arguments are read
+
     cfg = ProfileConfig(model=model, gguf_file=gguf_file, revision=revision, dataset=dataset,
                         text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                         target_sparsity=target_sparsity, calibration_tokens=calibration_tokens,

@@ -8,8 +8,7 @@ from dataclasses import replace
 import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.relufy.distill import relufy  # it checks --out before the model loads
-from hotneurons.relufy.relufy import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, preset
+from hotneurons.relufy.config import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, preset
 
 
 def _tokens(ctx, param, value):
@@ -72,6 +71,8 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    from hotneurons.relufy.distill import relufy  # torch: after the arguments are read; it checks --out first
+
     try:
         cfg = replace(preset(preset_name), **{k: v for k, v in overrides.items() if v is not None})
         s = relufy(model, out, cfg, gguf_file=gguf_file, device=device, resume=resume, force=force,

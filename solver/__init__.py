@@ -1,6 +1,13 @@
 """Neuron placement: which FFN neurons live on the GPU (`pi-solve`). See docs/solver.md."""
 
-from .cost import SolverError
-from .place import solve_placement
+import importlib
+
+_LAZY = {"SolverError": ".cost", "solve_placement": ".place"}  # loaded on first use: `pi-solve --help` stays quick
 
 __all__ = ["SolverError", "solve_placement"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,6 @@ from hotneurons.common.placement import Objective, PlacementSummary
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 
 from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
-from .place import solve_placement
 
 # solve_placement's arguments whose flag is spelled otherwise
 FLAGS = {"vram_bytes": "--vram", "reserve_bytes": "--reserve", "comm": "--no-comm-constraint"}
@@ -112,6 +111,8 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
             replaced = PlacementSummary.load(before).budget.vram if before.exists() else None
         except (ArtifactError, ValueError, KeyError, TypeError):  # unreadable: replaced all the same
             replaced = "an unreadable summary"
+        from .place import solve_placement  # pandas, torch: after the arguments are read
+
         try:
             summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
                                       reserve_bytes=reserve_bytes, group_size=group_size,

@@ -208,13 +208,16 @@ def test_dtype_choices_are_the_formats_the_kernels_read():
     assert "q4_1" in choices["gpu_dtype"] and "q4_1" in choices["cold_dtype"]
 
 
-@pytest.mark.parametrize("module", ["hotneurons.runtime.cli", "hotneurons.server.cli"])
-def test_help_imports_no_torch(module):
-    """pi-generate and pi-serve parse their flags before torch, numba or transformers load: --help answers at once."""
+@pytest.mark.parametrize("module,command", [
+    ("hotneurons.runtime.cli", "main"), ("hotneurons.server.cli", "main"), ("hotneurons.profiler.cli", "main"),
+    ("hotneurons.solver.cli", "main"), ("hotneurons.predictors.cli", "train_main"),
+    ("hotneurons.predictors.cli", "eval_main"), ("hotneurons.relufy.cli", "main"), ("hotneurons.export.cli", "main")])
+def test_help_imports_no_torch(module, command):
+    """Every stage's CLI parses its flags before torch, numba or transformers load: --help answers at once."""
     import subprocess
     import sys
 
-    code = (f"import sys; from {module} import main; main(['--help'], standalone_mode=False); "
+    code = (f"import sys; from {module} import {command} as main; main(['--help'], standalone_mode=False); "
             f"print(sorted(m for m in ('torch', 'numba', 'transformers', 'uvicorn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
