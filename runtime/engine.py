@@ -188,7 +188,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
-    from hotneurons.runtime.placement import Placement
+    from hotneurons.runtime.placement import Placement, plan_figures, solved_summary
     from hotneurons.runtime.source_steps import SourceSteps
     from tqdm.auto import tqdm
 
@@ -205,11 +205,10 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     device, dtype = device_and_dtype(cfg)
     L, n = info["n_layers"], info["n_neurons"]
     predictors = taus = None
-    solved: dict = {}
+    solved = None  # pi-solve's summary, where the placement came from pi-solve
     if placement is None and run is not None and (run / "placement" / "placement.parquet").exists():
         placement = Placement.from_run(run, info)
-        if (run / "placement" / "summary.json").exists():
-            solved = artifacts.read_json(run / "placement" / "summary.json")
+        solved = solved_summary(run)
     mode = cfg.mode
     oracle = mode == "hybrid" and cfg.oracle
     if mode == "hybrid" and not oracle and not use_predictor:
@@ -234,7 +233,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     if run is not None and (run / "profile" / "meta.json").exists():
         _, pmeta = artifacts.read_profile(run)
         artifacts.check_same_model(pmeta, {"model": info}, f"profile {run / 'profile'}", "the model")
-        taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+        taus = pmeta.layer_taus
     if mode == "hybrid" and placement is None:
         raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
     if mask == "oracle" and taus is None and act not in RELU_FAMILY:
@@ -246,7 +245,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype, device)
     cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt)  # as resolved
     requantized(source, cold_fmt, hot_fmt)
-    ctx = cfg.ctx or min((solved.get("flags", {}).get("ctx")) or CAPACITY, mcfg.max_positions)
+    ctx = cfg.ctx or min(solved.flags.ctx if solved is not None else CAPACITY, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
     check_fits(need, device, cfg.vram, ctx)
     prenorm = mask == "predictor" and predictors.form == PredictorForm.POWERINFER
@@ -278,7 +277,5 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
             if cfg.static_decode else None)
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
     rt.pcie_share = pcie_share(rt, mask)
-    rt.profile_gpu_share = solved.get("gpu_activation_share")
-    rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
-    rt.plan_dtype = solved.get("flags", {}).get("dtype")
+    plan_figures(rt, solved)
     return rt

@@ -5,7 +5,6 @@ generate.build_runtime).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
-from hotneurons.runtime.placement import Placement
+from hotneurons.runtime.placement import Placement, plan_figures, solved_summary
 
 
 def _first_meta(run_dir: Path) -> dict | None:
@@ -90,13 +89,12 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
                                trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
     placement = predictors = taus = None
-    solved: dict = {}  # pi-solve's summary, where the placement came from pi-solve
+    solved = None  # pi-solve's summary, where the placement came from pi-solve
     if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
         placement = Placement.from_run(run, lm.info)
-        if (run / "placement" / "summary.json").exists():
-            solved = json.loads((run / "placement" / "summary.json").read_text())
-        if cfg.ctx is None:  # the KV cache the solver reserved room for
-            cfg = replace(cfg, ctx=solved.get("flags", {}).get("ctx"))
+        solved = solved_summary(run)
+        if cfg.ctx is None and solved is not None:  # the KV cache the solver reserved room for
+            cfg = replace(cfg, ctx=solved.flags.ctx)
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
         from hotneurons.predictors.train import load_predictors
 
@@ -109,9 +107,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     if run is not None and (run / "profile" / "meta.json").exists():
         _, pmeta = artifacts.read_profile(run)
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
-        taus = pmeta.get("taus") if pmeta.get("rule") == "abs>tau" else None
+        taus = pmeta.layer_taus
     rt = build_runtime(lm, cfg, placement, predictors, taus)
-    rt.profile_gpu_share = solved.get("gpu_activation_share")
-    rt.plan_bytes_gpu = solved.get("bytes_per_device", {}).get("gpu")
-    rt.plan_dtype = solved.get("flags", {}).get("dtype")
+    plan_figures(rt, solved)
     return rt

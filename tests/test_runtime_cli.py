@@ -27,6 +27,28 @@ def make_run(run, folder, family="opt", threshold=-1e30, predictors=True):
     return run
 
 
+def write_summary(run, **changes):
+    """RUN/placement/summary.json as pi-solve writes it (schema and all), solved for a small synthetic profile in a
+    folder of its own, with `changes` (flags: ctx=...; or top-level fields) applied: the runtime reads only a few of
+    its figures, and refuses a summary that breaks the schema."""
+    import dataclasses
+
+    from hotneurons.common.hardware import get_hardware
+    from hotneurons.common.placement import PlacementSummary
+    from hotneurons.solver.place import solve_placement
+    from hotneurons.solver.synthetic import write_synthetic_profile
+
+    other = run.parent / (run.name + "-solved")
+    write_synthetic_profile(other, "llama-7b", tokens=1000, n_layers=2)
+    s = solve_placement(other, get_hardware("rtx4090"), vram_bytes=8 * 10**9, ctx=64, write=False)
+    if "ctx" in changes:
+        s.flags = dataclasses.replace(s.flags, ctx=changes.pop("ctx"))
+    for k, v in changes.items():
+        setattr(s, k, v)
+    s.save(run / "placement" / "summary.json")
+    return PlacementSummary.load(run / "placement" / "summary.json")
+
+
 def invoke(*args):
     return CliRunner().invoke(main, ["--device", "cpu", "-n", "6", "--prompt", "The quick brown fox", *map(str, args)])
 
@@ -136,7 +158,7 @@ def test_static_cache_holds_the_solvers_ctx_and_counts_in_the_budget(tiny_model_
     """The static decoder's KV cache holds the tokens pi-solve reserved room for (--ctx in the placement's summary),
     or --ctx; --vram counts it, and a budget that holds the weights but not the cache names it."""
     run = make_run(tmp_path / "llama", tiny_model_dir("llama-reglu"), family="llama-reglu")
-    artifacts.write_json(run / "placement" / "summary.json", {"flags": {"ctx": 32}})
+    write_summary(run, ctx=32)
     stats = {}
     for name, extra in {"solved": [], "flag": ["--ctx", 16]}.items():  # a prompt and answer within 16 tokens
         r = invoke("--run", run, "--json", "--prompt", "fox", *extra)
@@ -164,7 +186,7 @@ def test_stats_compare_decode_gpu_share_with_the_profile(opt_run, tmp_path):
     shutil.copytree(opt_run, run)
     r = invoke("--run", run, "--json")
     assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["profile_gpu_activation_share"] is None
-    artifacts.write_json(run / "placement" / "summary.json", {"gpu_activation_share": 0.99})
+    write_summary(run, gpu_activation_share=0.99)
     r = CliRunner().invoke(main, ["--device", "cpu", "-n", "20", "--prompt", "The quick brown fox", "--run", str(run)])
     assert r.exit_code == 0, r.output
     # half the neurons on the device and a predictor firing everywhere: decode's share is ~0.5
