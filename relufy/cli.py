@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.cli import interrupted
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.relufy.config import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, preset
 
@@ -79,6 +81,13 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
                    progress=not quiet)
     except (RelufyError, CorpusError, ArtifactError, ValueError) as e:
         raise click.ClickException(_flags(str(e))) from None
+    except KeyboardInterrupt:
+        from hotneurons.relufy.distill import partial_dir
+
+        kept = (partial_dir(Path(out)) / "checkpoint" / "state.json").exists()
+        interrupted(f"the last checkpoint is kept in {partial_dir(Path(out))}: continue with --resume (same flags), "
+                    f"or start over with --force" if kept else f"stopped before the first checkpoint; {out} is as it "
+                    f"was: run the same command again")
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return

@@ -110,8 +110,11 @@ def teacher_rows(teacher: torch.nn.Module, prompts: torch.Tensor, cfg: RelufyCon
 
 def build_pool(teacher: torch.nn.Module, tokenizer, cfg: RelufyConfig, progress: bool) -> torch.Tensor:
     """Corpus rows plus teacher rows (`teacher_text` of the pool; `chat_share` of those chat exchanges), in a fixed
-    order."""
+    order. No larger than the training reads (cfg.steps batches): a small budget makes no teacher text it would never
+    see (generating it is the slow part on a CPU)."""
     corpus = corpus_rows(tokenizer, cfg, cfg.dataset, cfg.corpus_tokens)
+    needed = cfg.steps * cfg.batch_size  # rows the training reads
+    corpus = corpus[:max(1, math.ceil(needed * (1 - cfg.teacher_text)))]
     if cfg.teacher_text <= 0:
         return corpus
     n_teacher = math.ceil(len(corpus) * cfg.teacher_text / (1 - cfg.teacher_text))

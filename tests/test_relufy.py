@@ -395,3 +395,33 @@ def test_gate_cos_raises_ffn_sparsity(teacher, text_corpus, tmp_path):
     cfg = tiny_cfg(text_corpus, tokens=8192, lr=3e-3, l1=30.0, penalty="gate-cos")
     ev = relufy(None, tmp_path / "cos", cfg, lm=teacher, device="cpu", progress=False)["eval"]
     assert ev["relufied"]["ffn_sparsity"] - ev["swapped_untrained"]["ffn_sparsity"] > 0.1, ev
+
+
+def test_pool_is_no_larger_than_the_training_reads(teacher, text_corpus):
+    """A small budget builds a pool of about the rows its steps read (half corpus, half teacher text), not the corpus's
+    worth of teacher text, whose generation is the slow part on a CPU."""
+    from hotneurons.relufy.relufy import build_pool, corpus_rows
+
+    cfg = tiny_cfg(text_corpus, tokens=512)  # 4 steps of 4 rows of 32 tokens
+    needed = cfg.steps * cfg.batch_size
+    assert len(corpus_rows(teacher.tokenizer, cfg, cfg.dataset, cfg.corpus_tokens)) > needed  # the cap matters
+    pool = build_pool(teacher.model, teacher.tokenizer, cfg, progress=False)
+    assert pool.shape[1] == cfg.seq_len and needed <= len(pool) <= needed + 1
+
+
+def test_cli_ctrl_c_says_what_was_kept(monkeypatch, tmp_path):
+    """Ctrl-C in pi-relufy: exit code 130 and one `interrupted:` line naming what is kept (not click's `Aborted!`)."""
+    from click.testing import CliRunner
+    from hotneurons.relufy import distill
+    from hotneurons.relufy.cli import main
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "relufy", stopped)
+    r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet"])
+    assert r.exit_code == 130 and "interrupted: stopped before the first checkpoint" in r.output, r.output
+    (distill.partial_dir(tmp_path / "out") / "checkpoint").mkdir(parents=True)
+    (distill.partial_dir(tmp_path / "out") / "checkpoint" / "state.json").write_text("{}")
+    r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet"])
+    assert r.exit_code == 130 and "--resume" in r.output and "Aborted" not in r.output, r.output
