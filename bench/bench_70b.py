@@ -70,7 +70,7 @@ def stage_build(a) -> dict:
 
 def install_predictors(run: Path, gguf: Path) -> dict:
     """The exact predictors written beside the model (bench_gguf) as RUN/predictors, for RUN's model and profile."""
-    from hotneurons.common import artifacts, tiny
+    from hotneurons.common import tiny
     from hotneurons.common.models import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
     from safetensors.torch import load_file
@@ -79,7 +79,7 @@ def install_predictors(run: Path, gguf: Path) -> dict:
     ad = adapter_for(source.config)
     info = model_info(source, sid, act, ad.name, ad.gated)
     tensors = load_file(str(gguf.with_suffix(".predictors.safetensors")))
-    tiny.write_predictors(run, info, 0.0, artifacts.sha256_file(run / "profile" / "meta.json"), tensors=tensors)
+    tiny.write_predictors(run, info, 0.0, tensors=tensors)
     return {"bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "hidden": int(tensors["layers.0.fc1.weight"].shape[0])}
 

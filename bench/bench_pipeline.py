@@ -42,16 +42,15 @@ def profile(args, model: bm.BenchModel, run: Path) -> dict:
 
 
 def write_predictors(args, run: Path, model: bm.BenchModel) -> dict:
-    """The exact predictors (bench_model.exact_predictor), and their weights in RUN/predictors/predictors.safetensors so
-    that pi-solve counts their real bytes."""
-    from safetensors.torch import save_file
+    """The exact predictors (bench_model.exact_predictor), written as RUN/predictors (threshold 0, normed form) so that
+    pi-solve counts their real bytes."""
+    from hotneurons.export.predictors import Form
+    from hotneurons.export.predictors import write_predictors as write
 
     preds = {i: bm.exact_predictor(model.lm, args.shape, i, args.seed, args.gate_rank) for i in range(args.layers)}
-    tensors = {f"layers.{i}.{name}.weight": getattr(p, name).weight.detach().cpu().contiguous()
-               for i, p in preds.items() for name in ("fc1", "fc2")}
-    (run / "predictors").mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    layers = [(p.fc1.weight, p.fc2.weight) for p in preds.values()]  # fp16: (r, d), (n, r)
+    write(run, model.lm.info, layers, 0.0, Form.NORMED)
+    nbytes = sum(t.numel() * t.element_size() for pair in layers for t in pair)
     return {"kind": "exact (bench_model.exact_predictor: a trained predictor's size, "
                     "logits = the gate pre-activations)",
             "hidden": 2 * args.gate_rank + 2, "bytes": nbytes, "layers": preds,

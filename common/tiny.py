@@ -120,26 +120,20 @@ def round_ffns_to_int8(lm, group: int | None = None) -> None:
                 m.weight.copy_(back.T if name == "down" else back)
 
 
-def write_predictors(run: Path, info: dict, threshold: float, profile_sha: str = "none", hidden: int = 8,
+def write_predictors(run: Path, info: dict, threshold: float, hidden: int = 8,
                      tensors: dict[str, torch.Tensor] | None = None) -> None:
-    """RUN/predictors written by hand, so a test or a benchmark needs no training: random weights of `hidden` units and
-    one `threshold` for every layer, or `tensors` as predictors.safetensors holds them (layers.{i}.fc1.weight,
-    .fc2.weight, .threshold). `profile_sha`: the sha256 of RUN/profile/meta.json where the run has a profile
-    (load_predictors checks it)."""
-    from hotneurons.common import artifacts
-    from safetensors.torch import save_file
+    """RUN/predictors written by hand (export.predictors.write_predictors, normed form), so a test or a benchmark
+    needs no training: random weights of `hidden` units and one `threshold` for every layer, or `tensors` as
+    predictors.safetensors holds them (layers.{i}.fc1.weight, .fc2.weight, .threshold: their own thresholds). Tied
+    to RUN/profile when the run has one."""
+    from hotneurons.export.predictors import Form
+    from hotneurons.export.predictors import write_predictors as write
 
     L, d, n = info["n_layers"], info["d_model"], info["n_neurons"]
-    (run / "predictors").mkdir()
     if tensors is None:
         torch.manual_seed(0)
-        tensors = {}
-        for i in range(L):
-            tensors[f"layers.{i}.fc1.weight"] = torch.randn(hidden, d)
-            tensors[f"layers.{i}.fc2.weight"] = torch.randn(n, hidden)
-            tensors[f"layers.{i}.threshold"] = torch.tensor([threshold])
-    save_file(tensors, str(run / "predictors" / "predictors.safetensors"))
-    artifacts.write_json(run / "predictors" / "summary.json", {"layers": [
-        {"layer": i, "thresholds_by_recall": {"0.9": float(tensors[f"layers.{i}.threshold"])}} for i in range(L)]})
-    artifacts.write_json(run / "predictors" / "meta.json", {
-        **artifacts.base_meta("predictors", inputs={"profile": {"meta_sha256": profile_sha}}), "model": info})
+        layers = [(torch.randn(hidden, d), torch.randn(n, hidden)) for _ in range(L)]
+        write(run, info, layers, threshold, Form.NORMED, name="random")
+        return
+    layers = [(tensors[f"layers.{i}.fc1.weight"], tensors[f"layers.{i}.fc2.weight"]) for i in range(L)]
+    write(run, info, layers, [float(tensors[f"layers.{i}.threshold"]) for i in range(L)], Form.NORMED, name="given")

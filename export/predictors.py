@@ -124,10 +124,12 @@ def read_predictors(run_dir: str | Path, n_layers: int, recall: float | None = N
     return layers, ts, form
 
 
-def write_predictors(run_dir: str | Path, info: dict[str, Any], layers: Sequence[Layer], threshold: float,
-                     form: str = Form.POWERINFER, name: str = "exact") -> Path:
-    """RUN/predictors from given weights (one `threshold` for every layer), in the layout pi-train-predictors writes,
-    so that pi-generate and pi-export read them as trained ones. Tied to RUN/profile when there is one."""
+def write_predictors(run_dir: str | Path, info: dict[str, Any], layers: Sequence[Layer],
+                     threshold: float | Sequence[float], form: str = Form.POWERINFER, name: str = "exact") -> Path:
+    """RUN/predictors from given weights (fc1 (r, d), fc2 (n, r) per layer, kept in their dtype), with one threshold
+    for every layer or one per layer, in the layout pi-train-predictors writes, so that pi-generate, pi-solve and
+    pi-export read them as trained ones (the one writer of a predictors folder besides the trainer). Tied to
+    RUN/profile when there is one."""
     from hotneurons.predictors.schema import PredictorLayer, PredictorsMeta, PredictorsSummary
     from safetensors.torch import save_file
 
@@ -135,13 +137,16 @@ def write_predictors(run_dir: str | Path, info: dict[str, Any], layers: Sequence
     run = Path(run_dir)
     prof = run / "profile" / "meta.json"
     config = {"name": name, "form": form.value, "target_recall": 1.0}
+    ts = [float(threshold)] * len(layers) if isinstance(threshold, (int, float)) else [float(t) for t in threshold]
+    if len(ts) != len(layers):
+        raise ArtifactError(f"{len(ts)} thresholds for {len(layers)} predictor layers: give one, or one per layer")
     tensors, rows = {}, []
-    for i, (f1, f2) in enumerate(layers):
-        tensors[f"layers.{i}.fc1.weight"] = f1.detach().float().cpu().contiguous()  # (r, d)
-        tensors[f"layers.{i}.fc2.weight"] = f2.detach().float().cpu().contiguous()  # (n, r)
-        tensors[f"layers.{i}.threshold"] = torch.tensor([threshold], dtype=torch.float32)
-        rows.append(PredictorLayer(layer=i, hidden=f1.shape[0], params=f1.numel() + f2.numel(), threshold=threshold,
-                                   thresholds_by_recall={"1": threshold}))
+    for i, ((f1, f2), t) in enumerate(zip(layers, ts)):
+        tensors[f"layers.{i}.fc1.weight"] = f1.detach().cpu().contiguous()  # (r, d)
+        tensors[f"layers.{i}.fc2.weight"] = f2.detach().cpu().contiguous()  # (n, r)
+        tensors[f"layers.{i}.threshold"] = torch.tensor([t], dtype=torch.float32)
+        rows.append(PredictorLayer(layer=i, hidden=f1.shape[0], params=f1.numel() + f2.numel(), threshold=t,
+                                   thresholds_by_recall={"1": t}))
     if not layers:
         raise ArtifactError("no predictor layers to write")
     with artifacts.staged(run / "predictors") as tmp:

@@ -50,7 +50,6 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
     weights, predictors, neuron ids, static KV cache) is counted by the solver."""
     import numpy as np
     import tiny
-    from hotneurons.common import artifacts
     from hotneurons.runtime.generate import RuntimeConfig
     from hotneurons.runtime.load import load_runtime
 
@@ -59,7 +58,7 @@ def test_runtime_fits_the_budget_the_solver_filled(family, tiny_model_dir, text_
     profiler.profile_model(cfg, tmp_path, progress=False)
     _, meta = read_profile(tmp_path)
     info = meta["model"]
-    tiny.write_predictors(tmp_path, info, 0.0, artifacts.sha256_file(tmp_path / "profile" / "meta.json"))
+    tiny.write_predictors(tmp_path, info, 0.0)
     hw = get_hardware("rtx4090")
     least = solve_placement(tmp_path, hw, vram_bytes=10**9, dtype="fp32", ctx=16, reserve_bytes=0,
                             write=False)["budget"]["fixed_gpu_bytes"]
