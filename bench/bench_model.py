@@ -38,14 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hotneurons.bench.shapes import CONST, EMBED_STD, SHAPES  # noqa: E402,F401  (the bench's names for them)
 
-SHAPES = {  # d_model, n_neurons, heads, kv heads, vocab
-    "llama-2-70b": (8192, 28672, 64, 8, 32000),
-    "llama-2-7b": (4096, 11008, 32, 32, 32000),
-    "tiny": (128, 1536, 4, 2, 320),  # CPU tests of the harness (run them with --ctx 64)
-}
-CONST = 1.0  # the constant channel's value in the residual stream
-EMBED_STD = 1.0  # token embeddings (channels 1..); the other weights have std `std` (module docstring)
 P_CLIP = (1e-5, 1 - 1e-5)  # firing probabilities kept off 0 and 1 (ndtri is infinite there)
 
 

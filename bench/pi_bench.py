@@ -40,10 +40,8 @@ from pathlib import Path
 
 from hotneurons.bench import ROOT, record
 from hotneurons.bench import bench_llamacpp as lcpp
-from hotneurons.bench import bench_model as bm
-from hotneurons.bench.bench_build import _free, stage_build
+from hotneurons.bench import shapes as bm
 from hotneurons.bench.bench_report import goals, markdown, write_results
-from hotneurons.bench.bench_stages import stage_accelerate, stage_bench, stage_ours
 
 
 def parse(argv=None):
@@ -176,6 +174,9 @@ def main(argv=None) -> dict:
             return rec
 
         args.save = save if stage in ("bench", "ours") else None
+        from hotneurons.bench.bench_build import _free, stage_build  # torch: after the arguments are read
+        from hotneurons.bench.bench_stages import stage_accelerate, stage_bench, stage_ours
+
         if stage == "build":
             res = stage_build(args, args.work)
         elif stage == "bench":

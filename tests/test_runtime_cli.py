@@ -243,3 +243,14 @@ def test_help_imports_no_torch(module, command):
             f"print(sorted(m for m in ('torch', 'numba', 'transformers', 'uvicorn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_pi_bench_help_imports_no_torch():
+    """pi-bench (argparse) reads its flags before torch loads: its stages import their modules when they run."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hotneurons.bench.pi_bench import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            "    pass\nprint(sorted(m for m in ('torch', 'numba', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
