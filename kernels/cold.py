@@ -256,6 +256,11 @@ def _ungated4(x, j0, j1, j2, j3, up, b_up, down_t, scale, group, acc, act):  # f
            _ungated_value(a3 + b_up[j3], act), j0, j1, j2, j3, down_t, scale, group, acc)
 
 
+@njit(nogil=True, cache=True)
+def _head(k, threads):  # positions of idx claimed CHUNK at a time (_claim); the last TAIL * threads 4 at a time, so
+    return max(0, k - TAIL * threads) // CHUNK * CHUNK  # that the threads end closer together
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def _claim(c, k, head, chunk=CHUNK):  # claim number c -> positions [q0, q1) of idx: chunk at a time below `head`,
     if c < head // chunk:               # then 4
@@ -269,7 +274,7 @@ def cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act):
     d, k = x.shape[0], idx.shape[0]
     gated = act >= FIRST_GATED
     T = _n_chunks(k, part.shape[0])
-    head = max(0, k - TAIL * T) // CHUNK * CHUNK  # positions taken CHUNK at a time; the rest 4 at a time
+    head = _head(k, T)
     counter = np.zeros(1, np.int64)  # claims taken
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum

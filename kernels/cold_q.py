@@ -55,11 +55,10 @@ import os
 import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
 from hotneurons.kernels.cold import (
-    CHUNK,
     FIRST_GATED,
     SPINS,
-    TAIL,
     _claim,
+    _head,
     _n_chunks,
     _sum_rows,
     bit_indices,
@@ -283,7 +282,7 @@ def cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, xq=XQ, ahead=PREF
     lut = _LUT
     ahead = min(max(ahead, 0), 3)
     T = _n_chunks(k, part.shape[0])
-    head = max(0, k - TAIL * T) // CHUNK * CHUNK  # positions taken CHUNK at a time; the rest 4 at a time
+    head = _head(k, T)
     counter = np.zeros(1, np.int64)  # claims taken
     for t in prange(T):
         acc = part[t]  # (d,) this thread's partial sum
