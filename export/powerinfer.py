@@ -91,7 +91,7 @@ def powerinfer_arch(cfg: Any, activation: str) -> str:
     return ARCH[activation]
 
 
-def _counts_and_masks(counts: Sequence[np.ndarray], gpu_mask: Sequence[np.ndarray] | None, n_layers: int,
+def counts_and_masks(counts: Sequence[np.ndarray], gpu_mask: Sequence[np.ndarray] | None, n_layers: int,
                       n_ff: int) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     c = [np.asarray(x) for x in counts]
     if len(c) != n_layers or any(x.shape != (n_ff,) for x in c):
@@ -162,7 +162,7 @@ def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.
         raise ExportError(f"the vocabulary has {len(vocab.tokens)} tokens but the model {cfg.vocab_size} embedding "
                           f"rows: use the model's own tokenizer")
     check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
-    counts, gpu_mask = _counts_and_masks(counts, gpu_mask, L, n_ff)
+    counts, gpu_mask = counts_and_masks(counts, gpu_mask, L, n_ff)
     state = hf_state(model)
 
     def ffn(i: int) -> list[Tensor]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .gguf_model import ExportError, Tensor, host
-from .powerinfer import ARCH, check_predictors, write_folder
+from .powerinfer import ARCH, check_predictors, counts_and_masks, write_folder
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up")
 SKIPPED_KEYS = ("general.architecture", "general.alignment")  # the writer sets both
@@ -110,8 +110,6 @@ def write_powerinfer_gguf(path: str | Path, predictors: Sequence[tuple[torch.Ten
     from hotneurons.weights.formats import from_ggml_type
     from hotneurons.weights.gguf_source import GGUFFile
 
-    from .powerinfer import _counts_and_masks
-
     path, out = Path(path), Path(out)
     f = GGUFFile(path)
     src_arch = str(f.meta.get("general.architecture", ""))
@@ -119,7 +117,7 @@ def write_powerinfer_gguf(path: str | Path, predictors: Sequence[tuple[torch.Ten
     n_ff, d = f.tensors["blk.0.ffn_up.weight"].shape  # (n_ff, d_model)
     arch = ARCH[activation]
     check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
-    counts, gpu_mask = _counts_and_masks(counts, gpu_mask, L, n_ff)
+    counts, gpu_mask = counts_and_masks(counts, gpu_mask, L, n_ff)
     gguf_name = f"{name}.powerinfer.gguf"
     tensors = tensors_of(f, L, predictors)
     summary: dict[str, Any] = {

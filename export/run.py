@@ -29,6 +29,14 @@ def split_bytes(gpu_mask: list[np.ndarray], neuron_bytes: int) -> int:
     return int(sum(int(m.sum()) for m in gpu_mask)) * neuron_bytes
 
 
+def split_capacity(gpu_mask: list[np.ndarray] | None, vram_capacity: int | None, neuron_bytes: int) -> int:
+    """The gpuidx's split.vram_capacity: the one given, else the GPU neurons' own bytes (split_bytes); 0 without a
+    placement (no gpuidx is written)."""
+    if gpu_mask is None:
+        return 0
+    return split_bytes(gpu_mask, neuron_bytes) if vram_capacity is None else vram_capacity
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer", recall: float | None = None,
                vram_capacity: int | None = None, model: str | None = None, dtype: str = "float32",
                force: bool = False, progress: bool = False, threshold: float | None = None) -> dict[str, Any]:
@@ -95,12 +103,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     state = hf_state(lm.model)
     pi_layers, threshold = to_powerinfer(layers, thresholds, form, gammas(state, L))
     vocab = vocab_from_tokenizer(lm.tokenizer, lm.model.config.vocab_size)
-    cap = (0 if gpu_mask is None else split_bytes(gpu_mask, 3 * d * F16_BYTES) if vram_capacity is None
-           else vram_capacity)
+    cap = split_capacity(gpu_mask, vram_capacity, 3 * d * F16_BYTES)  # F16 rows of gate, up, down_t
     return write_powerinfer(state, vocab, pi_layers, threshold, counts, gpu_mask, cap, out,
                             config=lm.model.config, activation=lm.activation, name=slugify(info["name"]),
                             force=force, progress=progress, info={"source": source})
-
 
 
 def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form, counts, gpu_mask, vram_capacity,
@@ -123,6 +129,6 @@ def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form,
     gamma = [file.get(f"blk.{i}.ffn_norm.weight").float() for i in range(L)]  # (d,) each
     pi_layers, threshold = to_powerinfer(layers, thresholds, form, gamma)
     neuron = sum(row_bytes(file.infos[f"blk.0.ffn_{k}.weight"].fmt, d) for k in ("gate", "up", "down"))  # bytes
-    cap = 0 if gpu_mask is None else split_bytes(gpu_mask, neuron) if vram_capacity is None else vram_capacity
+    cap = split_capacity(gpu_mask, vram_capacity, neuron)
     return write_powerinfer_gguf(file.path, pi_layers, threshold, counts, gpu_mask, cap, out, activation=act,
                                  name=slugify(info["name"]), progress=progress, info={"source": source})
