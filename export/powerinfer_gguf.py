@@ -1,7 +1,7 @@
 """PowerInfer's files from a GGUF model, streamed: the model's tensors are copied as stored (Q4_0 stays Q4_0, byte for
 byte), each layer's down projection is cut into one row per neuron in its own block format (`ffn_down_t`, what
-PowerInfer's axpy kernel reads), and the predictors are added as F16 `fc1` / `fc2`. No tensor is widened to float
-but one layer's down matrix at a time where its blocks need torch's path, so a 39 GB 70B exports in a few GB of
+PowerInfer's axpy kernel reads), and the predictors are added as F16 `fc1` / `fc2`. Nothing is widened to float
+but, where a block needs torch's path, a window of one down matrix's columns, so a 39 GB 70B exports in a few GB of
 memory. The metadata (architecture keys, tokenizer) is the source file's, renamed to PowerInfer's arch; the
 tensor set is the one its sparse loader requires (export/powerinfer.py's docstring)."""
 
@@ -30,37 +30,35 @@ def _copied(f, name: str, as_name: str | None = None) -> Tensor:
                   lambda: f.buf[e.offset:e.offset + e.nbytes].reshape(shape), ggml_type=e.ggml_type)
 
 
-def down_t(f, layer: int) -> Tensor:
-    """blk.{layer}.ffn_down_t: the down matrix (d, n) as n rows of d weights, in the file's own format."""
+def down_t(source, layer: int) -> Tensor:
+    """blk.{layer}.ffn_down_t: the down matrix (d, n) as n rows of d weights, in the file's own format, cut by the
+    runtime's own down_t_rows (Numba's one pass over the file's blocks, else windows of columns through torch)."""
+    from hotneurons.runtime.ffn_weights import FFNWeights, down_t_rows
     from hotneurons.weights.formats import WeightFormat, from_ggml_type, row_bytes, spec
-    from hotneurons.weights.quants import dequantize, quantize
-    from hotneurons.weights.quants_cpu import columns_as_rows
+    from hotneurons.weights.qtensor import QTensor
 
-    e = f.tensors[f"blk.{layer}.ffn_down.weight"]
+    e = source.file.tensors[f"blk.{layer}.ffn_down.weight"]
     d, n = e.shape  # torch order: (d_model, n_ff)
     fmt = from_ggml_type(e.ggml_type)
     name = f"blk.{layer}.ffn_down_t.weight"
-    if fmt in (WeightFormat.F16, WeightFormat.F32):
-        dtype = np.dtype(np.float16 if fmt == WeightFormat.F16 else np.float32)
-        return Tensor(name, (n, d), dtype,
-                      lambda: np.ascontiguousarray(f.buf[e.offset:e.offset + e.nbytes].view(dtype).reshape(d, n).T))
-    if fmt not in (WeightFormat.Q4_0, WeightFormat.Q8_0):
+    floats = {WeightFormat.F16: np.float16, WeightFormat.F32: np.float32}
+    if fmt not in (*floats, WeightFormat.Q4_0, WeightFormat.Q8_0):
         raise ExportError(f"blk.{layer}.ffn_down.weight is {fmt.value}: the down rows are re-cut for PowerInfer from "
                           f"q4_0, q8_0, f16 or f32 only; quantize the model to one of those (llama-quantize)")
 
-    def rows() -> np.ndarray:  # (n, row bytes) uint8
-        src = f.buf[e.offset:e.offset + e.nbytes].reshape(d, -1)  # (d, row bytes)
-        out = columns_as_rows(src, fmt.value, np.arange(n), fmt.value)
-        if out is None:  # blocks the Numba path leaves to torch (columns_as_rows' docstring)
-            w = dequantize(torch.from_numpy(np.ascontiguousarray(src)), fmt.value, n)  # (d, n) float32
-            out = quantize(w.T.contiguous(), fmt.value).numpy()
-        return out
+    def rows() -> np.ndarray:  # (n, d) floats, or (n, row bytes) uint8 blocks
+        w = down_t_rows(FFNWeights.from_source(source, layer), torch.arange(n), fmt)
+        return np.ascontiguousarray((w.data if isinstance(w, QTensor) else w).numpy())
 
+    if fmt in floats:
+        return Tensor(name, (n, d), np.dtype(floats[fmt]), rows)
     return Tensor(name, (n, row_bytes(fmt, d)), np.dtype(np.uint8), rows, ggml_type=spec(fmt).ggml_type)
 
 
-def tensors_of(f, n_layers: int, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Tensor]:
-    """PowerInfer's tensor set from the source file, in its order per layer (the loader takes them by name)."""
+def tensors_of(source, n_layers: int, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Tensor]:
+    """PowerInfer's tensor set from the source (weights/gguf_source.GGUFSource), in its order per layer (the loader
+    takes them by name)."""
+    f = source.file
     need = ["token_embd.weight", "output_norm.weight", *(f"blk.{i}.{k}.weight" for i in range(n_layers)
                                                         for k in (*LAYER_TENSORS, "ffn_down"))]
     missing = [n for n in need if n not in f.tensors]
@@ -72,7 +70,7 @@ def tensors_of(f, n_layers: int, predictors: Sequence[tuple[torch.Tensor, torch.
            _copied(f, "token_embd.weight", "output.weight")]
     for i, (fc1, fc2) in enumerate(predictors):
         out += [_copied(f, f"blk.{i}.{k}.weight") for k in LAYER_TENSORS]
-        out += [down_t(f, i),
+        out += [down_t(source, i),
                 Tensor(f"blk.{i}.fc1.weight", tuple(fc1.shape), np.dtype(np.float16),  # (r, d)
                        lambda w=fc1, i=i: host(w, np.float16, f"blk.{i}.fc1.weight")),
                 Tensor(f"blk.{i}.fc2.weight", tuple(fc2.shape), np.dtype(np.float16),  # (n_ff, r)
@@ -100,18 +98,16 @@ def source_metadata(path: Path, src_arch: str, arch: str, threshold: float):
     return metadata
 
 
-def write_powerinfer_gguf(path: str | Path, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+def write_powerinfer_gguf(source, predictors: Sequence[tuple[torch.Tensor, torch.Tensor]],
                           threshold: float, counts: Sequence[np.ndarray], gpu_mask: Sequence[np.ndarray] | None,
                           vram_capacity: int, out: str | Path, *, activation: str, name: str = "model",
                           progress: bool = False, info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """write_powerinfer's files for the GGUF model at `path` (its tensors as stored, export/powerinfer_gguf.py's
-    docstring); `predictors` already in PowerInfer's form. The caller has checked the model (powerinfer_arch) and
-    the output folder. Returns the summary (OUT/export.json)."""
+    """write_powerinfer's files for the GGUF model `source` (weights/gguf_source.GGUFSource: its tensors as
+    stored, this module's docstring); `predictors` already in PowerInfer's form. The caller has checked the model
+    (powerinfer_arch) and the output folder. Returns the summary (OUT/export.json)."""
     from hotneurons.weights.formats import from_ggml_type
-    from hotneurons.weights.gguf_source import GGUFFile
 
-    path, out = Path(path), Path(out)
-    f = GGUFFile(path)
+    path, out, f = Path(source.path), Path(out), source.file
     src_arch = str(f.meta.get("general.architecture", ""))
     L = int(f.meta[f"{src_arch}.block_count"])
     n_ff, d = f.tensors["blk.0.ffn_up.weight"].shape  # (n_ff, d_model)
@@ -119,7 +115,7 @@ def write_powerinfer_gguf(path: str | Path, predictors: Sequence[tuple[torch.Ten
     check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
     counts, gpu_mask = counts_and_masks(counts, gpu_mask, L, n_ff)
     gguf_name = f"{name}.powerinfer.gguf"
-    tensors = tensors_of(f, L, predictors)
+    tensors = tensors_of(source, L, predictors)
     summary: dict[str, Any] = {
         "format": "powerinfer", "arch": arch, "activation": activation, "name": name, "n_layers": L, "d_model": d,
         "n_neurons": n_ff, "source_file": str(path), "sparse_threshold": float(threshold),

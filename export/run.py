@@ -130,5 +130,5 @@ def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form,
     pi_layers, threshold = to_powerinfer(layers, thresholds, form, gamma)
     neuron = sum(row_bytes(file.infos[f"blk.0.ffn_{k}.weight"].fmt, d) for k in ("gate", "up", "down"))  # bytes
     cap = split_capacity(gpu_mask, vram_capacity, neuron)
-    return write_powerinfer_gguf(file.path, pi_layers, threshold, counts, gpu_mask, cap, out, activation=act,
+    return write_powerinfer_gguf(file, pi_layers, threshold, counts, gpu_mask, cap, out, activation=act,
                                  name=slugify(info["name"]), progress=progress, info={"source": source})
