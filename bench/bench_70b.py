@@ -207,7 +207,8 @@ def report(stages: dict[str, dict]) -> dict:
     layers = stages["build"]["layers"]
     floor = serial_floor(stages["pipeline"], ours, layers) if "solve" in stages["pipeline"] else None
     return {"shape": stages["build"]["shape"], "layers": layers, "gguf_bytes": ours["gguf_bytes"],
-            "gpu_budget_bytes": stages.get("llamacpp", {}).get("budget_for_weights_bytes"),
+            "gpu_budget_bytes": stages["pipeline"]["solve"]["summary"]["flags"]["vram_bytes"],
+            "llamacpp_weights_budget_bytes": stages.get("llamacpp", {}).get("budget_for_weights_bytes"),
             "systems": systems, "calibration": stages["build"]["calibration"]["mean_fired_as_stored"],
             "predictor_bytes": stages["pipeline"]["predictors"]["bytes"], "serial_floor": floor,
             "goals": {"decode_vs_layer_split": ratio(split),
@@ -232,8 +233,10 @@ def markdown(fig: dict) -> str:
              "|---|---|---|---|---|---|"]
     for name, r in fig["systems"].items():
         dec = r.get("decode_tok_s") or {}
-        lines.append(f"| {name} | {' / '.join(f'{dec[n]:.2f}' if dec.get(n) else '-' for n in ('32', '256'))} | "
-                     f"{r['prefill_tok_s'] or 0:.0f} | {_seconds(r['load_to_first_token_s'])} | "
+        cell = " / ".join(f"{dec[n]:.2f}" if dec.get(n) else "-" for n in ("32", "256"))
+        cell += "".join(f" ({v:.2f} over {n})" for n, v in dec.items() if n not in ("32", "256"))
+        pre = "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
+        lines.append(f"| {name} | {cell} | {pre} | {_seconds(r['load_to_first_token_s'])} | "
                      f"{gb(r['host_peak_rss_bytes'])} | {gb(r['gpu_peak_bytes'])} |")
     f = fig.get("serial_floor")
     if f:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import time
 from pathlib import Path
@@ -72,7 +73,18 @@ def stage_llamacpp(a) -> dict:
         rows["llama.cpp all layers on the GPU"] = llama_bench(binary, gguf, 99, threads, "32,256", 512)
     cpu_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     rows["llama.cpp CPU only"] = llama_bench(binary, gguf, 0, threads, "32", 512 if not cuda else 64, env=cpu_env)
+    for name, row in rows.items():
+        if name.startswith("llama.cpp") and "error" not in row:
+            row["load_to_first_token_s"] = first_token_s(binary, gguf, row["ngl"], threads,
+                                                         cpu_env if row["ngl"] == 0 else None)
     return rows
+
+
+def first_token_s(binary: str, gguf: Path, ngl: int, threads: int, env: dict | None) -> float | None:
+    """llama-bench prints no load time: the wall time of `llama-bench -p 0 -n 1 -r 1` (load, a warm-up token, one
+    timed token, exit), a bound from above on its load to the first token."""
+    row = llama_bench(binary, gguf, ngl, threads, "1", 0, env=env)
+    return None if "error" in row else round(row["seconds"], 2)
 
 
 def stage_powerinfer(a) -> dict:
@@ -114,6 +126,17 @@ def stage_powerinfer(a) -> dict:
     return res
 
 
+def main_first_token_s(timings: list[str]) -> float | None:
+    """Load to the first token from main's llama_print_timings lines: its load time, then its prompt's evaluation
+    (whose logits give the first token). None without both lines."""
+    ms = {}
+    for line in timings:
+        m = re.match(r"llama_print_timings:\s+(load|prompt eval) time =\s+([0-9.]+) ms", line)
+        if m:
+            ms[m.group(1)] = float(m.group(2))
+    return round((ms["load"] + ms["prompt eval"]) / 1e3, 2) if len(ms) == 2 else None
+
+
 def powerinfer_systems(stage: dict) -> dict[str, dict]:
     """The powerinfer stage's runs as report() systems: `powerinfer` at every core, `powerinfer, 2 threads`."""
     prompt = stage.get("prompt of 512 tokens", {})
@@ -124,6 +147,7 @@ def powerinfer_systems(stage: dict) -> dict[str, dict]:
         name = "powerinfer" if row["threads"] != 2 else "powerinfer, 2 threads"
         out[name] = {"decode_tok_s": {str(row["new_tokens"]): row["decode_tokens_per_s"]},
                      "prefill_tok_s": prompt.get("prefill_tokens_per_s") if name == "powerinfer" else None,
-                     "load_to_first_token_s": None, "host_peak_rss_bytes": stage.get("host_peak_rss_bytes"),
+                     "load_to_first_token_s": main_first_token_s(row.get("timings", [])),
+                     "host_peak_rss_bytes": stage.get("host_peak_rss_bytes"),
                      "gpu_peak_bytes": max(row["gpu_peak_bytes"], prompt.get("gpu_peak_bytes", 0))}
     return out

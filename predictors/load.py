@@ -81,8 +81,6 @@ def load_predictors(run_dir: str | Path, model_info: dict | None = None, *, chec
     for row in summary.layers:
         i = row.layer
         w1, w2 = tensors.get_tensor(f"layers.{i}.fc1.weight"), tensors.get_tensor(f"layers.{i}.fc2.weight")
-        p = Predictor(w1.shape[1], w1.shape[0], w2.shape[0], float(tensors.get_tensor(f"layers.{i}.threshold")[0]))
-        p.fc1.weight.data.copy_(w1)
-        p.fc2.weight.data.copy_(w2)
-        layers[i] = p.to(device=device, dtype=dtype).eval()  # threshold buffer follows dtype; compare in x dtype
+        threshold = float(tensors.get_tensor(f"layers.{i}.threshold")[0])
+        layers[i] = Predictor.from_weights(w1, w2, threshold, device, dtype)  # threshold in dtype: compared in x's
     return Predictors(layers, summary, meta, PredictorForm.of(meta.config))

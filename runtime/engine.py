@@ -129,10 +129,7 @@ def file_predictors(source: Any, dtype: torch.dtype) -> Any:
     layers = {}
     for i in range(int(source.config.num_hidden_layers)):
         fc1, fc2 = (to_float(w) for w in source.predictor(i))  # (r, d), (n, r)
-        p = Predictor(fc1.shape[1], fc1.shape[0], fc2.shape[0], threshold)
-        p.fc1.weight.data.copy_(fc1)
-        p.fc2.weight.data.copy_(fc2)
-        layers[i] = p.to(dtype=dtype).eval()
+        layers[i] = Predictor.from_weights(fc1, fc2, threshold, dtype=dtype)
     return Predictors(layers, None, None, PredictorForm.POWERINFER)
 
 

@@ -165,8 +165,8 @@ def down_t_rows(w: FFNWeights, idx: torch.Tensor, fmt: str | WeightFormat,
         if len(ids) == 0:
             continue
         cols = _columns(w.down, lo, hi, work)  # (d, hi - lo) float32
-        rows = cols[:, (ids - lo).to(cols.device)].T.contiguous()  # (c, d)
-        parts.append(store(rows, fmt, device))
+        rows = cols[:, (ids - lo).to(cols.device)].T.contiguous()  # (c, d) on work
+        parts.append(store(rows, fmt, rows.device).to(device))  # quantized where the floats are; the bytes move
     if not parts:
         return store(torch.zeros((0, d)), fmt, device)
     if isinstance(parts[0], QTensor):
@@ -208,7 +208,7 @@ def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torc
         down = None if out is None else QTensor(torch.from_numpy(out), fmt, (w.shape[1], cols))
     if down is None:
         down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
-        down = store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt)  # (d, cols)
+        down = store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt, device)  # (d, cols)
     return {"up": _device_form(store(take_rows(w.up, hot), fmt), device),
             "gate": _device_form(store(take_rows(w.gate, hot), fmt), device) if gated else None,
             "down": _device_form(down, device), "down_cols": cols}

@@ -250,10 +250,14 @@ class HybridFFN(nn.Module):
     # -- compute -----------------------------------------------------------------------------------------------
     def _cold_dense(self, x: torch.Tensor) -> torch.Tensor:
         """All cold neurons for several tokens (prefill): (tokens, d) -> (tokens, d) float32 on x's device, the rows
-        streamed a chunk at a time to where x is."""
-        xc = x.detach().float()
-        y = torch.zeros_like(xc)
+        streamed a chunk at a time to where x is. On CUDA the products run in x's dtype, as the hot rows' and a dense
+        model's do (float32 products there run without tensor cores: most of a 70B's prefill), the chunks' sums
+        added in float32."""
+        dtype = x.dtype if x.device.type == "cuda" else torch.float32
+        xc = x.detach().to(dtype)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (tokens, d)
         for w in self._cold_chunks(xc.device):
+            w = {k: None if v is None else v.to(dtype) for k, v in w.items()}
             y += ffn_rows_torch(self.activation, xc, w["gate"], w["up"], w["b_up"], w["down_t"])
         return y
 

@@ -13,7 +13,10 @@ def stages():
           "llama.cpp all layers on the GPU": {"decode_tok_s": {"32": 50.0, "256": 48.0}, "prefill_tok_s": 1400.0,
                                               "host_peak_rss_bytes": 2e9, "gpu_peak_bytes": 40e9},
           "llama.cpp CPU only": {"error": "out of memory"}}
-    pw = {"decode, 16 threads": {"decode_tokens_per_s": 4.0, "threads": 16, "new_tokens": 256, "gpu_peak_bytes": 25e9},
+    timings = ["llama_print_timings:        load time =    9001.27 ms",
+               "llama_print_timings: prompt eval time =     489.88 ms /    15 tokens (   32.66 ms per token)"]
+    pw = {"decode, 16 threads": {"decode_tokens_per_s": 4.0, "threads": 16, "new_tokens": 256, "gpu_peak_bytes": 25e9,
+                                 "timings": timings},
           "decode, 2 threads": {"decode_tokens_per_s": 1.0, "threads": 2, "new_tokens": 64, "gpu_peak_bytes": 25e9},
           "prompt of 512 tokens": {"prefill_tokens_per_s": 100.0, "gpu_peak_bytes": 26e9},
           "host_peak_rss_bytes": 41e9}
@@ -24,7 +27,7 @@ def stages():
 
 # pi-solve's summary, the parts the floor reads: 1 GB of attention and predictors a token at 1e12 B/s (1 ms), 80
 # syncs of 10 us (0.8 ms), LM head 0.1 GB (0.1 ms)
-SOLVED = {"hardware": {"gpu_bw": 1e12, "cpu_bw": 50e9, "sync_latency_s": 1e-5},
+SOLVED = {"hardware": {"gpu_bw": 1e12, "cpu_bw": 50e9, "sync_latency_s": 1e-5}, "flags": {"vram_bytes": 25769803776},
           "memory": {"gpu": {"attention": 0.6e9, "predictors": 0.4e9, "lm_head": 0.1e9}, "bytes_per_neuron": 10000},
           "layers": [{"neurons": 1000}] * 80}
 
@@ -36,7 +39,7 @@ def test_report_keys_systems_and_goals():
     assert list(fig["systems"]) == ["hybrid", "llama.cpp -ngl 50", "llama.cpp all layers on the GPU",  # CPU: failed
                                     "powerinfer", "powerinfer, 2 threads"]
     assert fig["systems"]["powerinfer"] == {"decode_tok_s": {"256": 4.0}, "prefill_tok_s": 100.0,
-                                            "load_to_first_token_s": None, "host_peak_rss_bytes": 41e9,
+                                            "load_to_first_token_s": 9.49, "host_peak_rss_bytes": 41e9,
                                             "gpu_peak_bytes": 26e9}
     assert all(set(SYSTEM_KEYS) <= set(r) for r in fig["systems"].values())
     g = fig["goals"]
@@ -50,6 +53,41 @@ def test_report_keys_systems_and_goals():
     md = markdown(fig)
     assert "Serial floor 440.9 tok/s (2.27 ms a token" in md
     assert "| llama.cpp -ngl 50 | 3.00 / 3.00 | 170 |" in md and "decode_vs_layer_split 4.00" in md
+    assert "| powerinfer, 2 threads | - / - (1.00 over 64) | - |" in md
+    assert fig["gpu_budget_bytes"] == 25769803776 and fig["llamacpp_weights_budget_bytes"] == 24e9
+
+
+def test_main_first_token_needs_both_lines():
+    from hotneurons.bench.bench_70b_baselines import main_first_token_s
+
+    assert main_first_token_s(["llama_print_timings:        load time =    8000.00 ms",
+                               "llama_print_timings: prompt eval time =     500.00 ms /    15 tokens"]) == 8.5
+    assert main_first_token_s(["llama_print_timings:        load time =    8000.00 ms"]) is None
+
+
+def test_llamacpp_stage_finds_the_most_layers_that_fit_and_times_loads(tmp_path, monkeypatch):
+    """llama-bench replaced by a recorder whose GPU memory grows 0.5 GB a layer: the probes stop at the most layers
+    under the budget less the KV cache, and each system gets a load run (-p 0 -n 1) on its own layers."""
+    import argparse
+
+    from hotneurons.bench import bench_70b_baselines as b
+
+    calls = []
+
+    def bench(binary, gguf, ngl, threads, gen, prompt, env=None, timeout=400):
+        calls.append((ngl, gen, prompt, env is not None))
+        gpu = 0 if ngl == 0 else 0.5e9 * min(ngl, 80)
+        return {"ngl": ngl, "seconds": 10.0 + ngl / 10, "gpu_peak_bytes": gpu, "decode_tok_s": {"32": 1.0}}
+
+    monkeypatch.setattr(b, "llama_bench", bench)
+    monkeypatch.setattr(b, "kv_bytes", lambda gguf, ctx: 1e9)
+    a = argparse.Namespace(work=tmp_path, device="cuda", llama_bench="/bin/llama-bench", vram="21GB", ctx=4096,
+                           shape="llama-2-70b", layers=80)
+    rows = b.stage_llamacpp(a)
+    assert "llama.cpp -ngl 40" in rows  # 40 x 0.5 GB = 20 GB = 21 GB - the 1 GB cache
+    assert rows["llama.cpp -ngl 40"]["load_to_first_token_s"] == pytest.approx(14.0)
+    assert rows["llama.cpp CPU only"]["load_to_first_token_s"] == pytest.approx(10.0)
+    assert (0, "1", 0, True) in calls and (99, "1", 0, False) in calls
 
 
 def test_powerinfer_stage_exports_once_and_runs_main_three_ways(tmp_path, monkeypatch):

@@ -309,3 +309,25 @@ def test_threshold_without_positives_predicts_nothing():
     logits, mask = torch.randn(5, 4), torch.zeros(5, 4, dtype=torch.bool)
     t = threshold_for_recall(logits, mask, 0.95)
     assert math.isfinite(t) and metrics(logits, mask, t)["predicted_sparsity"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_predictor_from_weights_equals_constructed(dtype):
+    """from_weights (no random initialisation) holds the same weights and threshold as a constructed predictor whose
+    weights are copied in, and gives the same logits on fresh inputs."""
+    from hotneurons.predictors.fit import Predictor
+
+    g = torch.Generator().manual_seed(7)
+    fc1, fc2 = torch.randn(24, 40, generator=g), torch.randn(96, 24, generator=g)
+    ref = Predictor(40, 24, 96, 0.25)
+    ref.fc1.weight.data.copy_(fc1)
+    ref.fc2.weight.data.copy_(fc2)
+    ref = ref.to(dtype=dtype).eval()
+    p = Predictor.from_weights(fc1, fc2, 0.25, "cpu", dtype)
+    assert p.fc1.weight.dtype == p.fc2.weight.dtype == p.threshold.dtype == dtype
+    assert not p.training and p.fc1.weight.device.type == "cpu"
+    assert torch.equal(p.threshold, ref.threshold)
+    x = torch.randn(5, 40, generator=g).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(p(x), ref(x))
+        assert torch.equal(p.mask(x), ref.mask(x))
