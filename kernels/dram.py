@@ -6,15 +6,12 @@ One core reading one sequential stream keeps fewer reads in flight, so sequentia
 from __future__ import annotations
 
 import functools
-import mmap
 import time
 
 import numba
 import numpy as np
 from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
-
-HUGE_PAGE = 2 << 20  # bytes: an x86-64 transparent huge page
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -64,22 +61,6 @@ def _gather_order(n: int) -> np.ndarray:
     return np.random.default_rng(1).permutation(n).astype(np.int64)
 
 
-def huge_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty whose memory the kernel backs with 2 MiB pages where it can (anonymous memory advised MADV_HUGEPAGE
-    before its first touch; where transparent huge pages are `madvise`-only, the default, np.empty's would get 4 KiB
-    pages): the cold kernels read scattered rows of gigabytes, and with 4 KiB pages nearly every row misses the TLB.
-    Small arrays, and systems without the advice, get np.empty's."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled: the memory is still good
-        pass
-    return np.frombuffer(m, dtype).reshape(shape)  # the array keeps the map alive; unmapped when the last view goes
-
-
 def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes: int = 2**30, calls: int = 200,
                  gap_s: float = 2e-4, seed: int = 0) -> float:
     """bytes/s of the cold kernels themselves as a decode step calls them: `calls` calls, each over `rows_per_call`
@@ -105,19 +86,15 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
         row_bytes = d * (2 if fmt == "bf16" else 1)
     n = max(rows_per_call * 4, table_bytes // (n_mats * row_bytes))  # neurons: far more than the caches hold
 
-    def table() -> np.ndarray:  # in memory laid out as the runtime's cold rows are (huge_empty)
+    def table() -> np.ndarray:
         if fmt in BLOCK_DTYPES:
-            a = huge_empty((n, row_bytes), np.uint8)
-            a[:] = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+            a = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
             blocks = a.reshape(n, -1, spec(fmt).block_bytes)
             blocks[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(), np.uint8)  # normal
             return a
-        a = huge_empty((n, d), np.uint16 if fmt == "bf16" else np.int8)
         if fmt == "bf16":  # normal numbers about 0.01, never subnormal
-            a[:] = rng.integers(0x3C00, 0x3D00, (n, d), dtype=np.uint16)
-        else:
-            a[:] = rng.integers(-127, 128, (n, d), dtype=np.int8)
-        return a
+            return rng.integers(0x3C00, 0x3D00, (n, d), dtype=np.uint16)
+        return rng.integers(-127, 128, (n, d), dtype=np.int8)
 
     up, down_t = table(), table()
     gate = table() if gated else up

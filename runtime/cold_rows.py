@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
 from hotneurons.kernels.cold_q import cold_ffn_q
-from hotneurons.kernels.dram import huge_empty
 from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
 from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
@@ -82,7 +81,7 @@ def _own(t: torch.Tensor, copy: bool) -> np.ndarray:
     C-contiguous CPU tensor) its memory in place."""
     if not copy and t.device.type == "cpu" and t.is_contiguous():
         return t.numpy()
-    out = huge_empty(tuple(t.shape), np.uint8)
+    out = np.empty(tuple(t.shape), np.uint8)
     torch.from_numpy(out).copy_(t)
     return out
 
