@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import numba
 import numpy as np
@@ -167,30 +166,16 @@ class ColdRows:
     def float32(self, rows: slice = slice(None), device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
         """The weights rows `rows` stand for, float32 torch tensors on `device` (copies): gate, up, down_t, b_up.
         Block rows cross to the device as stored and are widened there."""
-        if self.fmt:
-            return self.widen(self.stored(rows, device))
-
         def wide(a: np.ndarray | None, s: np.ndarray) -> torch.Tensor | None:
             if a is None:
                 return None
             a, s = a[rows], s[rows]
+            if self.fmt:
+                return dequantize(torch.from_numpy(np.ascontiguousarray(a)).to(device), self.fmt, self.d)
             return (from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)).to(device)
 
         return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
                 "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up[rows]).to(device)}
-
-    def stored(self, rows: slice, device: torch.device | str, non_blocking: bool = False) -> dict[str, Any]:
-        """Block rows `rows` as stored, uint8 tensors on `device` (gate, up, down_t; b_up float32). non_blocking: the
-        copies are queued on the current stream (asynchronous where the rows are page-locked: map_cold's)."""
-        def raw(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(a[rows]).to(device, non_blocking=non_blocking)
-
-        return {"gate": raw(self.gate), "up": raw(self.up), "down_t": raw(self.down_t),
-                "b_up": torch.from_numpy(self.b_up[rows]).to(device, non_blocking=non_blocking)}
-
-    def widen(self, raw: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-        """stored()'s blocks as float32 weights where they are."""
-        return {k: v if v is None or k == "b_up" else dequantize(v, self.fmt, self.d) for k, v in raw.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -155,33 +155,9 @@ class HybridFFN(nn.Module):
 
     def _cold_chunks(self, device: torch.device):
         """The cold rows as float32 on `device`, COLD_CHUNK rows at a time (prefill, oracle): never a float copy of
-        them all. On CUDA each chunk's stored bytes cross PCIe and are widened there, the next chunk's copy queued on
-        a side stream while the current one is computed (the copies are a third of a 70B's prefill)."""
-        starts = range(0, self.n_cold, COLD_CHUNK)
-        if device.type != "cuda" or not self.cold.fmt:
-            for s in starts:
-                yield self.cold.float32(slice(s, s + COLD_CHUNK), device)
-            return
-        main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-
-        def fetch(s: int):
-            side.wait_stream(main)  # the buffers it may reuse are done with
-            with torch.cuda.stream(side):
-                raw = self.cold.stored(slice(s, s + COLD_CHUNK), device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-            return raw, done
-
-        nxt = fetch(0)
-        for s in starts:
-            raw, done = nxt
-            if s + COLD_CHUNK < self.n_cold:
-                nxt = fetch(s + COLD_CHUNK)
-            main.wait_event(done)
-            for t in raw.values():
-                if t is not None:
-                    t.record_stream(main)  # made on the side stream, read on the main one
-            yield self.cold.widen(raw)
+        them all (on CUDA each chunk's stored bytes cross PCIe and are widened there)."""
+        for s in range(0, self.n_cold, COLD_CHUNK):
+            yield self.cold.float32(slice(s, s + COLD_CHUNK), device)
 
     def host_io(self, device: torch.device) -> HostIO:
         """The host buffers (HostIO) and the firing counts, made once, before any graph that uses them is captured."""
