@@ -22,9 +22,9 @@ def profile(args, model: bm.BenchModel, run: Path) -> dict:
     t0 = time.perf_counter()
     meta = profile_model(cfg, run, force=True, device=args.device, progress=False, lm=model.lm)
     seconds = time.perf_counter() - t0
-    from hotneurons.common import artifacts
+    from hotneurons.artifacts.profile import read_profile
 
-    df, _ = artifacts.read_profile(run)
+    df, _ = read_profile(run)
     n = bm.SHAPES[args.shape][1]
     counts = [df[df.layer == i].sort_values("neuron")["count"].to_numpy() for i in range(args.layers)]
     freq = [c / meta["tokens"] for c in counts]
@@ -113,10 +113,11 @@ def place(args, run: Path, hw, budget: int) -> dict:
 def topk_placement(run: Path, budget: int, args) -> dict:
     """Fallback placement: each layer's most active neurons, the same number per layer, filling the FFN budget
     (budget minus what pi-solve's memory_items counts before any neuron)."""
+    from hotneurons.artifacts.profile import read_profile
     from hotneurons.common import artifacts
     from hotneurons.solver.cost import ModelShape, memory_items, safetensors_bytes
 
-    df, meta = artifacts.read_profile(run)
+    df, meta = read_profile(run)
     shape = ModelShape.from_meta(meta["model"])
     pred = safetensors_bytes(run / "predictors" / "predictors.safetensors")
     fixed = sum(memory_items(shape, 2, args.ctx, 0, pred).values())

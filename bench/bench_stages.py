@@ -155,8 +155,8 @@ def stage_ours(args, work: Path) -> dict:
     """Our systems, in the process that pi-bench's bench stage starts for them (or in-process with --in-process):
     ceilings, model, profile, placement, our systems (with --interleave, llama-bench paired in rounds while this
     process is stopped), the kernel rows and the floors. The standalone baselines run after it (stage_bench)."""
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.runtime.generate import RuntimeConfig, layer_split_count
-    from hotneurons.runtime.placement import Placement
 
     dl = Deadline(args.ours_time_limit)
     skipped: dict = {}

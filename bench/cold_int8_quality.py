@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from hotneurons.artifacts.placement import Placement
 from hotneurons.bench import record
 from hotneurons.common import tiny
 from hotneurons.common.corpus import iter_texts
@@ -34,7 +35,6 @@ from hotneurons.common.models import load_model
 from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
-from hotneurons.runtime.placement import Placement
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")

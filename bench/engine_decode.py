@@ -33,11 +33,11 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
     """The memory benchmark's model (written once under `models`), a run with random predictors for its GGUF, and a
     random placement of `hot_share` of each layer's neurons on the GPU: (files, run, placement)."""
     import numpy as np
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.bench import memory_models as mm
     from hotneurons.common import tiny
     from hotneurons.common.models import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
-    from hotneurons.runtime.placement import Placement
 
     files = mm.ensure_models(shape, Path(models))
     source, sid, mcfg, act = open_model(files["gguf"]["model"])

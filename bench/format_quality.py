@@ -40,10 +40,10 @@ def perplexity(rt, batches) -> float:
 def run(model: str | None, tokens: int, seq_len: int, hot_share: float, formats: tuple[str, ...]) -> dict:
     import numpy as np
     import torch
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.common.corpus import iter_texts, token_batches
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig
-    from hotneurons.runtime.placement import Placement
 
     results = {}
     batches = None

@@ -147,8 +147,9 @@ def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> d
     with a one-token prompt."""
     import numpy as np
     import pandas as pd
+    from hotneurons.artifacts.placement import PlacementMeta
+    from hotneurons.artifacts.profile import ProfileMeta
     from hotneurons.common import artifacts
-    from hotneurons.common.placement import PlacementMeta
     from hotneurons.export import export_run
     from hotneurons.export import roundtrip as rt
 
@@ -159,7 +160,7 @@ def trained(work: Path, main: Path, n: int, threads: int, extra: list[str]) -> d
     subprocess.run([*py, "hotneurons.profiler", "--model", str(model), "--out", str(run), "--dataset", str(corpus),
                     "--tokens", "8192", "--seq-len", "128", "--samples-per-layer", "4096", "--device", "cpu",
                     "--quiet", "--force"], check=True, stdout=sys.stderr)
-    info = artifacts.ProfileMeta.load(run / "profile" / "meta.json").model
+    info = ProfileMeta.load(run / "profile" / "meta.json").model
     L, nn = info["n_layers"], info["n_neurons"]
     with artifacts.staged(run / "placement") as tmp:
         artifacts.write_parquet(tmp / "placement.parquet", pd.DataFrame({

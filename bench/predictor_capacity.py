@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 import torch
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
@@ -43,7 +44,7 @@ from hotneurons.predictors.train import (
 @click.option("--out", default=None, help="JSON file to write (default: print only).")
 def main(run_dir, layer, sizes, epoch_list, threads, out) -> None:
     torch.set_num_threads(threads)
-    _, pmeta = artifacts.read_profile(run_dir)
+    _, pmeta = read_profile(run_dir)
     base = PRESETS["default"]
     lm = load_model_from_meta(pmeta["model"], device="cpu", dtype=pmeta.get("config", {}).get("dtype", "auto"))
     n = pmeta["model"]["n_neurons"]

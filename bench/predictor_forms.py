@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import click
+from hotneurons.artifacts.predictors import EvalReport, PredictorsMeta, PredictorsSummary
 from hotneurons.bench import record
 from hotneurons.common import artifacts
-from hotneurons.predictors.schema import EvalReport, PredictorsMeta, PredictorsSummary
 
 FORMS = ("normed", "powerinfer")
 PROFILE = "pi-profile --tokens 12000 --samples-per-layer 16384 --target-sparsity 0.5 --force --quiet"

@@ -6,8 +6,8 @@ A run directory (default `runs/<model-slug>/`) holds one subfolder per stage (`p
 `format_version` of the folder's layout, the `schema_version` of each JSON file and the model fingerprint;
 an artifact made for something else is refused in one line.
 
-The typed files: `StageMeta` (the fields every meta.json starts with), `ProfileMeta` here; the placement's in
-common/placement.py; the predictors' and eval's in predictors/schema.py.
+`StageMeta` here holds the fields every meta.json starts with; each artifact's own typed files (the profile's,
+the placement's, the predictors' and the eval report's) are in artifacts/ (its __init__ lists them).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hotneurons import __version__
-from hotneurons.common.kinds import Rule
 from hotneurons.common.schema import (  # noqa: F401  (re-exported: the stages' one import for artifact I/O)
     ArtifactError,
     JsonFile,
@@ -292,72 +291,3 @@ def check_same_model(meta_a: Any, meta_b: Any, what_a: str, what_b: str) -> None
             f"{what_a} was made for model '{ma['name']}' ({fa[:12]}) but {what_b} for "
             f"'{mb['name']}' ({fb[:12]}): use artifacts of one model"
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# profile/
-
-
-@dataclass(kw_only=True)
-class ProfileSamples(Section):
-    count: int  # rows per layer in samples/
-    x: str = ""  # what samples/layer_XXX.x.npy holds
-    mask: str = ""  # what samples/layer_XXX.mask.npy holds
-    rms: str | None = optional()  # what samples/layer_XXX.rms.npy holds (models with a pre-FFN RMSNorm)
-
-
-@dataclass(kw_only=True)
-class ProfileMeta(StageMeta):
-    """profile/meta.json. A synthetic profile (solver/synthetic.py) fills only model, tokens and rule."""
-
-    STAGE: ClassVar[str] = "profile"
-    WRITER: ClassVar[str] = "pi-profile"
-
-    stage: str = "profile"
-    model: dict[str, Any]  # required here: every later stage sizes and checks against it
-    config: dict[str, Any] | None = None  # profiler.profile.ProfileConfig fields, less the model's location
-    dataset: str | None = None
-    tokens: int  # tokens counted: count / tokens = activation probability
-    tokens_requested: int | None = None
-    corpus_exhausted: bool = False
-    rule: Rule
-    taus: list[float] | None = None  # per layer, rule abs>tau only
-    target_sparsity: float | None = None
-    sparsity_per_layer: list[float] | None = None
-    mean_sparsity: float | None = None
-    share_covering_80pct_per_layer: list[float] | None = None
-    samples: ProfileSamples | None = None
-    seconds: float | None = None
-    tokens_per_second: float | None = None
-    world_size: int = 1
-    device: str | None = None
-
-    @property
-    def layer_taus(self) -> list[float] | None:
-        """Per-layer thresholds of the activation rule; None for the nonzero rule."""
-        return self.taus if self.rule == Rule.ABS_TAU else None
-
-    @property
-    def sample_count(self) -> int:
-        return self.samples.count if self.samples is not None else 0
-
-
-def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, ProfileMeta]:
-    """Load `RUN/profile/neurons.parquet` (layer, neuron, count) and `RUN/profile/meta.json`."""
-    pdir = Path(run_dir) / "profile"
-    meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
-    if not meta_path.exists() or not table.exists():
-        raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
-    meta = ProfileMeta.load(meta_path)
-    return read_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}"), meta
-
-
-def check_profile(run_dir: str | os.PathLike) -> ProfileMeta:
-    """RUN/profile/meta.json, after checking that neurons.parquet is a readable table (its footer only)."""
-    pdir = Path(run_dir) / "profile"
-    meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
-    if not meta_path.exists() or not table.exists():
-        raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
-    meta = ProfileMeta.load(meta_path)
-    check_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}")
-    return meta

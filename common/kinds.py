@@ -97,3 +97,27 @@ class Rule(Kind):
     @classmethod
     def for_activation(cls, activation: str) -> Rule:
         return cls.NONZERO if choose(activation, Activation, "activation").relu_family else cls.ABS_TAU
+
+
+class RuntimeMode(Kind):
+    """How pi-generate and pi-serve run the FFNs (runtime/)."""
+
+    HYBRID = "hybrid"  # hot neurons on the device, the active cold ones on the CPU
+    DENSE = "dense"  # the same layout, every neuron computed
+    LAYER_SPLIT = "layer-split"  # whole layers on the device up to the budget, the rest on the CPU (llama.cpp's -ngl)
+
+
+class MaskSource(Kind):
+    """Which cold neurons a hybrid FFN computes for a token (runtime/hybrid_ffn.py)."""
+
+    DENSE = "dense"  # all of them
+    ORACLE = "oracle"  # those that fire, from the true activations (checks, not speed)
+    PREDICTOR = "predictor"  # those the layer's predictor marks
+
+
+class GpuOps(Kind):
+    """What computes a decode step's small GPU ops and one token's GEMVs (kernels/ops.Ops.named)."""
+
+    TORCH = "torch"  # torch's kernels: the reference, and what the CPU runs
+    COMPILE = "compile"  # the small ops through torch.compile
+    TRITON = "triton"  # the hand-written kernels of kernels/fused.py

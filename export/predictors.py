@@ -89,7 +89,7 @@ def read_predictors(run_dir: str | Path, n_layers: int, recall: float | None = N
                     ) -> tuple[list[Layer], list[float], str]:
     """RUN/predictors as (per layer (fc1, fc2), per-layer thresholds, form). Thresholds are summary.json's
     `threshold` (the run's target recall), or those tabulated for `recall`. Refuses biases and missing layers."""
-    from hotneurons.predictors.schema import PredictorsMeta, PredictorsSummary
+    from hotneurons.artifacts.predictors import PredictorsMeta, PredictorsSummary
     from hotneurons.predictors.train import check_predictors
     from safetensors.torch import load_file
 
@@ -130,7 +130,7 @@ def write_predictors(run_dir: str | Path, info: dict[str, Any], layers: Sequence
     for every layer or one per layer, in the layout pi-train-predictors writes, so that pi-generate, pi-solve and
     pi-export read them as trained ones (the one writer of a predictors folder besides the trainer). Tied to
     RUN/profile when there is one."""
-    from hotneurons.predictors.schema import PredictorLayer, PredictorsMeta, PredictorsSummary
+    from hotneurons.artifacts.predictors import PredictorLayer, PredictorsMeta, PredictorsSummary
     from safetensors.torch import save_file
 
     form = choose(form, Form, "predictor form", ExportError, "form")

@@ -114,10 +114,10 @@ def make_run(folder: Path, run: Path, form: str = "normed", gpu_share: float = 0
 def write_profile_and_placement(run: Path, info: dict, counts: np.ndarray, tokens: int, gpu_share: float) -> None:
     """RUN/profile of `counts` (layers, neurons) over `tokens`, and RUN/placement: each layer's hottest `gpu_share`
     of neurons on the GPU."""
+    from hotneurons.artifacts.placement import PlacementMeta
+    from hotneurons.artifacts.profile import ProfileMeta
     from hotneurons.common import artifacts
-    from hotneurons.common.artifacts import ProfileMeta
     from hotneurons.common.kinds import Rule
-    from hotneurons.common.placement import PlacementMeta
 
     L, n = info["n_layers"], info["n_neurons"]
     rows = []

@@ -50,9 +50,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     place of the run's per-layer ones (PowerInfer applies one; the summary keeps those it replaced). A run of a GGUF
     model is exported from the file as stored (export/powerinfer_gguf.py); `dtype` is then unused. Returns the
     summary (OUT/export.json)."""
+    from hotneurons.artifacts.placement import read_placement
+    from hotneurons.artifacts.profile import check_profile, read_profile
     from hotneurons.common.kinds import choose
     from hotneurons.common.models import load_model_from_meta
-    from hotneurons.common.placement import read_placement
 
     choose(fmt, FORMATS, "export format", ExportError, "fmt")
     run, out = Path(run_dir), Path(out)
@@ -60,7 +61,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
         raise ExportError(f"{out} exists: pass --force to replace it, or another output folder", params="force")
     if vram_capacity is not None and vram_capacity < 0:
         raise ExportError(f"vram capacity {vram_capacity} is negative: give bytes >= 0", params="vram_capacity")
-    pmeta = artifacts.check_profile(run)
+    pmeta = check_profile(run)
     info = pmeta.model
     if info.get("model_type") not in MODEL_TYPES:
         raise ExportError(f"model type '{info.get('model_type')}' of {info['name']} is not LLaMA-shaped: PowerInfer's "
@@ -84,13 +85,13 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
         raise ArtifactError(f"the predictors in {run / 'predictors'} were trained on another profile than "
                             f"{run / 'profile'}: re-run pi-train-predictors --run {run}")
     artifacts.check_same_model(pred_meta, pmeta, f"predictors {run / 'predictors'}", f"profile {run / 'profile'}")
-    df, _ = artifacts.read_profile(run)
+    df, _ = read_profile(run)
     counts = np.zeros((L, n), dtype=np.int64)
     counts[df["layer"].to_numpy(np.int64), df["neuron"].to_numpy(np.int64)] = df["count"].to_numpy(np.int64)
     gpu_mask = None
     if (run / "placement" / "placement.parquet").exists():
         placement = read_placement(run, info)
-        gpu_mask = [placement[i].numpy() for i in range(L)]
+        gpu_mask = list(placement.gpu)  # (n,) bool each
     source = {"run": str(run), "model": info["name"], "fingerprint": info["fingerprint"], "predictor_form": form,
               "recall": recall, "profile_tokens": pmeta.tokens, "profile_meta_sha256": prof_sha,
               "folded_norm_into_fc1": form == Form.NORMED, "replaced_thresholds": replaced,

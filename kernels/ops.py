@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from hotneurons.common.kinds import GpuOps, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED
-from hotneurons.kernels.names import OPS
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x / rms(x), HF's form
 
@@ -151,10 +151,10 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 @dataclass(frozen=True)
 class Ops:
-    """The ops of a decode step's graphs, as functions of tensors, by name in OPS: "torch" (the reference, and what the
-    CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each into one or a few kernels
-    (the GEMVs stay cuBLAS; docs/history.md); "triton", the hand-written kernels of kernels/fused.py, GEMVs
-    included (one or two kernels each)."""
+    """The ops of a decode step's graphs, as functions of tensors, by name (common/kinds.GpuOps): "torch" (the
+    reference, and what the CPU runs); "compile", the small ops through torch.compile, where Inductor fuses each
+    into one or a few kernels (the GEMVs stay cuBLAS; docs/history.md); "triton", the hand-written kernels of
+    kernels/fused.py, GEMVs included (one or two kernels each)."""
 
     residual_norm: Callable = residual_norm
     weighted_rms: Callable = weighted_rms
@@ -166,18 +166,15 @@ class Ops:
 
     @classmethod
     def named(cls, name: str) -> Ops:
+        name = choose(name, GpuOps, "ops")
         if name == "torch":
             return cls()
         if name == "compile":
             return cls(*(torch.compile(f) for f in (residual_norm, weighted_rms, rope_cache, attend, predict)))
-        if name == "triton":
-            from hotneurons.kernels import fused
+        from hotneurons.kernels import fused  # triton
 
-            return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend, fused.predict,
-                       fused.linear, fused.add_linear)
-        raise ValueError(f"unknown ops {name!r}: known are {', '.join(OPS)}")
-
-
+        return cls(fused.residual_norm, fused.weighted_rms, fused.rope_cache, fused.attend, fused.predict,
+                   fused.linear, fused.add_linear)
 
 
 def default_ops(device: torch.device) -> str:

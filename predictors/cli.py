@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import click
+from hotneurons.artifacts.predictors import EvalMode, PredictorsSummary
 from hotneurons.common.artifacts import ArtifactError, default_run_dir
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.predictors.schema import EvalMode, PredictorsSummary
 
 _CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))

@@ -14,7 +14,7 @@ q8_0, q4_0, q4_1: predictors/row_formats.py), so each format's cost in perplexit
 A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
 on the device at a time), a hub id whole through transformers; the masks are the same hooks either way.
 
-Results go to `RUN/eval/eval.json` (predictors/schema.EvalReport; docs/predictors.md lists the fields).
+Results go to `RUN/eval/eval.json` (artifacts/predictors.EvalReport; docs/predictors.md lists the fields).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.artifacts.placement import Placement, PlacementMeta, read_placement
+from hotneurons.artifacts.predictors import EvalMode, EvalReport, ModeResult
+from hotneurons.artifacts.profile import check_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
@@ -33,11 +36,9 @@ from hotneurons.common.ffn import active_mask
 from hotneurons.common.kinds import choose
 from hotneurons.common.model_source import ModelError
 from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device, pick_dtype
-from hotneurons.common.placement import Placement, PlacementMeta, read_placement
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.row_formats import check_rows, parse_row_formats, stored_as
-from hotneurons.predictors.schema import EvalMode, EvalReport, ModeResult
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
 from hotneurons.profiler.hooks import StageHooks, device_of, dtype_of
 from hotneurons.profiler.stream_memory import check_memory, eval_need
@@ -83,7 +84,7 @@ class FFNMasks(StageHooks):
             inp = x if self.pre_norms is None else self._pre.pop(i)  # (..., d_model)
             mask = pred.mask(inp.to(pred.fc1.weight.dtype))  # (..., n) bool
             if self.mode == EvalMode.PLACEMENT:
-                mask = mask | self.gpu[i].to(mask.device)  # (n,) broadcast: hot neurons always computed
+                mask = mask | torch.as_tensor(self.gpu[i], device=mask.device)  # (n,) broadcast: hot ones computed
         mag = h.detach().abs().double()
         hit = true if mask is None else (true & mask)
         self.stats[i] += [true.numel(), true.numel() if mask is None else int(mask.sum()), int(true.sum()),
@@ -141,7 +142,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     """
     run_dir = Path(run_dir)
     # everything that can be refused without the model, before it loads
-    pmeta = artifacts.check_profile(run_dir)
+    pmeta = check_profile(run_dir)
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     if modes is None:
@@ -184,11 +185,11 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         res = ModeResult(perplexity=math.exp(nll / count), nll_per_token=nll / count, tokens=count,
                          **masks.summary(), seconds=round(time.perf_counter() - t0, 2), **extra)
         if m == EvalMode.PLACEMENT:
-            g = torch.stack([gpu[i] for i in range(len(lm.layers))]).double()  # (layers, n)
+            g = np.stack([gpu[i] for i in range(len(lm.layers))]).astype(np.float64)  # (layers, n)
             res.gpu_neuron_share = float(g.mean())
             comp = np.array(res.per_layer["computed_share"])
             res.cpu_computed_share_of_cold = float(np.mean(
-                (comp - g.mean(1).numpy()) / np.maximum(1e-12, 1 - g.mean(1).numpy())))
+                (comp - g.mean(1)) / np.maximum(1e-12, 1 - g.mean(1))))
         return res
 
     results = {m.value: run_mode(m, m.value) for m in modes}

@@ -31,11 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hotneurons.artifacts.predictors import PredictorForm  # noqa: F401 (the forms' names, imported from here too)
+from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta
+from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.prenorm import has_ffn_norm, refusal
 from hotneurons.predictors.fit import Fit
-from hotneurons.predictors.schema import PredictorForm  # noqa: F401 (the forms' names, imported from here too)
 
 
 def check_model_family(info: dict) -> None:

@@ -1,6 +1,6 @@
 """Reading RUN/predictors/: `check_predictors` (before a model loads), `load_predictors`, and `Predictors`.
 
-Predictors of either form (predictors/schema.PredictorForm) load the same way; `Predictors.form` tells the
+Predictors of either form (artifacts/predictors.PredictorForm) load the same way; `Predictors.form` tells the
 evaluation and the runtime what each layer's predictor reads.
 """
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hotneurons.artifacts.predictors import PredictorForm, PredictorsMeta, PredictorsSummary
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import Predictor
-from hotneurons.predictors.schema import PredictorForm, PredictorsMeta, PredictorsSummary
 from safetensors import safe_open
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from hotneurons.artifacts.predictors import EvalReport, PredictorsMeta, PredictorsSummary
+from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ProfileMeta
 from hotneurons.common.hardware import machine_info
-from hotneurons.predictors.schema import EvalReport, PredictorsMeta, PredictorsSummary
 from hotneurons.predictors.train import PRESETS
 
 PRESETS_DEFAULT = asdict(PRESETS["default"])  # a sweep row lists only the fields it changed

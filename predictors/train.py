@@ -20,8 +20,16 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.artifacts.predictors import (
+    PredictorForm,
+    PredictorLayer,
+    PredictorsMeta,
+    PredictorsSummary,
+    PredictorTotals,
+)
+from hotneurons.artifacts.profile import ProfileMeta, read_profile
 from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta
+from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import share_covering as _covering
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scripts that import them from here)
@@ -43,13 +51,6 @@ from hotneurons.predictors.load import (  # noqa: F401 (names re-exported for sc
     Predictors,
     check_predictors,
     load_predictors,
-)
-from hotneurons.predictors.schema import (
-    PredictorForm,
-    PredictorLayer,
-    PredictorsMeta,
-    PredictorsSummary,
-    PredictorTotals,
 )
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -213,7 +214,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
 
     run_dir = Path(run_dir)
     device = pick_device(device)
-    neurons, pmeta = artifacts.read_profile(run_dir)
+    neurons, pmeta = read_profile(run_dir)
     sdir = samples_dir(run_dir, pmeta)
     check_samples(sdir, pmeta)
     prenorm = PredictorForm.of({"form": cfg.form}) == PredictorForm.POWERINFER

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import click
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta, StageInterrupted
+from hotneurons.artifacts.profile import ProfileMeta
+from hotneurons.common.artifacts import ArtifactError, StageInterrupted
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.kinds import Activation

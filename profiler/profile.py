@@ -1,7 +1,7 @@
 """`profile_model`: count FFN neuron activations over a corpus and store predictor training samples.
 
 Output `RUN/profile/` (see docs/artifacts.md): `neurons.parquet` (layer, neuron, count), `meta.json`
-(common/artifacts.ProfileMeta), and `samples/layer_XXX.{x,mask}.npy` (+ `.rms.npy` where the model has a pre-FFN
+(artifacts/profile.ProfileMeta), and `samples/layer_XXX.{x,mask}.npy` (+ `.rms.npy` where the model has a pre-FFN
 RMSNorm). Work goes to `RUN/.profile.partial/`
 (common/artifacts.staged) with periodic checkpoints; the finished folder is swapped into place in one rename,
 so an existing profile survives any failure, and an interrupted run can be resumed from its checkpoint.
@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.artifacts.profile import ProfileMeta, ProfileSamples
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import (
     ArtifactError,
-    ProfileMeta,
-    ProfileSamples,
     StageInterrupted,
     deferred_interrupt,
 )

@@ -8,9 +8,10 @@ import sys
 
 import click
 from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
+from hotneurons.common.kinds import GpuOps, RuntimeMode
 from hotneurons.common.schema import ArtifactError
-from hotneurons.kernels.names import COLD_DTYPES, OPS
-from hotneurons.runtime.config import MODES, RuntimeConfig
+from hotneurons.kernels.names import COLD_DTYPES
+from hotneurons.runtime.config import RuntimeConfig
 from hotneurons.weights.formats import GPU_DTYPES
 
 # torch, numba and transformers load after the flags are parsed (--help answers at once): the engine's modules are
@@ -92,7 +93,7 @@ def runtime_options(f):
     options = [
         click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory (profile/, placement/, "
                      "predictors/). The model is the one the run was made for unless --model is given."),
-        click.option("--mode", type=click.Choice(MODES), default="hybrid", show_default=True,
+        click.option("--mode", type=click.Choice(RuntimeMode.values()), default="hybrid", show_default=True,
                      help="hybrid: hot neurons on the device, active cold ones on the CPU; dense: same layout, no "
                           "sparsity; layer-split: whole layers on the device up to --vram, the rest on the CPU."),
         click.option("--oracle", is_flag=True, help="Hybrid masks from the true activations (checks, not speed)."),
@@ -124,7 +125,7 @@ def runtime_options(f):
                      "by --vram; longer generations decode through HF [the run's pi-solve --ctx, else 4096]."),
         click.option("--no-cuda-graphs", is_flag=True, help="CUDA: launch the per-token GPU work eagerly (slower; "
                      "for checks and profiling)."),
-        click.option("--ops", type=click.Choice(("auto",) + OPS), default="auto", show_default=True,
+        click.option("--ops", type=click.Choice(("auto",) + GpuOps.values()), default="auto", show_default=True,
                      help="CUDA graphs: what computes a decode step's GPU ops (norms, RoPE, attention, the "
                           "predictor, one token's GEMVs). triton: fused kernels (kernels/fused.py); torch: torch's "
                           "kernels; compile: torch.compile on the small ops (a few seconds at start); auto: triton "

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("hybrid", "dense", "layer-split")
-
 
 @dataclass(frozen=True)
 class RuntimeConfig:

@@ -120,9 +120,9 @@ def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dty
 def file_predictors(source: Any, dtype: torch.dtype) -> Any:
     """PowerInfer's predictors from its own file (fc1, fc2 per layer; a neuron computed iff its logit >= the file's
     sparse threshold, 0 by default), in the powerinfer form: they read the residual before the pre-FFN norm."""
+    from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.predictors.fit import Predictor
     from hotneurons.predictors.load import Predictors
-    from hotneurons.predictors.schema import PredictorForm
     from hotneurons.runtime.ffn_weights import to_float
 
     threshold = source.sparse_threshold or 0.0
@@ -135,7 +135,7 @@ def file_predictors(source: Any, dtype: torch.dtype) -> Any:
 
 def file_placement(source: Any, n_layers: int) -> Any:
     """PowerInfer's split beside its file (`.generated.gpuidx`), or none: every neuron on the CPU side."""
-    from hotneurons.runtime.placement import Placement
+    from hotneurons.artifacts.placement import Placement
 
     masks = source.gpu_index()
     if masks is None:
@@ -173,19 +173,21 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
                         gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None,
                         placement: Any = None) -> Any:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
-    `placement` (runtime.placement.Placement) replaces the run's (tests, benchmarks)."""
+    `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks)."""
+    from hotneurons.artifacts.placement import Placement
+    from hotneurons.artifacts.predictors import PredictorForm
+    from hotneurons.artifacts.profile import read_profile
     from hotneurons.common import artifacts
     from hotneurons.common.models import RELU_FAMILY, adapter_for
     from hotneurons.kernels.cold import set_threads
     from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
-    from hotneurons.predictors.form import PredictorForm
     from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
-    from hotneurons.runtime.placement import Placement, plan_figures, solved_summary
+    from hotneurons.runtime.placement import plan_figures, solved_summary
     from hotneurons.runtime.source_steps import SourceSteps
     from tqdm.auto import tqdm
 
@@ -228,7 +230,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         if recall is not None:
             predictors.set_recall(recall)
     if run is not None and (run / "profile" / "meta.json").exists():
-        _, pmeta = artifacts.read_profile(run)
+        _, pmeta = read_profile(run)
         artifacts.check_same_model(pmeta, {"model": info}, f"profile {run / 'profile'}", "the model")
         taus = pmeta.layer_taus
     if mode == "hybrid" and placement is None:

@@ -18,7 +18,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from hotneurons.artifacts.placement import Placement
+from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.kinds import GpuOps, RuntimeMode, choose
 from hotneurons.common.models import (
     RELU_FAMILY,
     LoadedModel,
@@ -32,16 +35,14 @@ from hotneurons.common.models import (
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.kernels.cold import set_threads
 from hotneurons.kernels.names import COLD_DTYPES
-from hotneurons.kernels.ops import OPS, default_ops
-from hotneurons.predictors.form import PredictorForm
+from hotneurons.kernels.ops import default_ops
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
-from hotneurons.runtime.config import MODES, RuntimeConfig
+from hotneurons.runtime.config import RuntimeConfig
 from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
-from hotneurons.runtime.placement import Placement
 from hotneurons.runtime.sampling import Sampling, sample
 from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
 
@@ -115,14 +116,12 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     `predictors`: hotneurons.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
     thresholds of non-ReLU models (oracle masks), None for ReLU-family models.
     """
-    if cfg.mode not in MODES:
-        raise ValueError(f"unknown mode '{cfg.mode}': choose one of {', '.join(MODES)}")
+    choose(cfg.mode, RuntimeMode, "mode")
     if cfg.cold_dtype == "auto":  # an HF model in memory holds floats: bf16 rows lose the least
         cfg = replace(cfg, cold_dtype="bf16")
     if cfg.cold_dtype not in COLD_DTYPES:
         raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
-    if cfg.ops != "auto" and cfg.ops not in OPS:
-        raise ValueError(f"unknown --ops '{cfg.ops}': choose one of auto, {', '.join(OPS)}")
+    choose(cfg.ops, ("auto", *GpuOps.values()), "ops")
     if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
         raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
                          f"or leave it out to measure it")

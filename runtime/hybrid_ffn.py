@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
+from hotneurons.common.kinds import MaskSource, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, neuron_values, predict
@@ -45,7 +46,6 @@ from hotneurons.runtime.host_io import HostIO
 from hotneurons.weights.formats import spec, weight_format
 from torch import nn
 
-MASKS = ("dense", "oracle", "predictor")
 COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
 
 
@@ -74,8 +74,11 @@ class HybridFFN(nn.Module):
         (a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own), cold rows
         to CPU RAM in `cold_dtype` (kernels/names.COLD_DTYPES)."""
         super().__init__()
-        if mask not in MASKS:
-            raise ValueError(f"unknown mask source '{mask}': choose one of {', '.join(MASKS)}")
+        mask = choose(mask, MaskSource, "mask source")
+        if activation not in ACT_CODE:  # FATReLU: its threshold is in none of the cold kernels (docs/runtime.md)
+            raise ValueError(f"activation {activation!r}: pi-generate's kernels compute {', '.join(ACT_CODE)}; "
+                             f"FATReLU's threshold is in none of them: relufy with --activation relu or drelu to "
+                             f"decode (pi-profile and pi-eval run FATReLU models)")
         if mask == "predictor" and predictor is None:
             raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
         self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau

@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from hotneurons.artifacts.placement import Placement
+from hotneurons.artifacts.profile import check_profile, read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
-from hotneurons.runtime.placement import Placement, plan_figures, solved_summary
+from hotneurons.runtime.placement import plan_figures, solved_summary
 
 
 def _first_meta(run_dir: Path) -> dict | None:
@@ -33,11 +35,11 @@ def _first_meta(run_dir: Path) -> dict | None:
 def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> None:
     """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
     line naming it (missing, empty, cut short, of another format)."""
-    from hotneurons.common.placement import PlacementMeta
+    from hotneurons.artifacts.placement import PlacementMeta
     from hotneurons.predictors.train import check_predictors
 
     if (run / "profile" / "meta.json").exists():
-        artifacts.check_profile(run)
+        check_profile(run)
     if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
         PlacementMeta.load(run / "placement" / "meta.json")
         artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
@@ -105,7 +107,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         if recall is not None:
             predictors.set_recall(recall)
     if run is not None and (run / "profile" / "meta.json").exists():
-        _, pmeta = artifacts.read_profile(run)
+        _, pmeta = read_profile(run)
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
         taus = pmeta.layer_taus
     rt = build_runtime(lm, cfg, placement, predictors, taus)

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import click
-from hotneurons.common.artifacts import ArtifactError, check_profile
+from hotneurons.artifacts.placement import Objective, PlacementSummary
+from hotneurons.artifacts.profile import check_profile
+from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import cli_error, stdout_to_stderr
 from hotneurons.common.hardware import (
     HARDWARE,
@@ -17,7 +19,6 @@ from hotneurons.common.hardware import (
     measure_hardware,
     presets_table,
 )
-from hotneurons.common.placement import Objective, PlacementSummary
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 
 from .cost import COLD_BYTES, DTYPE_BYTES, SolverError

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from hotneurons.artifacts.placement import Objective
 from hotneurons.common.cli import stdout_to_stderr
 from hotneurons.common.kinds import choose
-from hotneurons.common.placement import Objective
 
 from .cost import LayerTables, PlacementProblem, SolverError, layer_tables
 

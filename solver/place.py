@@ -8,10 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta, read_profile, sha256_file, staged, write_parquet
-from hotneurons.common.hardware import HardwareSpec
-from hotneurons.common.kinds import choose
-from hotneurons.common.placement import (
+from hotneurons.artifacts.placement import (
     Budget,
     LayerPlacement,
     Memory,
@@ -21,6 +18,10 @@ from hotneurons.common.placement import (
     PlacementSummary,
     SolverInfo,
 )
+from hotneurons.artifacts.profile import ProfileMeta, read_profile
+from hotneurons.common.artifacts import ArtifactError, sha256_file, staged, write_parquet
+from hotneurons.common.hardware import HardwareSpec
+from hotneurons.common.kinds import choose
 from hotneurons.common.units import format_bytes, format_size_arg
 
 from .cost import (

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from hotneurons.common.artifacts import ProfileMeta, staged, write_parquet
+from hotneurons.artifacts.profile import ProfileMeta
+from hotneurons.common.artifacts import staged, write_parquet
 
 
 def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_heads: int, n_kv_heads: int,

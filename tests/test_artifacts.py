@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hotneurons.common import artifacts
-from hotneurons.common.artifacts import ArtifactError, ProfileMeta, read_json, staged, write_json
+from hotneurons.artifacts.placement import Placement, PlacementMeta, PlacementSummary, read_placement
+from hotneurons.artifacts.predictors import EvalMode, ModeResult
+from hotneurons.artifacts.profile import ProfileMeta, read_profile
+from hotneurons.common.artifacts import ArtifactError, read_json, staged, write_json
 from hotneurons.common.kinds import Activation, Rule, choose
-from hotneurons.common.placement import PlacementMeta, PlacementSummary, read_placement
-from hotneurons.predictors.schema import EvalMode, ModeResult
 from hotneurons.solver.cli import main as solve_main
 from hotneurons.solver.synthetic import llama_model_meta, synthetic_counts, write_profile
 
@@ -60,7 +60,7 @@ def test_readers_refuse_other_versions_in_one_line(run, change, needle):
     path = run / "profile" / "meta.json"
     write_json(path, {**read_json(path), **change})
     with pytest.raises(ArtifactError, match=needle) as e:
-        artifacts.read_profile(run)
+        read_profile(run)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
     r = CliRunner().invoke(solve_main, ["--run", str(run), "--vram", "24GB"])
     assert r.exit_code != 0 and needle in r.output and len(r.output.strip().splitlines()) == 1
@@ -72,7 +72,7 @@ def test_missing_required_key_names_file_and_fix(run):
     del d["tokens"]
     write_json(path, d)
     with pytest.raises(ArtifactError, match="lacks 'tokens': re-run pi-profile"):
-        artifacts.read_profile(run)
+        read_profile(run)
 
 
 def test_file_without_schema_version_reads_as_version_1(run):
@@ -80,7 +80,7 @@ def test_file_without_schema_version_reads_as_version_1(run):
     d = read_json(path)
     del d["schema_version"]
     write_json(path, d)
-    assert artifacts.read_profile(run)[1].schema_version == 1
+    assert read_profile(run)[1].schema_version == 1
 
 
 def test_placement_files_typed_and_read_placement(run):
@@ -93,9 +93,15 @@ def test_placement_files_typed_and_read_placement(run):
     assert on_disk.to_dict() == json.loads(json.dumps(s.to_dict()))  # what is returned is what is written
     assert on_disk.flags.ctx == 16 and on_disk.solver.objective == "latency"
     assert PlacementMeta.load(run / "placement" / "meta.json").flags.objective == "latency"
-    info = artifacts.read_profile(run)[1].model
+    info = read_profile(run)[1].model
     p = read_placement(run, info)
     assert len(p) == 2 and [int(p[i].sum()) for i in range(2)] == [x.gpu_neurons for x in s.layers]
+    # one Placement for every reader: numpy masks, the meta it was read with, the runtime's from_run the same
+    assert all(isinstance(g, np.ndarray) and g.dtype == bool and g.shape == (info["n_neurons"],) for g in p.gpu)
+    assert p.meta.flags.ctx == 16 and p.gpu_share() == pytest.approx(s.gpu_neuron_share)
+    q = Placement.from_run(run, info)
+    assert all(np.array_equal(a, b) for a, b in zip(p.gpu, q.gpu)) and len(q) == 2
+    assert Placement.uniform(2, 5, True).gpu_share() == 1.0 and Placement.uniform(2, 5, False).meta is None
     summary = read_json(run / "placement" / "summary.json")
     write_json(run / "placement" / "summary.json", {**summary, "schema_version": 3})
     with pytest.raises(ArtifactError, match="summary.json has schema_version 3.*re-run pi-solve"):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.common import artifacts
 from hotneurons.predictors.train import preset, train_predictors
 from hotneurons.profiler import profile as profile_mod
@@ -282,8 +283,8 @@ def test_interrupt_after_a_checkpoint_resumes(tiny_model_dir, text_corpus, tmp_p
     res = CliRunner().invoke(profile_cli, args)  # a plain run does not silently drop the checkpoint
     assert res.exit_code == 1 and "--resume" in res.output and len(res.output.strip().splitlines()) == 1
     assert_plain_run_works([*args, "--resume"])
-    a = artifacts.read_profile(tmp_path / "full")[0]
-    b = artifacts.read_profile(tmp_path / "r")[0]
+    a = read_profile(tmp_path / "full")[0]
+    b = read_profile(tmp_path / "r")[0]
     assert a.equals(b) and not partial.exists()
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import tiny
 import torch
+from hotneurons.artifacts.placement import Placement
 from hotneurons.runtime.generate import RuntimeConfig, generate
 from hotneurons.runtime.load import load_runtime
 from hotneurons.runtime.memory import MemoryPlanError
-from hotneurons.runtime.placement import Placement
 
 LOGIT_ATOL = 1e-4
 NEW = 10

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("family", ["llama-reglu", "opt"])
 def test_block_rows_on_cuda_equal_hf(family, fmt, dtype, atol, tiny_model_dir, tmp_path):
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
-    from hotneurons.runtime.placement import Placement
 
     lm, folder = exact_folder(family, tiny_model_dir(family), tmp_path, fmt)
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
@@ -46,10 +46,10 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
     and a mixed placement: the same tokens and logits. llama-reglu's untied embedding is looked up on the host and
     copied in by layer 0's graph; gemma3 has sliding-window layers and norms after attention and FFN. The graphs'
     default ops (Triton) give the same tokens."""
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.common import tiny
     from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
     from hotneurons.runtime.generate import RuntimeConfig, generate
-    from hotneurons.runtime.placement import Placement
 
     folder = tiny_model_dir(family)
     source, sid, mcfg, act = open_model(str(folder))

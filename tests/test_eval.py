@@ -11,6 +11,7 @@ import pytest
 import tiny
 import torch
 from click.testing import CliRunner
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
@@ -56,7 +57,7 @@ def test_relu_oracle_equals_dense(name, tiny_model_dir, text_corpus, tmp_path):
 
 def reference_ppl(lm, run, corpus, mode, preds=None, gpu=None) -> float:
     """Perplexity with each layer's FFN replaced by explicit matmuls and an explicit mask (float64)."""
-    _, pmeta = artifacts.read_profile(run)
+    _, pmeta = read_profile(run)
     taus = pmeta["taus"]
     originals = []
     for i, layer in enumerate(lm.layers):

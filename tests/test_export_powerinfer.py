@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
-from hotneurons.common.placement import read_placement
+from hotneurons.artifacts.placement import read_placement
 from hotneurons.export import ExportError, exact_predictors, export_run, to_powerinfer
 from hotneurons.export import roundtrip as rt
 from hotneurons.export.cli import main as cli
@@ -109,12 +109,12 @@ def test_model_gguf_reads_back(exported, tmp_path):
 def test_gpu_index_equals_the_placement(exported, tmp_path):
     e = exported
     placement = read_placement(e.run, e.lm.info)
-    masks = [placement[i].numpy() for i in range(e.cfg.num_hidden_layers)]
+    masks = [placement[i] for i in range(e.cfg.num_hidden_layers)]
     r = read_gguf(e.out / e.summary["files"]["gpu_index"], tmp_path, gpu_index_tensors(masks))
     L = e.cfg.num_hidden_layers
     assert [x.name for x in r.tensors] == [f"blk.{i}.{k}" for i in range(L) for k in ("gpu_idx", "gpu_bucket")]
     for i in range(L):
-        mask = placement[i].numpy()
+        mask = placement[i]
         idx, bucket = (np.asarray(r.tensors[2 * i + j].data) for j in (0, 1))
         assert idx.dtype == np.int32 and np.array_equal(idx, mask.astype(np.int32))
         assert bucket.dtype == np.int32 and np.array_equal(bucket, np.flatnonzero(mask))

@@ -35,7 +35,7 @@ def exported(tmp_path_factory):
 
 
 def test_tensors_as_stored_down_rows_and_predictors(exported, tmp_path):
-    from hotneurons.common.placement import read_placement
+    from hotneurons.artifacts.placement import read_placement
     from safetensors.torch import load_file
     from test_export_powerinfer import field, read_gguf
 

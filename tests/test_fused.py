@@ -193,7 +193,7 @@ def test_ops_by_name():
     assert ops.Ops.named("triton").attend is fused.attend
     assert ops.Ops.named("triton").predict is fused.predict
     assert ops.Ops.named("triton").add_linear is fused.add_linear
-    with pytest.raises(ValueError, match="unknown ops 'cutlass': known are torch, compile, triton"):
+    with pytest.raises(ValueError, match="unknown ops 'cutlass': choose one of torch, compile, triton"):
         ops.Ops.named("cutlass")
     assert ops.default_ops(torch.device("cpu")) == "torch"
 

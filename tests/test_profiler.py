@@ -10,7 +10,8 @@ import pytest
 import tiny
 import torch
 from click.testing import CliRunner
-from hotneurons.common.artifacts import ArtifactError, read_profile
+from hotneurons.artifacts.profile import read_profile
+from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.models import load_model
 from hotneurons.profiler.cli import main as cli

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hotneurons.common.artifacts import read_profile
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

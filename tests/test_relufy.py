@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hotneurons.common.artifacts import read_profile
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.common.models import load_model
 from hotneurons.profiler.cli import main as profile_cli
@@ -425,3 +425,17 @@ def test_cli_ctrl_c_says_what_was_kept(monkeypatch, tmp_path):
     (distill.partial_dir(tmp_path / "out") / "checkpoint" / "state.json").write_text("{}")
     r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet"])
     assert r.exit_code == 130 and "--resume" in r.output and "Aborted" not in r.output, r.output
+
+
+@pytest.mark.parametrize("mode", ["dense", "layer-split"])
+def test_fatrelu_output_is_refused_by_pi_generate_in_one_line(mode, relufied):
+    """pi-generate's kernels take no FATReLU threshold: every mode refuses the model with the fix, before decoding."""
+    from click.testing import CliRunner
+    from hotneurons.runtime.cli import main as generate_main
+
+    args = ["--model", str(relufied("fatrelu")), "-p", "hello", "-n", "2", "--device", "cpu", "--mode", mode]
+    if mode == "layer-split":
+        args += ["--gpu-layers", "1"]
+    res = CliRunner().invoke(generate_main, args)
+    assert res.exit_code != 0
+    assert "FATReLU's threshold is in none of them: relufy with --activation relu or drelu" in res.output, res.output

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import tiny
 import torch
+from hotneurons.artifacts.placement import Placement
 from hotneurons.common.models import load_model
 from hotneurons.predictors.train import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
-from hotneurons.runtime.placement import Placement
 
 LOGIT_ATOL = 1e-4
 NEW = 12

@@ -33,8 +33,8 @@ def write_summary(run, **changes):
     its figures, and refuses a summary that breaks the schema."""
     import dataclasses
 
+    from hotneurons.artifacts.placement import PlacementSummary
     from hotneurons.common.hardware import get_hardware
-    from hotneurons.common.placement import PlacementSummary
     from hotneurons.solver.place import solve_placement
     from hotneurons.solver.synthetic import write_synthetic_profile
 

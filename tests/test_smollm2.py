@@ -4,7 +4,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from hotneurons.common.artifacts import read_profile
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.model_source import resolve_source
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 
@@ -62,10 +62,10 @@ def test_smollm2_q4_1_rows_kept_as_stored_equal_hf_on_the_same_weights():
     import warnings
 
     import torch
+    from hotneurons.artifacts.placement import Placement
     from hotneurons.common.models import load_model
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
-    from hotneurons.runtime.placement import Placement
     from hotneurons.weights.quants import dequantize, quantize
     from hotneurons.weights.source import open_source
 

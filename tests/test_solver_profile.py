@@ -2,7 +2,7 @@
 
 import pandas as pd
 import pytest
-from hotneurons.common.artifacts import read_profile
+from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.hardware import get_hardware
 from hotneurons.common.units import parse_bytes
 from hotneurons.solver import SolverError, solve_placement

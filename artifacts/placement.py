@@ -1,8 +1,10 @@
-"""The placement artifact (`RUN/placement/`), read by the evaluation and the runtime, written by the solver.
+"""The placement artifact (`RUN/placement/`), read by the evaluation, the export and the runtime, written by the
+solver.
 
 `placement.parquet`: layer:int32, neuron:int32, gpu:bool, count:int64, rank:int32 (hottest first within a layer);
 `meta.json`: `PlacementMeta`; `summary.json`: `PlacementSummary` (docs/artifacts.md lists every key).
-`read_placement` returns a `Placement`: per layer the bool mask of GPU-resident neurons.
+`read_placement` returns a `Placement`: per layer the (n_neurons,) numpy bool mask of GPU-resident neurons, the one
+class for a solved placement, PowerInfer's gpuidx and the uniform or random ones of tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -10,14 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from hotneurons.common.artifacts import ArtifactError, JsonFile, Section, StageMeta, check_same_model
 from hotneurons.common.kinds import Kind
-
-if TYPE_CHECKING:  # torch loads in ~1 s: only where a placement is read (pi-solve --help stays quick)
-    import torch
 
 
 class Objective(Kind):
@@ -131,27 +130,34 @@ class PlacementSummary(JsonFile):
     seconds_total: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
-    """Which neurons of each layer live on the GPU: `gpu[l]` is a (n_neurons,) bool tensor."""
+    """Which neurons of each layer live on the GPU: `gpu[l]` is a (n_neurons,) bool array, True = the neuron's rows
+    live on the compute device. Numpy, not torch: reading a placement loads no torch (~1 s), and the runtime lays
+    out each layer's rows itself; the evaluation turns a mask into a tensor where it masks one. `meta` is
+    RUN/placement/meta.json where the placement was read from a run."""
 
-    gpu: dict[int, torch.Tensor]
-    meta: PlacementMeta
+    gpu: tuple[np.ndarray, ...]
+    meta: PlacementMeta | None = None
 
-    def __getitem__(self, layer: int) -> torch.Tensor:
+    @classmethod
+    def uniform(cls, n_layers: int, n_neurons: int, on_gpu: bool) -> Placement:
+        return cls(tuple(np.full(n_neurons, on_gpu) for _ in range(n_layers)))
+
+    @classmethod
+    def from_run(cls, run_dir: str | os.PathLike, model_info: dict) -> Placement:
+        """RUN/placement/placement.parquet, one mask per layer of the model (refuses a placement made for another
+        model)."""
+        return read_placement(run_dir, model_info, model_info["n_layers"])
+
+    def gpu_share(self) -> float:
+        return float(np.mean([g.mean() for g in self.gpu]))
+
+    def __getitem__(self, layer: int) -> np.ndarray:
         return self.gpu[layer]
 
     def __len__(self) -> int:
         return len(self.gpu)
-
-    def items(self):
-        return self.gpu.items()
-
-    def values(self):
-        return self.gpu.values()
-
-    def keys(self):
-        return self.gpu.keys()
 
 
 def read_placement(run_dir: str | os.PathLike, model_info: dict, n_layers: int | None = None) -> Placement:
@@ -172,6 +178,4 @@ def read_placement(run_dir: str | os.PathLike, model_info: dict, n_layers: int |
     if len(df) and (layer.max() >= gpu.shape[0] or neuron.max() >= n):
         raise ArtifactError(f"{table} names neurons outside {gpu.shape[0]} layers x {n}: re-run pi-solve")
     gpu[layer, neuron] = df["gpu"].to_numpy(bool)
-    import torch
-
-    return Placement({i: torch.from_numpy(gpu[i].copy()) for i in range(gpu.shape[0])}, meta)
+    return Placement(tuple(gpu[i].copy() for i in range(gpu.shape[0])), meta)
