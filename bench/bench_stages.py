@@ -19,6 +19,7 @@ from hotneurons.bench import bench_llamacpp as lcpp
 from hotneurons.bench import bench_model as bm
 from hotneurons.bench import bench_timeline as tl
 from hotneurons.bench import fair, record
+from hotneurons.bench import systems as sy
 from hotneurons.bench.bench_build import _free, calibrated_model, llama_binary, llama_ngl, llama_runs
 from hotneurons.bench.bench_openmp import OMP_WAIT_POLICY
 from hotneurons.bench.bench_pipeline import hardware_spec, place, profile, write_predictors
@@ -197,20 +198,10 @@ def stage_ours(args, work: Path) -> dict:
     systems = {}
     C = functools.partial(RuntimeConfig, ctx=args.ctx, device=args.device, dtype=dt,  # the solver's --ctx: its KV
                           **({} if args.pcie_share is None else {"pcie_share": args.pcie_share}))
-    plan = [("hybrid", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("layer-split", C(mode="layer-split", vram=budget), None, None, args.slow_tokens, 1),
-            ("all-gpu", C(mode="dense"), None, None, args.tokens, args.reps),
-            ("hybrid-no-prelaunch", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-no-pcie", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
-            ("hybrid-no-pcie-no-prelaunch", C(vram=budget, pcie_share=0.0), placement, P, args.tokens, args.reps),
-            ("hybrid-no-balance", C(vram=budget), placement, P, args.tokens, args.reps),
-            ("hybrid-int8", C(vram=budget, cold_dtype="int8"), placement, P, args.tokens, args.reps),
-            ("hybrid-compiled", C(vram=budget, ops="compile"), placement, P, args.tokens, args.reps),
-            ("hybrid-torch-ops", C(vram=budget, ops="torch"), placement, P, args.tokens, args.reps),
-            ("hybrid-no-recheck", C(vram=budget), placement, P, args.tokens, args.reps)]
-    if "dense" in args.systems:
-        plan.append(("dense", C(mode="dense", vram=budget), placement, None, args.slow_tokens, 1))
-    plan = [p for p in plan if p[0] in args.systems]
+    plan = [(s.name, C(**({"vram": budget} | s.fields)), placement if s.placed else None,
+             P if s.fields.get("mode", "hybrid") == "hybrid" else None, *((args.slow_tokens, 1) if s.slow else
+                                                                          (args.tokens, args.reps)))
+            for s in sy.SYSTEMS.values() if s.runner == "ours" and s.name in args.systems]
     runs = llama_runs(args, work)
     threads = args.threads or os.cpu_count()
     others = {}  # with --interleave: llama-bench once after each round, so that hybrid's ratio to it is paired

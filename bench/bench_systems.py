@@ -11,26 +11,13 @@ import torch
 from hotneurons.bench import bench_ceilings as ceil
 from hotneurons.bench import bench_timeline as tl
 
-# pi_bench systems named hybrid-...-SUFFIX: the RuntimeConfig fields of each A/B
-AB_FIELDS = {"no-prelaunch": {"prelaunch": False}, "no-balance": {"pcie_balance": False},
-             "no-recheck": {"pcie_recheck": False}}
-# A/Bs whose decision is taken, their old paths gone from the runtime (docs/history.md): the CPU part as before
-# cold.cold_layer, cold_layer after a CUDA event wait, the CPU adding up its threads' partial sums
-REMOVED_AB = ("split-cold", "event-wait", "cpu-sum")
 
-
-def build_ours(name: str, base, cfg, placement, preds, prompt: list[int]):
-    """One of our systems built and warmed up; returns (runtime, build seconds)."""
-    from dataclasses import replace
-
+def build_ours(base, cfg, placement, preds, prompt: list[int]):
+    """One of our systems (its RuntimeConfig from bench/systems.py) built and warmed up; returns (runtime, build
+    seconds)."""
     from hotneurons.runtime.balance import TUNING_TOKENS
     from hotneurons.runtime.generate import build_runtime, generate
 
-    if name.endswith(REMOVED_AB):
-        raise ValueError(f"{name}: that A/B was decided and its old path removed from the runtime (docs/history.md)")
-    for suffix, fields in AB_FIELDS.items():
-        if name.endswith(suffix):
-            cfg = replace(cfg, **fields)
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()
     rt = build_runtime(lm, cfg, placement, preds)
@@ -90,7 +77,7 @@ def row_ours(name: str, rt, build_s: float, gens: list, around: list[tuple[float
 def run_ours(name: str, base, cfg, placement, preds, prompt: list[int], tokens: int, reps: int,
              dram_bytes: int | None = None) -> dict:
     """One of our systems: build, warm up, `reps` timed generations (timed_ours)."""
-    rt, build_s = build_ours(name, base, cfg, placement, preds, prompt)
+    rt, build_s = build_ours(base, cfg, placement, preds, prompt)
     gens, around = timed_ours({name: rt}, prompt, tokens, reps, dram_bytes)[name]
     row = row_ours(name, rt, build_s, gens, around, prompt, tokens)
     extra = {"rt": rt} if name == "hybrid" else {}
@@ -106,7 +93,7 @@ def run_interleaved(plan: list, base, prompt: list[int], dram_bytes: int | None,
     our systems in each round (llama-bench), so that our systems' ratios to it are paired too. `on_round(partial)`
     after each round gets the rounds so far (tok/s of each generation, the other systems' rows), so that a run stopped
     by a timeout keeps them; each round also prints a line."""
-    built = {name: build_ours(name, base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
+    built = {name: build_ours(base, cfg, pl, pr, prompt) for name, cfg, pl, pr, _, _ in plan}
     n_tok, reps = plan[0][4], plan[0][5]
     others = others or {}
     other_rows: dict = {label: [] for label in others}

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 from hotneurons.artifacts.placement import Placement
-from hotneurons.bench import record
-from hotneurons.common import tiny
+from hotneurons.bench import record, tiny
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.model_source import resolve_source

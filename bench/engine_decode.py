@@ -35,7 +35,7 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
     import numpy as np
     from hotneurons.artifacts.placement import Placement
     from hotneurons.bench import memory_models as mm
-    from hotneurons.common import tiny
+    from hotneurons.bench import tiny
     from hotneurons.common.models import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
 
@@ -53,7 +53,7 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
 
 def main(a) -> dict:
     import torch
-    from hotneurons.common import tiny
+    from hotneurons.bench import tiny
     from hotneurons.common.models import load_model
     from hotneurons.predictors.train import load_predictors
     from hotneurons.runtime.engine import load_source_runtime

@@ -121,7 +121,7 @@ def tokenizer(vocab: int):
     """The byte-level tokenizer of the tiny test models with placeholder tokens ("t260", ...) up to `vocab`, so that
     every id a random model emits decodes to text (a byte tokenizer of 259 ids would print nothing for most), and one
     merge (two spaces): transformers' GGUF tokenizer reader refuses a vocabulary without a real merge."""
-    from hotneurons.common.tiny import CHAT_TEMPLATE
+    from hotneurons.bench.tiny import CHAT_TEMPLATE
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

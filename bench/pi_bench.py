@@ -41,6 +41,7 @@ from pathlib import Path
 from hotneurons.bench import ROOT, record
 from hotneurons.bench import bench_llamacpp as lcpp
 from hotneurons.bench import shapes as bm
+from hotneurons.bench import systems as sy
 from hotneurons.bench.bench_report import goals, markdown, write_results
 
 
@@ -81,16 +82,7 @@ def parse(argv=None):
     ap.add_argument("--llama-tokens", type=int, default=32)
     ap.add_argument("--llama-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    ap.add_argument("--systems", default="hybrid,layer-split,all-gpu,hybrid-int8,llama.cpp,accelerate",
-                    help="comma list; add 'dense' for cold-on-CPU dense at the budget, "
-                         "'hybrid-no-prelaunch' for hybrid "
-                         "with each graph launched after the previous cold part (an A/B of runtime/graph_steps.py), "
-                         "'hybrid-no-pcie' for hybrid with the CPU reading every cold row (--pcie-share 0), "
-                         "'hybrid-no-pcie-no-prelaunch' for both, "
-                         "'hybrid-no-balance' for hybrid keeping the share measured at start (no balancing rounds), "
-                         "'hybrid-compiled' for hybrid with torch.compile on pre's small ops (RuntimeConfig.ops), "
-                         "'hybrid-torch-ops' for hybrid with torch's kernels there instead of kernels/fused.py's, "
-                         "'hybrid-no-recheck' for hybrid keeping the share of its first balancing rounds for life")
+    ap.add_argument("--systems", default=",".join(sy.DEFAULT), help=sy.help_text())
     ap.add_argument("--pcie-share", type=float, default=None,
                     help="the share of marked cold rows the GPU reads over PCIe, fixed for every hybrid system "
                          "(default: "
@@ -119,12 +111,14 @@ def parse(argv=None):
     bad = [v for v in args.share_sweep if not 0 <= v < 1]
     if bad:
         ap.error(f"--share-sweep {bad[0]:g}: give shares in [0, 1), e.g. 0.1,0.2,0.3")
-    args.systems = set(args.systems.split(","))
+    try:
+        args.systems = sy.parse(args.systems)
+    except ValueError as e:
+        ap.error(f"--systems: {e}")
     args.ours_time_limit = args.time_limit
     args.predictor_hidden = args.predictor_hidden or max(16, bm.SHAPES[args.shape][0] // 8)
     args.gate_rank = max(1, (args.predictor_hidden - 2) // 2)  # the exact predictor's hidden size is 2 * rank + 2
-    args.estimates = {"hybrid": 60, "layer-split": 60, "all-gpu": 40, "hybrid-int8": 60, "dense": 60, "llama.cpp": 45,
-                      "accelerate": 60, "llama.cpp round": 10}  # seconds; a round: one llama-bench -r 1 (--interleave)
+    args.estimates = {n: s.estimate_s for n, s in sy.SYSTEMS.items()} | {"llama.cpp round": sy.LLAMA_ROUND_S}
     if args.device == "cpu" or args.shape == "tiny":
         args.estimates = {k: 1 for k in args.estimates}
     return args

@@ -47,7 +47,7 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
     copied in by layer 0's graph; gemma3 has sliding-window layers and norms after attention and FFN. The graphs'
     default ops (Triton) give the same tokens."""
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.common import tiny
+    from hotneurons.bench import tiny
     from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
     from hotneurons.runtime.generate import RuntimeConfig, generate
 

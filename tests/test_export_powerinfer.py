@@ -241,7 +241,7 @@ def test_cli_json_and_one_line_errors(exported, tmp_path):
 
 
 def test_vocabularies():
-    from hotneurons.common.tiny import byte_tokenizer
+    from hotneurons.bench.tiny import byte_tokenizer
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 

@@ -198,3 +198,16 @@ def test_bench_modules_import_as_a_package():
     p = subprocess.run([sys.executable, "-m", "hotneurons.bench.pi_bench", "--help"], capture_output=True, text=True,
                        timeout=120, cwd="/")
     assert p.returncode == 0 and "--machine-kind" in p.stdout
+
+
+def test_systems_table_parses_names_and_refuses_unknown_ones():
+    from hotneurons.bench import systems as sy
+    from hotneurons.runtime.config import RuntimeConfig
+
+    assert sy.parse("hybrid, llama.cpp,all-gpu") == {"hybrid", "llama.cpp", "all-gpu"}
+    assert set(sy.DEFAULT) <= set(sy.SYSTEMS)
+    with pytest.raises(ValueError, match="unknown system 'hybrid-event-wait': choose one of hybrid, layer-split"):
+        sy.parse("hybrid,hybrid-event-wait")
+    for s in sy.SYSTEMS.values():  # every field a row sets is one RuntimeConfig has
+        RuntimeConfig(**s.fields)
+        assert s.name in sy.help_text()
