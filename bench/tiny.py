@@ -60,7 +60,26 @@ def _configs():
     }
 
 
+def _moe_configs():
+    """Mixtures of experts: 4 experts, 2 per token. Apart from FAMILIES: the profiler, solver and runtime, whose tests
+    run every family, do not run experts yet (common/models.MOE_ADAPTER); models/ does (tests/test_models_moe.py)."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+                  num_experts_per_tok=2, hidden_act="silu")
+    return {
+        "mixtral": lambda: MixtralConfig(**common, intermediate_size=32, num_local_experts=4),  # renormalises top-k
+        "qwen2-moe": lambda: Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                            shared_expert_intermediate_size=48, norm_topk_prob=False),
+        "qwen3-moe": lambda: Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                            head_dim=8, norm_topk_prob=True),  # per-head q/k norms
+        "olmoe": lambda: OlmoeConfig(**common, intermediate_size=16, num_experts=4, norm_topk_prob=False),  # whole q/k
+    }
+
+
 FAMILIES = list(_configs())
+MOE_FAMILIES = list(_moe_configs())
 ACTIVATION_OVERRIDE = {"mistral-drelu": "drelu"}  # dReLU models are remote code; see make_drelu
 
 
@@ -69,10 +88,10 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_configs()[name]())
+    model = AutoModelForCausalLM.from_config({**_configs(), **_moe_configs()}[name]())
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the experts' stacked ones (E, out, in)
                 p.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)

@@ -46,6 +46,7 @@ class FamilyAdapter:
     down: str  # down projection, n -> d
     gate: str | None = None  # gated models only
     act_config_keys: tuple[str, ...] = ("hidden_act",)  # config attributes naming the activation
+    experts: bool = False  # a mixture of experts: only models/ runs it yet (MOE_ADAPTER)
 
     @property
     def gated(self) -> bool:
@@ -70,6 +71,8 @@ class FamilyAdapter:
 
     def layer_ffn(self, layer: nn.Module) -> dict[str, nn.Linear]:
         """{"up", "down", "gate"?} -> the nn.Linear modules of one decoder layer's FFN."""
+        if self.experts:
+            raise ModelError(_MOE_REFUSAL.format("its layers are mixtures of experts"), params="model")
         mlp = layer.get_submodule(self.mlp) if self.mlp else layer
         mods = {"up": mlp.get_submodule(self.up), "down": mlp.get_submodule(self.down)}
         if self.gate:
@@ -90,16 +93,27 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                            act_config_keys=("hidden_activation", "hidden_act")),
 }
 
+# Mixtures of experts: models/ runs them (models/moe.py), but the profiler, solver and runtime count and place one
+# dense FFN's neurons per layer: adapter_for refuses them unless asked (ModelConfig.from_hf: experts=True)
+MOE_ADAPTER = FamilyAdapter("moe", ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), **_GATED, experts=True)
+_MOE_REFUSAL = ("{}: only the decoder definitions (hotneurons.models) run mixtures of experts yet; profiling, "
+                "placement and the runtime need one dense FFN per layer: use a dense model")
+
 
 def supported_model_types() -> list[str]:
     return sorted(t for a in ADAPTERS.values() for t in a.model_types)
 
 
-def adapter_for(config: Any) -> FamilyAdapter:
+def adapter_for(config: Any, experts: bool = False) -> FamilyAdapter:
+    """The family adapter of a (text) config; a mixture of experts is refused in one line unless `experts`."""
     model_type = getattr(config, "model_type", None)
     for adapter in ADAPTERS.values():
         if model_type in adapter.model_types:
             return adapter
+    if model_type in MOE_ADAPTER.model_types:
+        if experts:
+            return MOE_ADAPTER
+        raise ModelError(_MOE_REFUSAL.format(f"model type '{model_type}' is a mixture of experts"), params="model")
     raise ValueError(f"unsupported architecture '{model_type}': supported model types are "
                      f"{', '.join(supported_model_types())}")
 

@@ -13,12 +13,14 @@ from hotneurons.models.common import Decoder, WeightFn, dense_ffn, ffn_values
 from hotneurons.models.config import ModelConfig, Rope
 from hotneurons.models.falcon import Falcon
 from hotneurons.models.llama import Llama
+from hotneurons.models.moe import moe_ffn
 from hotneurons.models.opt import OPT
 
-MODELS: dict[str, type[Decoder]] = {"llama": Llama, "gemma": Llama, "opt": OPT, "falcon": Falcon}
+# moe: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, whose attention is LLaMA's (their FFN: models/moe.py)
+MODELS: dict[str, type[Decoder]] = {"llama": Llama, "gemma": Llama, "opt": OPT, "falcon": Falcon, "moe": Llama}
 
 __all__ = ["MODELS", "Decoder", "Falcon", "Llama", "ModelConfig", "OPT", "Rope", "build_model", "dense_ffn",
-           "ffn_values"]
+           "ffn_values", "moe_ffn"]
 
 
 def build_model(cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,

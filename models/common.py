@@ -345,7 +345,12 @@ def ffn_values(cfg: ModelConfig, up: torch.Tensor, gate: torch.Tensor | None = N
 def dense_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32, release: Callable[[str], None] | None = None
               ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Layer i's whole FFN from its canonical ffn_* weights (float or QTensor): x (T, d) -> y (T, d)."""
+    """Layer i's whole FFN from its canonical ffn_* weights (float or QTensor): x (T, d) -> y (T, d). A mixture of
+    experts' is models/moe.moe_ffn (every neuron of each token's chosen experts)."""
+    if cfg.moe:
+        from hotneurons.models.moe import moe_ffn  # moe.py builds on this module
+
+        return moe_ffn(weights, cfg, i, device, dtype, release)
     load = Loader(weights, device, dtype, release)
     p = f"blk.{i}.ffn_"
     up, down = load.matrix(p + "up.weight"), load.matrix(p + "down.weight")

@@ -45,14 +45,15 @@ class Rope:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # which model class runs it: llama (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3), opt, falcon
+    family: str  # which model class runs it: llama (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3), opt, falcon,
+    #              moe (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: LLaMA's attention, models/moe.py's FFN)
     model_type: str  # HF's model_type, for messages
     n_layers: int
     d_model: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    n_ff: int  # FFN neurons per layer
+    n_ff: int  # FFN neurons per layer (a mixture of experts: per expert, n_ff_exp)
     vocab: int
     activation: Activation  # the FFN's kind (common/kinds.py)
     act_fn: str  # the elementwise function it applies: relu, silu, gelu (erf), gelu_tanh
@@ -68,6 +69,8 @@ class ModelConfig:
     out_bias: bool = False  # attention output bias
     ffn_bias: bool = False
     qk_norm: bool = False  # per-head RMS norms of q and k before rope (Qwen3, Gemma3)
+    qk_norm_whole: bool = False  # OLMoE: those norms span the whole projection (H * hd, K * hd), not one head
+    clip_qkv: float = 0.0  # OLMoE: q, k, v clamped to [-clip, clip] after the norms; 0: none
     post_norms: bool = False  # Gemma2/3: a norm on the attention's and the FFN's output before each residual add
     attn_scale: float = 0.0  # softmax scale of q.k (Gemma2/3: query_pre_attn_scalar ** -0.5); 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # Gemma2: scores = cap * tanh(scores / cap); 0: none
@@ -82,6 +85,12 @@ class ModelConfig:
     #                        | fused_heads (per head: q, k, v)
     parallel_attn: bool = False  # the FFN reads the layer's input, not the residual after attention
     parallel_norms: int = 1  # parallel blocks: 1 norm shared by attention and FFN, or 2 (ln_attn, ln_mlp)
+    # Mixture of experts (models/moe.py): per token a router picks n_experts_used of n_experts gated FFNs
+    n_experts: int = 0  # 0: a dense FFN
+    n_experts_used: int = 0  # top-k
+    norm_topk: bool = False  # the top-k softmax probabilities renormalised to sum 1 (Mixtral always; else the config)
+    n_ff_exp: int = 0  # neurons per expert
+    n_ff_shexp: int = 0  # Qwen2-MoE: neurons of the shared expert every token also runs, sigmoid-gated; 0: none
 
     @property
     def scale(self) -> float:
@@ -91,6 +100,10 @@ class ModelConfig:
     def gated(self) -> bool:
         return self.activation not in (Activation.RELU, Activation.GELU)
 
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
     def window(self, i: int) -> int:
         return self.windows[i] if self.windows else 0
 
@@ -99,7 +112,7 @@ class ModelConfig:
         """From a transformers config (a multimodal one's text part). `activation` overrides the config's (dReLU
         models, whose config says relu)."""
         config = text_config(config)
-        adapter = adapter_for(config)
+        adapter = adapter_for(config, experts=True)
         act = adapter.activation(config, activation)
         raw = next((str(getattr(config, k)) for k in adapter.act_config_keys if getattr(config, k, None)), "")
         d, H = config.hidden_size, config.num_attention_heads
@@ -112,6 +125,8 @@ class ModelConfig:
             return cls(**common, **_opt(config))
         if adapter.name == "falcon":
             return cls(**common, **_falcon(config))
+        if adapter.experts:
+            return cls(**common, **{**_llama(config, gemma=False), **_moe(config)})
         return cls(**common, **_llama(config, gemma=adapter.name == "gemma"))
 
 
@@ -166,7 +181,7 @@ def _windows(config: Any) -> tuple[int, ...]:
             raise ValueError(f"{config.model_type}: attention layer type {unknown[0]} is not supported: the model "
                              f"definitions run full_attention and sliding_attention")
         return tuple(window if t == "sliding_attention" else 0 for t in types)
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "mixtral", "qwen3_moe"):  # Qwen3-MoE: sliding_window is None unless used
         return (window,) * n
     return (0,) * n
 
@@ -194,12 +209,32 @@ def _llama(config: Any, gemma: bool) -> dict[str, Any]:
         n_kv_heads=getattr(config, "num_key_value_heads", None) or H, head_dim=head_dim,
         n_ff=config.intermediate_size, norm="rms_gemma" if gemma else "rms", norm_eps=config.rms_norm_eps,
         rope=rope, rope_local=rope_local, windows=_windows(config),
-        attn_bias=bias or mt == "qwen2", out_bias=bias, ffn_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=mt in ("qwen3", "gemma3", "gemma3_text"), post_norms=gemma23,
+        attn_bias=bias or mt == "qwen2" or (mt == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))),
+        out_bias=bias, ffn_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmoe", "gemma3", "gemma3_text"), qk_norm_whole=mt == "olmoe",
+        clip_qkv=float(getattr(config, "clip_qkv", None) or 0.0), post_norms=gemma23,
         attn_scale=float(scalar) ** -0.5 if gemma23 and scalar else 0.0,
         attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
         final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
         embed_scale=config.hidden_size ** 0.5 if gemma else 1.0)
+
+
+def _moe(config: Any) -> dict[str, Any]:
+    """The experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (their attention is _llama's). Every layer must be a
+    mixture: Qwen's dense layers (mlp_only_layers, decoder_sparse_step) have no tensors in llama.cpp's qwen2moe and
+    qwen3moe archs, whose names we use, and no public checkpoint has them."""
+    mt, L = config.model_type, config.num_hidden_layers
+    n = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    step = int(getattr(config, "decoder_sparse_step", None) or 1)
+    dense = sorted(set(getattr(config, "mlp_only_layers", None) or []) | {i for i in range(L) if (i + 1) % step})
+    if n == 0 or dense:
+        raise ValueError(f"{mt}: dense FFN layers ({'all' if n == 0 else dense}: num_experts {n}, mlp_only_layers, "
+                         f"decoder_sparse_step {step}) are not supported: every layer must be a mixture of experts")
+    n_ff_exp = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    return dict(
+        n_ff=n_ff_exp, n_experts=n, n_experts_used=int(config.num_experts_per_tok), n_ff_exp=n_ff_exp,
+        norm_topk=mt == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        n_ff_shexp=int(getattr(config, "shared_expert_intermediate_size", None) or 0))
 
 
 def _opt(config: Any) -> dict[str, Any]:

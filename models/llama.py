@@ -1,6 +1,8 @@
 """LLaMA and its kin: Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 1/2/3 (norms of 1 + w,
 scaled embeddings; 2/3: norms after attention and FFN, sliding-window layers, softcaps; 3: q/k norms and a local rope
-on the sliding layers). One definition, switched by ModelConfig.
+on the sliding layers), and the attention of the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; OLMoE: q/k norms
+over the whole projection and an optional clamp of q, k, v), whose FFN is models/moe.py's. One definition, switched by
+ModelConfig.
 
 A layer: h2 = h + attn(attn_norm(h)); x = ffn_norm(h2); h_next = h2 + ffn(x). Gemma2/3 norm the attention's output
 (post_attention_norm) and the FFN's (post_ffw_norm) before adding them.
@@ -38,7 +40,7 @@ class _Layer:
     wo: Weight  # (d, H * hd)
     bo: torch.Tensor | None
     ffn_norm: Norm
-    q_norm: Norm | None = None  # (hd,) Qwen3, Gemma3
+    q_norm: Norm | None = None  # (hd,) Qwen3, Gemma3; (H * hd,) OLMoE, k_norm (K * hd,)
     k_norm: Norm | None = None
     post_attn_norm: Norm | None = None  # Gemma2/3
     post_ffw_norm: Norm | None = None
@@ -82,8 +84,12 @@ class Llama(Decoder):
         pos = self.positions(T, pos0)  # (T,)
         qkv = linear(layer.attn_norm(h), layer.wqkv, layer.bqkv)  # (T, (H + 2K) * hd)
         q, k, v = qkv.split([H * hd, K * hd, K * hd], dim=-1)
+        if cfg.qk_norm_whole:  # OLMoE: over all heads at once
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        if cfg.clip_qkv:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q, k, v = q.view(T, H, hd), k.view(T, K, hd), v.view(T, K, hd)
-        if layer.q_norm is not None:  # per head, before rope
+        if layer.q_norm is not None and not cfg.qk_norm_whole:  # per head, before rope
             q, k = layer.q_norm(q), layer.k_norm(k)
         cos, sin = (self.cos_local, self.sin_local) if cfg.window(i) else (self.cos, self.sin)
         cos, sin = cos[pos], sin[pos]  # (T, hd)

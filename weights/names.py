@@ -14,6 +14,8 @@ llama.cpp computes for the arch (llama: SwiGLU, ...).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,7 +44,9 @@ GGUF_NORM_SHIFT = frozenset({"gemma", "gemma2", "gemma3"})
 GGUF_FALCON_QKV = frozenset({"falcon"})
 
 _TYPE_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "mixtral_dense": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
-              "gemma": "GEMMA", "gemma2": "GEMMA2", "gemma3": "GEMMA3", "gemma3_text": "GEMMA3", "falcon": "FALCON"}
+              "gemma": "GEMMA", "gemma2": "GEMMA2", "gemma3": "GEMMA3", "gemma3_text": "GEMMA3", "falcon": "FALCON",
+              # mixtures of experts (llama.cpp converts Mixtral as a llama with experts)
+              "mixtral": "LLAMA", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "olmoe": "OLMOE"}
 # OPT has no llama.cpp arch: PowerInfer's gguf-py names (its tensor_mapping.py "# opt" lines), written out here
 _OPT = {"decoder.embed_tokens": "token_embd", "decoder.embed_positions": "position_embd",
         "decoder.final_layer_norm": "output_norm", "lm_head": "output"}
@@ -55,13 +59,34 @@ _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "mod
              ("language_model.lm_head.", "lm_head."))
 
 
+# Experts: llama.cpp stores each projection's experts as one tensor, (E, out, in) in torch order (its converter
+# stacks the per-expert ones): blk.N.ffn_{gate,up,down}_exps.weight, router blk.N.ffn_gate_inp.weight (E, d),
+# Qwen2-MoE's shared expert blk.N.ffn_{gate,up,down}_shexp.weight and its gate blk.N.ffn_gate_inp_shexp.weight (1, d).
+# HF files, what transformers 5's save_pretrained writes included, hold one tensor per expert
+# (mlp.experts.3.gate_proj.weight, Mixtral's block_sparse_moe.experts.3.w1.weight: stacked in expert order);
+# transformers 5's modules hold them stacked, gate and up fused (mlp.experts.gate_up_proj (E, 2 n, d): the gate's n
+# rows, then the up's; mlp.experts.down_proj (E, d, n)).
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")
+_GATE_UP = re.compile(r"(.+\.experts)\.gate_up_proj(?:\.weight)?")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where an HF tensor goes: the whole canonical tensor `name`; or its expert `expert` (a per-expert tensor, dim 0
+    of the stacked one); or its half `half` of dim 1 (0: gate, 1: up) of a fused (E, 2 n, d) gate_up_proj."""
+
+    name: str
+    expert: int | None = None
+    half: int | None = None
+
+
 def supported_model_types() -> tuple[str, ...]:
     return (*_TYPE_ARCH, "opt")
 
 
 class NameMap:
     """HF checkpoint names -> canonical names for one model type; `None` for tensors the decoder does not read
-    (rotary buffers, vision towers)."""
+    (rotary buffers, vision towers). Experts' tensors map to parts of canonical ones: `parts`, `tensors`."""
 
     def __init__(self, model_type: str, n_layers: int):
         import gguf
@@ -74,12 +99,55 @@ class NameMap:
             getattr(gguf.MODEL_ARCH, _TYPE_ARCH[model_type]), n_layers)
 
     def __call__(self, hf_name: str) -> str | None:
+        """The canonical name of a tensor that maps whole; None for the rest, experts' parts included (`parts`)."""
+        parts = self.parts(hf_name)
+        return parts[0].name if len(parts) == 1 and parts[0] == Part(parts[0].name) else None
+
+    def _name(self, hf_name: str) -> str | None:
         for old, new in _PREFIXES:
             if hf_name.startswith(old):
                 hf_name = new + hf_name[len(old):]
         if self._map is None:
             return _opt_name(hf_name)
-        return self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        return name + ".weight" if name is not None and name.endswith("_exps") else name  # a stacked down_proj
+
+    def parts(self, hf_name: str) -> list[Part]:
+        """Where the HF tensor goes: [] for none, one Part, or two (a fused gate_up_proj: gate, up)."""
+        m = _GATE_UP.fullmatch(hf_name)
+        if m:
+            names = [self._name(f"{m[1]}.{proj}.weight") for proj in ("gate_proj", "up_proj")]
+            return [Part(n, half=h) for h, n in enumerate(names) if n is not None]
+        m = _PER_EXPERT.fullmatch(hf_name)
+        name = self._name(f"{m[1]}.{m[3]}" if m else hf_name)
+        return [] if name is None else [Part(name, expert=int(m[2]) if m else None)]
+
+    def tensors(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """HF tensors (a state dict) under canonical names: per-expert ones stacked (E, out, in) in expert order (a
+        copy), a fused gate_up_proj split into two views; tensors with no canonical name left out."""
+        import torch
+
+        out, experts = {}, {}
+        for hf_name, t in state.items():
+            for part in self.parts(hf_name):
+                if part.expert is not None:
+                    experts.setdefault(part.name, {})[part.expert] = t
+                elif part.half is not None:
+                    out[part.name] = t.chunk(2, dim=1)[part.half]  # (E, n, d)
+                else:
+                    out[part.name] = t
+        for name, per in experts.items():
+            out[name] = torch.stack([per[e] for e in expert_order(name, per)])
+        return out
+
+
+def expert_order(name: str, per: Mapping[int, Any]) -> range:
+    """0..E-1, the experts a stacked tensor's parts must cover."""
+    if sorted(per) != list(range(len(per))):
+        missing = sorted(set(range(max(per) + 1)) - set(per))
+        raise ValueError(f"{name}: the file has no tensor of expert {missing[0]} of {max(per) + 1}: re-save the model "
+                         f"whole")
+    return range(len(per))
 
 
 def _opt_name(hf_name: str) -> str | None:

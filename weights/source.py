@@ -33,7 +33,8 @@ from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 class TensorInfo:
     """One canonical tensor: its shape in torch order and its stored format. `transposed`: stored as the transpose
     of the canonical weight (PowerInfer's ffn_down_t, (n_ff, d)); `converted`: get() makes a (small) copy to undo
-    the converter (none, "permuted rows", "norm shift", "regrouped qkv")."""
+    the converter (none, "permuted rows", "norm shift", "regrouped qkv"), or a copy of a file's per-expert tensors
+    ("stacked experts", not small: weights/safetensors_source.py)."""
 
     name: str
     shape: tuple[int, ...]
