@@ -219,6 +219,77 @@ def activation_metadata(w: Any, cfg: Any, activation: str | None = None) -> None
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Mixtures of experts
+
+# transformers model_type -> llama.cpp arch: convert_hf_to_gguf.py writes Mixtral as a llama with experts
+MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+
+
+def moe_tensors(state: Mapping[str, torch.Tensor], cfg: Any) -> list[Tensor]:
+    """llama.cpp's tensors of an HF mixture of experts (MOE_ARCH) under weights/names.py's canonical names, each
+    projection's experts stacked (E, out, in) (gguf writes ne [in, out, E]), as convert_hf_to_gguf.py writes them: Q/K
+    rows permuted for arch llama (Mixtral) only; 1-D tensors and routers F32, the rest F16; (1, d) gates as (d,)."""
+    from hotneurons.weights.names import NameMap
+
+    arch = MOE_ARCH[cfg.model_type]
+    canon = NameMap(cfg.model_type, cfg.num_hidden_layers).tensors(state)  # experts stacked (a copy), rest views
+    canon.setdefault("output.weight", canon["token_embd.weight"])  # tied: written again (the loader requires it)
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+
+    def value(name: str, t: torch.Tensor) -> torch.Tensor:  # run when the writer reaches the tensor
+        kind = name.split(".")[-2]
+        if arch == "llama" and kind in heads and name.endswith(".weight"):
+            return permute_qk(t, heads[kind])  # (rows, d) in llama.cpp's rope order
+        return t.reshape(-1) if kind == "ffn_gate_inp_shexp" else t  # (1, d) -> (d,)
+
+    out = []
+    for name, t in canon.items():
+        shape = (t.numel(),) if name.endswith("ffn_gate_inp_shexp.weight") else tuple(t.shape)
+        dt = np.dtype(np.float32 if len(shape) == 1 or ".ffn_gate_inp." in name else np.float16)
+        out.append(Tensor(name, shape, dt, lambda name=name, t=t, dt=dt: host(value(name, t), dt, name)))
+    return out
+
+
+def moe_metadata(w: Any, cfg: Any, name: str) -> None:
+    """llama_metadata's keys and the experts' as llama.cpp's converter writes them: expert_count, expert_used_count;
+    for the qwen archs expert_feed_forward_length (feed_forward_length stays the config's intermediate_size) and
+    Qwen2-MoE's expert_shared_feed_forward_length; OLMoE's clip_qkv as attention.clamp_kqv. expert_weights_norm
+    (renormalised top-k) too, outside Mixtral (always): llama.cpp fixes it per arch, our reader reads the key."""
+    from hotneurons.common.models import adapter_for
+
+    llama_metadata(w, cfg, name, activation=adapter_for(cfg, experts=True).activation(cfg))
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_expert_count(int(getattr(cfg, "num_local_experts", None) or cfg.num_experts))
+    w.add_expert_used_count(int(cfg.num_experts_per_tok))
+    if cfg.model_type == "mixtral":
+        return
+    w.add_expert_weights_norm(bool(getattr(cfg, "norm_topk_prob", False)))
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
+    if getattr(cfg, "clip_qkv", None):
+        w.add_clamp_kqv(float(cfg.clip_qkv))
+
+
+def write_moe_gguf(model: Any, path: Path, vocab: Vocab | None = None, name: str | None = None) -> dict[str, Any]:
+    """An HF mixture of experts (module) as an F16 GGUF in llama.cpp's layout (moe_tensors, moe_metadata)."""
+    cfg = model.config
+    if cfg.model_type not in MOE_ARCH:
+        raise ExportError(f"model type {cfg.model_type!r} is no mixture of experts this writer knows: one of "
+                          f"{', '.join(MOE_ARCH)}")
+
+    def metadata(w: Any) -> None:
+        moe_metadata(w, cfg, name or cfg.model_type)
+        if vocab is not None:
+            vocab.add_to(w)
+
+    return write_gguf(path, MOE_ARCH[cfg.model_type], metadata, moe_tensors(hf_state(model), cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Vocabulary
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types

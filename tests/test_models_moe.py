@@ -9,6 +9,7 @@ against a plain loop over tokens and experts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -223,3 +224,77 @@ def test_refusals_name_the_value():
         adapter_for(MixtralConfig(hidden_size=32, num_attention_heads=4))
     with pytest.raises(ValueError, match="has no experts"):
         moe.moe_ffn(lambda name: None, dataclasses.replace(_cfg(True, 0), n_experts=0), 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF files in llama.cpp's layout (export/gguf_model.write_moe_gguf), read back in place (weights/gguf_source.py)
+
+
+def _fp16_reference(hf, cfg):
+    """A copy of the HF model with the weights the GGUF holds: matrices rounded to fp16, routers and norms F32."""
+    rounded, names = copy.deepcopy(hf), NameMap(cfg.model_type, cfg.n_layers)
+    with torch.no_grad():
+        for hf_name, p in rounded.named_parameters():
+            if p.dim() >= 2 and not any(".ffn_gate_inp" in part.name for part in names.parts(hf_name)):
+                p.copy_(p.half().float())
+    return rounded
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_read_in_place_equals_hf(reference, family, tmp_path):
+    """The F16 GGUF of each family: its config reads back as the HF one's ModelConfig, its stacked experts as (E, out,
+    in) views of the file, and our decoder on its tensors gives HF's logits on the same fp16-rounded weights (float32
+    compute: the dense models' tolerance)."""
+    from hotneurons.export.gguf_model import MOE_ARCH, vocab_from_tokenizer, write_moe_gguf
+    from hotneurons.weights.gguf_source import GGUFSource
+
+    _, hf, cfg, _ = reference(family)
+    path = tmp_path / "m.gguf"
+    write_moe_gguf(hf, path, vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB))
+    tokens = prompt()
+    with torch.no_grad():
+        expected = _fp16_reference(hf, cfg)(tokens[None]).logits[0]
+    with GGUFSource(path) as src:
+        assert src.arch == MOE_ARCH[cfg.model_type]
+        got = ModelConfig.from_hf(src.config)  # the file keeps eps as float32
+        assert got.norm_eps == pytest.approx(cfg.norm_eps) and dataclasses.replace(got, norm_eps=cfg.norm_eps) == cfg
+        E, n, d = cfg.n_experts, cfg.n_ff_exp, cfg.d_model
+        for proj, shape in (("gate", (E, n, d)), ("up", (E, n, d)), ("down", (E, d, n))):
+            name = f"blk.1.ffn_{proj}_exps.weight"
+            t = src.get(name)
+            assert src.infos[name].shape == shape and t.dtype == torch.float16 and src.is_mapped(t), name
+        assert src.get("blk.0.ffn_gate_inp.weight").dtype == torch.float32  # routers F32, as llama.cpp's converter
+        if cfg.n_ff_shexp:  # stored (d,) as llama.cpp's converter squeezes it, served (1, d)
+            assert src.file.tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (d,)
+            assert src.get("blk.0.ffn_gate_inp_shexp.weight").shape == (1, d)
+        model, ffn = ours(cfg, src)
+        torch.testing.assert_close(model.forward(tokens, 0, ffn), expected, atol=1e-4, rtol=0)
+
+
+def test_gguf_block_format_experts_read_in_place(reference, tmp_path):
+    """Stacked experts in a block format (Q8_0 gate and up: rows of d = 32, one block each) come as QTensors of
+    (E * out, in) rows, views of the file; the decoder computes with their de-quantized values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from hotneurons.export.gguf_model import Tensor, hf_state, moe_metadata, moe_tensors, write_gguf
+    from hotneurons.weights.gguf_source import GGUFSource
+
+    _, hf, cfg, _ = reference("qwen2-moe")
+    q8, floats, tensors = GGMLQuantizationType.Q8_0, {}, []
+    for t in moe_tensors(hf_state(hf), hf.config):
+        if t.name.endswith(("gate_exps.weight", "up_exps.weight")):
+            blocks = np.ascontiguousarray(quantize(t.data().astype(np.float32), q8))  # (E, n, 34) uint8
+            floats[t.name] = torch.from_numpy(dequantize(blocks, q8).copy())  # (E, n, d)
+            t = Tensor(t.name, blocks.shape, np.dtype(np.uint8), lambda b=blocks: b, ggml_type=int(q8))
+        tensors.append(t)
+    write_gguf(tmp_path / "q.gguf", "qwen2moe", lambda w: moe_metadata(w, hf.config, "q8"), tensors)
+    tokens = prompt()
+    with GGUFSource(tmp_path / "q.gguf") as src:
+        E, n, d = cfg.n_experts, cfg.n_ff_exp, cfg.d_model
+        q = src.get("blk.0.ffn_up_exps.weight")
+        assert isinstance(q, QTensor) and q.shape == (E * n, d) and src.is_mapped(q)
+        assert src.infos["blk.0.ffn_up_exps.weight"].shape == (E, n, d)
+        model, ffn = ours(cfg, src)
+        ref_model, ref_ffn = ours(cfg, {k: floats.get(k, src.get(k)) for k in src.infos})
+        torch.testing.assert_close(model.forward(tokens, 0, ffn), ref_model.forward(tokens, 0, ref_ffn),
+                                   atol=1e-4, rtol=0)

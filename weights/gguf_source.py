@@ -185,7 +185,9 @@ class GGUFSource(WeightSource):
                 raise ModelError(f"'{path}', tensor {t.name}: an integer tensor in a model file (a .gpuidx file "
                                  f"named as the model?): name the model's .gguf", params="model")
             fmt = from_ggml_type(t.ggml_type)
-            self.infos[t.name] = TensorInfo(t.name, t.shape, fmt, t.nbytes, transposed=".ffn_down_t." in t.name,
+            # Qwen2-MoE's shared-expert gate: llama.cpp's converter squeezes it to (d,); canonical is HF's (1, d)
+            shape = (1, *t.shape) if t.name.endswith(".ffn_gate_inp_shexp.weight") and len(t.shape) == 1 else t.shape
+            self.infos[t.name] = TensorInfo(t.name, shape, fmt, t.nbytes, transposed=".ffn_down_t." in t.name,
                                             converted=self._conversion(t.name, len(t.shape)))
             self._spans[t.name] = Span(self.file.buf, t.offset, t.nbytes)
         self.activation, fat = self._activation()
@@ -297,6 +299,9 @@ class GGUFSource(WeightSource):
         head_dim = int(key("attention.key_length", d // heads))
         cfg = dict(common, num_key_value_heads=kv, head_dim=head_dim, intermediate_size=need("feed_forward_length"),
                    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)))
+        if self.arch in N.GGUF_MOE_TYPE and (self.arch != "llama" or key("expert_count")):  # experts (3-D, stacked)
+            mt = N.GGUF_MOE_TYPE[self.arch]
+            cfg.update(N.gguf_expert_config(self.arch, key, need))
         if mt in ("gemma2", "gemma3_text"):
             # llama.cpp's attention scale: 1/sqrt(head_dim), but hidden/heads for the 27B models (46 and 62 layers)
             big = cfg["num_hidden_layers"] == (46 if mt == "gemma2" else 62)

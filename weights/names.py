@@ -31,11 +31,17 @@ POWERINFER_ACTIVATION = {"llama": Activation.REGLU, "bamboo": Activation.DRELU, 
 # what llama.cpp computes per arch (a plain GGUF without our key)
 LLAMACPP_ACTIVATION = {"llama": Activation.SWIGLU, "qwen2": Activation.SWIGLU, "qwen3": Activation.SWIGLU,
                        "gemma": Activation.GEGLU, "gemma2": Activation.GEGLU, "gemma3": Activation.GEGLU,
-                       "falcon": Activation.GELU}
+                       "falcon": Activation.GELU, "qwen2moe": Activation.SWIGLU, "qwen3moe": Activation.SWIGLU,
+                       "olmoe": Activation.SWIGLU}
 
 # GGUF arch -> transformers model_type (bamboo, PowerInfer's dReLU Mistral, is LLaMA-shaped; opt is PowerInfer's)
 GGUF_MODEL_TYPE = {"llama": "llama", "bamboo": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-                   "gemma2": "gemma2", "gemma3": "gemma3_text", "falcon": "falcon", "opt": "opt"}
+                   "gemma2": "gemma2", "gemma3": "gemma3_text", "falcon": "falcon", "opt": "opt",
+                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# mixtures of experts: arch -> model_type where the file has {arch}.expert_count (Mixtral is a llama with experts)
+GGUF_MOE_TYPE = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# ... of which llama.cpp renormalises the top-k weights (its build_moe_ffn norm_w per arch), where no key says
+GGUF_MOE_NORM_TOPK = frozenset({"llama", "qwen3moe"})
 # llama.cpp's converter interleaves the rope halves of these archs' Q/K rows (PowerInfer's convert.py too)
 GGUF_PERMUTED_QK = frozenset({"llama", "bamboo"})
 # ... adds 1 to every `*norm.weight` of these (convert_hf_to_gguf.py, GemmaModel and its successors)
@@ -148,6 +154,25 @@ def expert_order(name: str, per: Mapping[int, Any]) -> range:
         raise ValueError(f"{name}: the file has no tensor of expert {missing[0]} of {max(per) + 1}: re-save the model "
                          f"whole")
     return range(len(per))
+
+
+def gguf_expert_config(arch: str, key: Any, need: Any) -> dict[str, Any]:
+    """The HF config fields of a GGUF mixture of experts from its `{arch}.*` keys (key(k, default), need(k)):
+    expert counts; the per-expert size (expert_feed_forward_length, else feed_forward_length: Mixtral, OLMoE);
+    top-k renormalisation (expert_weights_norm, else llama.cpp's per arch); Qwen2-MoE's shared expert (0: none, not
+    transformers' default); OLMoE's clip_qkv (attention.clamp_kqv)."""
+    out = {"num_local_experts" if arch == "llama" else "num_experts": need("expert_count"),
+           "num_experts_per_tok": need("expert_used_count")}
+    if arch == "llama":
+        return out  # Mixtral always renormalises
+    out["norm_topk_prob"] = bool(key("expert_weights_norm", arch in GGUF_MOE_NORM_TOPK))
+    if key("expert_feed_forward_length") is not None:
+        out["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length", 0))
+    if arch == "olmoe" and key("attention.clamp_kqv") is not None:
+        out["clip_qkv"] = float(key("attention.clamp_kqv"))
+    return out
 
 
 def _opt_name(hf_name: str) -> str | None:
