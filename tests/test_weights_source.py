@@ -15,7 +15,8 @@ from hotneurons.common.model_source import ModelError
 from hotneurons.common.models import adapter_for
 from hotneurons.export.gguf_model import llama_metadata, permute_qk, vocab_from_tokenizer
 from hotneurons.weights.formats import WeightFormat
-from hotneurons.weights.gguf_source import GGUFFile, GGUFSource
+from hotneurons.weights.gguf_file import GGUFFile
+from hotneurons.weights.gguf_source import GGUFSource
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.safetensors_source import SafetensorsSource
 from hotneurons.weights.source import open_source
