@@ -17,13 +17,13 @@ import pytest
 import torch
 from hotneurons.bench import tiny
 from hotneurons.common.kinds import Activation
-from hotneurons.models import ModelConfig, build_model, dense_ffn, moe
+from hotneurons.models import ModelConfig, build_model, moe
 from hotneurons.weights.names import NameMap
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.safetensors_source import SafetensorsSource
+from test_models import CTX, ours  # dense_ffn dispatches MoE configs to models/moe.py
 from transformers import AutoModelForCausalLM
 
-CTX = 48
 FAMILIES = [*tiny.MOE_FAMILIES, "olmoe-clip"]
 
 
@@ -61,12 +61,6 @@ def reference(tiny_model_dir, tmp_path_factory):
         return cache[family]
 
     return get
-
-
-def ours(cfg, weights):
-    model = build_model(cfg, weights.get, "cpu", torch.float32, CTX)
-    ffns = [dense_ffn(weights.get, cfg, i) for i in range(cfg.n_layers)]  # dispatches to models/moe.py
-    return model, lambda i, x: ffns[i](x)
 
 
 def prompt(n=12):
