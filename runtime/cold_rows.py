@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
 import torch
 from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
 from hotneurons.kernels.cold_q import cold_ffn_q
+from hotneurons.kernels.dequant import dequant_rows
 from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
 from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
@@ -163,19 +165,74 @@ class ColdRows:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.gate, self.up, self.down_t, self.b_up, self.scale) if a is not None)
 
-    def float32(self, rows: slice = slice(None), device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
-        """The weights rows `rows` stand for, float32 torch tensors on `device` (copies): gate, up, down_t, b_up.
-        Block rows cross to the device as stored and are widened there."""
+    def float32(self, rows: slice = slice(None), device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor | None]:
+        """The weights rows `rows` stand for, torch tensors on `device` (copies): gate, up, down_t (float32, or
+        `dtype` for block rows), b_up (float32). Block rows cross to the device as stored and are widened there."""
+        if self.fmt:
+            return self.widen(self.stored(rows, device), dtype)
+
         def wide(a: np.ndarray | None, s: np.ndarray) -> torch.Tensor | None:
             if a is None:
                 return None
             a, s = a[rows], s[rows]
-            if self.fmt:
-                return dequantize(torch.from_numpy(np.ascontiguousarray(a)).to(device), self.fmt, self.d)
             return (from_int8_groups(a, s, self.group) if a.dtype == np.int8 else from_bf16_bits(a)).to(device)
 
         return {"gate": wide(self.gate, self.scale[0]), "up": wide(self.up, self.scale[1]),
                 "down_t": wide(self.down_t, self.scale[2]), "b_up": torch.from_numpy(self.b_up[rows]).to(device)}
+
+    def stored(self, rows: slice, device: torch.device | str, non_blocking: bool = False) -> dict[str, Any]:
+        """Block rows `rows` as stored: uint8 tensors on `device` (gate, up, down_t; b_up float32). non_blocking: the
+        copies are queued on the current stream (asynchronous where the rows are page-locked: map_cold's)."""
+        def raw(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(a[rows]).to(device, non_blocking=non_blocking)
+
+        return {"gate": raw(self.gate), "up": raw(self.up), "down_t": raw(self.down_t),
+                "b_up": torch.from_numpy(self.b_up[rows]).to(device, non_blocking=non_blocking)}
+
+    def widen(self, raw: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor | None]:
+        """stored()'s blocks as `dtype` weights where they are (one pass each: kernels/dequant.dequant_rows)."""
+        return {k: v if v is None or k == "b_up" else dequant_rows(v, self.fmt, self.d, dtype) for k, v in raw.items()}
+
+
+def chunks(cold: ColdRows, step: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The rows `step` at a time as ColdRows.float32 gives them (prefill, oracle): never a float copy of them all.
+    float32, or `dtype` for block rows, which cross to the device as stored and are widened there. On CUDA the next
+    chunk's bytes cross on a side stream while this one is computed (the copies are a third of a 70B's prefill); the
+    host waits for chunk k - 2's compute before queuing copy k + 1, so that at most three chunks' bytes are in flight
+    (queued far ahead, the allocator cannot reuse their memory: gigabytes more)."""
+    n = cold.up.shape[0]
+    if device.type != "cuda" or not cold.fmt:
+        for s in range(0, n, step):
+            yield cold.float32(slice(s, s + step), device, dtype)
+        return
+    from hotneurons.runtime.cuda import side_stream
+
+    main, side = torch.cuda.current_stream(device), side_stream(device)
+    computed: list[torch.cuda.Event] = []  # recorded on the main stream after each chunk's compute
+
+    def fetch(s: int) -> tuple[dict[str, Any], torch.cuda.Event]:
+        side.wait_stream(main)  # the memory it may reuse is done with
+        with torch.cuda.stream(side):
+            raw = cold.stored(slice(s, s + step), device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(side)
+        return raw, copied
+
+    nxt = fetch(0)
+    for k, s in enumerate(range(0, n, step)):
+        raw, copied = nxt
+        if s + step < n:
+            if k >= 2:
+                computed[k - 2].synchronize()
+            nxt = fetch(s + step)
+        main.wait_event(copied)
+        for t in raw.values():
+            if t is not None:
+                t.record_stream(main)  # made on the side stream, read on the main one
+        yield cold.widen(raw, dtype)
+        computed.append(torch.cuda.Event())
+        computed[-1].record(main)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for copies that overlap the main stream's work (made once: a stream per call
+    would leave the allocator's cross-stream bookkeeping with ever new streams)."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
 
 def warm_up(device: torch.device, fn: Callable[[], Any], times: int = 2) -> None:
     """Run `fn` on a side stream and wait for it: what CUDA-graph capture needs first (lazy inits, autotuning)."""

@@ -31,7 +31,7 @@ from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, neuron_values, predict
 from hotneurons.kernels.qlinear import linear
-from hotneurons.runtime.cold_rows import ffn_rows, ffn_rows_mapped, map_rows
+from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.ffn_weights import (
     FFNWeights,
@@ -46,7 +46,7 @@ from hotneurons.runtime.host_io import HostIO
 from hotneurons.weights.formats import spec, weight_format
 from torch import nn
 
-COLD_CHUNK = 4096  # cold rows widened to float32 at a time in dense prefill (bounds the temporary memory)
+COLD_CHUNK = 4096  # cold rows widened at a time in dense prefill (bounds the temporary memory)
 
 
 @dataclass(frozen=True)
@@ -156,11 +156,9 @@ class HybridFFN(nn.Module):
             c[1:] += torch.stack([fired.sum(), fired[self.n_cold:].sum(), fired[:self.n_cold].sum()]).cpu().numpy()
         return c
 
-    def _cold_chunks(self, device: torch.device):
-        """The cold rows as float32 on `device`, COLD_CHUNK rows at a time (prefill, oracle): never a float copy of
-        them all (on CUDA each chunk's stored bytes cross PCIe and are widened there)."""
-        for s in range(0, self.n_cold, COLD_CHUNK):
-            yield self.cold.float32(slice(s, s + COLD_CHUNK), device)
+    def _cold_chunks(self, device: torch.device, dtype: torch.dtype = torch.float32):
+        """The cold rows on `device`, COLD_CHUNK rows at a time (prefill, oracle): never a float copy of them all."""
+        return chunks(self.cold, COLD_CHUNK, device, dtype)
 
     def host_io(self, device: torch.device) -> HostIO:
         """The host buffers (HostIO) and the firing counts, made once, before any graph that uses them is captured."""
@@ -259,8 +257,8 @@ class HybridFFN(nn.Module):
         dtype = x.dtype if x.device.type == "cuda" else torch.float32
         xc = x.detach().to(dtype)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (tokens, d)
-        for w in self._cold_chunks(xc.device):
-            w = {k: None if v is None else v.to(dtype) for k, v in w.items()}
+        for w in self._cold_chunks(xc.device, dtype):
+            w = {k: None if v is None else v.to(dtype) for k, v in w.items()}  # b_up, float rows: float32
             y += ffn_rows_torch(self.activation, xc, w["gate"], w["up"], w["b_up"], w["down_t"])
         return y
 
