@@ -126,11 +126,16 @@ def ours_child(a) -> None:
     short = ids[:PROMPT_SHORT]
     import torch
 
-    def gpu_mem() -> dict:  # torch's own figures beside the driver's: what the tensors hold, what it keeps cached
+    def gpu_mem() -> dict:  # torch's own figures beside the driver's: what the tensors hold, what it keeps cached;
+        # and the process's resident host memory at that point (where a peak comes from)
+        with open("/proc/self/status") as f:
+            host = {k: int(v.split()[0]) << 10 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("RssAnon", "RssFile", "RssShmem")}
         if a.device != "cuda":
-            return {}
+            return {"host": host}
         return {"allocated": torch.cuda.memory_allocated(), "max_allocated": torch.cuda.max_memory_allocated(),
-                "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved()}
+                "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved(),
+                "host": host}
 
     mem = {"loaded": gpu_mem()}
     first = generate(rt, short, 1, stop_at_eos=False)
@@ -142,6 +147,7 @@ def ours_child(a) -> None:
     from hotneurons.runtime.balance import TUNING_TOKENS
 
     rows["tuning"] = generate(rt, short, TUNING_TOKENS + 8, stop_at_eos=False).stats
+    mem["tuned"] = gpu_mem()
     for n in (32, 256):
         rows[f"decode_{n}"] = generate(rt, short, n, stop_at_eos=False).stats
     mem["decode"] = gpu_mem()
