@@ -110,6 +110,7 @@ def stage_ours(a) -> dict:
     child = json.loads((a.work / "ours-child.json").read_text())
     return {**child, "load_to_first_token_s": res["first_output_s"], "host_peak_rss_bytes": res["peak_rss_bytes"],
             "host_peak_anon_bytes": res["peak_anon_bytes"], "gpu_peak_bytes": res["gpu_peak_bytes"],
+            "host_hwm_bytes": res["hwm_bytes"],  # the largest process's own peak
             "gguf_bytes": (a.work / "model.gguf").stat().st_size}
 
 
