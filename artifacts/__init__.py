@@ -3,7 +3,8 @@
 - `RUN/profile/` (pi-profile): `neurons.parquet`, `meta.json` (`ProfileMeta`), `samples/`: artifacts/profile.py
   (`read_profile`, `check_profile`).
 - `RUN/placement/` (pi-solve): `placement.parquet`, `meta.json` (`PlacementMeta`), `summary.json`
-  (`PlacementSummary`): artifacts/placement.py (`read_placement` and `Placement`, the mask the runtime loads).
+  (`PlacementSummary`): artifacts/placement.py (`read_placement` and `Placement`, the mask the runtime loads); a
+  mixture of experts' `experts.parquet`: artifacts/experts.py (`read_expert_placement`, `ExpertPlacement`).
 - `RUN/predictors/` (pi-train-predictors): `predictors.safetensors`, `meta.json` (`PredictorsMeta`), `summary.json`
   (`PredictorsSummary`): artifacts/predictors.py.
 - the eval report `RUN/eval/eval.json` (pi-eval, `EvalReport`): artifacts/predictors.py too (its modes are the

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 from hotneurons.common.artifacts import ArtifactError, JsonFile, Section, StageMeta, check_same_model
 from hotneurons.common.kinds import Kind
+from hotneurons.common.schema import optional
 
 
 class Objective(Kind):
@@ -54,6 +55,9 @@ class PlacementMeta(StageMeta):
     model: dict[str, Any]
     hardware: dict[str, Any] | None = None  # common/hardware.HardwareSpec fields
     flags: PlacementFlags | None = None
+    # a mixture of experts: the profile's `experts` section (n_experts, n_experts_used, n_ff_exp, n_ff_shexp,
+    # norm_topk) and `mode` ("whole experts" | "neuron groups"); the placement is experts.parquet (artifacts/experts.py)
+    experts: dict[str, Any] | None = optional()
 
 
 @dataclass(kw_only=True)
@@ -108,6 +112,44 @@ class LayerPlacement(Section):
 
 
 @dataclass(kw_only=True)
+class ExpertLayer(Section):
+    """One layer of a mixture of experts' placement (cost-model figures per token)."""
+
+    layer: int
+    gpu_experts: int  # experts wholly on the GPU
+    partial_experts: int  # experts with some (not all) neuron groups on the GPU
+    gpu_neurons: int  # expert neurons on the GPU, whole experts included
+    gpu_share_routed: float  # expected share of the layer's routed expert work done on the GPU
+    gpu_bytes: int
+    cpu_bytes: int
+    expected_ms: float  # fixed + sync + max(gpu, cpu)
+    gpu_ms: float
+    cpu_ms: float
+    sync_ms: float
+
+
+@dataclass(kw_only=True)
+class ExpertsSummary(Section):
+    """summary.json `experts`: what pi-solve placed in a mixture of experts, and the baselines beside it."""
+
+    n_experts: int
+    n_experts_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    mode: str  # "whole experts" | "neuron groups" (prefixes of hottest neurons inside ReLU-family experts)
+    expert_bytes: list[int]  # (layers,) bytes of one expert on the GPU, in its format
+    cold_expert_bytes: list[int]  # (layers,) bytes of one expert as the CPU reads it
+    weights_source: str  # where the bytes came from: the GGUF header, or the format assumed
+    gpu_share_routed: float  # mean over layers of the expected share of routed expert work done on the GPU
+    gpu_experts_per_layer: list[int]  # (layers,) experts wholly on the GPU
+    pcie_bytes_per_token: int  # what crosses PCIe per token and layer with a cold routed expert (no weights)
+    # n_cpu_moe: {n, gpu_share_routed, expected_latency_ms, gpu_expert_bytes, fits}; uniform: {gpu_experts_per_layer,
+    # expected_share, gpu_share_routed, ...}: placements made without the solver, under the same cost model
+    baselines: dict[str, dict[str, Any]]
+    layers: list[ExpertLayer]
+
+
+@dataclass(kw_only=True)
 class PlacementSummary(JsonFile):
     """placement/summary.json: budget, bytes per device, the expected GPU share of activations, per layer GPU
     neurons, solver status, objective, gap and seconds. Figures of the cost model, not measurements."""
@@ -128,6 +170,7 @@ class PlacementSummary(JsonFile):
     hardware: dict[str, Any]  # HardwareSpec fields, effective_cpu_bw, notes
     flags: PlacementFlags
     seconds_total: float | None = None
+    experts: ExpertsSummary | None = optional()  # a mixture of experts (then `layers` is empty)
 
 
 @dataclass(frozen=True)
@@ -168,6 +211,9 @@ def read_placement(run_dir: str | os.PathLike, model_info: dict, n_layers: int |
         raise ArtifactError(f"no placement in {pdir}: run pi-solve on {run_dir} first")
     meta = PlacementMeta.load(pdir / "meta.json")
     check_same_model(meta, {"model": model_info}, f"placement {pdir}", "the model")
+    if meta.experts is not None:
+        raise ArtifactError(f"{pdir} places a mixture of experts: read it with "
+                            f"hotneurons.artifacts.experts.read_expert_placement")
     import pandas as pd
 
     df = pd.read_parquet(table, columns=["layer", "neuron", "gpu"])

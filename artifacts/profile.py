@@ -2,7 +2,9 @@
 
 `neurons.parquet`: layer, neuron, count (how many of `meta.tokens` tokens activated the neuron); `meta.json`:
 `ProfileMeta`; `samples/layer_XXX.{x,mask,rms}.npy`: the predictors' training rows (`ProfileSamples` says what
-each holds). docs/artifacts.md lists every key.
+each holds). A mixture of experts (`meta.experts` set) adds `experts.parquet` (layer, expert, count, weight_sum: how
+often the router picked each expert) and an `expert` column to neurons.parquet (counts among the tokens routed to
+that expert; -1: the shared expert), and has no samples. docs/artifacts.md lists every key.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ class ProfileSamples(Section):
     x: str = ""  # what samples/layer_XXX.x.npy holds
     mask: str = ""  # what samples/layer_XXX.mask.npy holds
     rms: str | None = optional()  # what samples/layer_XXX.rms.npy holds (models with a pre-FFN RMSNorm)
+
+
+@dataclass(kw_only=True)
+class ExpertsMeta(Section):
+    """A mixture of experts' shape, as profiled (models/config.ModelConfig's fields of the same names)."""
+
+    n_experts: int  # routed experts per layer
+    n_experts_used: int  # top-k: experts each token runs
+    n_ff_exp: int  # neurons per routed expert
+    n_ff_shexp: int = 0  # neurons of the shared expert every token also runs (Qwen2-MoE; expert -1); 0: none
+    norm_topk: bool = False  # the top-k routing weights renormalised to sum 1
 
 
 @dataclass(kw_only=True)
@@ -53,6 +66,7 @@ class ProfileMeta(StageMeta):
     tokens_per_second: float | None = None
     world_size: int = 1
     device: str | None = None
+    experts: ExpertsMeta | None = optional()  # mixtures of experts only (experts.parquet, neurons' expert column)
 
     @property
     def layer_taus(self) -> list[float] | None:
@@ -64,22 +78,51 @@ class ProfileMeta(StageMeta):
         return self.samples.count if self.samples is not None else 0
 
 
-def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, ProfileMeta]:
-    """Load `RUN/profile/neurons.parquet` (layer, neuron, count) and `RUN/profile/meta.json`."""
+NEURONS = ("layer", "neuron", "count")
+EXPERT_NEURONS = ("layer", "expert", "neuron", "count")  # a mixture of experts' neurons.parquet
+EXPERTS = ("layer", "expert", "count", "weight_sum")
+
+
+def _paths(run_dir: str | os.PathLike) -> tuple[Path, Path, ProfileMeta]:
+    """(neurons.parquet, experts.parquet, meta) of RUN/profile, refusing a missing one in one line."""
     pdir = Path(run_dir) / "profile"
     meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
     if not meta_path.exists() or not table.exists():
         raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
     meta = ProfileMeta.load(meta_path)
-    return read_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}"), meta
+    experts = pdir / "experts.parquet"
+    if meta.experts is not None and not experts.exists():
+        raise ArtifactError(f"{pdir} profiles a mixture of experts but lacks experts.parquet: re-run "
+                            f"pi-profile --out {run_dir}")
+    return table, experts, meta
+
+
+def read_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, ProfileMeta]:
+    """Load `RUN/profile/neurons.parquet` (layer, neuron, count) and `RUN/profile/meta.json`. A mixture of experts'
+    table comes with its `expert` column (several rows per (layer, neuron)): callers that assume one row each check
+    `meta.experts`, or read it with read_expert_profile."""
+    table, _, meta = _paths(run_dir)
+    columns = NEURONS if meta.experts is None else EXPERT_NEURONS
+    return read_table(table, columns, f"pi-profile --out {run_dir}"), meta
+
+
+def read_expert_profile(run_dir: str | os.PathLike) -> tuple[pd.DataFrame, pd.DataFrame, ProfileMeta]:
+    """A mixture of experts' profile: (experts.parquet (layer, expert, count, weight_sum), neurons.parquet (layer,
+    expert, neuron, count), meta.json); a dense model's is refused in one line."""
+    table, experts, meta = _paths(run_dir)
+    if meta.experts is None:
+        raise ArtifactError(f"{Path(run_dir) / 'profile'} profiles {meta.model.get('name')}, a dense model (no "
+                            f"experts): read it with read_profile, or profile a mixture of experts")
+    fix = f"pi-profile --out {run_dir}"
+    return (read_table(experts, EXPERTS, fix), read_table(table, EXPERT_NEURONS, fix), meta)
 
 
 def check_profile(run_dir: str | os.PathLike) -> ProfileMeta:
-    """RUN/profile/meta.json, after checking that neurons.parquet is a readable table (its footer only)."""
-    pdir = Path(run_dir) / "profile"
-    meta_path, table = pdir / "meta.json", pdir / "neurons.parquet"
-    if not meta_path.exists() or not table.exists():
-        raise ArtifactError(f"no profile in {pdir}: run `pi-profile --out {run_dir}` first")
-    meta = ProfileMeta.load(meta_path)
-    check_table(table, ("layer", "neuron", "count"), f"pi-profile --out {run_dir}")
+    """RUN/profile/meta.json, after checking that neurons.parquet (and a mixture of experts' experts.parquet) is a
+    readable table (its footer only)."""
+    table, experts, meta = _paths(run_dir)
+    fix = f"pi-profile --out {run_dir}"
+    check_table(table, NEURONS if meta.experts is None else EXPERT_NEURONS, fix)
+    if meta.experts is not None:
+        check_table(experts, EXPERTS, fix)
     return meta

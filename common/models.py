@@ -72,7 +72,7 @@ class FamilyAdapter:
     def layer_ffn(self, layer: nn.Module) -> dict[str, nn.Linear]:
         """{"up", "down", "gate"?} -> the nn.Linear modules of one decoder layer's FFN."""
         if self.experts:
-            raise ModelError(_MOE_REFUSAL.format("its layers are mixtures of experts"), params="model")
+            raise ExpertsRefused(_MOE_REFUSAL.format("its layers are mixtures of experts"), params="model")
         mlp = layer.get_submodule(self.mlp) if self.mlp else layer
         mods = {"up": mlp.get_submodule(self.up), "down": mlp.get_submodule(self.down)}
         if self.gate:
@@ -100,6 +100,10 @@ _MOE_REFUSAL = ("{}: only the decoder definitions (hotneurons.models) run mixtur
                 "placement and the runtime need one dense FFN per layer: use a dense model")
 
 
+class ExpertsRefused(ModelError):
+    """A mixture of experts where the caller did not ask for one (adapter_for's `experts`)."""
+
+
 def supported_model_types() -> list[str]:
     return sorted(t for a in ADAPTERS.values() for t in a.model_types)
 
@@ -113,7 +117,8 @@ def adapter_for(config: Any, experts: bool = False) -> FamilyAdapter:
     if model_type in MOE_ADAPTER.model_types:
         if experts:
             return MOE_ADAPTER
-        raise ModelError(_MOE_REFUSAL.format(f"model type '{model_type}' is a mixture of experts"), params="model")
+        raise ExpertsRefused(_MOE_REFUSAL.format(f"model type '{model_type}' is a mixture of experts"),
+                             params="model")
     raise ValueError(f"unsupported architecture '{model_type}': supported model types are "
                      f"{', '.join(supported_model_types())}")
 
@@ -156,10 +161,11 @@ def _load_errors_in_one_line(load):
 
 
 def check_model(model: str | None, gguf_file: str | None = None, *, revision: str | None = None,
-                trust_remote_code: bool = False, activation: str | None = None) -> ModelSource:
+                trust_remote_code: bool = False, activation: str | None = None, experts: bool = False) -> ModelSource:
     """What `load_model` would refuse, found before any weights load: the source exists (a GGUF file starts with
     the GGUF magic), a hub id is in the local cache or the hub answers, and the architecture and activation are
-    supported. Reads only the config (not a GGUF's: that would read its tensors' table)."""
+    supported (a mixture of experts only with `experts`: pi-profile's layer-by-layer path). Reads only the config
+    (not a GGUF's: that would read its tensors' table)."""
     source = resolve_source(model, gguf_file, revision)
     if source.gguf_file:
         path = os.path.join(source.path, source.gguf_file)
@@ -176,7 +182,7 @@ def check_model(model: str | None, gguf_file: str | None = None, *, revision: st
         if isinstance(e, ModelError):
             raise
         raise load_error(source.name, e) from None
-    adapter = adapter_for(text_config(config))
+    adapter = adapter_for(text_config(config), experts)
     adapter.activation(text_config(config), activation)
     return source
 

@@ -56,7 +56,8 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
          layer_by_layer, seed, trust_remote_code, as_json, quiet) -> None:
     """Count which FFN neurons fire on a corpus; store predictor training samples.
 
-    Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/.
+    Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/. A mixture of experts (layer by
+    layer only): experts.parquet (layer, expert, count, weight_sum), neurons.parquet with an expert column, no samples.
     Under torchrun (`torchrun --nproc-per-node N -m hotneurons.profiler ...`) ranks share the corpus and
     the counts are all-reduced.
     """
@@ -105,6 +106,11 @@ def format_summary(meta: ProfileMeta) -> str:
              f"neurons) on {meta.dataset}",
              f"tokens: {meta.tokens:,} in {meta.seconds:.1f} s ({meta.tokens_per_second:,} tok/s)   "
              f"rule: {meta.rule}" + (f" (target sparsity {meta.target_sparsity})" if meta.taus else "")]
+    if meta.experts is not None:  # docs/profiler.md, "Mixtures of experts"
+        e = meta.experts
+        lines.append(f"experts: {e.n_experts} per layer, {e.n_experts_used} per token, {e.n_ff_exp} neurons each"
+                     + (f", a shared expert of {e.n_ff_shexp}" if e.n_ff_shexp else "")
+                     + "; sparsity over routed (token, expert) pairs, no samples (the router picks the experts)")
     if meta.corpus_exhausted:
         lines.append(f"note: the corpus held fewer tokens than --tokens {meta.tokens_requested:,}; used them all")
     lines.append(f"mean FFN sparsity {meta.mean_sparsity:.3f}; samples per layer: {meta.sample_count:,}")

@@ -281,6 +281,10 @@ class ActivationCounter(StageHooks):
         self.pre_norms = sample_norms(lm) if reservoir is not None and reservoir.rms is not None else None
         self._rms: dict[int, torch.Tensor] = {}  # layer -> (rows,) r of the kept rows, from the norm's input
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps and torchrun all-reduces."""
+        return {"counts": self.counts}
+
     def on_pre_norm(self, i: int, x_pre: torch.Tensor) -> None:
         if self.pre_norms is not None and self.wants_x():
             self._rms[i] = self.pre_norms[i].divisor(x_pre.reshape(-1, x_pre.shape[-1])[self.reservoir.pos])  # (rows,)

@@ -9,7 +9,8 @@ Under `torchrun` each rank profiles every world_size-th batch and the counts are
 
 A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
 on the device at a time, for models bigger than it), a hub id whole through transformers; both feed the same hooks
-(profiler/hooks.py) and write the same artifacts. Under torchrun either way shards by batches.
+(profiler/hooks.py) and write the same artifacts. Under torchrun either way shards by batches. A mixture of experts runs
+layer by layer only and is counted per expert (profiler/experts.py): experts.parquet, an expert column, no samples.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, toke
 from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.kinds import Rule
 from hotneurons.common.model_source import ModelError, resolve_source
-from hotneurons.common.models import LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.common.models import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.profiler import experts
+from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms
 from hotneurons.profiler.stream_memory import check_memory, profile_need
 from hotneurons.profiler.streamed import StreamedModel, open_streamed, streams
@@ -82,7 +85,8 @@ def calibrate_taus(lm: LoadedModel | StreamedModel, cfg: ProfileConfig) -> list[
     """tau_l so that cfg.target_sparsity of (token, neuron) pairs in layer l fall at or below it."""
     batches = token_batches(lm.tokenizer, iter_texts(cfg.dataset, cfg.text_column), cfg.seq_len,
                             cfg.batch_size, cfg.calibration_tokens)
-    with MagnitudeCollector(lm, seed=cfg.seed) as col:
+    collector = experts.ExpertMagnitudes if isinstance(lm, ExpertsModel) else MagnitudeCollector
+    with collector(lm, seed=cfg.seed) as col:
         for ids in batches:
             forward(lm, ids)
     if not col.values[0]:
@@ -133,9 +137,13 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     finished = False
     try:
         if lm is None:
-            check_model(cfg.model, cfg.gguf_file, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                        activation=cfg.activation)
-            lm = _load(cfg, name, device, layer_by_layer, world, say)
+            streamed = streams(cfg.model, cfg.gguf_file, layer_by_layer)
+            try:  # mixtures of experts: on the streamed path only
+                check_model(cfg.model, cfg.gguf_file, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                            activation=cfg.activation, experts=streamed)
+                lm = _load(cfg, name, device, layer_by_layer, world, say)
+            except ExpertsRefused:
+                raise experts.whole_model_refusal(name, cfg.model, cfg.gguf_file) from None
         _check_existing(final, lm.info, force)
         _barrier(world)  # every rank has checked before rank 0 creates the partial folder
         with contextlib.ExitStack() as writing:  # holds a deferred interrupt from the final write until the swap
@@ -162,15 +170,16 @@ def _load(cfg: ProfileConfig, name: str, device: str, layer_by_layer: bool | Non
     if streams(cfg.model, cfg.gguf_file, layer_by_layer):
         try:
             sm = open_streamed(cfg.model, cfg.gguf_file, activation=cfg.activation, device=device,
-                               dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len)
+                               dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len, experts=True)
         except ValueError as e:  # an architecture feature our definitions lack: transformers runs it
             if isinstance(e, ModelError) or layer_by_layer:
                 raise
             say(f"{e}; profiling the whole model through transformers")
         else:
             calibrate = activation_rule(sm.activation) == Rule.ABS_TAU
-            check_memory(profile_need(sm, cfg.batch_size, cfg.seq_len, -(-cfg.samples_per_layer // world),
-                                      cfg.calibration_tokens, calibrate), device, "pi-profile")
+            need = experts.experts_need if isinstance(sm, ExpertsModel) else profile_need
+            check_memory(need(sm, cfg.batch_size, cfg.seq_len, -(-cfg.samples_per_layer // world),
+                              cfg.calibration_tokens, calibrate), device, "pi-profile")
             say(f"loading {name} layer by layer, as it runs")
             return sm
     say(f"loading {name}")
@@ -205,16 +214,17 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     if rank == 0:
         artifacts.write_json(partial / "state.json", shared)
 
-    info = lm.info
-    capacity = cfg.samples_per_layer // world + (rank < cfg.samples_per_layer % world)  # this rank's share
+    info, moe = lm.info, isinstance(lm, ExpertsModel)  # a mixture of experts keeps no samples: its router predicts
+    capacity = 0 if moe else cfg.samples_per_layer // world + (rank < cfg.samples_per_layer % world)  # rank's share
     reservoir = None
     if capacity > 0:
         reservoir = SampleReservoir(partial / ("samples" if world == 1 else f"samples.rank{rank}"), capacity,
                                     info["n_layers"], info["d_model"], info["n_neurons"], cfg.seed, rank,
                                     resume=state["batches"] > 0, rms=sample_norms(lm) is not None)
-    counter = ActivationCounter(lm, taus, reservoir)
+    counter = experts.ExpertCounter(lm, taus) if moe else ActivationCounter(lm, taus, reservoir)
     if state["batches"] > 0:
-        counter.counts.copy_(load_file(str(ckpt))["counts"])
+        for k, t in load_file(str(ckpt)).items():
+            counter.tensors()[k].copy_(t)
 
     batches = token_batches(lm.tokenizer, iter_texts(cfg.dataset, cfg.text_column), cfg.seq_len, cfg.batch_size,
                             cfg.tokens)
@@ -246,14 +256,14 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     bar.close()
     seconds = seconds0 + time.perf_counter() - start
 
-    counts = counter.counts
-    tokens = torch.tensor([state["tokens"]], dtype=torch.int64, device=counts.device)
-    filled = [torch.tensor([min(state["tokens"], capacity)], dtype=torch.int64, device=counts.device)]
+    dev = counter.counts.device
+    tokens = torch.tensor([state["tokens"]], dtype=torch.int64, device=dev)
+    filled = [torch.tensor([min(state["tokens"], capacity)], dtype=torch.int64, device=dev)]
     if world > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(counts)
-        dist.all_reduce(tokens)
+        for t in (*counter.tensors().values(), tokens):
+            dist.all_reduce(t)
         mine_filled, filled = filled[0], [torch.zeros_like(filled[0]) for _ in range(world)]
         dist.all_gather(filled, mine_filled)
     writing.enter_context(deferred_interrupt())  # from here to the swap, Ctrl-C waits: the profile is complete
@@ -263,8 +273,8 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     _barrier(world)
     if rank != 0:
         return None
-    return _finalize(partial, lm, cfg, counts.cpu().numpy(), int(tokens), taus, seconds, world,
-                     [int(f) for f in filled], capacity, stream_tokens < cfg.tokens)
+    return _finalize(partial, lm, cfg, {k: t.cpu().numpy() for k, t in counter.tensors().items()}, int(tokens), taus,
+                     seconds, world, [int(f) for f in filled], capacity, stream_tokens < cfg.tokens)
 
 
 def _barrier(world: int) -> None:
@@ -312,24 +322,29 @@ def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reserv
     with deferred_interrupt():  # Ctrl-C waits: counts newer than the state file would be counted twice on resume
         if reservoir is not None:
             reservoir.flush()
-        artifacts.atomic_write_bytes(ckpt, save({"counts": counter.counts.cpu().contiguous()}))
+        artifacts.atomic_write_bytes(ckpt, save({k: t.cpu().contiguous() for k, t in counter.tensors().items()}))
         artifacts.write_json(rank_state, state)
 
 
-def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig, counts: np.ndarray, tokens: int,
-              taus: list[float] | None, seconds: float, world: int, filled: list[int], capacity: int,
+def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig, tables: dict[str, np.ndarray],
+              tokens: int, taus: list[float] | None, seconds: float, world: int, filled: list[int], capacity: int,
               short: bool) -> ProfileMeta:
-    """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in)."""
-    n_layers, n_neurons = counts.shape
-    samples = sum(filled) if cfg.samples_per_layer > 0 else 0
-    rms = cfg.samples_per_layer > 0 and sample_norms(lm) is not None
-    if cfg.samples_per_layer > 0:
-        _merge_samples(partial, n_layers, filled, capacity, world, rms)
-    layer = np.repeat(np.arange(n_layers, dtype=np.int32), n_neurons)
-    neuron = np.tile(np.arange(n_neurons, dtype=np.int32), n_layers)
-    df = pd.DataFrame({"layer": layer, "neuron": neuron, "count": counts.reshape(-1).astype(np.int64)})
-    artifacts.write_parquet(partial / "neurons.parquet", df)
-    sparsity = 1.0 - counts.sum(1) / max(1, tokens * n_neurons)
+    """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in). The
+    summary of a mixture of experts is over its routed (token, expert) pairs, k per token, and all experts' neurons."""
+    moe, n_neurons = isinstance(lm, ExpertsModel), lm.info["n_neurons"]
+    keep = cfg.samples_per_layer > 0 and not moe
+    rms = keep and sample_norms(lm) is not None
+    if moe:
+        counts, pairs = experts.write_tables(partial, lm.cfg, tables), tokens * lm.cfg.n_experts_used  # (L, E * n)
+    else:
+        counts, pairs = tables["counts"], tokens  # (L, n)
+        df = pd.DataFrame({"layer": np.repeat(np.arange(len(counts), dtype=np.int32), n_neurons),
+                           "neuron": np.tile(np.arange(n_neurons, dtype=np.int32), len(counts)),
+                           "count": counts.reshape(-1).astype(np.int64)})
+        artifacts.write_parquet(partial / "neurons.parquet", df)
+    if keep:
+        _merge_samples(partial, counts.shape[0], filled, capacity, world, rms)
+    sparsity = 1.0 - counts.sum(1) / max(1, pairs * n_neurons)
     meta = ProfileMeta(
         inputs={"dataset": cfg.dataset},
         model=lm.info,
@@ -345,8 +360,8 @@ def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig
         sparsity_per_layer=sparsity.round(6).tolist(),
         mean_sparsity=float(sparsity.mean()),
         share_covering_80pct_per_layer=share_covering(counts, 0.8).round(6).tolist(),
-        samples=ProfileSamples(
-            count=samples,
+        samples=None if moe else ProfileSamples(
+            count=sum(filled) if keep else 0,
             x="samples/layer_{i:03d}.x.npy: float16 (count, d_model): input of the FFN's first linear "
               "layers (after the pre-FFN norm)",
             mask="samples/layer_{i:03d}.mask.npy: uint8 (count, ceil(n_neurons/8)): np.packbits of the "
@@ -356,6 +371,7 @@ def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig
         tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
         world_size=world,
         device=str(device_of(lm)),
+        experts=experts.experts_meta(lm.cfg) if moe else None,
     )
     meta.save(partial / "meta.json")
     for name in os.listdir(partial):

@@ -11,7 +11,9 @@ cache overwritten by each); the FFN computes the neuron values h (B, T, n), whic
 hooks: profiler/hooks.StageHooks) see and may replace exactly as the transformers path's forward hooks do; then the
 down projection; then the layer is dropped and its pages of the file released (source.release), since the next batch
 reads them again from the page cache. One layer's weights on the device at a time, the batch's activations beside
-them. What the stages need of memory, checked before anything loads: profiler/stream_memory.py.
+them. What the stages need of memory, checked before anything loads: profiler/stream_memory.py. A mixture of experts
+(pi-profile only: open_streamed(experts=True)) is profiler/experts.ExpertsModel, whose run_ffn routes the tokens and
+runs each expert on its own.
 """
 
 from __future__ import annotations
@@ -201,23 +203,28 @@ class StreamedModel:
         h = torch.stack([dec.embed(ids[b], 0) for b in range(B)])  # (B, T, d)
         for i in self.layers:
             dec.load_layer(i)
-            w = self.ffn(i)
             # batch 1 in the decoder: each sequence at positions 0..T-1, overwriting the one-layer cache
             h2, x = (torch.stack(t) for t in zip(*(dec.attention(i, h[b], 0) for b in range(B))))  # (B, T, d) each
             if norms:  # h2 is the residual entering the pre-FFN RMSNorm (x = norm(h2))
                 for c in self.consumers:
                     c.on_pre_norm(i, h2)
-            v = w.values(self.cfg, x)  # (B, T, n)
-            for c in self.consumers:  # in order, each seeing what the one before returned, as chained hooks do
-                out = c.on_ffn(i, v, x if c.wants_x() else None)
-                v = v if out is None else out
-            h = dec.after_ffn(i, h2, w.project(v))  # (B, T, d)
+            h = dec.after_ffn(i, h2, self.run_ffn(i, x))  # (B, T, d)
             for c in self.consumers:
                 c.end_layer(i)
-            del w, h2, x, v
+            del h2, x
             dec.drop_layer(i)
             self.release_ffn(i)
         return h
+
+    def run_ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's FFN on x (B, T, d) -> y (B, T, d), its neuron values handed to the consumers on the way
+        (profiler/experts.ExpertsModel: a mixture of experts')."""
+        w = self.ffn(i)
+        v = w.values(self.cfg, x)  # (B, T, n)
+        for c in self.consumers:  # in order, each seeing what the one before returned, as chained hooks do
+            out = c.on_ffn(i, v, x if c.wants_x() else None)
+            v = v if out is None else out
+        return w.project(v)
 
     @torch.inference_mode()
     def nll(self, ids: torch.Tensor) -> tuple[float, int]:
@@ -249,12 +256,19 @@ class StreamedModel:
 
 def open_streamed(model: str | None, gguf_file: str | None = None, *, activation: str | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  ctx: int = 512) -> StreamedModel:
+                  ctx: int = 512, experts: bool = False) -> StreamedModel:
     """A StreamedModel of a local safetensors folder or GGUF file, reading only its header (the decoder's embeddings
-    and head load on first use). ctx: the longest sequence it will run (the stage's sequence length)."""
+    and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). `experts`: a
+    mixture of experts opens as profiler/experts.ExpertsModel (pi-profile counts them) instead of being refused."""
     from hotneurons.common.models import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
 
+    if experts:
+        from hotneurons.profiler.experts import open_experts
+
+        sm = open_experts(model, gguf_file, activation=activation, device=device, dtype=dtype, ctx=ctx)
+        if sm is not None:
+            return sm
     source, sid, mcfg, act = open_model(model, gguf_file, activation)
     adapter = adapter_for(source.config)
     info = model_info(source, sid, act, adapter.name, adapter.gated)

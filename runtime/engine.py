@@ -67,19 +67,20 @@ def model_info(source: Any, source_id: ModelSource, activation: str, family: str
     ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
     emb, head = numel.get("token_embd.weight", 0), numel.get("output.weight", 0)
     total = sum(numel.values())
-    up = infos["blk.0.ffn_up.weight"]
+    up = infos.get("blk.0.ffn_up.weight") or infos["blk.0.ffn_up_exps.weight"]  # (n, d) | experts (E, n, d)
+    n_neurons = int(np.prod(up.shape[:-1]))  # a mixture of experts: all its experts' neurons
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     if cfg.model_type == "falcon":
         n_kv = cfg.num_kv_heads if (getattr(cfg, "new_decoder_architecture", False) or not cfg.multi_query) else 1
-    stored = infos["blk.0.ffn_up.weight"].fmt
+    stored = up.fmt
     return {
         "name": source_id.name,
         "source": {"kind": source_id.kind, "path": source_id.path, "gguf_file": source_id.gguf_file,
                    "revision": source_id.revision},
         "fingerprint": fingerprint(source_id, cfg),
         "family": family, "model_type": cfg.model_type, "activation": activation, "gated": gated,
-        "n_layers": L, "d_model": int(up.shape[1]), "n_neurons": int(up.shape[0]),
+        "n_layers": L, "d_model": int(up.shape[-1]), "n_neurons": n_neurons,
         "ffn_bias": "blk.0.ffn_up.bias" in infos,
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
         "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads),
@@ -103,7 +104,7 @@ def open_model(model: str | None, gguf_file: str | None = None, activation: str 
     path = Path(sid.path)
     source = open_source(str(path), sid.gguf_file)
     act = activation or (str(source.activation) if source.activation is not None else None)
-    act = str(adapter_for(source.config).activation(source.config, act))
+    act = str(adapter_for(source.config, experts=True).activation(source.config, act))  # MoE: runtime/moe_load.py
     mcfg = ModelConfig.from_hf(source.config, choose(act, Activation, "activation"))
     return source, sid, mcfg, act
 
@@ -173,7 +174,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
                         gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None,
                         placement: Any = None) -> Any:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
-    `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks)."""
+    `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks); for a mixture of experts, a
+    (layers, experts) bool mask of the experts on the device (runtime/moe_load.py)."""
     from hotneurons.artifacts.placement import Placement
     from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.artifacts.profile import read_profile
@@ -199,6 +201,10 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         model, gguf_file = src["path"], gguf_file or src.get("gguf_file")
     activation = meta["model"]["activation"] if meta is not None and meta["model"]["activation"] == "drelu" else None
     source, sid, mcfg, act = open_model(model, gguf_file, activation)
+    if mcfg.moe:
+        from hotneurons.runtime.moe_load import load_moe_runtime
+
+        return load_moe_runtime(run, cfg, source, sid, mcfg, act, placement)
     adapter = adapter_for(source.config)
     info = model_info(source, sid, act, adapter.name, adapter.gated)
     device, dtype = device_and_dtype(cfg)

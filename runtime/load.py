@@ -81,7 +81,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     if run is not None:
         check_run(run, cfg, recall)
     if model is not None:
-        check_model(model, gguf_file, trust_remote_code=trust_remote_code)
+        check_model(model, gguf_file, trust_remote_code=trust_remote_code, experts=True)  # MoE: engine.py reads them
     if reads_in_place(meta, model, cfg):
         from hotneurons.runtime.engine import load_source_runtime
 

@@ -66,6 +66,23 @@ def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str, dtype: 
     return MemoryNeed(host=cold + SLACK, gpu=rest + hot + kv, temp=temp)
 
 
+def plan_moe_bytes(source: Any, gpu: np.ndarray, dtype: torch.dtype, ctx: int, info: dict) -> MemoryNeed:
+    """plan_bytes for a mixture of experts (runtime/moe_load.py) with `gpu` (layers, experts) bool: the device holds
+    the decoder's weights, each layer's router and shared expert (as stored, or in the compute dtype), its GPU experts'
+    share of the stacked experts' bytes as stored, and the KV cache; the host the cold experts' bytes (the file's
+    pages they read in place, or their re-quantized copy: about as many)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    untied = "output.weight" in source.infos
+    exps = {name: t for name, t in source.infos.items() if name.endswith("_exps.weight")}
+    rest = sum(_stored_bytes(t, dtype) for name, t in source.infos.items()
+               if name not in exps and not (untied and name == "token_embd.weight"))  # incl. routers, shared
+    share = gpu.mean(axis=1)  # (layers,) the share of each layer's experts on the device
+    gpu_exps = sum(int(t.nbytes * share[int(name.split(".")[1])]) for name, t in exps.items())
+    cold = sum(int(t.nbytes) for t in exps.values()) - gpu_exps
+    kv = 2 * info["n_layers"] * info["num_key_value_heads"] * info["head_dim"] * ctx * itemsize
+    return MemoryNeed(host=cold + SLACK, gpu=rest + gpu_exps + kv, temp=0)
+
+
 def available_host() -> int:
     env = os.environ.get("HOTNEURONS_HOST_MEMORY")
     if env:

@@ -2,9 +2,10 @@
 
 import importlib
 
-_LAZY = {"SolverError": ".cost", "solve_placement": ".place"}  # loaded on first use: `pi-solve --help` stays quick
+# loaded on first use: `pi-solve --help` stays quick
+_LAZY = {"SolverError": ".cost", "solve_placement": ".place", "solve_expert_placement": ".place_moe"}
 
-__all__ = ["SolverError", "solve_placement"]
+__all__ = ["SolverError", "solve_expert_placement", "solve_placement"]
 
 
 def __getattr__(name: str):

@@ -51,12 +51,13 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--cpu-bw", help="Override the CPU's rate for cold rows (DRAM, or the cold kernel's), e.g. 60GB/s.")
 @click.option("--cores", type=int, help="Override CPU cores used for cold neurons.")
 @click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
-@click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)), default="fp16", show_default=True,
+@click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)),
               help="Weight format on both devices (sets bytes per neuron; llama.cpp's block formats q8_0 ... q6_k "
-                   "for sizing only).")
-@click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)), default="bf16", show_default=True,
+                   "for sizing only). Default: fp16; a mixture of experts: the formats of its GGUF file.")
+@click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)),
               help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 and q8_0 take 0.53 "
-                   "of bf16's bytes for an active cold neuron to read, q4_0 0.28.")
+                   "of bf16's bytes for an active cold neuron to read, q4_0 0.28. Default: bf16; a mixture of "
+                   "experts: as on the GPU (cold experts read in place).")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
@@ -66,12 +67,17 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--time-limit", type=float, default=30.0, show_default=True, help="Solver time limit, seconds.")
 @click.option("--mip-gap", type=float, default=1e-3, show_default=True, help="Relative optimality gap to stop at.")
 @click.option("--threads", type=int, help="HiGHS threads (default: HiGHS's choice).")
+@click.option("--expert-neurons", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Mixtures of experts: also place groups of the hottest neurons inside ReLU-family experts (auto: "
+                   "where the activation is ReLU-family and the profile counts the experts' neurons).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
 def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, reserve,
-         group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, as_json):
+         group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, expert_neurons, as_json):
     """Place each layer's hottest FFN neurons on the GPU, the rest on the CPU, within a VRAM budget.
 
-    Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}.
+    Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}. A mixture-of-experts
+    profile (profile/experts.parquet) places whole experts, and neuron groups inside ReLU-family ones: it writes
+    RUN/placement/experts.parquet (docs/solver.md, "Mixtures of experts").
 
     Example: pi-solve --run runs/SmolLM2-135M-Instruct --vram 24GB --hardware rtx4090
     """
@@ -91,15 +97,21 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         raise click.ClickException(f"--cores must be >= 1, got {cores}")
     if sync_us is not None and sync_us < 0:
         raise click.ClickException(f"--sync-us must be >= 0, got {sync_us}")
-    try:
-        meta = check_profile(run_dir)  # before --measure's seconds
+    moe = (Path(run_dir) / "profile" / "experts.parquet").exists()  # a mixture of experts (solver/place_moe.py)
+    try:  # before --measure's seconds
+        if moe:
+            from .place_moe import read_moe_profile
+
+            meta = read_moe_profile(run_dir)[2]
+        else:
+            meta = check_profile(run_dir)
     except ArtifactError as e:
         raise cli_error(e, FLAGS) from None
     with stdout_to_stderr(as_json):  # HiGHS prints its banner to fd 1 whatever it is told
         notes: list[str] = []
         if measure:
             hw, notes = measure_hardware(hw)
-            hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype)
+            hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype or "bf16")
             notes.append(note)
             if not as_json:
                 for n in notes:
@@ -113,12 +125,20 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         except (ArtifactError, ValueError, KeyError, TypeError):  # unreadable: replaced all the same
             replaced = "an unreadable summary"
         from .place import solve_placement  # pandas, torch: after the arguments are read
+        from .place_moe import solve_expert_placement
 
         try:
-            summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
-                                      reserve_bytes=reserve_bytes, group_size=group_size,
-                                      objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
-                                      mip_gap=mip_gap, threads=threads, hardware_notes=notes, cold_dtype=cold_dtype)
+            if moe:
+                summary = solve_expert_placement(
+                    run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx, reserve_bytes=reserve_bytes,
+                    group_size=group_size, objective=objective, time_limit=time_limit, mip_gap=mip_gap,
+                    threads=threads, hardware_notes=notes, cold_dtype=cold_dtype, expert_neurons=expert_neurons)
+            else:
+                summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype or "fp16", ctx=ctx,
+                                          reserve_bytes=reserve_bytes, group_size=group_size,
+                                          objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
+                                          mip_gap=mip_gap, threads=threads, hardware_notes=notes,
+                                          cold_dtype=cold_dtype or "bf16")
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
     if before.exists() and replaced is not None:
@@ -126,7 +146,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
-        click.echo(human_summary(summary, run_dir))
+        click.echo(human_moe_summary(summary, run_dir) if moe else human_summary(summary, run_dir))
 
 
 def human_summary(s: PlacementSummary, run_dir: str) -> str:
@@ -150,6 +170,34 @@ def human_summary(s: PlacementSummary, run_dir: str) -> str:
         f"solver     {sv.backend}, objective {sv.objective}: {sv.status}, gap {sv.gap:.2e}, "
         f"{sv.groups} groups of {sv.group_size}, build {sv.build_seconds:.2f} s + solve {sv.solve_seconds:.2f} s",
         f"wrote      {run_dir}/placement/{{placement.parquet, summary.json, meta.json}}",
+    ]
+    return "\n".join(lines)
+
+
+def human_moe_summary(s: PlacementSummary, run_dir: str) -> str:
+    x, g, sv, b = s.experts, s.memory.gpu, s.solver, s.budget
+    base = x.baselines
+    per = sorted(x.gpu_experts_per_layer)
+    fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in g.items() if k not in ("experts", "total", "free") and v)
+    partial = sum(y.partial_experts for y in x.layers)
+    lines = [
+        f"model      {s.model}  ({len(x.layers)} layers x {x.n_experts} experts, top-{x.n_experts_used}, "
+        f"{x.n_ff_exp} neurons each; {x.mode})",
+        f"weights    {format_bytes(x.expert_bytes[0])} an expert ({s.flags.dtype}; {x.weights_source})",
+        f"fixed GPU  {format_bytes(b.fixed_gpu_bytes)}: {fixed}" if g else "fixed GPU  none (no GPU)",
+        f"experts    GPU {format_bytes(g.get('experts', 0))} of budget {format_bytes(b.ffn_budget_bytes)}; "
+        f"CPU {format_bytes(s.memory.cpu['experts'])}; per layer {per[0]} .. {per[len(per) // 2]} (median) .. "
+        f"{per[-1]} whole experts on the GPU" + (f", {partial} partly" if partial else ""),
+        f"routed     {x.gpu_share_routed:.1%} of routed expert work on the GPU"
+        + (f" (llama.cpp --n-cpu-moe {base['n_cpu_moe']['n']}: {base['n_cpu_moe']['gpu_share_routed']:.1%}; "
+           f"uniform, as many experts: {base['uniform']['gpu_share_routed']:.1%})" if base else ""),
+        f"expected   {s.expected_latency_ms:.2f} ms/token = {s.expected_tokens_per_s:.2f} tokens/s"
+        + (f" (--n-cpu-moe: {base['n_cpu_moe']['expected_latency_ms']:.2f} ms)" if base else "")
+        + "; cost-model floor, not a measurement",
+        f"solver     {sv.backend}, objective {sv.objective}: {sv.status}, gap {sv.gap:.2e}, {sv.variables} variables, "
+        f"build {sv.build_seconds:.2f} s + solve {sv.solve_seconds:.2f} s",
+        f"wrote      {run_dir}/placement/{{experts.parquet, "
+        f"{'placement.parquet, ' if x.mode != 'whole experts' else ''}summary.json, meta.json}}",
     ]
     return "\n".join(lines)
 

@@ -1,0 +1,244 @@
+"""`HybridMoE`, the module that replaces a mixture of experts' FFN in our decoder (as HybridFFN replaces a dense one):
+the router, the shared expert and the GPU experts (a placement mask over the layer's experts) on the compute device,
+the routed cold experts on the CPU, read in place from the file's stacked rows by the Numba kernels of
+kernels/cold_experts.py.
+
+A call, for T tokens x (T, d):
+1. the router's logits and top-k (models/moe.route, as the reference models/moe.moe_ffn routes) on the device; the
+   shared expert (Qwen2-MoE) is enqueued too, as it needs no routing;
+2. the routed ids and weights (T, k) and x go to the host (pinned buffers on CUDA; the one wait of the layer);
+3. the pairs (token, expert) on GPU experts are grouped per expert and computed on the device, each expert's tokens
+   in one product of its stored rows (GpuQ on CUDA: the Triton GEMV for a token, de-quantized chunks for more; on
+   a CPU run the "device" is the CPU and its experts are the file's rows in place);
+4. the cold pairs, grouped per expert, by `experts_ffn` on the CPU: on CUDA the device's launches of step 3 are
+   asynchronous, so the GPU computes its experts while the Numba kernel (GIL released) computes the CPU's;
+5. the CPU's sum (T, d) goes back to the device and is added there.
+Decode (T = 1) and prefill (T > 1) run the same steps: prefill batches each expert's tokens on either side.
+
+Cold experts' rows: the file's stacked (E * n, d) / (E * d, n) rows as stored where the kernel reads them (Q4_0,
+Q4_1, Q8_0, F32, F16, BF16: numpy views of the mmapped bytes, nothing copied); other block formats (Q4_K, Q6_K, ...)
+are re-quantized, the cold experts only, to q4_0 (4- and 5-bit) or q8_0 (6-bit and wider), into a compact stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from hotneurons.kernels.cold_experts import FLOAT_ROWS, experts_ffn
+from hotneurons.kernels.qlinear import GpuQ, linear
+from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
+from hotneurons.models.config import ModelConfig
+from hotneurons.models.moe import route
+from hotneurons.weights.formats import WeightFormat, spec
+from hotneurons.weights.qtensor import QTensor
+from torch import nn
+
+PROJ = ("gate", "up", "down")
+# what the kernel reads as stored; other formats' cold experts are re-quantized (engine.py's `auto` rule)
+_KERNEL_FMTS = {"q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"}
+_AUTO = {WeightFormat.Q4_K: "q4_0", WeightFormat.Q5_K: "q4_0"}
+
+
+def _fmt(w: QTensor | torch.Tensor) -> str:
+    if isinstance(w, QTensor):
+        return str(WeightFormat(w.fmt).value)
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(w.dtype, str(w.dtype))
+
+
+def _rows2d(w: QTensor | torch.Tensor, out: int) -> QTensor | torch.Tensor:
+    """A stacked experts tensor as (E * out, in) rows: a QTensor as it comes, a float (E, out, in) one viewed."""
+    return w if isinstance(w, QTensor) else w.reshape(-1, w.shape[-1])
+
+
+def host_rows(w: QTensor | torch.Tensor) -> np.ndarray:
+    """(E * out, row) numpy view of CPU stacked rows as kernels/cold_experts reads them (no copy)."""
+    if isinstance(w, QTensor):
+        if spec(w.fmt).block == 1:  # a float format carried as bytes
+            return host_rows(w.data.view({"f32": torch.float32, "f16": torch.float16,
+                                          "bf16": torch.bfloat16}[_fmt(w)]))
+        return w.data.numpy()
+    t = w.reshape(-1, w.shape[-1])
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.view(torch.int16).numpy().view(FLOAT_ROWS[_fmt(t)])  # fp16 as uint16, bf16 as int16 bits
+
+
+def _requantized(w: QTensor | torch.Tensor, experts: np.ndarray, out: int) -> np.ndarray:
+    """The rows of `experts` only, in the kernel's nearest format (q4_0 / q8_0), one expert at a time."""
+    from hotneurons.runtime.cold_rows import to_blocks
+
+    fmt = _AUTO.get(WeightFormat(w.fmt), "q8_0") if isinstance(w, QTensor) else "q8_0"
+    parts = []
+    for e in experts:
+        rows = w.rows(slice(e * out, (e + 1) * out)) if isinstance(w, QTensor) else w.reshape(-1, w.shape[-1])[
+            e * out:(e + 1) * out]
+        parts.append(to_blocks(rows.dequantize(torch.float32) if isinstance(rows, QTensor) else rows.float(), fmt))
+    return np.ascontiguousarray(np.concatenate(parts)) if parts else np.zeros((0, 0), np.uint8)
+
+
+def _nbytes(w: Any) -> int:
+    if w is None:
+        return 0
+    if isinstance(w, GpuQ):
+        return w.nbytes
+    if isinstance(w, QTensor):
+        return w.data.numel()
+    if isinstance(w, np.ndarray):
+        return w.nbytes
+    return w.numel() * w.element_size()
+
+
+class HybridMoE(nn.Module):
+    """One layer's mixture of experts: router, shared expert and GPU experts on the device, cold experts on the CPU."""
+
+    def __init__(self, layer: int, cfg: ModelConfig, weights: WeightFn, gpu: np.ndarray,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 release: Any = None):
+        """weights: canonical name -> tensor (a GGUF / safetensors source's get: experts stacked, QTensors of
+        (E * out, in) rows or float (E, out, in)); gpu (E,) bool: the experts kept on `device`. `release` is told the
+        router's and shared expert's names once copied (the experts' are read in place, not released)."""
+        super().__init__()
+        if not cfg.moe:
+            raise ValueError(f"layer {layer}: {cfg.model_type} has no experts: its FFN is HybridFFN's")
+        gpu = np.asarray(gpu, dtype=bool)
+        E = cfg.n_experts
+        if gpu.shape != (E,):
+            raise ValueError(f"layer {layer}: the expert placement has {gpu.shape} entries, the layer {E} experts")
+        self.layer, self.cfg, self.gpu = layer, cfg, gpu
+        self.device, self.dtype = torch.device(device), dtype
+        self.d_model, self.n_ff = cfg.d_model, cfg.n_ff_exp
+        self.activation = str(cfg.activation)
+        load = Loader(weights, self.device, dtype, release)
+        p = f"blk.{layer}.ffn_"
+        self.router = load.tensor(p + "gate_inp.weight")  # (E, d) in dtype, as the reference routes
+        self.shared = None
+        if cfg.n_ff_shexp:
+            self.shared = (load.matrix(p + "gate_shexp.weight"), load.matrix(p + "up_shexp.weight"),
+                           load.matrix(p + "down_shexp.weight"), load.tensor(p + "gate_inp_shexp.weight"))
+        stacked = {k: weights(f"{p}{k}_exps.weight") for k in PROJ}
+        outs = {"gate": self.n_ff, "up": self.n_ff, "down": self.d_model}  # rows an expert, per projection
+        self.gpu_ids, self.cold_ids = np.flatnonzero(gpu), np.flatnonzero(~gpu)
+        self.n_cold = len(self.cold_ids)  # the runtime's bookkeeping reads n_cold, mapped_rows (HybridFFN's)
+        self.mapped_rows = 0
+        self.experts = self._device_experts(stacked, outs)  # expert id -> (gate, up, down) on the device
+        # the cold experts' rows on the host: the file's own (cold_map the identity) or a compact re-quantized stack
+        self.cold_map = np.full(E, -1, np.int64)  # expert id -> its index in the cold rows
+        in_place = all(_fmt(w) in _KERNEL_FMTS and w.device.type == "cpu" for w in stacked.values())
+        if not self.n_cold:
+            self.cold_rows = None
+        elif in_place:
+            self.cold_rows = tuple(host_rows(_rows2d(stacked[k], outs[k])) for k in PROJ)
+            self.cold_map[:] = np.arange(E)
+        else:
+            self.cold_rows = tuple(_requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
+            self.cold_map[self.cold_ids] = np.arange(self.n_cold)
+        self.in_place = in_place
+        self.counts = np.zeros(4)  # decode tokens, routed pairs, pairs on GPU experts, pairs on cold experts
+        self.expert_counts = np.zeros(E, np.int64)  # decode: tokens routed to each expert
+        self.probe = None  # HybridFFN's timeline marks: none here
+        self.prenorm, self.residual = False, None
+
+    def _device_experts(self, stacked: dict, outs: dict) -> dict[int, tuple]:
+        """The GPU experts' (gate, up, down) weights on the device, by expert id: on CUDA their rows gathered into one
+        stack per projection (GpuQ for Q4_0 / Q4_1 / Q8_0, the compute dtype for floats), each expert a view; on a
+        CPU run views of the file's rows (nothing copied)."""
+        ids, dev = self.gpu_ids, self.device
+        if not len(ids):
+            return {}
+        per: dict[str, list] = {}
+        for k in PROJ:
+            w, out = _rows2d(stacked[k], outs[k]), outs[k]
+            if dev.type == "cpu":  # in place: an expert is a row range
+                stack, local = w, ids
+            else:
+                rows = torch.cat([torch.arange(e * out, (e + 1) * out) for e in ids])  # (E_g * out,)
+                stack = (_pack(w.rows(rows), dev) if isinstance(w, QTensor)
+                         else w.index_select(0, rows).to(dev, self.dtype))
+                local = np.arange(len(ids))
+            per[k] = [stack.rows(slice(j * out, (j + 1) * out)) if isinstance(stack, (QTensor, GpuQ))
+                      else stack[j * out:(j + 1) * out] for j in local]
+        return {int(e): (per["gate"][i], per["up"][i], per["down"][i]) for i, e in enumerate(ids)}
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def cold_bytes(self) -> int:
+        """Bytes of the cold experts' rows the CPU reads (in place: the file's pages of those experts)."""
+        if self.cold_rows is None:
+            return 0
+        if not self.in_place:
+            return sum(a.nbytes for a in self.cold_rows)
+        return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold_rows)
+
+    def device_bytes(self) -> int:
+        """Bytes on the compute device: the router, the shared expert and the GPU experts."""
+        shared = sum(_nbytes(w) for w in self.shared) if self.shared is not None else 0
+        return _nbytes(self.router) + shared + sum(_nbytes(w) for ws in self.experts.values() for w in ws)
+
+    def reset_counts(self) -> None:
+        self.counts[:] = 0
+        self.expert_counts[:] = 0
+
+    def read_counts(self) -> np.ndarray:
+        """(tokens, active, active on the GPU, active on the CPU) in neurons: a routed pair is an expert's n_ff."""
+        c = self.counts.copy()
+        c[1:] *= self.n_ff
+        return c
+
+    # -- compute -----------------------------------------------------------------------------------------------
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """(m, d) -> (m, d) expert e's FFN on the device, all its neurons."""
+        g, u, dn = self.experts[e]
+        return linear(ffn_values(self.cfg, linear(x, u), linear(x, g)), dn)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        g, u, dn, gate = self.shared
+        s = linear(ffn_values(self.cfg, linear(x, u), linear(x, g)), dn)  # (T, d)
+        return torch.sigmoid(linear(x, gate)) * s  # gate (T, 1)
+
+    def _to_host(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor):
+        """x (T, d) float32, weights (T, k) float32, ids (T, k) int64 as numpy, after the device's one wait."""
+        if x.device.type != "cuda":
+            return x.float().numpy(), w.float().numpy(), idx.numpy()
+        host = [t.to("cpu", non_blocking=True) for t in (x.float(), w.float(), idx)]  # pinned by torch's copy engine
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the wait for the routing (the shared expert keeps the GPU busy meanwhile)
+        return tuple(t.numpy() for t in host)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)  # (T, d)
+        T, k = x2.shape[0], self.cfg.n_experts_used
+        w, idx = route(self.cfg, linear(x2, self.router))  # (T, k) each, on the device
+        y = self._shared(x2) if self.shared is not None else torch.zeros_like(x2)  # (T, d) enqueued first
+        xh, wh, ih = self._to_host(x2, w, idx)
+        on_gpu = self.gpu[ih]  # (T, k)
+        if T == 1:
+            self.counts += (1, k, on_gpu.sum(), k - on_gpu.sum())
+            np.add.at(self.expert_counts, ih[0], 1)
+        # the GPU's experts, each over its tokens (asynchronous launches on CUDA)
+        if on_gpu.any():
+            pairs = np.flatnonzero(on_gpu)  # (P_g,) positions t * k + slot
+            order = np.argsort(ih.ravel()[pairs], kind="stable")
+            pairs = pairs[order]  # grouped per expert
+            experts = ih.ravel()[pairs]
+            bounds = np.flatnonzero(np.diff(experts)) + 1
+            wflat = w.reshape(-1)  # (T k,) on the device
+            if T == 1:
+                for s in pairs:  # a decode step: x itself, the weight read on the device
+                    y = y + wflat[s] * self._expert(int(ih[0, s]), x2)
+            else:
+                pd = torch.from_numpy(pairs).to(x2.device)  # (P_g,)
+                for a, b in zip([0, *bounds], [*bounds, len(pairs)]):
+                    rows = pd[a:b] // k  # (m,) tokens of this expert
+                    ye = self._expert(int(experts[a]), x2.index_select(0, rows)) * wflat[pd[a:b], None]  # (m, d)
+                    y = y.index_add(0, rows, ye.to(y.dtype))
+        # the CPU's experts: the Numba kernel, while the device computes the above
+        cold = ~on_gpu
+        if cold.any():
+            t, s = np.nonzero(cold)  # (P_c,) each
+            g, u, dn = self.cold_rows
+            yc = experts_ffn(xh, t, self.cold_map[ih[t, s]], wh[t, s], g, u, dn, self.activation)  # (T, d)
+            y = y + torch.from_numpy(yc).to(y.device, y.dtype)
+        return y.reshape(shape)
