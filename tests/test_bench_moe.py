@@ -1,0 +1,98 @@
+"""bench/bench_moe.py on the CPU: a tiny Qwen3-MoE-shaped model (2 layers, 8 experts, d 128) through every stage
+that needs no GPU or llama.cpp (build, pipeline, ours, report with a recorded llama.cpp stage), the file read by our
+reader and gguf-py, the router's skew within tolerance of its target; llama.cpp's --n-cpu-moe probe on a recorder."""
+
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from hotneurons.bench import bench_moe
+
+    w = tmp_path_factory.mktemp("moe")
+    common = ["--shape", "tiny", "--device", "cpu", "--work", str(w), "--ctx", "1024", "--profile-tokens", "2048"]
+    bench_moe.main(["--stage", "build", *common, "--calibration-tokens", "1024", "--seq", "128"])
+    bench_moe.main(["--stage", "pipeline", *common, "--reserve", "0"])
+    bench_moe.main(["--stage", "ours", *common])
+    return w / "tiny-calibrated"
+
+
+def test_build_file_is_readable_and_routes_as_calibrated(work):
+    import gguf
+    from hotneurons.bench.moe_gguf import SHAPES, tensor_plan
+    from hotneurons.runtime.engine import open_model
+
+    build = json.loads((work / "build.json").read_text())["figures"]
+    r = gguf.GGUFReader(str(work / "model.gguf"))
+    assert [t.name for t in r.tensors] == [n for n, _, _ in tensor_plan(SHAPES["tiny"])]
+    assert int(r.fields["qwen3moe.expert_count"].parts[-1][0]) == 8
+    src, _, cfg, act = open_model(str(work / "model.gguf"))
+    assert (cfg.n_experts, cfg.n_experts_used, cfg.n_ff_exp, cfg.head_dim, str(act)) == (8, 2, 64, 32, "swiglu")
+    cal = build["calibration"]
+    assert cal["mean_top_share"] == pytest.approx(build["target_top"]["share"], abs=0.03)
+    assert all(row["max_abs_error"] < 0.06 for row in cal["layers"])  # picks a token: 2; per expert within 0.06
+
+
+def test_pipeline_places_between_a_third_and_half_of_the_experts(work):
+    pipe = json.loads((work / "pipeline.json").read_text())["figures"]
+    assert 1 / 3 <= pipe["gpu_expert_fraction"] <= 1 / 2
+    ex = pipe["solve"]["summary"]["experts"]
+    assert ex["gpu_share_routed"] > pipe["gpu_expert_fraction"]  # the skew: hot experts placed
+    assert {"n_cpu_moe", "uniform"} <= set(ex["baselines"])
+    assert np.asarray(pipe["routed_shares"]).shape == (2, 8)
+
+
+def test_ours_measures_speed_memory_and_the_routed_share(work):
+    ours = json.loads((work / "ours.json").read_text())["figures"]
+    assert ours["decode_tok_s"]["256"] > 0 and ours["prefill_tok_s"] > 0
+    assert ours["host_peak_rss_bytes"] > 0 and ours["load_to_first_token_s"] > 0
+    planned = json.loads((work / "pipeline.json").read_text())["figures"]["solve"]["summary"]["experts"]
+    assert ours["gpu_share_routed_measured"] == pytest.approx(planned["gpu_share_routed"], abs=0.15)
+
+
+def test_report_with_a_recorded_llamacpp_stage(work, tmp_path):
+    from hotneurons.bench import bench_moe, record
+
+    lc = {"budget_for_weights_bytes": 1e6, "n_cpu_moe": 1, "gpu_share_routed": 0.4,
+          "llama.cpp -ngl 99 --n-cpu-moe 1": {"decode_tok_s": {"32": 100.0, "256": 100.0}, "prefill_tok_s": 1e3,
+                                              "load_to_first_token_s": 1.0, "host_peak_rss_bytes": 1e6,
+                                              "gpu_peak_bytes": 1e6},
+          "llama.cpp all on the GPU": {"error": "out of memory"}}
+    record.write_result(work / "llamacpp.json", lc, machine_info=record.machine())
+    out = tmp_path / "r.json"
+    bench_moe.main(["--stage", "report", "--shape", "tiny", "--work", str(work.parent), "--out", str(out)])
+    fig = record.read(out)["figures"]
+    assert list(fig["systems"]) == ["hybrid", "llama.cpp -ngl 99 --n-cpu-moe 1"]
+    ours = json.loads((work / "ours.json").read_text())["figures"]
+    g = fig["goals"]
+    assert g["decode_vs_n_cpu_moe"] == pytest.approx(ours["decode_tok_s"]["256"] / 100.0)
+    assert g["gpu_share_vs_n_cpu_moe"] == pytest.approx(fig["gpu_share_routed"]["ours_planned"] / 0.4)
+    assert g["host_rss_vs_file"] == pytest.approx(ours["host_peak_rss_bytes"] / ours["gguf_bytes"])
+    assert "| llama.cpp -ngl 99 --n-cpu-moe 1 | 100.00 / 100.00 | 1000 |" in out.with_suffix(".md").read_text()
+
+
+def test_n_cpu_moe_probe_finds_the_smallest_n_that_fits():
+    from hotneurons.bench.bench_moe import n_cpu_moe_share, smallest_fitting
+
+    probe = lambda n: {"gpu_peak_bytes": 10e9 - 0.5e9 * n}  # noqa: E731  each layer's experts 0.5 GB
+    assert smallest_fitting(probe, 3, 48, 6e9)[0] == 8  # from below the answer: walks up
+    n, runs = smallest_fitting(probe, 20, 48, 6e9)  # from above: walks down
+    assert n == 8 and 7 in runs
+    assert smallest_fitting(lambda n: {"error": "x"}, 3, 4, 6e9)[0] is None
+    shares = np.full((4, 8), 1 / 8)
+    assert n_cpu_moe_share(shares, 1) == pytest.approx(0.75)
+
+
+def test_sparse_mixtral_build_fires_near_turbosparse(tmp_path):
+    """The dReLU variant, arch llama with experts: our reader sees drelu, ~15% of a routed expert's neurons fire."""
+    from hotneurons.bench.moe_gguf import DRELU_ACTIVE, write_model
+    from hotneurons.runtime.engine import open_model
+
+    info = write_model("tiny-mixtral", tmp_path / "m.gguf", "cpu", sparse=True, calibration_tokens=512, seq=128,
+                       log=lambda *_: None)
+    assert info["calibration"]["mean_fired"] == pytest.approx(DRELU_ACTIVE, abs=0.04)
+    _, _, cfg, act = open_model(str(tmp_path / "m.gguf"))
+    assert (cfg.model_type, str(act), cfg.n_experts) == ("mixtral", "drelu", 8)
