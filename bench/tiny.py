@@ -73,7 +73,7 @@ def _moe_configs():
         "qwen2-moe": lambda: Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
                                             shared_expert_intermediate_size=48, norm_topk_prob=False),
         "qwen3-moe": lambda: Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                                            head_dim=8, norm_topk_prob=True),  # per-head q/k norms
+                                            head_dim=16, norm_topk_prob=True),  # per-head q/k norms, 4 x 16 != 32
         "olmoe": lambda: OlmoeConfig(**common, intermediate_size=16, num_experts=4, norm_topk_prob=False),  # whole q/k
     }
 

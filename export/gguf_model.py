@@ -201,7 +201,8 @@ def llama_metadata(w: Any, cfg: Any, name: str, activation: str | None = None) -
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)  # checked == n_rot (llama.cpp:2336)
+    # checked == n_rot (llama.cpp:2336): the head size, which Qwen3(-MoE) sets apart from hidden / heads
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_rope_freq_base(rope(cfg)[0])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(1)  # MOSTLY_F16

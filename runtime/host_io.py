@@ -54,3 +54,27 @@ class HostIO:
         threads' partial sums over PCIe and adds them up here)."""
         c = self.sums_dev  # (rows, d)
         return c[0] if c.shape[0] == 1 else c.sum(0)
+
+
+@dataclass(frozen=True)
+class MoEHostIO:
+    """A mixture of experts layer's buffers for one decode token (runtime/moe_ffn.py): the FFN input, the routed
+    experts and their weights, which the device writes for the CPU, and the cold experts' sum, which the device reads
+    back. Pinned and mapped on CUDA (kernels write and read them over PCIe, as HostIO's); plain memory elsewhere."""
+
+    x_np: np.ndarray  # (d,) float32 the FFN input
+    ids: np.ndarray  # (k,) int64 the routed experts
+    w: np.ndarray  # (k,) float32 their routing weights
+    out: np.ndarray  # (1, d) float32 the cold experts' weighted sum
+    x_dev: torch.Tensor  # the same four memories as device tensors
+    ids_dev: torch.Tensor
+    w_dev: torch.Tensor
+    out_dev: torch.Tensor
+
+    @classmethod
+    def make(cls, d_model: int, k: int, device: torch.device) -> MoEHostIO:
+        pin = device.type == "cuda"
+        arrays = [torch.zeros(shape, dtype=dt, pin_memory=pin).numpy()
+                  for shape, dt in (((d_model,), torch.float32), ((k,), torch.int64), ((k,), torch.float32),
+                                    ((1, d_model), torch.float32))]
+        return cls(*arrays, *(host_mapped(a, a, device, register=False) for a in arrays))

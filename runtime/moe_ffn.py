@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.kernels.cold import SPINS, wait_ready
 from hotneurons.kernels.cold_experts import FLOAT_ROWS, experts_ffn
 from hotneurons.kernels.qlinear import GpuQ, linear
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
 from hotneurons.models.moe import route
+from hotneurons.runtime.host_io import MoEHostIO
 from hotneurons.weights.formats import WeightFormat, spec
 from hotneurons.weights.qtensor import QTensor
 from torch import nn
@@ -122,23 +124,28 @@ class HybridMoE(nn.Module):
         self.gpu_ids, self.cold_ids = np.flatnonzero(gpu), np.flatnonzero(~gpu)
         self.n_cold = len(self.cold_ids)  # the runtime's bookkeeping reads n_cold, mapped_rows (HybridFFN's)
         self.mapped_rows = 0
+        self.stacks: dict[str, Any] = {}  # projection -> the device experts' rows, stacked
+        self.lut = torch.full((E,), -1, dtype=torch.long, device=self.device)  # expert id -> stack index; -1: cold
         self.experts = self._device_experts(stacked, outs)  # expert id -> (gate, up, down) on the device
         # the cold experts' rows on the host: the file's own (cold_map the identity) or a compact re-quantized stack
         self.cold_map = np.full(E, -1, np.int64)  # expert id -> its index in the cold rows
         in_place = all(_fmt(w) in _KERNEL_FMTS and w.device.type == "cpu" for w in stacked.values())
         if not self.n_cold:
-            self.cold_rows = None
+            self.cold = None
         elif in_place:
-            self.cold_rows = tuple(host_rows(_rows2d(stacked[k], outs[k])) for k in PROJ)
+            self.cold = tuple(host_rows(_rows2d(stacked[k], outs[k])) for k in PROJ)
             self.cold_map[:] = np.arange(E)
         else:
-            self.cold_rows = tuple(_requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
+            self.cold = tuple(_requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
             self.cold_map[self.cold_ids] = np.arange(self.n_cold)
         self.in_place = in_place
         self.counts = np.zeros(4)  # decode tokens, routed pairs, pairs on GPU experts, pairs on cold experts
         self.expert_counts = np.zeros(E, np.int64)  # decode: tokens routed to each expert
         self.probe = None  # HybridFFN's timeline marks: none here
         self.prenorm, self.residual = False, None
+        self.mask = "router"  # the graph steps' runner asks (an oracle mask holds back its prelaunch)
+        self.io: MoEHostIO | None = None
+        self.fired: torch.Tensor | None = None  # (E,) int32 decode tokens routed to each expert, counted on device
 
     def _device_experts(self, stacked: dict, outs: dict) -> dict[int, tuple]:
         """The GPU experts' (gate, up, down) weights on the device, by expert id: on CUDA their rows gathered into one
@@ -148,6 +155,9 @@ class HybridMoE(nn.Module):
         if not len(ids):
             return {}
         per: dict[str, list] = {}
+        lut = np.full(self.cfg.n_experts, -1, np.int64)  # expert id -> its index in the device stacks; -1: cold
+        lut[ids] = ids if dev.type == "cpu" else np.arange(len(ids))
+        self.lut = torch.from_numpy(lut).to(dev)  # (E,)
         for k in PROJ:
             w, out = _rows2d(stacked[k], outs[k]), outs[k]
             if dev.type == "cpu":  # in place: an expert is a row range
@@ -157,6 +167,7 @@ class HybridMoE(nn.Module):
                 stack = (_pack(w.rows(rows), dev) if isinstance(w, QTensor)
                          else w.index_select(0, rows).to(dev, self.dtype))
                 local = np.arange(len(ids))
+            self.stacks[k] = stack  # (E_g * out, in): the graph steps gather the routed experts' rows from it
             per[k] = [stack.rows(slice(j * out, (j + 1) * out)) if isinstance(stack, (QTensor, GpuQ))
                       else stack[j * out:(j + 1) * out] for j in local]
         return {int(e): (per["gate"][i], per["up"][i], per["down"][i]) for i, e in enumerate(ids)}
@@ -164,11 +175,11 @@ class HybridMoE(nn.Module):
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def cold_bytes(self) -> int:
         """Bytes of the cold experts' rows the CPU reads (in place: the file's pages of those experts)."""
-        if self.cold_rows is None:
+        if self.cold is None:
             return 0
         if not self.in_place:
-            return sum(a.nbytes for a in self.cold_rows)
-        return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold_rows)
+            return sum(a.nbytes for a in self.cold)
+        return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold)
 
     def device_bytes(self) -> int:
         """Bytes on the compute device: the router, the shared expert and the GPU experts."""
@@ -238,7 +249,79 @@ class HybridMoE(nn.Module):
         cold = ~on_gpu
         if cold.any():
             t, s = np.nonzero(cold)  # (P_c,) each
-            g, u, dn = self.cold_rows
+            g, u, dn = self.cold
             yc = experts_ffn(xh, t, self.cold_map[ih[t, s]], wh[t, s], g, u, dn, self.activation)  # (T, d)
             y = y + torch.from_numpy(yc).to(y.device, y.dtype)
         return y.reshape(shape)
+
+    # -- decode steps as graphs (runtime/graph_steps.py, as HybridFFN's) ---------------------------------------------
+    # pre: the router on the device, x and the routed ids and weights written to the host (to_host); hot: the routed
+    # GPU experts from device-side ids (device_part: static shapes, so it is captured); the CPU: the routed cold
+    # experts into the pinned sum (cold_rows), which the next layer's graph reads (cold_sum).
+    def host_io(self, device: torch.device) -> MoEHostIO:
+        if self.io is None:
+            k = self.cfg.n_experts_used
+            self.io = MoEHostIO.make(self.d_model, k, device)
+            self.fired = torch.zeros(self.cfg.n_experts, dtype=torch.int32, device=device)
+            self.route_w = torch.zeros(k, dtype=self.dtype, device=device)  # (k,) the token's routing weights
+            self.route_ids = torch.zeros(k, dtype=torch.long, device=device)  # (k,) its experts
+            self._ones = torch.ones(k, dtype=torch.int32, device=device)
+        return self.io
+
+    def to_host(self, x: torch.Tensor, predict_op: Any = None, pred_x: torch.Tensor | None = None) -> None:
+        """x (1, d): route it on the device; x, the experts and their weights into the host buffers."""
+        w, idx = route(self.cfg, linear(x, self.router))  # (1, k) each
+        self.route_w.copy_(w[0])
+        self.route_ids.copy_(idx[0])
+        io = self.io
+        io.x_dev.copy_(x[0])
+        io.ids_dev.copy_(idx[0])
+        io.w_dev.copy_(w[0])
+        self.fired.index_add_(0, idx[0], self._ones)
+
+    def _gathered(self, proj: str, local: torch.Tensor) -> Any:
+        """The rows of experts `local` (k,) (indices into the device stack) as one (k * out, in) weight."""
+        stack = self.stacks[proj]
+        out = self.d_model if proj == "down" else self.n_ff
+        rows = (local[:, None] * out + torch.arange(out, device=local.device)).reshape(-1)  # (k * out,)
+        return stack.rows(rows) if isinstance(stack, (GpuQ, QTensor)) else stack.index_select(0, rows)
+
+    def device_part(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, d) in x's dtype: the shared expert plus the token's routed GPU experts, from the device-side ids: a
+        cold slot computes expert 0 of the stack at weight 0 (static shapes)."""
+        y = self._shared(x) if self.shared is not None else torch.zeros_like(x)
+        if not len(self.gpu_ids):
+            return y
+        k = self.cfg.n_experts_used
+        local = self.lut[self.route_ids]  # (k,)
+        w = torch.where(local >= 0, self.route_w, torch.zeros_like(self.route_w))  # (k,)
+        local = local.clamp(min=0)
+        h = ffn_values(self.cfg, linear(x, self._gathered("up", local)),
+                       linear(x, self._gathered("gate", local))).reshape(k, self.n_ff)  # (k, n)
+        ys = linear(h, self._gathered("down", local)).reshape(k, k, self.d_model)  # (k, k, d): token j, expert e
+        ys = torch.diagonal(ys, dim1=0, dim2=1)  # (d, k): each expert's product with its own h
+        return y + (ys * w.to(ys.dtype)).sum(-1, keepdim=True).T.to(y.dtype)  # (1, d)
+
+    def cold_rows(self, x: torch.Tensor, flags: Any = None, i: int = -1) -> None:
+        """The CPU's part once the routing is in the host buffers: the token's cold experts' weighted sum into
+        io.out. `flags`, `i`: wait for the graph's ready[i] first, release flag i after (prelaunched graphs)."""
+        io = self.io
+        if flags is not None and not wait_ready(flags.ready, i, SPINS):
+            raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
+        ids, k = io.ids, self.cfg.n_experts_used
+        cold = ~self.gpu[ids]  # (k,)
+        n_cold = int(cold.sum())
+        self.counts += (1, k, k - n_cold, n_cold)
+        np.add.at(self.expert_counts, ids, 1)
+        if n_cold:
+            g, u, dn = self.cold
+            experts_ffn(io.x_np[None], np.zeros(n_cold, np.int64), self.cold_map[ids[cold]], io.w[cold], g, u, dn,
+                        self.activation, out=io.out)
+        else:
+            io.out[:] = 0.0
+        if flags is not None:
+            flags.release(i)
+
+    def cold_sum(self) -> torch.Tensor:
+        """(d,) float32 on the device: the CPU's cold experts' sum for the token (read over PCIe on CUDA)."""
+        return self.io.out_dev[0]

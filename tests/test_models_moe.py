@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -251,6 +252,8 @@ def test_gguf_read_in_place_equals_hf(reference, family, tmp_path):
     with GGUFSource(path) as src:
         assert src.arch == MOE_ARCH[cfg.model_type]
         got = ModelConfig.from_hf(src.config)  # the file keeps eps as float32
+        rope_dims = gguf.GGUFReader(path).fields[f"{src.arch}.rope.dimension_count"]
+        assert int(rope_dims.parts[-1][0]) == cfg.head_dim  # llama.cpp checks it against the head size
         assert got.norm_eps == pytest.approx(cfg.norm_eps) and dataclasses.replace(got, norm_eps=cfg.norm_eps) == cfg
         E, n, d = cfg.n_experts, cfg.n_ff_exp, cfg.d_model
         for proj, shape in (("gate", (E, n, d)), ("up", (E, n, d)), ("down", (E, d, n))):

@@ -110,7 +110,7 @@ def test_cold_experts_read_in_place():
     mask = _masks()["mixed"]
     ffn = HybridMoE(0, cfg, w.get, mask)
     assert ffn.in_place
-    for proj, rows in zip(("gate", "up", "down"), ffn.cold_rows):
+    for proj, rows in zip(("gate", "up", "down"), ffn.cold):
         assert np.shares_memory(rows, w[f"blk.0.ffn_{proj}_exps.weight"].data.numpy())
     per_expert = sum(w[f"blk.0.ffn_{p}_exps.weight"].data.numel() // E for p in ("gate", "up", "down"))
     assert ffn.device_bytes() == mask.sum() * per_expert + E * D * 4
@@ -130,7 +130,7 @@ def test_other_block_formats_are_requantized():
         w[f"blk.0.ffn_{k}.weight"] = QTensor(torch.from_numpy(blocks), "q6_k", (E * 256, 256))
     mask = np.array([True, False, False, True, False, False])
     ffn = HybridMoE(0, cfg, w.get, mask)
-    assert not ffn.in_place and ffn.cold_rows[0].shape[0] == 4 * 256
+    assert not ffn.in_place and ffn.cold[0].shape[0] == 4 * 256
     x = torch.randn(4, 256, generator=g)
     ref = moe.moe_ffn(w.get, cfg, 0)(x)
     torch.testing.assert_close(ffn(x), ref, rtol=0, atol=0.02 * float(ref.abs().max()))
@@ -302,6 +302,33 @@ def test_engine_q8_0_experts_mixed_formats(moe_gguf, tmp_path):
             torch.testing.assert_close(forward(rt, [nxt], pos), want, atol=1e-4, rtol=0)
 
 
+def _step_pieces(ffn: HybridMoE, x: torch.Tensor, flags=None) -> torch.Tensor:
+    """One decode token through the graph steps' pieces: to_host, device_part, the CPU's cold_rows, cold_sum."""
+    ffn.to_host(x)
+    y = ffn.device_part(x)
+    ffn.cold_rows(x, flags)
+    return y + ffn.cold_sum().to(y.dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("fmt", ["f32", "q4_0"])
+@pytest.mark.parametrize("where", ["gpu", "cpu", "mixed"])
+def test_decode_pieces_equal_reference(family, fmt, where):
+    """The graph steps' split of a decode token (runtime/graph_steps.py): GPU experts gathered from device-side ids
+    (a cold slot computes stack expert 0 at weight 0), the CPU's experts from the host buffers; equal to the
+    reference, and the expert counts of both sides agree."""
+    cfg = _cfg(family)
+    w = _weights(cfg, fmt, seed=5)
+    ref = moe.moe_ffn(w.get, cfg, 0)
+    ffn = HybridMoE(0, cfg, w.get, _masks()[where], "cpu", torch.float32)
+    ffn.host_io(torch.device("cpu"))
+    x = _x(6, seed=8)
+    for t in range(6):
+        _close(_step_pieces(ffn, x[t:t + 1]), ref(x[t:t + 1]))
+    assert ffn.expert_counts.sum() == 6 * K and (ffn.fired.numpy() == ffn.expert_counts).all()
+    assert ffn.counts[2] == ffn.expert_counts[ffn.gpu].sum()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU experts in GpuQ (the Triton GEMV for a token, de-quantized chunks for a prompt), the CPU's in Numba
 
@@ -340,3 +367,34 @@ def test_cuda_engine_greedy_equals_hf(moe_gguf):
     g = generate(rt, PROMPT_IDS, NEW, stop_at_eos=False)
     assert g.token_ids == _hf_greedy(hf, PROMPT_IDS)
     assert 0 < g.stats["gpu_activation_share"] < 1 and g.stats["bytes_gpu"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["f32", "q4_0"])
+@pytest.mark.parametrize("where", ["gpu", "mixed"])
+@pytest.mark.parametrize("family", ["qwen2-moe", "qwen3-moe"])
+def test_cuda_graph_pieces_equal_reference(family, fmt, where):
+    """to_host and device_part captured in one CUDA graph, replayed for new tokens, the CPU's part between."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = _cfg(family)
+    w = _weights(cfg, fmt, seed=5)
+    ref = moe.moe_ffn(w.get, cfg, 0)
+    ffn = HybridMoE(0, cfg, w.get, _masks()[where], "cuda", torch.float32)
+    ffn.host_io(torch.device("cuda"))
+    xs = torch.zeros(1, D, device="cuda")
+    for _ in range(2):  # warm-up: Triton compiles outside the capture
+        ffn.to_host(xs)
+        ffn.device_part(xs)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ffn.to_host(xs)
+        y = ffn.device_part(xs)
+    x = _x(5, seed=9)
+    for t in range(5):
+        xs.copy_(x[t:t + 1])
+        g.replay()
+        torch.cuda.synchronize()
+        ffn.cold_rows(xs)
+        _close((y + ffn.cold_sum()).cpu(), ref(x[t:t + 1]))
