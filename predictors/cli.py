@@ -56,6 +56,7 @@ def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction
         cfg = preset(preset_name, form=form, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
                      epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed,
                      magnitude_weight=magnitude_weight)
+        refuse_experts(run_dir)
         with stdout_to_stderr(as_json):
             summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
     except (ArtifactError, ValueError) as e:
@@ -63,6 +64,16 @@ def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction
     except KeyboardInterrupt:
         interrupted(f"nothing was written ({Path(run_dir) / 'predictors'} is as it was): run the command again")
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_train(summary, Path(run_dir)))
+
+
+def refuse_experts(run_dir: str | Path) -> None:
+    """A mixture of experts' profile (meta.experts set) trains no predictors: its router is the exact predictor."""
+    from hotneurons.artifacts.profile import check_profile
+
+    if (Path(run_dir) / "profile" / "meta.json").exists() and check_profile(run_dir).experts is not None:
+        raise ArtifactError(f"{Path(run_dir) / 'profile'} profiles a mixture of experts: its router picks each "
+                            f"token's experts exactly, so no predictors are needed: run `pi-solve --run {run_dir}`, "
+                            f"then `pi-generate --run {run_dir}`")
 
 
 def format_train(summary: PredictorsSummary, run_dir: Path) -> str:

@@ -143,6 +143,10 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     run_dir = Path(run_dir)
     # everything that can be refused without the model, before it loads
     pmeta = check_profile(run_dir)
+    if pmeta.experts is not None:
+        raise ArtifactError(f"{run_dir / 'profile'} profiles a mixture of experts: pi-eval masks a dense FFN's "
+                            f"neurons, and the runtime computes each routed expert whole (the router is exact, no "
+                            f"predictors), so its perplexity is the model's own: run `pi-generate --run {run_dir}`")
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     if modes is None:

@@ -35,17 +35,28 @@ SHARE_WARN_STEPS = 16  # ... once this many tokens were decoded (fewer say littl
 
 def format_stats(s: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    profile = s.get("profile_gpu_activation_share")
     hot = s.get("gpu_dtype", s["dtype"])
     text = (f"[{s['mode']} on {s['device']} ({s['dtype']}" + (f", hot rows {hot}" if hot != s["dtype"] else "")
             + f", cold rows {s['cold_dtype']}), {s['threads']} CPU "
             f"threads] prefill "
             f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "
-            f"FFN sparsity {s['ffn_sparsity']:.3f}, GPU share of activations {s['gpu_activation_share']:.3f}"
-            + (f" (the profile's: {profile:.3f})" if profile is not None and s["mode"] == "hybrid" else "") + ", "
+            f"FFN sparsity {s['ffn_sparsity']:.3f}, {gpu_share(s)}, "
             f"{device_bytes(s)}, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
     warning = share_warning(s)
     return text if warning is None else f"{text}\nwarning: {warning}"
+
+
+def gpu_share(s: dict) -> str:
+    """Decode's GPU share beside pi-solve's expectation: of the activations (dense FFNs), or of the routed expert
+    work (a mixture of experts: the (token, expert) pairs whose expert is on the device)."""
+    x, profile = s.get("experts"), s.get("profile_gpu_activation_share")
+    if x is not None:
+        got, plan = x["gpu_share_routed"], x["plan_gpu_share_routed"]
+        return (f"GPU share of routed expert work {'-' if got is None else f'{got:.3f}'}"
+                + (f" (the placement's: {plan:.3f})" if plan is not None else "")
+                + f", {x['gpu_experts']}/{x['experts']} experts on the device")
+    return (f"GPU share of activations {s['gpu_activation_share']:.3f}"
+            + (f" (the profile's: {profile:.3f})" if profile is not None and s["mode"] == "hybrid" else ""))
 
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
@@ -74,6 +85,10 @@ def share_warning(s: dict) -> str | None:
         return None
     if s["gpu_activation_share"] >= SHARE_WARN * profile:
         return None
+    if s.get("experts") is not None:
+        return (f"decode routed {s['gpu_activation_share']:.0%} of the tokens' experts to the GPU's, the placement "
+                f"expected {profile:.0%}: this text picks other experts than the profiled corpus. Profile text like "
+                f"it (pi-profile --dataset) and run pi-solve again")
     return (f"decode put {s['gpu_activation_share']:.0%} of the FFN activations on the GPU's neurons, the profile "
             f"{profile:.0%}: this text fires other neurons than the profiled corpus. Profile text like it "
             f"(pi-profile --dataset) and run pi-solve again to put more of them on the GPU")

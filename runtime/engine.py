@@ -175,7 +175,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
                         placement: Any = None) -> Any:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
     `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks); for a mixture of experts, a
-    (layers, experts) bool mask of the experts on the device (runtime/moe_load.py)."""
+    (layers, experts) bool mask of the experts on the device, else the run's experts.parquet (runtime/moe_load.py)."""
     from hotneurons.artifacts.placement import Placement
     from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.artifacts.profile import read_profile

@@ -42,6 +42,7 @@ from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
+from hotneurons.runtime.moe_load import expert_stats
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
 from hotneurons.runtime.sampling import Sampling, sample
 from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
@@ -79,6 +80,10 @@ class Runtime:
     # what pi-solve planned on the GPU (bytes, dtype: summary.json), to compare the device's bytes with
     plan_bytes_gpu: int | None = None
     plan_dtype: str | None = None
+    # a mixture of experts: the placement's expected GPU share of routed expert work (summary.json's
+    # experts.gpu_share_routed), and where the expert placement came from (RUN/placement, "given" or "default")
+    plan_expert_share: float | None = None
+    expert_placement: str | None = None
 
     @property
     def mode(self) -> str:
@@ -324,7 +329,8 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))
             if rt.ffns else 0.0,
-            "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers}
+            "prompt_tokens": n_prompt, "decode_steps": steps, "gpu_layers": rt.gpu_layers,
+            **({"experts": x} if (x := expert_stats(rt)) is not None else {})}
 
 
 def prompt_ids(rt: Runtime, prompt: str | list[dict], chat: bool = False) -> list[int]:

@@ -15,6 +15,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
+from hotneurons.runtime.moe_load import check_moe_run, is_moe_run
 from hotneurons.runtime.placement import plan_figures, solved_summary
 
 
@@ -32,14 +33,17 @@ def _first_meta(run_dir: Path) -> dict | None:
     return None
 
 
-def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> None:
+def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: bool = False) -> None:
     """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
-    line naming it (missing, empty, cut short, of another format)."""
+    line naming it (missing, empty, cut short, of another format). A mixture of experts' run (`moe`) needs no
+    predictors: its router picks the experts (runtime/moe_load.check_moe_run)."""
     from hotneurons.artifacts.placement import PlacementMeta
     from hotneurons.predictors.train import check_predictors
 
     if (run / "profile" / "meta.json").exists():
         check_profile(run)
+    if moe:
+        return check_moe_run(run)
     if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
         PlacementMeta.load(run / "placement" / "meta.json")
         artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
@@ -54,6 +58,8 @@ def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None) -> Non
 def reads_in_place(meta: dict | None, model: str | None, cfg: RuntimeConfig) -> bool:
     """Whether the model loads in place into our decoder (runtime/engine.py): a local folder of safetensors or a GGUF
     file, in hybrid or dense mode. Layer-split (the baseline), --hf-decode and hub ids go through transformers."""
+    if model is None and is_moe_run(meta):  # experts run in our decoder only (moe_load refuses layer-split)
+        return True
     if cfg.mode == "layer-split" or not cfg.static_decode:
         return False
     if model is None:
@@ -69,7 +75,8 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
                  recall: float | None = None) -> Runtime:
     """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
 
-    `use_predictor=False` turns hybrid into dense (no predictors needed)."""
+    `use_predictor=False` turns hybrid into dense (no predictors needed). A mixture of experts reads its expert
+    placement and no predictors (runtime/moe_load.py)."""
     if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
         cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
     device, dtype = device_and_dtype(cfg)
@@ -79,7 +86,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     if meta is None and model is None:
         raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
     if run is not None:
-        check_run(run, cfg, recall)
+        check_run(run, cfg, recall, moe=is_moe_run(meta))
     if model is not None:
         check_model(model, gguf_file, trust_remote_code=trust_remote_code, experts=True)  # MoE: engine.py reads them
     if reads_in_place(meta, model, cfg):
