@@ -108,12 +108,14 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
                      placement: Any = None) -> Any:
     """The Runtime of a mixture of experts (source opened by engine.open_model), `placement` its expert mask."""
     from hotneurons.kernels.cold import set_threads
+    from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
     from hotneurons.runtime.engine import SourceModel, model_info
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes
     from hotneurons.runtime.moe_ffn import HybridMoE
     from hotneurons.runtime.placement import plan_figures, solved_summary
+    from hotneurons.runtime.source_steps import SourceSteps
 
     if cfg.mode == "hybrid" and cfg.oracle:
         raise ArtifactError("--oracle computes a dense FFN's true masks; a mixture of experts' router is exact "
@@ -147,9 +149,8 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
     ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release) for i in range(L)]
     stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
-    # decode runs eagerly through engine.forward (a host wait inside a layer); ctx as the decoder's cache holds
-    cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored,
-                  static_decode=False, ctx=ctx)
+    # ctx as the decoder's cache holds
+    cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored, ctx=ctx)
     tok = source.tokenizer()
     eos = getattr(tok, "eos_token_id", None)
     lm = SourceModel(decoder, tok, act, sid, info, source.config, set() if eos is None else {int(eos)})
@@ -158,7 +159,12 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     bytes_gpu = (tensor_bytes(decoder, device=device) - (host_embedding if device == "cpu" else 0)
                  + sum(f.device_bytes() for f in ffns))
     check_vram(bytes_gpu, device, cfg.vram, ctx)
-    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, None)
+    # decode steps as the dense path's (runtime/source_steps.py: CUDA graphs, the CPU's experts between them; eager
+    # pieces on a CPU); prefill runs through engine.forward, HybridMoE.forward batching tokens per expert
+    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
+    fast = (SourceSteps(decoder, ffns, torch.device(device), dtype, cfg.cuda_graphs, ops, cfg.prelaunch)
+            if cfg.static_decode else None)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
     plan_figures(rt, solved)
     rt.plan_expert_share = None if solved is None or solved.experts is None else solved.experts.gpu_share_routed
     rt.expert_placement = where
