@@ -16,7 +16,8 @@ token (embedding column 0; row 0 of every attn_output and ffn_down_exps zero, so
 layer's ffn_norm weight[0] scales it to ~1 at the FFN input, so router column 0 acts as a per-expert bias b_e:
 logit_e = b_e x_0 + sum_{k>0} W_ek x_k. Columns 1.. are random, std 1/sqrt(d) (a content logit of std ~1: tokens
 route differently). The biases are fitted on the layer's own FFN inputs (the calibration tokens carried through the
-layers before it, as stored): b_e <- b_e + 0.7 (log f_e - log c_e) over CAL_STEPS rounds, c_e the measured share of
+layers before it, as stored): b_e <- b_e + a_r (log f_e - log c_e) over CAL_STEPS rounds, a_r shrinking from 0.5 to
+0.02 (a fixed step overshoots and oscillates), the round closest to the target kept; c_e the measured share of
 routed picks of expert e under top-k, f_e the target's (the fixed point of DeepSeek-V3's bias-only load balancing,
 here steered to a skew instead of to uniform). The router is F32, so the file routes as calibrated. The hottest
 experts' ids are a random permutation per layer.
@@ -54,7 +55,7 @@ from hotneurons.bench import bench_model as bm
 from hotneurons.bench.shapes import CONST, EMBED_STD
 
 Q4_BLOCK, Q4_BYTES = 32, 18  # Q4_0: 32 weights in 18 bytes
-CAL_STEPS = 40
+CAL_STEPS = 200
 STD = 0.02  # attention and expert weights
 
 # the targets' one number per model (module docstring): (share of experts, share of routed picks they receive)
@@ -361,11 +362,17 @@ def _router(x: torch.Tensor, target: np.ndarray, k: int, g: torch.Generator, see
     w[:, 0] = 0.0
     content = x @ w.T  # (T, E) the logits without the bias
     b = torch.log(f.float())
-    for _ in range(CAL_STEPS):
+    best, best_err = b, float("inf")
+    for r in range(CAL_STEPS):
         idx = torch.topk(content + b * x[:, :1], k, -1).indices  # (T, k)
         c = torch.bincount(idx.ravel(), minlength=E).float() / T  # (E,) picks a token
-        b = b + 0.7 * (torch.log(f.float()) - torch.log(c + 0.5 / T))
-    w[:, 0] = b
+        err = float((c - f).abs().max())
+        if err < best_err:
+            best, best_err = b, err
+        # a step that shrinks from 0.5 to 0.02: a fixed one overshoots where an expert's picks respond steeply to its
+        # bias (an expert with no picks gets a step of log(f T), and then takes most tokens), and never settles
+        b = b + 0.5 * 0.025 ** (r / CAL_STEPS) * (torch.log(f.float()) - torch.log(c + 0.5 / T))
+    w[:, 0] = best
     idx = torch.topk(x @ w.T, k, -1).indices
     c = (torch.bincount(idx.ravel(), minlength=E).double() / T).cpu().numpy()
     frac = REPORT_FRAC
