@@ -203,6 +203,21 @@ def measure_cold_rate(hw: HardwareSpec, model: dict, sparsity: float | None, col
     return hw.replace(cpu_bw=rate), note
 
 
+def measure_expert_rate(hw: HardwareSpec, d_model: int, n_ff_exp: int, k: int, cold_dtype: str
+                        ) -> tuple[HardwareSpec, str]:
+    """hw with cpu_bw set to the rate of the cold experts' kernel (kernels.dram.expert_call_bw) on this machine, for
+    experts of the profiled shape in `cold_dtype` blocks, about a quarter of the k routed experts a call (a
+    placement's usual cold share); the dense cold kernel's rate on a handful of neurons says nothing of it."""
+    from hotneurons.kernels.dram import expert_call_bw
+
+    per = max(1, round(k / 4))
+    cold_dtype = cold_dtype if cold_dtype in ("q4_0", "q4_1", "q8_0") else "q8_0"  # float experts: about q8_0's bytes
+    rate = expert_call_bw(d_model, n_ff_exp, cold_dtype, per)
+    note = (f"measured the {cold_dtype} cold experts' kernel at {rate / 1e9:.1f} GB/s on calls of {per} experts "
+            f"(DRAM {hw.cpu_bw / 1e9:.1f} GB/s): the cost model's CPU rate")
+    return hw.replace(cpu_bw=rate), note
+
+
 def machine_info(*packages: str) -> dict:
     """What a results file records about the machine it was measured on, plus the versions of `packages`."""
     import platform

@@ -122,3 +122,41 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
         call(idx)
         spent += time.perf_counter() - t0
     return calls * rows_per_call * n_mats * row_bytes / spent
+
+
+def expert_call_bw(d: int, n: int, fmt: str, experts_per_call: int, table_bytes: int = 2**30, calls: int = 100,
+                   gap_s: float = 2e-4, seed: int = 0) -> float:
+    """bytes/s of the cold experts' kernel (kernels/cold_experts.expert_ffn) as a decode step calls it: `calls` calls,
+    each over `experts_per_call` random experts (gate, up: n rows of d; down: d rows of n, in `fmt` blocks) of a table
+    of about `table_bytes`, the host spinning `gap_s` between calls as cold_call_bw's does. The rate pi-solve prices a
+    routed cold expert at."""
+    from hotneurons.kernels.cold_experts import expert_ffn
+    from hotneurons.weights.formats import spec
+
+    s = spec(fmt)
+    rng = np.random.default_rng(seed)
+    head = {"q4_1": 4}.get(fmt, 2)
+    expert_bytes = (2 * n * (d // s.block) + d * (n // s.block)) * s.block_bytes
+    E = max(4 * experts_per_call, table_bytes // expert_bytes)
+
+    def rows(r: int, width: int) -> np.ndarray:
+        a = rng.integers(0, 256, (r, width // s.block * s.block_bytes), dtype=np.uint8)
+        blocks = a.reshape(r, -1, s.block_bytes)
+        blocks[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(), np.uint8)  # normal
+        return a
+
+    gate, up, down = rows(E * n, d), rows(E * n, d), rows(E * d, n)
+    x = rng.standard_normal(d).astype(np.float32)
+    w = np.full(experts_per_call, 1.0 / experts_per_call, np.float32)
+    out = np.empty(d, np.float32)
+    picks = [rng.choice(E, experts_per_call, replace=False).astype(np.int64) for _ in range(calls)]
+    expert_ffn(x, picks[0], w, gate, up, down, "swiglu", out)  # compiled (or loaded from the cache)
+    spent = 0.0
+    for ids in picks:
+        t_end = time.perf_counter() + gap_s
+        while time.perf_counter() < t_end:
+            pass
+        t0 = time.perf_counter()
+        expert_ffn(x, ids, w, gate, up, down, "swiglu", out)
+        spent += time.perf_counter() - t0
+    return calls * experts_per_call * expert_bytes / spent

@@ -16,6 +16,7 @@ from hotneurons.common.hardware import (
     UnknownHardware,
     get_hardware,
     measure_cold_rate,
+    measure_expert_rate,
     measure_hardware,
     presets_table,
 )
@@ -111,7 +112,11 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         notes: list[str] = []
         if measure:
             hw, notes = measure_hardware(hw)
-            hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype or "bf16")
+            if moe:
+                hw, note = measure_expert_rate(hw, int(meta.model["d_model"]), int(meta.experts.n_ff_exp),
+                                               int(meta.experts.n_experts_used), cold_dtype or "q4_0")
+            else:
+                hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype or "bf16")
             notes.append(note)
             if not as_json:
                 for n in notes:

@@ -86,3 +86,17 @@ def test_cold_call_rate_is_the_kernels_and_becomes_the_cost_models_cpu_rate(fmt)
     h, note = measure_cold_rate(base, model, 0.9, fmt)
     assert h.cpu_bw != base.cpu_bw and h.cpu_bw > 1e7 and h.gpu_bw == base.gpu_bw
     assert f"{h.cpu_bw / 1e9:.1f} GB/s" in note and f"DRAM {base.cpu_bw / 1e9:.1f} GB/s" in note
+
+
+def test_expert_call_bw_times_the_experts_kernel(monkeypatch):
+    """pi-solve --measure on a mixture of experts prices a cold expert at the experts' kernel's own rate: a quarter
+    of the routed experts a call, float experts timed as q8_0 rows."""
+    from hotneurons.common.hardware import get_hardware, measure_expert_rate
+    from hotneurons.kernels import dram
+
+    for fmt in ("q4_0", "q8_0"):
+        assert dram.expert_call_bw(64, 32, fmt, 2, table_bytes=1 << 20, calls=4, gap_s=0.0) > 0
+    seen = []
+    monkeypatch.setattr(dram, "expert_call_bw", lambda d, n, fmt, per: seen.append((d, n, fmt, per)) or 5e9)
+    hw, note = measure_expert_rate(get_hardware("h100"), 2048, 768, 8, "bf16")
+    assert hw.cpu_bw == 5e9 and seen == [(2048, 768, "q8_0", 2)] and "5.0 GB/s" in note
