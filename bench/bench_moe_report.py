@@ -51,7 +51,9 @@ def report(stages: dict[str, dict], uniform: dict[str, dict] | None = None) -> d
              "decode_vs_all_gpu": (ours["decode_tok_s"]["256"] / systems["llama.cpp all on the GPU"]["decode_tok_s"]
                                    ["256"] if ours and (systems.get("llama.cpp all on the GPU") or {}).get(
                                        "decode_tok_s") else None),
-             "gpu_share_vs_n_cpu_moe": (shares["ours_planned"] / theirs if theirs else None),
+             # ours as decode measured it (the plan's is the profile's tokens'); llama.cpp's is exact: whole layers
+             "gpu_share_vs_n_cpu_moe": ((shares["ours_measured_decode"] or shares["ours_planned"]) / theirs
+                                        if theirs else None),
              "host_rss_vs_file": (ours["host_peak_rss_bytes"] / ours["gguf_bytes"] if ours else None)}
     fig = {"variant": stages["pipeline"].get("variant"), "shape": build["shape"], "routing": build["routing"],
            "activation": build["activation"], "gguf_bytes": build["gguf_bytes"],

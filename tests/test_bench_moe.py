@@ -69,7 +69,7 @@ def test_report_with_a_recorded_llamacpp_stage(work, tmp_path):
     ours = json.loads((work / "ours.json").read_text())["figures"]
     g = fig["goals"]
     assert g["decode_vs_n_cpu_moe"] == pytest.approx(ours["decode_tok_s"]["256"] / 100.0)
-    assert g["gpu_share_vs_n_cpu_moe"] == pytest.approx(fig["gpu_share_routed"]["ours_planned"] / 0.4)
+    assert g["gpu_share_vs_n_cpu_moe"] == pytest.approx(fig["gpu_share_routed"]["ours_measured_decode"] / 0.4)
     assert g["host_rss_vs_file"] == pytest.approx(ours["host_peak_rss_bytes"] / ours["gguf_bytes"])
     assert "| llama.cpp -ngl 99 --n-cpu-moe 1 | 100.00 / 100.00 | 1000 |" in out.with_suffix(".md").read_text()
 
