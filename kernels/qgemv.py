@@ -183,10 +183,10 @@ def _step(acc, q, s, mn, x_at, xm, magic, Q4: tl.constexpr, MIN: tl.constexpr, D
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, NB, stride_x, stride_q, stride_sb, stride_mb,
-                 stride_o, magic, Q4: tl.constexpr, MIN: tl.constexpr, BIAS: tl.constexpr, ADD: tl.constexpr,
-                 EVEN: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, M, N, NB, OUT, stride_x, stride_q, stride_sb,
+                 stride_mb, stride_o, magic, Q4: tl.constexpr, MIN: tl.constexpr, BIAS: tl.constexpr,
+                 ADD: tl.constexpr, EVEN: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr, MAP: tl.constexpr,
+                 XSLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
     of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
     a Q8_0 block: 32 | 16 weights), in the module's kernel order, a step's units across the program's threads (one
@@ -199,7 +199,9 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, NB, stride_x,
     linear is rounded first, as fused.add_linear rounds). A step's quants and scales are loaded before the previous
     step is computed (registers double-buffered: the loads of one step in flight during the other's arithmetic).
     EVEN: N % BLOCK_N == 0, NB % BLOCK_B == 0 and M == BLOCK_M (no masks). ASM: inline PTX (compiled, not
-    interpreted)."""
+    interpreted). MAP: output row n reads weight row r[n // OUT] * OUT + n % OUT (slices of OUT rows picked by
+    index: a mixture's routed experts in their stack); XSLOT: the program's x is row (its first row) // OUT of x
+    (each slice its own input; OUT a multiple of BLOCK_N, M 1)."""
     UPB: tl.constexpr = 1 if Q4 else 2  # 16-byte units a block
     UW: tl.constexpr = 32 // UPB  # weights a unit
     BLOCK_U: tl.constexpr = BLOCK_B * UPB
@@ -209,10 +211,16 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, NB, stride_x,
     w = tl.arange(0, BLOCK_W)  # (BLOCK_W,) words of a step: unit w // 4, word w % 4
     mi = tl.arange(0, BLOCK_M)  # (BLOCK_M,) tokens
     nm = n < N
-    q_at = q_ptr + n.to(tl.int64)[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
-    s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
-    m_at = m_ptr + (un // UPB)[None, :] * stride_mb + n[:, None]  # (BLOCK_N, BLOCK_U): MIN's mins, as s_at
+    if MAP:  # (BLOCK_N,) the weight rows output rows n read
+        nw = tl.load(r_ptr + n // OUT, mask=nm, other=0).to(tl.int64) * OUT + n % OUT
+    else:
+        nw = n.to(tl.int64)
+    q_at = q_ptr + nw[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
+    s_at = s_ptr + (un // UPB)[None, :] * stride_sb + nw[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
+    m_at = m_ptr + (un // UPB)[None, :] * stride_mb + nw[:, None]  # (BLOCK_N, BLOCK_U): MIN's mins, as s_at
     x_at = x_ptr + mi[:, None] * stride_x + ((w // 4) * UW + w % 4)[None, :]  # (BLOCK_M, BLOCK_W)
+    if XSLOT:
+        x_at += (tl.program_id(0) * BLOCK_N // OUT) * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), tl.float32)
     steps = tl.cdiv(NB, BLOCK_B)
     # MIN: the step's mins mn (BLOCK_N, BLOCK_U) float32, loaded, double-buffered and passed on as the scales; without
@@ -329,15 +337,25 @@ def _mins_ok(mins: torch.Tensor | None, scales: torch.Tensor, q4: bool) -> bool:
 
 def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: torch.Tensor | None,
          out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None,
-         denorm: bool | None = None, mins: torch.Tensor | None = None) -> torch.Tensor:
+         denorm: bool | None = None, mins: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+         out_rows: int = 0, x_slot: bool = False) -> torch.Tensor:
     """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales[, mins]) in the GpuQ layout (mins:
     Q4_1's, with q4; None for Q4_0 and Q8_0); m <= GEMV_MAX_ROWS, x and out with unit stride along their last
     dimension. config: (BLOCK_N, BLOCK_B, num_warps), else gemv_config's. denorm: pieces as denormals (_piece; |x|
     must stay under 2^79, see _step), else with the 2^23 offset; None: denormals for fp16 / bf16 x and up to
     DENORM_MAX_ROWS tokens (fewer instructions a weight; past that, x's per-token scaling costs more than the FADD
-    it saves)."""
+    it saves). rows (r,) int64 with out_rows: w's slices of out_rows rows [rows[i] * out_rows, ...) stacked, n = r *
+    out_rows (a mixture's routed experts read in place from their stack); x_slot: slice i times x's row i (m is then
+    1 for the product, x (r, k), out (1, n))."""
     m, k = x.shape
     n, nb = scales.shape
+    if rows is not None:
+        n = len(rows) * out_rows
+        if x_slot:
+            if m != len(rows) or tuple(out.shape) != (1, n):
+                raise ValueError(f"quantized GEMV by slices: x ({len(rows)}, {k}) and out (1, {n}) expected, got "
+                                 f"{tuple(x.shape)} and {tuple(out.shape)}")
+            m = 1
     if (m > GEMV_MAX_ROWS or k != nb * QBLOCK or tuple(out.shape) != (m, n) or x.stride(1) != 1 or out.stride(1) != 1
             or scales.stride(0) != 1 or not _mins_ok(mins, scales, q4)):
         raise ValueError(f"quantized GEMV: expected x (<= {GEMV_MAX_ROWS}, {nb * QBLOCK}) and out ({m}, {n}) with "
@@ -346,15 +364,19 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     if m == 0 or n == 0:  # nothing to compute (e.g. a layer with no hot rows): no launch of an empty grid
         return out
     bn, bb, nw = config or gemv_config(n, k, q4, m)
+    while x_slot and out_rows % bn:  # a program's rows within one slice: one x row
+        bn //= 2
     bm = _pow2(m)
     denorm = x.dtype != torch.float32 and m <= DENORM_MAX_ROWS if denorm is None else denorm
     even = n % bn == 0 and nb % bb == 0 and m == bm
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
     ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, ms, words if b is None else b, out, m, n, nb, x.stride(0),
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, ms, words if b is None else b, out,
+                                        words if rows is None else rows, m, n, nb, max(out_rows, 1), x.stride(0),
                                         words.stride(0), scales.stride(1), ms.stride(1), out.stride(0), MAGIC, Q4=q4,
                                         MIN=mins is not None, BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm,
-                                        ASM=x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
+                                        ASM=x.is_cuda, MAP=rows is not None, XSLOT=x_slot, BLOCK_M=bm, BLOCK_N=bn,
+                                        BLOCK_B=bb, num_warps=nw)
     return out
 
 

@@ -329,3 +329,23 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: Weight, bias: torch.Tensor |
     """h (..., n) += x (..., k) @ w.T + bias, in h's memory (as ops.add_linear: without a bias rounded once, with
     one the linear rounded first). h is x's dtype."""
     _apply(x, w, bias, h, add=True)
+
+
+def linear_rows(x: torch.Tensor, w: Weight, rows: torch.Tensor, out_rows: int, per_slot: bool = False) -> torch.Tensor:
+    """Slices of w picked by index (a mixture's routed experts in their stack): the r = len(rows) slices of out_rows
+    rows [rows[i] * out_rows, ...) of w, stacked, times x (m, k) -> (m, r * out_rows); per_slot: slice i times x's
+    row i (x (r, k)) -> (1, r * out_rows). The GEMV reads the slices in place (a GpuQ on the kernels); otherwise they
+    are gathered first (the reference)."""
+    r = len(rows)
+    if isinstance(w, GpuQ) and _on_kernels(x) and (per_slot or x.shape[0] <= _gemv_rows()):
+        from hotneurons.kernels import qgemv
+
+        out = x.new_empty((1 if per_slot else x.shape[0], r * out_rows))
+        return qgemv.gemv(x.contiguous(), w.qs, w.scales, w.q4, None, out, mins=w.mins, rows=rows,
+                          out_rows=out_rows, x_slot=per_slot)
+    idx = (rows[:, None] * out_rows + torch.arange(out_rows, device=rows.device)).reshape(-1)  # (r * out_rows,)
+    g = w.rows(idx) if isinstance(w, (GpuQ, QTensor)) else w.index_select(0, idx)
+    if not per_slot:
+        return linear(x, g)
+    y = linear(x, g).reshape(r, r, out_rows)  # (x row, slice, out)
+    return torch.diagonal(y, dim1=0, dim2=1).T.reshape(1, r * out_rows)  # each slice with its own row

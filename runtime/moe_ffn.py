@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from hotneurons.kernels.cold import SPINS, wait_ready
 from hotneurons.kernels.cold_experts import FLOAT_ROWS, experts_ffn
-from hotneurons.kernels.qlinear import GpuQ, linear
+from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
 from hotneurons.models.moe import route
@@ -279,28 +279,21 @@ class HybridMoE(nn.Module):
         io.w_dev.copy_(w[0])
         self.fired.index_add_(0, idx[0], self._ones)
 
-    def _gathered(self, proj: str, local: torch.Tensor) -> Any:
-        """The rows of experts `local` (k,) (indices into the device stack) as one (k * out, in) weight."""
-        stack = self.stacks[proj]
-        out = self.d_model if proj == "down" else self.n_ff
-        rows = (local[:, None] * out + torch.arange(out, device=local.device)).reshape(-1)  # (k * out,)
-        return stack.rows(rows) if isinstance(stack, (GpuQ, QTensor)) else stack.index_select(0, rows)
-
     def device_part(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, d) in x's dtype: the shared expert plus the token's routed GPU experts, from the device-side ids: a
-        cold slot computes expert 0 of the stack at weight 0 (static shapes)."""
+        """(1, d) in x's dtype: the shared expert plus the token's routed GPU experts, read from their stacks by the
+        device-side ids (qlinear.linear_rows: in place on the GEMV's kernels); a cold slot computes stack expert 0 at
+        weight 0 (static shapes)."""
         y = self._shared(x) if self.shared is not None else torch.zeros_like(x)
         if not len(self.gpu_ids):
             return y
-        k = self.cfg.n_experts_used
+        k, st = self.cfg.n_experts_used, self.stacks
         local = self.lut[self.route_ids]  # (k,)
         w = torch.where(local >= 0, self.route_w, torch.zeros_like(self.route_w))  # (k,)
         local = local.clamp(min=0)
-        h = ffn_values(self.cfg, linear(x, self._gathered("up", local)),
-                       linear(x, self._gathered("gate", local))).reshape(k, self.n_ff)  # (k, n)
-        ys = linear(h, self._gathered("down", local)).reshape(k, k, self.d_model)  # (k, k, d): token j, expert e
-        ys = torch.diagonal(ys, dim1=0, dim2=1)  # (d, k): each expert's product with its own h
-        return y + (ys * w.to(ys.dtype)).sum(-1, keepdim=True).T.to(y.dtype)  # (1, d)
+        h = ffn_values(self.cfg, linear_rows(x, st["up"], local, self.n_ff),
+                       linear_rows(x, st["gate"], local, self.n_ff)).reshape(k, self.n_ff)  # (k, n)
+        ys = linear_rows(h, st["down"], local, self.d_model, per_slot=True).reshape(k, self.d_model)  # (k, d)
+        return y + (w.to(ys.dtype)[None, :] @ ys).to(y.dtype)  # (1, d)
 
     def cold_rows(self, x: torch.Tensor, flags: Any = None, i: int = -1) -> None:
         """The CPU's part once the routing is in the host buffers: the token's cold experts' weighted sum into

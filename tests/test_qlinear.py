@@ -439,3 +439,29 @@ def test_empty_weight_and_tokens():
     g5 = pack(random_q(5, 64, "q8_0", DEVICE), DEVICE)
     assert qgemv.gemv(torch.empty((0, 64), device=DEVICE), g5.qs, g5.scales, False, None,
                       torch.empty((0, 5), device=DEVICE)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("fmt", QFMTS)
+@pytest.mark.parametrize("kernels", [True, False])
+def test_linear_rows_reads_slices_by_index(fmt, kernels, monkeypatch):
+    """linear_rows: slices of a stacked weight picked by index (a mixture's routed experts), all times x or each
+    times its own row of x (per_slot); on the kernels (the GEMV reading the slices in place, MAP / XSLOT) and off
+    them (gathered first) against float64 products of the de-quantized slices."""
+    if kernels:
+        need_kernels()
+        monkeypatch.setattr(qlinear, "_on_kernels", lambda t: True)
+    out_rows, k, slices = 32, 64, 5
+    q = random_q(slices * out_rows, k, fmt, DEVICE, seed=17)
+    g, w64, mag = pack(q, DEVICE), ref_dequant(q.data, fmt), ref_magnitude(q.data, fmt)
+    rows = torch.tensor([3, 0, 3, 1], device=DEVICE)  # repeats allowed: two routed slots may not, but cold ones do
+    idx = (rows[:, None] * out_rows + torch.arange(out_rows, device=DEVICE)).reshape(-1).cpu()
+    x = torch.randn((1, k), device=DEVICE)
+    check(qlinear.linear_rows(x, g, rows, out_rows), x, w64[idx], None, U_OUT[torch.float32],
+          mag=None if mag is None else mag[idx])
+    xs = torch.randn((len(rows), k), device=DEVICE)
+    y = qlinear.linear_rows(xs, g, rows, out_rows, per_slot=True)  # (1, 4 * out_rows)
+    assert y.shape == (1, len(rows) * out_rows)
+    for i, r in enumerate(rows.tolist()):
+        sl = slice(r * out_rows, (r + 1) * out_rows)
+        check(y[:, i * out_rows:(i + 1) * out_rows], xs[i:i + 1], w64[sl], None, U_OUT[torch.float32],
+              mag=None if mag is None else mag[sl])
