@@ -213,11 +213,13 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, M, N, NB, OU
     nm = n < N
     if MAP:  # (BLOCK_N,) the weight rows output rows n read
         nw = tl.load(r_ptr + n // OUT, mask=nm, other=0).to(tl.int64) * OUT + n % OUT
-    else:
-        nw = n.to(tl.int64)
-    q_at = q_ptr + nw[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
-    s_at = s_ptr + (un // UPB)[None, :] * stride_sb + nw[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
-    m_at = m_ptr + (un // UPB)[None, :] * stride_mb + nw[:, None]  # (BLOCK_N, BLOCK_U): MIN's mins, as s_at
+        q_at = q_ptr + nw[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
+        s_at = s_ptr + (un // UPB)[None, :] * stride_sb + nw[:, None]  # (BLOCK_N, BLOCK_U)
+        m_at = m_ptr + (un // UPB)[None, :] * stride_mb + nw[:, None]  # (BLOCK_N, BLOCK_U)
+    else:  # the dense path's code as tuned (32-bit row offsets for the scales)
+        q_at = q_ptr + n.to(tl.int64)[:, None] * stride_q + w[None, :]  # (BLOCK_N, BLOCK_W)
+        s_at = s_ptr + (un // UPB)[None, :] * stride_sb + n[:, None]  # (BLOCK_N, BLOCK_U): a thread's rows side by side
+        m_at = m_ptr + (un // UPB)[None, :] * stride_mb + n[:, None]  # (BLOCK_N, BLOCK_U): MIN's mins, as s_at
     x_at = x_ptr + mi[:, None] * stride_x + ((w // 4) * UW + w % 4)[None, :]  # (BLOCK_M, BLOCK_W)
     if XSLOT:
         x_at += (tl.program_id(0) * BLOCK_N // OUT) * stride_x
