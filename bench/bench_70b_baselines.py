@@ -13,13 +13,13 @@ from pathlib import Path
 
 
 def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, prompt: int, env: dict | None = None,
-                timeout: float = 400) -> dict:
-    """One `llama-bench` process (every layer past the first `ngl` on the CPU), its tokens/s per test and its peak
-    host and GPU memory."""
+                timeout: float = 400, extra: tuple[str, ...] = ()) -> dict:
+    """One `llama-bench` process (every layer past the first `ngl` on the CPU; `extra` flags, e.g. --n-cpu-moe N),
+    its tokens/s per test and its peak host and GPU memory."""
     from hotneurons.bench.memory_probe import GpuMemory, Monitor
 
-    argv = [binary, "-m", str(gguf), "-ngl", str(ngl), "-p", str(prompt), "-n", gen, "-r", "1", "-t", str(threads),
-            "-o", "json"]
+    argv = [binary, "-m", str(gguf), "-ngl", str(ngl), *extra, "-p", str(prompt), "-n", gen, "-r", "1", "-t",
+            str(threads), "-o", "json"]
     with Monitor(argv, env=env) as m, GpuMemory(m.proc.pid) as g:
         res = m.wait(timeout)
     row = {"command": " ".join(argv), "ngl": ngl, "exit_code": res.exit_code, "seconds": res.wall_s,

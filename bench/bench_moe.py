@@ -219,21 +219,10 @@ def ours_child(a) -> None:
 def llama_bench(binary: str, gguf: Path, ncmoe: int, threads: int, gen: str, prompt: int,
                 timeout: float = 500) -> dict:
     """One `llama-bench -ngl 99 --n-cpu-moe N` process: tokens/s per test, peak host and GPU (driver) memory."""
-    from hotneurons.bench.memory_probe import GpuMemory, Monitor
+    from hotneurons.bench.bench_70b_baselines import llama_bench as run
 
-    argv = [binary, "-m", str(gguf), "-ngl", "99", "--n-cpu-moe", str(ncmoe), "-p", str(prompt), "-n", gen,
-            "-r", "1", "-t", str(threads), "-o", "json"]
-    with Monitor(argv) as m, GpuMemory(m.proc.pid) as g:
-        res = m.wait(timeout)
-    row = {"command": " ".join(argv), "n_cpu_moe": ncmoe, "exit_code": res.exit_code, "seconds": res.wall_s,
-           "host_peak_rss_bytes": res.peak_rss_bytes, "gpu_peak_bytes": g.peak}
-    if res.exit_code != 0:
-        return {**row, "error": res.stderr_tail[-2000:]}
-    tests = json.loads(m.out.buf.decode())
-    row["decode_tok_s"] = {str(t["n_gen"]): t["avg_ts"] for t in tests if t["n_gen"]}
-    row["prefill_tok_s"] = next((t["avg_ts"] for t in tests if t["n_prompt"]), None)
-    row["build_commit"] = tests[0].get("build_commit")
-    return row
+    row = run(binary, gguf, 99, threads, gen, prompt, timeout=timeout, extra=("--n-cpu-moe", str(ncmoe)))
+    return {"n_cpu_moe": ncmoe, **{k: v for k, v in row.items() if k != "ngl"}}
 
 
 def smallest_fitting(probe, guess: int, layers: int, budget: int) -> tuple[int | None, dict]:
