@@ -159,17 +159,6 @@ def test_refusals():
 NEW = 8
 
 
-@pytest.fixture(autouse=True)
-def _byte_tokenizer(monkeypatch):
-    """The tiny models' byte tokenizer for their GGUFs: transformers' conversion of its tables (write_moe_gguf's
-    vocabulary, placeholders past the bytes) fails in `tokenizers` ("Token `ĀĀ` out of vocabulary"), which
-    GGUFSource.tokenizer does not catch; the engine's MoE path is what these tests check."""
-    from hotneurons.bench import tiny
-    from hotneurons.weights.gguf_source import GGUFSource
-
-    monkeypatch.setattr(GGUFSource, "tokenizer", lambda self: tiny.byte_tokenizer())
-
-
 @pytest.fixture(scope="module")
 def moe_gguf(tiny_model_dir, tmp_path_factory):
     """moe_gguf(family) -> (F16 GGUF path, HF model with the fp16-rounded weights the file holds), once per family."""
@@ -272,7 +261,15 @@ def test_engine_q8_0_experts_mixed_formats(moe_gguf, tmp_path):
     file's tensors, prompt and decode steps."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    from hotneurons.export.gguf_model import Tensor, hf_state, moe_metadata, moe_tensors, write_gguf
+    from hotneurons.bench import tiny
+    from hotneurons.export.gguf_model import (
+        Tensor,
+        hf_state,
+        moe_metadata,
+        moe_tensors,
+        vocab_from_tokenizer,
+        write_gguf,
+    )
     from hotneurons.runtime.engine import forward, load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig
     from hotneurons.weights.gguf_source import GGUFSource
@@ -286,7 +283,8 @@ def test_engine_q8_0_experts_mixed_formats(moe_gguf, tmp_path):
             t = Tensor(t.name, blocks.shape, np.dtype(np.uint8), lambda b=blocks: b, ggml_type=int(q8))
         tensors.append(t)
     path = tmp_path / "q.gguf"
-    write_gguf(path, "qwen2moe", lambda w: moe_metadata(w, hf.config, "q8"), tensors)
+    vocab = vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB)
+    write_gguf(path, "qwen2moe", lambda w: (moe_metadata(w, hf.config, "q8"), vocab.add_to(w)), tensors)
     mask = np.array([[True, False, True, False], [False, False, True, True]])
     rt = load_source_runtime(None, None, RuntimeConfig(device="cpu"), model=str(path), placement=mask)
     assert all(f.in_place for f in rt.ffns)
@@ -398,3 +396,19 @@ def test_cuda_graph_pieces_equal_reference(family, fmt, where):
         torch.cuda.synchronize()
         ffn.cold_rows(xs)
         _close((y + ffn.cold_sum()).cpu(), ref(x[t:t + 1]))
+
+
+def test_gguf_tokenizer_without_merges_reads_back(moe_gguf):
+    """A byte-level vocabulary with no merges is written with llama.cpp's required merges array holding a merge that
+    never applies (export/gguf_model.NEVER_MERGE); reading it back drops merges that `tokenizers` would refuse
+    (weights/gguf_source.usable_merges) and tokenizes as the model's own tokenizer."""
+    from hotneurons.bench import tiny
+    from hotneurons.weights.gguf_source import GGUFSource
+
+    path, _, _ = moe_gguf("mixtral")
+    text = "Hello, experts! ÿ 42"
+    want = tiny.byte_tokenizer()
+    with GGUFSource(path) as src:
+        got = src.tokenizer()
+    assert got(text)["input_ids"] == want(text)["input_ids"]
+    assert got.decode(got(text)["input_ids"]) == text

@@ -217,6 +217,8 @@ class GGUFSource(WeightSource):
         cannot build it (versions of transformers and tokenizers that disagree on the merges' type), a byte-level BPE
         vocabulary is built from the file's tables with `tokenizers` alone (byte_level_bpe)."""
         meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
+        if "tokenizer.ggml.merges" in meta:
+            meta["tokenizer.ggml.merges"] = usable_merges(meta)
         try:
             return self._transformers_tokenizer(meta, fallback=meta.get("tokenizer.ggml.model") != "gpt2")
         except (TypeError, ValueError) as e:
@@ -259,6 +261,19 @@ class GGUFSource(WeightSource):
     def close(self) -> None:
         super().close()
         self.file = None
+
+
+def usable_merges(meta: dict[str, Any]) -> list[str]:
+    """The file's merges whose two sides and join are all tokens: `tokenizers` refuses any other (a bare Exception:
+    "Token ... out of vocabulary"), and none could apply. A file whose tokenizer has no merges carries a placeholder
+    that never applies, since llama.cpp's loader needs the array (export/gguf_model.NEVER_MERGE)."""
+    vocab = set(meta["tokenizer.ggml.tokens"])
+    out = []
+    for m in meta["tokenizer.ggml.merges"]:
+        a, _, b = m.partition(" ")
+        if a in vocab and b in vocab and a + b in vocab:
+            out.append(m)
+    return out
 
 
 def byte_level_bpe(meta: dict[str, Any]) -> Any:
