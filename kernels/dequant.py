@@ -64,7 +64,7 @@ def _dequant_file_kernel(d_ptr, out_ptr, N, NB, stride_d, stride_o, KIND: tl.con
 def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: torch.dtype = torch.float32,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, row_bytes(fmt, cols)) uint8 file blocks -> (rows, cols) weights in `dtype` (or into `out`), where data
-    is. CUDA (or Triton's interpreter) and Q4_0 / Q4_1 / Q8_0: one kernel; otherwise weights/quants.dequantize."""
+    is. CUDA and Q4_0 / Q4_1 / Q8_0: one kernel; otherwise weights/quants.dequantize."""
     fmt = weight_format(fmt)
     rows = data.shape[0]
     out = torch.empty((rows, cols), dtype=dtype, device=data.device) if out is None else out  # (rows, cols)
@@ -88,6 +88,5 @@ def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: 
 
 
 def _on_kernels(t: torch.Tensor) -> bool:
-    import os
-
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether t's device runs the kernel (the tests patch it to run it in Triton's interpreter on CPU tensors)."""
+    return t.is_cuda

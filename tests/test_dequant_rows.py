@@ -15,6 +15,14 @@ TYPES = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _kernel_in_the_interpreter(monkeypatch):
+    """Without CUDA the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on CPU tensors."""
+    from hotneurons.kernels import dequant
+
+    monkeypatch.setattr(dequant, "_on_kernels", lambda t: True)
+
+
 @pytest.mark.parametrize("fmt", sorted(TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dequant_rows_equals_gguf(fmt, dtype):
@@ -41,6 +49,6 @@ def test_dequant_rows_strided_rows_and_errors():
     assert torch.equal(got, torch.from_numpy(gguf_dequantize(data.numpy(), TYPES["q4_0"])))
     with pytest.raises(ValueError, match="whole rows of blocks"):
         dequant_rows(data[:, :10], "q4_0", 64)
-    # formats without a kernel go through weights/quants.dequantize
+    # formats without a kernel go through weights/quants.dequantize, as every format does off the kernels' devices
     f16 = w.half().view(torch.uint8)  # (6, 128) bytes
     assert torch.equal(dequant_rows(f16, "f16", 64, torch.float32), w.half().float())
