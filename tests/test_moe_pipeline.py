@@ -21,22 +21,11 @@ CTX = 256  # pi-solve --ctx: the runtime's KV cache comes from the placement's f
 
 
 def _gguf(hf, path):
-    """write_moe_gguf's file with the byte tokenizer's vocabulary minus its placeholder merge (one transformers'
-    GGUF tokenizer conversion refuses), so that the runtime reads the file's own tokenizer, as a user's."""
+    """write_moe_gguf's file with the byte tokenizer's vocabulary, so that the runtime reads the file's own
+    tokenizer, as a user's."""
     from hotneurons.export import gguf_model as gm
 
-    v = gm.vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB)
-
-    def metadata(w):
-        gm.moe_metadata(w, hf.config, "qwen3-moe")
-        w.add_tokenizer_model(v.model)
-        w.add_token_list(v.tokens)
-        w.add_token_types(v.types)
-        w.add_token_scores([0.0] * len(v.tokens))
-        w.add_bos_token_id(v.bos)
-        w.add_eos_token_id(v.eos)
-
-    gm.write_gguf(path, gm.MOE_ARCH["qwen3_moe"], metadata, gm.moe_tensors(gm.hf_state(hf), hf.config))
+    gm.write_moe_gguf(hf, path, gm.vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB))
     return path
 
 

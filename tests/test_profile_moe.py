@@ -185,18 +185,7 @@ def test_cli_gguf_and_folder(models, text_corpus, tmp_path):
 
     folder = models("qwen2-moe", "silu")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    v = gm.vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB)
-
-    def metadata(w):  # write_moe_gguf's, the vocabulary without its placeholder merge (one transformers refuses)
-        gm.moe_metadata(w, hf.config, "qwen2-moe")
-        w.add_tokenizer_model(v.model)
-        w.add_token_list(v.tokens)
-        w.add_token_types(v.types)
-        w.add_token_scores([0.0] * len(v.tokens))
-        w.add_bos_token_id(v.bos)
-        w.add_eos_token_id(v.eos)
-
-    gm.write_gguf(tmp_path / "m.gguf", gm.MOE_ARCH["qwen2_moe"], metadata, gm.moe_tensors(gm.hf_state(hf), hf.config))
+    gm.write_moe_gguf(hf, tmp_path / "m.gguf", gm.vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB))
     tables = {}
     for name, model in (("gguf", tmp_path / "m.gguf"), ("folder", folder)):
         run = tmp_path / name
