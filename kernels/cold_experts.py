@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
-from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED
+from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, SPINS, wait_ready
 from hotneurons.kernels.cold_q import _format
 from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q8_0, rows_dot
+from hotneurons.kernels.intrinsics import _store_release
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
@@ -47,7 +48,8 @@ from numba.extending import intrinsic
 MAX_H_BYTES = 64 << 20  # pass 1's float32 neuron values held at a time (pairs x n): bounds a long prefill's scratch
 FLOAT_ROWS = {"f32": np.float32, "f16": np.uint16, "bf16": np.int16}  # float formats as the kernels take their rows
 _LUT = F16_TO_F32
-__all__ = ["experts_ffn", "expert_ffn", "group_pairs", "row_format", "FLOAT_ROWS", "MAX_H_BYTES"]
+__all__ = ["experts_ffn", "expert_ffn", "experts_layer_q", "CODE", "group_pairs", "row_format", "FLOAT_ROWS",
+           "MAX_H_BYTES"]
 
 
 @intrinsic
@@ -185,6 +187,39 @@ def _down_f(H, tok, off, ids, wts, down, Y):
                 Y[tok[p], c] += wts[p] * _fdot(H[p], row)
 
 
+@njit(nogil=True, cache=True)
+def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, Y, act, fgu, fdn):
+    """One decode token's cold experts over block rows in one call, so that no Python runs between the GPU's signal
+    and the kernel (as cold_q.cold_layer_q): wait for ready[i] (i >= 0); the routed slots whose expert is cold
+    (cold_of[ids[s]] >= 0: its index in the rows), both passes into Y (1, d); release[i] = 1 once Y is written.
+    X (1, d) float32, ids (k,) int64, wts (k,) float32, H (k, n) scratch; fgu / fdn: cold_q_ir's format codes.
+    Returns the cold slots' count, or -1 when no signal came within SPINS reads."""
+    if i >= 0 and not wait_ready(ready, i, SPINS):
+        return -1
+    m = 0
+    for s in range(ids.shape[0]):
+        if cold_of[ids[s]] >= 0:
+            m += 1
+    cid = np.empty(m, np.int64)  # (m,) the cold experts' indices in the rows (a token's top-k: distinct)
+    cw = np.empty(m, np.float32)  # (m,) their routing weights
+    j = 0
+    for s in range(ids.shape[0]):
+        c = cold_of[ids[s]]
+        if c >= 0:
+            cid[j], cw[j] = c, wts[s]
+            j += 1
+    if m == 0:
+        Y[0, :] = 0.0
+    else:
+        tok = np.zeros(m, np.int64)  # (m,) every pair is the one token's
+        off = np.arange(m + 1)  # (m + 1,) one pair an expert
+        _gate_up_q(X, tok, off, cid, gate, up, H[:m], act, fgu)
+        _down_q(H[:m], tok, off, cid, cw, down, Y, fdn)
+    if i >= 0:
+        _store_release(release, i, np.int32(1))
+    return m
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Python side
 
@@ -259,16 +294,16 @@ def experts_ffn(X: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights:
         if fgu in FLOAT_ROWS:
             _gate_up_f(Xc, tok, off, ids, gate if code >= FIRST_GATED else up, up, H, code)
         else:
-            _gate_up_q(Xc, tok, off, ids, gate if code >= FIRST_GATED else up, up, H, code, _CODE[fgu])
+            _gate_up_q(Xc, tok, off, ids, gate if code >= FIRST_GATED else up, up, H, code, CODE[fgu])
         if fdn in FLOAT_ROWS:
             _down_f(H, tok, off, ids, wts, down, yc)
         else:
-            _down_q(H, tok, off, ids, wts, down, yc, _CODE[fdn])
+            _down_q(H, tok, off, ids, wts, down, yc, CODE[fdn])
         out[t0:t1] = yc
     return out
 
 
-_CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
+CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}  # block formats -> cold_q_ir's codes
 
 
 def expert_ffn(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate: np.ndarray, up: np.ndarray,

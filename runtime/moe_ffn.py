@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from hotneurons.kernels.cold import SPINS, wait_ready
-from hotneurons.kernels.cold_experts import FLOAT_ROWS, experts_ffn
+from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
+from hotneurons.kernels.cold_experts import CODE, FLOAT_ROWS, experts_ffn, experts_layer_q, row_format
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
@@ -145,6 +145,7 @@ class HybridMoE(nn.Module):
         self.prenorm, self.residual = False, None
         self.mask = "router"  # the graph steps' runner asks (an oracle mask holds back its prelaunch)
         self.io: MoEHostIO | None = None
+        self._layer_args: tuple | None = None  # experts_layer_q's arguments (host_io), block rows only
         self.fired: torch.Tensor | None = None  # (E,) int32 decode tokens routed to each expert, counted on device
 
     def _device_experts(self, stacked: dict, outs: dict) -> dict[int, tuple]:
@@ -266,6 +267,12 @@ class HybridMoE(nn.Module):
             self.route_w = torch.zeros(k, dtype=self.dtype, device=device)  # (k,) the token's routing weights
             self.route_ids = torch.zeros(k, dtype=torch.long, device=device)  # (k,) its experts
             self._ones = torch.ones(k, dtype=torch.int32, device=device)
+            if self.cold is not None:  # block rows: the CPU's part in one Numba call (experts_layer_q)
+                fmts = (row_format(self.cold[1], self.d_model), row_format(self.cold[2], self.n_ff))
+                if all(f in CODE for f in fmts):
+                    self._layer_args = (np.where(self.gpu, -1, self.cold_map),  # (E,) cold row index, -1: on device
+                                        np.empty((k, self.n_ff), np.float32), ACT_CODE[self.activation],
+                                        *(CODE[f] for f in fmts))
         return self.io
 
     def to_host(self, x: torch.Tensor, predict_op: Any = None, pred_x: torch.Tensor | None = None) -> None:
@@ -298,22 +305,29 @@ class HybridMoE(nn.Module):
     def cold_rows(self, x: torch.Tensor, flags: Any = None, i: int = -1) -> None:
         """The CPU's part once the routing is in the host buffers: the token's cold experts' weighted sum into
         io.out. `flags`, `i`: wait for the graph's ready[i] first, release flag i after (prelaunched graphs)."""
-        io = self.io
-        if flags is not None and not wait_ready(flags.ready, i, SPINS):
-            raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
-        ids, k = io.ids, self.cfg.n_experts_used
-        cold = ~self.gpu[ids]  # (k,)
-        n_cold = int(cold.sum())
-        self.counts += (1, k, k - n_cold, n_cold)
-        np.add.at(self.expert_counts, ids, 1)
-        if n_cold:
+        io, k = self.io, self.cfg.n_experts_used
+        ready, release, layer = (flags.ready, flags.host, i) if flags is not None else (NO_FLAGS, NO_FLAGS, -1)
+        if self._layer_args is not None:  # wait, both passes and the release in one call: no Python between them
+            cold_of, H, act, fgu, fdn = self._layer_args
             g, u, dn = self.cold
-            experts_ffn(io.x_np[None], np.zeros(n_cold, np.int64), self.cold_map[ids[cold]], io.w[cold], g, u, dn,
-                        self.activation, out=io.out)
-        else:
-            io.out[:] = 0.0
-        if flags is not None:
-            flags.release(i)
+            if experts_layer_q(ready, release, layer, io.x_np.reshape(1, -1), io.ids, io.w, cold_of,
+                               g if act >= FIRST_GATED else u, u, dn, H, io.out, act, fgu, fdn) < 0:
+                raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
+        else:  # float rows
+            if flags is not None and not wait_ready(ready, i, SPINS):
+                raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
+            cold = ~self.gpu[io.ids]  # (k,)
+            if cold.any():
+                g, u, dn = self.cold
+                experts_ffn(io.x_np[None], np.zeros(int(cold.sum()), np.int64), self.cold_map[io.ids[cold]],
+                            io.w[cold], g, u, dn, self.activation, out=io.out)
+            else:
+                io.out[:] = 0.0
+            if flags is not None:
+                flags.release(i)
+        n_cold = int((~self.gpu[io.ids]).sum())  # the bookkeeping after the release: off the GPU's path
+        self.counts += (1, k, k - n_cold, n_cold)
+        np.add.at(self.expert_counts, io.ids, 1)
 
     def cold_sum(self) -> torch.Tensor:
         """(d,) float32 on the device: the CPU's cold experts' sum for the token (read over PCIe on CUDA)."""

@@ -131,3 +131,33 @@ def test_refusals():
     with pytest.raises(ValueError, match="differ in format"):
         KE.expert_ffn(x, np.array([0]), np.ones(1, np.float32), _stored(np.zeros((E * N, D), np.float32),
                                                                           "q8_0")[0], u, d, "swiglu")
+
+
+@pytest.mark.parametrize("fmt, down_fmt", [("q4_0", "q4_0"), ("q8_0", "q4_1")])
+def test_decode_layer_in_one_call(fmt, down_fmt):
+    """experts_layer_q, a decode token's cold experts in one call (the graph steps' CPU part): the routed slots whose
+    expert is cold, against float64; with flags it waits for ready[i] (reset), releases flag i after writing Y; without
+    a signal it returns -1 and writes nothing."""
+    from hotneurons.kernels.cold import ACT_CODE
+
+    rows, w64 = _experts(fmt, down_fmt, seed=6)
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((1, D)).astype(np.float32)
+    H = np.empty((3, N), np.float32)
+    gpu = np.array([True, False, False, True, False, True, False, True][:E])
+    cold_of = np.where(gpu, -1, np.arange(E))  # in place: a cold expert is its own row range
+    ready, release = np.zeros(2, np.int32), np.zeros(2, np.int32)
+    for ids in ([1, 3, 6], [0, 3, 5], [2, 4, 0]):
+        ids = np.array(ids, np.int64) % E
+        wts = rng.random(3).astype(np.float32)
+        Y = np.full((1, D), np.nan, np.float32)
+        ready[1], release[1] = 1, 0
+        m = KE.experts_layer_q(ready, release, 1, X, ids, wts, cold_of, rows[0], rows[1], rows[2], H, Y,
+                               ACT_CODE["swiglu"], KE.CODE[fmt], KE.CODE[down_fmt])
+        cold = ~gpu[ids]
+        assert m == cold.sum() and ready[1] == 0 and release[1] == 1
+        _close(Y[0], reference("swiglu", X, [0] * int(m), ids[cold], wts[cold], w64)[0])
+    Y[:] = 7.0
+    assert KE.experts_layer_q(ready, release, 0, X, ids, wts, cold_of, rows[0], rows[1], rows[2], H, Y,
+                              ACT_CODE["swiglu"], KE.CODE[fmt], KE.CODE[down_fmt]) == -1
+    assert (Y == 7.0).all() and release[0] == 0
