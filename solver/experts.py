@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from hotneurons.artifacts.placement import Objective
-from hotneurons.common.cli import stdout_to_stderr
 from hotneurons.common.kinds import choose
 
 from .cost import SolverError
-from .ilp import IlpResult, _pulp
+from .ilp import IlpResult, _pulp, new_var, run_highs
 
 
 @dataclass(frozen=True)
@@ -127,9 +126,7 @@ def solve_experts(p: ExpertProblem, objective: Objective | str = Objective.LATEN
     prob = pulp.LpProblem("experts", sense)
 
     def var(name, low=None, up=None, cat="Continuous"):
-        if hasattr(prob, "add_variable"):  # PuLP >= 3.3
-            return prob.add_variable(name, low, up, cat=cat)
-        return pulp.LpVariable(name, low, up, cat=cat)
+        return new_var(pulp, prob, name, low, up, cat)
 
     def expr(terms):
         return pulp.LpAffineExpression(terms)
@@ -190,23 +187,9 @@ def solve_experts(p: ExpertProblem, objective: Objective | str = Objective.LATEN
     prob += expr(memory) <= p.budget_bytes * mb, "memory"
     for i, r in enumerate(rows):
         prob.addConstraint(r, f"c{i}")
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=mip_gap, threads=threads)
-    build = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    with stdout_to_stderr():  # HiGHS prints its banner to fd 1 even with msg=False
-        prob.solve(solver)
-    solve = time.perf_counter() - t1
-    h = prob.solverModel
-    info = h.getInfo()
-    model_status = h.modelStatusToString(h.getModelStatus())
-    if any(v.varValue is None for v in ks):
-        raise SolverError(f"HiGHS found no expert placement ({model_status}) within {time_limit:g} s: raise the time "
-                          f"limit", params="time_limit")
-    k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64).reshape(L, E)  # (layers, experts)
-    scale = unit_ms if objective == Objective.LATENCY else -1.0  # PuLP hands HiGHS -objective to maximise
-    val = float(pulp.value(prob.objective)) * abs(scale)
-    bound = float(info.mip_dual_bound) * scale
-    gap = abs(val - bound) / max(abs(val), 1e-12)
+    r = run_highs(pulp, prob, ks, "expert placement", objective, unit_ms, time_limit, mip_gap, threads, t0)
+    k, model_status, val, bound, gap = r.k.reshape(L, E), r.model_status, r.objective, r.bound, r.gap  # k (L, E)
+    build, solve = r.build_seconds, r.solve_seconds
     status = "optimal" if model_status == "Optimal" else f"{model_status.lower()} (feasible)"
     if model_status != "Optimal":
         # stopped early (time limit): never hand back worse than the better of two heuristics (PuLP 3.3's HiGHS

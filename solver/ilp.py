@@ -47,6 +47,50 @@ def _pulp():
     return pulp
 
 
+def new_var(pulp, prob, name: str, low=None, up=None, cat: str = "Continuous"):
+    """A variable of `prob`: through the problem on PuLP >= 3.3 (add_variable), else PuLP's constructor."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What run_highs gives back: the integer values of `ks`, and the solver's figures in the objective's units."""
+
+    k: np.ndarray  # (len(ks),) int64
+    model_status: str  # HiGHS's words: "Optimal", "Time limit reached", ...
+    objective: float
+    bound: float
+    gap: float
+    build_seconds: float
+    solve_seconds: float
+
+
+def run_highs(pulp, prob, ks: list, what: str, objective: Objective, unit_ms: float, time_limit: float,
+              mip_gap: float, threads: int | None, t0: float) -> Solved:
+    """Solve `prob` (built since t0) with HiGHS; refuse in one line where it found no `what` in the time limit. The
+    objective comes back from units of unit_ms (latency), or negated back (PuLP hands HiGHS -objective to
+    maximise)."""
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=mip_gap, threads=threads)
+    build = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    with stdout_to_stderr():  # HiGHS prints its banner to fd 1 even with msg=False: never into a caller's stdout
+        prob.solve(solver)
+    solve = time.perf_counter() - t1
+    h = prob.solverModel
+    info = h.getInfo()
+    model_status = h.modelStatusToString(h.getModelStatus())
+    if any(v.varValue is None for v in ks):
+        raise SolverError(f"HiGHS found no {what} ({model_status}) within {time_limit:g} s: raise the time limit",
+                          params="time_limit")
+    k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)
+    scale = unit_ms if objective == Objective.LATENCY else -1.0
+    obj = float(pulp.value(prob.objective)) * abs(scale)
+    bound = float(info.mip_dual_bound) * scale
+    return Solved(k, model_status, obj, bound, abs(obj - bound) / max(abs(obj), 1e-12), build, solve)
+
+
 def solve_ilp(p: PlacementProblem, objective: Objective | str = Objective.LATENCY, time_limit: float = 30.0,
               mip_gap: float = 1e-3,
               threads: int | None = None, tables: LayerTables | None = None) -> IlpResult:
@@ -67,9 +111,7 @@ def solve_ilp(p: PlacementProblem, objective: Objective | str = Objective.LATENC
     prob = pulp.LpProblem("placement", sense)
 
     def var(name, low=None, up=None, cat="Continuous"):
-        if hasattr(prob, "add_variable"):  # PuLP >= 3.3
-            return prob.add_variable(name, low, up, cat=cat)
-        return pulp.LpVariable(name, low, up, cat=cat)
+        return new_var(pulp, prob, name, low, up, cat)
 
     memory_terms, obj_terms = [], []
     ks, rows = [], []
@@ -115,22 +157,7 @@ def solve_ilp(p: PlacementProblem, objective: Objective | str = Objective.LATENC
     for i, r in enumerate(rows):
         prob.addConstraint(r, f"c{i}")
 
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=mip_gap, threads=threads)
-    build = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    with stdout_to_stderr():  # HiGHS prints its banner to fd 1 even with msg=False: never into a caller's stdout
-        prob.solve(solver)
-    solve = time.perf_counter() - t1
-    h = prob.solverModel
-    info = h.getInfo()
-    model_status = h.modelStatusToString(h.getModelStatus())
-    if any(v.varValue is None for v in ks):
-        raise SolverError(f"HiGHS found no placement ({model_status}) within {time_limit:g} s: raise the time limit",
-                          params="time_limit")
-    k = np.array([int(round(v.varValue)) for v in ks], dtype=np.int64)  # (layers,)
-    scale = unit_ms if objective == Objective.LATENCY else -1.0  # PuLP hands HiGHS -objective to maximise
-    obj = float(pulp.value(prob.objective)) * abs(scale)
-    bound = float(info.mip_dual_bound) * scale
-    gap = abs(obj - bound) / max(abs(obj), 1e-12)
-    status = "optimal" if model_status == "Optimal" else f"{model_status.lower()} (feasible)"
-    return IlpResult(k, status, obj, bound, gap, build, solve, prob.numVariables(), prob.numConstraints())
+    r = run_highs(pulp, prob, ks, "placement", objective, unit_ms, time_limit, mip_gap, threads, t0)
+    status = "optimal" if r.model_status == "Optimal" else f"{r.model_status.lower()} (feasible)"
+    return IlpResult(r.k, status, r.objective, r.bound, r.gap, r.build_seconds, r.solve_seconds,
+                     prob.numVariables(), prob.numConstraints())
