@@ -61,6 +61,19 @@ def _gather_order(n: int) -> np.ndarray:
     return np.random.default_rng(1).permutation(n).astype(np.int64)
 
 
+def random_blocks(rng: np.random.Generator, rows: int, width: int, fmt: str) -> np.ndarray:
+    """(rows, row bytes) uint8: random `fmt` blocks of `width` weights a row whose fp16 scale (and q4_1's min) is
+    0.01, a normal number: the kernels' timing must not meet subnormals."""
+    from hotneurons.weights.formats import spec
+
+    s = spec(fmt)
+    a = rng.integers(0, 256, (rows, width // s.block * s.block_bytes), dtype=np.uint8)
+    head = {"q4_1": 4}.get(fmt, 2)  # bytes of the fp16 scale (and q4_1's fp16 min) before each block's quants
+    a.reshape(rows, -1, s.block_bytes)[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(),
+                                                                     np.uint8)
+    return a
+
+
 def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes: int = 2**30, calls: int = 200,
                  gap_s: float = 2e-4, seed: int = 0) -> float:
     """bytes/s of the cold kernels themselves as a decode step calls them: `calls` calls, each over `rows_per_call`
@@ -81,17 +94,13 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
     if fmt in BLOCK_DTYPES:
         s = spec(fmt)
         row_bytes = d // s.block * s.block_bytes
-        head = {"q4_1": 4}.get(fmt, 2)  # bytes of the fp16 scale (and q4_1's fp16 min) before each block's quants
     else:
         row_bytes = d * (2 if fmt == "bf16" else 1)
     n = max(rows_per_call * 4, table_bytes // (n_mats * row_bytes))  # neurons: far more than the caches hold
 
     def table() -> np.ndarray:
         if fmt in BLOCK_DTYPES:
-            a = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
-            blocks = a.reshape(n, -1, spec(fmt).block_bytes)
-            blocks[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(), np.uint8)  # normal
-            return a
+            return random_blocks(rng, n, d, fmt)
         if fmt == "bf16":  # normal numbers about 0.01, never subnormal
             return rng.integers(0x3C00, 0x3D00, (n, d), dtype=np.uint16)
         return rng.integers(-127, 128, (n, d), dtype=np.int8)
@@ -135,17 +144,10 @@ def expert_call_bw(d: int, n: int, fmt: str, experts_per_call: int, table_bytes:
 
     s = spec(fmt)
     rng = np.random.default_rng(seed)
-    head = {"q4_1": 4}.get(fmt, 2)
     expert_bytes = (2 * n * (d // s.block) + d * (n // s.block)) * s.block_bytes
     E = max(4 * experts_per_call, table_bytes // expert_bytes)
-
-    def rows(r: int, width: int) -> np.ndarray:
-        a = rng.integers(0, 256, (r, width // s.block * s.block_bytes), dtype=np.uint8)
-        blocks = a.reshape(r, -1, s.block_bytes)
-        blocks[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(), np.uint8)  # normal
-        return a
-
-    gate, up, down = rows(E * n, d), rows(E * n, d), rows(E * d, n)
+    gate, up, down = (random_blocks(rng, E * n, d, fmt), random_blocks(rng, E * n, d, fmt),
+                      random_blocks(rng, E * d, n, fmt))
     x = rng.standard_normal(d).astype(np.float32)
     w = np.full(experts_per_call, 1.0 / experts_per_call, np.float32)
     out = np.empty(d, np.float32)
