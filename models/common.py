@@ -302,6 +302,10 @@ class Decoder:
     def after_ffn(self, i: int, h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return h2 + y
 
+    def step_supported(self) -> str | None:
+        """None where decode steps may run step_begin / step_layer (a family's fused form), else why not."""
+        return f"{type(self).__name__} has no fused decode step"
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

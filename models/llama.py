@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from hotneurons.kernels import qlinear
 from hotneurons.models.common import (
     Decoder,
     Loader,
@@ -99,6 +100,68 @@ class Llama(Decoder):
             a = layer.post_attn_norm(a)
         h2 = h + a
         return h2, layer.ffn_norm(h2)
+
+    # -- a decode token's layer in the fused form (runtime/source_steps.py's graphs) ------------------------------
+    def step_supported(self) -> str | None:
+        cfg = self.cfg
+        if cfg.norm != "rms":
+            return f"{cfg.norm} norms"
+        if cfg.post_norms or cfg.clip_qkv or cfg.attn_softcap:
+            return "norms after attention, clamped q/k/v or an attention softcap"
+        if any(0 < cfg.window(i) < self.ctx for i in range(cfg.n_layers)):
+            return "sliding-window layers"
+        return None if not self.lazy else "a lazy model"
+
+    def step_begin(self, pos: torch.Tensor) -> None:
+        """The step's rotary rows per head (the q heads' times the attention scale, so that the scores need no
+        scaling) and its additive mask of the filled slots, which every layer's step reads; pos (1,) on the device."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        if getattr(self, "_step_cos", None) is None:
+            heads = cfg.n_heads + cfg.n_kv_heads
+            self._head_scale = torch.ones((1, heads, 1, 1), device=self.device)  # (1, H + K, 1, 1) float32
+            self._head_scale[:, :cfg.n_heads] = cfg.scale
+            self._step_cos = torch.zeros((1, heads, 1, hd), device=self.device, dtype=self.dtype)  # (1, H + K, 1, hd)
+            self._step_sin = torch.zeros_like(self._step_cos)  # the same of sin, its first half negated
+            self._step_mask = torch.zeros((1, 1, 1, self.ctx), device=self.device, dtype=self.dtype)  # 0 or -inf
+        cos, sin = self.cos[pos], self.sin[pos]  # (1, hd) each
+        sin_signed = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), -1)  # rotate_half's signs, as ops._rope
+        self._step_cos.copy_(cos[:, None, None] * self._head_scale)
+        self._step_sin.copy_(sin_signed[:, None, None] * self._head_scale)
+        self._step_mask.copy_(torch.where(self.slots <= pos, 0.0, float("-inf")))
+
+    def step_layer(self, i: int, prev: torch.Tensor | tuple, pos: torch.Tensor, ops, h2: torch.Tensor,
+                   x: torch.Tensor, filled: int | None = None) -> None:
+        """One decode token through layer i up to its FFN's input, through `ops` (kernels/ops.Ops: the torch ops or
+        their fused Triton twins), after step_begin. prev: the layer's input, the embedding (1, d) for layer 0, else
+        layer i-1's (h2, FFN device sum (1, d), the CPU's float32 cold sum (d,) or None), added here. Writes h2 (1, d),
+        the residual after attention, and x (1, d), the FFN's input. filled: eager steps attend over the first
+        `filled` slots; graphs (None) over the whole cache, the slots past pos masked (or skipped by fused kernels)."""
+        cfg, layer = self.cfg, self.layers[i]
+        H, K, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        an = layer.attn_norm
+        if isinstance(prev, tuple):  # h2 = the layer's input, until the output projection adds into it
+            r = ops.residual_norm(*prev, an.weight, an.eps, h2)
+        else:
+            r = ops.weighted_rms(h2.copy_(prev), an.weight, an.eps)
+        qkv = linear(r, layer.wqkv, layer.bqkv).view(1, H + 2 * K, 1, hd)  # one GEMV for q, k, v
+        qk, v = qkv[:, :H + K], qkv[:, H + K:]  # (1, H + K, 1, hd), (1, K, 1, hd)
+        if layer.q_norm is not None:  # per head (Qwen3), or over all heads (OLMoE: the norm's weight is H * hd wide)
+            normed = torch.empty_like(qk)
+            for part, norm, out in ((qk[:, :H], layer.q_norm, normed[:, :H]), (qk[:, H:], layer.k_norm, normed[:, H:])):
+                n = norm.weight.numel()
+                ops.weighted_rms(part.reshape(-1, n), norm.weight, norm.eps, out.view(-1, n))
+            qk = normed
+        c = i % len(self.k_cache)
+        k_cache, v_cache = self.k_cache[c][None], self.v_cache[c][None]  # (1, K, ctx, hd) each
+        q = ops.rope_cache(qk, v, self._step_cos, self._step_sin, k_cache, v_cache, pos)  # (1, H, 1, hd) scaled
+        qg = q.reshape(1, K, H // K, hd)  # a kv head's query heads together (grouped-query, no repeated cache)
+        if filled is None:
+            o = ops.attend(qg, k_cache, v_cache, self._step_mask, pos)  # (1, K, G, hd)
+        else:
+            o = ops.attend(qg, k_cache[:, :, :filled], v_cache[:, :, :filled], None, pos)
+        qlinear.add_linear(h2, o.reshape(1, H * hd), layer.wo, layer.bo)  # h2 += o W_o.T (+ b)
+        fn = layer.ffn_norm
+        ops.weighted_rms(h2, fn.weight, fn.eps, x)
 
     def after_ffn(self, i: int, h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         norm = self.layers[i].post_ffw_norm

@@ -36,6 +36,9 @@ class SourceSteps(GraphSteps):
         self.h2 = [torch.zeros((1, d), device=device, dtype=dtype) for _ in range(L)]  # (1, d) residual after attn
         self.x = [torch.zeros((1, d), device=device, dtype=dtype) for _ in range(L)]  # (1, d) FFN inputs
         self.hot_sum = [torch.zeros((1, d), device=device, dtype=dtype) for _ in range(L)]  # (1, d) hot FFN sums
+        # the family's fused form of a layer (a handful of kernels, not dozens), where it has one for this model
+        self.fused = decoder.step_supported() is None
+        self.pos1 = self.pos.view(1)  # (1,) the position as the fused ops read it
 
     def set_input(self, token: int, position: int) -> None:
         if self.emb_row is None:
@@ -62,6 +65,9 @@ class SourceSteps(GraphSteps):
         return self.m.after_ffn(i, self.h2[i], y)
 
     def pre(self, i: int) -> None:
+        if self.fused:
+            self._fused_pre(i)
+            return
         if i == 0:
             rows = None if self.emb_row is None else self.emb_row.to(self.device, non_blocking=True)  # a copy node
             h = self.m.embed(self.tok, self._pos0(), rows)  # (1, d)
@@ -71,6 +77,19 @@ class SourceSteps(GraphSteps):
         self.h2[i].copy_(h2)
         self.x[i].copy_(x)
         f = self.ffns[i]  # a powerinfer-form predictor reads h2[i], the pre-FFN norm's input
+        f.to_host(self.x[i], self.ops.predict, self.h2[i] if f.prenorm else None)
+
+    def _fused_pre(self, i: int) -> None:
+        """pre through the decoder's step_layer: the previous layer's sums are added inside its first kernel."""
+        if i == 0:
+            self.m.step_begin(self.pos1)
+            rows = None if self.emb_row is None else self.emb_row.to(self.device, non_blocking=True)  # a copy node
+            prev = self.m.embed(self.tok, self._pos0(), rows)  # (1, d)
+        else:
+            p = self.ffns[i - 1]
+            prev = (self.h2[i - 1], self.hot_sum[i - 1], p.cold_sum() if p.n_cold else None)
+        self.m.step_layer(i, prev, self.pos1, self.ops, self.h2[i], self.x[i], self._filled)
+        f = self.ffns[i]
         f.to_host(self.x[i], self.ops.predict, self.h2[i] if f.prenorm else None)
 
     def _final(self) -> torch.Tensor:

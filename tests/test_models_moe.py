@@ -22,7 +22,7 @@ from hotneurons.models import ModelConfig, build_model, moe
 from hotneurons.weights.names import NameMap
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.safetensors_source import SafetensorsSource
-from test_models import CTX, ours  # dense_ffn dispatches MoE configs to models/moe.py
+from test_models import CTX, check_step_layer, ours  # dense_ffn dispatches MoE configs to models/moe.py
 from transformers import AutoModelForCausalLM
 
 FAMILIES = [*tiny.MOE_FAMILIES, "olmoe-clip"]
@@ -295,3 +295,16 @@ def test_gguf_block_format_experts_read_in_place(reference, tmp_path):
         ref_model, ref_ffn = ours(cfg, {k: floats.get(k, src.get(k)) for k in src.infos})
         torch.testing.assert_close(model.forward(tokens, 0, ffn), ref_model.forward(tokens, 0, ref_ffn),
                                    atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("ops_name", ["torch", "triton"])
+def test_fused_step_layer_equals_reference_layer(reference, family, ops_name):
+    """The decode step's fused form of the attention (test_models.check_step_layer) on the MoE families; OLMoE's clamp
+    of q, k, v has none."""
+    _, _, cfg, weights = reference(family)
+    model, ffn = ours(cfg, weights)
+    why = model.step_supported()
+    assert (why is not None) == (family == "olmoe-clip"), why
+    if why is None:
+        check_step_layer(model, ffn, prompt(), ops_name)
