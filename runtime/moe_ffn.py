@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.kernels import qlinear
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
 from hotneurons.kernels.cold_experts import CODE, FLOAT_ROWS, experts_ffn, experts_layer_q, row_format
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
@@ -266,7 +267,8 @@ class HybridMoE(nn.Module):
             self.fired = torch.zeros(self.cfg.n_experts, dtype=torch.int32, device=device)
             self.route_w = torch.zeros(k, dtype=self.dtype, device=device)  # (k,) the token's routing weights
             self.route_ids = torch.zeros(k, dtype=torch.long, device=device)  # (k,) its experts
-            self._ones = torch.ones(k, dtype=torch.int32, device=device)
+            self.route_local = torch.zeros(k, dtype=torch.long, device=device)  # (k,) stack index, 0 for a cold slot
+            self.route_wgpu = torch.zeros(k, dtype=self.dtype, device=device)  # (k,) route_w, 0 for a cold slot
             if self.cold is not None:  # block rows: the CPU's part in one Numba call (experts_layer_q)
                 fmts = (row_format(self.cold[1], self.d_model), row_format(self.cold[2], self.n_ff))
                 if all(f in CODE for f in fmts):
@@ -276,15 +278,16 @@ class HybridMoE(nn.Module):
         return self.io
 
     def to_host(self, x: torch.Tensor, predict_op: Any = None, pred_x: torch.Tensor | None = None) -> None:
-        """x (1, d): route it on the device; x, the experts and their weights into the host buffers."""
-        w, idx = route(self.cfg, linear(x, self.router))  # (1, k) each
-        self.route_w.copy_(w[0])
-        self.route_ids.copy_(idx[0])
-        io = self.io
-        io.x_dev.copy_(x[0])
-        io.ids_dev.copy_(idx[0])
-        io.w_dev.copy_(w[0])
-        self.fired.index_add_(0, idx[0], self._ones)
+        """x (1, d): route it on the device; x, the experts and their weights into the host buffers, the routed GPU
+        experts' stack indices and weights for device_part, the expert counts: one Triton kernel after the router's
+        GEMV on CUDA (kernels/route.py), its torch twin elsewhere."""
+        from hotneurons.kernels import route as routing
+
+        io, cfg = self.io, self.cfg
+        kernel = qlinear._on_kernels(x) and routing.fits(cfg.n_experts, cfg.n_experts_used, x.dtype)
+        step = routing.route_step if kernel else routing.route_step_torch
+        step(linear(x, self.router), x, cfg.n_experts_used, cfg.norm_topk, self.lut, self.fired, self.route_w,
+             self.route_ids, self.route_local, self.route_wgpu, io.x_dev, io.ids_dev, io.w_dev)  # logits (1, E)
 
     def device_part(self, x: torch.Tensor) -> torch.Tensor:
         """(1, d) in x's dtype: the shared expert plus the token's routed GPU experts, read from their stacks by the
@@ -294,9 +297,7 @@ class HybridMoE(nn.Module):
         if not len(self.gpu_ids):
             return y
         k, st = self.cfg.n_experts_used, self.stacks
-        local = self.lut[self.route_ids]  # (k,)
-        w = torch.where(local >= 0, self.route_w, torch.zeros_like(self.route_w))  # (k,)
-        local = local.clamp(min=0)
+        local, w = self.route_local, self.route_wgpu  # (k,) each, written by to_host
         h = ffn_values(self.cfg, linear_rows(x, st["up"], local, self.n_ff),
                        linear_rows(x, st["gate"], local, self.n_ff)).reshape(k, self.n_ff)  # (k, n)
         ys = linear_rows(h, st["down"], local, self.d_model, per_slot=True).reshape(k, self.d_model)  # (k, d)

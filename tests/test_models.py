@@ -93,10 +93,10 @@ def reference(tiny_model_dir, tmp_path_factory):
     return get
 
 
-def ours(cfg, weights, ctx=CTX, release=None):
+def ours(cfg, weights, ctx=CTX, release=None, device="cpu"):
     """Our model of `weights` (a dict of canonical names), and a dense FFN callable for its forward."""
-    model = build_model(cfg, weights.get, "cpu", torch.float32, ctx, release)
-    ffns = [dense_ffn(weights.get, cfg, i) for i in range(cfg.n_layers)]
+    model = build_model(cfg, weights.get, device, torch.float32, ctx, release)
+    ffns = [dense_ffn(weights.get, cfg, i, device) for i in range(cfg.n_layers)]
     return model, lambda i, x: ffns[i](x)
 
 
@@ -315,6 +315,7 @@ def test_cached_step_equals_full_forward_without_deprecation_warnings(recwarn):
 
 # float32 throughout: the fused ops round where torch does; sums (norms, softmax, the GEMVs) add in another order
 STEP_TOL = dict(atol=2e-5, rtol=2e-5)
+STEP_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors only
 REFUSED = {"opt", "falcon-relu", "falcon-gelu", "gemma-geglu", "gemma3-geglu", "opt-postnorm", "gemma2-softcap",
            "gemma3-mixed"}
 
@@ -323,20 +324,20 @@ def check_step_layer(model, ffn, tokens: torch.Tensor, ops_name: str) -> None:
     """Prefill `tokens`, then one decode token through layers 0 and 1 both ways from the same cache: the reference
     (layer 1's input = layer 0's h2 + its FFN's output, given as a device sum plus a float32 cold sum) and step_layer
     in its graph form (whole cache, masked) and its eager form (the filled slots)."""
-    d = model.cfg.d_model
+    d, dev = model.cfg.d_model, model.device
     if ops_name == "triton":
         pytest.importorskip("triton")
     ops = Ops.named(ops_name)
-    model.forward(tokens, 0, ffn)
+    model.forward(tokens.to(dev), 0, ffn)
     caches = model.k_cache.clone(), model.v_cache.clone()
     pos = len(tokens)
     g = torch.Generator().manual_seed(pos)
-    h = torch.randn(1, d, generator=g)  # (1, d) layer 0's input
-    hot, cold = torch.randn(1, d, generator=g), torch.randn(d, generator=g)  # layer 0's FFN sums: device, CPU
+    h = torch.randn(1, d, generator=g).to(dev)  # (1, d) layer 0's input
+    hot, cold = torch.randn(1, d, generator=g).to(dev), torch.randn(d, generator=g).to(dev)  # layer 0's FFN sums
     h2_ref, x_ref = model.attention(0, h, pos)
     h2b_ref, xb_ref = model.attention(1, h2_ref + (hot + cold), pos)
     k_ref, v_ref = model.k_cache[:, :, pos].clone(), model.v_cache[:, :, pos].clone()  # (layers, K, hd)
-    p = torch.tensor([pos])
+    p = torch.tensor([pos], device=dev)
     # eager steps run the torch ops (graph_steps: the fused attention reads a whole contiguous cache)
     for filled in (None,) if ops_name == "triton" else (None, pos + 1):
         model.k_cache.copy_(caches[0])
@@ -358,7 +359,7 @@ def test_fused_step_layer_equals_reference_layer(reference, family, ops_name):
     """A decoder's fused decode step (Llama.step_begin / step_layer: a few kernels a layer) against its reference
     layer, through the torch ops and kernels/fused.py's Triton kernels; the families without one say why."""
     hf, cfg, weights = reference(family)
-    model, ffn = ours(cfg, weights)
+    model, ffn = ours(cfg, weights, device=STEP_DEVICE)
     why = model.step_supported()
     assert (why is not None) == (family in REFUSED), why
     if why is None:

@@ -22,7 +22,7 @@ from hotneurons.models import ModelConfig, build_model, moe
 from hotneurons.weights.names import NameMap
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.safetensors_source import SafetensorsSource
-from test_models import CTX, check_step_layer, ours  # dense_ffn dispatches MoE configs to models/moe.py
+from test_models import CTX, STEP_DEVICE, check_step_layer, ours  # dense_ffn dispatches MoE configs to models/moe.py
 from transformers import AutoModelForCausalLM
 
 FAMILIES = [*tiny.MOE_FAMILIES, "olmoe-clip"]
@@ -303,7 +303,7 @@ def test_fused_step_layer_equals_reference_layer(reference, family, ops_name):
     """The decode step's fused form of the attention (test_models.check_step_layer) on the MoE families; OLMoE's clamp
     of q, k, v has none."""
     _, _, cfg, weights = reference(family)
-    model, ffn = ours(cfg, weights)
+    model, ffn = ours(cfg, weights, device=STEP_DEVICE)
     why = model.step_supported()
     assert (why is not None) == (family == "olmoe-clip"), why
     if why is None:
