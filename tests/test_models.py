@@ -343,7 +343,7 @@ def check_step_layer(model, ffn, tokens: torch.Tensor, ops_name: str) -> None:
         model.k_cache.copy_(caches[0])
         model.v_cache.copy_(caches[1])
         model.step_begin(p)
-        h2, x, h2b, xb = (torch.full((1, d), float("nan")) for _ in range(4))
+        h2, x, h2b, xb = (torch.full((1, d), float("nan"), device=dev) for _ in range(4))
         model.step_layer(0, h, p, ops, h2, x, filled)
         model.step_layer(1, (h2, hot, cold), p, ops, h2b, xb, filled)
         for got, want in ((h2, h2_ref), (x, x_ref), (h2b, h2b_ref), (xb, xb_ref)):
