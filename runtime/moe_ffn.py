@@ -18,22 +18,29 @@ Decode (T = 1) and prefill (T > 1) run the same steps: prefill batches each expe
 Cold experts' rows: the file's stacked (E * n, d) / (E * d, n) rows as stored where the kernel reads them (Q4_0,
 Q4_1, Q8_0, F32, F16, BF16: numpy views of the mmapped bytes, nothing copied); other block formats (Q4_K, Q6_K, ...)
 are re-quantized, the cold experts only, to q4_0 (4- and 5-bit) or q8_0 (6-bit and wider), into a compact stack.
+ReLU-family experts (relu, reglu, drelu) also get their cold experts' down neuron-major (`down_t`,
+runtime/moe_down_t.py: a second quantization of down for block formats), and a decode token's cold experts then
+compute only their firing neurons (kernels/cold_experts_sparse.py: an inactive neuron's up and down rows are not read);
+prefill keeps the dense kernel over the file's down.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 from hotneurons.kernels import qlinear
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
 from hotneurons.kernels.cold_experts import CODE, FLOAT_ROWS, experts_ffn, experts_layer_q, row_format
+from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
 from hotneurons.models.moe import route
 from hotneurons.runtime.host_io import MoEHostIO
+from hotneurons.runtime.moe_down_t import build_down_t, wants_down_t
 from hotneurons.weights.formats import WeightFormat, spec
 from hotneurons.weights.qtensor import QTensor
 from torch import nn
@@ -140,7 +147,15 @@ class HybridMoE(nn.Module):
             self.cold = tuple(_requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
             self.cold_map[self.cold_ids] = np.arange(self.n_cold)
         self.in_place = in_place
+        # ReLU-family experts: the cold experts' down neuron-major, so that decode skips an inactive neuron's down row
+        self.down_t = None  # (n_cold * n, row) cold expert c's neuron j at row c * n + j, in the cold down's format
+        self.dt_of = np.full(E, -1, np.int64)  # expert id -> its index in down_t; -1: on the device (or no down_t)
+        if self.cold is not None and wants_down_t(self.activation, self.cold[2], self.d_model, self.n_ff):
+            self.down_t = build_down_t(stacked["down"], self.cold[2], self.cold_ids, self.d_model, self.n_ff)
+            self.dt_of[self.cold_ids] = np.arange(self.n_cold)
+        self._sparse_args: tuple | None = None  # sparse_layer's arguments (made at the first decode)
         self.counts = np.zeros(4)  # decode tokens, routed pairs, pairs on GPU experts, pairs on cold experts
+        self.cold_active = 0  # decode (down_t layers): the routed cold experts' firing neurons, summed over tokens
         self.expert_counts = np.zeros(E, np.int64)  # decode: tokens routed to each expert
         self.probe = None  # HybridFFN's timeline marks: none here
         self.prenorm, self.residual = False, None
@@ -176,12 +191,14 @@ class HybridMoE(nn.Module):
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def cold_bytes(self) -> int:
-        """Bytes of the cold experts' rows the CPU reads (in place: the file's pages of those experts)."""
+        """Bytes of the cold experts' rows in host memory: their stored rows (in place: the file's pages of those
+        experts, of which decode leaves down unread where there is a down_t) plus down_t (anonymous memory)."""
         if self.cold is None:
             return 0
+        dt = 0 if self.down_t is None else self.down_t.nbytes
         if not self.in_place:
-            return sum(a.nbytes for a in self.cold)
-        return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold)
+            return sum(a.nbytes for a in self.cold) + dt
+        return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold) + dt
 
     def device_bytes(self) -> int:
         """Bytes on the compute device: the router, the shared expert and the GPU experts."""
@@ -191,9 +208,11 @@ class HybridMoE(nn.Module):
     def reset_counts(self) -> None:
         self.counts[:] = 0
         self.expert_counts[:] = 0
+        self.cold_active = 0
 
     def read_counts(self) -> np.ndarray:
-        """(tokens, active, active on the GPU, active on the CPU) in neurons: a routed pair is an expert's n_ff."""
+        """(tokens, active, active on the GPU, active on the CPU) in neurons: a routed pair is an expert's n_ff (the
+        neurons a dense expert computes; where a layer has down_t, `cold_active` counts the cold ones that fired)."""
         c = self.counts.copy()
         c[1:] *= self.n_ff
         return c
@@ -249,7 +268,12 @@ class HybridMoE(nn.Module):
                     y = y.index_add(0, rows, ye.to(y.dtype))
         # the CPU's experts: the Numba kernel, while the device computes the above
         cold = ~on_gpu
-        if cold.any():
+        if cold.any() and T == 1 and self.down_t is not None:  # a decode token: its firing neurons only
+            yc = np.empty((1, self.d_model), np.float32)
+            self.cold_active += self._sparse(NO_FLAGS, NO_FLAGS, -1, xh[0], np.ascontiguousarray(ih[0]),
+                                             np.ascontiguousarray(wh[0]), yc[0])
+            y = y + torch.from_numpy(yc).to(y.device, y.dtype)
+        elif cold.any():
             t, s = np.nonzero(cold)  # (P_c,) each
             g, u, dn = self.cold
             yc = experts_ffn(xh, t, self.cold_map[ih[t, s]], wh[t, s], g, u, dn, self.activation)  # (T, d)
@@ -269,7 +293,9 @@ class HybridMoE(nn.Module):
             self.route_ids = torch.zeros(k, dtype=torch.long, device=device)  # (k,) its experts
             self.route_local = torch.zeros(k, dtype=torch.long, device=device)  # (k,) stack index, 0 for a cold slot
             self.route_wgpu = torch.zeros(k, dtype=self.dtype, device=device)  # (k,) route_w, 0 for a cold slot
-            if self.cold is not None:  # block rows: the CPU's part in one Numba call (experts_layer_q)
+            if self.down_t is not None:  # the CPU's part over the firing neurons (cold_rows)
+                self._sparse_setup()
+            elif self.cold is not None:  # block rows: the CPU's part in one Numba call (experts_layer_q)
                 fmts = (row_format(self.cold[1], self.d_model), row_format(self.cold[2], self.n_ff))
                 if all(f in CODE for f in fmts):
                     self._layer_args = (np.where(self.gpu, -1, self.cold_map),  # (E,) cold row index, -1: on device
@@ -308,7 +334,12 @@ class HybridMoE(nn.Module):
         io.out. `flags`, `i`: wait for the graph's ready[i] first, release flag i after (prelaunched graphs)."""
         io, k = self.io, self.cfg.n_experts_used
         ready, release, layer = (flags.ready, flags.host, i) if flags is not None else (NO_FLAGS, NO_FLAGS, -1)
-        if self._layer_args is not None:  # wait, both passes and the release in one call: no Python between them
+        if self.down_t is not None:  # the firing neurons only: wait, both passes and the release in one call
+            k_act = self._sparse(ready, release, layer, io.x_np, io.ids, io.w, io.out[0])
+            if k_act < 0:
+                raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
+            self.cold_active += k_act
+        elif self._layer_args is not None:  # wait, both passes and the release in one call: no Python between them
             cold_of, H, act, fgu, fdn = self._layer_args
             g, u, dn = self.cold
             if experts_layer_q(ready, release, layer, io.x_np.reshape(1, -1), io.ids, io.w, cold_of,
@@ -329,6 +360,25 @@ class HybridMoE(nn.Module):
         n_cold = int((~self.gpu[io.ids]).sum())  # the bookkeeping after the release: off the GPU's path
         self.counts += (1, k, k - n_cold, n_cold)
         np.add.at(self.expert_counts, io.ids, 1)
+
+    def _sparse_setup(self) -> None:
+        """sparse_layer's row maps, scratch and format codes, once (host_io, or the first decode token)."""
+        if self._sparse_args is None:
+            k, act = self.cfg.n_experts_used, ACT_CODE[self.activation]
+            fgu, fdn = (CODE.get(row_format(a, self.d_model), -1) for a in (self.cold[1], self.down_t))  # -1: floats
+            self._sparse_args = (np.where(self.gpu, -1, self.cold_map),  # (E,) gate / up row block, -1: on device
+                                 *scratch(k, self.n_ff),  # a slot per routed neuron: (k n,) int64, float32; counts
+                                 np.empty((numba.get_num_threads(), self.d_model), np.float32), act, fgu, fdn)
+
+    def _sparse(self, ready: np.ndarray, release: np.ndarray, i: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+                out: np.ndarray) -> int:
+        """kernels/cold_experts_sparse.sparse_layer for one token: x (d,), ids / w (k,), out (d,) float32; returns the
+        firing cold neurons' count, or -1 when ready[i] never came."""
+        self._sparse_setup()
+        cold_of, idx, hs, cnt, part, act, fgu, fdn = self._sparse_args
+        g, u, _ = self.cold
+        return sparse_layer(ready, release, i, x, ids, w, cold_of, self.dt_of, g if act >= FIRST_GATED else u, u,
+                            self.down_t, idx, hs, cnt, part, out, act, fgu, fdn)
 
     def cold_sum(self) -> torch.Tensor:
         """(d,) float32 on the device: the CPU's cold experts' sum for the token (read over PCIe on CUDA)."""

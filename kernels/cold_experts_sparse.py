@@ -1,0 +1,285 @@
+"""A decode token's cold experts under a ReLU-family activation (relu, reglu, drelu: kernels/cold.py ACT_CODE 0, 2, 3),
+computing only the neurons that fire (runtime/moe_ffn.py picks it for a layer whose cold experts have `down_t`).
+
+A neuron whose gate pre-activation is <= 0 (ungated relu: whose up pre-activation) outputs exactly 0, so its up row
+and its down weights need not be read. The file's down rows are output-major (expert e's output i: d rows of n
+weights, a block spanning 32 neurons), which a skipped neuron cannot avoid reading, so the layer holds its cold
+experts' down projection neuron-major as well (`down_t`, built at load by runtime/moe_down_t.py):
+
+  gate, up  (E_rows * n, row)  as kernels/cold_experts reads them (cold_of: expert id -> its index in these rows)
+  down_t    (n_cold * n, row)  cold expert c's neuron j is row c * n + j: the d weights neuron j writes
+                               (dt_of: expert id -> c)
+
+Rows: Q4_0 / Q4_1 / Q8_0 blocks (cold_q_ir's row dots and axpys, the float route) or floats (f32, fp16 bits as uint16,
+bf16 bits as int16: cold_experts._f32). gate / up and down_t may differ in format.
+
+One call for the token (`sparse_layer`), so that no Python runs between the GPU's signal and the kernel (as
+cold_experts.experts_layer_q): wait for ready[i], then
+  A. parallel over chunks of CHUNK neurons of every routed cold expert: each group of four neurons' gate rows in one
+     pass (the next group's prefetched), the up row only of a neuron whose gate is > 0, and each neuron with h != 0
+     kept as (its down_t row, h * the expert's routing weight) in the chunk's own slots; the kept ones then moved to
+     the front in order (serial: a few percent of the slots);
+  B. over the kept neurons, claimed cold.CHUNK at a time from an atomic counter as cold_q.cold_ffn_q claims its
+     active list: acc += h * down_t row, four rows at a time, into each thread's row of `part`; then every thread
+     sums one slice of d across those rows into `out` (cold.py's reduction);
+release[i] = 1 once `out` is written. The result is the float route's, float32 sums: which thread sums which neuron
+varies from call to call, so results vary in the last float32 bits.
+
+Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold.py,
+activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hotneurons.kernels.activations import _gated_value, _ungated_value
+from hotneurons.kernels.cold import FIRST_GATED, SPINS, _claim, _head, _n_chunks, _sum_rows, wait_ready
+from hotneurons.kernels.cold_experts import _f32, _fdot
+from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, rows_axpy, rows_dot
+from hotneurons.kernels.intrinsics import _fetch_add, _store_release
+from numba import njit, prange, types
+from numba.extending import overload
+
+SPARSE_ACTS = ("relu", "reglu", "drelu")  # activations whose zero neurons are exact zeros: what this kernel skips
+NEURONS = 32  # neurons a pass-A work item covers (its slots in the scratch)
+_LUT = F16_TO_F32
+__all__ = ["sparse_layer", "scratch", "SPARSE_ACTS", "NEURONS"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row math by the rows' type: block rows (uint8) through cold_q_ir's intrinsics (fmt a literal code), float rows through
+# plain loops. Python stubs, compiled per type by their overloads (a call typed for the other kind would not compile).
+
+
+def _dot1(x, row, lut, fmt):  # pragma: no cover - stub
+    raise NotImplementedError
+
+
+def _dots4(x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):  # pragma: no cover - stub
+    raise NotImplementedError
+
+
+def _axpy1(h, row, lut, fmt, acc):  # pragma: no cover - stub
+    raise NotImplementedError
+
+
+def _axpy4(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):  # pragma: no cover - stub
+    raise NotImplementedError
+
+
+def _blocks(row) -> bool:
+    return isinstance(row, types.Array) and row.dtype == types.uint8
+
+
+_OPTS = {"fastmath": True, "nogil": True}
+
+
+@overload(_dot1, jit_options=_OPTS, prefer_literal=True)
+def _dot1_ov(x, row, lut, fmt):
+    if _blocks(row):
+        return lambda x, row, lut, fmt: rows_dot((x,), (row,), (), lut, fmt)
+    return lambda x, row, lut, fmt: _fdot(x, row)
+
+
+@overload(_dots4, jit_options=_OPTS, prefer_literal=True)
+def _dots4_ov(x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):
+    if _blocks(r0):
+        return lambda x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: rows_dot((x,), (r0, r1, r2, r3),
+                                                                             (n0, n1, n2, n3), lut, fmt)
+    return lambda x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: (_fdot(x, r0), _fdot(x, r1), _fdot(x, r2),
+                                                                 _fdot(x, r3))
+
+
+@overload(_axpy1, jit_options=_OPTS, prefer_literal=True)
+def _axpy1_ov(h, row, lut, fmt, acc):
+    if _blocks(row):
+        return lambda h, row, lut, fmt, acc: rows_axpy((h,), (row,), (), lut, fmt, acc)
+
+    def impl(h, row, lut, fmt, acc):
+        for i in range(acc.shape[0]):
+            acc[i] += h * _f32(row[i])
+    return impl
+
+
+@overload(_axpy4, jit_options=_OPTS, prefer_literal=True)
+def _axpy4_ov(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):
+    if _blocks(r0):
+        return lambda h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc: rows_axpy(
+            (h0, h1, h2, h3), (r0, r1, r2, r3), (n0, n1, n2, n3), lut, fmt, acc)
+
+    def impl(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):
+        for i in range(acc.shape[0]):
+            acc[i] += h0 * _f32(r0[i]) + h1 * _f32(r1[i]) + h2 * _f32(r2[i]) + h3 * _f32(r3[i])
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pass A: which neurons fire, and their values
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _keep(h, row, w, idx, hs, at):
+    """Slot `at` = (row, h * w) when the neuron fires; returns the slots used (0 or 1)."""
+    if h == 0:
+        return 0
+    idx[at], hs[at] = row, h * w
+    return 1
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gated_rest(x, g, up, r, act, lut, fmt, row, w, idx, hs, at):
+    """A gated neuron whose gate value g is known: its up row only where the ReLU gate passes."""
+    if g <= 0:
+        return 0
+    return _keep(_gated_value(act, g, _dot1(x, up[r], lut, fmt)), row, w, idx, hs, at)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, fmt):
+    """Neurons j0..j1 - 1 of the expert whose gate / up rows start at `base` (down_t rows at tb): the firing ones into
+    slots at.. (idx, hs); returns how many. fmt: a literal code (cold_q._work says why)."""
+    k = 0
+    j = j0
+    while j + 4 <= j1:
+        r = base + j
+        nr = base + min(j + 4, n - 4)  # the next group's rows (the next chunk's first: the same thread's next item)
+        if gated:
+            g0, g1, g2, g3 = _dots4(x, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
+                                    gate[nr + 2], gate[nr + 3], lut, fmt)
+            k += _gated_rest(x, g0, up, r, act, lut, fmt, tb + j, w, idx, hs, at + k)
+            k += _gated_rest(x, g1, up, r + 1, act, lut, fmt, tb + j + 1, w, idx, hs, at + k)
+            k += _gated_rest(x, g2, up, r + 2, act, lut, fmt, tb + j + 2, w, idx, hs, at + k)
+            k += _gated_rest(x, g3, up, r + 3, act, lut, fmt, tb + j + 3, w, idx, hs, at + k)
+        else:
+            u0, u1, u2, u3 = _dots4(x, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
+                                    up[nr + 3], lut, fmt)
+            k += _keep(_ungated_value(u0, act), tb + j, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u1, act), tb + j + 1, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u2, act), tb + j + 2, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u3, act), tb + j + 3, w, idx, hs, at + k)
+        j += 4
+    for j in range(j, j1):
+        if gated:
+            k += _gated_rest(x, _dot1(x, gate[base + j], lut, fmt), up, base + j, act, lut, fmt, tb + j, w, idx, hs,
+                             at + k)
+        else:
+            k += _keep(_ungated_value(_dot1(x, up[base + j], lut, fmt), act), tb + j, w, idx, hs, at + k)
+    return k
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _fire(x, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
+    """Pass A over the m routed cold experts: work item (s, c) = neurons c * NEURONS.. of expert slot s, its firing
+    neurons in slots item * NEURONS.. of idx / hs, their count in cnt[item]."""
+    nc = -(-n // NEURONS)
+    gated = act >= FIRST_GATED
+    lut = _LUT
+    for item in prange(cid.shape[0] * nc):
+        s, c = item // nc, item % nc
+        j0, j1 = c * NEURONS, min(n, c * NEURONS + NEURONS)
+        base, tb, w, at = cid[s] * n, cdt[s] * n, cw[s], item * NEURONS
+        if fmt == Q4_0:
+            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
+        elif fmt == Q4_1:
+            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 2)
+        else:  # Q8_0, or float rows (their overloads take no format)
+            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
+
+
+@njit(nogil=True, cache=True)
+def _compact(idx, hs, cnt, items):
+    """The kept slots of the first `items` work items moved to the front, in order; returns their count."""
+    k = 0
+    for item in range(items):
+        at = item * NEURONS
+        for q in range(at, at + cnt[item]):
+            idx[k], hs[k] = idx[q], hs[q]
+            k += 1
+    return k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pass B: the firing neurons' down_t rows
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _down(idx, hs, q0, q1, down_t, acc, lut, fmt):
+    """acc += hs[q] * down_t[idx[q]] for q in q0..q1 - 1, four rows at a time, the next four prefetched."""
+    q = q0
+    while q + 4 <= q1:
+        p = min(q + 4, q1 - 4)
+        _axpy4(hs[q], hs[q + 1], hs[q + 2], hs[q + 3], down_t[idx[q]], down_t[idx[q + 1]], down_t[idx[q + 2]],
+               down_t[idx[q + 3]], down_t[idx[p]], down_t[idx[p + 1]], down_t[idx[p + 2]], down_t[idx[p + 3]], lut,
+               fmt, acc)
+        q += 4
+    for q in range(q, q1):
+        _axpy1(hs[q], down_t[idx[q]], lut, fmt, acc)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _spread(idx, hs, k, down_t, part, out, fmt):
+    """Pass B: out (d,) = sum over q < k of hs[q] * down_t[idx[q]], per-thread partial sums in part's rows."""
+    d = out.shape[0]
+    T = _n_chunks(k, part.shape[0])
+    head = _head(k, T)
+    counter = np.zeros(1, np.int64)  # claims taken
+    lut = _LUT
+    for t in prange(T):
+        acc = part[t]  # (d,) this thread's partial sum
+        acc[:] = 0.0
+        while True:
+            q0, q1 = _claim(_fetch_add(counter, 1), k, head)
+            if q0 >= k:
+                break
+            if fmt == Q4_0:
+                _down(idx, hs, q0, q1, down_t, acc, lut, 1)
+            elif fmt == Q4_1:
+                _down(idx, hs, q0, q1, down_t, acc, lut, 2)
+            else:
+                _down(idx, hs, q0, q1, down_t, acc, lut, 0)
+    for c in prange(T):  # the partial rows summed by all threads, one slice of d each
+        _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
+
+
+@njit(nogil=True, cache=True)
+def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act,
+                 fgu, fdn):
+    """One decode token's routed cold experts, only their firing neurons (module docstring), in one call: wait for
+    ready[i] (i >= 0); out (d,) float32 = sum over the routed slots s whose expert is cold (dt_of[ids[s]] >= 0) of
+    wts[s] * that expert's FFN of x; release[i] = 1 once out is written.
+
+    x (d,) float32, ids (k,) int64, wts (k,) float32; cold_of / dt_of (E,) int64: expert id -> its index in gate / up's
+    rows, in down_t's rows (-1: on the device); gate / up (E_rows * n, row), down_t (n_cold * n, row) as the module
+    docstring; idx, hs, cnt: `scratch(k, n)`'s; part (threads, d) float32; act: ACT_CODE (0, 2 or 3); fgu / fdn:
+    cold_q_ir's format code of gate / up and of down_t (-1: float rows). Returns the firing neurons' count, or -1
+    (nothing done) when no signal came within SPINS reads."""
+    if i >= 0 and not wait_ready(ready, i, SPINS):
+        return -1
+    m = 0
+    for s in range(ids.shape[0]):
+        if dt_of[ids[s]] >= 0:
+            m += 1
+    cid = np.empty(m, np.int64)  # (m,) the cold experts' gate / up row blocks
+    cdt = np.empty(m, np.int64)  # (m,) their down_t row blocks
+    cw = np.empty(m, np.float32)  # (m,) their routing weights
+    j = 0
+    for s in range(ids.shape[0]):
+        e = ids[s]
+        if dt_of[e] >= 0:
+            cid[j], cdt[j], cw[j] = cold_of[e], dt_of[e], wts[s]
+            j += 1
+    k = 0
+    if m:
+        n = down_t.shape[0] // (dt_of.max() + 1)  # neurons an expert: down_t holds every cold expert's, dt_of maps all
+        _fire(x, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fgu)
+        k = _compact(idx, hs, cnt, m * (-(-n // NEURONS)))
+    _spread(idx, hs, k, down_t, part, out, fdn)
+    if i >= 0:
+        _store_release(release, i, np.int32(1))
+    return k
+
+
+def scratch(k: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """sparse_layer's (idx, hs, cnt) for k routed experts of n neurons: a slot per neuron (whole chunks)."""
+    items = k * -(-n // NEURONS)
+    return np.empty(items * NEURONS, np.int64), np.empty(items * NEURONS, np.float32), np.empty(items, np.int64)
