@@ -74,7 +74,8 @@ def expert_stats(rt: Any) -> dict[str, Any] | None:
     """generate's stats["experts"] (None for a dense model): decode's measured GPU share of routed expert work (the
     (token, expert) pairs whose expert is on the device, HybridMoE.read_counts pooled over layers: each layer routes k
     a token, so it is the mean of the layers' shares) beside the placement's expected share (pi-solve's summary,
-    experts.gpu_share_routed)."""
+    experts.gpu_share_routed), and where cold experts compute only their firing neurons (down_t layers) the share of
+    their routed neurons that fired."""
     from hotneurons.runtime.moe_ffn import HybridMoE
 
     ffns = [f for f in rt.ffns if isinstance(f, HybridMoE)]
@@ -82,7 +83,10 @@ def expert_stats(rt: Any) -> dict[str, Any] | None:
         return None
     routed, on_gpu = sum(f.read_counts()[1:3] / f.n_ff for f in ffns)  # decode's pairs: all, on GPU experts
     gpu = np.stack([f.gpu for f in ffns])  # (layers, experts)
+    sparse = [f for f in ffns if f.down_t is not None]  # ReLU-family layers: only firing cold neurons computed
+    cold_neurons = sum(f.read_counts()[3] for f in sparse)  # decode's routed cold pairs, in neurons
     return {"gpu_share_routed": float(on_gpu / routed) if routed else None,
+            "cold_firing_share": float(sum(f.cold_active for f in sparse) / cold_neurons) if cold_neurons else None,
             "plan_gpu_share_routed": rt.plan_expert_share, "routed_pairs": int(round(routed)),
             "gpu_experts": int(gpu.sum()), "experts": int(gpu.size),
             "placement": rt.expert_placement}

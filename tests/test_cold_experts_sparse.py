@@ -28,6 +28,7 @@ from hotneurons.kernels.cold_experts import CODE
 from hotneurons.models import ModelConfig, moe
 from hotneurons.runtime import moe_down_t
 from hotneurons.runtime.moe_ffn import HybridMoE
+from hotneurons.runtime.moe_load import expert_stats
 from hotneurons.weights.qtensor import QTensor
 
 E, K, D, N = 8, 2, 256, 512
@@ -258,6 +259,8 @@ def test_hybrid_moe_decode_equals_reference(fmt, act):
     c = ffn.read_counts()
     assert c[0] == 12 and c[1] == 12 * K * N and c[3] == N * ffn.expert_counts[~GPU].sum()
     assert 0.02 < ffn.cold_active / max(1, c[3]) < 0.3
+    stats = expert_stats(types.SimpleNamespace(ffns=[ffn], plan_expert_share=None, expert_placement="given"))
+    assert stats["cold_firing_share"] == ffn.cold_active / c[3]  # generate's stats["experts"]
     _close(ffn(x), moe.moe_ffn(w.get, cfg, 0)(x))  # prefill: the dense kernel, the file's down
     ffn.reset_counts()
     assert ffn.cold_active == 0
