@@ -193,7 +193,7 @@ def test_down_t_only_for_relu_family_kernel_rows():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HybridMoE: decode through the graph steps' pieces and forward, prefill untouched
+# HybridMoE: decode through the graph steps' pieces and forward, prefill token by token
 
 
 def _cfg(act: Activation) -> ModelConfig:
@@ -235,8 +235,8 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("act", [Activation.DRELU, Activation.REGLU])
 def test_hybrid_moe_decode_equals_reference(fmt, act):
     """Decode (to_host, device_part, cold_rows, cold_sum; and forward of one token) equals models/moe.moe_ffn on the
-    weights down_t holds (f32: the file's own, down_t its transpose); prefill equals it on the file's down (the dense
-    kernel); cold_active counts the firing cold neurons, the four counts keep their meaning."""
+    weights down_t holds (f32: the file's own, down_t its transpose); so does prefill, token by token;
+    cold_active counts the firing cold neurons, the four counts keep their meaning."""
     rng = np.random.default_rng(21)
     xs = _tokens(rng, 6)
     cfg = _cfg(act)
@@ -261,7 +261,9 @@ def test_hybrid_moe_decode_equals_reference(fmt, act):
     assert 0.02 < ffn.cold_active / max(1, c[3]) < 0.3
     stats = expert_stats(types.SimpleNamespace(ffns=[ffn], plan_expert_share=None, expert_placement="given"))
     assert stats["cold_firing_share"] == ffn.cold_active / c[3]  # generate's stats["experts"]
-    _close(ffn(x), moe.moe_ffn(w.get, cfg, 0)(x))  # prefill: the dense kernel, the file's down
+    counted = ffn.cold_active
+    _close(ffn(x), ref(x))  # prefill: each token's firing neurons, down_t's weights
+    assert ffn.cold_active == counted  # decode's count only
     ffn.reset_counts()
     assert ffn.cold_active == 0
 
