@@ -21,7 +21,8 @@ are re-quantized, the cold experts only, to q4_0 (4- and 5-bit) or q8_0 (6-bit a
 ReLU-family experts (relu, reglu, drelu) also get their cold experts' down neuron-major (`down_t`,
 runtime/moe_down_t.py: a second quantization of down for block formats), and a decode token's cold experts then
 compute only their firing neurons (kernels/cold_experts_sparse.py: an inactive neuron's up and down rows are not read),
-token by token at prefill too, so that the file's down pages of cold experts stay unread.
+token by token at prefill too, so that the file's down pages of cold experts stay unread. A long prefill on CUDA
+computes the other layers' cold experts on the device (runtime/moe_prefill.py: their rows copied as stored).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
 from hotneurons.models.moe import route
+from hotneurons.runtime import moe_prefill
 from hotneurons.runtime.host_io import MoEHostIO
 from hotneurons.runtime.moe_down_t import build_down_t, wants_down_t
 from hotneurons.weights.formats import WeightFormat, spec
@@ -268,7 +270,9 @@ class HybridMoE(nn.Module):
                     y = y.index_add(0, rows, ye.to(y.dtype))
         # the CPU's experts: the Numba kernel, while the device computes the above
         cold = ~on_gpu
-        if cold.any() and self.down_t is not None:  # each token's firing neurons only, prefill too
+        if cold.any() and moe_prefill.offloads(self, T):  # a long prefill: the cold experts' rows to the device
+            y = y + moe_prefill.cold_on_device(self, x2, ih, w, cold)
+        elif cold.any() and self.down_t is not None:  # each token's firing neurons only, prefill too
             # token by token: a token's firing neurons are ~a third of a dense expert's multiply-adds even where a
             # batch would reuse rows from the cache, and the file's down pages of cold experts are never read
             yc = np.zeros((T, self.d_model), np.float32)

@@ -1,0 +1,63 @@
+"""A mixture of experts' prefill with its cold experts computed on the device: their rows cross PCIe as stored (the
+file's blocks), are de-quantized there (kernels/dequant.py) and multiplied by the expert's tokens, as the dense path's
+prefill streams its cold rows (runtime/cold_rows.chunks).
+
+Why: at prefill the CPU's experts are bound by arithmetic (every routed token runs every neuron of its experts), so a
+512-token prompt spent most of its time in them, while an expert's rows cross PCIe once for all of its tokens. Below
+OFFLOAD_TOKENS tokens an expert has too few tokens for the copy to pay, and the CPU's kernel keeps them. Layers whose
+cold experts compute only firing neurons (ReLU family, `down_t`) keep the CPU's path: the copy would read the file's
+down rows that their decode never reads (docs/runtime.md, "Sparse experts").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hotneurons.kernels.cold_experts import row_format
+from hotneurons.models.common import ffn_values
+from hotneurons.weights.formats import weight_format
+
+OFFLOAD_TOKENS = 64  # prefill tokens from which a layer's cold experts run on the device
+DEVICE_TYPES = ("cuda",)  # devices that take them (the tests add "cpu", where dequant_rows de-quantizes by torch)
+FORMATS = ("q4_0", "q4_1", "q8_0")  # block rows kernels/dequant.py de-quantizes on the device
+
+
+def offloads(ffn: Any, T: int) -> bool:
+    """Whether HybridMoE `ffn` computes the cold experts of a T-token call on its device."""
+    if T < OFFLOAD_TOKENS or ffn.device.type not in DEVICE_TYPES or ffn.cold is None or ffn.down_t is not None:
+        return False
+    fmts = (row_format(ffn.cold[1], ffn.d_model), row_format(ffn.cold[2], ffn.n_ff))
+    return all(f in FORMATS for f in fmts)
+
+
+def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, cold: np.ndarray) -> torch.Tensor:
+    """x (T, d) on the device, ids (T, k) the routed experts, w (T, k) their weights on the device, cold (T, k) bool
+    the pairs whose expert is cold -> (T, d) in x's dtype: those pairs' weighted sum, each cold expert's rows copied
+    and de-quantized once for all of its tokens."""
+    from hotneurons.kernels.dequant import dequant_rows  # Triton: imported where a prefill uses it
+
+    T, k = ids.shape
+    n, d, dev = ffn.n_ff, ffn.d_model, x.device
+    fgu, fdn = (weight_format(row_format(ffn.cold[1], d)), weight_format(row_format(ffn.cold[2], n)))
+    pairs = np.flatnonzero(cold)  # (P,) positions t * k + slot
+    pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]  # grouped per expert
+    experts = ids.ravel()[pairs]
+    bounds = np.flatnonzero(np.diff(experts)) + 1
+    pd = torch.from_numpy(pairs).to(dev)  # (P,)
+    wflat = w.reshape(-1)  # (T k,)
+    y = torch.zeros_like(x)  # (T, d)
+    for a, b in zip([0, *bounds], [*bounds, len(pairs)]):
+        c = int(ffn.cold_map[experts[a]])  # the expert's place in the cold rows
+
+        def rows(m: np.ndarray, per: int, cols: int, fmt) -> torch.Tensor:
+            return dequant_rows(torch.from_numpy(m[c * per:(c + 1) * per]).to(dev), fmt, cols, x.dtype)
+
+        g, u, dn = rows(ffn.cold[0], n, d, fgu), rows(ffn.cold[1], n, d, fgu), rows(ffn.cold[2], d, n, fdn)
+        tok = pd[a:b] // k  # (m,) this expert's tokens
+        xe = x.index_select(0, tok)  # (m, d)
+        ye = F.linear(ffn_values(ffn.cfg, F.linear(xe, u), F.linear(xe, g)), dn)  # (m, d)
+        y.index_add_(0, tok, (ye * wflat[pd[a:b], None]).to(y.dtype))
+    return y

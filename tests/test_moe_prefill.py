@@ -1,0 +1,43 @@
+"""runtime/moe_prefill.py: a long prefill's cold experts computed on the device from their stored rows, against the
+reference models/moe.moe_ffn and against the CPU kernel's path, on fresh random Q4_0 / Q8_0 experts. Without CUDA the
+"device" is the CPU (dequant_rows de-quantizes by torch there), which the test allows by patching DEVICE_TYPES."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hotneurons.common.kinds import Activation
+from hotneurons.models import moe
+from hotneurons.runtime import moe_prefill
+from hotneurons.runtime.moe_ffn import HybridMoE
+from test_cold_experts_sparse import GPU, _cfg, _moe_weights, _tokens
+
+T = 12  # prefill tokens, over the patched threshold
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("act", [Activation.SWIGLU, Activation.DRELU])
+def test_cold_experts_on_the_device_equal_reference(fmt, act, monkeypatch):
+    rng = np.random.default_rng(31)
+    xs = _tokens(rng, T)
+    cfg = dataclasses.replace(_cfg(act), act_fn="silu") if act is Activation.SWIGLU else _cfg(act)
+    w = _moe_weights(fmt, xs, seed=32)
+    ffn = HybridMoE(0, cfg, w.get, GPU, "cpu", torch.float32)
+    x = torch.from_numpy(xs)
+    cpu_path = ffn(x)  # the CPU's kernels (dense or firing neurons)
+    monkeypatch.setattr(moe_prefill, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(moe_prefill, "OFFLOAD_TOKENS", 4)
+    calls = []
+    real = moe_prefill.cold_on_device
+    monkeypatch.setattr(moe_prefill, "cold_on_device", lambda *a: calls.append(1) or real(*a))
+    got = ffn(x)
+    sparse = act is Activation.DRELU  # down_t layers keep the CPU's path (their decode never reads the file's down)
+    assert calls == ([] if sparse else [1])
+    assert not moe_prefill.offloads(ffn, 3)  # below the threshold
+    if not sparse:
+        tol = dict(rtol=1e-4, atol=2e-5 * float(cpu_path.abs().max()))
+        torch.testing.assert_close(got, moe.moe_ffn(w.get, cfg, 0)(x), **tol)
+        torch.testing.assert_close(got, cpu_path, **tol)
