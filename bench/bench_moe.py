@@ -207,6 +207,8 @@ def ours_child(a) -> None:
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],
            "gpu_share_routed_measured": rows["decode_256"]["gpu_activation_share"],
            "gpu_share_routed_prefill": rows["prefill_512"]["gpu_activation_share"],
+           # sparse (ReLU-family) experts: the share of the routed cold experts' neurons that fired in decode
+           "cold_firing_share": (rows["decode_256"].get("experts") or {}).get("cold_firing_share"),
            "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu, "runs": rows}
     (d / "ours-child.json").write_text(json.dumps(out, default=float))
     print(f"wrote {d / 'ours-child.json'}", flush=True)

@@ -18,7 +18,8 @@ def systems_of(ours: dict | None, lc: dict) -> dict[str, dict]:
     out = {}
     if ours is not None:
         out["hybrid"] = {k: ours.get(k) for k in SYSTEM_KEYS} | {
-            "gpu_share_routed_measured": ours.get("gpu_share_routed_measured")}
+            "gpu_share_routed_measured": ours.get("gpu_share_routed_measured"),
+            "cold_firing_share": ours.get("cold_firing_share")}
     for name, row in lc.items():
         if name.startswith("llama.cpp") and isinstance(row, dict) and "error" not in row:
             out[name] = {k: row.get(k) for k in SYSTEM_KEYS}
@@ -93,6 +94,9 @@ def markdown(fig: dict) -> str:
         load = "-" if r.get("load_to_first_token_s") is None else f"{r['load_to_first_token_s']:.0f} s"
         lines.append(f"| {name} | {cell} | {pre} | {load} | {gb(r.get('host_peak_rss_bytes'))} | "
                      f"{gb(r.get('gpu_peak_bytes'))} |")
+    firing = (fig["systems"].get("hybrid") or {}).get("cold_firing_share")
+    if firing is not None:  # sparse experts: what ours computes of its routed cold experts
+        lines += ["", f"Ours computes {firing:.1%} of its routed cold experts' neurons in decode (those that fire)."]
     sh = {k: v for k, v in fig["gpu_share_routed"].items() if v is not None}
     lines += ["", "GPU share of routed expert work: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sh.items()), "",
