@@ -30,6 +30,7 @@ from hotneurons.runtime import moe_down_t
 from hotneurons.runtime.moe_ffn import HybridMoE
 from hotneurons.runtime.moe_load import expert_stats
 from hotneurons.weights.qtensor import QTensor
+from test_kernels_experts import _stored  # the rows as stored, and the float64 weights they hold
 
 E, K, D, N = 8, 2, 256, 512
 OFF = 0.85  # the share of neurons whose gate (ungated: up) the shift turns off
@@ -37,16 +38,6 @@ QTYPE = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationTy
          "q4_1": gguf.GGMLQuantizationType.Q4_1}
 GPU = np.array([True, False, False, True, False, False, False, True])  # experts 1, 2, 4, 5, 6 cold
 
-
-def _stored(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, cols) float32 -> (the rows as stored, the float64 weights they hold)."""
-    if fmt in QTYPE:
-        rows = np.ascontiguousarray(gguf.quants.quantize(w, QTYPE[fmt]))
-        return rows, gguf.quants.dequantize(rows, QTYPE[fmt]).astype(np.float64)
-    if fmt == "f16":
-        h = w.astype(np.float16)
-        return h.view(np.uint16), h.astype(np.float64)
-    return w, w.astype(np.float64)
 
 
 def _shifted(rng: np.random.Generator, xs: np.ndarray, rows: int) -> np.ndarray:
