@@ -38,8 +38,8 @@ from __future__ import annotations
 import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, SPINS, wait_ready
-from hotneurons.kernels.cold_q import _format
-from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q8_0, rows_dot
+from hotneurons.kernels.cold_q import _format, _xq_buffers
+from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q8_0, XQ_OK, rows_dot
 from hotneurons.kernels.intrinsics import _store_release
 from llvmlite import ir
 from numba import njit, prange, types
@@ -76,16 +76,17 @@ def _f32(typingctx, v):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _neurons4_q(x, gate, up, r, nr, h, j, act, gated, lut, fmt):
-    """h[j:j + 4] = the values of neurons at rows r..r + 3 for x; rows nr..nr + 3 prefetched meanwhile."""
+def _neurons4_q(xs, gate, up, r, nr, h, j, act, gated, lut, fmt):
+    """h[j:j + 4] = the values of neurons at rows r..r + 3 for xs ((x,), or the int route's quantized x: cold_q's
+    _xq_buffers); rows nr..nr + 3 prefetched meanwhile."""
     if gated:
         g0, g1, g2, g3, u0, u1, u2, u3 = rows_dot(
-            (x,), (gate[r], gate[r + 1], gate[r + 2], gate[r + 3], up[r], up[r + 1], up[r + 2], up[r + 3]),
+            xs, (gate[r], gate[r + 1], gate[r + 2], gate[r + 3], up[r], up[r + 1], up[r + 2], up[r + 3]),
             (gate[nr], gate[nr + 1], gate[nr + 2], gate[nr + 3], up[nr], up[nr + 1], up[nr + 2], up[nr + 3]), lut, fmt)
         h[j], h[j + 1] = _gated_value(act, g0, u0), _gated_value(act, g1, u1)
         h[j + 2], h[j + 3] = _gated_value(act, g2, u2), _gated_value(act, g3, u3)
     else:
-        u0, u1, u2, u3 = rows_dot((x,), (up[r], up[r + 1], up[r + 2], up[r + 3]),
+        u0, u1, u2, u3 = rows_dot(xs, (up[r], up[r + 1], up[r + 2], up[r + 3]),
                                   (up[nr], up[nr + 1], up[nr + 2], up[nr + 3]), lut, fmt)
         h[j], h[j + 1], h[j + 2], h[j + 3] = (_ungated_value(u0, act), _ungated_value(u1, act),
                                               _ungated_value(u2, act), _ungated_value(u3, act))
@@ -106,11 +107,28 @@ def _gate_up_q(X, tok, off, ids, gate, up, H, act, fmt):
         for p in range(off[j], off[j + 1]):
             x = X[tok[p]]
             if fmt == Q4_0:
-                _neurons4_q(x, gate, up, r, nr, H[p], 4 * g, act, gated, lut, 1)
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 1)
             elif fmt == Q4_1:
-                _neurons4_q(x, gate, up, r, nr, H[p], 4 * g, act, gated, lut, 2)
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 2)
             else:
-                _neurons4_q(x, gate, up, r, nr, H[p], 4 * g, act, gated, lut, 0)
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 0)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _gate_up_xq(xs, ids, gate, up, H, act, fmt):
+    """Pass 1 for one token on the int route (xs: its quantized x), Q4_0 or Q8_0 rows: H[j] for expert ids[j]."""
+    n = H.shape[1]
+    ng = n // 4
+    gated = act >= FIRST_GATED
+    lut = _LUT
+    for w in prange(ids.shape[0] * ng):
+        j, g = w // ng, w % ng
+        base = ids[j] * n
+        nr = base + 4 * min(g + 1, ng - 1)
+        if fmt == Q4_0:
+            _neurons4_q(xs, gate, up, base + 4 * g, nr, H[j], 4 * g, act, gated, lut, 1)
+        else:
+            _neurons4_q(xs, gate, up, base + 4 * g, nr, H[j], 4 * g, act, gated, lut, 0)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -188,12 +206,14 @@ def _down_f(H, tok, off, ids, wts, down, Y):
 
 
 @njit(nogil=True, cache=True)
-def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, Y, act, fgu, fdn):
+def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, Y, act, fgu, fdn, xq=False):
     """One decode token's cold experts over block rows in one call, so that no Python runs between the GPU's signal
     and the kernel (as cold_q.cold_layer_q): wait for ready[i] (i >= 0); the routed slots whose expert is cold
     (cold_of[ids[s]] >= 0: its index in the rows), both passes into Y (1, d); release[i] = 1 once Y is written.
     X (1, d) float32, ids (k,) int64, wts (k,) float32, H (k, n) scratch; fgu / fdn: cold_q_ir's format codes.
-    Returns the cold slots' count, or -1 when no signal came within SPINS reads."""
+    xq: the gate and up dots on cold_q's int route (x quantized once, as llama.cpp's CPU dots; Q4_0 / Q8_0 rows where
+    cold_q_ir.XQ_OK, else the float route; it adds x's rounding error: cold_q's docstring). Returns the cold slots'
+    count, or -1 when no signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
     m = 0
@@ -213,7 +233,10 @@ def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, 
     else:
         tok = np.zeros(m, np.int64)  # (m,) every pair is the one token's
         off = np.arange(m + 1)  # (m + 1,) one pair an expert
-        _gate_up_q(X, tok, off, cid, gate, up, H[:m], act, fgu)
+        if xq and XQ_OK and fgu != Q4_1:
+            _gate_up_xq(_xq_buffers(X[0], fgu, True), cid, gate, up, H[:m], act, fgu)
+        else:
+            _gate_up_q(X, tok, off, cid, gate, up, H[:m], act, fgu)
         _down_q(H[:m], tok, off, cid, cw, down, Y, fdn)
     if i >= 0:
         _store_release(release, i, np.int32(1))

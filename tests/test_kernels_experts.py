@@ -161,3 +161,33 @@ def test_decode_layer_in_one_call(fmt, down_fmt):
     assert KE.experts_layer_q(ready, release, 0, X, ids, wts, cold_of, rows[0], rows[1], rows[2], H, Y,
                               ACT_CODE["swiglu"], KE.CODE[fmt], KE.CODE[down_fmt]) == -1
     assert (Y == 7.0).all() and release[0] == 0
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_decode_layer_on_the_int_route(fmt):
+    """experts_layer_q with xq: the gate and up dots with x quantized to Q8_0 (cold_q's int route). Against float64
+    on the weights and on x as quantized (cold_q.quantize_x): equal to float32 sums, so the int route ran and
+    added only x's rounding; the float route's answer differs from it by about that rounding."""
+    from hotneurons.kernels.cold import ACT_CODE
+    from hotneurons.kernels.cold_q import quantize_x
+    from hotneurons.kernels.cold_q_ir import XQ_OK
+
+    if not XQ_OK:
+        pytest.skip("the int route needs AVX-512 VNNI on this CPU")
+    rows, w64 = _experts(fmt, "q4_0", seed=8)
+    rng = np.random.default_rng(9)
+    X = rng.standard_normal((1, D)).astype(np.float32)
+    q, dx = np.zeros(D, np.int8), np.zeros(D // 32, np.float32)
+    quantize_x(X[0], q, dx)  # the route's Q8_0 of x (float32 scales; a file's Q8_0 rounds them to fp16)
+    Xq = (np.repeat(dx, 32) * q)[None].astype(np.float32)  # (1, D) x as the route sees it
+    cold_of = np.arange(E)
+    ids, wts = np.array([1, 3], np.int64), np.array([0.7, 0.3], np.float32)
+    out = {}
+    for xq in (True, False):
+        Y, H = np.full((1, D), np.nan, np.float32), np.empty((2, N), np.float32)
+        KE.experts_layer_q(np.zeros(1, np.int32), np.zeros(1, np.int32), -1, X, ids, wts, cold_of, rows[0], rows[1],
+                           rows[2], H, Y, ACT_CODE["swiglu"], KE.CODE[fmt], KE.CODE["q4_0"], xq)
+        out[xq] = Y[0]
+    _close(out[True], reference("swiglu", Xq, [0, 0], ids, wts, w64)[0])
+    _close(out[False], reference("swiglu", X, [0, 0], ids, wts, w64)[0])
+    assert not np.allclose(out[True], out[False], rtol=1e-6, atol=0)
