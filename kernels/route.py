@@ -29,6 +29,17 @@ BLOCK_D = 1024  # elements of x copied per loop step
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def top_k(logits: torch.Tensor, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) in the logits' dtype, expert ids (T, k) long), as transformers routes
+    Mixtral, Qwen2/3-MoE and OLMoE: softmax over all experts in float32 (float64 stays float64), the top k of those
+    probabilities, renormalised to sum 1 where norm_topk, cast to the logits' dtype (models/moe.route)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (T, E)
+    top, ids = torch.topk(probs, k, dim=-1)  # (T, k) each
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), ids
+
+
 def route_step_torch(logits: torch.Tensor, x: torch.Tensor, k: int, norm_topk: bool, lut: torch.Tensor,
                      fired: torch.Tensor, route_w: torch.Tensor, route_ids: torch.Tensor, local: torch.Tensor,
                      w_gpu: torch.Tensor, x_host: torch.Tensor, ids_host: torch.Tensor, w_host: torch.Tensor) -> None:
@@ -36,12 +47,8 @@ def route_step_torch(logits: torch.Tensor, x: torch.Tensor, k: int, norm_topk: b
     cold expert. Writes route_w (k,) (the weights rounded to the logits' dtype), route_ids (k,) long, fired (E,) += 1
     at the routed experts, local (k,) long (the stack index, 0 for a cold slot), w_gpu (k,) (the weight, 0 for a
     cold slot), x_host (d,) float32, ids_host (k,) long, w_host (k,) float32 (route_w widened)."""
-    probs = torch.softmax(logits.reshape(1, -1), dim=-1,
-                          dtype=torch.promote_types(logits.dtype, torch.float32))  # (1, E)
-    top, ids = torch.topk(probs, k, dim=-1)  # (1, k) each
-    if norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    w, ids = top[0].to(logits.dtype), ids[0]  # (k,) each
+    w, ids = top_k(logits.reshape(1, -1), k, norm_topk)
+    w, ids = w[0], ids[0]  # (k,) each
     route_w.copy_(w)
     route_ids.copy_(ids)
     fired.index_add_(0, ids, torch.ones_like(ids, dtype=fired.dtype))

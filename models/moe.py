@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from hotneurons.kernels.route import top_k
 from hotneurons.models.common import Loader, WeightFn, _linear, ffn_values
 from hotneurons.models.config import ModelConfig
 
@@ -26,11 +27,7 @@ GATHER_BYTES = 256 << 20  # per gathered projection of a chunk of tokens
 
 def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (T, E) -> (weights (T, k) in the logits' dtype, expert indices (T, k) long)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (T, E)
-    top, experts = torch.topk(probs, cfg.n_experts_used, dim=-1)  # (T, k) each
-    if cfg.norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), experts
+    return top_k(logits, cfg.n_experts_used, cfg.norm_topk)
 
 
 def _stacked(load: Loader, name: str, n_experts: int) -> torch.Tensor:
