@@ -61,6 +61,13 @@ class Llama(Decoder):
                                           if cfg.rope_local else (self.cos, self.sin))
         # Gemma: rounded to the weights' dtype first, as transformers does (sqrt(3072) = 55.4256 is 55.5 in bf16)
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=dtype, device=self.device)
+        # a decode step's tables in the fused form (step_begin writes them each step)
+        heads = cfg.n_heads + cfg.n_kv_heads
+        self._head_scale = torch.ones((1, heads, 1, 1), device=self.device)  # (1, H + K, 1, 1) float32
+        self._head_scale[:, :cfg.n_heads] = cfg.scale
+        self._step_cos = torch.zeros((1, heads, 1, cfg.head_dim), device=self.device, dtype=dtype)  # (1, H + K, 1, hd)
+        self._step_sin = torch.zeros_like(self._step_cos)  # the same of sin, its first half negated
+        self._step_mask = torch.zeros((1, 1, 1, ctx), device=self.device, dtype=dtype)  # (1, 1, 1, ctx) 0 or -inf
 
     def _load_layer(self, load: Loader, i: int) -> _Layer:
         cfg, p = self.cfg, f"blk.{i}."
@@ -115,14 +122,7 @@ class Llama(Decoder):
     def step_begin(self, pos: torch.Tensor) -> None:
         """The step's rotary rows per head (the q heads' times the attention scale, so that the scores need no
         scaling) and its additive mask of the filled slots, which every layer's step reads; pos (1,) on the device."""
-        cfg, hd = self.cfg, self.cfg.head_dim
-        if getattr(self, "_step_cos", None) is None:
-            heads = cfg.n_heads + cfg.n_kv_heads
-            self._head_scale = torch.ones((1, heads, 1, 1), device=self.device)  # (1, H + K, 1, 1) float32
-            self._head_scale[:, :cfg.n_heads] = cfg.scale
-            self._step_cos = torch.zeros((1, heads, 1, hd), device=self.device, dtype=self.dtype)  # (1, H + K, 1, hd)
-            self._step_sin = torch.zeros_like(self._step_cos)  # the same of sin, its first half negated
-            self._step_mask = torch.zeros((1, 1, 1, self.ctx), device=self.device, dtype=self.dtype)  # 0 or -inf
+        hd = self.cfg.head_dim
         cos, sin = self.cos[pos], self.sin[pos]  # (1, hd) each
         sin_signed = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), -1)  # rotate_half's signs, as ops._rope
         self._step_cos.copy_(cos[:, None, None] * self._head_scale)
