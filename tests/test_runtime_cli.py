@@ -168,7 +168,8 @@ def test_static_cache_holds_the_solvers_ctx_and_counts_in_the_budget(tiny_model_
     cfg = load_model(str(tiny_model_dir("llama-reglu")), device="cpu", dtype="float32").model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     hd = cfg.hidden_size // cfg.num_attention_heads
-    tables = 2 * hd * 4 + 8  # per position: RoPE's cos and sin rows (float32) and the cache slot's number (int64)
+    # per position: RoPE's cos and sin rows (float32), the cache slot's number (int64) and the fused step's mask slot
+    tables = 2 * hd * 4 + 8 + 4
     assert stats["solved"]["bytes_gpu"] - stats["flag"]["bytes_gpu"] == 16 * (per_token + tables)  # float32, CPU
     weights = stats["flag"]["bytes_gpu"] - 16 * per_token
     r = invoke("--run", run, "--vram", f"{weights + 8 * per_token}B", "--ctx", 16, "--prompt", "fox")
