@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from hotneurons.kernels import qlinear
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
-from hotneurons.kernels.cold_experts import CODE, FLOAT_ROWS, experts_ffn, experts_layer_q, row_format
+from hotneurons.kernels.cold_experts import CODE, experts_ffn, experts_layer_q, row_format
 from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
 from hotneurons.kernels.cold_q import XQ  # the int route, asked for by HOTNEURONS_COLD_XQ=1
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
@@ -44,63 +44,9 @@ from hotneurons.models.moe import route
 from hotneurons.runtime import moe_prefill
 from hotneurons.runtime.host_io import MoEHostIO
 from hotneurons.runtime.moe_down_t import build_down_t, wants_down_t
-from hotneurons.weights.formats import WeightFormat, spec
+from hotneurons.runtime.moe_rows import KERNEL_FMTS, PROJ, fmt_name, host_rows, nbytes, requantized, rows2d, unread_rows
 from hotneurons.weights.qtensor import QTensor
 from torch import nn
-
-PROJ = ("gate", "up", "down")
-# what the kernel reads as stored; other formats' cold experts are re-quantized (engine.py's `auto` rule)
-_KERNEL_FMTS = {"q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"}
-_AUTO = {WeightFormat.Q4_K: "q4_0", WeightFormat.Q5_K: "q4_0"}
-
-
-def _fmt(w: QTensor | torch.Tensor) -> str:
-    if isinstance(w, QTensor):
-        return str(WeightFormat(w.fmt).value)
-    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(w.dtype, str(w.dtype))
-
-
-def _rows2d(w: QTensor | torch.Tensor, out: int) -> QTensor | torch.Tensor:
-    """A stacked experts tensor as (E * out, in) rows: a QTensor as it comes, a float (E, out, in) one viewed."""
-    return w if isinstance(w, QTensor) else w.reshape(-1, w.shape[-1])
-
-
-def host_rows(w: QTensor | torch.Tensor) -> np.ndarray:
-    """(E * out, row) numpy view of CPU stacked rows as kernels/cold_experts reads them (no copy)."""
-    if isinstance(w, QTensor):
-        if spec(w.fmt).block == 1:  # a float format carried as bytes
-            return host_rows(w.data.view({"f32": torch.float32, "f16": torch.float16,
-                                          "bf16": torch.bfloat16}[_fmt(w)]))
-        return w.data.numpy()
-    t = w.reshape(-1, w.shape[-1])
-    if t.dtype == torch.float32:
-        return t.numpy()
-    return t.view(torch.int16).numpy().view(FLOAT_ROWS[_fmt(t)])  # fp16 as uint16, bf16 as int16 bits
-
-
-def _requantized(w: QTensor | torch.Tensor, experts: np.ndarray, out: int) -> np.ndarray:
-    """The rows of `experts` only, in the kernel's nearest format (q4_0 / q8_0), one expert at a time."""
-    from hotneurons.runtime.cold_rows import to_blocks
-
-    fmt = _AUTO.get(WeightFormat(w.fmt), "q8_0") if isinstance(w, QTensor) else "q8_0"
-    parts = []
-    for e in experts:
-        rows = w.rows(slice(e * out, (e + 1) * out)) if isinstance(w, QTensor) else w.reshape(-1, w.shape[-1])[
-            e * out:(e + 1) * out]
-        parts.append(to_blocks(rows.dequantize(torch.float32) if isinstance(rows, QTensor) else rows.float(), fmt))
-    return np.ascontiguousarray(np.concatenate(parts)) if parts else np.zeros((0, 0), np.uint8)
-
-
-def _nbytes(w: Any) -> int:
-    if w is None:
-        return 0
-    if isinstance(w, GpuQ):
-        return w.nbytes
-    if isinstance(w, QTensor):
-        return w.data.numel()
-    if isinstance(w, np.ndarray):
-        return w.nbytes
-    return w.numel() * w.element_size()
 
 
 class HybridMoE(nn.Module):
@@ -108,10 +54,11 @@ class HybridMoE(nn.Module):
 
     def __init__(self, layer: int, cfg: ModelConfig, weights: WeightFn, gpu: np.ndarray,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 release: Any = None):
+                 release: Any = None, release_rows: Any = None):
         """weights: canonical name -> tensor (a GGUF / safetensors source's get: experts stacked, QTensors of
         (E * out, in) rows or float (E, out, in)); gpu (E,) bool: the experts kept on `device`. `release` is told the
-        router's and shared expert's names once copied (the experts' are read in place, not released)."""
+        router's and shared expert's names once copied; `release_rows` (a source's release_view) each view of expert
+        rows this layer never reads again once loaded (moe_rows.unread_rows)."""
         super().__init__()
         if not cfg.moe:
             raise ValueError(f"layer {layer}: {cfg.model_type} has no experts: its FFN is HybridFFN's")
@@ -140,14 +87,14 @@ class HybridMoE(nn.Module):
         self.experts = self._device_experts(stacked, outs)  # expert id -> (gate, up, down) on the device
         # the cold experts' rows on the host: the file's own (cold_map the identity) or a compact re-quantized stack
         self.cold_map = np.full(E, -1, np.int64)  # expert id -> its index in the cold rows
-        in_place = all(_fmt(w) in _KERNEL_FMTS and w.device.type == "cpu" for w in stacked.values())
+        in_place = all(fmt_name(w) in KERNEL_FMTS and w.device.type == "cpu" for w in stacked.values())
         if not self.n_cold:
             self.cold = None
         elif in_place:
-            self.cold = tuple(host_rows(_rows2d(stacked[k], outs[k])) for k in PROJ)
+            self.cold = tuple(host_rows(rows2d(stacked[k], outs[k])) for k in PROJ)
             self.cold_map[:] = np.arange(E)
         else:
-            self.cold = tuple(_requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
+            self.cold = tuple(requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
             self.cold_map[self.cold_ids] = np.arange(self.n_cold)
         self.in_place = in_place
         # ReLU-family experts: the cold experts' down neuron-major, so that decode skips an inactive neuron's down row
@@ -156,6 +103,10 @@ class HybridMoE(nn.Module):
         if self.cold is not None and wants_down_t(self.activation, self.cold[2], self.d_model, self.n_ff):
             self.down_t = build_down_t(stacked["down"], self.cold[2], self.cold_ids, self.d_model, self.n_ff)
             self.dt_of[self.cold_ids] = np.arange(self.n_cold)
+        if release_rows is not None:  # as each layer loads, so that the peak does not hold them either
+            for v in unread_rows(stacked, outs, self.gpu_ids, self.cold_ids, self.device.type != "cpu", in_place,
+                                 self.down_t is not None):
+                release_rows(v)
         self._sparse_args: tuple | None = None  # sparse_layer's arguments (made at the first decode)
         self.counts = np.zeros(4)  # decode tokens, routed pairs, pairs on GPU experts, pairs on cold experts
         self.cold_active = 0  # decode (down_t layers): the routed cold experts' firing neurons, summed over tokens
@@ -179,7 +130,7 @@ class HybridMoE(nn.Module):
         lut[ids] = ids if dev.type == "cpu" else np.arange(len(ids))
         self.lut = torch.from_numpy(lut).to(dev)  # (E,)
         for k in PROJ:
-            w, out = _rows2d(stacked[k], outs[k]), outs[k]
+            w, out = rows2d(stacked[k], outs[k]), outs[k]
             if dev.type == "cpu":  # in place: an expert is a row range
                 stack, local = w, ids
             else:
@@ -205,8 +156,8 @@ class HybridMoE(nn.Module):
 
     def device_bytes(self) -> int:
         """Bytes on the compute device: the router, the shared expert and the GPU experts."""
-        shared = sum(_nbytes(w) for w in self.shared) if self.shared is not None else 0
-        return _nbytes(self.router) + shared + sum(_nbytes(w) for ws in self.experts.values() for w in ws)
+        shared = sum(nbytes(w) for w in self.shared) if self.shared is not None else 0
+        return nbytes(self.router) + shared + sum(nbytes(w) for ws in self.experts.values() for w in ws)
 
     def reset_counts(self) -> None:
         self.counts[:] = 0

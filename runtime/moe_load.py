@@ -151,7 +151,7 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
         return source.release(name) if name in source.infos else 0
 
     decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
-    ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release) for i in range(L)]
+    ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release, source.release_view) for i in range(L)]
     stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
     # ctx as the decoder's cache holds
     cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored, ctx=ctx)

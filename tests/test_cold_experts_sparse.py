@@ -29,7 +29,9 @@ from hotneurons.models import ModelConfig, moe
 from hotneurons.runtime import moe_down_t
 from hotneurons.runtime.moe_ffn import HybridMoE
 from hotneurons.runtime.moe_load import expert_stats
+from hotneurons.runtime.moe_rows import PROJ, unread_rows
 from hotneurons.weights.qtensor import QTensor
+from hotneurons.weights.source import drop_range, map_file
 from test_kernels_experts import _stored  # the rows as stored, and the float64 weights they hold
 
 E, K, D, N = 8, 2, 256, 512
@@ -286,3 +288,53 @@ def test_hybrid_moe_flags_and_memory():
     assert ffn.cold_bytes() == stored + ffn.down_t.nbytes and ffn.down_t.nbytes * 3 == stored
     dense = HybridMoE(0, _cfg(Activation.SWIGLU), w.get, np.zeros(E, bool), "cpu", torch.float32)
     assert dense.down_t is None and dense.cold_bytes() == stored
+
+
+def _mapped(w: dict, tmp_path) -> dict:
+    """w's tensors over one file's mapping (weights/source.map_file), as a GGUF source hands them out."""
+    blobs, at, out = [], 0, {}
+    for name, t in w.items():
+        data = t.data if isinstance(t, QTensor) else t
+        blobs.append(data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() + b"\0" * 64)
+    (tmp_path / "w.bin").write_bytes(b"".join(blobs))
+    buf = map_file(tmp_path / "w.bin")  # (bytes,) uint8
+    for (name, t), blob in zip(w.items(), blobs):
+        data = t.data if isinstance(t, QTensor) else t
+        view = torch.from_numpy(buf[at:at + data.numel() * data.element_size()]).view(data.dtype).reshape(data.shape)
+        out[name] = QTensor(view, t.fmt, t.shape) if isinstance(t, QTensor) else view
+        at += len(blob)
+    return out
+
+
+def test_hybrid_moe_drops_the_file_rows_it_no_longer_reads(tmp_path):
+    """Loaded from a file's mapping on a CPU run, a down_t layer hands release_rows its cold experts' down rows
+    (decode and prefill read down_t) and nothing else; dropped from the process, decode and prefill still equal the
+    reference. unread_rows: a device run adds the device experts' rows, a re-quantized layer all cold experts' rows."""
+    rng = np.random.default_rng(41)
+    xs = _tokens(rng, 4)
+    cfg = _cfg(Activation.DRELU)
+    w = _moe_weights("q8_0", xs, seed=42)
+    mapped = _mapped(w, tmp_path)
+    seen = []
+
+    def drop(v: QTensor) -> int:
+        seen.append(v)
+        return drop_range(v.data.data_ptr(), v.data.numel())
+
+    ffn = HybridMoE(0, cfg, mapped.get, GPU, "cpu", torch.float32, release_rows=drop)
+    cold, hot = np.flatnonzero(~GPU), np.flatnonzero(GPU)
+    stacked = {k: mapped[f"blk.0.ffn_{k}_exps.weight"] for k in PROJ}
+    down = stacked["down"].data  # (E * D, row) uint8
+    assert [(v.data.data_ptr(), v.data.shape[0]) for v in seen] == [(down[e * D].data_ptr(), D) for e in cold]
+    ref = moe.moe_ffn(_with_down_t(w, ffn, "q8_0").get, cfg, 0)
+    x = torch.from_numpy(xs)
+    ffn.host_io(torch.device("cpu"))
+    _close(ffn(x[:1]), ref(x[:1]))
+    _close(_step_pieces(ffn, x[1:2]), ref(x[1:2]))
+    _close(ffn(x), ref(x))
+    outs = {"gate": N, "up": N, "down": D}
+    on_device = unread_rows(stacked, outs, hot, cold, True, True, False)
+    assert [(v.data.data_ptr(), v.data.shape[0]) for v in on_device] == [
+        (stacked[k].data[e * outs[k]].data_ptr(), outs[k]) for k in PROJ for e in hot]
+    assert unread_rows(stacked, outs, hot, cold, False, True, False) == []
+    assert len(unread_rows(stacked, outs, hot, cold, False, False, False)) == 3 * len(cold)

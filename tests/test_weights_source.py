@@ -408,6 +408,29 @@ def test_release_lowers_rss(tmp_path):
         assert float(t[-1, -1]) == 1.0  # still valid: the page comes back from the file
 
 
+def test_release_view_drops_those_rows_only(tmp_path):
+    """release_view drops the pages of some rows of a mapped tensor (the other rows stay resident) and leaves a copy
+    or a strided view alone (0 bytes: dropping a copy's anonymous pages would zero it)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=1024, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=32768).save_pretrained(tmp_path)
+    save_file({"model.embed_tokens.weight": torch.ones(32768, 1024, dtype=torch.bfloat16)},  # 64 MiB
+              str(tmp_path / "model.safetensors"))
+    with open_source(tmp_path) as src:
+        t = src.get("token_embd.weight")
+        copy = t[:4096].clone()  # (4096, 1024) 8 MiB anonymous
+        assert float(t.view(-1)[::2048].float().sum()) == 32768 * 1024 / 2048  # every page in
+        read = _rss()
+        assert src.release_view(copy) == 0 and src.release_view(t[:, :8]) == 0
+        assert float(copy.float().sum()) == 4096 * 1024
+        released = src.release_view(t[:16384])  # the first half: 32 MiB
+        assert (32 << 20) - 4096 <= released <= 32 << 20
+        assert 24 << 20 < read - _rss() < 40 << 20  # the other half still resident
+        assert float(t[:16384].float().sum()) == 16384 * 1024  # read again from the file
+
+
 def one_line(e: pytest.ExceptionInfo) -> str:
     msg = str(e.value)
     assert "\n" not in msg

@@ -95,12 +95,17 @@ def _madvise(addr: int, length: int, advice: int) -> None:
 def drop_pages(span: Span) -> int:
     """madvise(MADV_DONTNEED) on the whole pages inside the span (rounded inward: a page shared with a neighbour
     stays); returns the bytes advised. A no-op where the OS has no MADV_DONTNEED."""
+    return drop_range(span.buf.ctypes.data + span.offset, span.nbytes)
+
+
+def drop_range(start: int, nbytes: int) -> int:
+    """madvise(MADV_DONTNEED) on the whole pages inside [start, start + nbytes) of a file's private mapping (never
+    anonymous memory: it would read back as zeros); returns the bytes advised."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
     if advice is None:
         return 0
-    start = span.buf.ctypes.data + span.offset
     lo = -(-start // _PAGE) * _PAGE
-    hi = (start + span.nbytes) // _PAGE * _PAGE
+    hi = (start + nbytes) // _PAGE * _PAGE
     if hi <= lo:
         return 0
     _madvise(lo, hi - lo, advice)
@@ -141,6 +146,15 @@ class WeightSource:
         (so writes into them are lost: the mapping is private)."""
         self.info(name)
         return drop_pages(self._spans[name])
+
+    def release_view(self, t: torch.Tensor | QTensor) -> int:
+        """Drop the pages of one contiguous view handed out by `get` (some rows of a tensor), as `release` does a
+        whole tensor's; returns the bytes released. A tensor outside this source's mappings (a copy) is left alone:
+        its memory is not the file's, and dropping it would zero it."""
+        data = t.data if isinstance(t, QTensor) else t
+        if not data.is_contiguous() or not self.is_mapped(t):
+            return 0
+        return drop_range(data.data_ptr(), data.numel() * data.element_size())
 
     def is_mapped(self, t: torch.Tensor | QTensor) -> bool:
         """Whether `t`'s memory lies inside one of this source's mappings (a view, not a copy)."""
