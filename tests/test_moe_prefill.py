@@ -41,3 +41,25 @@ def test_cold_experts_on_the_device_equal_reference(fmt, act, monkeypatch):
         tol = dict(rtol=1e-4, atol=2e-5 * float(cpu_path.abs().max()))
         torch.testing.assert_close(got, moe.moe_ffn(w.get, cfg, 0)(x), **tol)
         torch.testing.assert_close(got, cpu_path, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_cold_experts_on_cuda_equal_reference(fmt, monkeypatch):
+    """On CUDA (the Triton dequant_rows, float32 compute), a prefill over the threshold takes the device path and
+    equals the reference within the CPU test's tolerance."""
+    rng = np.random.default_rng(33)
+    xs = _tokens(rng, T)
+    cfg = dataclasses.replace(_cfg(Activation.SWIGLU), act_fn="silu")
+    w = _moe_weights(fmt, xs, seed=34)
+    ffn = HybridMoE(0, cfg, w.get, GPU, "cuda", torch.float32)
+    monkeypatch.setattr(moe_prefill, "OFFLOAD_TOKENS", 4)
+    calls = []
+    real = moe_prefill.cold_on_device
+    monkeypatch.setattr(moe_prefill, "cold_on_device", lambda *a: calls.append(1) or real(*a))
+    x = torch.from_numpy(xs)
+    got = ffn(x.cuda()).cpu()
+    ref = moe.moe_ffn(w.get, cfg, 0)(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * float(ref.abs().max()))
