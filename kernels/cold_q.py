@@ -28,8 +28,11 @@ Two routes for the gate and up dots (kernels/cold_q_ir.py has the row math):
     max|x| / 127 of the block; tests/test_kernels_q.py checks that bound). Only where the compile target has the
     instructions (cold_q_ir.XQ_OK), and for Q4_0 and Q8_0 rows only; elsewhere (Q4_1 rows: their min would need a
     second per-block term) xq=True runs the float route (`_int_route`).
-XQ, the default, is the float route unless HOTNEURONS_COLD_XQ=1 in the environment at import (and XQ_OK): the int
-route changes results, so it is asked for, not assumed. The down rows (axpys) are float32 on both routes.
+XQ, the default of a dense model's cold neurons, is the float route unless HOTNEURONS_COLD_XQ=1 in the environment at
+import (and XQ_OK): the int route changes results, and on a few active rows read from DRAM it buys nothing (below).
+XQ_EXPERTS, the default of a mixture of experts' cold experts (kernels/cold_experts.experts_layer_q, whole experts'
+rows, where the dots and not DRAM bound the kernel), is the int route unless HOTNEURONS_COLD_XQ=0 (and XQ_OK): the
+same rounding llama.cpp gives the same dots on its CPU. The down rows (axpys) are float32 on both routes.
 
 Prefetch: each group of four neurons asks for the rows of the thread's own next group (PREFETCH_AHEAD groups later)
 while it computes, its gate and up rows during the dots, its down rows during the axpys. A thread claims its next
@@ -81,10 +84,11 @@ from numba import njit, prange
 FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
 GEMV_ROWS = 8  # rows a thread reads at once in gemv_q
 XQ = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "0") == "1"  # cold_ffn_q's default route (module docstring)
+XQ_EXPERTS = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "") != "0"  # cold experts' default route (docstring)
 PREFETCH_AHEAD = 1  # groups of four neurons between the one computed and the one whose rows are prefetched
 _LUT = F16_TO_F32  # fp16 pattern -> float32 (a constant in the compiled code)
-__all__ = ["cold_ffn_q", "cold_layer_q", "gemv_q", "quantize_x", "FORMAT_CODE", "XQ", "XQ_OK", "BLOCK", "Q4_0",
-           "Q4_1", "Q8_0", "BLOCK_BYTES"]
+__all__ = ["cold_ffn_q", "cold_layer_q", "gemv_q", "quantize_x", "FORMAT_CODE", "XQ", "XQ_EXPERTS", "XQ_OK", "BLOCK",
+           "Q4_0", "Q4_1", "Q8_0", "BLOCK_BYTES"]
 
 
 @njit(nogil=True, cache=True)

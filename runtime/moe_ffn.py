@@ -32,11 +32,10 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from hotneurons.kernels import qlinear
+from hotneurons.kernels import cold_q, qlinear
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
 from hotneurons.kernels.cold_experts import CODE, experts_ffn, experts_layer_q, row_format
 from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
-from hotneurons.kernels.cold_q import XQ  # the int route, asked for by HOTNEURONS_COLD_XQ=1
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
@@ -303,7 +302,8 @@ class HybridMoE(nn.Module):
             cold_of, H, act, fgu, fdn = self._layer_args
             g, u, dn = self.cold
             if experts_layer_q(ready, release, layer, io.x_np.reshape(1, -1), io.ids, io.w, cold_of,
-                               g if act >= FIRST_GATED else u, u, dn, H, io.out, act, fgu, fdn, XQ) < 0:
+                               g if act >= FIRST_GATED else u, u, dn, H, io.out, act, fgu, fdn,
+                               cold_q.XQ_EXPERTS) < 0:  # read at the call: tests choose the route
                 raise RuntimeError(f"layer {self.layer}: the GPU did not signal the routing (a failed graph?)")
         else:  # float rows
             if flags is not None and not wait_ready(ready, i, SPINS):

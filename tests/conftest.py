@@ -53,3 +53,12 @@ def text_corpus(tmp_path_factory) -> Path:
         for i in range(12):
             f.write(json.dumps({"text": f"Document {i}. " + TEXT[i * 37:] + TEXT[: i * 53]}) + "\n")
     return path
+
+
+@pytest.fixture(autouse=True)
+def float_route_for_cold_experts(monkeypatch):
+    """The reference comparisons of a mixture of experts hold the float route (equal to float64 up to float32 sums);
+    the tests of the int route, the cold experts' default where the CPU has VNNI (kernels/cold_q.py), ask for it."""
+    from hotneurons.kernels import cold_q
+
+    monkeypatch.setattr(cold_q, "XQ_EXPERTS", False)

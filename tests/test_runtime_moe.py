@@ -327,6 +327,36 @@ def test_decode_pieces_equal_reference(family, fmt, where):
     assert ffn.counts[2] == ffn.expert_counts[ffn.gpu].sum()
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_decode_cold_experts_on_the_int_route(fmt, monkeypatch):
+    """cold_q.XQ_EXPERTS (the cold experts' default route where the CPU has VNNI): the CPU's part of a decode token
+    equals the float route's on x as the int route quantizes it (cold_q.quantize_x), to float32 sums; so the route
+    ran and added only x's rounding (the conftest holds the float route for the other reference tests)."""
+    from hotneurons.kernels import cold_q
+
+    if not cold_q.XQ_OK:
+        pytest.skip("the int route needs AVX-512 VNNI on this CPU")
+    cfg = _cfg("mixtral")
+    w = _weights(cfg, fmt, seed=9)
+    ffn = HybridMoE(0, cfg, w.get, np.zeros(E, bool), "cpu", torch.float32)  # every expert cold
+    io = ffn.host_io(torch.device("cpu"))
+    x = _x(3, seed=10)
+    for t in range(3):
+        ffn.to_host(x[t:t + 1])
+        q, dx = np.zeros(D, np.int8), np.zeros(D // 32, np.float32)
+        cold_q.quantize_x(io.x_np.reshape(-1).copy(), q, dx)
+        xq = np.repeat(dx, 32) * q  # (D,) x as the int route sees it
+        x_true = io.x_np.reshape(-1).copy()
+        out = {}
+        for route, x_in in (("int", x_true), ("float on xq", xq), ("float", x_true)):
+            monkeypatch.setattr(cold_q, "XQ_EXPERTS", route == "int")
+            io.x_np.reshape(-1)[:] = x_in
+            ffn.cold_rows(None)
+            out[route] = ffn.cold_sum().clone()
+        _close(out["int"], out["float on xq"])
+        assert not torch.allclose(out["int"], out["float"], rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU experts in GpuQ (the Triton GEMV for a token, de-quantized chunks for a prompt), the CPU's in Numba
 
