@@ -22,7 +22,9 @@ cold_experts.experts_layer_q): wait for ready[i], then
   B. over the kept neurons, claimed cold.CHUNK at a time from an atomic counter as cold_q.cold_ffn_q claims its
      active list: acc += h * down_t row, four rows at a time, into each thread's row of `part`; then every thread
      sums one slice of d across those rows into `out` (cold.py's reduction);
-release[i] = 1 once `out` is written. The result is the float route's, float32 sums: which thread sums which neuron
+release[i] = 1 once `out` is written. With xq, pass A's dots take cold_q's int route (x quantized once to Q8_0, as
+cold_experts.experts_layer_q's): the gate rows are read whole, so their dots, not DRAM, bound pass A. Otherwise the
+result is the float route's, float32 sums: which thread sums which neuron
 varies from call to call, so results vary in the last float32 bits.
 
 Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold.py,
@@ -35,7 +37,8 @@ import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
 from hotneurons.kernels.cold import FIRST_GATED, SPINS, _claim, _head, _n_chunks, _sum_rows, wait_ready
 from hotneurons.kernels.cold_experts import _f32, _fdot
-from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, rows_axpy, rows_dot
+from hotneurons.kernels.cold_q import _xq_buffers
+from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, Q8_0, XQ_OK, rows_axpy, rows_dot
 from hotneurons.kernels.intrinsics import _fetch_add, _store_release
 from numba import njit, prange, types
 from numba.extending import overload
@@ -51,11 +54,11 @@ __all__ = ["sparse_layer", "scratch", "SPARSE_ACTS", "NEURONS"]
 # plain loops. Python stubs, compiled per type by their overloads (a call typed for the other kind would not compile).
 
 
-def _dot1(x, row, lut, fmt):  # pragma: no cover - stub
+def _dot1(x, xs, row, lut, fmt):  # pragma: no cover - stub
     raise NotImplementedError
 
 
-def _dots4(x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):  # pragma: no cover - stub
+def _dots4(x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):  # pragma: no cover - stub
     raise NotImplementedError
 
 
@@ -75,19 +78,19 @@ _OPTS = {"fastmath": True, "nogil": True}
 
 
 @overload(_dot1, jit_options=_OPTS, prefer_literal=True)
-def _dot1_ov(x, row, lut, fmt):
-    if _blocks(row):
-        return lambda x, row, lut, fmt: rows_dot((x,), (row,), (), lut, fmt)
-    return lambda x, row, lut, fmt: _fdot(x, row)
+def _dot1_ov(x, xs, row, lut, fmt):
+    if _blocks(row):  # xs: (x,) on the float route, the quantized x on the int route (cold_q._xq_buffers)
+        return lambda x, xs, row, lut, fmt: rows_dot(xs, (row,), (), lut, fmt)
+    return lambda x, xs, row, lut, fmt: _fdot(x, row)
 
 
 @overload(_dots4, jit_options=_OPTS, prefer_literal=True)
-def _dots4_ov(x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):
+def _dots4_ov(x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):
     if _blocks(r0):
-        return lambda x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: rows_dot((x,), (r0, r1, r2, r3),
-                                                                             (n0, n1, n2, n3), lut, fmt)
-    return lambda x, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: (_fdot(x, r0), _fdot(x, r1), _fdot(x, r2),
-                                                                 _fdot(x, r3))
+        return lambda x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: rows_dot(xs, (r0, r1, r2, r3),
+                                                                                 (n0, n1, n2, n3), lut, fmt)
+    return lambda x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: (_fdot(x, r0), _fdot(x, r1), _fdot(x, r2),
+                                                                     _fdot(x, r3))
 
 
 @overload(_axpy1, jit_options=_OPTS, prefer_literal=True)
@@ -127,31 +130,32 @@ def _keep(h, row, w, idx, hs, at):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated_rest(x, g, up, r, act, lut, fmt, row, w, idx, hs, at):
+def _gated_rest(x, xs, g, up, r, act, lut, fmt, row, w, idx, hs, at):
     """A gated neuron whose gate value g is known: its up row only where the ReLU gate passes."""
     if g <= 0:
         return 0
-    return _keep(_gated_value(act, g, _dot1(x, up[r], lut, fmt)), row, w, idx, hs, at)
+    return _keep(_gated_value(act, g, _dot1(x, xs, up[r], lut, fmt)), row, w, idx, hs, at)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, fmt):
+def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, fmt):
     """Neurons j0..j1 - 1 of the expert whose gate / up rows start at `base` (down_t rows at tb): the firing ones into
-    slots at.. (idx, hs); returns how many. fmt: a literal code (cold_q._work says why)."""
+    slots at.. (idx, hs); returns how many. xs: what block rows' dots read ((x,), or the int route's quantized x);
+    fmt: a literal code (cold_q._work says why)."""
     k = 0
     j = j0
     while j + 4 <= j1:
         r = base + j
         nr = base + min(j + 4, n - 4)  # the next group's rows (the next chunk's first: the same thread's next item)
         if gated:
-            g0, g1, g2, g3 = _dots4(x, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
+            g0, g1, g2, g3 = _dots4(x, xs, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
                                     gate[nr + 2], gate[nr + 3], lut, fmt)
-            k += _gated_rest(x, g0, up, r, act, lut, fmt, tb + j, w, idx, hs, at + k)
-            k += _gated_rest(x, g1, up, r + 1, act, lut, fmt, tb + j + 1, w, idx, hs, at + k)
-            k += _gated_rest(x, g2, up, r + 2, act, lut, fmt, tb + j + 2, w, idx, hs, at + k)
-            k += _gated_rest(x, g3, up, r + 3, act, lut, fmt, tb + j + 3, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g0, up, r, act, lut, fmt, tb + j, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g1, up, r + 1, act, lut, fmt, tb + j + 1, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g2, up, r + 2, act, lut, fmt, tb + j + 2, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g3, up, r + 3, act, lut, fmt, tb + j + 3, w, idx, hs, at + k)
         else:
-            u0, u1, u2, u3 = _dots4(x, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
+            u0, u1, u2, u3 = _dots4(x, xs, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
                                     up[nr + 3], lut, fmt)
             k += _keep(_ungated_value(u0, act), tb + j, w, idx, hs, at + k)
             k += _keep(_ungated_value(u1, act), tb + j + 1, w, idx, hs, at + k)
@@ -160,17 +164,18 @@ def _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, fm
         j += 4
     for j in range(j, j1):
         if gated:
-            k += _gated_rest(x, _dot1(x, gate[base + j], lut, fmt), up, base + j, act, lut, fmt, tb + j, w, idx, hs,
-                             at + k)
+            k += _gated_rest(x, xs, _dot1(x, xs, gate[base + j], lut, fmt), up, base + j, act, lut, fmt, tb + j, w,
+                             idx, hs, at + k)
         else:
-            k += _keep(_ungated_value(_dot1(x, up[base + j], lut, fmt), act), tb + j, w, idx, hs, at + k)
+            k += _keep(_ungated_value(_dot1(x, xs, up[base + j], lut, fmt), act), tb + j, w, idx, hs, at + k)
     return k
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _fire(x, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
+def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
     """Pass A over the m routed cold experts: work item (s, c) = neurons c * NEURONS.. of expert slot s, its firing
-    neurons in slots item * NEURONS.. of idx / hs, their count in cnt[item]."""
+    neurons in slots item * NEURONS.. of idx / hs, their count in cnt[item]. use_xq: the gate and up dots on the int
+    route, from xq (cold_q._xq_buffers of x; Q4_0 / Q8_0 rows); literal codes and XQ_OK as in cold_q.cold_ffn_q."""
     nc = -(-n // NEURONS)
     gated = act >= FIRST_GATED
     lut = _LUT
@@ -178,12 +183,16 @@ def _fire(x, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
         s, c = item // nc, item % nc
         j0, j1 = c * NEURONS, min(n, c * NEURONS + NEURONS)
         base, tb, w, at = cid[s] * n, cdt[s] * n, cw[s], item * NEURONS
-        if fmt == Q4_0:
-            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
+        if XQ_OK and use_xq and fmt == Q4_0:
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
+        elif XQ_OK and use_xq:  # Q8_0
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
+        elif fmt == Q4_0:
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
         elif fmt == Q4_1:
-            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 2)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 2)
         else:  # Q8_0, or float rows (their overloads take no format)
-            cnt[item] = _chunk(x, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
 
 
 @njit(nogil=True, cache=True)
@@ -243,7 +252,7 @@ def _spread(idx, hs, k, down_t, part, out, fmt):
 
 @njit(nogil=True, cache=True)
 def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act,
-                 fgu, fdn):
+                 fgu, fdn, xq=False):
     """One decode token's routed cold experts, only their firing neurons (module docstring), in one call: wait for
     ready[i] (i >= 0); out (d,) float32 = sum over the routed slots s whose expert is cold (dt_of[ids[s]] >= 0) of
     wts[s] * that expert's FFN of x; release[i] = 1 once out is written.
@@ -251,8 +260,9 @@ def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_
     x (d,) float32, ids (k,) int64, wts (k,) float32; cold_of / dt_of (E,) int64: expert id -> its index in gate / up's
     rows, in down_t's rows (-1: on the device); gate / up (E_rows * n, row), down_t (n_cold * n, row) as the module
     docstring; idx, hs, cnt: `scratch(k, n)`'s; part (threads, d) float32; act: ACT_CODE (0, 2 or 3); fgu / fdn:
-    cold_q_ir's format code of gate / up and of down_t (-1: float rows). Returns the firing neurons' count, or -1
-    (nothing done) when no signal came within SPINS reads."""
+    cold_q_ir's format code of gate / up and of down_t (-1: float rows); xq: the gate and up dots on cold_q's int
+    route (x quantized once; Q4_0 / Q8_0 rows where cold_q_ir.XQ_OK, else the float route). Returns the firing
+    neurons' count, or -1 (nothing done) when no signal came within SPINS reads."""
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
     m = 0
@@ -271,7 +281,8 @@ def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_
     k = 0
     if m:
         n = down_t.shape[0] // (dt_of.max() + 1)  # neurons an expert: down_t holds every cold expert's, dt_of maps all
-        _fire(x, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fgu)
+        use = xq and XQ_OK and (fgu == Q4_0 or fgu == Q8_0)
+        _fire(x, _xq_buffers(x, fgu, use), use, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fgu)
         k = _compact(idx, hs, cnt, m * (-(-n // NEURONS)))
     _spread(idx, hs, k, down_t, part, out, fdn)
     if i >= 0:

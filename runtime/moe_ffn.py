@@ -338,7 +338,7 @@ class HybridMoE(nn.Module):
         cold_of, idx, hs, cnt, part, act, fgu, fdn = self._sparse_args
         g, u, _ = self.cold
         return sparse_layer(ready, release, i, x, ids, w, cold_of, self.dt_of, g if act >= FIRST_GATED else u, u,
-                            self.down_t, idx, hs, cnt, part, out, act, fgu, fdn)
+                            self.down_t, idx, hs, cnt, part, out, act, fgu, fdn, cold_q.XQ_EXPERTS)
 
     def cold_sum(self) -> torch.Tensor:
         """(d,) float32 on the device: the CPU's cold experts' sum for the token (read over PCIe on CUDA)."""

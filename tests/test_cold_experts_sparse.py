@@ -129,6 +129,37 @@ def test_kernel_equals_float64(fmt, act):
     assert min(fired_share) > 0.02
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("act", ["drelu", "relu"])
+def test_kernel_int_route_equals_float64_on_quantized_x(fmt, act):
+    """xq=True: pass A's dots on cold_q's int route (x quantized once to Q8_0, cold_q.quantize_x). Against float64 on
+    x as quantized: the same firing neurons and the same sum to float32 sums, so the route ran and added only x's
+    rounding (the float route, xq=False, against float64 on x itself)."""
+    from hotneurons.kernels.cold_q import XQ_OK, quantize_x
+
+    if not XQ_OK:
+        pytest.skip("the int route needs AVX-512 VNNI on this CPU")
+    xs, rows, w64, cold_of, dt_of = _kernel_case(fmt, act, seed=40 + ACT_CODE[act])
+    ids, wts = np.array([1, 2], np.int64), np.array([0.6, 0.4], np.float32)
+    gs, us, ds = rows
+    code, f = ACT_CODE[act], CODE[fmt]
+    for t in range(2):
+        q, dx = np.zeros(D, np.int8), np.zeros(D // 32, np.float32)
+        quantize_x(xs[t], q, dx)
+        xq = (np.repeat(dx, 32) * q).astype(np.float32)  # (D,) x as the int route sees it
+        out = {}
+        for route in (True, False):
+            idx, hs, cnt = KS.scratch(K, N)
+            out[route] = np.full(D, np.nan, np.float32)
+            k = KS.sparse_layer(NO_FLAGS, NO_FLAGS, -1, xs[t], ids, wts, cold_of, dt_of, gs if code >= 2 else us, us,
+                                ds, idx, hs, cnt, np.empty((numba.get_num_threads(), D), np.float32), out[route], code,
+                                f, f, route)
+            ref, fired = _reference(act, xq if route else xs[t], ids, wts, w64, dt_of)
+            assert k == fired
+            np.testing.assert_allclose(out[route], ref, rtol=0, atol=1e-4 * float(np.abs(ref).max()))
+        assert not np.allclose(out[True], out[False], rtol=1e-6, atol=0)
+
+
 def test_kernel_ready_and_release_flags():
     """With flags: waits for ready[i] (then reset), releases flag i after writing out; without a signal: -1, nothing
     written, nothing released."""
