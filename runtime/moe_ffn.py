@@ -21,8 +21,8 @@ are re-quantized, the cold experts only, to q4_0 (4- and 5-bit) or q8_0 (6-bit a
 ReLU-family experts (relu, reglu, drelu) also get their cold experts' down neuron-major (`down_t`,
 runtime/moe_down_t.py: a second quantization of down for block formats), and a decode token's cold experts then
 compute only their firing neurons (kernels/cold_experts_sparse.py: an inactive neuron's up and down rows are not read),
-token by token at prefill too, so that the file's down pages of cold experts stay unread. A long prefill on CUDA
-computes the other layers' cold experts on the device (runtime/moe_prefill.py: their rows copied as stored).
+token by token at a short prefill too, so that the file's down pages of cold experts stay unread. A long prefill on
+CUDA computes the cold experts on the device (runtime/moe_prefill.py: their rows copied as stored, down_t's for down).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ prefill streams its cold rows (runtime/cold_rows.chunks).
 Why: at prefill the CPU's experts are bound by arithmetic (every routed token runs every neuron of its experts), so a
 512-token prompt spent most of its time in them, while an expert's rows cross PCIe once for all of its tokens. Below
 OFFLOAD_TOKENS tokens an expert has too few tokens for the copy to pay, and the CPU's kernel keeps them. Layers whose
-cold experts compute only firing neurons (ReLU family, `down_t`) keep the CPU's path: the copy would read the file's
-down rows that their decode never reads (docs/runtime.md, "Sparse experts").
+cold experts compute only firing neurons at decode (ReLU family, `down_t`: docs/runtime.md, "Sparse experts") copy
+down_t's rows in place of the file's down rows, which their load dropped: prefill and decode then compute with the
+same down weights (down_t's), and the file's down pages stay unread.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ FORMATS = ("q4_0", "q4_1", "q8_0")  # block rows kernels/dequant.py de-quantizes
 
 def offloads(ffn: Any, T: int) -> bool:
     """Whether HybridMoE `ffn` computes the cold experts of a T-token call on its device."""
-    if T < OFFLOAD_TOKENS or ffn.device.type not in DEVICE_TYPES or ffn.cold is None or ffn.down_t is not None:
+    if T < OFFLOAD_TOKENS or ffn.device.type not in DEVICE_TYPES or ffn.cold is None:
         return False
-    fmts = (row_format(ffn.cold[1], ffn.d_model), row_format(ffn.cold[2], ffn.n_ff))
+    fmts = (row_format(ffn.cold[1], ffn.d_model), row_format(ffn.cold[2], ffn.n_ff) if ffn.down_t is None
+            else row_format(ffn.down_t, ffn.d_model))
     return all(f in FORMATS for f in fmts)
 
 
@@ -41,7 +43,8 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
 
     T, k = ids.shape
     n, d, dev = ffn.n_ff, ffn.d_model, x.device
-    fgu, fdn = (weight_format(row_format(ffn.cold[1], d)), weight_format(row_format(ffn.cold[2], n)))
+    fgu = weight_format(row_format(ffn.cold[1], d))
+    fdn = weight_format(row_format(ffn.cold[2], n) if ffn.down_t is None else row_format(ffn.down_t, d))
     pairs = np.flatnonzero(cold)  # (P,) positions t * k + slot
     pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]  # grouped per expert
     experts = ids.ravel()[pairs]
@@ -50,14 +53,19 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
     wflat = w.reshape(-1)  # (T k,)
     y = torch.zeros_like(x)  # (T, d)
     for a, b in zip([0, *bounds], [*bounds, len(pairs)]):
-        c = int(ffn.cold_map[experts[a]])  # the expert's place in the cold rows
+        e = experts[a]
 
-        def rows(m: np.ndarray, per: int, cols: int, fmt) -> torch.Tensor:
+        def rows(m: np.ndarray, c: int, per: int, cols: int, fmt) -> torch.Tensor:
             return dequant_rows(torch.from_numpy(m[c * per:(c + 1) * per]).to(dev), fmt, cols, x.dtype)
 
-        g, u, dn = rows(ffn.cold[0], n, d, fgu), rows(ffn.cold[1], n, d, fgu), rows(ffn.cold[2], d, n, fdn)
+        c = int(ffn.cold_map[e])  # the expert's place in the cold rows
+        g, u = rows(ffn.cold[0], c, n, d, fgu), rows(ffn.cold[1], c, n, d, fgu)  # (n, d) each
         tok = pd[a:b] // k  # (m,) this expert's tokens
         xe = x.index_select(0, tok)  # (m, d)
-        ye = F.linear(ffn_values(ffn.cfg, F.linear(xe, u), F.linear(xe, g)), dn)  # (m, d)
+        h = ffn_values(ffn.cfg, F.linear(xe, u), F.linear(xe, g))  # (m, n)
+        if ffn.down_t is None:
+            ye = F.linear(h, rows(ffn.cold[2], c, d, n, fdn))  # (m, d): down (d, n)
+        else:
+            ye = h @ rows(ffn.down_t, int(ffn.dt_of[e]), n, d, fdn)  # (m, d): down_t (n, d), neuron-major
         y.index_add_(0, tok, (ye * wflat[pd[a:b], None]).to(y.dtype))
     return y
