@@ -15,7 +15,7 @@ bf16 bits as int16: cold_experts._f32). gate / up and down_t may differ in forma
 
 One call for the token (`sparse_layer`), so that no Python runs between the GPU's signal and the kernel (as
 cold_experts.experts_layer_q): wait for ready[i], then
-  A. parallel over chunks of CHUNK neurons of every routed cold expert: each group of four neurons' gate rows in one
+  A. parallel over chunks of NEURONS neurons of every routed cold expert: each group of four neurons' gate rows in one
      pass (the next group's prefetched), the up row only of a neuron whose gate is > 0, and each neuron with h != 0
      kept as (its down_t row, h * the expert's routing weight) in the chunk's own slots; the kept ones then moved to
      the front in order (serial: a few percent of the slots);
@@ -24,8 +24,8 @@ cold_experts.experts_layer_q): wait for ready[i], then
      sums one slice of d across those rows into `out` (cold.py's reduction);
 release[i] = 1 once `out` is written. With xq, pass A's dots take cold_q's int route (x quantized once to Q8_0, as
 cold_experts.experts_layer_q's): the gate rows are read whole, so their dots, not DRAM, bound pass A. Otherwise the
-result is the float route's, float32 sums: which thread sums which neuron
-varies from call to call, so results vary in the last float32 bits.
+result is the float route's, float32 sums: which thread sums which neuron varies from call to call, so results vary
+in the last float32 bits.
 
 Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold.py,
 activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file).

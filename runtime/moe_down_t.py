@@ -7,12 +7,13 @@ neuron j writes), in the format of the down rows the dense kernel reads:
   block formats (Q4_0, Q4_1, Q8_0): the file's down de-quantized, transposed and quantized again with llama.cpp's
     rounding (runtime/cold_rows.to_blocks). This is a second quantization of down: its weights differ from the
     file's by that rounding (PowerInfer's own export of TurboSparse models quantizes its neuron-major down the same
-    way). Decode (this kernel) reads down_t; prefill keeps the file's down (kernels/cold_experts: exact).
+    way). Decode and prefill both compute with down_t (kernels/cold_experts_sparse.py token by token, or
+    runtime/moe_prefill.py on the device), so the two agree.
   floats (f32, f16, bf16): the file's rows transposed, bit for bit.
 
-Memory: one anonymous numpy array per layer, about a third of the cold experts' bytes; decode then never reads the
-file's down pages of those experts (mapped, not resident, until a prefill reads them). Built expert by expert, and for
-block formats COLS neurons at a time, so that the float32 temporary stays a (d, COLS) slice of one expert.
+Memory: one anonymous numpy array per layer, about a third of the cold experts' bytes; the file's down pages of those
+experts are dropped once it is built (runtime/moe_rows.unread_rows) and never read again. Built expert by expert,
+and for block formats COLS neurons at a time, so that the float32 temporary stays a (d, COLS) slice of one expert.
 """
 
 from __future__ import annotations

@@ -388,15 +388,20 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def test_release_lowers_rss(tmp_path):
+def _ones_embedding(folder: Path) -> Path:
+    """A safetensors folder whose only tensor is a 64 MiB bf16 embedding of ones (32768 x 1024)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=1024, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                vocab_size=32768).save_pretrained(tmp_path)
-    save_file({"model.embed_tokens.weight": torch.ones(32768, 1024, dtype=torch.bfloat16)},  # 64 MiB
-              str(tmp_path / "model.safetensors"))
-    with open_source(tmp_path) as src:
+                vocab_size=32768).save_pretrained(folder)
+    save_file({"model.embed_tokens.weight": torch.ones(32768, 1024, dtype=torch.bfloat16)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def test_release_lowers_rss(tmp_path):
+    with open_source(_ones_embedding(tmp_path)) as src:
         t = src.get("token_embd.weight")
         assert t.dtype == torch.bfloat16 and src.is_mapped(t)
         before = _rss()
@@ -411,14 +416,7 @@ def test_release_lowers_rss(tmp_path):
 def test_release_view_drops_those_rows_only(tmp_path):
     """release_view drops the pages of some rows of a mapped tensor (the other rows stay resident) and leaves a copy
     or a strided view alone (0 bytes: dropping a copy's anonymous pages would zero it)."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    LlamaConfig(hidden_size=1024, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                vocab_size=32768).save_pretrained(tmp_path)
-    save_file({"model.embed_tokens.weight": torch.ones(32768, 1024, dtype=torch.bfloat16)},  # 64 MiB
-              str(tmp_path / "model.safetensors"))
-    with open_source(tmp_path) as src:
+    with open_source(_ones_embedding(tmp_path)) as src:
         t = src.get("token_embd.weight")
         copy = t[:4096].clone()  # (4096, 1024) 8 MiB anonymous
         assert float(t.view(-1)[::2048].float().sum()) == 32768 * 1024 / 2048  # every page in
