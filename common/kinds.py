@@ -113,6 +113,8 @@ class MaskSource(Kind):
     DENSE = "dense"  # all of them
     ORACLE = "oracle"  # those that fire, from the true activations (checks, not speed)
     PREDICTOR = "predictor"  # those the layer's predictor marks
+    GATE = "gate"  # gated models, no predictor: those whose gate (and |h|) pass the layer's thresholds
+    # (common/gating.py), the cold ones tested gate-first by the CPU kernel itself
 
 
 class GpuOps(Kind):

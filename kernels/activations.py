@@ -50,3 +50,19 @@ def _gated_value(act, g, u):
 @njit(nogil=True, cache=True, fastmath=True)
 def _ungated_value(a, act):
     return _relu(a) if act == 0 else _gelu_erf(a)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gate_value(act, g):
+    """The gated activations' gate factor act(g) (reglu, drelu: relu; swiglu: silu; geglu: gelu tanh)."""
+    if act == 2 or act == 3:
+        return _relu(g)
+    if act == 4:
+        return _silu(g)
+    return _gelu_tanh(g)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _times_up(act, a, u):
+    """h from the gate factor a = _gate_value(act, g) and u = up . x (drelu: relu of u too)."""
+    return a * _relu(u) if act == 3 else a * u

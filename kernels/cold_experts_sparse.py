@@ -1,8 +1,11 @@
 """A decode token's cold experts under a ReLU-family activation (relu, reglu, drelu: kernels/cold.py ACT_CODE 0, 2, 3),
-computing only the neurons that fire (runtime/moe_ffn.py picks it for a layer whose cold experts have `down_t`).
+computing only the neurons that fire (runtime/moe_ffn.py picks it for a layer whose cold experts have `down_t`); and,
+with thresholds, a gated layer's cold neurons gate-first (swiglu, geglu too: runtime/hybrid_ffn.py's gate mask, one
+"expert" of all the layer's cold rows; common/gating.py).
 
 A neuron whose gate pre-activation is <= 0 (ungated relu: whose up pre-activation) outputs exactly 0, so its up row
-and its down weights need not be read. The file's down rows are output-major (expert e's output i: d rows of n
+and its down weights need not be read. With thresholds (tau_g, tau_h) a gated neuron is kept iff |act(g)| > tau_g
+(its up row read only then) and |h| > tau_h (its down row read only then); (0, 0) is the exact rule above. The file's down rows are output-major (expert e's output i: d rows of n
 weights, a block spanning 32 neurons), which a skipped neuron cannot avoid reading, so the layer holds its cold
 experts' down projection neuron-major as well (`down_t`, built at load by runtime/moe_down_t.py):
 
@@ -34,7 +37,7 @@ activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file)
 from __future__ import annotations
 
 import numpy as np
-from hotneurons.kernels.activations import _gated_value, _ungated_value
+from hotneurons.kernels.activations import _gate_value, _times_up, _ungated_value
 from hotneurons.kernels.cold import FIRST_GATED, SPINS, _claim, _head, _n_chunks, _sum_rows, wait_ready
 from hotneurons.kernels.cold_experts import _f32, _fdot
 from hotneurons.kernels.cold_q import _xq_buffers
@@ -121,24 +124,26 @@ def _axpy4_ov(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _keep(h, row, w, idx, hs, at):
-    """Slot `at` = (row, h * w) when the neuron fires; returns the slots used (0 or 1)."""
-    if h == 0:
+def _keep(h, tau_h, row, w, idx, hs, at):
+    """Slot `at` = (row, h * w) when the neuron fires (|h| > tau_h; tau_h = 0: h != 0); returns the slots used."""
+    if not abs(h) > tau_h:
         return 0
     idx[at], hs[at] = row, h * w
     return 1
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated_rest(x, xs, g, up, r, act, lut, fmt, row, w, idx, hs, at):
-    """A gated neuron whose gate value g is known: its up row only where the ReLU gate passes."""
-    if g <= 0:
+def _gated_rest(x, xs, g, up, r, act, tau_g, tau_h, lut, fmt, row, w, idx, hs, at):
+    """A gated neuron whose gate pre-activation g is known: its up row only where |act(g)| > tau_g (ReLU gates with
+    tau_g = 0: g > 0, the exact zeros)."""
+    a = _gate_value(act, g)
+    if not abs(a) > tau_g:
         return 0
-    return _keep(_gated_value(act, g, _dot1(x, xs, up[r], lut, fmt)), row, w, idx, hs, at)
+    return _keep(_times_up(act, a, _dot1(x, xs, up[r], lut, fmt)), tau_h, row, w, idx, hs, at)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, fmt):
+def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, fmt):
     """Neurons j0..j1 - 1 of the expert whose gate / up rows start at `base` (down_t rows at tb): the firing ones into
     slots at.. (idx, hs); returns how many. xs: what block rows' dots read ((x,), or the int route's quantized x);
     fmt: a literal code (cold_q._work says why)."""
@@ -150,29 +155,29 @@ def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut
         if gated:
             g0, g1, g2, g3 = _dots4(x, xs, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
                                     gate[nr + 2], gate[nr + 3], lut, fmt)
-            k += _gated_rest(x, xs, g0, up, r, act, lut, fmt, tb + j, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g1, up, r + 1, act, lut, fmt, tb + j + 1, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g2, up, r + 2, act, lut, fmt, tb + j + 2, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g3, up, r + 3, act, lut, fmt, tb + j + 3, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g0, up, r, act, tg, th, lut, fmt, tb + j, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g1, up, r + 1, act, tg, th, lut, fmt, tb + j + 1, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g2, up, r + 2, act, tg, th, lut, fmt, tb + j + 2, w, idx, hs, at + k)
+            k += _gated_rest(x, xs, g3, up, r + 3, act, tg, th, lut, fmt, tb + j + 3, w, idx, hs, at + k)
         else:
             u0, u1, u2, u3 = _dots4(x, xs, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
                                     up[nr + 3], lut, fmt)
-            k += _keep(_ungated_value(u0, act), tb + j, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u1, act), tb + j + 1, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u2, act), tb + j + 2, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u3, act), tb + j + 3, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u0, act), th, tb + j, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u1, act), th, tb + j + 1, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u2, act), th, tb + j + 2, w, idx, hs, at + k)
+            k += _keep(_ungated_value(u3, act), th, tb + j + 3, w, idx, hs, at + k)
         j += 4
     for j in range(j, j1):
         if gated:
-            k += _gated_rest(x, xs, _dot1(x, xs, gate[base + j], lut, fmt), up, base + j, act, lut, fmt, tb + j, w,
-                             idx, hs, at + k)
+            k += _gated_rest(x, xs, _dot1(x, xs, gate[base + j], lut, fmt), up, base + j, act, tg, th, lut, fmt,
+                             tb + j, w, idx, hs, at + k)
         else:
-            k += _keep(_ungated_value(_dot1(x, xs, up[base + j], lut, fmt), act), tb + j, w, idx, hs, at + k)
+            k += _keep(_ungated_value(_dot1(x, xs, up[base + j], lut, fmt), act), th, tb + j, w, idx, hs, at + k)
     return k
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
+def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fmt):
     """Pass A over the m routed cold experts: work item (s, c) = neurons c * NEURONS.. of expert slot s, its firing
     neurons in slots item * NEURONS.. of idx / hs, their count in cnt[item]. use_xq: the gate and up dots on the int
     route, from xq (cold_q._xq_buffers of x; Q4_0 / Q8_0 rows); literal codes and XQ_OK as in cold_q.cold_ffn_q."""
@@ -184,15 +189,15 @@ def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fmt):
         j0, j1 = c * NEURONS, min(n, c * NEURONS + NEURONS)
         base, tb, w, at = cid[s] * n, cdt[s] * n, cw[s], item * NEURONS
         if XQ_OK and use_xq and fmt == Q4_0:
-            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 1)
         elif XQ_OK and use_xq:  # Q8_0
-            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 0)
         elif fmt == Q4_0:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 1)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 1)
         elif fmt == Q4_1:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 2)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 2)
         else:  # Q8_0, or float rows (their overloads take no format)
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tb, w, idx, hs, at, lut, 0)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 0)
 
 
 @njit(nogil=True, cache=True)
@@ -227,7 +232,8 @@ def _down(idx, hs, q0, q1, down_t, acc, lut, fmt):
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _spread(idx, hs, k, down_t, part, out, fmt):
-    """Pass B: out (d,) = sum over q < k of hs[q] * down_t[idx[q]], per-thread partial sums in part's rows."""
+    """Pass B: out (d,) = sum over q < k of hs[q] * down_t[idx[q]], per-thread partial sums in part's rows (out of
+    shape (0,): part's rows hold the sum)."""
     d = out.shape[0]
     T = _n_chunks(k, part.shape[0])
     head = _head(k, T)
@@ -246,13 +252,16 @@ def _spread(idx, hs, k, down_t, part, out, fmt):
                 _down(idx, hs, q0, q1, down_t, acc, lut, 2)
             else:
                 _down(idx, hs, q0, q1, down_t, acc, lut, 0)
+    if out.shape[0] == 0:  # the caller sums part's rows (a dense layer's HostIO on CUDA); those past T are zero
+        part[T:] = 0.0
+        return
     for c in prange(T):  # the partial rows summed by all threads, one slice of d each
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
 @njit(nogil=True, cache=True)
 def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act,
-                 fgu, fdn, xq=False):
+                 fgu, fdn, xq=False, tau_g=0.0, tau_h=0.0):
     """One decode token's routed cold experts, only their firing neurons (module docstring), in one call: wait for
     ready[i] (i >= 0); out (d,) float32 = sum over the routed slots s whose expert is cold (dt_of[ids[s]] >= 0) of
     wts[s] * that expert's FFN of x; release[i] = 1 once out is written.
@@ -282,7 +291,8 @@ def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_
     if m:
         n = down_t.shape[0] // (dt_of.max() + 1)  # neurons an expert: down_t holds every cold expert's, dt_of maps all
         use = xq and XQ_OK and (fgu == Q4_0 or fgu == Q8_0)
-        _fire(x, _xq_buffers(x, fgu, use), use, cid, cw, cdt, gate, up, n, act, idx, hs, cnt, fgu)
+        tg, th = np.float32(tau_g), np.float32(tau_h)
+        _fire(x, _xq_buffers(x, fgu, use), use, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fgu)
         k = _compact(idx, hs, cnt, m * (-(-n // NEURONS)))
     _spread(idx, hs, k, down_t, part, out, fdn)
     if i >= 0:

@@ -38,19 +38,42 @@ def act_torch(activation: str, a: torch.Tensor, u: torch.Tensor | None = None) -
     raise ValueError(f"unknown activation '{activation}': choose one of {', '.join(ACT_CODE)}")
 
 
+def gate_act(activation: str, g: torch.Tensor) -> torch.Tensor:
+    """A gated activation's gate factor act(g): h = act(g) * up (drelu: * relu(up))."""
+    if activation in ("reglu", "drelu"):
+        return torch.relu(g)
+    if activation == "swiglu":
+        return F.silu(g)
+    if activation == "geglu":
+        return F.gelu(g, approximate="tanh")
+    raise ValueError(f"activation '{activation}' has no gate: gated sparsity needs one of reglu, drelu, swiglu, geglu")
+
+
+def gated_values(activation: str, g: torch.Tensor, u: torch.Tensor, taus: tuple[float, float]) -> torch.Tensor:
+    """Neuron values h of gate and up pre-activations (tokens, n), zero where a neuron does not pass (common/gating.py:
+    |act(g)| > tau_g and |h| > tau_h, compared in float32 as the kernels compare)."""
+    a = gate_act(activation, g)
+    h = a * (torch.relu(u) if activation == "drelu" else u)
+    keep = (a.float().abs() > taus[0]) & (h.float().abs() > taus[1])  # (tokens, n)
+    return h * keep.to(h.dtype)
+
+
 def neuron_values(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                  b_up: torch.Tensor | None) -> torch.Tensor:
-    """(tokens, d) x and (n, d) rows -> (tokens, n) neuron values h."""
+                  b_up: torch.Tensor | None, taus: tuple[float, float] | None = None) -> torch.Tensor:
+    """(tokens, d) x and (n, d) rows -> (tokens, n) neuron values h; with `taus` (tau_g, tau_h) of a gated FFN, zero
+    where a neuron does not pass them (gated_values)."""
     if activation in GATED:
-        return act_torch(activation, F.linear(x, gate), F.linear(x, up))
+        g, u = F.linear(x, gate), F.linear(x, up)
+        return act_torch(activation, g, u) if taus is None else gated_values(activation, g, u, taus)
     return act_torch(activation, F.linear(x, up, b_up))
 
 
 def ffn_rows_torch(activation: str, x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                   b_up: torch.Tensor | None, down_t: torch.Tensor) -> torch.Tensor:
+                   b_up: torch.Tensor | None, down_t: torch.Tensor,
+                   taus: tuple[float, float] | None = None) -> torch.Tensor:
     """Torch twin of the Numba cold kernels (runtime/cold_rows.ffn_rows) over all given rows: (tokens, d) ->
-    (tokens, d), in x's dtype and device."""
-    return neuron_values(activation, x, gate, up, b_up) @ down_t  # (tokens, n) @ (n, d)
+    (tokens, d), in x's dtype and device; `taus`: only the neurons that pass them (neuron_values)."""
+    return neuron_values(activation, x, gate, up, b_up, taus) @ down_t  # (tokens, n) @ (n, d)
 
 
 # ---------------------------------------------------------------------------------------------------------------

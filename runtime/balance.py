@@ -55,9 +55,10 @@ class ShareBalance:
 
 def pcie_share(rt: Runtime, mask: str) -> float:
     """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any. A
-    measured share on CUDA graphs is balanced in decode (rt.pcie_balance)."""
+    measured share on CUDA graphs is balanced in decode (rt.pcie_balance). Mask 'gate' shares none: which cold
+    neurons pass is known only once the CPU has read their gate rows."""
     cold = [f for f in rt.ffns if f.n_cold]
-    if rt.fast is None or mask == "oracle" or not cold or rt.cfg.pcie_share == 0:
+    if rt.fast is None or mask in ("oracle", "gate") or not cold or rt.cfg.pcie_share == 0:
         return 0.0
     if rt.cfg.pcie_share is None and rt.device.type != "cuda":
         return 0.0  # no PCIe to share: the CPU reads everything

@@ -114,6 +114,13 @@ def runtime_options(f):
         click.option("--oracle", is_flag=True, help="Hybrid masks from the true activations (checks, not speed)."),
         click.option("--no-predictor", is_flag=True, help="Run without predictors: dense."),
         click.option("--recall", type=float, default=None, help="Predictor threshold tabulated for this recall."),
+        click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=None,
+                     help="Gated models (SwiGLU, GeGLU): skip this share of FFN neurons by their own gates at the "
+                          "profile's thresholds, no predictor [the profile's target when the run has no predictors; "
+                          "0: dense]."),
+        click.option("--criterion", type=click.Choice(("gate", "h", "gate-h")), default=None,
+                     help="With --sparsity: gate (|act(gate)|, CATS), h (|act(gate)*up|) or gate-h (both) [the "
+                          "profile's --criterion]."),
         click.option("--model", default=None, help="Model (hub id, folder or .gguf) instead of the run's."),
         click.option("--gguf-file", default=None, help="GGUF file inside --model's folder."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ..."),
@@ -154,8 +161,8 @@ def runtime_options(f):
     return checked
 
 
-def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, device, dtype, cold_dtype,
-                 gpu_dtype, threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
+def open_runtime(run_dir, mode, oracle, no_predictor, recall, sparsity, criterion, model, gguf_file, device, dtype,
+                 cold_dtype, gpu_dtype, threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
                  trust_remote_code):
     """Load and lay out the model that `runtime_options` describe (a runtime.generate.Runtime); errors become
     one-line click errors."""
@@ -167,7 +174,8 @@ def open_runtime(run_dir, mode, oracle, no_predictor, recall, model, gguf_file, 
         cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
                             gpu_dtype=gpu_dtype, threads=threads, vram=_bytes(vram),
                             gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
-                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, ops=ops)
+                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, ops=ops,
+                            sparsity=sparsity, criterion=criterion)
         return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
                             trust_remote_code=trust_remote_code, recall=recall)
     except (ArtifactError, ValueError) as e:

@@ -45,6 +45,10 @@ class RuntimeConfig:
     # a measured PCIe share on CUDA graphs: move it by timed balancing rounds in decode (False: keep the share
     # measured at start; for bench A/Bs of the rounds, which gain only where the start measurement is off)
     pcie_balance: bool = True
+    # gated models (common/gating.py): the FFN sparsity whose profile thresholds mask 'gate' applies, hot and cold
+    # neurons alike (None: the profile's target where the run has no predictors, else the predictors; 0: dense)
+    sparsity: float | None = None
+    criterion: str | None = None  # gate, h or gate-h (None: the one the profile counted)
     # after the balancing rounds, re-check the share every balance.RECHECK_TOKENS steps (False: keep the first
     # series' share for life; an A/B whose gain on the device is not yet shown, only on a simulated machine)
     pcie_recheck: bool = True

@@ -186,6 +186,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.models import build_model
     from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.ffn_weights import FFNWeights
+    from hotneurons.runtime.gated import gate_taus, uses_gate
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
@@ -218,7 +219,9 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     oracle = mode == "hybrid" and cfg.oracle
     if mode == "hybrid" and not oracle and not use_predictor:
         mode = "dense"
-    mask = "dense" if mode == "dense" else ("oracle" if oracle else "predictor")
+    gate = mode == "hybrid" and uses_gate(run, cfg)
+    mask = "dense" if mode == "dense" else ("oracle" if oracle else ("gate" if gate else "predictor"))
+    gtaus = gate_taus(run, cfg, act, L) if gate else None
 
     pwri = run is None and getattr(source, "powerinfer", False)  # PowerInfer's own file: predictors and split in it
     if pwri and mask == "predictor":
@@ -264,7 +267,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         # taken out of `predictors`: the FFN keeps its own (reordered) copy, so the file's is freed layer by layer
         pred = predictors.layers.pop(i).to("cpu", dtype) if mask == "predictor" else None
         ffns.append(HybridFFN(i, act, w, placement.gpu[i], mask, pred, None if taus is None else taus[i], cold_fmt,
-                              cfg.cuda_graphs, prenorm, hot_fmt, device, dtype).to(device))
+                              cfg.cuda_graphs, prenorm, hot_fmt, device, dtype,
+                              gtaus[i] if gate else None).to(device))
         for name in w.names(i):
             if name in source.infos:
                 source.release(name)

@@ -115,11 +115,13 @@ def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None,
 
 
 def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | None = None,
-                  predictors: Any = None, taus: list[float] | None = None) -> Runtime:
+                  predictors: Any = None, taus: list[float] | None = None,
+                  gate_taus: list[tuple[float, float]] | None = None) -> Runtime:
     """Lay the (CPU-resident) model out for `cfg` and move its device part to the device. Modifies `lm` in place.
 
     `predictors`: hotneurons.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
-    thresholds of non-ReLU models (oracle masks), None for ReLU-family models.
+    thresholds of non-ReLU models (oracle masks), None for ReLU-family models; `gate_taus`: per layer (tau_g, tau_h)
+    of mask 'gate' (runtime/gated.py), which then replaces the predictors.
     """
     choose(cfg.mode, RuntimeMode, "mode")
     if cfg.cold_dtype == "auto":  # an HF model in memory holds floats: bf16 rows lose the least
@@ -139,7 +141,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     if cfg.mode == "hybrid":
         if placement is None:
             raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
-        mask = "oracle" if cfg.oracle else "predictor"
+        mask = "oracle" if cfg.oracle else ("gate" if gate_taus is not None else "predictor")
         if mask == "predictor" and predictors is None:
             raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
                                 "(true masks) or --no-predictor (dense)")
@@ -165,7 +167,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
         pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
         ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
-                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None)
+                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None,
+                        gate_taus=gate_taus[i] if mask == "gate" else None)
         if norms is not None:
             ffn.watch_norm(norms[i].module)  # HF's layers; the static decoder passes the residual itself
         install(lm, i, ffn)

@@ -27,9 +27,12 @@ import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
 from hotneurons.common.kinds import MaskSource, choose
+from hotneurons.kernels import cold_q
 from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
+from hotneurons.kernels.cold_experts import CODE
+from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
 from hotneurons.kernels.cold_q import cold_layer_q
-from hotneurons.kernels.ops import act_torch, ffn_rows_torch, neuron_values, predict
+from hotneurons.kernels.ops import act_torch, ffn_rows_torch, gated_values, neuron_values, predict
 from hotneurons.kernels.qlinear import linear
 from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
@@ -68,11 +71,13 @@ class HybridFFN(nn.Module):
     def __init__(self, layer: int, activation: str, ffn: FFNWeights | dict[str, nn.Linear], gpu: np.ndarray,
                  mask: str, predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
                  graphs: bool = True, prenorm: bool = False, gpu_dtype: str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 gate_taus: tuple[float, float] | None = None):
         """`ffn`: the layer's weights as stored (FFNWeights: float tensors or QTensors), or an HF layer's Linear
         modules. Hot rows go to `device` (None: where the weights are; the caller moves the module) in `gpu_dtype`
         (a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own), cold rows
-        to CPU RAM in `cold_dtype` (kernels/names.COLD_DTYPES)."""
+        to CPU RAM in `cold_dtype` (kernels/names.COLD_DTYPES). `gate_taus` (tau_g, tau_h): mask 'gate''s thresholds
+        (common/gating.LayerTaus), applied to hot and cold neurons alike, prefill included."""
         super().__init__()
         mask = choose(mask, MaskSource, "mask source")
         if activation not in ACT_CODE:  # FATReLU: its threshold is in none of the cold kernels (docs/runtime.md)
@@ -81,7 +86,15 @@ class HybridFFN(nn.Module):
                              f"decode (pi-profile and pi-eval run FATReLU models)")
         if mask == "predictor" and predictor is None:
             raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
+        if mask == "gate" and (gate_taus is None or activation not in GATED):
+            raise ValueError(f"layer {layer}: mask 'gate' needs a gated activation and its thresholds, got "
+                             f"{activation} and {gate_taus}")
+        if mask == "gate" and cold_dtype == "int8":
+            raise ValueError("the gate-first cold kernel reads bf16 rows or q8_0 / q4_0 / q4_1 blocks, not int8: pass "
+                             "another --cold-dtype")
         self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
+        # mask 'gate': (tau_g, tau_h) float32 values; None for every other mask (prefill then dense)
+        self.taus = None if mask != "gate" else tuple(float(np.float32(t)) for t in gate_taus)
         self.gated = activation in GATED
         try:
             w = ffn if isinstance(ffn, FFNWeights) else FFNWeights.from_linears(ffn)
@@ -135,6 +148,9 @@ class HybridFFN(nn.Module):
         self._graphs: _Graphs | None = None
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
         self.fired: torch.Tensor | None = None  # (n,) int32 predictor firings, pred_fc2's order, summed on device
+        # mask 'gate': (n_hot,) int32 passes of the hot neurons in decode, summed on the device (no host sync)
+        self.hot_passed: torch.Tensor | None = None
+        self._gate_args: tuple | None = None  # mask 'gate': sparse_layer's row maps, scratch and codes (made once)
         # called with (self, mark) at the marks of a decode outside the static decoder ("start", "hot_start",
         # "hot_end", "cpu_start", "cpu_end", "end"), for timelines (bench/runtime_gpu_check.py); generate then
         # decodes through HF, whose FFN calls these marks are in
@@ -146,11 +162,15 @@ class HybridFFN(nn.Module):
 
     def reset_counts(self) -> None:
         self.counts[:] = 0
-        if self.fired is not None:
-            self.fired.zero_()
+        for t in (self.fired, self.hot_passed):
+            if t is not None:
+                t.zero_()
 
     def read_counts(self) -> np.ndarray:
         c = self.counts.copy()
+        if self.mask == "gate" and self.hot_passed is not None:
+            hot = float(self.hot_passed.sum())
+            c[1:3] += hot
         if self.mask == "predictor" and self.fired is not None:
             fired = self.fired.double()  # (n,) pred_fc2's order: cold neurons, then hot ones
             c[1:] += torch.stack([fired.sum(), fired[self.n_cold:].sum(), fired[:self.n_cold].sum()]).cpu().numpy()
@@ -165,6 +185,7 @@ class HybridFFN(nn.Module):
         if self.io is None:
             self.io = HostIO.make(self.d_model, self.n_cold, device)
             self.fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=device)
+            self.hot_passed = torch.zeros(self.n_hot, dtype=torch.int32, device=device)
         return self.io
 
     def cold_sum(self) -> torch.Tensor:
@@ -183,7 +204,7 @@ class HybridFFN(nn.Module):
     # -- the device's part -------------------------------------------------------------------------------------
     def device_part(self, x: torch.Tensor) -> torch.Tensor:
         """Decode, on x's device: the hot rows, plus the first `mapped_rows` marked cold neurons read in place."""
-        y = self._hot(x)
+        y = self._hot(x, count=True)
         if self.mapped_rows:
             m = self.io.mask_dev  # (n_cold,) this token's cold mask
             k = self.mapped_rows
@@ -193,23 +214,33 @@ class HybridFFN(nn.Module):
         return y
 
     def _hot_values(self, x: torch.Tensor) -> torch.Tensor:
-        """(tokens, d) -> (tokens, n_hot) the hot neurons' values."""
+        """(tokens, d) -> (tokens, n_hot) the hot neurons' values (mask 'gate': zero where they do not pass)."""
         if self.hot_q is None:
-            return neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot)
+            return neuron_values(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.taus)
         q = self.hot_q
         up = linear(x, q["up"], self.b_up_hot)  # (tokens, n_hot)
-        return act_torch(self.activation, linear(x, q["gate"]), up) if self.gated else act_torch(self.activation, up)
+        if not self.gated:
+            return act_torch(self.activation, up)
+        g = linear(x, q["gate"])  # (tokens, n_hot)
+        return act_torch(self.activation, g, up) if self.taus is None else gated_values(self.activation, g, up,
+                                                                                         self.taus)
 
-    def _hot(self, x: torch.Tensor) -> torch.Tensor:
-        """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device."""
+    def _hot(self, x: torch.Tensor, count: bool = False) -> torch.Tensor:
+        """(tokens, d) -> (tokens, d) from the hot rows (+ down bias), on x's device; `count`: add the passing hot
+        neurons to hot_passed (mask 'gate', decode)."""
         if not self.n_hot:
             y = torch.zeros_like(x)
-        elif self.hot_q is None:
+        elif self.hot_q is None and self.taus is None:
             y = ffn_rows_torch(self.activation, x, self.gate_hot, self.up_hot, self.b_up_hot, self.down_t_hot)
-        else:  # the down projection's hot columns, padded with zeros to whole blocks
+        else:
             h = self._hot_values(x)  # (tokens, n_hot)
-            h = torch.nn.functional.pad(h, (0, self.hot_q["down_cols"] - self.n_hot))
-            y = linear(h, self.hot_q["down"])  # (tokens, d)
+            if count and self.hot_passed is not None:
+                self.hot_passed += (h != 0).sum(0, dtype=torch.int32)
+            if self.hot_q is None:
+                y = h @ self.down_t_hot  # (tokens, d)
+            else:  # the down projection's hot columns, padded with zeros to whole blocks
+                h = torch.nn.functional.pad(h, (0, self.hot_q["down_cols"] - self.n_hot))
+                y = linear(h, self.hot_q["down"])  # (tokens, d)
         return y if self.b_down is None else y + self.b_down
 
     def watch_norm(self, norm: nn.Module):
@@ -259,7 +290,7 @@ class HybridFFN(nn.Module):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (tokens, d)
         for w in self._cold_chunks(xc.device, dtype):
             w = {k: None if v is None else v.to(dtype) for k, v in w.items()}  # b_up, float rows: float32
-            y += ffn_rows_torch(self.activation, xc, w["gate"], w["up"], w["b_up"], w["down_t"])
+            y += ffn_rows_torch(self.activation, xc, w["gate"], w["up"], w["b_up"], w["down_t"], self.taus)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -339,6 +370,13 @@ class HybridFFN(nn.Module):
         whose stream the static decoder holds meanwhile."""
         io = self.io
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
+        if self.mask == "gate" and self.n_cold:
+            k = self._gate_first(ready, release, i if flags is not None else -1)
+            if k < 0:
+                raise self._no_signal()
+            self.counts += (1, k, 0, k)
+            self.cold_marks += (1, k)
+            return self._gate_args[2][:k]  # the passing cold neurons' down_t rows (sparse_layer's idx)
         if self.mask == "predictor" and self.n_cold:
             c, layer = self.cold, i if flags is not None else -1
             if c.fmt:  # rows in Q4_0 / Q4_1 / Q8_0 blocks (cold_q)
@@ -357,7 +395,7 @@ class HybridFFN(nn.Module):
         if self.mask == "dense":
             idx = self.all_cold
             self.counts += (1, self.n_neurons, self.n_hot, self.n_cold)
-        elif self.mask == "predictor":  # no cold rows
+        elif self.mask in ("predictor", "gate"):  # no cold rows
             idx = self.all_cold
             self.counts[0] += 1
         else:  # oracle: the true activations, computed densely (a correctness check, not a speed path)
@@ -369,6 +407,22 @@ class HybridFFN(nn.Module):
         if flags is not None:
             flags.release(i)
         return idx
+
+    def _gate_first(self, ready: np.ndarray, release: np.ndarray, i: int) -> int:
+        """Mask 'gate''s CPU part: kernels/cold_experts_sparse.sparse_layer over the layer's cold rows as one expert
+        (gate rows all read; up rows where |act(g)| > tau_g; down_t rows where |h| > tau_h too), its sum into the
+        host buffers. Returns the passing cold neurons' count, or -1 when ready[i] never came."""
+        c, io = self.cold, self.io
+        if self._gate_args is None:
+            def rows(a: np.ndarray) -> np.ndarray:  # bf16 bit patterns: int16 is how the kernel tells them from fp16
+                return a.view(np.int16) if c.fmt is None else a
+            one = np.zeros(1, np.int64)
+            self._gate_args = (one, np.ones(1, np.float32), *scratch(1, self.n_cold), rows(c.gate), rows(c.up),
+                               rows(c.down_t), CODE.get(c.fmt, -1))
+        one, w1, idx, hs, cnt, g, u, dt, f = self._gate_args
+        tg, th = self.taus
+        return sparse_layer(ready, release, i, io.x_np, one, w1, one, one, g, u, dt, idx, hs, cnt, io.part, io.out,
+                            ACT_CODE[self.activation], f, f, cold_q.XQ, tg, th)
 
     def _no_signal(self) -> RuntimeError:
         return RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within {SPINS:,} reads "

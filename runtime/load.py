@@ -14,6 +14,7 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
+from hotneurons.runtime.gated import gate_taus, uses_gate
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
 from hotneurons.runtime.moe_load import check_moe_run, is_moe_run
 from hotneurons.runtime.placement import plan_figures, solved_summary
@@ -48,10 +49,11 @@ def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: b
         PlacementMeta.load(run / "placement" / "meta.json")
         artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
                               f"pi-solve --run {run}")
-    if cfg.mode == "hybrid" and not cfg.oracle:
+    if cfg.mode == "hybrid" and not cfg.oracle and not uses_gate(run, cfg):
         if not (run / "predictors" / "predictors.safetensors").exists():
             raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
-                                f"pass --no-predictor (dense) or --oracle (true masks)")
+                                f"pass --sparsity S (a gated model's own gates), --no-predictor (dense) or --oracle "
+                                f"(true masks)")
         check_predictors(run, recall)
 
 
@@ -77,8 +79,10 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
 
     `use_predictor=False` turns hybrid into dense (no predictors needed). A mixture of experts reads its expert
     placement and no predictors (runtime/moe_load.py)."""
-    if cfg.mode == "hybrid" and not cfg.oracle and not use_predictor:
+    if cfg.mode == "hybrid" and not cfg.oracle and (not use_predictor or cfg.sparsity == 0):
         cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
+    if cfg.sparsity is not None and not 0 <= cfg.sparsity < 1:
+        raise ArtifactError(f"--sparsity {cfg.sparsity}: give the FFN sparsity as a share in [0, 1), e.g. 0.5")
     device, dtype = device_and_dtype(cfg)
     dname = str(dtype).removeprefix("torch.")
     run = Path(run_dir) if run_dir is not None else None
@@ -104,7 +108,8 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         solved = solved_summary(run)
         if cfg.ctx is None and solved is not None:  # the KV cache the solver reserved room for
             cfg = replace(cfg, ctx=solved.flags.ctx)
-    if run is not None and cfg.mode == "hybrid" and not cfg.oracle:
+    gate = uses_gate(run, cfg)
+    if run is not None and cfg.mode == "hybrid" and not cfg.oracle and not gate:
         from hotneurons.predictors.train import load_predictors
 
         if not (run / "predictors" / "predictors.safetensors").exists():
@@ -117,6 +122,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         _, pmeta = read_profile(run)
         artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
         taus = pmeta.layer_taus
-    rt = build_runtime(lm, cfg, placement, predictors, taus)
+    gtaus = gate_taus(run, cfg, lm.activation, len(lm.layers)) if gate else None
+    rt = build_runtime(lm, cfg, placement, predictors, taus, gtaus)
     plan_figures(rt, solved)
     return rt
