@@ -3,8 +3,8 @@
 A gated neuron's value is h_j = act(g_j) * u_j with g = gate . x, u = up . x. No value is exactly zero, so a neuron is
 skipped when a score falls at or below a per-layer threshold calibrated on the profile to a target sparsity:
 
-  h       |h_j| > tau_h                         the oracle's rule (pi-profile's `abs>tau`): gate and up rows always read,
-                                                down rows only for passing neurons
+  h       |h_j| > tau_h                         the oracle's rule (pi-profile's `abs>tau`): gate and up rows always
+                                                read, down rows only for passing neurons
   gate    |act(g_j)| > tau_g                    CATS: the gate is its own exact predictor; up and down rows only for the
                                                 neurons that pass
   gate-h  |act(g_j)| > tau_g and |h_j| > tau_h  both: a looser gate filter decides which up rows are read, then |h|

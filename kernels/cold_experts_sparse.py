@@ -5,9 +5,11 @@ with thresholds, a gated layer's cold neurons gate-first (swiglu, geglu too: run
 
 A neuron whose gate pre-activation is <= 0 (ungated relu: whose up pre-activation) outputs exactly 0, so its up row
 and its down weights need not be read. With thresholds (tau_g, tau_h) a gated neuron is kept iff |act(g)| > tau_g
-(its up row read only then) and |h| > tau_h (its down row read only then); (0, 0) is the exact rule above. The file's down rows are output-major (expert e's output i: d rows of n
-weights, a block spanning 32 neurons), which a skipped neuron cannot avoid reading, so the layer holds its cold
-experts' down projection neuron-major as well (`down_t`, built at load by runtime/moe_down_t.py):
+(its up row read only then) and |h| > tau_h (its down row read only then); (0, 0) is the exact rule above.
+
+The file's down rows are output-major (expert e's output i: d rows of n weights, a block spanning 32 neurons), which
+a skipped neuron cannot avoid reading, so the layer holds its cold experts' down projection neuron-major as well
+(`down_t`, built at load by runtime/moe_down_t.py):
 
   gate, up  (E_rows * n, row)  as kernels/cold_experts reads them (cold_of: expert id -> its index in these rows)
   down_t    (n_cold * n, row)  cold expert c's neuron j is row c * n + j: the d weights neuron j writes

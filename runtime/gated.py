@@ -46,7 +46,8 @@ def gate_taus(run: Path | None, cfg: RuntimeConfig, activation: str, n_layers: i
         raise ArtifactError(f"--sparsity: a {activation} FFN has no gate to test first (gated sparsity needs SwiGLU, "
                             f"GeGLU, ReGLU or dReLU); leave --sparsity out")
     if run is None:
-        raise ArtifactError("--sparsity needs a run's profile for its thresholds: pass --run RUN (pi-profile, pi-solve)")
+        raise ArtifactError("--sparsity needs a run's profile for its thresholds: pass --run RUN (pi-profile, "
+                            "pi-solve)")
     try:
         _, _, taus = profile_taus(profile_gated(run), cfg.criterion, cfg.sparsity, where=str(run / "profile"))
     except FixableError as e:
