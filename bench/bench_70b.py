@@ -114,13 +114,15 @@ def stage_ours(a) -> dict:
             "gguf_bytes": (a.work / "model.gguf").stat().st_size}
 
 
-def ours_child(a) -> None:
-    """In its own process (what stage_ours measures): the runtime as pi-generate loads it, then its runs."""
+def ours_child(a, load=None, out: Path | None = None) -> None:
+    """In its own process (what stage_ours measures): the runtime as pi-generate loads it (or as `load()` does), then
+    its runs, written to `out` (default WORK/ours-child.json)."""
     from hotneurons.common.units import parse_bytes
     from hotneurons.runtime.generate import RuntimeConfig, generate
     from hotneurons.runtime.load import load_runtime
 
-    rt = load_runtime(a.work / "run", RuntimeConfig(device=a.device, vram=parse_bytes(a.vram), ctx=a.ctx))
+    rt = (load() if load is not None
+          else load_runtime(a.work / "run", RuntimeConfig(device=a.device, vram=parse_bytes(a.vram), ctx=a.ctx)))
     import numpy as np
 
     ids = np.random.default_rng(0).integers(0, rt.lm.info["vocab_size"], PROMPT_LONG).tolist()  # random tokens
@@ -161,13 +163,14 @@ def ours_child(a) -> None:
             rows["timeline"] = step_timeline(rt, short, a.timeline)
         except Exception as e:  # noqa: BLE001
             rows["timeline"] = {"error": f"{type(e).__name__}: {e}"}
-    out = {"decode_tok_s": {str(n): rows[f"decode_{n}"]["decode_tokens_per_s"] for n in (32, 256)},
+    res = {"decode_tok_s": {str(n): rows[f"decode_{n}"]["decode_tokens_per_s"] for n in (32, 256)},
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],
            "gpu_activation_share": rows["decode_256"]["gpu_activation_share"],
            "ffn_sparsity": rows["decode_256"]["ffn_sparsity"], "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu,
            "torch_gpu_bytes": mem, "runs": rows}
-    (a.work / "ours-child.json").write_text(json.dumps(out))
-    print(f"wrote {a.work / 'ours-child.json'}", flush=True)
+    path = out or a.work / "ours-child.json"
+    path.write_text(json.dumps(res))
+    print(f"wrote {path}", flush=True)
 
 
 SYSTEM_KEYS = ("decode_tok_s", "prefill_tok_s", "load_to_first_token_s", "host_peak_rss_bytes", "gpu_peak_bytes")
@@ -287,9 +290,10 @@ STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, 
           "powerinfer": stage_powerinfer}
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", required=True, choices=[*STAGES, "report", "ours-child"])
+def parser(doc: str | None = None, stages: list[str] | None = None) -> argparse.ArgumentParser:
+    """The flags of this bench (bench_gated70b.py adds its own to them)."""
+    p = argparse.ArgumentParser(description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", required=True, choices=stages or [*STAGES, "report", "ours-child"])
     p.add_argument("--inputs", nargs="*", default=[], help="report: the stage files (default: WORK/<stage>.json).")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hotneurons" / "llama70b",
                    help="Local disk for the model (38.8 GB) and the run.")
@@ -322,7 +326,11 @@ def parse(argv=None):
     p.add_argument("--powerinfer-src", default=None, help="powerinfer: PowerInfer's source tarball (default: the "
                    "shared one, or .gpu/PowerInfer-src.tgz)")
     p.add_argument("--llama-bench", default=None, help="llamacpp: a built llama-bench (default: build it in --work).")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv=None):
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> None:

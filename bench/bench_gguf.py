@@ -85,17 +85,24 @@ def _file_bytes(t: mm.TensorSpec, stored: dict[str, torch.Tensor]) -> np.ndarray
 
 def write_model(shape: str, layers: int, path: Path, device: str, seed: int = 0, std: float = 0.02,
                 embed_std: float = bm.EMBED_STD, rank: int = 511, calibration_tokens: int = 2048, seq: int = 256,
-                mean: float = 0.10, recall: float = 0.97, log=print) -> dict:
+                mean: float = 0.10, recall: float = 0.97, log=print, activation: str = "reglu",
+                rates: np.ndarray | None = None, shift: float = 1.0) -> dict:
     """The calibrated model as a Q4_0 GGUF at `path` (written to a temp name, then renamed), its exact predictors in
     path.with_suffix(".predictors.safetensors") (with per-layer thresholds that keep `recall` of the stored gate's
-    firings). Returns the calibration's figures."""
+    firings). Returns the calibration's figures.
+
+    activation "swiglu": a gated model without exact zeros (no predictors written): neuron j's gate pre-activation
+    exceeds `shift` with probability p_j, so that at the threshold |silu(g)| > silu(shift) (> 0.279, the most a
+    negative g reaches) its pass rate is p_j; `rates`: the sorted pass frequencies to draw the p_j from (a measured
+    profile's, resampled to the layer's width), else the power law of `mean`."""
     from safetensors.torch import save_file
 
     s = shape_of(shape, layers)
     preds: dict[str, torch.Tensor] = {}
     rows: list[dict] = []
     mm.write_q4_file(s, path, _calibrated(s, shape, device, seed, std, embed_std, rank, calibration_tokens, seq,
-                                          mean, recall, preds, rows, log))
+                                          mean, recall, preds, rows, log, activation, rates, shift),
+                     activation=activation)
     pred_path = path.with_suffix(".predictors.safetensors")
     save_file(preds, str(pred_path))
     return {"gguf": str(path), "gguf_bytes": path.stat().st_size, "predictors": str(pred_path),
@@ -105,9 +112,17 @@ def write_model(shape: str, layers: int, path: Path, device: str, seed: int = 0,
                             "mean_fired_as_stored": float(np.mean([r["fired_as_stored"] for r in rows]))}}
 
 
+def resampled(rates: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """n per-neuron rates with the distribution of `rates` (its quantiles at n evenly spaced points), in a random
+    order fixed by `seed`."""
+    q = np.quantile(np.asarray(rates, np.float64), (np.arange(n) + 0.5) / n)
+    return np.random.default_rng(seed).permutation(q)
+
+
 def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, embed_std: float, rank: int,
                 calibration_tokens: int, seq: int, mean: float, recall: float, preds: dict, rows: list,
-                log) -> Iterator[np.ndarray]:
+                log, activation: str = "reglu", rates: np.ndarray | None = None,
+                shift: float = 1.0) -> Iterator[np.ndarray]:
     """The file's tensors in its order (mm.tensor_plan), each layer's made and calibrated as it comes (module
     docstring); the exact predictors into `preds`, each layer's figures into `rows`."""
     from hotneurons.common.kinds import Activation
@@ -116,7 +131,8 @@ def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, emb
     from hotneurons.predictors.fit import metrics, threshold_for_recall
 
     plan = mm.tensor_plan(s)
-    mcfg = ModelConfig.from_hf(mm.config(s, mm.tokenizer(s.vocab)), Activation.REGLU)
+    gated = activation == "swiglu"  # SwiGLU: no exact zeros, no predictors; else ReGLU with exact predictors
+    mcfg = ModelConfig.from_hf(mm.config(s, mm.tokenizer(s.vocab)), Activation(activation))
     floats: dict[str, torch.Tensor] = {}  # canonical name -> the float32 weights the file stands for (one layer's)
     stored: dict[str, torch.Tensor] = {}  # canonical name -> what the file holds (one layer's)
     for name, t in globals_(s, seed, std, embed_std, device).items():
@@ -145,19 +161,33 @@ def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, emb
         x0 = float(x[:, 0].mean())
         floats[p + "ffn_norm.weight"][0] /= x0  # x[0] -> ~1 (the norm's weight scales channel 0 alone)
         x[:, 0] /= x0
-        prob = np.clip(bm.power_law(s.n_neurons, seed=seed * 1000 + i, mean=mean), *bm.P_CLIP)
+        prob = (resampled(rates, s.n_neurons, seed * 1000 + i) if rates is not None
+                else bm.power_law(s.n_neurons, seed=seed * 1000 + i, mean=mean))
+        prob = np.clip(prob, *bm.P_CLIP)
         gate = lw[p + "ffn_gate.weight"]
         pre = x[:, 1:] @ gate[:, 1:].T  # (tokens, n) the gate pre-activation without channel 0
         z = torch.special.ndtri(torch.from_numpy(1 - prob).to(device, torch.float32))
-        gate[:, 0] = -(pre.mean(0) + pre.std(0) * z)
+        gate[:, 0] = -(pre.mean(0) + pre.std(0) * z) + (shift if gated else 0.0)  # P(g > shift) = p_j
         del pre
         stored[p + "ffn_gate.weight"], floats[p + "ffn_gate.weight"] = _stored(gate)
         gq, up, down = (floats[p + k] for k in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
         fired = 0.0
         for j, (h2, xj) in enumerate(zip(h2s, x.split(seq))):
             gx = xj @ gq.T  # (seq, n) as stored
-            fired += float((gx > 0).float().mean())
-            hs[j] = (h2.float() + (torch.relu(gx) * (xj @ up.T)) @ down.T).half()
+            fired += float((gx > (shift if gated else 0.0)).float().mean())
+            act = torch.nn.functional.silu(gx) if gated else torch.relu(gx)
+            hs[j] = (h2.float() + (act * (xj @ up.T)) @ down.T).half()
+        if gated:  # no exact zeros: nothing for an exact predictor to predict
+            rows.append({"layer": i, "x0_raw_mean": x0, "target_mean": float(prob.mean()),
+                         "target_top20_share": bm.share_of_top(prob), "fired_as_stored": fired / len(hs)})
+            log(f"layer {i}: x0 {x0:.3f}, gate > {shift:g}: {rows[-1]['fired_as_stored']:.3f} "
+                f"(target {prob.mean():.3f})")
+            yield from (_file_bytes(t, stored) for t in plan[3 + 9 * i:3 + 9 * (i + 1)])
+            for name in [k for k in floats if k.startswith(p)]:
+                floats.pop(name)
+                stored.pop(name)
+            del lw, gate, gq, up, down, x
+            continue
         e0 = torch.zeros((1, s.d_model), device=device)
         e0[0, 0] = 1.0
         g0 = gq[:, :1]  # (n, 1) the stored gate's column 0: the calibrated bias

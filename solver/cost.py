@@ -166,6 +166,9 @@ class PlacementProblem:
     budget_bytes: float  # bytes of GPU memory left for FFN neurons
     min_groups: np.ndarray  # (layers,) K_l: a layer using the GPU puts >= K_l groups there (0: no constraint)
     min_neurons: np.ndarray = field(default=None)  # (layers,) C_l in neurons, for the report
+    # (layers,) ms a cold neuron costs every token, active or not: the rows a gate-first kernel reads to decide
+    # (common/gating.py: the gate row for the gate criteria, gate and up for |h|); zeros where a predictor decides
+    cpu_ms_per_cold_neuron: np.ndarray = field(default=None)
 
     @property
     def n_layers(self) -> int:
@@ -178,9 +181,10 @@ class PlacementProblem:
 
 def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: HardwareSpec, dtype_bytes: float,
                   budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool,
-                  cold_bytes: float | None = None) -> PlacementProblem:
+                  cold_bytes: float | None = None, always_rows: int = 0) -> PlacementProblem:
     """counts: per layer the neurons' activation counts sorted descending; cold_bytes: per weight of a cold row in
-    CPU RAM (COLD_BYTES; default dtype_bytes)."""
+    CPU RAM (COLD_BYTES; default dtype_bytes); always_rows: rows of each cold neuron read every token whether it passes
+    or not (a gated model's gate-first kernel: 1 for the gate criteria, 2 for |h|), the rest only when it does."""
     if group_size < 1:
         raise SolverError(f"the group size must be >= 1 neuron, got {group_size}", params="group_size")
     L = len(counts)
@@ -196,7 +200,10 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     # Without a GPU everything runs on the CPU: "GPU-side" fixed work is read at DRAM speed, no sync.
     fixed_bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw  # bytes/s
     gpu_ms = bpn / hw.gpu_bw * 1e3 if hw.has_gpu else np.full(L, np.inf)  # (layers,) ms
-    cpu_ms = np.full(L, shape.neuron_params * (cold_bytes or dtype_bytes)) / hw.effective_cpu_bw * 1e3  # (layers,) ms
+    cpu_row_ms = shape.d_model * (cold_bytes or dtype_bytes) / hw.effective_cpu_bw * 1e3  # ms: one cold row read
+    cpu_ms = np.full(L, shape.neuron_params * (cold_bytes or dtype_bytes) / hw.effective_cpu_bw * 1e3
+                     - always_rows * cpu_row_ms)  # (layers,) ms an active cold neuron costs past its always-read rows
+    cold_ms = np.full(L, always_rows * cpu_row_ms)  # (layers,) ms every cold neuron costs
     # Per layer round trip: latency + the FFN input to the CPU (+ the predictor's mask, 1 byte/neuron)
     # and the CPU's partial sum back.
     xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes
@@ -211,10 +218,10 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     min_groups = np.zeros(L, dtype=np.int64)
     if comm and hw.has_gpu:
         for l, c in enumerate(counts):
-            min_neurons[l] = comm_min_neurons(c / tokens, cpu_ms[l], gpu_ms[l], sync_ms[l])
+            min_neurons[l] = comm_min_neurons(c / tokens, cpu_ms[l], gpu_ms[l] - cold_ms[l], sync_ms[l])
             min_groups[l] = min(math.ceil(min_neurons[l] / group_size), (group_neurons[l] > 0).sum())
     return PlacementProblem(group_size, int(tokens), group_neurons, group_counts, bpn, gpu_ms, cpu_ms, sync_ms,
-                            fixed_ms, float(global_ms), float(budget_bytes), min_groups, min_neurons)
+                            fixed_ms, float(global_ms), float(budget_bytes), min_groups, min_neurons, cold_ms)
 
 
 def comm_min_neurons(freq: np.ndarray, cpu_ms_per_activation: float, gpu_ms_per_neuron: float, sync_ms: float) -> int:
@@ -254,6 +261,8 @@ def layer_tables(p: PlacementProblem) -> LayerTables:
         gpu = neurons * p.gpu_ms_per_neuron[:, None]
         gpu = np.where(neurons == 0, 0.0, gpu)  # no GPU: inf * 0
     cpu = (counts[:, -1:] - counts) / p.tokens * p.cpu_ms_per_activation[:, None]
+    if p.cpu_ms_per_cold_neuron is not None:  # gate-first: every cold neuron's always-read rows
+        cpu = cpu + (neurons[:, -1:] - neurons) * p.cpu_ms_per_cold_neuron[:, None]
     sync = np.where(k < G_l, p.sync_ms[:, None], 0.0)
     layer_ms = p.fixed_ms[:, None] + sync + np.maximum(gpu, cpu)
     allowed = (k <= G_l) & ((k == 0) | (k >= p.min_groups[:, None]))

@@ -85,6 +85,20 @@ def _sorted_counts(df: pd.DataFrame, shape: ModelShape, where: Path) -> tuple[li
     return list(ids), list(cts)
 
 
+def gate_first_rows(run_dir: Path, meta) -> tuple[int, str]:
+    """(rows of each cold neuron read every token, a note saying why): a gated model's run without predictors decodes
+    with its own gates (runtime/gated.py), whose CPU kernel reads a cold neuron's gate row always (and its up row too
+    for the |h| criterion) and the rest only when it passes; with predictors (or a ReLU-family model) only active
+    neurons' rows are read."""
+    gated = meta.get("gated")
+    if not gated or (run_dir / "predictors" / "predictors.safetensors").exists():
+        return 0, "cold rows priced per active neuron (a predictor or exact zeros decide which are read)"
+    crit = gated.get("criterion", "h")
+    always = 2 if crit == "h" else 1  # gate-h's up rows of gate-passing neurons are priced as passing ones
+    return always, (f"cold rows priced gate-first ({crit} criterion of the profile): {always} row(s) of every cold "
+                    f"neuron a token, the rest only where it passes")
+
+
 def _predictor_bytes(run_dir: Path, shape: ModelShape, dtype_bytes: float) -> tuple[int, str]:
     real = run_dir / "predictors" / "predictors.safetensors"
     if real.exists():
@@ -130,8 +144,10 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
             f"{format_size_arg(fixed)} or lower the context or the reserve",
             params=("vram_bytes", "ctx", "reserve_bytes"))
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
+    always, pricing = gate_first_rows(run_dir, meta)
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
-                            COLD_BYTES[cold_dtype])
+                            COLD_BYTES[cold_dtype], always)
+    hardware_notes = [*(hardware_notes or []), pricing]
     tables = layer_tables(problem)
 
     if hw.has_gpu:
@@ -145,7 +161,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     flags = PlacementFlags(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
                            reserve_bytes=hw.reserve_bytes, group_size=group_size, objective=objective,
                            comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
-    summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes or [])
+    summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes)
     summary.seconds_total = time.perf_counter() - t_start
     if write:
         _write(run_dir, problem, ids, counts, summary, meta, hw)

@@ -217,3 +217,27 @@ def test_byte_tables_are_weights_formats():
         assert ACT_BYTES[name] == (b if b >= 2 else 2.0)  # block formats keep a 16-bit KV cache
     assert COLD_BYTES == {"bf16": 2.0, "int8": 1 + 4 / 64, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
     assert all(COLD_BYTES[f.value] == s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel)
+
+
+@pytest.mark.parametrize("always", [1, 2])
+def test_gate_first_tables_match_neuron_level_costs(always):
+    """A gated model decoded by its own gates (runtime/gated.py): every cold neuron costs `always` rows a token, an
+    active one its other rows too; the tables and the ILP (against brute force) price it so."""
+    rng = np.random.default_rng(12 + always)
+    p0, counts = make_problem(rng, n_layers=3, n_neurons=24, group_size=4, comm=True)
+    shape = ModelShape.from_meta(llama_model_meta("tiny", 3, 16, 24, 2, 1, 100))
+    p = build_problem(counts, p0.tokens, shape, HW.replace(sync_latency_s=p0.sync_ms[0] / 1e3), 2.0, p0.budget_bytes,
+                      0, 4, True, always_rows=always)
+    t = layer_tables(p)
+    bpn = p.bytes_per_neuron[0]
+    row = shape.d_model * 2.0  # bytes of one row
+    for l, c in enumerate(counts):
+        for k in range(p.n_groups[l] + 1):
+            cold = np.arange(len(c)) >= min(k * p.group_size, len(c))
+            cpu_ms = (cold.sum() * always * row + c[cold].sum() / p.tokens * (bpn - always * row)) \
+                / HW.effective_cpu_bw * 1e3
+            assert t.cpu_ms[l, k] == pytest.approx(cpu_ms, rel=1e-12)
+    for objective in ("latency", "activations"):
+        want, _ = brute_force(p, objective)
+        got, _ = ilp_value(p, objective)
+        assert (got if objective == "latency" else -got) == pytest.approx(want, rel=1e-9)

@@ -1,0 +1,200 @@
+"""A Llama-3-70B-shaped GATED model (SwiGLU, d 8192, FFN 28,672, 64 heads, 8 KV heads, vocabulary 128,256) at Q4_0 in
+a 24 GiB GPU budget, run as downloaded: no predictor, the gate of each neuron its own (common/gating.py). RANDOM
+weights whose gates are calibrated (bench_gguf.write_model, activation swiglu) so that each neuron's pass rate at the
+gate threshold follows a measured profile's pass frequencies (--rates: a real model's, e.g. SmolLM2-135M's at the
+same criterion and sparsity): speed and memory, not quality (docs/gated.md has the quality).
+
+Stages, each within one 10-minute call on the GPU machine, sharing --work while the machine stays up:
+  build     the model into WORK/model.gguf layer by layer and a text corpus (bench_70b's)
+  pipeline  pi-profile --criterion C --target-sparsity S (layer by layer, no samples), pi-solve --vram --measure
+  ours      in child processes, one per variant: the hybrid with the gate mask (`gate`), the same layout with every
+            cold neuron computed (`dense`: sparsity off), and all on the GPU sparse and dense (`gpu-gate`,
+            `gpu-dense`: TEAL's comparison); each as bench_70b's child measures it (load, decode 32 / 256, prefill 512)
+  llamacpp  bench_70b's: llama.cpp -ngl N (the most layers that fit --vram), all on the GPU, the CPU alone
+  report    bench/results/<date>-<kind>-gated70b.{json,md}
+CPU smoke run: --device cpu --shape tiny --layers 2 --ctx 256 --vram 1100MiB (build, pipeline, ours).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from hotneurons.bench import bench_70b as b70
+
+VARIANTS = ("gate", "dense", "gpu-gate", "gpu-dense")
+
+
+def stage_build(a) -> dict:
+    import numpy as np
+    from hotneurons.bench import memory_models as mm
+    from hotneurons.bench.bench_gguf import write_model
+
+    rates = np.asarray(json.loads(Path(a.rates).read_text())["rates"]) if a.rates else None
+    t0 = time.perf_counter()
+    info = write_model(a.shape, a.layers, a.work / "model.gguf", a.device, seed=a.seed,
+                       calibration_tokens=a.calibration_tokens, activation="swiglu", rates=rates,
+                       mean=1 - a.sparsity)
+    mm.write_corpus(a.work / "corpus.txt", 8 * a.profile_tokens)
+    return {**info, "rates": a.rates, "build_s": round(time.perf_counter() - t0, 1)}
+
+
+def stage_pipeline(a) -> dict:
+    import shutil
+
+    run, gguf = a.work / "run", a.work / "model.gguf"
+    shutil.rmtree(run, ignore_errors=True)
+    rows = {"profile": b70._run([b70._tool("pi-profile"), "--model", str(gguf), "--out", str(run), "--dataset",
+                                 str(a.work / "corpus.txt"), "--tokens", str(a.profile_tokens), "--seq-len", "512",
+                                 "--samples-per-layer", "0", "--device", a.device, "--criterion", a.criterion,
+                                 "--target-sparsity", str(a.sparsity), "--quiet"], 560)}
+    rows["profile"].pop("stdout")
+    solve = b70._run([b70._tool("pi-solve"), "--run", str(run), "--vram", a.vram, "--dtype", "q4_0", "--cold-dtype",
+                      "q4_0", "--ctx", str(a.ctx), "--hardware", a.hardware, "--reserve", a.reserve, "--json"]
+                     + (["--measure"] if a.measure else []), 300)
+    rows["solve"] = {**solve, "summary": json.loads(solve.pop("stdout"))}
+    rows["predictors"] = {"bytes": 0}  # none: the gates are their own predictors
+    gated = json.loads((run / "profile" / "meta.json").read_text()).get("gated") or {}
+    rows["skew"] = {k: gated.get(k, {}).get(a.criterion) for k in ("pass_share", "top20_share")}
+    return rows
+
+
+def stage_ours(a) -> dict:
+    out = {}
+    for v in a.variants.split(","):
+        argv = [sys.executable, "-m", "hotneurons.bench.bench_gated70b", "--stage", "ours-child", "--variant", v,
+                "--work", str(a.work), "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--sparsity",
+                str(a.sparsity), "--criterion", a.criterion]
+        res = b70.measured(argv, 560, pattern=r"first token")
+        if res["exit_code"] != 0:
+            out[v] = {"error": res["stderr_tail"][-3000:]}
+            continue
+        child = json.loads((a.work / f"ours-{v}.json").read_text())
+        out[v] = {**child, "load_to_first_token_s": res["first_output_s"],
+                  "host_peak_rss_bytes": res["peak_rss_bytes"], "host_peak_anon_bytes": res["peak_anon_bytes"],
+                  "gpu_peak_bytes": res["gpu_peak_bytes"], "gguf_bytes": (a.work / "model.gguf").stat().st_size}
+    return out
+
+
+def ours_child(a) -> None:
+    """One variant in its own process, as bench_70b's child measures it (its runs, written to WORK/ours-V.json)."""
+    from hotneurons.common.units import parse_bytes
+    from hotneurons.runtime.config import RuntimeConfig
+
+    gpu = a.variant.startswith("gpu-")
+    cfg = RuntimeConfig(device=a.device, vram=None if gpu else parse_bytes(a.vram), ctx=a.ctx,
+                        sparsity=a.sparsity if a.variant.endswith("gate") else 0.0, criterion=a.criterion)
+    if gpu:  # every neuron on the device: the run's profile (thresholds) with a placement of all of them
+        from hotneurons.artifacts.placement import Placement
+        from hotneurons.runtime import engine
+
+        def load():
+            meta = json.loads((a.work / "run" / "profile" / "meta.json").read_text())
+            m = meta["model"]
+            mask = Placement.uniform(m["n_layers"], m["n_neurons"], True)
+            return engine.load_source_runtime(a.work / "run", meta, cfg, placement=mask)
+    else:
+        from hotneurons.runtime.load import load_runtime
+
+        def load():
+            return load_runtime(a.work / "run", cfg)
+    b70.ours_child(a, load=load, out=a.work / f"ours-{a.variant}.json")
+
+
+def report(stages: dict[str, dict]) -> dict:
+    ours, lc = stages["ours"], stages.get("llamacpp", {})
+    systems = {}
+    for v, row in ours.items():
+        if "error" not in row:
+            systems[f"ours {v}"] = {k: row.get(k) for k in b70.SYSTEM_KEYS} | {
+                "ffn_sparsity": row["ffn_sparsity"], "gpu_activation_share": row["gpu_activation_share"],
+                "bytes_gpu": row["bytes_gpu"], "bytes_cpu": row["bytes_cpu"]}
+    for name, row in lc.items():
+        if name.startswith("llama.cpp") and "error" not in row:
+            systems[name] = {k: row.get(k) for k in b70.SYSTEM_KEYS}
+    split = next((n for n in systems if n.startswith("llama.cpp -ngl")), None)
+
+    def ratio(a: str, b: str | None, n: str = "256") -> float | None:
+        x, y = (systems.get(s or "", {}).get("decode_tok_s") or {} for s in (a, b))
+        return x[n] / y[n] if x.get(n) and y.get(n) else None
+
+    pipe = stages["pipeline"]
+    return {"shape": stages["build"]["shape"], "layers": stages["build"]["layers"],
+            "gguf_bytes": next((r["gguf_bytes"] for r in ours.values() if "gguf_bytes" in r), None),
+            "gpu_budget_bytes": pipe["solve"]["summary"]["flags"]["vram_bytes"],
+            "calibration": stages["build"]["calibration"], "rates": stages["build"].get("rates"),
+            "skew": pipe.get("skew"), "systems": systems,
+            "goals": {"gate_vs_layer_split": ratio("ours gate", split),
+                      "gate_vs_sparsity_off": ratio("ours gate", "ours dense"),
+                      "gpu_gate_vs_gpu_dense": ratio("ours gpu-gate", "ours gpu-dense"),
+                      "gate_vs_llamacpp_all_gpu": ratio("ours gate", "llama.cpp all layers on the GPU")}}
+
+
+def markdown(fig: dict) -> str:
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.1f} GB"  # noqa: E731
+    lines = [f"# {fig['shape']} shape (SwiGLU), {fig['layers']} layers, Q4_0 GGUF of {gb(fig['gguf_bytes'])}: random "
+             f"weights, gate pass rates calibrated to {fig['rates'] or 'a power law'}", "",
+             "| system | decode tok/s (32 / 256) | prefill tok/s (512) | FFN sparsity | host peak RSS | GPU |",
+             "|---|---|---|---|---|---|"]
+    for name, r in fig["systems"].items():
+        dec = r.get("decode_tok_s") or {}
+        cell = " / ".join(f"{dec[n]:.2f}" if dec.get(n) else "-" for n in ("32", "256"))
+        pre = "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
+        sp = "-" if r.get("ffn_sparsity") is None else f"{r['ffn_sparsity']:.1%}"
+        lines.append(f"| {name} | {cell} | {pre} | {sp} | {gb(r.get('host_peak_rss_bytes'))} | "
+                     f"{gb(r.get('gpu_peak_bytes'))} |")
+    lines += ["", "Goals: " + ", ".join(f"{k} {v:.2f}" for k, v in fig["goals"].items() if v is not None), ""]
+    return "\n".join(lines)
+
+
+def stage_report(a) -> dict:
+    from hotneurons.bench import record
+
+    files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in STAGES}
+    recs = {name: record.read(f) for name, f in files.items() if f.exists()}
+    fig = report({name: r["figures"] for name, r in recs.items()})
+    machine = recs["ours"]["machine"]
+    kind = record.machine_kind(machine)
+    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-gated70b.json")
+    record.write_result(out, fig, machine_info=machine, kind=kind, commit=recs["ours"].get("commit"))
+    out.with_suffix(".md").write_text(markdown(fig))
+    return fig
+
+
+STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": b70.stage_llamacpp}
+
+
+def parse(argv=None):
+    p = b70.parser(__doc__, stages=[*STAGES, "report", "ours-child"])
+    p.set_defaults(shape="llama-3-70b", work=Path.home() / ".cache" / "hotneurons" / "gated70b")
+    p.add_argument("--sparsity", type=float, default=0.5, help="The target FFN sparsity (the profile's thresholds).")
+    p.add_argument("--criterion", default="gate", help="pi-profile's --criterion (gate, h, gate-h).")
+    p.add_argument("--rates", default=None, help="build: a JSON {'rates': [...]} of per-neuron pass frequencies at "
+                   "that criterion and sparsity (a real model's profile: bench/gated_quality.py writes one); default: "
+                   "a power law of mean 1 - sparsity")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="ours: which of " + ", ".join(VARIANTS))
+    p.add_argument("--variant", default="gate", help="ours-child: the one to run")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    if a.stage == "ours-child":
+        ours_child(a)
+        return
+    if a.stage == "report":
+        print(markdown(stage_report(a)))
+        return
+    from hotneurons.bench import record
+
+    figures = {"stage": a.stage, "shape": a.shape, "layers": a.layers, **STAGES[a.stage](a)}
+    out = a.out or a.work / f"{a.stage}.json"
+    record.write_result(out, figures, machine_info=record.machine("torch", "transformers", "gguf"))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
