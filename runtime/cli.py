@@ -36,7 +36,8 @@ SHARE_WARN_STEPS = 16  # ... once this many tokens were decoded (fewer say littl
 def format_stats(s: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     hot = s.get("gpu_dtype", s["dtype"])
-    text = (f"[{s['mode']} on {s['device']} ({s['dtype']}" + (f", hot rows {hot}" if hot != s["dtype"] else "")
+    mode = f"{s['mode']}, gate mask" if s.get("mask") == "gate" else s["mode"]
+    text = (f"[{mode} on {s['device']} ({s['dtype']}" + (f", hot rows {hot}" if hot != s["dtype"] else "")
             + f", cold rows {s['cold_dtype']}), {s['threads']} CPU "
             f"threads] prefill "
             f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "

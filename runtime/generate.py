@@ -322,6 +322,7 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "ffn_sparsity": float(sparsity), "gpu_activation_share": float(gpu_share),
             "profile_gpu_activation_share": rt.profile_gpu_share,
             "bytes_gpu": int(rt.bytes_gpu), "bytes_cpu": int(rt.bytes_cpu), "mode": rt.mode,
+            "mask": rt.ffns[0].mask if rt.ffns else None,  # predictor, gate (a gated model's own), dense, oracle
             "plan_bytes_gpu": rt.plan_bytes_gpu, "plan_dtype": rt.plan_dtype,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
             "gpu_dtype": rt.cfg.gpu_dtype if isinstance(rt.lm, SourceModel) else str(rt.dtype).removeprefix("torch."),
