@@ -107,7 +107,7 @@ def report(stages: dict[str, dict]) -> dict:
     ours, lc = stages["ours"], stages.get("llamacpp", {})
     systems = {}
     for v, row in ours.items():
-        if "error" not in row:
+        if v in VARIANTS and "error" not in row:
             systems[f"ours {v}"] = {k: row.get(k) for k in b70.SYSTEM_KEYS} | {
                 "ffn_sparsity": row["ffn_sparsity"], "gpu_activation_share": row["gpu_activation_share"],
                 "bytes_gpu": row["bytes_gpu"], "bytes_cpu": row["bytes_cpu"]}
@@ -122,7 +122,7 @@ def report(stages: dict[str, dict]) -> dict:
 
     pipe = stages["pipeline"]
     return {"shape": stages["build"]["shape"], "layers": stages["build"]["layers"],
-            "gguf_bytes": next((r["gguf_bytes"] for r in ours.values() if "gguf_bytes" in r), None),
+            "gguf_bytes": next((ours[v]["gguf_bytes"] for v in VARIANTS if "gguf_bytes" in ours.get(v, {})), None),
             "gpu_budget_bytes": pipe["solve"]["summary"]["flags"]["vram_bytes"],
             "calibration": stages["build"]["calibration"], "rates": stages["build"].get("rates"),
             "skew": pipe.get("skew"), "systems": systems,

@@ -132,7 +132,8 @@ def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, emb
 
     plan = mm.tensor_plan(s)
     gated = activation == "swiglu"  # SwiGLU: no exact zeros, no predictors; else ReGLU with exact predictors
-    mcfg = ModelConfig.from_hf(mm.config(s, mm.tokenizer(s.vocab)), Activation(activation))
+    mcfg = ModelConfig.from_hf(mm.config(s, mm.tokenizer(s.vocab), "silu" if gated else "relu"),
+                               Activation(activation))
     floats: dict[str, torch.Tensor] = {}  # canonical name -> the float32 weights the file stands for (one layer's)
     stored: dict[str, torch.Tensor] = {}  # canonical name -> what the file holds (one layer's)
     for name, t in globals_(s, seed, std, embed_std, device).items():

@@ -107,12 +107,12 @@ def weight(t: TensorSpec, seed: int) -> torch.Tensor:
     return (torch.randn(t.shape, generator=g) * STD).to(torch.bfloat16)
 
 
-def config(s: Shape, tok) -> "object":
+def config(s: Shape, tok, hidden_act: str = "relu") -> "object":
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=s.vocab, hidden_size=s.d_model, intermediate_size=s.n_neurons,
                        num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads, num_key_value_heads=s.n_kv_heads,
-                       max_position_embeddings=s.max_positions, hidden_act="relu", tie_word_embeddings=False,
+                       max_position_embeddings=s.max_positions, hidden_act=hidden_act, tie_word_embeddings=False,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                        torch_dtype="bfloat16")
 
@@ -211,7 +211,8 @@ def write_q4_file(s: Shape, path: Path, arrays: Iterator[np.ndarray], activation
     tok = tokenizer(s.vocab)
     tmp = path.with_name(path.name + ".partial")
     w = gguf.GGUFWriter(str(tmp), "llama")
-    llama_metadata(_Q4Metadata(w), config(s, tok), path.stem)  # newer versions record the activation themselves
+    hidden_act = "silu" if activation == "swiglu" else "relu"
+    llama_metadata(_Q4Metadata(w), config(s, tok, hidden_act), path.stem)  # newer versions record the activation
     if not any(ACTIVATION_KEY in kv for kv in w.kv_data):
         w.add_string(ACTIVATION_KEY, activation)
     vocab_from_tokenizer(tok, s.vocab).add_to(w)

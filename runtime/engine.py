@@ -217,7 +217,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         solved = solved_summary(run)
     mode = cfg.mode
     oracle = mode == "hybrid" and cfg.oracle
-    if mode == "hybrid" and not oracle and not use_predictor:
+    if mode == "hybrid" and not oracle and (not use_predictor or cfg.sparsity == 0):
         mode = "dense"
     gate = mode == "hybrid" and uses_gate(run, cfg)
     mask = "dense" if mode == "dense" else ("oracle" if oracle else ("gate" if gate else "predictor"))

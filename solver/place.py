@@ -133,7 +133,9 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     ids, counts = _sorted_counts(df, shape, run_dir / "profile" / "neurons.parquet")
     db = DTYPE_BYTES[dtype]
 
-    pred_bytes, pred_source = _predictor_bytes(run_dir, shape, db)
+    always, pricing = gate_first_rows(run_dir, meta)
+    pred_bytes, pred_source = (_predictor_bytes(run_dir, shape, db) if not always
+                               else (0, "none: a gated model's run without predictors decodes by its own gates"))
     items = memory_items(shape, db, ctx, hw.reserve_bytes if hw.has_gpu else 0, pred_bytes, ACT_BYTES[dtype])
     fixed = sum(items.values())
     if hw.has_gpu and fixed > hw.vram_bytes:
@@ -144,7 +146,6 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
             f"{format_size_arg(fixed)} or lower the context or the reserve",
             params=("vram_bytes", "ctx", "reserve_bytes"))
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
-    always, pricing = gate_first_rows(run_dir, meta)
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
                             COLD_BYTES[cold_dtype], always)
     hardware_notes = [*(hardware_notes or []), pricing]
