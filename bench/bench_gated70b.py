@@ -27,6 +27,25 @@ from hotneurons.bench import bench_70b as b70
 VARIANTS = ("gate", "dense", "gpu-gate", "gpu-dense")
 
 
+def rates_from_profile(run: Path, criterion: str, sparsity: float, out: Path, points: int = 1000) -> dict:
+    """A real model's per-neuron pass frequencies at (criterion, sparsity), pooled over its layers (RUN/profile/
+    passes.safetensors / tokens), as `points` quantiles: what --rates reads (bench_gguf.resampled draws from them)."""
+    import numpy as np
+    from hotneurons.common.gating import key
+    from safetensors.numpy import load_file
+
+    meta = json.loads((run / "profile" / "meta.json").read_text())
+    counts = load_file(str(run / "profile" / "passes.safetensors"))[f"{criterion}@{key(sparsity)}"]  # (layers, n)
+    f = counts.astype(np.float64) / meta["tokens"]
+    q = np.quantile(f.ravel(), (np.arange(points) + 0.5) / points)
+    top = np.sort(f, axis=1)[:, ::-1][:, : int(round(0.2 * f.shape[1]))].sum(1) / f.sum(1)  # (layers,)
+    rec = {"rates": np.round(q, 6).tolist(), "model": meta["model"]["name"], "criterion": criterion,
+           "sparsity": sparsity, "tokens": meta["tokens"], "mean": float(f.mean()),
+           "top20_share_per_layer_mean": float(top.mean())}
+    out.write_text(json.dumps(rec))
+    return rec
+
+
 def stage_build(a) -> dict:
     import numpy as np
     from hotneurons.bench import memory_models as mm
