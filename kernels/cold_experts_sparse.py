@@ -135,13 +135,55 @@ def _keep(h, tau_h, row, w, idx, hs, at):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _gated_rest(x, xs, g, up, r, act, tau_g, tau_h, lut, fmt, row, w, idx, hs, at):
-    """A gated neuron whose gate pre-activation g is known: its up row only where |act(g)| > tau_g (ReLU gates with
-    tau_g = 0: g > 0, the exact zeros)."""
+def _park(act, g, tau_g, j, idx, hs, at):
+    """Slot `at` = (neuron j, act(g)) where |act(g)| > tau_g (ReLU gates with tau_g = 0: g > 0, the exact zeros): a
+    neuron whose up row is to be read; returns the slots used (0 or 1)."""
     a = _gate_value(act, g)
     if not abs(a) > tau_g:
         return 0
-    return _keep(_times_up(act, a, _dot1(x, xs, up[r], lut, fmt)), tau_h, row, w, idx, hs, at)
+    idx[at], hs[at] = j, a
+    return 1
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, at, lut, fmt):
+    """A gated expert's neurons j0..j1 - 1 (gate / up rows from `base`, down_t rows from tb) in two sweeps over the
+    item's own slots: the gate rows four at a time (the next four prefetched), the neurons that pass tau_g parked as
+    (j, act(g)); then the parked neurons' up rows four at a time (the next four prefetched: one row at a time, a dot
+    waits on DRAM's latency), the ones whose |h| passes tau_h kept as (down_t row, h * w), overwriting the parked
+    slots from the front (kept <= read, so no unread slot is overwritten). Returns the kept count."""
+    m = 0
+    j = j0
+    while j + 4 <= j1:
+        r = base + j
+        nr = base + min(j + 4, n - 4)  # the next group's rows (the next chunk's first: the same thread's next item)
+        g0, g1, g2, g3 = _dots4(x, xs, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
+                                gate[nr + 2], gate[nr + 3], lut, fmt)
+        m += _park(act, g0, tg, j, idx, hs, at + m)
+        m += _park(act, g1, tg, j + 1, idx, hs, at + m)
+        m += _park(act, g2, tg, j + 2, idx, hs, at + m)
+        m += _park(act, g3, tg, j + 3, idx, hs, at + m)
+        j += 4
+    for j in range(j, j1):
+        m += _park(act, _dot1(x, xs, gate[base + j], lut, fmt), tg, j, idx, hs, at + m)
+    k = 0
+    q = 0
+    while q + 4 <= m:
+        p = at + min(q + 4, m - 4)  # the next four parked neurons' slots
+        i0, i1, i2, i3 = idx[at + q], idx[at + q + 1], idx[at + q + 2], idx[at + q + 3]
+        a0, a1, a2, a3 = hs[at + q], hs[at + q + 1], hs[at + q + 2], hs[at + q + 3]
+        u0, u1, u2, u3 = _dots4(x, xs, up[base + i0], up[base + i1], up[base + i2], up[base + i3],
+                                up[base + idx[p]], up[base + idx[p + 1]], up[base + idx[p + 2]],
+                                up[base + idx[p + 3]], lut, fmt)
+        k += _keep(_times_up(act, a0, u0), th, tb + i0, w, idx, hs, at + k)
+        k += _keep(_times_up(act, a1, u1), th, tb + i1, w, idx, hs, at + k)
+        k += _keep(_times_up(act, a2, u2), th, tb + i2, w, idx, hs, at + k)
+        k += _keep(_times_up(act, a3, u3), th, tb + i3, w, idx, hs, at + k)
+        q += 4
+    for q in range(q, m):
+        i0, a0 = idx[at + q], hs[at + q]
+        k += _keep(_times_up(act, a0, _dot1(x, xs, up[base + i0], lut, fmt)), th, tb + i0, w, idx, hs, at + k)
+    return k
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -149,32 +191,22 @@ def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs,
     """Neurons j0..j1 - 1 of the expert whose gate / up rows start at `base` (down_t rows at tb): the firing ones into
     slots at.. (idx, hs); returns how many. xs: what block rows' dots read ((x,), or the int route's quantized x);
     fmt: a literal code (cold_q._work says why)."""
+    if gated:
+        return _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, at, lut, fmt)
     k = 0
     j = j0
     while j + 4 <= j1:
         r = base + j
-        nr = base + min(j + 4, n - 4)  # the next group's rows (the next chunk's first: the same thread's next item)
-        if gated:
-            g0, g1, g2, g3 = _dots4(x, xs, gate[r], gate[r + 1], gate[r + 2], gate[r + 3], gate[nr], gate[nr + 1],
-                                    gate[nr + 2], gate[nr + 3], lut, fmt)
-            k += _gated_rest(x, xs, g0, up, r, act, tg, th, lut, fmt, tb + j, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g1, up, r + 1, act, tg, th, lut, fmt, tb + j + 1, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g2, up, r + 2, act, tg, th, lut, fmt, tb + j + 2, w, idx, hs, at + k)
-            k += _gated_rest(x, xs, g3, up, r + 3, act, tg, th, lut, fmt, tb + j + 3, w, idx, hs, at + k)
-        else:
-            u0, u1, u2, u3 = _dots4(x, xs, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
-                                    up[nr + 3], lut, fmt)
-            k += _keep(_ungated_value(u0, act), th, tb + j, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u1, act), th, tb + j + 1, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u2, act), th, tb + j + 2, w, idx, hs, at + k)
-            k += _keep(_ungated_value(u3, act), th, tb + j + 3, w, idx, hs, at + k)
+        nr = base + min(j + 4, n - 4)
+        u0, u1, u2, u3 = _dots4(x, xs, up[r], up[r + 1], up[r + 2], up[r + 3], up[nr], up[nr + 1], up[nr + 2],
+                                up[nr + 3], lut, fmt)
+        k += _keep(_ungated_value(u0, act), th, tb + j, w, idx, hs, at + k)
+        k += _keep(_ungated_value(u1, act), th, tb + j + 1, w, idx, hs, at + k)
+        k += _keep(_ungated_value(u2, act), th, tb + j + 2, w, idx, hs, at + k)
+        k += _keep(_ungated_value(u3, act), th, tb + j + 3, w, idx, hs, at + k)
         j += 4
     for j in range(j, j1):
-        if gated:
-            k += _gated_rest(x, xs, _dot1(x, xs, gate[base + j], lut, fmt), up, base + j, act, tg, th, lut, fmt,
-                             tb + j, w, idx, hs, at + k)
-        else:
-            k += _keep(_ungated_value(_dot1(x, xs, up[base + j], lut, fmt), act), th, tb + j, w, idx, hs, at + k)
+        k += _keep(_ungated_value(_dot1(x, xs, up[base + j], lut, fmt), act), th, tb + j, w, idx, hs, at + k)
     return k
 
 
