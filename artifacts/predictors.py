@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hotneurons.common.artifacts import JsonFile, Section, StageMeta
+from hotneurons.common.gating import Criterion
 from hotneurons.common.kinds import Kind, Rule
 from hotneurons.common.schema import optional
 
@@ -143,6 +144,37 @@ class ModeResult(Section):
 
 
 @dataclass(kw_only=True)
+class AnswerAgreement(Section):
+    """Greedy chat answers with the FFN masked against dense ones, on a fixed prompt set (predictors/answers.py)."""
+
+    prompts: int
+    new_tokens: int
+    identical_share: float  # share of prompts whose greedy answer is the dense one, token for token
+    prefix_share: float  # mean over prompts of the share of the dense answer's tokens before the first divergence
+
+
+@dataclass(kw_only=True)
+class GatedResult(Section):
+    """The FFN masked by one gated sparsity criterion at the profile's thresholds for one sparsity (pi-eval
+    --criterion/--sparsity; common/gating.py)."""
+
+    criterion: Criterion
+    sparsity: float  # the target the thresholds were calibrated for
+    perplexity: float
+    nll_per_token: float
+    tokens: int
+    ppl_vs_dense: float | None = optional()  # perplexity / dense perplexity - 1
+    skips: str  # "neurons" (h, gate, gate-h) or "channels" (input, wina: the FFN input's)
+    ffn_sparsity: float  # measured share of (token, neuron) pairs skipped, or of (token, input channel) pairs
+    pass_share: float  # 1 - ffn_sparsity
+    gate_pass_share: float | None = optional()  # gate-h: share of neurons passing the gate filter (up rows read)
+    bytes_read_share: float  # common/gating.bytes_read_share of the measured shares: FFN row bytes read per token
+    per_layer: dict[str, list[float]]  # pass_share (and gate_pass_share for gate-h)
+    seconds: float
+    answers: AnswerAgreement | None = optional()  # with --answers
+
+
+@dataclass(kw_only=True)
 class EvalReport(StageMeta):
     """eval/eval.json: perplexity per mode on held-out text."""
 
@@ -164,3 +196,7 @@ class EvalReport(StageMeta):
     # pi-eval --row-format: format -> mode -> the mode with the FFN rows stored in that format (predictors/row_formats);
     # ppl_vs_dense there is against the same format's dense
     row_formats: dict[str, dict[str, ModeResult]] | None = optional()
+    # pi-eval --criterion/--sparsity (gated models): one entry per criterion and sparsity, in the order run
+    gated: list[GatedResult] | None = optional()
+    # with --answers: the prompt file, the prompt count, the greedy tokens asked and the dense answers' text
+    answers: dict[str, Any] | None = optional()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hotneurons.common.artifacts import ArtifactError, Section, StageMeta, check_table, read_table
+from hotneurons.common.gating import LayerTaus, as_f32
 from hotneurons.common.kinds import Rule
 from hotneurons.common.schema import optional
 
@@ -67,11 +68,26 @@ class ProfileMeta(StageMeta):
     world_size: int = 1
     device: str | None = None
     experts: ExpertsMeta | None = optional()  # mixtures of experts only (experts.parquet, neurons' expert column)
+    gate_taus: list[float] | None = optional()  # rule gate>tau,abs>tau only: per layer tau_g (taus holds tau_h)
+    # gated models without exact zeros (SwiGLU, GeGLU): every sparsity criterion's thresholds, pass shares and skew at
+    # every tabulated sparsity (profiler/gated.section; common/gating.profile_taus reads it); passes.safetensors beside
+    gated: dict[str, Any] | None = optional()
 
     @property
     def layer_taus(self) -> list[float] | None:
-        """Per-layer thresholds of the activation rule; None for the nonzero rule."""
+        """Per-layer thresholds of the activation rule abs>tau; None for the others."""
         return self.taus if self.rule == Rule.ABS_TAU else None
+
+    @property
+    def neuron_taus(self) -> list[LayerTaus] | None:
+        """Per layer the (tau_g, tau_h) pass test of a thresholded rule (abs>tau, gate>tau, gate>tau,abs>tau: a neuron
+        is active iff |act(g)| > gate and |h| > h, 0 disabling a test); None for the nonzero rule."""
+        if self.rule == Rule.NONZERO or self.taus is None:
+            return None
+        if self.rule == Rule.GATE_TAU:
+            return [LayerTaus(gate=as_f32(t)) for t in self.taus]
+        gate = self.gate_taus if self.rule == Rule.GATE_H_TAU else [0.0] * len(self.taus)
+        return [LayerTaus(gate=as_f32(g), h=as_f32(t)) for g, t in zip(gate, self.taus)]
 
     @property
     def sample_count(self) -> int:

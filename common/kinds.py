@@ -93,6 +93,9 @@ class Rule(Kind):
 
     NONZERO = "nonzero"  # ReLU family: its value is not 0
     ABS_TAU = "abs>tau"  # others: |value| exceeds the layer's calibrated threshold tau_l
+    # gated models profiled with `pi-profile --criterion gate` / `gate-h` (common/gating.py): the gate decides
+    GATE_TAU = "gate>tau"  # |act(gate x)| > taus[l] (CATS)
+    GATE_H_TAU = "gate>tau,abs>tau"  # |act(gate x)| > gate_taus[l] and |value| > taus[l]
 
     @classmethod
     def for_activation(cls, activation: str) -> Rule:

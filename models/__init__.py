@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from hotneurons.models.common import Decoder, WeightFn, dense_ffn, ffn_values
+from hotneurons.models.common import Decoder, WeightFn, dense_ffn, ffn_values, gate_values
 from hotneurons.models.config import ModelConfig, Rope
 from hotneurons.models.falcon import Falcon
 from hotneurons.models.llama import Llama
@@ -20,7 +20,7 @@ from hotneurons.models.opt import OPT
 MODELS: dict[str, type[Decoder]] = {"llama": Llama, "gemma": Llama, "opt": OPT, "falcon": Falcon, "moe": Llama}
 
 __all__ = ["MODELS", "Decoder", "Falcon", "Llama", "ModelConfig", "OPT", "Rope", "build_model", "dense_ffn",
-           "ffn_values", "moe_ffn"]
+           "ffn_values", "gate_values", "moe_ffn"]
 
 
 def build_model(cfg: ModelConfig, weights: WeightFn, device: torch.device | str, dtype: torch.dtype, ctx: int,

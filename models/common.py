@@ -346,6 +346,12 @@ def ffn_values(cfg: ModelConfig, up: torch.Tensor, gate: torch.Tensor | None = N
     return _act(cfg.act_fn, gate) * up
 
 
+def gate_values(cfg: ModelConfig, gate: torch.Tensor) -> torch.Tensor:
+    """act(gate x) (T, n) of a SwiGLU / GeGLU FFN, the factor ffn_values multiplies up by: what the gate sparsity
+    criteria read (common/gating.py)."""
+    return _act(cfg.act_fn, gate)
+
+
 def dense_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32, release: Callable[[str], None] | None = None
               ) -> Callable[[torch.Tensor], torch.Tensor]:

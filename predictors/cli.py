@@ -10,6 +10,7 @@ from hotneurons.artifacts.predictors import EvalMode, PredictorsSummary
 from hotneurons.common.artifacts import ArtifactError, default_run_dir
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
+from hotneurons.common.kinds import FixableError
 
 _CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
@@ -118,6 +119,19 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
               help="Also evaluate every mode with the FFN rows stored as the runtime stores them in FMT: "
               "bf16, q8_0, q4_0 or q4_1 (repeat, or a comma list; gate and up rows and the down projection's "
               "columns, blocks along d_model). Default: none.")
+@click.option("--criterion", "criteria", default=None, metavar="CRIT[,CRIT...]",
+              help="Gated (SwiGLU/GeGLU) models: also evaluate with the FFN masked by each training-free criterion "
+              "at the profile's thresholds: h (|act(gate)*up|), gate (|act(gate)|, CATS), gate-h (both), input "
+              "(|x|, TEAL: input channels), wina (|x| * gate column norm). Default with --sparsity: the profile's.")
+@click.option("--sparsity", "sparsities", default=None, metavar="S[,S...]",
+              help="Sparsities to evaluate each --criterion at, among those the profile tabulates (default "
+              "0.25,0.4,0.5,0.65 and its target). Default with --criterion: the profile's target.")
+@click.option("--answers", default=None, type=click.Path(dir_okay=False),
+              help="With --criterion: a JSON list of chat prompts (bench/data/gated_prompts.json) answered greedily "
+              "dense and masked; reports the share of identical answers and of tokens before the first divergence "
+              "(the whole model through transformers: --whole-model).")
+@click.option("--answer-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens per answer (--answers).")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="How the model runs: layer by layer from its file (one layer's weights on the device at a time: "
               "models bigger than it) or whole through transformers. Default: layer by layer for a local "
@@ -125,15 +139,23 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size, recall, recall_sweep, model,
-              gguf_file, device, dtype, row_formats, layer_by_layer, as_json, quiet) -> None:
+              gguf_file, device, dtype, row_formats, criteria, sparsities, answers, answer_tokens, layer_by_layer,
+              as_json, quiet) -> None:
     """Perplexity with the FFN dense, oracle-sparse, predictor-sparse and as the runtime would run it.
 
     Writes RUN/eval/eval.json. Oracle: the profile's activation rule on the true values. Predictor: neurons
     computed iff the predictor fires. Placement: GPU neurons always, the others where the predictor fires.
     --row-format repeats the modes with the FFN rows rounded to each storage format (eval.json's row_formats).
     """
+    from hotneurons.common.gating import criterion as check_criterion
     from hotneurons.predictors.row_formats import RowFormatError, parse_row_formats
+    from hotneurons.profiler.cli import parse_sparsities
 
+    sparsities = parse_sparsities(sparsities, "--sparsity") if sparsities is not None else None
+    try:  # a criterion name is refused before torch and the model load
+        criteria = [check_criterion(c.strip()).value for c in criteria.split(",") if c.strip()] if criteria else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--criterion") from None
     try:
         sweep = [float(r) for r in recall_sweep.split(",")] if recall_sweep else None
     except ValueError:
@@ -151,9 +173,11 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
                               text_column=text_column,
                               tokens=tokens, seq_len=seq_len, batch_size=batch_size, recall=recall, model=model,
                               gguf_file=gguf_file, device=device, dtype=dtype, progress=not quiet,
-                              layer_by_layer=layer_by_layer, row_formats=row_formats)
-    except (ArtifactError, CorpusError, ValueError) as e:
-        raise cli_error(e, {"modes": "--mode", "row_formats": "--row-format"}) from None
+                              layer_by_layer=layer_by_layer, row_formats=row_formats, criteria=criteria,
+                              sparsities=sparsities, answers=answers, new_tokens=answer_tokens)
+    except (ArtifactError, CorpusError, FixableError, ValueError) as e:
+        raise cli_error(e, {"modes": "--mode", "row_formats": "--row-format", "sparsity": "--sparsity",
+                            "layer_by_layer": "--whole-model"}) from None
     except KeyboardInterrupt:
         interrupted(f"nothing was written ({Path(run_dir) / 'eval'} is as it was): run the command again")
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_table(report))

@@ -33,10 +33,14 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import active_mask
-from hotneurons.common.kinds import choose
+from hotneurons.common.gate_masks import neuron_pass
+from hotneurons.common.gating import Criterion, LayerTaus
+from hotneurons.common.kinds import Rule, choose
 from hotneurons.common.model_source import ModelError
 from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device, pick_dtype
 from hotneurons.common.prenorm import ffn_norms
+from hotneurons.predictors import gated_eval
+from hotneurons.predictors.answers import load_prompts
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.row_formats import check_rows, parse_row_formats, stored_as
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
@@ -52,10 +56,14 @@ class FFNMasks(StageHooks):
     """Hooks that mask each layer's FFN neurons per `mode` and count what was computed and what was missed."""
 
     def __init__(self, lm: LoadedModel | StreamedModel, mode: EvalMode | str, taus: list[float] | None,
-                 predictors: Predictors | None = None, gpu: Placement | dict[int, torch.Tensor] | None = None):
+                 predictors: Predictors | None = None, gpu: Placement | dict[int, torch.Tensor] | None = None,
+                 rule: tuple[Criterion, list[LayerTaus]] | None = None):
         mode = choose(mode, EvalMode, "eval mode", param="modes")
         super().__init__(lm)
         self.mode, self.taus, self.predictors, self.gpu = mode, taus, predictors, gpu
+        # a profile counted with --criterion gate / gate-h: the true mask reads act(gate x) (common/gate_masks.py)
+        self.rule = rule
+        self._a: dict[int, torch.Tensor] = {}
         # per layer: (token, neuron) pairs seen, computed, truly active, active and computed; |h| sums
         self.stats = np.zeros((len(lm.layers), 6), dtype=np.float64)
         if self.wants_x() and predictors.form == PredictorForm.POWERINFER:  # its input is the norm's input
@@ -64,6 +72,12 @@ class FFNMasks(StageHooks):
 
     def wants_x(self) -> bool:
         return self.mode in (EvalMode.PREDICTOR, EvalMode.PLACEMENT)  # x (..., d_model): what the predictor sees
+
+    def wants_gate(self) -> bool:
+        return self.rule is not None
+
+    def on_gate(self, i: int, a: torch.Tensor) -> None:
+        self._a[i] = a
 
     def on_pre_norm(self, i: int, x_pre: torch.Tensor) -> None:
         if self.pre_norms is not None:
@@ -74,7 +88,10 @@ class FFNMasks(StageHooks):
         self._pre.clear()
 
     def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
-        true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
+        if self.rule is None:
+            true = active_mask(h, None if self.taus is None else self.taus[i])  # (..., n) bool
+        else:
+            true = neuron_pass(self.rule[0], self._a.pop(i), h, self.rule[1][i])
         if self.mode == EvalMode.DENSE:
             mask = None
         elif self.mode == EvalMode.ORACLE:
@@ -131,7 +148,9 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
              device: str = "auto", dtype: str = "auto", progress: bool = True,
              lm: LoadedModel | StreamedModel | None = None, recall_sweep: list[float] | None = None,
              write: bool = True, layer_by_layer: bool | None = None,
-             row_formats: list[str] | None = None) -> EvalReport:
+             row_formats: list[str] | None = None, criteria: list[str] | str | None = None,
+             sparsities: list[float] | None = None, answers: str | Path | None = None,
+             new_tokens: int = 32) -> EvalReport:
     """Perplexity per mode on `dataset`; writes RUN/eval/eval.json (when `write`) and returns it.
 
     `recall_sweep`: also run the predictor mode at each of these tabulated recalls (the trade-off curve).
@@ -139,6 +158,10 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     names or comma lists), reported under `row_formats` (the recall sweep stays unrounded).
     `layer_by_layer`: run the model from its file one layer at a time (True), whole through transformers (False),
     or (None) the first where it is a local safetensors folder or GGUF file.
+    `criteria` x `sparsities` (gated models; either alone: the profile's criterion or target sparsity): also each with
+    the FFN masked by that criterion at the profile's thresholds (predictors/gated_eval.py), reported under `gated`
+    against dense (which then always runs); `answers`: a JSON file of chat prompts whose greedy answers (`new_tokens`)
+    are compared with dense ones for each (the whole model through transformers only).
     """
     run_dir = Path(run_dir)
     # everything that can be refused without the model, before it loads
@@ -149,9 +172,21 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
                             f"predictors), so its perplexity is the model's own: run `pi-generate --run {run_dir}`")
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
+    gated_only = modes is None and (criteria is not None or sparsities is not None)  # dense and the criteria only
     if modes is None:
         modes = [EvalMode.DENSE, EvalMode.ORACLE] + ([EvalMode.PREDICTOR] if have_pred else []) + \
                 ([EvalMode.PLACEMENT] if have_pred and have_place else [])
+    crits = gated_eval.parse_criteria(criteria) if criteria is not None else None
+    if crits is not None or sparsities is not None:
+        g = pmeta.gated or {}
+        crits = crits or [g.get("criterion", "h")]
+        sparsities = list(sparsities) if sparsities is not None else [g.get("sparsity", pmeta.target_sparsity)]
+        gated_eval.check_gated(pmeta.gated, crits, sparsities, str(run_dir / "profile"))
+        modes = [EvalMode.DENSE] if gated_only else [EvalMode.DENSE, *(m for m in modes if m != EvalMode.DENSE)]
+    prompts = load_prompts(answers) if answers is not None else None
+    if prompts is not None and crits is None:
+        raise ArtifactError("answer agreement compares each gated criterion's answers with dense ones: name the "
+                            "criteria", params=("criterion", "answers"))
     modes = [choose(m, EvalMode, "eval mode", param="modes") for m in modes]
     fmts = parse_row_formats(row_formats)
     if any(m in (EvalMode.PREDICTOR, EvalMode.PLACEMENT) for m in modes) or recall_sweep:
@@ -165,6 +200,9 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         artifacts.check_table(run_dir / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
                               f"pi-solve --run {run_dir}")
     check_corpus(dataset, text_column)
+    if prompts is not None:
+        gated_eval.refuse_answers_streamed(isinstance(lm, StreamedModel) if lm is not None else streams(
+            *meta_source(pmeta.model, model, gguf_file)[:2], layer_by_layer))
     if lm is None:
         lm = _load(run_dir, pmeta.model, model, gguf_file, pick_device(device), dtype, batch_size, seq_len,
                    layer_by_layer, rounding=bool(fmts))
@@ -178,13 +216,16 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     if EvalMode.PLACEMENT in modes:
         gpu = read_placement(run_dir, lm.info, len(lm.layers))
     taus = pmeta.layer_taus
+    rule = None  # a profile of --criterion gate / gate-h: its oracle is that criterion
+    if pmeta.rule in (Rule.GATE_TAU, Rule.GATE_H_TAU):
+        rule = (Criterion.GATE if pmeta.rule == Rule.GATE_TAU else Criterion.GATE_H, pmeta.neuron_taus)
     batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))
     if not batches:
         raise CorpusError(f"dataset '{dataset}' is empty: no text to evaluate on", params="dataset")
 
     def run_mode(m: EvalMode, desc: str, **extra) -> ModeResult:
         t0 = time.perf_counter()
-        with FFNMasks(lm, m, taus, preds, gpu) as masks:
+        with FFNMasks(lm, m, taus, preds, gpu, rule) as masks:
             nll, count = perplexity(lm, batches, progress, desc=desc)
         res = ModeResult(perplexity=math.exp(nll / count), nll_per_token=nll / count, tokens=count,
                          **masks.summary(), seconds=round(time.perf_counter() - t0, 2), **extra)
@@ -215,13 +256,20 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         for rows in by_format.values():  # against the same format's dense: what the masks cost with those rows
             for res in rows.values():
                 res.ppl_vs_dense = res.perplexity / rows[EvalMode.DENSE].perplexity - 1
+    gated = answered = None
+    if crits is not None:
+        gated, answered = gated_eval.run_gated(lm, batches, pmeta.gated, crits, sparsities,
+                                               results[EvalMode.DENSE].perplexity, perplexity, progress, prompts,
+                                               new_tokens)
+        if answered is not None:
+            answered["file"] = str(answers)
     report = EvalReport(
         inputs={"profile": {"meta_sha256": artifacts.sha256_file(run_dir / "profile" / "meta.json")}},
         model=pmeta.model["name"], fingerprint=lm.info["fingerprint"], dataset=dataset, tokens=tokens,
         seq_len=seq_len, rule=pmeta.rule,
         threshold_recall=recall if recall is not None else (preds.summary.target_recall if preds else None),
         device=str(device_of(lm)), dtype=str(dtype_of(lm)), modes=results,
-        recall_sweep=sweep, row_formats=by_format or None)
+        recall_sweep=sweep, row_formats=by_format or None, gated=gated, answers=answered)
     if write:
         report.save(run_dir / "eval" / "eval.json")
     return report
@@ -270,4 +318,6 @@ def format_table(report: EvalReport | dict) -> str:
     lines += [row(m, r) for m, r in report["modes"].items()]
     lines += [row(f"pred@{r['threshold_recall']:g}", r) for r in report.get("recall_sweep", [])]
     lines += [row(f"{fmt} {m}", r) for fmt, rows in formats.items() for m, r in rows.items()]
+    if report.get("gated"):
+        lines += gated_eval.format_gated(report["gated"])
     return "\n".join(lines)

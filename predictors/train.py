@@ -31,6 +31,7 @@ from hotneurons.artifacts.profile import ProfileMeta, read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import share_covering as _covering
+from hotneurons.common.kinds import Rule
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scripts that import them from here)
     NEVER,
@@ -262,8 +263,10 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
                 streamed = isinstance(lm, StreamedModel)
                 hv = lm.ffn_values(layer, x) if streamed else ffn_values(lm, layer, x)  # (count, n)
                 tau = None if taus is None else taus[layer]
-                # the stored masks came from the same rule on the same x (up to fp16 storage of x)
-                agreement[layer] = float(((hv.abs() > tau if tau is not None else hv != 0) == m).float().mean())
+                # the stored masks came from the same rule on the same x (up to fp16 storage of x); a gate rule's
+                # (pi-profile --criterion gate/gate-h) reads act(gate x), which these values do not carry
+                if pmeta.rule in (Rule.NONZERO, Rule.ABS_TAU):
+                    agreement[layer] = float(((hv.abs() > tau if tau is not None else hv != 0) == m).float().mean())
                 w = importance_weights(hv, m, tau, cfg)
             cache[layer] = (x, m, w, rows)
         x, m, w, rows = cache[layer]

@@ -9,7 +9,8 @@ from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.artifacts import ArtifactError, StageInterrupted
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.common.kinds import Activation
+from hotneurons.common.gating import SPARSITIES
+from hotneurons.common.kinds import Activation, FixableError
 
 # library parameters that are not spelled as their flag (a resumed run's settings name ProfileConfig fields)
 FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
@@ -29,6 +30,13 @@ MIN_USEFUL_TOKENS = 1000  # tokens: below this a neuron firing 1% of the time is
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Sequences per forward.")
 @click.option("--target-sparsity", default=0.5, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="Non-ReLU models: share of neurons inactive per token; sets each layer's |act| threshold tau.")
+@click.option("--criterion", default="h", show_default=True, type=click.Choice(["h", "gate", "gate-h"]),
+              help="SwiGLU/GeGLU models: what neurons.parquet counts at --target-sparsity: h (|act(gate)*up| > "
+              "tau_h), gate (|act(gate)| > tau_g, CATS) or gate-h (both). Every criterion's thresholds and pass "
+              "counts are tabulated anyway (meta.json gated, passes.safetensors).")
+@click.option("--sparsities", default=",".join(f"{s:g}" for s in SPARSITIES), show_default=True,
+              help="SwiGLU/GeGLU models: comma list of the sparsities every criterion is tabulated at (the target "
+              "is added).")
 @click.option("--calibration-tokens", default=8192, show_default=True, type=click.IntRange(1),
               help="First tokens of the corpus used to calibrate tau (non-ReLU models).")
 @click.option("--samples-per-layer", default=16384, show_default=True, type=click.IntRange(0),
@@ -52,8 +60,8 @@ MIN_USEFUL_TOKENS = 1000  # tokens: below this a neuron firing 1% of the time is
 @click.option("--json", "as_json", is_flag=True, help="Print meta.json instead of the summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batch_size, target_sparsity,
-         calibration_tokens, samples_per_layer, activation, out, resume, force, checkpoint_every, device, dtype,
-         layer_by_layer, seed, trust_remote_code, as_json, quiet) -> None:
+         criterion, sparsities, calibration_tokens, samples_per_layer, activation, out, resume, force,
+         checkpoint_every, device, dtype, layer_by_layer, seed, trust_remote_code, as_json, quiet) -> None:
     """Count which FFN neurons fire on a corpus; store predictor training samples.
 
     Writes RUN/profile/: neurons.parquet (layer, neuron, count), meta.json, samples/. A mixture of experts (layer by
@@ -61,19 +69,20 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
     Under torchrun (`torchrun --nproc-per-node N -m hotneurons.profiler ...`) ranks share the corpus and
     the counts are all-reduced.
     """
+    sparsities = parse_sparsities(sparsities, "--sparsities")  # refused before torch and the model load
     from hotneurons.profiler.profile import ProfileConfig, profile_model  # torch: after the arguments are read
 
     cfg = ProfileConfig(model=model, gguf_file=gguf_file, revision=revision, dataset=dataset,
                         text_column=text_column, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
                         target_sparsity=target_sparsity, calibration_tokens=calibration_tokens,
                         samples_per_layer=samples_per_layer, seed=seed, dtype=dtype, activation=activation,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, criterion=criterion, sparsities=sparsities)
     try:
         with stdout_to_stderr(as_json):
             meta = profile_model(cfg, out, resume=resume, force=force, device=device,
                                  checkpoint_every=checkpoint_every, progress=not quiet,
                                  layer_by_layer=layer_by_layer)
-    except (ArtifactError, CorpusError, ValueError) as e:
+    except (ArtifactError, CorpusError, FixableError, ValueError) as e:
         raise cli_error(e, FLAGS) from None
     except KeyboardInterrupt as e:
         interrupted(interrupt_message(e))
@@ -87,6 +96,18 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         click.echo(json.dumps(meta.to_dict(), indent=2) if as_json else format_summary(meta))
     except KeyboardInterrupt:
         interrupted("the profile was complete and is written")
+
+
+def parse_sparsities(text: str, flag: str) -> tuple[float, ...]:
+    """A comma list of sparsities in [0, 1), refused with a click usage error (exit 2) naming the value."""
+    try:
+        out = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        out = ()
+    if not out or any(not 0 <= v < 1 for v in out):
+        raise click.BadParameter(f"{text!r} is not a comma list of sparsities in [0, 1), e.g. 0.25,0.4,0.5",
+                                 param_hint=flag)
+    return out
 
 
 def interrupt_message(e: KeyboardInterrupt) -> str:
@@ -121,6 +142,10 @@ def format_summary(meta: ProfileMeta) -> str:
     cols = [cells[i:i + per_col] for i in range(0, len(cells), per_col)]
     for r in range(per_col):
         lines.append("   ".join(col[r] for col in cols if r < len(col)))
+    if meta.gated:  # SwiGLU / GeGLU: every criterion's pass share and skew (docs/gated.md)
+        from hotneurons.profiler.gated import skew_lines
+
+        lines += skew_lines(meta.gated)
     return "\n".join(lines)
 
 

@@ -244,7 +244,8 @@ class StageHooks(FFNHooks):
     """FFNHooks for both ways a stage runs a model. On a LoadedModel (transformers): the FFN's forward hooks, and where
     `pre_norms` lists the layers' pre-FFN RMSNorms, a pre-hook on each that hands its input (the residual x_pre) to
     `on_pre_norm`. On a StreamedModel (profiler/streamed.py) nothing is registered: entered, the hooks attach to it,
-    and its layer-by-layer forward calls on_pre_norm, on_ffn (x only while wants_x) and end_layer itself."""
+    and its layer-by-layer forward calls on_pre_norm, on_ffn_input (while wants_input), on_gate (while wants_gate),
+    on_ffn (x only while wants_x) and end_layer itself, in that order, as the transformers path's hooks fire."""
 
     pre_norms: list | None = None
 
@@ -272,34 +273,51 @@ class StageHooks(FFNHooks):
 
 
 class ActivationCounter(StageHooks):
-    """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device."""
+    """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device.
 
-    def __init__(self, lm, taus: list[float] | None, reservoir: SampleReservoir | None = None):
+    `gated` (profiler/gated.GatedCounting, SwiGLU / GeGLU models): the profile's criterion decides what counts as
+    active (and what the sample masks hold), and every criterion's passes at every tabulated sparsity are counted
+    beside (passes.safetensors)."""
+
+    def __init__(self, lm, taus: list[float] | None, reservoir: SampleReservoir | None = None, gated=None):
         super().__init__(lm)
-        self.taus, self.reservoir = taus, reservoir
+        self.taus, self.reservoir, self.gated = taus, reservoir, gated
         self.counts = torch.zeros(lm.info["n_layers"], lm.info["n_neurons"], dtype=torch.int64, device=device_of(lm))
         self.pre_norms = sample_norms(lm) if reservoir is not None and reservoir.rms is not None else None
         self._rms: dict[int, torch.Tensor] = {}  # layer -> (rows,) r of the kept rows, from the norm's input
+        self._a: dict[int, torch.Tensor] = {}  # layer -> act(gate x) until its on_ffn
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps and torchrun all-reduces."""
-        return {"counts": self.counts}
+        return {"counts": self.counts, **(self.gated.tensors() if self.gated is not None else {})}
 
     def on_pre_norm(self, i: int, x_pre: torch.Tensor) -> None:
-        if self.pre_norms is not None and self.wants_x():
+        if self.pre_norms is not None and self._sampling():
             self._rms[i] = self.pre_norms[i].divisor(x_pre.reshape(-1, x_pre.shape[-1])[self.reservoir.pos])  # (rows,)
 
-    def wants_x(self) -> bool:
+    def _sampling(self) -> bool:
         return self.reservoir is not None and self.reservoir.pos is not None
+
+    def wants_x(self) -> bool:
+        return self._sampling() or (self.gated is not None and self.gated.wants_x)
+
+    def wants_gate(self) -> bool:
+        return self.gated is not None
+
+    def on_gate(self, i: int, a: torch.Tensor) -> None:
+        self._a[i] = a
 
     def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> None:
         h = h.reshape(-1, h.shape[-1])  # (tokens, neurons)
+        a = self._a.pop(i).reshape(h.shape) if self.gated is not None else None  # (tokens, neurons)
         tau = None if self.taus is None else self.taus[i]
-        self.counts[i] += count_active(h, tau)
-        if x is not None:  # masks only for the rows kept as samples
+        if self.gated is not None:
+            self.gated.count(i, a, h, None if x is None else x.reshape(-1, x.shape[-1]))
+        self.counts[i] += count_active(h, tau) if self.gated is None else self.gated.active_counts(i, a, h)
+        if x is not None and self._sampling():  # masks only for the rows kept as samples
             rows = self.reservoir.pos
-            self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], active_mask(h[rows], tau),
-                                 self._rms.pop(i, None))
+            mask = active_mask(h[rows], tau) if self.gated is None else self.gated.active(i, a[rows], h[rows])
+            self.reservoir.write(i, x.reshape(-1, x.shape[-1])[rows], mask, self._rms.pop(i, None))
 
     def end_layer(self, i: int) -> None:
         if self.reservoir is not None:  # one layer's rows to the host at a time, not the whole model's
@@ -307,25 +325,69 @@ class ActivationCounter(StageHooks):
 
 
 class MagnitudeCollector(StageHooks):
-    """Calibration hooks: keep a random subset of |h| per layer, to set tau_l at a target sparsity."""
+    """Calibration hooks: keep a random subset of |h| per layer, to set tau_l at a target sparsity.
 
-    def __init__(self, lm, per_batch: int = 1 << 18, seed: int = 0):
+    `gated` (SwiGLU / GeGLU, for the criteria of common/gating.py; profiler/gated.calibrate reads them): also
+    |act(gate x)| at the same (token, neuron) pairs as |h| (gate-h's two thresholds are set on their joint sample),
+    and per layer a random subset of (token, channel) pairs of the FFN input: |x_i| and the WINA score
+    |x_i| * ||W_gate[:, i]|| of the same pairs. Its own generator draws those, so |h|'s sample is a plain run's."""
+
+    def __init__(self, lm, per_batch: int = 1 << 18, seed: int = 0, gated: bool = False):
         super().__init__(lm)
         self.per_batch = per_batch
-        self.values: list[list[torch.Tensor]] = [[] for _ in range(lm.info["n_layers"])]
+        L = lm.info["n_layers"]
+        self.values: list[list[torch.Tensor]] = [[] for _ in range(L)]
         self.gen = torch.Generator().manual_seed(seed)
+        self.gated = gated
+        self.gate_values: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.x_values: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.wina_values: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        self.norms: list[torch.Tensor] | None = None
+        self._xgen = torch.Generator().manual_seed(seed + 1)
+        self._a: dict[int, torch.Tensor] = {}
+
+    def __enter__(self):
+        if self.gated and self.norms is None:
+            from hotneurons.profiler.gated import gate_column_norms
+
+            self.norms = [n.float().cpu() for n in gate_column_norms(self.lm)]  # (d,) per layer
+        return super().__enter__()
+
+    def wants_gate(self) -> bool:
+        return self.gated
+
+    def wants_x(self) -> bool:
+        return self.gated
+
+    def on_gate(self, i: int, a: torch.Tensor) -> None:
+        self._a[i] = a
 
     def on_ffn(self, i: int, h: torch.Tensor, x: torch.Tensor | None) -> None:
         a = h.detach().abs().flatten().float().cpu()
+        idx = None
         if a.numel() > self.per_batch:
-            a = a[torch.randint(0, a.numel(), (self.per_batch,), generator=self.gen)]
+            idx = torch.randint(0, a.numel(), (self.per_batch,), generator=self.gen)
+            a = a[idx]
         self.values[i].append(a)
+        if not self.gated:
+            return
+        g = self._a.pop(i).detach().flatten()  # indexed where it is: only the sample crosses to the host
+        self.gate_values[i].append((g if idx is None else g[idx.to(g.device)]).abs().float().cpu())
+        xs, d = x.detach().flatten(), x.shape[-1]  # (tokens * d,)
+        pick = (torch.randint(0, xs.numel(), (self.per_batch,), generator=self._xgen) if xs.numel() > self.per_batch
+                else torch.arange(xs.numel()))
+        v = xs[pick.to(xs.device)].abs().float().cpu()
+        self.x_values[i].append(v)
+        self.wina_values[i].append(v * self.norms[i][pick % d])
 
     def taus(self, target_sparsity: float) -> list[float]:
         """tau_l = the target_sparsity quantile of |h| in layer l: that share of (token, neuron) pairs is <= tau."""
-        out = []
-        for vals in self.values:
-            v = torch.sort(torch.cat(vals)).values
-            k = min(len(v) - 1, max(0, int(round(target_sparsity * len(v))) - 1))
-            out.append(as_tau(float(v[k])))
-        return out
+        return [quantile_tau(torch.sort(torch.cat(vals)).values, target_sparsity) for vals in self.values]
+
+
+def quantile_tau(v: torch.Tensor, sparsity: float) -> float:
+    """The float32 threshold that `sparsity` of the sorted values `v` fall at or below: v[k], k = round(s * len) - 1."""
+    if len(v) == 0:
+        return 0.0
+    k = min(len(v) - 1, max(0, int(round(sparsity * len(v))) - 1))
+    return as_tau(float(v[k]))

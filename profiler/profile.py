@@ -36,10 +36,11 @@ from hotneurons.common.artifacts import (
 )
 from hotneurons.common.corpus import CorpusError, check_corpus, iter_texts, token_batches
 from hotneurons.common.ffn import activation_rule, share_covering
+from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Rule
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.common.models import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
-from hotneurons.profiler import experts
+from hotneurons.profiler import experts, gated
 from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms
 from hotneurons.profiler.stream_memory import check_memory, profile_need
@@ -67,9 +68,14 @@ class ProfileConfig:
     dtype: str = "auto"
     activation: str | None = None  # override, e.g. "drelu" for Bamboo/TurboSparse remote-code models
     trust_remote_code: bool = False
+    # SwiGLU / GeGLU models (profiler/gated.py): what neurons.parquet counts (h: |h| > tau_h; gate: |act(g)| > tau_g;
+    # gate-h: both), and the sparsities every criterion's thresholds and pass counts are tabulated at (+ the target)
+    criterion: str = "h"
+    sparsities: tuple[float, ...] = SPARSITIES
 
     def resume_key(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("trust_remote_code",)}
+        return {k: list(v) if isinstance(v, tuple) else v  # as state.json gives it back
+                for k, v in asdict(self).items() if k not in ("trust_remote_code",)}
 
 
 @torch.inference_mode()
@@ -81,17 +87,24 @@ def forward(lm: LoadedModel | StreamedModel, ids: torch.Tensor) -> None:
         lm.model.base_model(input_ids=ids.to(lm.model.device), use_cache=False)
 
 
-def calibrate_taus(lm: LoadedModel | StreamedModel, cfg: ProfileConfig) -> list[float]:
-    """tau_l so that cfg.target_sparsity of (token, neuron) pairs in layer l fall at or below it."""
+def calibrate_taus(lm: LoadedModel | StreamedModel, cfg: ProfileConfig) -> tuple[list[float], dict | None]:
+    """(tau_l so that cfg.target_sparsity of (token, neuron) pairs in layer l fall at or below it, and on SwiGLU /
+    GeGLU models the thresholds of every gated criterion at every tabulated sparsity: profiler/gated.calibrate)."""
     batches = token_batches(lm.tokenizer, iter_texts(cfg.dataset, cfg.text_column), cfg.seq_len,
                             cfg.batch_size, cfg.calibration_tokens)
-    collector = experts.ExpertMagnitudes if isinstance(lm, ExpertsModel) else MagnitudeCollector
-    with collector(lm, seed=cfg.seed) as col:
+    if isinstance(lm, ExpertsModel):
+        col = experts.ExpertMagnitudes(lm, seed=cfg.seed)
+    else:
+        col = MagnitudeCollector(lm, seed=cfg.seed, gated=gated.is_gated(lm))
+    with col:
         for ids in batches:
             forward(lm, ids)
     if not col.values[0]:
         raise CorpusError(f"dataset '{cfg.dataset}' is empty: no text to profile", params="dataset")
-    return col.taus(cfg.target_sparsity)
+    if not getattr(col, "gated", False):
+        return col.taus(cfg.target_sparsity), None
+    table = gated.calibrate(col, gated.tabulated(cfg.target_sparsity, cfg.sparsities))
+    return gated.rule_taus(table, gated.criterion(cfg.criterion), cfg.target_sparsity)[1], table
 
 
 def _dist() -> tuple[int, int]:
@@ -144,6 +157,7 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
                 lm = _load(cfg, name, device, layer_by_layer, world, say)
             except ExpertsRefused:
                 raise experts.whole_model_refusal(name, cfg.model, cfg.gguf_file) from None
+        gated.check_criterion(cfg.criterion, lm)
         _check_existing(final, lm.info, force)
         _barrier(world)  # every rank has checked before rank 0 creates the partial folder
         with contextlib.ExitStack() as writing:  # holds a deferred interrupt from the final write until the swap
@@ -198,7 +212,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     # state.json: what every rank shares (settings, taus); state.rank{r}.json: how far rank r got
     key = {**cfg.resume_key(), "fingerprint": lm.info["fingerprint"], "world_size": world}
     ckpt, rank_state = partial / f"ckpt.rank{rank}.safetensors", partial / f"state.rank{rank}.json"
-    shared: dict[str, Any] = {"key": key, "taus": None}
+    shared: dict[str, Any] = {"key": key, "taus": None, "gated": None}
     state: dict[str, Any] = {"batches": 0, "tokens": 0, "seconds": 0.0}
     if resume:
         shared = artifacts.read_json(partial / "state.json")
@@ -209,8 +223,9 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     rule = activation_rule(lm.activation)
     if rule == Rule.ABS_TAU and shared["taus"] is None:
         say(f"calibrating the activation thresholds on {cfg.calibration_tokens:,} tokens")
-        shared["taus"] = calibrate_taus(lm, cfg)
+        shared["taus"], shared["gated"] = calibrate_taus(lm, cfg)
     taus = shared["taus"] if rule == Rule.ABS_TAU else None
+    table, crit = shared.get("gated"), gated.criterion(cfg.criterion)
     if rank == 0:
         artifacts.write_json(partial / "state.json", shared)
 
@@ -221,7 +236,9 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
         reservoir = SampleReservoir(partial / ("samples" if world == 1 else f"samples.rank{rank}"), capacity,
                                     info["n_layers"], info["d_model"], info["n_neurons"], cfg.seed, rank,
                                     resume=state["batches"] > 0, rms=sample_norms(lm) is not None)
-    counter = experts.ExpertCounter(lm, taus) if moe else ActivationCounter(lm, taus, reservoir)
+    counting = None if table is None else gated.GatedCounting.build(lm, crit, cfg.target_sparsity, table,
+                                                                     device_of(lm))
+    counter = experts.ExpertCounter(lm, taus) if moe else ActivationCounter(lm, taus, reservoir, counting)
     if state["batches"] > 0:
         for k, t in load_file(str(ckpt)).items():
             counter.tensors()[k].copy_(t)
@@ -274,7 +291,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     if rank != 0:
         return None
     return _finalize(partial, lm, cfg, {k: t.cpu().numpy() for k, t in counter.tensors().items()}, int(tokens), taus,
-                     seconds, world, [int(f) for f in filled], capacity, stream_tokens < cfg.tokens)
+                     seconds, world, [int(f) for f in filled], capacity, stream_tokens < cfg.tokens, table)
 
 
 def _barrier(world: int) -> None:
@@ -328,9 +345,10 @@ def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reserv
 
 def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig, tables: dict[str, np.ndarray],
               tokens: int, taus: list[float] | None, seconds: float, world: int, filled: list[int], capacity: int,
-              short: bool) -> ProfileMeta:
+              short: bool, table: dict | None = None) -> ProfileMeta:
     """Write the tables and meta.json into the partial folder and drop the checkpoints (staged() swaps it in). The
-    summary of a mixture of experts is over its routed (token, expert) pairs, k per token, and all experts' neurons."""
+    summary of a mixture of experts is over its routed (token, expert) pairs, k per token, and all experts' neurons.
+    `table`: a gated model's thresholds of every criterion (passes.safetensors and the `gated` section)."""
     moe, n_neurons = isinstance(lm, ExpertsModel), lm.info["n_neurons"]
     keep = cfg.samples_per_layer > 0 and not moe
     rms = keep and sample_norms(lm) is not None
@@ -345,6 +363,9 @@ def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig
     if keep:
         _merge_samples(partial, counts.shape[0], filled, capacity, world, rms)
     sparsity = 1.0 - counts.sum(1) / max(1, pairs * n_neurons)
+    rule, gate_taus, section = activation_rule(lm.activation), None, None
+    if table is not None:  # passes.safetensors written, and the gated section
+        rule, gate_taus, section = gated.finalize(partial, tables, tokens, table, cfg)
     meta = ProfileMeta(
         inputs={"dataset": cfg.dataset},
         model=lm.info,
@@ -354,7 +375,7 @@ def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig
         tokens=tokens,
         tokens_requested=cfg.tokens,
         corpus_exhausted=short,
-        rule=activation_rule(lm.activation),
+        rule=rule,
         taus=taus,
         target_sparsity=cfg.target_sparsity if taus is not None else None,
         sparsity_per_layer=sparsity.round(6).tolist(),
@@ -372,6 +393,8 @@ def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig
         world_size=world,
         device=str(device_of(lm)),
         experts=experts.experts_meta(lm.cfg) if moe else None,
+        gate_taus=gate_taus,
+        gated=section,
     )
     meta.save(partial / "meta.json")
     for name in os.listdir(partial):

@@ -98,6 +98,8 @@ def profile_need(sm, batch: int, seq_len: int, samples_per_layer: int, calibrati
         calls = -(-calibration_tokens // (batch * seq_len)) + 1
         per_call = min(batch * seq_len * sm.cfg.n_ff, 1 << 18) * 4  # MagnitudeCollector.per_batch float32 values
         calib = sm.cfg.n_layers * calls * per_call * 2  # kept, and one layer's concatenated and sorted copy
+        if sm.info.get("gated") and sm.activation in ("swiglu", "geglu"):  # + |act(g)|, |x| and WINA's scores
+            calib *= 4  # (profiler/gated.py)
     return Need(device={"one layer's weights in float": layer_bytes(sm), "embeddings, head and cache":
                         resident_bytes(sm), "the batch's activations": batch_bytes(sm, batch, seq_len),
                         "samples": sample_bytes(sm, rows) + gather},

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from hotneurons.common import prenorm
 from hotneurons.common.model_source import ModelError, resolve_source
-from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values
+from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values, gate_values
 from hotneurons.runtime.ffn_weights import FFNWeights, as_stored, float_format, store
 from hotneurons.weights.formats import WeightFormat
 from hotneurons.weights.qtensor import QTensor
@@ -84,9 +84,12 @@ class FloatFFN:
     b_gate: torch.Tensor | None = None  # (n,)
     b_down: torch.Tensor | None = None  # (d,)
 
-    def values(self, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-        """x (..., d) -> the neuron values h (..., n) that enter the down projection."""
+    def values(self, cfg: ModelConfig, x: torch.Tensor, on_gate=None) -> torch.Tensor:
+        """x (..., d) -> the neuron values h (..., n) that enter the down projection; `on_gate` (gated FFNs) is
+        handed act(gate x) (..., n) first (the gate sparsity criteria: common/gating.py)."""
         gate = None if self.gate is None else F.linear(x, self.gate, self.b_gate)  # (..., n)
+        if on_gate is not None and gate is not None:
+            on_gate(gate_values(cfg, gate))
         return ffn_values(cfg, F.linear(x, self.up, self.b_up), gate)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
@@ -165,6 +168,19 @@ class StreamedModel:
         offset = 1.0 if self.cfg.norm == "rms_gemma" else 0.0
         return [FileNorm(self._float(f"blk.{i}.ffn_norm.weight"), self.cfg.norm_eps, offset) for i in self.layers]
 
+    def gate_column_norms(self) -> list[torch.Tensor]:
+        """Per layer ||W_gate[:, i]||_2 (d,) on the device, WINA's channel weights, each gate matrix read once (as a
+        batch reads it: de-quantized on the device) and its pages released."""
+        from hotneurons.common.gate_masks import column_norms
+
+        out = []
+        for i in self.layers:
+            w = to_device(self.source.get(f"blk.{i}.ffn_gate.weight"), self.device, self.dtype)  # (n, d)
+            out.append(column_norms(w))
+            del w
+            self.source.release(f"blk.{i}.ffn_gate.weight")
+        return out
+
     def _float(self, name: str) -> torch.Tensor:
         w = self.source.get(name)
         w = w.dequantize(torch.float32) if isinstance(w, QTensor) else w.float().clone()  # a copy: off the map
@@ -220,7 +236,11 @@ class StreamedModel:
         """Layer i's FFN on x (B, T, d) -> y (B, T, d), its neuron values handed to the consumers on the way
         (profiler/experts.ExpertsModel: a mixture of experts')."""
         w = self.ffn(i)
-        v = w.values(self.cfg, x)  # (B, T, n)
+        for c in self.consumers:  # the input criteria: channels of x masked before gate and up read it
+            out = c.on_ffn_input(i, x) if _asks(c, "wants_input") else None
+            x = x if out is None else out
+        takers = [c for c in self.consumers if _asks(c, "wants_gate")]
+        v = w.values(self.cfg, x, (lambda a: [c.on_gate(i, a) for c in takers]) if takers else None)  # (B, T, n)
         for c in self.consumers:  # in order, each seeing what the one before returned, as chained hooks do
             out = c.on_ffn(i, v, x if c.wants_x() else None)
             v = v if out is None else out
@@ -252,6 +272,12 @@ class StreamedModel:
         del w
         self.release_ffn(layer)
         return torch.cat(out) if out else torch.zeros((0, self.cfg.n_ff))
+
+
+def _asks(consumer: Any, wants: str) -> bool:
+    """A consumer's wants_gate() / wants_input(); False for one without them (written before the gated criteria)."""
+    f = getattr(consumer, wants, None)
+    return bool(f()) if f is not None else False
 
 
 def open_streamed(model: str | None, gguf_file: str | None = None, *, activation: str | None = None,

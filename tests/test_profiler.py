@@ -15,6 +15,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.models import load_model
 from hotneurons.profiler.cli import main as cli
+from hotneurons.profiler.gated import read_passes
 from hotneurons.profiler.hooks import SampleReservoir
 from hotneurons.profiler.profile import ProfileConfig, profile_model, share_covering, token_batches
 
@@ -189,7 +190,12 @@ def test_resume_matches_uninterrupted(tiny_model_dir, text_corpus, tmp_path):
         np.testing.assert_array_equal(np.load(tmp_path / "a/profile/samples" / f),
                                       np.load(tmp_path / "b/profile/samples" / f))
     assert not (tmp_path / "b/.profile.partial").exists()
-    assert sorted(p.name for p in (tmp_path / "b/profile").iterdir()) == ["meta.json", "neurons.parquet", "samples"]
+    # a SwiGLU model: every gated criterion's pass counts (profiler/gated.py) resume as the counts do
+    assert resumed["gated"] == full["gated"]
+    pa, pb = read_passes(tmp_path / "a"), read_passes(tmp_path / "b")
+    assert set(pa) == set(pb) and all((pa[k] == pb[k]).all() for k in pa)
+    assert sorted(p.name for p in (tmp_path / "b/profile").iterdir()) == ["meta.json", "neurons.parquet",
+                                                                          "passes.safetensors", "samples"]
 
 
 def test_other_models_profile_is_not_overwritten(tiny_model_dir, text_corpus, tmp_path):
