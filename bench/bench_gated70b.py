@@ -24,7 +24,11 @@ from pathlib import Path
 
 from hotneurons.bench import bench_70b as b70
 
-VARIANTS = ("gate", "dense", "gpu-gate", "gpu-dense")
+VARIANTS = ("gate", "dense", "gpu-gate", "gpu-dense")  # a gate variant may name its criterion: gate@h, gpu-gate@gate-h
+
+
+def _kind(variant: str) -> str:
+    return variant.split("@")[0]
 
 
 def rates_from_profile(run: Path, criterion: str, sparsity: float, out: Path, points: int = 1000) -> dict:
@@ -68,7 +72,8 @@ def stage_pipeline(a) -> dict:
     rows = {"profile": b70._run([b70._tool("pi-profile"), "--model", str(gguf), "--out", str(run), "--dataset",
                                  str(a.work / "corpus.txt"), "--tokens", str(a.profile_tokens), "--seq-len", "512",
                                  "--samples-per-layer", "0", "--device", a.device, "--criterion", a.criterion,
-                                 "--target-sparsity", str(a.sparsity), "--quiet"], 560)}
+                                 "--target-sparsity", str(a.sparsity), "--calibration-tokens",
+                                 str(a.calibration_tokens), "--batch-size", "4", "--quiet"], 560)}
     rows["profile"].pop("stdout")
     solve = b70._run([b70._tool("pi-solve"), "--run", str(run), "--vram", a.vram, "--dtype", "q4_0", "--cold-dtype",
                       "q4_0", "--ctx", str(a.ctx), "--hardware", a.hardware, "--reserve", a.reserve, "--json"]
@@ -102,9 +107,10 @@ def ours_child(a) -> None:
     from hotneurons.common.units import parse_bytes
     from hotneurons.runtime.config import RuntimeConfig
 
-    gpu = a.variant.startswith("gpu-")
+    kind, _, crit = a.variant.partition("@")
+    gpu = kind.startswith("gpu-")
     cfg = RuntimeConfig(device=a.device, vram=None if gpu else parse_bytes(a.vram), ctx=a.ctx,
-                        sparsity=a.sparsity if a.variant.endswith("gate") else 0.0, criterion=a.criterion)
+                        sparsity=a.sparsity if kind.endswith("gate") else 0.0, criterion=crit or a.criterion)
     if gpu:  # every neuron on the device: the run's profile (thresholds) with a placement of all of them
         from hotneurons.artifacts.placement import Placement
         from hotneurons.runtime import engine
@@ -126,7 +132,7 @@ def report(stages: dict[str, dict]) -> dict:
     ours, lc = stages["ours"], stages.get("llamacpp", {})
     systems = {}
     for v, row in ours.items():
-        if v in VARIANTS and "error" not in row:
+        if _kind(v) in VARIANTS and isinstance(row, dict) and "error" not in row:
             systems[f"ours {v}"] = {k: row.get(k) for k in b70.SYSTEM_KEYS} | {
                 "ffn_sparsity": row["ffn_sparsity"], "gpu_activation_share": row["gpu_activation_share"],
                 "bytes_gpu": row["bytes_gpu"], "bytes_cpu": row["bytes_cpu"]}
@@ -139,16 +145,23 @@ def report(stages: dict[str, dict]) -> dict:
         x, y = (systems.get(s or "", {}).get("decode_tok_s") or {} for s in (a, b))
         return x[n] / y[n] if x.get(n) and y.get(n) else None
 
+    goals = {}
+    for name in systems:  # every gate variant against the layer split and its own sparsity-off twin
+        v = name.removeprefix("ours ")
+        if _kind(v) == "gate":
+            goals[f"{v}_vs_layer_split"] = ratio(name, split)
+            goals[f"{v}_vs_sparsity_off"] = ratio(name, "ours dense")
+            goals[f"{v}_vs_llamacpp_all_gpu"] = ratio(name, "llama.cpp all layers on the GPU")
+        elif _kind(v) == "gpu-gate":
+            goals[f"{v}_vs_gpu_dense"] = ratio(name, "ours gpu-dense")
     pipe = stages["pipeline"]
     return {"shape": stages["build"]["shape"], "layers": stages["build"]["layers"],
-            "gguf_bytes": next((ours[v]["gguf_bytes"] for v in VARIANTS if "gguf_bytes" in ours.get(v, {})), None),
+            "gguf_bytes": next((r["gguf_bytes"] for r in ours.values() if isinstance(r, dict) and "gguf_bytes" in r),
+                               None),
             "gpu_budget_bytes": pipe["solve"]["summary"]["flags"]["vram_bytes"],
             "calibration": stages["build"]["calibration"], "rates": stages["build"].get("rates"),
             "skew": pipe.get("skew"), "systems": systems,
-            "goals": {"gate_vs_layer_split": ratio("ours gate", split),
-                      "gate_vs_sparsity_off": ratio("ours gate", "ours dense"),
-                      "gpu_gate_vs_gpu_dense": ratio("ours gpu-gate", "ours gpu-dense"),
-                      "gate_vs_llamacpp_all_gpu": ratio("ours gate", "llama.cpp all layers on the GPU")}}
+            "goals": goals}
 
 
 def markdown(fig: dict) -> str:

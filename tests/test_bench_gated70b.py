@@ -24,13 +24,13 @@ def test_smoke_stages_end_to_end(tmp_path):
         assert row["fired_as_stored"] == pytest.approx(row["target_mean"], abs=0.03)
     meta = json.loads((tmp_path / "w" / "run" / "profile" / "meta.json").read_text())
     assert meta["model"]["activation"] == "swiglu" and meta["gated"]["criterion"] == "gate"
-    g.main(["--stage", "ours", "--variants", "gate,dense", *common])
+    g.main(["--stage", "ours", "--variants", "gate,gate@h,dense", *common])
     g.main(["--stage", "report", "--out", str(tmp_path / "r.json"), *common])
     fig = json.loads((tmp_path / "r.json").read_text())["figures"]
-    assert set(fig["systems"]) == {"ours gate", "ours dense"}
+    assert set(fig["systems"]) == {"ours gate", "ours gate@h", "ours dense"}
     assert fig["systems"]["ours gate"]["ffn_sparsity"] == pytest.approx(0.5, abs=0.1)
     assert fig["systems"]["ours dense"]["ffn_sparsity"] == 0.0
-    assert fig["goals"]["gate_vs_sparsity_off"] > 0
+    assert fig["goals"]["gate_vs_sparsity_off"] > 0 and fig["goals"]["gate@h_vs_sparsity_off"] > 0
     assert "| ours gate |" in (tmp_path / "r.md").read_text()
 
 
@@ -51,5 +51,5 @@ def test_report_ratios():
     goals = fig["goals"]
     assert goals["gate_vs_layer_split"] == pytest.approx(3.0)
     assert goals["gate_vs_sparsity_off"] == pytest.approx(1.5)
-    assert goals["gpu_gate_vs_gpu_dense"] == pytest.approx(1.5)
+    assert goals["gpu-gate_vs_gpu_dense"] == pytest.approx(1.5)
     assert "| ours gate | 9.00 / 9.00 | 100 | 50.0% |" in markdown(fig)
