@@ -117,8 +117,7 @@ def runtime_options(f):
         click.option("--recall", type=float, default=None, help="Predictor threshold tabulated for this recall."),
         click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=None,
                      help="Gated models (SwiGLU, GeGLU): skip this share of FFN neurons by their own gates at the "
-                          "profile's thresholds, no predictor [the profile's target when the run has no predictors; "
-                          "0: dense]."),
+                          "profile's thresholds, no predictor (docs/gated.md) [off; 0: dense]."),
         click.option("--criterion", type=click.Choice(("gate", "h", "gate-h")), default=None,
                      help="With --sparsity: gate (|act(gate)|, CATS), h (|act(gate)*up|) or gate-h (both) [the "
                           "profile's --criterion]."),

@@ -219,7 +219,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     oracle = mode == "hybrid" and cfg.oracle
     if mode == "hybrid" and not oracle and (not use_predictor or cfg.sparsity == 0):
         mode = "dense"
-    gate = mode == "hybrid" and uses_gate(run, cfg)
+    gate = mode == "hybrid" and uses_gate(cfg)
     mask = "dense" if mode == "dense" else ("oracle" if oracle else ("gate" if gate else "predictor"))
     gtaus = gate_taus(run, cfg, act, L) if gate else None
 

@@ -14,7 +14,7 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.models import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
-from hotneurons.runtime.gated import gate_taus, uses_gate
+from hotneurons.runtime.gated import default_sparsity, gate_taus, uses_gate
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
 from hotneurons.runtime.moe_load import check_moe_run, is_moe_run
 from hotneurons.runtime.placement import plan_figures, solved_summary
@@ -49,7 +49,7 @@ def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: b
         PlacementMeta.load(run / "placement" / "meta.json")
         artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
                               f"pi-solve --run {run}")
-    if cfg.mode == "hybrid" and not cfg.oracle and not uses_gate(run, cfg):
+    if cfg.mode == "hybrid" and not cfg.oracle and not uses_gate(cfg):
         if not (run / "predictors" / "predictors.safetensors").exists():
             raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
                                 f"pass --sparsity S (a gated model's own gates), --no-predictor (dense) or --oracle "
@@ -79,13 +79,14 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
 
     `use_predictor=False` turns hybrid into dense (no predictors needed). A mixture of experts reads its expert
     placement and no predictors (runtime/moe_load.py)."""
-    if cfg.mode == "hybrid" and not cfg.oracle and (not use_predictor or cfg.sparsity == 0):
-        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
     if cfg.sparsity is not None and not 0 <= cfg.sparsity < 1:
         raise ArtifactError(f"--sparsity {cfg.sparsity}: give the FFN sparsity as a share in [0, 1), e.g. 0.5")
+    run = Path(run_dir) if run_dir is not None else None
+    cfg = default_sparsity(run, cfg)
+    if cfg.mode == "hybrid" and not cfg.oracle and (not use_predictor or cfg.sparsity == 0):
+        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
     device, dtype = device_and_dtype(cfg)
     dname = str(dtype).removeprefix("torch.")
-    run = Path(run_dir) if run_dir is not None else None
     meta = _first_meta(run) if run is not None else None
     if meta is None and model is None:
         raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
@@ -108,7 +109,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         solved = solved_summary(run)
         if cfg.ctx is None and solved is not None:  # the KV cache the solver reserved room for
             cfg = replace(cfg, ctx=solved.flags.ctx)
-    gate = uses_gate(run, cfg)
+    gate = uses_gate(cfg)
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle and not gate:
         from hotneurons.predictors.train import load_predictors
 

@@ -14,6 +14,7 @@ reference (the same weights, other summation orders, as test_runtime.py).
 from __future__ import annotations
 
 import copy
+import json
 
 import numba
 import numpy as np
@@ -148,3 +149,66 @@ def test_gate_mask_equals_masked_hf(family, where, tiny_model_dir):
     diff = max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits))
     assert diff < 1e-4, diff
     assert 0.2 < g.stats["ffn_sparsity"] < 0.8  # decode tokens' measured share of skipped neurons
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The commands: profile -> solve -> generate / serve on a gated model, no predictors
+
+
+@pytest.fixture(scope="module")
+def gated_run(tiny_model_dir, text_corpus, tmp_path_factory):
+    from click.testing import CliRunner
+    from hotneurons.profiler.cli import main as profile
+    from hotneurons.solver.cli import main as solve
+
+    run = tmp_path_factory.mktemp("gated") / "run"
+    folder = tiny_model_dir("llama-swiglu")
+    for cmd, args in ((profile, ["--model", str(folder), "--dataset", str(text_corpus), "--tokens", "600",
+                                 "--seq-len", "64", "--samples-per-layer", "0", "--criterion", "gate",
+                                 "--calibration-tokens", "400", "--out", str(run), "--device", "cpu", "--quiet"]),
+                      (solve, ["--run", str(run), "--hardware", "rtx4090", "--vram", "40MB", "--reserve", "0",
+                               "--ctx", "128"])):
+        res = CliRunner().invoke(cmd, args)
+        assert res.exit_code == 0, res.output
+    return run, folder
+
+
+def _generate(run, *flags):
+    from click.testing import CliRunner
+    from hotneurons.runtime.cli import main
+
+    res = CliRunner().invoke(main, ["--run", str(run), "--device", "cpu", "-n", "6", "--prompt", "The quick brown",
+                                    "--json", *flags])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_commands_one_flag_no_predictors(gated_run):
+    run, _ = gated_run
+    summary = json.loads((run / "placement" / "summary.json").read_text())
+    assert any("gate-first" in n for n in summary["hardware"]["notes"])  # priced as the gate mask reads
+    assert _generate(run)["stats"]["mask"] == "dense"  # no --sparsity: dense (runtime/gated.py says why)
+    for crit in ("gate", "h", "gate-h"):
+        s = _generate(run, "--sparsity", "0.5", "--criterion", crit)["stats"]
+        assert s["mask"] == "gate" and 0.3 < s["ffn_sparsity"] < 0.7, (crit, s["ffn_sparsity"])
+
+
+def test_commands_refuse_untabulated_sparsity(gated_run):
+    from click.testing import CliRunner
+    from hotneurons.runtime.cli import main
+
+    run, _ = gated_run
+    res = CliRunner().invoke(main, ["--run", str(run), "--device", "cpu", "--prompt", "x", "--sparsity", "0.3"])
+    assert res.exit_code == 1 and "0.25, 0.4, 0.5, 0.65" in res.output and "\n" not in res.output.strip()
+
+
+def test_serve_loader_takes_the_flag(gated_run):
+    from hotneurons.runtime.cli import open_runtime
+    from hotneurons.server.cli import main as serve_main
+
+    run, _ = gated_run
+    flags = serve_main.make_context("pi-serve", ["--run", str(run), "--device", "cpu", "--port", "0", "--sparsity",
+                                                 "0.4"]).params
+    serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
+    rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})
+    assert all(f.mask == "gate" for f in rt.ffns) and rt.cfg.sparsity == 0.4
