@@ -258,19 +258,19 @@ def markdown(fig: dict) -> str:
     return "\n".join(lines)
 
 
-def stage_report(a) -> dict:
-    """The stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-llama70b.{json,md} (or
-    --out and its .md)."""
+def stage_report(a, stages=None, report_fn=None, markdown_fn=None, name: str = "llama70b") -> dict:
+    """The stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-<name>.{json,md} (or --out
+    and its .md), by `report_fn` and `markdown_fn` (bench_gated70b.py passes its own; default this bench's)."""
     from hotneurons.bench import record
 
-    files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in STAGES}
-    recs = {name: record.read(f) for name, f in files.items() if f.exists()}
-    fig = report({name: r["figures"] for name, r in recs.items()})
+    files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in stages or STAGES}
+    recs = {stage: record.read(f) for stage, f in files.items() if f.exists()}
+    fig = (report_fn or report)({stage: r["figures"] for stage, r in recs.items()})
     machine = recs["ours"]["machine"]  # where the systems ran, not where the report is made
     kind = record.machine_kind(machine)
-    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-llama70b.json")
+    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-{name}.json")
     record.write_result(out, fig, machine_info=machine, kind=kind, commit=recs["ours"].get("commit"))
-    out.with_suffix(".md").write_text(markdown(fig))
+    out.with_suffix(".md").write_text((markdown_fn or markdown)(fig))
     return fig
 
 
@@ -334,17 +334,22 @@ def parse(argv=None):
 
 
 def main(argv=None) -> None:
-    a = parse(argv)
+    run(parse(argv), STAGES, ours_child, stage_report, markdown)
+
+
+def run(a, stages: dict, child, reporter, markdown_fn) -> None:
+    """One stage of a bench of this shape (this one's, bench_gated70b's): its figures into --out or WORK/<stage>.json;
+    `child` runs ours-child, `reporter` the report stage."""
     a.work.mkdir(parents=True, exist_ok=True)
     if a.stage == "ours-child":
-        ours_child(a)
+        child(a)
         return
     if a.stage == "report":
-        print(markdown(stage_report(a)))
+        print(markdown_fn(reporter(a)))
         return
     from hotneurons.bench import record
 
-    figures = {"stage": a.stage, "shape": a.shape, "layers": a.layers, **STAGES[a.stage](a)}
+    figures = {"stage": a.stage, "shape": a.shape, "layers": a.layers, **stages[a.stage](a)}
     out = a.out or a.work / f"{a.stage}.json"
     record.write_result(out, figures, machine_info=record.machine("torch", "transformers", "gguf"))
     print(f"wrote {out}", file=sys.stderr)

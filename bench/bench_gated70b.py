@@ -182,17 +182,7 @@ def markdown(fig: dict) -> str:
 
 
 def stage_report(a) -> dict:
-    from hotneurons.bench import record
-
-    files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in STAGES}
-    recs = {name: record.read(f) for name, f in files.items() if f.exists()}
-    fig = report({name: r["figures"] for name, r in recs.items()})
-    machine = recs["ours"]["machine"]
-    kind = record.machine_kind(machine)
-    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-gated70b.json")
-    record.write_result(out, fig, machine_info=machine, kind=kind, commit=recs["ours"].get("commit"))
-    out.with_suffix(".md").write_text(markdown(fig))
-    return fig
+    return b70.stage_report(a, STAGES, report, markdown, "gated70b")
 
 
 STAGES = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": b70.stage_llamacpp}
@@ -212,20 +202,7 @@ def parse(argv=None):
 
 
 def main(argv=None) -> None:
-    a = parse(argv)
-    a.work.mkdir(parents=True, exist_ok=True)
-    if a.stage == "ours-child":
-        ours_child(a)
-        return
-    if a.stage == "report":
-        print(markdown(stage_report(a)))
-        return
-    from hotneurons.bench import record
-
-    figures = {"stage": a.stage, "shape": a.shape, "layers": a.layers, **STAGES[a.stage](a)}
-    out = a.out or a.work / f"{a.stage}.json"
-    record.write_result(out, figures, machine_info=record.machine("torch", "transformers", "gguf"))
-    print(f"wrote {out}", file=sys.stderr)
+    b70.run(parse(argv), STAGES, ours_child, stage_report, markdown)
 
 
 if __name__ == "__main__":

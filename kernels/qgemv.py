@@ -183,10 +183,11 @@ def _step(acc, q, s, mn, x_at, xm, magic, Q4: tl.constexpr, MIN: tl.constexpr, D
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, M, N, NB, OUT, stride_x, stride_q, stride_sb,
-                 stride_mb, stride_o, magic, Q4: tl.constexpr, MIN: tl.constexpr, BIAS: tl.constexpr,
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, c_ptr, M, N, NB, OUT, stride_x, stride_q,
+                 stride_sb, stride_mb, stride_o, magic, Q4: tl.constexpr, MIN: tl.constexpr, BIAS: tl.constexpr,
                  ADD: tl.constexpr, EVEN: tl.constexpr, DENORM: tl.constexpr, ASM: tl.constexpr, MAP: tl.constexpr,
-                 XSLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                 XSLOT: tl.constexpr, CNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_B: tl.constexpr):
     """Program p: rows [p * BLOCK_N, ...) of the weight times each of the M (<= BLOCK_M) rows of x, over NB blocks
     of 32 weights, BLOCK_B blocks a step. The quants are read as 16-byte units of 4 int32 words (a Q4_0 block, half
     a Q8_0 block: 32 | 16 weights), in the module's kernel order, a step's units across the program's threads (one
@@ -201,7 +202,12 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, M, N, NB, OU
     EVEN: N % BLOCK_N == 0, NB % BLOCK_B == 0 and M == BLOCK_M (no masks). ASM: inline PTX (compiled, not
     interpreted). MAP: output row n reads weight row r[n // OUT] * OUT + n % OUT (slices of OUT rows picked by
     index: a mixture's routed experts in their stack); XSLOT: the program's x is row (its first row) // OUT of x
-    (each slice its own input; OUT a multiple of BLOCK_N, M 1)."""
+    (each slice its own input; OUT a multiple of BLOCK_N, M 1). CNT: only the first c[0] output rows are wanted (a
+    count on the device: kernels/gated.py's passing neurons), programs past them exit at once, so that the bytes read
+    follow the count, not N; the last program's rows past it are computed from whatever r holds there."""
+    if CNT:
+        if tl.program_id(0) * BLOCK_N >= tl.load(c_ptr):
+            return
     UPB: tl.constexpr = 1 if Q4 else 2  # 16-byte units a block
     UW: tl.constexpr = 32 // UPB  # weights a unit
     BLOCK_U: tl.constexpr = BLOCK_B * UPB
@@ -340,7 +346,7 @@ def _mins_ok(mins: torch.Tensor | None, scales: torch.Tensor, q4: bool) -> bool:
 def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: torch.Tensor | None,
          out: torch.Tensor, add: bool = False, config: tuple[int, int, int] | None = None,
          denorm: bool | None = None, mins: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-         out_rows: int = 0, x_slot: bool = False) -> torch.Tensor:
+         out_rows: int = 0, x_slot: bool = False, count: torch.Tensor | None = None) -> torch.Tensor:
     """out (m, n) = x (m, k) @ w.T (+ b), or out += that (add), w = (qs, scales[, mins]) in the GpuQ layout (mins:
     Q4_1's, with q4; None for Q4_0 and Q8_0); m <= GEMV_MAX_ROWS, x and out with unit stride along their last
     dimension. config: (BLOCK_N, BLOCK_B, num_warps), else gemv_config's. denorm: pieces as denormals (_piece; |x|
@@ -348,9 +354,12 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     DENORM_MAX_ROWS tokens (fewer instructions a weight; past that, x's per-token scaling costs more than the FADD
     it saves). rows (r,) int64 with out_rows: w's slices of out_rows rows [rows[i] * out_rows, ...) stacked, n = r *
     out_rows (a mixture's routed experts read in place from their stack); x_slot: slice i times x's row i (m is then
-    1 for the product, x (r, k), out (1, n))."""
+    1 for the product, x (r, k), out (1, n)). count (1,) int32 on the device, with rows: only out's first count[0]
+    columns are wanted (rows[:count[0]] valid, the rest any valid row index); the rest of out is left undefined."""
     m, k = x.shape
     n, nb = scales.shape
+    if count is not None and rows is None:
+        raise ValueError("quantized GEMV: count= counts rows picked by index: pass rows= (and out_rows=) with it")
     if rows is not None:
         n = len(rows) * out_rows
         if x_slot:
@@ -374,11 +383,12 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
     words = qs.view(torch.int32)  # (n, k/8 | k/4): 4 bytes a word, little-endian
     ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
     _gemv_kernel[(triton.cdiv(n, bn),)](x, words, scales, ms, words if b is None else b, out,
-                                        words if rows is None else rows, m, n, nb, max(out_rows, 1), x.stride(0),
-                                        words.stride(0), scales.stride(1), ms.stride(1), out.stride(0), MAGIC, Q4=q4,
+                                        words if rows is None else rows, words if count is None else count, m, n,
+                                        nb, max(out_rows, 1), x.stride(0), words.stride(0), scales.stride(1),
+                                        ms.stride(1), out.stride(0), MAGIC, Q4=q4,
                                         MIN=mins is not None, BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm,
-                                        ASM=x.is_cuda, MAP=rows is not None, XSLOT=x_slot, BLOCK_M=bm, BLOCK_N=bn,
-                                        BLOCK_B=bb, num_warps=nw)
+                                        ASM=x.is_cuda, MAP=rows is not None, XSLOT=x_slot, CNT=count is not None,
+                                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
     return out
 
 

@@ -23,6 +23,7 @@ from hotneurons.predictors.gated_eval import GatedMasks
 from hotneurons.profiler.cli import main as profile_cli
 from hotneurons.profiler.gated import read_passes
 from hotneurons.profiler.profile import ProfileConfig, profile_model
+from test_predictor_form import reference_nll
 
 NAME = "llama-swiglu"
 EPS = 1e-9  # float64: a value this close to a threshold may round either way between two computations of it
@@ -229,13 +230,7 @@ def reference_ppl(lm, corpus, crit, taus, norms) -> tuple[float, float]:
             return h @ mlp.down_proj.weight.T
         mlp.forward = fwd
     try:
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for ids in token_batches(lm.tokenizer, iter_texts(str(corpus)), EVAL["seq_len"], EVAL["batch_size"],
-                                     EVAL["tokens"]):
-                lp = torch.log_softmax(lm.model(input_ids=ids).logits[:, :-1].double(), -1)
-                nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
-                n += ids[:, 1:].numel()
+        nll, n = reference_nll(lm, corpus, EVAL)
     finally:
         for layer, f in zip(lm.layers, originals):
             layer.mlp.forward = f

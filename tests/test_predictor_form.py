@@ -235,13 +235,7 @@ def reference_ppl(lm, corpus, preds, prenorm: bool) -> float:
             return h @ mlp.down_proj.weight.T
         mlp.forward = fwd
     try:
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for ids in token_batches(lm.tokenizer, iter_texts(str(corpus)), EVAL["seq_len"], EVAL["batch_size"],
-                                     EVAL["tokens"]):
-                lp = torch.log_softmax(lm.model(input_ids=ids).logits[:, :-1].double(), -1)
-                nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
-                n += ids[:, 1:].numel()
+        nll, n = reference_nll(lm, corpus, EVAL)
     finally:
         for h in handles:
             h.remove()
@@ -292,3 +286,15 @@ def test_cli_refusals(trained, tiny_model_dir, text_corpus, tmp_path):
     assert res.exit_code == 1 and "stores no pre-norm scales" in res.output and "re-run pi-profile" in res.output
     meta = artifacts.read_json(old / "profile/meta.json")
     assert meta["samples"]["count"] == 50
+
+
+def reference_nll(lm, corpus, ev: dict) -> tuple[float, int]:
+    """(summed next-token NLL in float64, predicted tokens) of lm's HF forward over the eval batches of `corpus`
+    (ev: tokens, seq_len, batch_size): the plain loop pi-eval's masked modes are checked against."""
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for ids in token_batches(lm.tokenizer, iter_texts(str(corpus)), ev["seq_len"], ev["batch_size"], ev["tokens"]):
+            lp = torch.log_softmax(lm.model(input_ids=ids).logits[:, :-1].double(), -1)
+            nll -= float(lp.gather(-1, ids[:, 1:, None]).sum())
+            n += ids[:, 1:].numel()
+    return nll, n
