@@ -57,8 +57,8 @@ def pcie_share(rt: Runtime, mask: str) -> float:
     """The share of marked cold neurons the device computes from mapped rows (0: none); maps the rows if any. A
     measured share on CUDA graphs is balanced in decode (rt.pcie_balance). Mask 'gate' shares none: which cold
     neurons pass is known only once the CPU has read their gate rows; its rows are mapped all the same on CUDA, where
-    prefill's copies of them to the device run at the page-locked rate (pageable copies made a 70B's 512-token prefill
-    about 3x slower than the dense mask's)."""
+    prefill's copies of them to the device run at the page-locked rate (pageable ones are staged by the driver at a
+    fraction of it, and prefill is bound by those copies)."""
     cold = [f for f in rt.ffns if f.n_cold]
     gate = mask == "gate" and rt.device.type == "cuda"
     if rt.fast is None or mask in ("oracle", "gate") and not gate or not cold or rt.cfg.pcie_share == 0 and not gate:
