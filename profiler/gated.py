@@ -68,13 +68,15 @@ def _sorted(vals: list[torch.Tensor]) -> torch.Tensor:
     return torch.sort(torch.cat(vals)).values if vals else torch.zeros(0)
 
 
-def gate_h_taus(ag: torch.Tensor, ah: torch.Tensor, sparsity: float) -> LayerTaus:
+def gate_h_taus(ag: torch.Tensor, ah: torch.Tensor, sparsity: float, sg: torch.Tensor | None = None) -> LayerTaus:
     """gate-h at `sparsity` on a joint sample (|act(g)|, |h|): tau_g skips GATE_H_GATE_SHARE * sparsity of the pairs,
-    then tau_h among the pairs passing the gate, so that (1 - sparsity) of all pairs pass both."""
-    tg = quantile_tau(torch.sort(ag).values, GATE_H_GATE_SHARE * sparsity)
-    hp = torch.sort(ah[ag > tg]).values  # |h| of the gate-passing pairs
+    then tau_h among the pairs passing the gate, so that (1 - sparsity) of all pairs pass both. sg: ag sorted, where
+    the caller has it (one sort a layer serves every sparsity)."""
+    tg = quantile_tau(torch.sort(ag).values if sg is None else sg, GATE_H_GATE_SHARE * sparsity)
+    hp = ah[ag > tg]  # |h| of the gate-passing pairs
     keep = int(round((1 - sparsity) * len(ah)))
-    th = 0.0 if keep >= len(hp) else as_f32(float(hp[len(hp) - keep - 1]))
+    # the (len - keep)-th smallest: a selection, not a sort (four sparsities a layer)
+    th = 0.0 if keep >= len(hp) else as_f32(float(torch.kthvalue(hp, len(hp) - keep).values))
     return LayerTaus(gate=tg, h=th)
 
 
@@ -87,7 +89,7 @@ def calibrate(col, sparsities: list[float]) -> dict:
         sh, sg, sx, sw = torch.sort(ah).values, torch.sort(ag).values, _sorted(col.x_values[i]), \
             _sorted(col.wina_values[i])
         for s in sparsities:
-            k, gh = key(s), gate_h_taus(ag, ah, s)
+            k, gh = key(s), gate_h_taus(ag, ah, s, sg)
             for c, entry in ((Criterion.H, {"h": quantile_tau(sh, s)}), (Criterion.GATE, {"gate": quantile_tau(sg, s)}),
                              (Criterion.GATE_H, {"gate": gh.gate, "h": gh.h}),
                              (Criterion.INPUT, {"x": quantile_tau(sx, s)}),
