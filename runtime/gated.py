@@ -1,4 +1,5 @@
-"""Whether a run decodes with mask 'gate' (gated models, no predictor: common/gating.py), and its thresholds.
+"""Whether a run decodes with mask 'gate' (gated models, no predictor: common/gating.py), its thresholds, and the
+mask's compute for runtime/hybrid_ffn.HybridFFN (the CPU's gate-first call, the GPU's sparse hot rows).
 
 A hybrid run of a gated model (SwiGLU, GeGLU) uses the gate mask when `--sparsity S` asks for it: the gate of each
 neuron is its own exact predictor, so profile -> solve -> generate needs no training. Without the flag a run with no
@@ -12,10 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import torch
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.gating import profile_taus
 from hotneurons.common.kinds import FixableError
+from hotneurons.kernels import cold_q
+from hotneurons.kernels.cold import ACT_CODE
+from hotneurons.kernels.cold_experts import CODE
+from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
 from hotneurons.runtime.config import RuntimeConfig
 
 GATE_FIRST = ("reglu", "drelu", "swiglu", "geglu")  # activations with a gate the kernels test first
@@ -63,3 +70,39 @@ def gate_taus(run: Path | None, cfg: RuntimeConfig, activation: str, n_layers: i
         raise ArtifactError(f"{run / 'profile'} has gated thresholds for {len(taus)} layers, the model {n_layers}: "
                             f"re-run pi-profile for this model")
     return [(t.gate, t.h) for t in taus]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The gate mask's compute, for runtime/hybrid_ffn.HybridFFN (`ffn`): its CPU part and its GPU part of a decode token
+
+
+def gate_first(ffn, ready: np.ndarray, release: np.ndarray, i: int) -> int:
+    """The CPU part: kernels/cold_experts_sparse.sparse_layer over the layer's cold rows as one expert (gate rows all
+    read; up rows where |act(g)| > tau_g; down_t rows where |h| > tau_h too), its sum into the host buffers. Returns
+    the passing cold neurons' count, or -1 when ready[i] never came."""
+    c, io = ffn.cold, ffn.io
+    if ffn._gate_args is None:
+        def rows(a: np.ndarray) -> np.ndarray:  # bf16 bit patterns: int16 is how the kernel tells them from fp16
+            return a.view(np.int16) if c.fmt is None else a
+        one = np.zeros(1, np.int64)
+        ffn._gate_args = (one, np.ones(1, np.float32), *scratch(1, ffn.n_cold), rows(c.gate), rows(c.up),
+                          rows(c.down_t), CODE.get(c.fmt, -1))
+    one, w1, idx, hs, cnt, g, u, dt, f = ffn._gate_args
+    tg, th = ffn.taus
+    return sparse_layer(ready, release, i, io.x_np, one, w1, one, one, g, u, dt, idx, hs, cnt, io.part, io.out,
+                        ACT_CODE[ffn.activation], f, f, cold_q.XQ, tg, th)
+
+
+def hot_sparse(ffn, x: torch.Tensor) -> torch.Tensor:
+    """The GPU part, one token on CUDA: (1, d) -> (1, d) by kernels/gated.gated_ffn (static buffers: graphs capture
+    it), the passing hot neurons added to hot_passed from its workspace (its first count ids passed the gate; of them
+    those whose |h| passes tau_h), with static shapes."""
+    from hotneurons.kernels.gated import gated_ffn  # Triton: CUDA runs only
+
+    q = ffn.hot_q or {"gate": ffn.gate_hot, "up": ffn.up_hot, "down_t": ffn.down_t_hot}
+    ws, tau = ffn.gws, ffn.tau_dev  # tau (2,) float32: tau_g, tau_h
+    y = gated_ffn(ffn.activation, x, q["gate"], q["up"], q["down_t"], tau[0:1], tau[1:2], ws)
+    h = ws.a * ws.u[0]  # (n_hot,) rounded as the kernel rounds; past the count: stale values, masked below
+    ok = (torch.arange(ffn.n_hot, device=x.device) < ws.count) & (h.float().abs() > tau[1])
+    ffn.hot_passed.index_add_(0, ws.ids.long(), ok.int())
+    return y if ffn.b_down is None else y + ffn.b_down

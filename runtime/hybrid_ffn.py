@@ -27,10 +27,7 @@ import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
 from hotneurons.common.kinds import MaskSource, choose
-from hotneurons.kernels import cold_q
 from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
-from hotneurons.kernels.cold_experts import CODE
-from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, gated_values, neuron_values, predict
 from hotneurons.kernels.qlinear import linear
@@ -38,6 +35,7 @@ from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.ffn_weights import (
     FFNWeights,
+    _device_form,
     cold_rows_of,
     down_t_rows,
     float_dtype,
@@ -45,6 +43,7 @@ from hotneurons.runtime.ffn_weights import (
     take_rows,
     to_float,
 )
+from hotneurons.runtime.gated import gate_first, hot_sparse
 from hotneurons.runtime.host_io import HostIO
 from hotneurons.weights.formats import spec, weight_format
 from torch import nn
@@ -109,6 +108,7 @@ class HybridFFN(nn.Module):
         fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
                            else torch.float32)
         b_up, b_down = w.b_up, w.b_down
+        self.compute_dtype = fdtype
         # hot rows in the compute dtype: torch's ops on buffers; in another format (blocks, or bf16 rows of a CPU run
         # kept as stored): qlinear, which reads blocks and casts floats per call
         fmt = None if gpu_dtype is None else weight_format(gpu_dtype)
@@ -123,6 +123,15 @@ class HybridFFN(nn.Module):
         else:
             self.up_hot = self.gate_hot = self.down_t_hot = None
             self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated)
+        # mask 'gate' on CUDA: one token's hot rows through kernels/gated.py, which reads only the passing neurons' up
+        # and down rows; its down rows are neuron-major, (n_hot, d) in place of the (d, n_hot) columns (as many bytes)
+        self.sparse_hot = (mask == "gate" and self.n_hot > 0 and torch.device(dev).type == "cuda"
+                           and (self.hot_q is None or spec(self.hot_fmt).block > 1))  # blocks, or compute-dtype rows
+        if self.sparse_hot and self.hot_q is not None:
+            self.hot_q = {**self.hot_q, "down": None,
+                          "down_t": _device_form(down_t_rows(w, hot, self.hot_fmt, dev, work=dev), dev)}
+        self.register_buffer("tau_dev", None if self.taus is None else torch.tensor(self.taus, device=dev))  # (2,)
+        self.gws: Any = None  # kernels/gated.GatedWorkspace (host_io makes it; Triton imported only where it runs)
         self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].to(dev, fdtype))  # (n_hot,)
         self.register_buffer("b_down", None if b_down is None else b_down.to(dev, fdtype))  # (d,)
         # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each; rows already in cold_dtype's block format
@@ -186,7 +195,15 @@ class HybridFFN(nn.Module):
             self.io = HostIO.make(self.d_model, self.n_cold, device)
             self.fired = torch.zeros(self.n_neurons, dtype=torch.int32, device=device)
             self.hot_passed = torch.zeros(self.n_hot, dtype=torch.int32, device=device)
+            if self.sparse_hot:
+                from hotneurons.kernels.gated import GatedWorkspace
+
+                self.gws = GatedWorkspace.make(self.n_hot, self.d_model, device, self._hot_dtype())
         return self.io
+
+    def _hot_dtype(self) -> torch.dtype:
+        """The dtype the hot rows compute in (x's at decode)."""
+        return self.compute_dtype
 
     def cold_sum(self) -> torch.Tensor:
         """(d,) float32 on the compute device: the CPU's cold rows' sum for the token (HostIO.cold_sum)."""
@@ -204,7 +221,7 @@ class HybridFFN(nn.Module):
     # -- the device's part -------------------------------------------------------------------------------------
     def device_part(self, x: torch.Tensor) -> torch.Tensor:
         """Decode, on x's device: the hot rows, plus the first `mapped_rows` marked cold neurons read in place."""
-        y = self._hot(x, count=True)
+        y = hot_sparse(self, x) if self.gws is not None else self._hot(x, count=True)
         if self.mapped_rows:
             m = self.io.mask_dev  # (n_cold,) this token's cold mask
             k = self.mapped_rows
@@ -238,6 +255,10 @@ class HybridFFN(nn.Module):
                 self.hot_passed += (h != 0).sum(0, dtype=torch.int32)
             if self.hot_q is None:
                 y = h @ self.down_t_hot  # (tokens, d)
+            elif self.hot_q["down"] is None:  # neuron-major down rows (sparse_hot): widened a chunk at a time
+                dt = self.hot_q["down_t"]
+                y = sum(h[:, r:r + COLD_CHUNK] @ dt.rows(slice(r, r + COLD_CHUNK)).dequantize(h.dtype)
+                        for r in range(0, self.n_hot, COLD_CHUNK))
             else:  # the down projection's hot columns, padded with zeros to whole blocks
                 h = torch.nn.functional.pad(h, (0, self.hot_q["down_cols"] - self.n_hot))
                 y = linear(h, self.hot_q["down"])  # (tokens, d)
@@ -371,7 +392,7 @@ class HybridFFN(nn.Module):
         io = self.io
         ready, release = (flags.ready, flags.host) if flags is not None else (NO_FLAGS, NO_FLAGS)
         if self.mask == "gate" and self.n_cold:
-            k = self._gate_first(ready, release, i if flags is not None else -1)
+            k = gate_first(self, ready, release, i if flags is not None else -1)
             if k < 0:
                 raise self._no_signal()
             self.counts += (1, k, 0, k)
@@ -407,22 +428,6 @@ class HybridFFN(nn.Module):
         if flags is not None:
             flags.release(i)
         return idx
-
-    def _gate_first(self, ready: np.ndarray, release: np.ndarray, i: int) -> int:
-        """Mask 'gate''s CPU part: kernels/cold_experts_sparse.sparse_layer over the layer's cold rows as one expert
-        (gate rows all read; up rows where |act(g)| > tau_g; down_t rows where |h| > tau_h too), its sum into the
-        host buffers. Returns the passing cold neurons' count, or -1 when ready[i] never came."""
-        c, io = self.cold, self.io
-        if self._gate_args is None:
-            def rows(a: np.ndarray) -> np.ndarray:  # bf16 bit patterns: int16 is how the kernel tells them from fp16
-                return a.view(np.int16) if c.fmt is None else a
-            one = np.zeros(1, np.int64)
-            self._gate_args = (one, np.ones(1, np.float32), *scratch(1, self.n_cold), rows(c.gate), rows(c.up),
-                               rows(c.down_t), CODE.get(c.fmt, -1))
-        one, w1, idx, hs, cnt, g, u, dt, f = self._gate_args
-        tg, th = self.taus
-        return sparse_layer(ready, release, i, io.x_np, one, w1, one, one, g, u, dt, idx, hs, cnt, io.part, io.out,
-                            ACT_CODE[self.activation], f, f, cold_q.XQ, tg, th)
 
     def _no_signal(self) -> RuntimeError:
         return RuntimeError(f"layer {self.layer}: the GPU did not signal its x and cold mask within {SPINS:,} reads "

@@ -212,3 +212,26 @@ def test_serve_loader_takes_the_flag(gated_run):
     serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
     rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})
     assert all(f.mask == "gate" for f in rt.ffns) and rt.cfg.sparsity == 0.4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("crit", ["gate", "h"])
+def test_cuda_sparse_hot_rows_equal_the_cpu_run(gated_run, crit):
+    """On CUDA the gate mask's hot rows go through kernels/gated.gated_ffn (only passing neurons' up and down rows
+    read), in CUDA graphs: greedy tokens and the measured sparsity of the CPU run (float32 both, the CPU run checked
+    against masked HF above)."""
+    from hotneurons.runtime.load import load_runtime
+
+    run, folder = gated_run
+    ids = list(tiny.byte_tokenizer()("The quick brown fox")["input_ids"])
+    out = {}
+    for dev in ("cpu", "cuda"):
+        rt = load_runtime(run, RuntimeConfig(device=dev, dtype="float32", sparsity=0.5, criterion=crit))
+        assert all(f.mask == "gate" for f in rt.ffns)
+        out[dev] = generate(rt, ids, 8, keep_logits=True)
+        assert all(f.gws is None for f in rt.ffns if f.n_hot) == (dev == "cpu")  # CUDA: the sparse kernel's buffers
+    assert out["cuda"].token_ids == out["cpu"].token_ids
+    diff = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(out["cuda"].logits, out["cpu"].logits))
+    assert diff < 1e-3, diff
+    assert out["cuda"].stats["ffn_sparsity"] == pytest.approx(out["cpu"].stats["ffn_sparsity"], abs=0.02)
