@@ -235,6 +235,14 @@ def _seconds(s: float | None) -> str:
     return "-" if s is None else f"{s:.0f} s"
 
 
+def rate_cells(r: dict) -> tuple[str, str]:
+    """A system's table cells: decode tok/s over 32 / 256 tokens (and any other count in brackets), prefill tok/s."""
+    dec = r.get("decode_tok_s") or {}
+    cell = " / ".join(f"{dec[n]:.2f}" if dec.get(n) else "-" for n in ("32", "256"))
+    cell += "".join(f" ({v:.2f} over {n})" for n, v in dec.items() if n not in ("32", "256"))
+    return cell, "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
+
+
 def markdown(fig: dict) -> str:
     gb = lambda b: "" if b is None else f"{b / 1e9:.1f} GB"  # noqa: E731
     lines = [f"# {fig['shape']} shape, {fig['layers']} layers, Q4_0 GGUF of {gb(fig['gguf_bytes'])}: random weights, "
@@ -242,10 +250,7 @@ def markdown(fig: dict) -> str:
              "| system | decode tok/s (32 / 256) | prefill tok/s (512) | load to first token | host peak RSS | GPU |",
              "|---|---|---|---|---|---|"]
     for name, r in fig["systems"].items():
-        dec = r.get("decode_tok_s") or {}
-        cell = " / ".join(f"{dec[n]:.2f}" if dec.get(n) else "-" for n in ("32", "256"))
-        cell += "".join(f" ({v:.2f} over {n})" for n, v in dec.items() if n not in ("32", "256"))
-        pre = "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
+        cell, pre = rate_cells(r)
         lines.append(f"| {name} | {cell} | {pre} | {_seconds(r['load_to_first_token_s'])} | "
                      f"{gb(r['host_peak_rss_bytes'])} | {gb(r['gpu_peak_bytes'])} |")
     f = fig.get("serial_floor")

@@ -171,9 +171,7 @@ def markdown(fig: dict) -> str:
              "| system | decode tok/s (32 / 256) | prefill tok/s (512) | FFN sparsity | host peak RSS | GPU |",
              "|---|---|---|---|---|---|"]
     for name, r in fig["systems"].items():
-        dec = r.get("decode_tok_s") or {}
-        cell = " / ".join(f"{dec[n]:.2f}" if dec.get(n) else "-" for n in ("32", "256"))
-        pre = "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
+        cell, pre = b70.rate_cells(r)
         sp = "-" if r.get("ffn_sparsity") is None else f"{r['ffn_sparsity']:.1%}"
         lines.append(f"| {name} | {cell} | {pre} | {sp} | {gb(r.get('host_peak_rss_bytes'))} | "
                      f"{gb(r.get('gpu_peak_bytes'))} |")
