@@ -190,12 +190,18 @@ def as_stored(w: FFNWeights, fmt: str | WeightFormat, device: torch.device | str
 
 
 def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str,
-               gated: bool) -> dict[str, Any]:
+               gated: bool, neuron_major: bool = False) -> dict[str, Any]:
     """The hot rows in a block format on `device`, as qlinear reads them: gate and up (n_hot, d) rows (kept as stored
     when the file has that format), and the down projection's hot columns (d, n_hot padded to whole blocks with zero
-    columns: the padded neurons' values are zeros too)."""
+    columns: the padded neurons' values are zeros too); `neuron_major`: instead of those columns, `down_t`, the hot
+    neurons' down weights as (n_hot, d) rows (kernels/gated.py reads only the passing ones)."""
     block = spec(fmt).block
     cols = -(-len(hot) // block) * block
+    if neuron_major:
+        return {"up": _device_form(store(take_rows(w.up, hot), fmt), device),
+                "gate": _device_form(store(take_rows(w.gate, hot), fmt), device) if gated else None,
+                "down": None, "down_t": _device_form(down_t_rows(w, hot, fmt, device, work=device), device),
+                "down_cols": cols}
     if every_column(w, hot, fmt):  # dense: the file's own matrices, no row copies and no re-quantization
         return {"up": _device_form(store(w.up, fmt), device),
                 "gate": _device_form(store(w.gate, fmt), device) if gated else None,

@@ -35,7 +35,6 @@ from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.ffn_weights import (
     FFNWeights,
-    _device_form,
     cold_rows_of,
     down_t_rows,
     float_dtype,
@@ -108,7 +107,7 @@ class HybridFFN(nn.Module):
         fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
                            else torch.float32)
         b_up, b_down = w.b_up, w.b_down
-        self.compute_dtype = fdtype
+        self.compute_dtype = fdtype  # the hot rows' (x's at decode)
         # hot rows in the compute dtype: torch's ops on buffers; in another format (blocks, or bf16 rows of a CPU run
         # kept as stored): qlinear, which reads blocks and casts floats per call
         fmt = None if gpu_dtype is None else weight_format(gpu_dtype)
@@ -120,16 +119,13 @@ class HybridFFN(nn.Module):
             self.register_buffer("up_hot", hot_rows(w.up))  # (n_hot, d)
             self.register_buffer("gate_hot", hot_rows(w.gate) if self.gated else None)  # (n_hot, d)
             self.register_buffer("down_t_hot", to_float(down_t_rows(w, hot, "f32", dev), fdtype))  # (n_hot, d)
-        else:
-            self.up_hot = self.gate_hot = self.down_t_hot = None
-            self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated)
         # mask 'gate' on CUDA: one token's hot rows through kernels/gated.py, which reads only the passing neurons' up
         # and down rows; its down rows are neuron-major, (n_hot, d) in place of the (d, n_hot) columns (as many bytes)
         self.sparse_hot = (mask == "gate" and self.n_hot > 0 and torch.device(dev).type == "cuda"
-                           and (self.hot_q is None or spec(self.hot_fmt).block > 1))  # blocks, or compute-dtype rows
-        if self.sparse_hot and self.hot_q is not None:
-            self.hot_q = {**self.hot_q, "down": None,
-                          "down_t": _device_form(down_t_rows(w, hot, self.hot_fmt, dev, work=dev), dev)}
+                           and (self.hot_fmt is None or spec(self.hot_fmt).block > 1))  # blocks, or compute-dtype rows
+        if self.hot_fmt is not None and self.n_hot:
+            self.up_hot = self.gate_hot = self.down_t_hot = None
+            self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated, neuron_major=self.sparse_hot)
         self.register_buffer("tau_dev", None if self.taus is None else torch.tensor(self.taus, device=dev))  # (2,)
         self.gws: Any = None  # kernels/gated.GatedWorkspace (host_io makes it; Triton imported only where it runs)
         self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].to(dev, fdtype))  # (n_hot,)
@@ -198,12 +194,8 @@ class HybridFFN(nn.Module):
             if self.sparse_hot:
                 from hotneurons.kernels.gated import GatedWorkspace
 
-                self.gws = GatedWorkspace.make(self.n_hot, self.d_model, device, self._hot_dtype())
+                self.gws = GatedWorkspace.make(self.n_hot, self.d_model, device, self.compute_dtype)
         return self.io
-
-    def _hot_dtype(self) -> torch.dtype:
-        """The dtype the hot rows compute in (x's at decode)."""
-        return self.compute_dtype
 
     def cold_sum(self) -> torch.Tensor:
         """(d,) float32 on the compute device: the CPU's cold rows' sum for the token (HostIO.cold_sum)."""
