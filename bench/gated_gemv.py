@@ -35,7 +35,7 @@ BLOCK_BYTES = {"q4_0": (2, 16), "q4_1": (4, 16), "q8_0": (2, 32)}  # a file bloc
 
 
 def _random(n: int, k: int, fmt: str, seed: int) -> GpuQ | torch.Tensor:
-    """An (n, k) weight on the GPU: fp16 ~ N(0, 0.02), or random valid blocks packed (scales ~ N(0, 0.02), Q4_1's
+    """An (n, k) weight on the GPU: fp16 ~ N(0, 0.02), or random valid blocks packed (weights' spread ~0.02, Q4_1's
     mins near -7.5 |scale|)."""
     from hotneurons.kernels.qlinear import pack
     from hotneurons.weights.qtensor import QTensor
@@ -45,7 +45,8 @@ def _random(n: int, k: int, fmt: str, seed: int) -> GpuQ | torch.Tensor:
         return (0.02 * torch.randn((n, k), generator=g, device="cuda")).half()
     head, bb = BLOCK_BYTES[fmt]
     blocks = torch.randint(0, 256, (n, k // 32, head + bb), generator=g, device="cuda", dtype=torch.uint8)
-    scales = (0.02 * torch.randn((n, k // 32, 1), generator=g, device="cuda")).half()
+    q_std = 74.0 if fmt == "q8_0" else 4.6  # the quants' spread: weights ~ N(0, 0.02), so sums stay in fp16's range
+    scales = (0.02 / q_std * torch.randn((n, k // 32, 1), generator=g, device="cuda")).half()
     blocks[:, :, :2] = scales.view(torch.uint8)
     if fmt == "q4_1":
         blocks[:, :, 2:4] = (-7.5 * scales.float().abs()).half().view(torch.uint8)
@@ -76,10 +77,11 @@ def _timed(step, repeats: int) -> float:
 
 
 def bench_gated(d: int, n: int, pass_rate: float, fmt: str, activation: str = "swiglu", repeats: int = 50,
-                splits: int | None = None) -> dict:
+                splits: int | None = None, stages: bool = False) -> dict:
     """Dense and sparse microseconds and GB/s of one token's gated FFN (module docstring), d model width, n neurons,
     fmt q4_0 | q4_1 | q8_0 | f16; also the measured pass rate and the sparse result's largest error against the
-    torch reference, relative to the largest |y| (a sanity figure)."""
+    torch reference, relative to the largest |y| (a sanity figure). stages: also each of gated.STAGES's time (the
+    graph of the first k stages minus that of the first k - 1)."""
     layer_bytes = 4 * row_bytes(fmt, d) * n
     copies = max(2, -(-ROTATE_BYTES // layer_bytes))
     layers = []
@@ -103,6 +105,9 @@ def bench_gated(d: int, n: int, pass_rate: float, fmt: str, activation: str = "s
             linear(x, up, out=u)
             linear(act_torch(activation, g, u), down, out=y)
 
+    layers = [[gate, up, down, gated.DownRows.of(down_t) if isinstance(down_t, GpuQ) else down_t]
+              for gate, up, down, down_t in layers]  # down_t as the runtime keeps it
+
     def sparse():
         for (gate, up, _, down_t), tau in zip(layers, taus):
             gated.gated_ffn(activation, x, gate, up, down_t, tau, tau_h, ws)
@@ -122,7 +127,18 @@ def bench_gated(d: int, n: int, pass_rate: float, fmt: str, activation: str = "s
     mat = _nbytes(layers[0][0])
     t_dense, t_sparse, t_gate = (_timed(f, repeats) / copies for f in (dense, sparse, gate_only))
     dense_bytes, sparse_bytes = 3 * mat, mat * (1 + 2 * rate)
-    return {"d": d, "n": n, "format": fmt, "activation": activation, "pass_rate": rate, "copies": copies,
+    per_stage = {}
+    if stages:
+        def first(k):
+            def run():
+                for (gate, up, _, down_t), tau in zip(layers, taus):
+                    for stage in gated.STAGES[:k]:
+                        stage(activation, x, gate, up, down_t, tau, tau_h, ws)
+            return run
+        prefix = [0.0] + [_timed(first(k), repeats) / copies for k in range(1, len(gated.STAGES) + 1)]
+        per_stage = {f"{st.__name__.strip('_')}_us": (prefix[k + 1] - prefix[k]) * 1e6
+                     for k, st in enumerate(gated.STAGES)}
+    return {**per_stage, "d": d, "n": n, "format": fmt, "activation": activation, "pass_rate": rate, "copies": copies,
             "splits": ws.part.shape[0], "dense_us": t_dense * 1e6, "sparse_us": t_sparse * 1e6,
             "gate_us": t_gate * 1e6, "dense_gbs": dense_bytes / t_dense / 1e9,
             "sparse_gbs": sparse_bytes / t_sparse / 1e9, "speedup": t_dense / t_sparse, "rel_err": err}
@@ -135,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="q4_0,q8_0,f16")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--stages", action="store_true", help="also time each stage of the sparse call")
+    ap.add_argument("--sweep", default=None, help="configurations of the sparse call, ';' separated, each "
+                    "rows,map_rows,splits_per_sm (kernels/gated.py's ROWS, MAP_Q4_ROWS, GatedWorkspace splits)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gated_gemv.py needs CUDA", file=sys.stderr)
@@ -144,12 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         d, n = (int(v) for v in shape.lower().split("x"))
         for fmt in a.formats.split(","):
             for rate in (float(r) for r in a.rates.split(",")):
-                r = bench_gated(d, n, rate, fmt, repeats=a.repeats)
-                print(f"{fmt:>5} d={d} n={n} pass {r['pass_rate']:.2f}: dense {r['dense_us']:7.1f} us "
-                      f"{r['dense_gbs']:6.0f} GB/s, sparse {r['sparse_us']:7.1f} us {r['sparse_gbs']:6.0f} GB/s, "
-                      f"gate {r['gate_us']:6.1f} us, x{r['speedup']:.2f}, err {r['rel_err']:.1e}", flush=True)
-                rows.append(r)
-                torch.cuda.empty_cache()
+                for conf in (a.sweep.split(";") if a.sweep else [None]):
+                    splits = None
+                    if conf:
+                        rr, mr, sp = (int(v) for v in conf.split(","))
+                        gated.ROWS, gated.MAP_Q4_ROWS = rr, mr
+                        splits = sp * torch.cuda.get_device_properties(0).multi_processor_count
+                    r = bench_gated(d, n, rate, fmt, repeats=a.repeats, splits=splits, stages=a.stages)
+                    r.update(rows=gated.ROWS, map_rows=gated.MAP_Q4_ROWS)
+                    st = " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("stage_us"))
+                    print(f"{fmt:>5} d={d} n={n} pass {r['pass_rate']:.2f} [{conf or 'default'}]: dense "
+                          f"{r['dense_us']:7.1f} us {r['dense_gbs']:6.0f} GB/s, sparse {r['sparse_us']:7.1f} us "
+                          f"{r['sparse_gbs']:6.0f} GB/s, gate {r['gate_us']:6.1f} us, x{r['speedup']:.2f}, "
+                          f"err {r['rel_err']:.1e} {st}", flush=True)
+                    rows.append(r)
+                    torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

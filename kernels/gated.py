@@ -36,10 +36,14 @@ from hotneurons.kernels import qgemv
 from hotneurons.kernels.cold import ACT_CODE, GATED
 from hotneurons.kernels.qgemv import MAGIC, _piece, gemv
 from hotneurons.kernels.qlinear import GpuQ
+from hotneurons.weights.formats import WeightFormat
 
 CHUNK = 1024  # neurons a compaction program places
-PREFIX = 4096  # neurons a compaction program counts at a time (before its chunk)
-ROWS = 8  # down rows a program loads a step: each thread's loads in flight
+# neurons a compaction program counts at a time (before its chunk), 8 warps: the count is a chain of loads and sums,
+# so fewer, wider steps (4096 a step took 12 us of a 55 us gate stage at n 28,672 on an H200)
+PREFIX = 16384
+ROWS = 4  # down rows a program loads a step, the next step's ids in flight meanwhile (8: registers spill, 2.9x slower)
+SPLITS_PER_SM = 2  # down product programs along the neurons (bench/gated_gemv.py --sweep on an H200)
 GATHER_ROWS = 4  # float up rows a program of _gather_kernel reads
 # 4-bit rows by index (qgemv's MAP: 64-bit row offsets) a GEMV program takes: at gemv_config's 8 (one token, fp16),
 # ptxas (Triton 3.9, sm_90) runs out of registers (255 and 72 bytes of stack); at 4, 78 registers
@@ -135,8 +139,8 @@ def _pass2(k, hi, ids_ptr, a_ptr, u_ptr, tau, DRELU: tl.constexpr):
 
 
 @triton.jit
-def _down_q_kernel(ids_ptr, a_ptr, u_ptr, cnt_ptr, tau_ptr, q_ptr, s_ptr, m_ptr, part_ptr, NU, D, stride_q, stride_sb,
-                   stride_mb, magic, Q4: tl.constexpr, MIN: tl.constexpr, DRELU: tl.constexpr, ASM: tl.constexpr,
+def _down_q_kernel(ids_ptr, a_ptr, u_ptr, cnt_ptr, tau_ptr, q_ptr, s_ptr, m_ptr, part_ptr, NU, D, stride_q, stride_sr,
+                   stride_sb, magic, Q4: tl.constexpr, MIN: tl.constexpr, DRELU: tl.constexpr, ASM: tl.constexpr,
                    EVEN: tl.constexpr, R: tl.constexpr, BLOCK_U: tl.constexpr):
     """Program (p, j): part[p, units [j BLOCK_U, ...) of d] = sum over split p's positions passing pass 2 of h times
     the row's weights, GpuQ rows (Q4_0, Q4_1, Q8_0; NU 16-byte units a row, 4 int32 words each: a Q4 block, half a
@@ -160,13 +164,19 @@ def _down_q_kernel(ids_ptr, a_ptr, u_ptr, cnt_ptr, tau_ptr, q_ptr, s_ptr, m_ptr,
     acc6 = tl.zeros((BLOCK_U, 4), tl.float32)
     acc7 = tl.zeros((BLOCK_U, 4), tl.float32)
     accm = tl.zeros((BLOCK_U,), tl.float32)
+    row, keep, h = _pass2(lo + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)
     for k0 in range(lo, hi, R):
-        row, keep, h = _pass2(k0 + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)
         ms = keep[:, None] if EVEN else keep[:, None] & um[None, :]  # (R, BLOCK_U): no bytes for rows that fail
         q = tl.load(q_ptr + row[:, None, None] * stride_q + (un * 4)[None, :, None] + wi[None, None, :],
                     mask=ms[:, :, None], other=0)  # (R, BLOCK_U, 4) int32
-        s_at = s_ptr + (un // UPB)[None, :] * stride_sb + row[:, None]  # (R, BLOCK_U): block-major scales
+        s_at = s_ptr + (un // UPB)[None, :] * stride_sb + row[:, None] * stride_sr  # (R, BLOCK_U)
         c = (tl.load(s_at, mask=ms, other=0.0).to(tl.float32) * h[:, None])[:, :, None]  # (R, BLOCK_U, 1)
+        if MIN:
+            m_at = m_ptr + un[None, :] * stride_sb + row[:, None] * stride_sr  # mins: the scales' layout
+            accm += tl.sum(tl.load(m_at, mask=ms, other=0.0).to(tl.float32) * h[:, None], 0)
+        # the next step's rows and h, asked for while this step's weights are on their way: the row ids are a load
+        # the weights' addresses wait on, so unpipelined each step would pay two memory latencies
+        row, keep, h = _pass2(k0 + R + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)
         q2 = q >> 16
         acc0 += tl.sum(_piece(q, q2, magic, 0, Q4, MIN, False, ASM) * c, 0)
         acc1 += tl.sum(_piece(q, q2, magic, 1, Q4, MIN, False, ASM) * c, 0)
@@ -177,9 +187,6 @@ def _down_q_kernel(ids_ptr, a_ptr, u_ptr, cnt_ptr, tau_ptr, q_ptr, s_ptr, m_ptr,
             acc5 += tl.sum(_piece(q, q2, magic, 5, Q4, MIN, False, ASM) * c, 0)
             acc6 += tl.sum(_piece(q, q2, magic, 6, Q4, MIN, False, ASM) * c, 0)
             acc7 += tl.sum(_piece(q, q2, magic, 7, Q4, MIN, False, ASM) * c, 0)
-        if MIN:
-            m_at = m_ptr + un[None, :] * stride_mb + row[:, None]
-            accm += tl.sum(tl.load(m_at, mask=ms, other=0.0).to(tl.float32) * h[:, None], 0)
     PW: tl.constexpr = 32 if Q4 else 16  # weights a unit
     at = part_ptr + tl.program_id(0) * D + (un * PW)[:, None] + wi[None, :]  # (BLOCK_U, 4): weight 4 u + i, u = 0
     om = um[:, None]
@@ -206,10 +213,12 @@ def _down_f_kernel(ids_ptr, a_ptr, u_ptr, cnt_ptr, tau_ptr, w_ptr, part_ptr, D, 
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) columns
     cm = c < D
     acc = tl.zeros((BLOCK_D,), tl.float32)
+    row, keep, h = _pass2(lo + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)
     for k0 in range(lo, hi, R):
-        row, keep, h = _pass2(k0 + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)
         w = tl.load(w_ptr + row[:, None] * stride_w + c[None, :], mask=keep[:, None] & cm[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h[:, None], 0)
+        hw = h
+        row, keep, h = _pass2(k0 + R + tl.arange(0, R), hi, ids_ptr, a_ptr, u_ptr, tau, DRELU)  # next step's
+        acc += tl.sum(w.to(tl.float32) * hw[:, None], 0)
     tl.store(part_ptr + tl.program_id(0) * D + c, acc, mask=cm)
 
 
@@ -247,11 +256,12 @@ class GatedWorkspace:
     @classmethod
     def make(cls, n: int, d: int, device: torch.device | str, dtype: torch.dtype,
              splits: int | None = None) -> "GatedWorkspace":
-        """splits: programs along the neurons of the down product (default: one an SM, 4 without CUDA): more spread
-        the rows wider, but each adds a (d,) float32 partial sum to write and add."""
+        """splits: programs along the neurons of the down product (default: SPLITS_PER_SM an SM, 4 without CUDA):
+        more spread the rows wider, but each adds a (d,) float32 partial sum to write and add."""
         device = torch.device(device)
         if splits is None:
-            splits = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+            splits = (SPLITS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+                      if device.type == "cuda" else 4)
         if n < 1 or d < 1 or splits < 1:
             raise ValueError(f"GatedWorkspace.make: n {n}, d {d} and splits {splits} must be positive")
         z = dict(device=device, dtype=dtype)
@@ -262,6 +272,41 @@ class GatedWorkspace:
     @property
     def shape(self) -> tuple[int, int]:
         return self.g.shape[1], self.y.shape[1]
+
+
+@dataclass(frozen=True)
+class DownRows:
+    """down_t (n, d) block rows as the down product reads them: GpuQ's quants, but each row's scales (and Q4_1's
+    mins) side by side, row-major (n, d/32). A warp takes a row's 16-byte units together, so its scales come in one
+    coalesced piece; GpuQ's block-major scales, made for GEMVs over runs of rows, cost a sector a unit for gathered
+    rows (the down product ran 5-10x below its bytes so). The same bytes as the GpuQ (`of` copies the scales)."""
+
+    qs: torch.Tensor  # (n, d/2) uint8 | (n, d) int8: GpuQ's kernel order
+    scales: torch.Tensor  # (n, d/32) float16, row-major
+    mins: torch.Tensor | None  # (n, d/32) float16, row-major: Q4_1's; else None
+    fmt: WeightFormat
+    shape: tuple[int, int]  # (n, d)
+
+    @classmethod
+    def of(cls, q: GpuQ) -> "DownRows":
+        return cls(q.qs, q.scales.contiguous(), None if q.mins is None else q.mins.contiguous(), q.fmt, q.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def q4(self) -> bool:
+        return self.fmt != WeightFormat.Q8_0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def rows(self, idx: slice) -> GpuQ:
+        """Some rows as a GpuQ (their scales copied block-major: a chunk's, for prefill's widening)."""
+        return GpuQ(self.qs[idx], self.scales[idx], self.fmt, (self.qs[idx].shape[0], self.shape[1]),
+                    None if self.mins is None else self.mins[idx])
 
 
 Weight = GpuQ | torch.Tensor
@@ -276,8 +321,9 @@ def _check(activation: str, x: torch.Tensor, ws: GatedWorkspace, weights: dict[s
         raise ValueError(f"gated_ffn: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit the workspace: expected "
                          f"(1, {d}) {ws.y.dtype} on {ws.y.device}, unit last stride (GatedWorkspace.make for x)")
     for name, w in weights.items():
-        if not isinstance(w, (GpuQ, torch.Tensor)):
-            raise ValueError(f"gated_ffn: {name} is a {type(w).__name__}: qlinear.pack it to a GpuQ or float tensor")
+        if not isinstance(w, (GpuQ, torch.Tensor, DownRows)) or (isinstance(w, DownRows) and name != "down_t"):
+            raise ValueError(f"gated_ffn: {name} is a {type(w).__name__}: qlinear.pack it to a GpuQ or float tensor "
+                             f"(down_t: also DownRows.of that GpuQ, the fast layout)")
         if tuple(w.shape) != (n, d) or w.device != x.device:
             raise ValueError(f"gated_ffn: {name} {tuple(w.shape)} on {w.device}, expected ({n}, {d}) on {x.device} "
                              f"(down as down_t: its columns as rows)")
@@ -292,19 +338,31 @@ def _check(activation: str, x: torch.Tensor, ws: GatedWorkspace, weights: dict[s
 def gated_ffn(activation: str, x: torch.Tensor, gate: Weight, up: Weight, down_t: Weight, tau_g: torch.Tensor,
               tau_h: torch.Tensor, ws: GatedWorkspace) -> torch.Tensor:
     """One token's gated FFN over the neurons that pass (module docstring): x (1, d) -> ws.y (1, d) in x's dtype.
-    gate, up, down_t (n, d): GpuQ (Q4_0, Q4_1, Q8_0) or float tensors in x's dtype; tau_g, tau_h: float32 one-element
-    tensors on x's device. On CUDA (or in Triton's interpreter, CPU tensors); capturable."""
+    gate, up, down_t (n, d): GpuQ (Q4_0, Q4_1, Q8_0; down_t best as DownRows) or float tensors in x's dtype;
+    tau_g, tau_h: float32 one-element tensors on x's device. On CUDA (or in Triton's interpreter, CPU tensors);
+    capturable."""
     _check(activation, x, ws, {"gate": gate, "up": up, "down_t": down_t}, {"tau_g": tau_g, "tau_h": tau_h})
+    for stage in STAGES:
+        stage(activation, x, gate, up, down_t, tau_g, tau_h, ws)
+    return ws.y
+
+
+def _gate_stage(activation, x, gate, up, down_t, tau_g, tau_h, ws) -> None:
+    """1 and 2: the dense gate GEMV as qlinear.linear runs it for a token, then pass 1's compaction."""
     n, d = ws.shape
-    if isinstance(gate, GpuQ):  # 1: the dense GEMV as qlinear.linear runs it for a token
+    if isinstance(gate, GpuQ):
         gemv(x, gate.qs, gate.scales, gate.q4, None, ws.g, mins=gate.mins)
     else:
         torch.mm(x, gate.t(), out=ws.g)
-    code = ACT_CODE[activation]
     ch = min(CHUNK, triton.next_power_of_2(n))
-    _compact_kernel[(triton.cdiv(n, ch),)](ws.g, tau_g, ws.ids, ws.a, ws.count, n, ACT=code, CH=ch,
-                                           PRE=min(PREFIX, triton.next_power_of_2(n)), num_warps=4)
-    if isinstance(up, GpuQ):  # 3: rows by index, as many programs as the count needs
+    _compact_kernel[(triton.cdiv(n, ch),)](ws.g, tau_g, ws.ids, ws.a, ws.count, n, ACT=ACT_CODE[activation], CH=ch,
+                                           PRE=min(PREFIX, triton.next_power_of_2(n)), num_warps=8)
+
+
+def _up_stage(activation, x, gate, up, down_t, tau_g, tau_h, ws) -> None:
+    """3: up rows by index, as many programs as the count needs."""
+    n, d = ws.shape
+    if isinstance(up, GpuQ):
         bn, bb, nw = qgemv.gemv_config(n, d, up.q4)
         gemv(x, up.qs, up.scales, up.q4, None, ws.u, config=(min(bn, MAP_Q4_ROWS) if up.q4 else bn, bb, nw),
              mins=up.mins, rows=ws.ids, out_rows=1, count=ws.count)
@@ -312,26 +370,39 @@ def gated_ffn(activation: str, x: torch.Tensor, gate: Weight, up: Weight, down_t
         _gather_kernel[(triton.cdiv(n, GATHER_ROWS),)](x, up, ws.ids, ws.count, ws.u, d, up.stride(0),
                                                        BLOCK_N=GATHER_ROWS,
                                                        BLOCK_K=min(512, triton.next_power_of_2(d)), num_warps=4)
+
+
+def _down_stage(activation, x, gate, up, down_t, tau_g, tau_h, ws) -> None:
+    """4: pass 2 and the down rows of the neurons that pass it, into ws.part."""
+    n, d = ws.shape
     splits = ws.part.shape[0]
     drelu = activation == "drelu"
-    if isinstance(down_t, GpuQ):  # 4: a thread's 16-byte unit of each of R rows, 32 threads a warp along d
+    if isinstance(down_t, (GpuQ, DownRows)):  # a thread's 16-byte unit of each of R rows, 32 threads a warp along d
         nu = down_t.qs.shape[1] // 16
         bu, nw = min(32, triton.next_power_of_2(nu)), 1
         words = down_t.qs.view(torch.int32)  # (n, 4 nu)
         ms = down_t.scales if down_t.mins is None else down_t.mins
         _down_q_kernel[(splits, triton.cdiv(nu, bu))](ws.ids, ws.a, ws.u, ws.count, tau_h, words, down_t.scales, ms,
-                                                      ws.part, nu, d, words.stride(0), down_t.scales.stride(1),
-                                                      ms.stride(1), MAGIC, Q4=down_t.q4, MIN=down_t.mins is not None,
+                                                      ws.part, nu, d, words.stride(0), *down_t.scales.stride(),
+                                                      MAGIC, Q4=down_t.q4, MIN=down_t.mins is not None,
                                                       DRELU=drelu, ASM=x.is_cuda, EVEN=nu % bu == 0, R=ROWS,
                                                       BLOCK_U=bu, num_warps=nw)
     else:
         bd = min(512 // down_t.element_size(), triton.next_power_of_2(d))  # 16 bytes a thread, 32 threads
         _down_f_kernel[(splits, triton.cdiv(d, bd))](ws.ids, ws.a, ws.u, ws.count, tau_h, down_t, ws.part, d,
                                                      down_t.stride(0), DRELU=drelu, R=ROWS, BLOCK_D=bd, num_warps=1)
-    bd = min(128, triton.next_power_of_2(d))
+
+
+def _reduce_stage(activation, x, gate, up, down_t, tau_g, tau_h, ws) -> None:
+    """5: the splits' partial sums added into ws.y."""
+    n, d = ws.shape
+    splits = ws.part.shape[0]
+    bd = min(32, triton.next_power_of_2(d))  # many programs: each sums a column strip over the splits, a chain
     _reduce_kernel[(triton.cdiv(d, bd),)](ws.part, ws.count, ws.y, d, splits,
-                                          SP=min(64, triton.next_power_of_2(splits)), BLOCK_D=bd, num_warps=4)
-    return ws.y
+                                          SP=min(64, triton.next_power_of_2(splits)), BLOCK_D=bd, num_warps=1)
+
+
+STAGES = (_gate_stage, _up_stage, _down_stage, _reduce_stage)  # in order; bench/gated_gemv.py times each
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,6 +410,8 @@ def gated_ffn(activation: str, x: torch.Tensor, gate: Weight, up: Weight, down_t
 
 
 def _float(w: Weight) -> torch.Tensor:
+    if isinstance(w, DownRows):
+        w = w.rows(slice(None))
     return w.dequantize(torch.float32) if isinstance(w, GpuQ) else w.float()
 
 

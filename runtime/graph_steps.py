@@ -137,7 +137,8 @@ class GraphSteps:
                 self._hot(i)
             self._final()
 
-        keep = [*(f.fired for f in self.ffns), *self.cache_tensors()]  # warm-up and capture: nothing that counts
+        keep = [*(t for f in self.ffns for t in (f.fired, getattr(f, "hot_passed", None)) if t is not None),
+                *self.cache_tensors()]  # warm-up and capture: nothing that counts
         try:
             graphs, outputs = capture(self.device, pieces, keep, warm=step)
         except Exception as e:  # noqa: BLE001 - torch.compile and Triton need a C compiler; plain ops then

@@ -30,7 +30,7 @@ from hotneurons.common.kinds import MaskSource, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, gated_values, neuron_values, predict
-from hotneurons.kernels.qlinear import linear
+from hotneurons.kernels.qlinear import GpuQ, linear
 from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
 from hotneurons.runtime.ffn_weights import (
@@ -126,6 +126,10 @@ class HybridFFN(nn.Module):
         if self.hot_fmt is not None and self.n_hot:
             self.up_hot = self.gate_hot = self.down_t_hot = None
             self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated, neuron_major=self.sparse_hot)
+            if self.sparse_hot and isinstance(self.hot_q["down_t"], GpuQ):
+                from hotneurons.kernels.gated import DownRows  # Triton: CUDA runs only
+
+                self.hot_q["down_t"] = DownRows.of(self.hot_q["down_t"])  # row-major scales: gathered rows' layout
         self.register_buffer("tau_dev", None if self.taus is None else torch.tensor(self.taus, device=dev))  # (2,)
         self.gws: Any = None  # kernels/gated.GatedWorkspace (host_io makes it; Triton imported only where it runs)
         self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].to(dev, fdtype))  # (n_hot,)
@@ -320,7 +324,7 @@ class HybridFFN(nn.Module):
         xs = x.clone()  # (1, d)
         ps = p.clone() if self.prenorm else None  # (1, d)
         (pre, hot), (_, y) = capture(x.device, (lambda: self.to_host(xs, predict, ps), lambda: self.device_part(xs)),
-                                     keep=(self.fired,))
+                                     keep=[t for t in (self.fired, self.hot_passed) if t is not None])
         return _Graphs(xs, ps, y, pre, hot, torch.cuda.Event())
 
     def _mark(self, mark: str) -> None:

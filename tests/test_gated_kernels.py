@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from hotneurons.kernels import gated, qgemv
-from hotneurons.kernels.gated import GatedWorkspace, gate_up_values, gated_ffn, gated_ffn_torch, pass_masks
+from hotneurons.kernels.gated import DownRows, GatedWorkspace, gate_up_values, gated_ffn, gated_ffn_torch, pass_masks
 from hotneurons.kernels.ops import ffn_rows_torch
 from hotneurons.kernels.qlinear import pack
 from hotneurons.weights.quants import dequantize
@@ -40,15 +40,18 @@ def _weights(fmt: str, n: int, d: int, device: str, seed: int, dtype: torch.dtyp
     if fmt in ("f16", "f32"):
         g = torch.Generator(device=device).manual_seed(seed)
         return [(0.1 * torch.randn((n, d), generator=g, device=device)).to(dtype) for _ in range(3)]
-    return [pack(random_q(n, d, fmt, device, seed=seed + i), device) for i in range(3)]
+    gate, up, down = (pack(random_q(n, d, fmt, device, seed=seed + i), device) for i in range(3))
+    return [gate, up, DownRows.of(down)]  # down_t as the runtime keeps it (test_down_rows_layouts_agree: as a GpuQ)
 
 
 def _tau(v: torch.Tensor, share: float) -> float:
     """A float32 threshold that about `share` of the values v (1-D, >= 0) exceed: midway in the widest gap between
-    neighbours within 3 ranks of that share."""
+    neighbours within 3 ranks of that share, or 1/256 of them for long v (fp16 values repeat: among thousands 3
+    ranks may hold no gap)."""
     s = v.double().sort().values.cpu()
     k = round((1 - share) * len(s))  # values that fail
-    i = max(range(max(1, k - 3), min(len(s) - 1, k + 3) + 1), key=lambda j: float(s[j] - s[j - 1]))
+    w = max(3, len(s) // 256)
+    i = max(range(max(1, k - w), min(len(s) - 1, k + w) + 1), key=lambda j: float(s[j] - s[j - 1]))
     assert s[i] > s[i - 1], "no gap to put a threshold in"
     return float(np.float32((s[i - 1] + s[i]) / 2))
 
@@ -230,6 +233,24 @@ def test_down_t_rows_feed_gated_ffn():
     _compare(y, ws, "swiglu", x, [gate, up, down_t], a, h, tg, th)
 
 
+@pytest.mark.parametrize("fmt", QFMTS)
+def test_down_rows_layouts_agree(fmt):
+    """down_t as a GpuQ (block-major scales) and as DownRows (row-major: the runtime's) give the same y bit for bit
+    (the same products in the same order), the same bytes, and DownRows.rows widens to GpuQ's weights."""
+    need_kernels()
+    n, d = 160, 96
+    gate, up, down = (pack(random_q(n, d, fmt, DEVICE, seed=70 + i), DEVICE) for i in range(3))
+    rows = DownRows.of(down)
+    assert rows.nbytes == down.nbytes and rows.shape == down.shape and rows.scales.is_contiguous()
+    assert torch.equal(rows.rows(slice(40, 90)).dequantize(), down.rows(slice(40, 90)).dequantize())
+    x = torch.randn((1, d), generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
+    a, h = gate_up_values("swiglu", x, gate, up)
+    tg, th = (torch.tensor(t, dtype=torch.float32, device=DEVICE) for t in _taus(a[0], h[0], 0.5))
+    ys = [gated_ffn("swiglu", x, gate, up, w, tg, th, GatedWorkspace.make(n, d, DEVICE, torch.float16, splits=3))
+          for w in (down, rows)]
+    assert torch.equal(ys[0], ys[1])
+
+
 def test_refusals():
     """One-line ValueErrors naming the value and the fix; checked before any kernel runs."""
     n, d = 32, 64
@@ -243,6 +264,7 @@ def test_refusals():
         (("swiglu", x, gate, up, down_t.T, t, t, ws), "down_t"),
         (("swiglu", x, gate, up.float(), down_t, t, t, ws), "cast it once"),
         (("swiglu", x, gate, random_q(n, d, "q4_0", "cpu"), down_t, t, t, ws), "qlinear.pack"),
+        (("swiglu", x, gate, DownRows.of(pack(random_q(n, d, "q4_0", "cpu"), "cpu")), down_t, t, t, ws), "DownRows"),
         (("swiglu", x, gate, up, down_t, t.double(), t, ws), "tau_g must be a one-element float32"),
     ]
     for args, match in cases:
