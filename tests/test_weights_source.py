@@ -382,10 +382,22 @@ def test_config_and_tokenizer_read_no_tensor(llama_gguf, monkeypatch):
 # Memory and errors
 
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+def _mapping_rss(t: torch.Tensor) -> int:
+    """Resident bytes of the one memory mapping that holds t's first byte (its Rss line in /proc/self/smaps): this
+    process's pages of that file alone, which neither other processes nor this one's allocations move."""
+    addr = t.data_ptr()
+    rss, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1]) << 10
+                break
+    assert rss is not None, f"no mapping holds address {addr:#x}"
+    return rss
 
 
 def _ones_embedding(folder: Path) -> Path:
@@ -404,12 +416,12 @@ def test_release_lowers_rss(tmp_path):
     with open_source(_ones_embedding(tmp_path)) as src:
         t = src.get("token_embd.weight")
         assert t.dtype == torch.bfloat16 and src.is_mapped(t)
-        before = _rss()
+        before = _mapping_rss(t)
         assert float(t.view(-1)[::2048].float().sum()) == 32768 * 1024 / 2048  # one value a page: all pages in
-        read = _rss()
+        read = _mapping_rss(t)
         assert read - before > 48 << 20
         assert src.release("token_embd.weight") > 63 << 20
-        assert read - _rss() > 48 << 20
+        assert read - _mapping_rss(t) > 63 << 20
         assert float(t[-1, -1]) == 1.0  # still valid: the page comes back from the file
 
 
@@ -420,12 +432,14 @@ def test_release_view_drops_those_rows_only(tmp_path):
         t = src.get("token_embd.weight")
         copy = t[:4096].clone()  # (4096, 1024) 8 MiB anonymous
         assert float(t.view(-1)[::2048].float().sum()) == 32768 * 1024 / 2048  # every page in
-        read = _rss()
+        read = _mapping_rss(t)
+        assert read >= 64 << 20
         assert src.release_view(copy) == 0 and src.release_view(t[:, :8]) == 0
         assert float(copy.float().sum()) == 4096 * 1024
+        assert _mapping_rss(t) == read
         released = src.release_view(t[:16384])  # the first half: 32 MiB
         assert (32 << 20) - 4096 <= released <= 32 << 20
-        assert 24 << 20 < read - _rss() < 40 << 20  # the other half still resident
+        assert (32 << 20) - 4096 <= read - _mapping_rss(t) <= 32 << 20  # the other half still resident
         assert float(t[:16384].float().sum()) == 16384 * 1024  # read again from the file
 
 
