@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from hotneurons.common.kinds import Activation
 from hotneurons.kernels import qlinear
 from hotneurons.models.config import ModelConfig, Rope
-from hotneurons.weights.formats import FORMATS
+from hotneurons.weights.formats import FORMATS, kernel_format
 from hotneurons.weights.qtensor import QTensor
+from hotneurons.weights.quants import convert
 
 Weight = torch.Tensor | QTensor | qlinear.GpuQ
 WeightFn = Callable[[str], Weight | None]  # a canonical name -> its tensor, None where the model has none
@@ -31,11 +32,22 @@ def _linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> tor
 
 
 def _pack(w: QTensor, device: torch.device) -> Weight:
-    """A quantized weight as the device's GEMV reads it: on CUDA, formats with a GPU kernel (Q4_0, Q8_0, floats) as
-    qlinear packs them; others (Q4_K, Q6_K, ...) and the CPU's stay QTensors, de-quantized in chunks per call."""
+    """A quantized weight as the device's GEMV reads it: in its stored format where the device's kernels read it
+    (weights/formats.py), else converted at load into the nearest format they read (a Q5_0 matrix to q8_0, ...: one
+    tensor at a time, on the device); on CUDA then as qlinear packs it, on the CPU the blocks themselves."""
+    w = _readable(w, device)
+    if not isinstance(w, QTensor):  # a float64 matrix, widened to float32
+        return w.to(device)
     if device.type == "cuda" and FORMATS[w.fmt].gpu_kernel:
         return qlinear.pack(w, device)
     return w.to(device)
+
+
+def _readable(w: QTensor, device: torch.device) -> QTensor | torch.Tensor:
+    """w, or its conversion into kernel_format(w.fmt, device) on `device` (weights/quants.convert: a chunk of rows at
+    a time, so the float temporaries stay a chunk's)."""
+    to = kernel_format(w.fmt, device.type)
+    return w if to == w.fmt else convert(w, to, device)
 
 
 class Loader:
@@ -71,6 +83,8 @@ class Loader:
         """A linear layer's (out, in) weight, kept quantized if it is (pack=False: as a QTensor whose rows can be
         looked up, for embeddings)."""
         w = self._get(name, required)
+        if isinstance(w, QTensor):
+            w = _readable(w, self.device)
         if isinstance(w, QTensor):
             w = _pack(w, self.device) if pack else w.to(self.device)
         elif w is not None:

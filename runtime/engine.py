@@ -19,13 +19,7 @@ import torch
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.kinds import Activation, choose
 from hotneurons.common.model_source import ModelSource, fingerprint, resolve_source
-from hotneurons.weights.formats import FORMATS, WeightFormat, spec, weight_format
-
-# the formats `auto` turns a stored format into, where the kernels do not read it (Q4_0, Q4_1 and Q8_0 they read as
-# stored): 4- and 5-bit k-quants to q4_0, 6-bit and wider to q8_0, floats to bf16 in CPU RAM (the compute dtype on the
-# device)
-_AUTO = {WeightFormat.Q4_K: WeightFormat.Q4_0, WeightFormat.Q5_K: WeightFormat.Q4_0,
-         WeightFormat.Q6_K: WeightFormat.Q8_0}
+from hotneurons.weights.formats import TORCH_FLOATS, WeightFormat, kernel_format, nearest, spec, weight_format
 
 
 @dataclass
@@ -46,15 +40,52 @@ class SourceModel:
 
 
 def auto_format(stored: WeightFormat, where: str, compute: torch.dtype, device: str = "cuda") -> str:
-    """`auto` for --cold-dtype (where="cpu") or --gpu-dtype (where="gpu"): the stored format where the kernels read
-    it, else the nearest one they read. Float files: bf16 cold rows; hot rows in the compute dtype on a GPU, as
-    stored when the device is the CPU (a float32 copy of a bf16 file would double its memory there)."""
+    """`auto` for --cold-dtype (where="cpu") or --gpu-dtype (where="gpu", on `device`): the stored format where the
+    kernels there read it, else the nearest one they read (weights/formats.py's table: Q4_K -> q4_1, Q5_0, Q6_K,
+    IQ4_XS ... -> q8_0, Q2_K, Q3_K, IQ1-IQ3 ... -> q4_0). Float files: bf16 cold rows; hot rows in the compute dtype on
+    a GPU, as stored when the device is the CPU (a float32 copy of a bf16 file would double its memory there)."""
     if spec(stored).block == 1:
         if where == "cpu":
             return "bf16"
-        return str(stored) if device == "cpu" else str(compute).removeprefix("torch.")
-    readable = FORMATS[stored].cpu_kernel if where == "cpu" else FORMATS[stored].gpu_kernel
-    return str(stored if readable else _AUTO.get(stored, WeightFormat.Q8_0))
+        return str(kernel_format(stored, "cpu")) if device == "cpu" else str(compute).removeprefix("torch.")
+    return str(kernel_format(stored, "cpu" if where == "cpu" else device))
+
+
+def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) -> str | None:
+    """One line: the file's block matrices that are not kept in their stored format, what they become at load (FFN
+    rows: the hot and cold rows' formats, one each for the whole FFN; other matrices: models/common._pack's
+    kernel_format, where the device's kernels do not read theirs), per stored format with its bytes in the file and
+    resident after (FFN rows split by `gpu`: per layer the neurons on the device, bool; None: all there). None where
+    nothing is converted. An untied embedding stays as stored (a token's row is de-quantized as it is read)."""
+    from hotneurons.common.units import format_bytes
+    from hotneurons.runtime.memory import is_ffn_weight
+
+    dev = torch.device(device).type
+    rows: dict[WeightFormat, list] = {}  # stored format -> [tensors, stored bytes, resident bytes, {targets}]
+    untied = "output.weight" in source.infos
+    for name, t in source.infos.items():
+        if (len(t.shape) < 2 or t.fmt in TORCH_FLOATS or name.endswith((".fc1.weight", ".fc2.weight"))
+                or (untied and name == "token_embd.weight")):
+            continue
+        numel = int(np.prod(t.shape))
+        if is_ffn_weight(name):
+            share = 1.0 if gpu is None else float(np.mean(gpu[int(name.split(".")[1])]))
+            parts = [(f, w) for f, w in ((hot, share), (cold, 1 - share)) if w > 0 and weight_format(f) != t.fmt]
+        else:
+            parts = [(str(kernel_format(t.fmt, dev)), 1.0)] if kernel_format(t.fmt, dev) != t.fmt else []
+        if not parts:
+            continue
+        row = rows.setdefault(t.fmt, [0, 0, 0.0, set()])
+        row[0] += 1
+        row[1] += t.nbytes
+        row[2] += sum(w * numel * spec(f).bytes_per_weight for f, w in parts)
+        row[3].update(str(f) for f, _ in parts)
+    if not rows:
+        return None
+    said = [f"{str(f).upper()} -> {'/'.join(sorted(r[3]))} ({r[0]} tensor{'s' * (r[0] > 1)}, {format_bytes(r[1])} "
+            f"stored -> {format_bytes(r[2])} resident)" for f, r in rows.items()]
+    return (f"tensors converted at load (no kernel reads their stored format, or the FFN rows' layout keeps one): "
+            f"{'; '.join(said)} (docs/memory.md: the formats)")
 
 
 def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
@@ -145,14 +176,16 @@ def file_placement(source: Any, n_layers: int) -> Any:
 
 
 def requantized(source: Any, cold: str, hot: str) -> None:
-    """Warn, once, where 4-bit rows of the file are re-quantized to another 4-bit format: a real cost in quality."""
+    """Warn, once, where 4- to 6-bit rows of the file (Q4_1, Q4_K, Q5_0, IQ4_XS ...) are re-quantized to q4_0, a
+    coarser or other grid than theirs: a real cost in quality (`auto` converts them to their nearest format)."""
     import warnings
 
     stored = source.infos["blk.0.ffn_up.weight"].fmt
-    four = (WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q4_K, WeightFormat.Q5_K)
-    if stored != WeightFormat.Q4_0 and stored in four and WeightFormat.Q4_0 in (cold, hot):
-        keep = "--cold-dtype auto --gpu-dtype auto reads them as stored" if stored == WeightFormat.Q4_1 else \
-            "--cold-dtype q8_0 --gpu-dtype q8_0 keeps it (+0.4%) at about twice the bytes"
+    s = spec(stored)
+    if (s.block > 1 and 4 <= s.bits_per_weight <= 6 and nearest(stored) != WeightFormat.Q4_0
+            and WeightFormat.Q4_0 in (cold, hot)):
+        keep = ("--cold-dtype auto --gpu-dtype auto reads them as stored" if nearest(stored) == stored else
+                f"--cold-dtype auto --gpu-dtype auto converts them to {nearest(stored)} instead")
         warnings.warn(f"the file's {stored} FFN rows are re-quantized to q4_0, which costs quality (SmolLM2-135M from "
                       f"Q4_1: +15% perplexity, docs/memory.md); {keep}", stacklevel=3)
 
@@ -253,6 +286,11 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     cold_fmt, hot_fmt = formats_for(source, cfg.cold_dtype, cfg.gpu_dtype, dtype, device)
     cfg = replace(cfg, cold_dtype=cold_fmt, gpu_dtype=hot_fmt)  # as resolved
     requantized(source, cold_fmt, hot_fmt)
+    notice = conversions(source, device, cold_fmt, hot_fmt, placement.gpu)
+    if notice is not None:
+        import warnings
+
+        warnings.warn(notice, stacklevel=2)
     ctx = cfg.ctx or min(solved.flags.ctx if solved is not None else CAPACITY, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
     check_fits(need, device, cfg.vram, ctx)

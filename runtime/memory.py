@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common.units import parse_bytes
-from hotneurons.weights.formats import bytes_per_weight, spec
+from hotneurons.weights.formats import bytes_per_weight, kernel_format, spec
 
 SLACK = 256 << 20  # bytes: interpreter, kernels' scratch, small buffers
 
@@ -41,10 +41,11 @@ def is_ffn_weight(name: str) -> bool:
 
 
 def _stored_bytes(info: Any, dtype: torch.dtype) -> int:
-    """Bytes of a non-FFN tensor on the device: block formats as stored (the GEMV reads them), floats in the compute
-    dtype."""
+    """Bytes of a non-FFN tensor on the device: block formats as stored where the GEMV reads them, else in the format
+    they are converted to at load (weights/formats.kernel_format), floats in the compute dtype."""
     if spec(info.fmt).block > 1:
-        return int(info.nbytes)
+        fmt = kernel_format(info.fmt, "cuda")
+        return int(info.nbytes) if fmt == info.fmt else int(np.prod(info.shape) * bytes_per_weight(fmt))
     return int(np.prod(info.shape)) * torch.empty((), dtype=dtype).element_size()
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import torch
 from hotneurons.kernels.cold_experts import FLOAT_ROWS
 from hotneurons.kernels.qlinear import GpuQ
-from hotneurons.weights.formats import WeightFormat, spec
+from hotneurons.weights.formats import WeightFormat, nearest, spec
 from hotneurons.weights.qtensor import QTensor
 
 PROJ = ("gate", "up", "down")
-# what the kernel reads as stored; other formats' cold experts are re-quantized (engine.py's `auto` rule)
+# what the kernel reads as stored; other formats' cold experts are re-quantized, each into its nearest format
+# (weights/formats.py: Q4_K to q4_1, Q2_K, Q3_K, IQ2 ... to q4_0, Q5_0, Q6_K, IQ4_XS ... to q8_0)
 KERNEL_FMTS = {"q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"}
-_AUTO = {WeightFormat.Q4_K: "q4_0", WeightFormat.Q5_K: "q4_0"}
 
 
 def fmt_name(w: QTensor | torch.Tensor) -> str:
@@ -44,10 +44,12 @@ def host_rows(w: QTensor | torch.Tensor) -> np.ndarray:
 
 
 def requantized(w: QTensor | torch.Tensor, experts: np.ndarray, out: int) -> np.ndarray:
-    """The rows of `experts` only, in the kernel's nearest format (q4_0 / q8_0), one expert at a time."""
+    """The rows of `experts` only, in the kernel's nearest format (q4_0, q4_1 or q8_0; floats: q8_0), one expert at
+    a time."""
     from hotneurons.runtime.cold_rows import to_blocks
 
-    fmt = _AUTO.get(WeightFormat(w.fmt), "q8_0") if isinstance(w, QTensor) else "q8_0"
+    fmt = nearest(w.fmt) if isinstance(w, QTensor) else WeightFormat.Q8_0
+    fmt = str(fmt if spec(fmt).block > 1 else WeightFormat.Q8_0)
     parts = []
     for e in experts:
         rows = expert_rows(w, int(e), out)

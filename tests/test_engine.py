@@ -129,23 +129,33 @@ def test_exact_levels_survive_every_block_format():
 
 
 def test_auto_keeps_the_formats_the_kernels_read():
-    """`auto` for each stored FFN format: Q4_0, Q4_1 and Q8_0 kept on both sides; k-quants to q4_0 / q8_0, with the
-    warning where 4-bit rows become q4_0 (a Q4_1 file's names `auto` as the way to keep them)."""
+    """`auto` for each stored FFN format: Q4_0, Q4_1 and Q8_0 kept on both sides; the others to their nearest format
+    a kernel reads (weights/formats.py), with the warning where 4- to 6-bit rows become q4_0 (a Q4_1 file's names
+    `auto` as the way to keep them, a Q4_K file's its conversion to q4_1)."""
     import warnings
     from types import SimpleNamespace
 
     from hotneurons.runtime.engine import auto_format, requantized
     from hotneurons.weights.formats import WeightFormat as F
 
-    want = {F.Q4_0: "q4_0", F.Q4_1: "q4_1", F.Q8_0: "q8_0", F.Q4_K: "q4_0", F.Q5_K: "q4_0", F.Q6_K: "q8_0"}
+    want = {F.Q4_0: "q4_0", F.Q4_1: "q4_1", F.Q8_0: "q8_0", F.Q4_K: "q4_1", F.Q5_K: "q8_0", F.Q6_K: "q8_0",
+            F.Q5_0: "q8_0", F.Q5_1: "q8_0", F.Q2_K: "q4_0", F.Q3_K: "q4_0", F.IQ4_XS: "q8_0", F.IQ3_S: "q4_0"}
     for stored, fmt in want.items():
         assert auto_format(stored, "cpu", torch.float16) == fmt and auto_format(stored, "gpu", torch.float16) == fmt
+        assert auto_format(stored, "gpu", torch.float32, device="cpu") == fmt
     q41 = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q4_1)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         requantized(q41, "q4_1", "q4_1")  # auto's choice: nothing re-quantized to q4_0, no warning
     with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto reads them as stored"):
         requantized(q41, "q4_0", "q4_1")
+    q4k = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q4_K)})
+    with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto converts them to q4_1 instead"):
+        requantized(q4k, "q4_0", "q4_0")
+    q3k = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q3_K)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        requantized(q3k, "q4_0", "q4_0")  # q4_0 is no coarser than Q3_K's grid: nothing to warn of
 
 
 @pytest.mark.parametrize("mask", ["oracle", "predictor"])

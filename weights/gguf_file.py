@@ -39,7 +39,8 @@ class GGUFFile:
     """A GGUF (or PWRI) file's header parsed in Python, the whole file mapped copy-on-write: `meta` (key -> value;
     arrays longer than _LONG as their length, `array(key)` reads them whole), `tensors` (name -> Entry), `buf` (the
     mapping as uint8). Nothing past the header is read. Written here rather than over gguf-py's GGUFReader, which
-    builds a numpy view per vocabulary string (seconds for 50k tokens) and is not on every machine."""
+    builds a numpy view per vocabulary string (seconds for 50k tokens). Every tensor type of weights/formats.py is
+    read (any mix of them); an integer one only as such (INTS: PowerInfer's GPU masks)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -143,10 +144,6 @@ def _nbytes(path: Path, name: str, shape: tuple[int, ...], gtype: int) -> int:
         s = spec(from_ggml_type(gtype))
     except ValueError as e:
         raise ModelError(f"'{path}', tensor {name}: {e}", params="model") from None
-    except ImportError:  # from_ggml_type names the type through gguf-py, where it is installed
-        raise ModelError(f"'{path}', tensor {name}: GGUF tensor type {gtype} is not supported: convert the file "
-                         f"to q4_0, q8_0, q4_k, q6_k or a float type (llama.cpp's llama-quantize)",
-                         params="model") from None
     if shape[-1] % s.block:
         raise ModelError(f"'{path}', tensor {name}: rows of {shape[-1]} are not whole blocks of {s.block}",
                          params="model")

@@ -1,5 +1,10 @@
 """Rows of llama.cpp blocks <-> float32, in vectorised torch on the data's device (CPU or CUDA, no numpy round trip).
 
+Every GGUF tensor type gguf-py de-quantizes is de-quantized here (the lattice and small-float ones in
+weights/quants_iq.py); quantization writes the formats the kernels read (f32, f16, bf16, q8_0, q4_0, q4_1), and
+`convert` turns rows of one format into another a chunk at a time (a type no kernel reads into its nearest,
+weights/formats.py).
+
 The block layouts are ggml-common.h's, byte for byte (gguf-py's gguf/quants.py writes the same in numpy, and the tests
 hold these functions to it bit for bit). Every product and sum is taken in float32 in gguf-py's order, as separate torch
 ops (no fused multiply-add), so the results are the reference's exactly, not merely close.
@@ -14,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from hotneurons.weights import quants_iq
 from hotneurons.weights.formats import FORMATS, WeightFormat, row_bytes, weight_format
+from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
 _CHUNK_FLOATS = 1 << 24  # float32 values per chunk: 64 MB of output; the temporaries are a few times that
 # Q4_0 / Q8_0 on the CPU go through weights/quants_cpu.py's Numba kernels: the same bytes and floats in one pass over
@@ -127,10 +134,69 @@ def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a little-endian uint32 -> (n, 32): its bit j, weight j's fifth bit, shifted to bit 4."""
+    return torch.stack([(qh >> k) & 1 for k in range(8)], dim=2).reshape(-1, 32) << 4
+
+
+def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:
+    # fp16 d, 4 bytes qh (bit j: weight j's fifth bit), 16 bytes as Q4_0's; w = d * (q - 16)
+    q = _nibbles(b[:, 6:].unsqueeze(1)).reshape(-1, 32) | _fifth_bits(b[:, 2:6])  # (n, 32) uint8 0..31
+    return _f16(b, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _deq_q5_1(b: torch.Tensor) -> torch.Tensor:
+    # fp16 d, fp16 m, 4 bytes qh, 16 bytes as Q4_1's; w = d * q + m
+    q = (_nibbles(b[:, 8:].unsqueeze(1)).reshape(-1, 32) | _fifth_bits(b[:, 4:8])).float()  # (n, 32)
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _deq_q8_k(b: torch.Tensor) -> torch.Tensor:
+    # float32 d, 256 int8 q, 16 int16 sums; w = q * d
+    return b[:, 4:260].view(torch.int8).float() * _reinterpret(b[:, :4], torch.float32)  # (n, 256)
+
+
+def _deq_f64(b: torch.Tensor) -> torch.Tensor:
+    return _reinterpret(b, torch.float64).float()  # (n, 1), rounded to nearest
+
+
+def _deq_q2_k(b: torch.Tensor) -> torch.Tensor:
+    # 16 bytes of scales (low nibble scale, high nibble min, one each per 16 weights), 64 bytes of 2-bit values (per
+    # half of 128 weights, weight 32 s + j in bits 2 s, 2 s + 1 of byte j), fp16 d and dmin at 80 and 82;
+    # w = d * scale * q - dmin * min
+    n = b.shape[0]
+    sc = b[:, :16]  # (n, 16)
+    dl = (_f16(b, 80) * (sc & 0x0F).float()).reshape(n, 16, 1)  # (n, 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).float()).reshape(n, 16, 1)  # (n, 16, 1)
+    qs = b[:, 16:80].reshape(n, 2, 32)  # (n, 2, 32)
+    q = torch.stack([(qs >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 16, 16).float()  # (n, 16, 16)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _deq_q3_k(b: torch.Tensor) -> torch.Tensor:
+    # 32 bytes hmask (bit k of byte j: weight 32 k + j's third bit, set meaning no offset), 64 bytes of low 2 bits
+    # (as Q2_K's), 12 bytes of 6-bit scales (one per 16: low nibbles in bytes 0-7, top 2 bits in bytes 8-11), fp16 d
+    # at 108; w = d * (scale - 32) * (q - 4 * !hbit)
+    n = b.shape[0]
+    s = b[:, 96:108]  # (n, 12)
+    low = torch.cat([s[:, :8] & 0x0F, s[:, :8] >> 4], dim=1)  # (n, 16)
+    high = torch.cat([(s[:, 8:] >> k) & 3 for k in (0, 2, 4, 6)], dim=1)  # (n, 16)
+    dl = (_f16(b, 108) * ((low | (high << 4)).to(torch.int8) - 32).float()).reshape(n, 16, 1)  # (n, 16, 1)
+    ql = b[:, 32:96].reshape(n, 2, 32)  # (n, 2, 32)
+    ql = torch.stack([(ql >> k) & 3 for k in (0, 2, 4, 6)], dim=2).reshape(n, 16, 16)  # (n, 16, 16)
+    hm = b[:, :32]  # (n, 32)
+    qh = torch.stack([(hm >> k) & 1 for k in range(8)], dim=1).reshape(n, 16, 16) ^ 1  # (n, 16, 16)
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()  # (n, 16, 16) in -4..3
+    return (dl * q).reshape(n, 256)
+
+
 _DEQUANT: dict[WeightFormat, Callable[[torch.Tensor], torch.Tensor]] = {
     WeightFormat.F32: _deq_f32, WeightFormat.F16: _deq_f16, WeightFormat.BF16: _deq_bf16,
     WeightFormat.Q8_0: _deq_q8_0, WeightFormat.Q4_0: _deq_q4_0, WeightFormat.Q4_1: _deq_q4_1,
     WeightFormat.Q4_K: _deq_q4_k, WeightFormat.Q5_K: _deq_q5_k, WeightFormat.Q6_K: _deq_q6_k,
+    WeightFormat.F64: _deq_f64, WeightFormat.Q5_0: _deq_q5_0, WeightFormat.Q5_1: _deq_q5_1,
+    WeightFormat.Q8_K: _deq_q8_k, WeightFormat.Q2_K: _deq_q2_k, WeightFormat.Q3_K: _deq_q3_k,
+    **{WeightFormat(k): f for k, f in quants_iq.DEQUANT.items() if WeightFormat(k) in FORMATS},
 }
 
 
@@ -238,7 +304,7 @@ def dequantize(data: torch.Tensor, fmt: str | WeightFormat, cols: int) -> torch.
     """Rows of `fmt` blocks -> float32 weights, on data's device.
 
     data: (rows, row_bytes(fmt, cols)) uint8, or one row (row_bytes,) uint8; returns (rows, cols) float32, or (cols,)
-    for one row. Formats: f32, f16, bf16, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k (llama.cpp's block layouts)."""
+    for one row. Formats: every one of weights/formats.py but int8 (llama.cpp's block layouts)."""
     fmt = _format(fmt, _DEQUANT, "dequantize")
     rb = row_bytes(fmt, cols)
     if data.dtype != torch.uint8:
@@ -290,3 +356,22 @@ def quantize(w: torch.Tensor, fmt: str | WeightFormat) -> torch.Tensor:
         blocks = chunk.reshape(-1, spec.block)  # (r * cols / block, block)
         out[r0:r0 + step] = kernel(blocks).reshape(chunk.shape[0], rb)
     return out[0] if one_row else out
+
+
+def convert(w: QTensor, to: str | WeightFormat, device: torch.device | str | None = None) -> QTensor | torch.Tensor:
+    """w's weights in format `to` on `device` (default: w's), a chunk of rows at a time: each chunk's stored bytes
+    cross to the device, are de-quantized and quantized there, so the float temporaries stay a chunk's. A block `to`
+    gives a QTensor, a float one a tensor of its dtype; w itself (moved) where it is in `to` already."""
+    to = weight_format(to)
+    device = w.data.device if device is None else torch.device(device)
+    if w.fmt == to:
+        return w.to(device)
+    rows, cols = w.shape
+    dtype = FLOAT_DTYPES.get(to)
+    out = (torch.empty((rows, cols), dtype=dtype, device=device) if dtype is not None  # (rows, cols)
+           else torch.empty((rows, row_bytes(to, cols)), dtype=torch.uint8, device=device))  # (rows, row bytes)
+    step = _chunk_rows(cols)
+    for r0 in range(0, rows, step):
+        x = dequantize(w.data[r0:r0 + step].to(device), w.fmt, cols)  # (r, cols) float32
+        out[r0:r0 + step] = x if dtype is not None else quantize(x, to)
+    return out if dtype is not None else QTensor(out, to, (rows, cols))
