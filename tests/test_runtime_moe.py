@@ -430,8 +430,8 @@ def test_cuda_graph_pieces_equal_reference(family, fmt, where):
 
 def test_gguf_tokenizer_without_merges_reads_back(moe_gguf):
     """A byte-level vocabulary with no merges is written with llama.cpp's required merges array holding a merge that
-    never applies (export/gguf_model.NEVER_MERGE); reading it back drops merges that `tokenizers` would refuse
-    (weights/gguf_source.usable_merges) and tokenizes as the model's own tokenizer."""
+    never applies (export/gguf_model.NEVER_MERGE); read back (weights/gguf_tokenizer.py, where it never applies either,
+    as in llama.cpp) it tokenizes as the model's own tokenizer."""
     from hotneurons.bench import tiny
     from hotneurons.weights.gguf_source import GGUFSource
 

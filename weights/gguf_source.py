@@ -4,8 +4,8 @@ Reads llama.cpp's GGUFs and PowerInfer's own files (magic PWRI, the rest GGUF v3
 copy-on-write memory map (the header parsed by weights/gguf_file.GGUFFile). ggml lists a tensor's dims
 fastest-moving first: shapes here are torch's (reversed), block formats (rows, row_bytes) uint8. The config is built
 from the metadata keys alone (no tensor is read): transformers' GGUF path reads metadata only too, but refuses PWRI
-files, needs gguf-py and misses a few keys (Qwen3's head_dim, Falcon's layout). The tokenizer is transformers' GGUF
-conversion, fed from here.
+files, needs gguf-py and misses a few keys (Qwen3's head_dim, Falcon's layout). The tokenizer is llama.cpp's, built
+from the header (weights/gguf_tokenizer.py).
 
 PowerInfer's files also hold per layer a predictor (`blk.{i}.fc1.weight` (r, d), `blk.{i}.fc2.weight` (n_ff, r)) and
 the down projection transposed (`blk.{i}.ffn_down_t.weight` (n_ff, d), exposed as stored, TensorInfo.transposed), the
@@ -14,7 +14,6 @@ key `powerinfer.sparse_threshold`, and beside the file `<file>.generated.gpuidx`
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -211,87 +210,15 @@ class GGUFSource(WeightSource):
         return [masks[i] for i in range(n)]
 
     def tokenizer(self) -> Any:
-        """The tokenizer the file describes, as transformers builds it for `AutoTokenizer.from_pretrained(folder,
-        gguf_file=...)` (its get_gguf_tokenizer + convert_gguf_tokenizer), fed from this header: that call would
-        parse the file again with gguf-py (seconds for a large vocabulary) and refuses PWRI files. Where transformers
-        cannot build it (versions of transformers and tokenizers that disagree on the merges' type), a byte-level BPE
-        vocabulary is built from the file's tables with `tokenizers` alone (byte_level_bpe)."""
-        meta = {k: self.file.array(k) for k in self.meta if k.startswith("tokenizer.")}
-        if "tokenizer.ggml.merges" in meta:
-            meta["tokenizer.ggml.merges"] = usable_merges(meta)
-        try:
-            return self._transformers_tokenizer(meta, fallback=meta.get("tokenizer.ggml.model") != "gpt2")
-        except (TypeError, ValueError) as e:
-            if meta.get("tokenizer.ggml.model") != "gpt2":
-                raise
-            import warnings
+        """The file's own tokenizer as llama.cpp reads it (weights/gguf_tokenizer.py): llama.cpp's ids for the same
+        text, its chat template; from this header's tokenizer.* keys (and general.name, general.architecture, which
+        llama.cpp reads a few token attributes by)."""
+        from hotneurons.weights.gguf_tokenizer import GGUFTokenizer
 
-            warnings.warn(f"transformers could not build this file's tokenizer ({type(e).__name__}: {e}); built it "
-                          f"from the file's byte-level BPE tables instead", stacklevel=2)
-            return byte_level_bpe(meta)
-
-    def _transformers_tokenizer(self, meta: dict[str, Any], fallback: bool) -> Any:
-        """transformers' conversion fed from this header. Where its tables have other names (versions move them):
-        its public loader if `fallback`, else byte_level_bpe straight away (the loader parses the file again, which
-        takes seconds)."""
-        from transformers import PreTrainedTokenizerFast
-
-        try:  # these names are transformers' own, which versions move
-            from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
-
-            tm.GGUF_TOKENIZER_MAPPING, tm._SPECIAL_TOKENS, tm.convert_gguf_tokenizer  # noqa: B018
-        except (ImportError, AttributeError):
-            if not fallback:
-                return byte_level_bpe(meta)
-            from transformers import AutoTokenizer
-
-            path = os.path.abspath(self.path)
-            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        grouped = {group: {name: meta[f"tokenizer.{k}"] for k, name in renames.items() if f"tokenizer.{k}" in meta}
-                   for group, renames in tm.GGUF_TOKENIZER_MAPPING.items()}
-        tok, tok_cfg = grouped["tokenizer"], grouped["tokenizer_config"]
-        if tok.get("tokenizer_type") == "llama":
-            tok_cfg.setdefault("add_bos_token", True)  # as transformers' get_gguf_tokenizer
-        for name, k in tm._SPECIAL_TOKENS.items():
-            i = meta.get(f"tokenizer.ggml.{k}")
-            tok_cfg[name] = tok["tokens"][i] if i is not None else None
-        backend, extra = tm.convert_gguf_tokenizer(self.arch, tok)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_cfg, **extra)
+        keys = [k for k in self.meta if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")]
+        return GGUFTokenizer({k: self.file.array(k) for k in keys}, str(self.path))
 
     def close(self) -> None:
         super().close()
         self.file = None
 
-
-def usable_merges(meta: dict[str, Any]) -> list[str]:
-    """The file's merges whose two sides and join are all tokens: `tokenizers` refuses any other (a bare Exception:
-    "Token ... out of vocabulary"), and none could apply. A file whose tokenizer has no merges carries a placeholder
-    that never applies, since llama.cpp's loader needs the array (export/gguf_model.NEVER_MERGE)."""
-    vocab = set(meta["tokenizer.ggml.tokens"])
-    out = []
-    for m in meta["tokenizer.ggml.merges"]:
-        a, _, b = m.partition(" ")
-        if a in vocab and b in vocab and a + b in vocab:
-            out.append(m)
-    return out
-
-
-def byte_level_bpe(meta: dict[str, Any]) -> Any:
-    """A byte-level BPE tokenizer (tokenizer.ggml.model "gpt2": GPT-2, LLaMA-3, SmolLM2, Qwen) from a GGUF header's
-    tokenizer.* values, with `tokenizers` alone: GPT-2's pre-tokenizer and decoder, the file's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    special = {name: tokens[int(meta[f"tokenizer.ggml.{key}"])]
-               for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                                 ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
-               if f"tokenizer.ggml.{key}" in meta}
-    types = meta.get("tokenizer.ggml.token_type")
-    if types is not None:  # control tokens (type 3) are special: never split, skipped when decoding
-        tk.add_special_tokens([tokens[i] for i, t in enumerate(types) if int(t) == 3])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, **special)
