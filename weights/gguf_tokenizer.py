@@ -1,5 +1,6 @@
 """`GGUFTokenizer`: a GGUF file's own tokenizer, built from its header's tokenizer.* keys, giving llama.cpp's ids for
-the same text and llama.cpp's text for the same ids (its src/llama-vocab.cpp, as of the version in docs/gguf.md).
+the same text and llama.cpp's text for the same ids (its src/llama-vocab.cpp, as llama-cpp-python 0.3.36 has it;
+docs/runtime.md).
 
 Three of llama.cpp's vocabulary kinds (`tokenizer.ggml.model`): "gpt2" (byte-level BPE: the words of the file's
 pre-tokenizer, weights/gguf_pretok.py, each merged by the merges' ranks), "gemma4" (BPE on "▁"-spaced text) and
@@ -12,13 +13,12 @@ tokens and ids.
 
 from __future__ import annotations
 
-import heapq
-import json
 from enum import IntFlag
-from functools import lru_cache
 from typing import Any
 
 from hotneurons.common.model_source import ModelError
+from hotneurons.weights.gguf_chat import render_chat
+from hotneurons.weights.gguf_merge import merge
 from hotneurons.weights.gguf_pretok import PRE, Pre, split
 
 
@@ -53,6 +53,7 @@ FIM = {"fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁
 EOG = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
        "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
        "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[")
+OLD_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}  # deprecated, read after the others
 ALWAYS_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss: rendered as text
 # GPT-2's byte-level alphabet: bytes that print stand for themselves, the others for 256 + n
 _PRINTS = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -60,6 +61,7 @@ BYTE_CHAR = {b: chr(b) if b in _PRINTS else chr(256 + sum(c not in _PRINTS for c
 CHAR_BYTE = {c: b for b, c in BYTE_CHAR.items()}
 _TO_BYTE_CHARS = str.maketrans({chr(b): c for b, c in BYTE_CHAR.items()})
 SPACE = "\u2581"  # "▁": SentencePiece's space
+WORD_CACHE = 1 << 17  # words whose ids are kept (text repeats its words; a server's stream of texts has no end)
 
 
 def _need(meta: dict[str, Any], key: str, path: str) -> Any:
@@ -118,9 +120,10 @@ class GGUFTokenizer:
         for role in ("bos", "eos", "eot", "eom", "unknown", "padding", *FIM):  # keys out of range: the default
             i = roles.get(role)
             roles[role] = i if i is not None and i < n else None
-            k = meta.get(f"tokenizer.ggml.{role}_token_id")
-            if k is not None and 0 <= int(k) < n:
-                roles[role] = int(k)
+            for key in (role, OLD_KEYS.get(role)):
+                k = meta.get(f"tokenizer.ggml.{key}_token_id")
+                if key is not None and k is not None and 0 <= int(k) < n:
+                    roles[role] = int(k)
         self._special_by_name(roles, meta)
         self.bos_token_id, self.eos_token_id = roles["bos"], roles["eos"]
         self.unk_token_id, self.pad_token_id = roles["unknown"], roles["padding"]
@@ -215,6 +218,8 @@ class GGUFTokenizer:
                 for word in split(f.replace(" ", SPACE) if self.escape_whitespace else f, self.pre):
                     ids = self._words.get(word)
                     if ids is None:
+                        if len(self._words) >= WORD_CACHE:
+                            self._words.clear()
                         ids = self._words[word] = self._bpe(word)
                     out += ids
         if add_special_tokens and self.add_eos and self.eos_token_id is not None:
@@ -222,78 +227,37 @@ class GGUFTokenizer:
         return out
 
     def _bpe(self, word: str) -> list[int]:
-        """One word through the merges, lowest rank first, leftmost first among equals (llama.cpp's queue)."""
-        pre, ids = self.pre, self.ids
+        """One word through the merges, lowest rank first (llama.cpp's BPE); symbols that are no token come out as
+        those of their bytes that are."""
+        pre, ids, ranks = self.pre, self.ids, self.ranks
         w = word.encode().decode("latin-1").translate(_TO_BYTE_CHARS) if pre.byte_encode else word
         if w in ids and (pre.ignore_merges or (pre is PRE["gemma4"] and not w.strip("\n"))):
             return [ids[w]]
-        sym = list(w)  # one symbol per character: per byte where byte-encoded
-        nxt = list(range(1, len(sym))) + [-1]
-        prv = list(range(-1, len(sym) - 1))
-        queue: list[tuple[int, int, int, str]] = []
-
-        def pair(a: int, b: int) -> None:
-            if a >= 0 and b >= 0 and (r := self.ranks.get((sym[a], sym[b]))) is not None:
-                heapq.heappush(queue, (r, a, b, sym[a] + sym[b]))
-
-        for i in range(len(sym) - 1):
-            pair(i, i + 1)
-        while queue:
-            _, a, b, joined = heapq.heappop(queue)
-            if not sym[a] or not sym[b] or sym[a] + sym[b] != joined:
-                continue  # outdated: a side was merged since
-            sym[a], sym[b] = joined, ""
-            nxt[a] = nxt[b]
-            if nxt[b] >= 0:
-                prv[nxt[b]] = a
-            pair(prv[a], a)
-            pair(a, nxt[a])
         out = []
-        for s in sym:
+        for s in merge(list(w), lambda a, b: ranks.get((a, b))):  # per character: per byte where byte-encoded
             if s in ids:
                 out.append(ids[s])
-            elif s:  # not a token: its bytes one by one, those that are tokens
-                codes = [f"<0x{b:02X}>" for b in s.encode()] if not pre.byte_encode else \
-                    [chr(b) for b in s.encode() if b < 0x80]
+            else:
+                codes = [chr(b) for b in s.encode() if b < 0x80] if pre.byte_encode else \
+                    [f"<0x{b:02X}>" for b in s.encode()]
                 out += [ids[c] for c in codes if c in ids]
         return out
 
     def _spm(self, text: str) -> list[int]:
-        """llama.cpp's SentencePiece: the adjacent pair whose join is the best-scored token joins first (leftmost
-        among equals); symbols that are no token come out as their <0xXX> byte tokens."""
-        ids, scores, n = self.ids, self.scores, len(self.tokens)
-        sym = list(text)
-        nxt = list(range(1, len(sym))) + [-1]
-        prv = list(range(-1, len(sym) - 1))
-        queue: list[tuple[float, int, int, int]] = []
-
-        def pair(a: int, b: int) -> None:
-            if a >= 0 and b >= 0 and (i := ids.get(sym[a] + sym[b])) is not None and i < n:
-                heapq.heappush(queue, (-scores[i], a, b, len(sym[a]) + len(sym[b])))
-
-        for i in range(len(sym) - 1):
-            pair(i, i + 1)
-        while queue:
-            _, a, b, size = heapq.heappop(queue)
-            if not sym[a] or not sym[b] or len(sym[a]) + len(sym[b]) != size:
-                continue
-            sym[a], sym[b] = sym[a] + sym[b], ""
-            nxt[a] = nxt[b]
-            if nxt[b] >= 0:
-                prv[nxt[b]] = a
-            pair(prv[a], a)
-            pair(a, nxt[a])
+        """llama.cpp's SentencePiece: the adjacent pair whose join is the best-scored token joins first; symbols that
+        are no token come out as their <0xXX> byte tokens."""
+        ids, scores = self.ids, self.scores
         out = []
-        for s in sym:
+        for s in merge(list(text), lambda a, b: None if (i := ids.get(a + b)) is None else -scores[i]):
             if s in ids:
                 out.append(ids[s])
-            elif s:
-                for b in s.encode():
-                    t = ids.get(f"<0x{b:02X}>", ids.get(chr(b)) if b < 0x80 else None)
-                    if t is None:
-                        raise ValueError(f"the text has byte 0x{b:02X}, which this vocabulary has no token for "
-                                         f"(<0x{b:02X}>): llama.cpp refuses it too")
-                    out.append(t)
+                continue
+            for b in s.encode():
+                t = ids.get(f"<0x{b:02X}>", ids.get(chr(b)) if b < 0x80 else None)
+                if t is None:
+                    raise ValueError(f"the text has byte 0x{b:02X}, which this vocabulary has no token for "
+                                     f"(<0x{b:02X}>): llama.cpp refuses it too")
+                out.append(t)
         return out
 
     # -- ids to text ----------------------------------------------------------------------------------------------
@@ -359,9 +323,9 @@ class GGUFTokenizer:
         if self.chat_template is None:
             raise ValueError("this GGUF file has no chat template (tokenizer.chat_template)")
         bos, eos = self.bos_token or "", self.eos_token or ""
-        text = _template(self.chat_template).render(
-            messages=conversation, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
-            **{**{k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}, **kwargs})
+        special = {k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        text = render_chat(self.chat_template, messages=conversation, add_generation_prompt=add_generation_prompt,
+                           tools=tools, documents=documents, **{**special, **kwargs})
         if not tokenize:
             return text
         if self.add_bos and bos and text.startswith(bos):
@@ -430,25 +394,3 @@ def _clean_spaces(t: bytearray) -> bytearray:
         t[total] = x
         total += 1
     return t[:total]
-
-
-@lru_cache(maxsize=8)
-def _template(source: str) -> Any:
-    """A chat template compiled as transformers compiles it (its chat_template_utils)."""
-    from datetime import datetime
-
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
