@@ -1,11 +1,13 @@
-"""Rows of llama.cpp blocks as a GGUF file stores them (Q4_0, Q4_1, Q8_0: scale, [min,] quants interleaved) to a float
-tensor in one pass, on the device where they are.
+"""Rows of llama.cpp blocks as a GGUF file stores them (Q4_0, Q4_1, Q8_0: scale, [min,] quants interleaved; Q4_K,
+Q5_K, Q6_K: 256-weight blocks of sub-block scales and quants) to a float tensor in one pass, on the device where they
+are.
 
 The prefill path streams a layer's cold rows to the GPU in chunks and multiplies them there in the model's dtype;
 de-quantizing with torch (weights/quants.dequantize: unpack, widen, scale, each a pass over a float32 temporary) and
 then casting to fp16 cost more than the copy itself on a 70B. One Triton program reads each block's bytes once and
-writes the weights in the output's dtype, rounded once from the float32 product (so equal to torch's float32 result
-cast to that dtype).
+writes the weights in the output's dtype, rounded once from the float32 value (gguf-py's arithmetic: K-quants' d sc q -
+dmin m with d sc, the product and dmin m exact, the difference rounded once; so equal to torch's float32 result cast
+to that dtype).
 
 `dequant_rows(data, fmt, cols, dtype)`: the same function on every device; on the CPU (or a format without a kernel)
 it is weights/quants.dequantize then a cast.
@@ -19,6 +21,7 @@ import triton.language as tl
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
 
 KERNEL_FORMATS = {WeightFormat.Q4_0: (18, 2), WeightFormat.Q4_1: (20, 4), WeightFormat.Q8_0: (34, 2)}  # bytes, head
+K_FORMATS = {WeightFormat.Q4_K: (144, 0), WeightFormat.Q5_K: (176, 1), WeightFormat.Q6_K: (210, 2)}  # bytes, kind
 
 
 @triton.jit
@@ -61,10 +64,68 @@ def _dequant_file_kernel(d_ptr, out_ptr, N, NB, stride_d, stride_o, KIND: tl.con
             tl.store(o_at + j + 16, (s * (hi - 8.0)).to(dt), mask=m3)
 
 
+@triton.jit
+def _dequant_k_kernel(d_ptr, out_ptr, N, NB, stride_d, stride_o, KIND: tl.constexpr, BYTES: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """Program p: the (row, block) pairs [p * BLOCK_R, ...) of the N x NB blocks (row-major) to out's dtype. KIND 0
+    Q4_K, 1 Q5_K: fp16 d, dmin, 12 bytes of 6-bit scales and mins (ggml's get_scale_min_k4), (Q5_K: 32 bytes, bit j
+    of byte l the fifth bit of sub-block j's weight l), 128 bytes: byte 32 p + l holds sub-block 2 p's weight l (low
+    nibble) and 2 p + 1's (high); w = d sc q - dmin m. 2 Q6_K: 128 bytes ql (byte 64 h + b: weight 128 h + b low,
+    128 h + 64 + b high), 64 bytes qh (byte 32 h + l, bits 2 t: weight 128 h + 32 t + l's top two), 16 int8 scales
+    (one a 16 weights), fp16 d; w = d sc (q - 32)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) (row, block) pairs
+    rm = r < N * NB
+    row = (r // NB).to(tl.int64)
+    blk = r % NB
+    base = d_ptr + row * stride_d + blk * BYTES  # (BLOCK_R,) block starts
+    o_at = out_ptr + row * stride_o + blk * 256  # (BLOCK_R,) their first weights
+    dt = out_ptr.dtype.element_ty
+    if KIND == 2:
+        e = tl.arange(0, 128)[None, :]  # ql byte: half h = e // 64, b = e % 64
+        h, b = e // 64, e % 64
+        m2 = rm[:, None]
+        ql = tl.load(base[:, None] + e, mask=m2, other=0).to(tl.int32)  # (BLOCK_R, 128)
+        qh = tl.load(base[:, None] + 128 + 32 * h + b % 32, mask=m2, other=0).to(tl.int32)
+        d = _f16_at(base, 208, rm)[:, None]
+        s_lo = tl.load(base[:, None] + 192 + 8 * h + b // 16, mask=m2, other=0).to(tl.int8, bitcast=True)
+        s_hi = tl.load(base[:, None] + 196 + 8 * h + b // 16, mask=m2, other=0).to(tl.int8, bitcast=True)
+        v_lo = (ql & 15) | (((qh >> (2 * (b // 32))) & 3) << 4)  # weight 128 h + b
+        v_hi = (ql >> 4) | (((qh >> (4 + 2 * (b // 32))) & 3) << 4)  # weight 128 h + 64 + b
+        at = o_at[:, None] + 128 * h + b
+        tl.store(at, ((d * s_lo.to(tl.float32)) * (v_lo - 32).to(tl.float32)).to(dt), mask=m2)
+        tl.store(at + 64, ((d * s_hi.to(tl.float32)) * (v_hi - 32).to(tl.float32)).to(dt), mask=m2)
+    else:
+        j = tl.arange(0, 8)[None, :]  # sub-blocks
+        m2 = rm[:, None]
+        a = tl.load(base[:, None] + 4 + j, mask=m2, other=0).to(tl.int32)  # (BLOCK_R, 8): scale byte j
+        bj = tl.load(base[:, None] + 8 + j, mask=m2, other=0).to(tl.int32)  # byte j + 4
+        c = tl.load(base[:, None] + 4 + j % 4, mask=m2, other=0).to(tl.int32)  # byte j - 4 (j >= 4)
+        sc = tl.where(j < 4, a & 63, (bj & 15) | ((c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, bj & 63, (bj >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        ds = _f16_at(base, 0, rm)[:, None] * sc  # (BLOCK_R, 8): d sc, exact
+        dm = _f16_at(base, 2, rm)[:, None] * mn  # dmin m, exact
+        ds0, ds1 = tl.split(tl.reshape(ds, (BLOCK_R, 4, 2)))  # (BLOCK_R, 4): sub-blocks 2 p, 2 p + 1
+        dm0, dm1 = tl.split(tl.reshape(dm, (BLOCK_R, 4, 2)))
+        pp = tl.arange(0, 4)[None, :, None]
+        ll = tl.arange(0, 32)[None, None, :]
+        m3 = rm[:, None, None]
+        HEAD: tl.constexpr = 48 if KIND == 1 else 16
+        q = tl.load(base[:, None, None] + HEAD + 32 * pp + ll, mask=m3, other=0).to(tl.int32)  # (BLOCK_R, 4, 32)
+        v0 = q & 15
+        v1 = q >> 4
+        if KIND == 1:
+            qh = tl.load(base[:, None, None] + 16 + ll, mask=m3, other=0).to(tl.int32)  # (BLOCK_R, 1, 32)
+            v0 |= ((qh >> (2 * pp)) & 1) << 4
+            v1 |= ((qh >> (2 * pp + 1)) & 1) << 4
+        at = o_at[:, None, None] + 64 * pp + ll
+        tl.store(at, (ds0[:, :, None] * v0.to(tl.float32) - dm0[:, :, None]).to(dt), mask=m3)
+        tl.store(at + 32, (ds1[:, :, None] * v1.to(tl.float32) - dm1[:, :, None]).to(dt), mask=m3)
+
+
 def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: torch.dtype = torch.float32,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, row_bytes(fmt, cols)) uint8 file blocks -> (rows, cols) weights in `dtype` (or into `out`), where data
-    is. CUDA and Q4_0 / Q4_1 / Q8_0: one kernel; otherwise weights/quants.dequantize."""
+    is. CUDA and Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K: one kernel; otherwise weights/quants.dequantize."""
     fmt = weight_format(fmt)
     rows = data.shape[0]
     out = torch.empty((rows, cols), dtype=dtype, device=data.device) if out is None else out  # (rows, cols)
@@ -72,11 +133,18 @@ def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: 
     if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != rb or tuple(out.shape) != (rows, cols):
         raise ValueError(f"dequant_rows {fmt.value}: expected ({rows}, {rb}) uint8 rows into ({rows}, {cols}), got "
                          f"{tuple(data.shape)} {data.dtype} into {tuple(out.shape)}: pass whole rows of blocks")
-    if fmt not in KERNEL_FORMATS or not _on_kernels(data) or out.stride(1) != 1 or data.stride(1) != 1:
+    kernel = fmt in KERNEL_FORMATS or fmt in K_FORMATS
+    if not kernel or not _on_kernels(data) or out.stride(1) != 1 or data.stride(1) != 1:
         from hotneurons.weights.quants import dequantize
 
         return out.copy_(dequantize(data, fmt, cols))
     if rows == 0 or cols == 0:
+        return out
+    if fmt in K_FORMATS:
+        nbk, (nbytes, kind) = cols // 256, K_FORMATS[fmt]
+        br = 16 if kind == 2 else 32  # (row, block) pairs a program: 4096 | 8192 weights
+        _dequant_k_kernel[(triton.cdiv(rows * nbk, br),)](data, out, rows, nbk, data.stride(0), out.stride(0),
+                                                          KIND=kind, BYTES=nbytes, BLOCK_R=br, num_warps=4)
         return out
     nb = cols // 32
     bn, bb = 4, min(64, triton.next_power_of_2(nb))

@@ -6,11 +6,12 @@ A weight is one of
                 Q4_0 / Q4_1 / Q8_0 (and the formats weights/quants.py reads) are de-quantized in chunks of rows and
                 multiplied (correct and memory-bounded, not fast: the CPU's path, and a GPU's before `pack`)
   GpuQ          (n, k) Q4_0 / Q4_1 / Q8_0 split once by `pack` into contiguous quants (reordered within each block) and
-                block-major fp16 scales (and Q4_1's fp16 mins), the file's bytes (kernels/qgemv.py says how and why)
+                block-major fp16 scales (and Q4_1's fp16 mins), the file's bytes (kernels/qgemv.py says how and why);
+                Q4_K / Q5_K / Q6_K split likewise into kernels/qlayout_k.py's fields (kernels/qgemv_k.py reads them)
 
 and `linear(x, w, bias)` runs, for x (..., k) -> (..., n) in x's dtype:
-  CUDA, GpuQ, <= qgemv.GEMV_MAX_ROWS tokens (decode): qgemv's Triton GEMV, reading the weight's bytes once, sums in
-      float32, rounded once (+ bias before the rounding) to x's dtype
+  CUDA, GpuQ, <= qgemv.GEMV_MAX_ROWS tokens (decode): qgemv's Triton GEMV (qgemv_k's for K-quants), reading the
+      weight's bytes once, sums in float32, rounded once (+ bias before the rounding) to x's dtype
   CUDA, GpuQ, more tokens (prefill): chunks of rows de-quantized by a Triton kernel to x's dtype (each weight
       rounded once there; exact for float32 x), times x by cuBLAS; the chunk is the only temporary (CHUNK_ELEMS
       weights). Not a fused kernel: prefill is bound by the matmul's arithmetic, the chunk's extra traffic (2 + 2
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from hotneurons.kernels import qlayout_k
+from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
@@ -53,20 +56,25 @@ def _head(fmt: WeightFormat) -> int:
 class GpuQ:
     """An (n, k) Q4_0, Q4_1 or Q8_0 weight in the GEMV's layout (kernels/qgemv.py): qs (n, k/2) uint8 (Q4_0, Q4_1)
     or (n, k) int8 (Q8_0), row-major, each block's quants in the kernel order; scales (n, k/32) fp16, block-major
-    (stride (1, n): given otherwise, they are copied so); mins (Q4_1 only) as scales. Any device; rows of one
-    (`rows`) are views."""
+    (stride (1, n): given otherwise, they are copied so); mins (Q4_1 only) as scales. Or a Q4_K, Q5_K or Q6_K one in
+    kernels/qlayout_k.py's layout: qs, scales (d), mins (dmin, Q4_K and Q5_K), sub and qh (Q5_K, Q6_K), each but qs
+    row-innermost (copied so where given otherwise). Any device; rows of one (`rows`) are views."""
 
     qs: torch.Tensor  # (n, k/2) uint8 | (n, k) int8, kernel order within blocks
-    scales: torch.Tensor  # (n, k/32) float16, stride (1, n)
+    scales: torch.Tensor  # (n, k/32) float16, stride (1, n) (K-quants: (n, k/256), d)
     fmt: WeightFormat
     shape: tuple[int, int]  # (n, k), as torch's Linear.weight
     mins: torch.Tensor | None = None  # (n, k/32) float16, stride (1, n): Q4_1's m (w = scale * q + m); else None
+    sub: torch.Tensor | None = None  # K-quants: sub-block scales (qlayout_k); else None
+    qh: torch.Tensor | None = None  # Q5_K, Q6_K: high bits (qlayout_k); else None
 
     def __post_init__(self):
         fmt = weight_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
+        if fmt in K_FORMATS:
+            return self._check_k()
         if fmt not in BLOCKS:
-            raise ValueError(f"GpuQ holds q4_0, q4_1 or q8_0 weights, not {fmt.value}")
+            raise ValueError(f"GpuQ holds q4_0, q4_1, q8_0, q4_k, q5_k or q6_k weights, not {fmt.value}")
         n, k = self.shape
         nb = k // QBLOCK
         m = self.mins
@@ -74,7 +82,8 @@ class GpuQ:
             m is not None and m.dtype == torch.float16 and tuple(m.shape) == (n, nb) and m.device == self.qs.device)
         if (k % QBLOCK or self.qs.dtype != QDTYPE[fmt] or tuple(self.qs.shape) != (n, nb * BLOCKS[fmt])
                 or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != (n, nb)
-                or self.qs.stride(1) != 1 or self.qs.device != self.scales.device or not mins_ok):
+                or self.qs.stride(1) != 1 or self.qs.device != self.scales.device or not mins_ok
+                or self.sub is not None or self.qh is not None):
             mins = "" if self.mins is None else f" and mins {tuple(self.mins.shape)} {self.mins.dtype}"
             want = f" and mins ({n}, {nb}) float16" if fmt == WeightFormat.Q4_1 else " and no mins"
             raise ValueError(f"GpuQ {fmt.value} {self.shape}: got qs {tuple(self.qs.shape)} {self.qs.dtype} and "
@@ -84,10 +93,32 @@ class GpuQ:
         if self.mins is not None:
             object.__setattr__(self, "mins", _block_major(self.mins))
 
+    def _check_k(self) -> None:
+        """A K-quant's fields: qlayout_k.shapes' shapes and dtypes on one device, qs row-major; the rest made
+        row-innermost."""
+        n, k = self.shape
+        want = qlayout_k.shapes(self.fmt, n, k) if k % qlayout_k.QK == 0 else {}
+        got = {f: getattr(self, f) for f in ("qs", "scales", "mins", "sub", "qh")}
+        ok = bool(want) and self.qs.stride(1) == 1 and all(
+            (t is None) == (want[f] is None) and (t is None or (tuple(t.shape) == want[f][0] and t.dtype == want[f][1]
+                                                                and t.device == self.qs.device))
+            for f, t in got.items())
+        if not ok:
+            have = ", ".join(f"{f} {None if t is None else (tuple(t.shape), t.dtype)}" for f, t in got.items())
+            need = ", ".join(f"{f} {v}" for f, v in want.items()) or f"k a multiple of {qlayout_k.QK}"
+            raise ValueError(f"GpuQ {self.fmt.value} {self.shape}: got {have}; expected {need} on one device")
+        for f in ("scales", "mins", "sub", "qh"):
+            object.__setattr__(self, f, qlayout_k.rows_inner(got[f]))
+
     @property
     def q4(self) -> bool:
         """4-bit quants (Q4_0, Q4_1: nibbles), else 8-bit (Q8_0)."""
         return self.fmt != WeightFormat.Q8_0
+
+    @property
+    def kquant(self) -> bool:
+        """A Q4_K, Q5_K or Q6_K weight (kernels/qgemv_k.py), else Q4_0, Q4_1 or Q8_0 (kernels/qgemv.py)."""
+        return self.fmt in K_FORMATS
 
     @property
     def device(self) -> torch.device:
@@ -96,21 +127,30 @@ class GpuQ:
     @property
     def nbytes(self) -> int:
         """Bytes held on the device: the file's row_bytes * rows (rows of a view: its share)."""
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins, self.sub, self.qh)
+                   if t is not None)
 
     def to(self, device: torch.device | str) -> "GpuQ":
-        return GpuQ(self.qs.to(device), self.scales.to(device), self.fmt, self.shape,
-                    None if self.mins is None else self.mins.to(device))
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return GpuQ(self.qs.to(device), self.scales.to(device), self.fmt, self.shape, move(self.mins),
+                    move(self.sub), move(self.qh))
 
     def rows(self, idx: slice | torch.Tensor) -> "GpuQ":
         """Some rows: a view for a slice, a copy for an index tensor."""
+        def take(t):
+            return None if t is None else t[idx]
+
         qs = self.qs[idx]
-        return GpuQ(qs, self.scales[idx], self.fmt, (qs.shape[0], self.shape[1]),
-                    None if self.mins is None else self.mins[idx])
+        return GpuQ(qs, self.scales[idx], self.fmt, (qs.shape[0], self.shape[1]), take(self.mins), take(self.sub),
+                    take(self.qh))
 
     def file_blocks(self) -> torch.Tensor:
         """(n, nb, block bytes) uint8: the file's interleaved blocks again (on the device)."""
         n, k = self.shape
+        if self.kquant:
+            return qlayout_k.to_file(self.qs, self.scales, self.mins, self.sub, self.qh, self.fmt)
         nb, bb, head = k // QBLOCK, BLOCKS[self.fmt], _head(self.fmt)
         data = torch.empty((n, nb, head + bb), dtype=torch.uint8, device=self.device)  # (n, blocks, block bytes)
         data[:, :, :2] = self.scales.contiguous().view(torch.uint8).view(n, nb, 2)
@@ -125,6 +165,10 @@ class GpuQ:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(n, k) in dtype, on the device, by torch (the reference; a whole-matrix temporary)."""
+        if self.kquant:  # the file's blocks again, de-quantized as gguf-py does (weights/quants.py)
+            from hotneurons.weights.quants import dequantize
+
+            return dequantize(self.to_qtensor().data, self.fmt, self.shape[1]).to(dtype)
         n, nb = self.scales.shape
         qs = from_kernel_order(self.qs.view(torch.uint8).view(n, nb, BLOCKS[self.fmt]), self.q4)
         return _file_dequant(qs, self.scales, self.q4, self.mins).to(dtype)
@@ -193,16 +237,18 @@ def _block_fields(blocks: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor
 
 def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
          chunk_bytes: int = PACK_CHUNK_BYTES) -> GpuQ | torch.Tensor:
-    """The form `linear` reads fastest on `device`: a Q4_0 / Q4_1 / Q8_0 QTensor as a GpuQ (its file's bytes, split;
-    copied chunk_bytes of file at a time, with no float temporaries), a float one as a float tensor (its bytes
-    viewed); a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
+    """The form `linear` reads fastest on `device`: a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K QTensor as a GpuQ (its
+    file's bytes, split; copied chunk_bytes of file at a time, with no float temporaries), a float one as a float
+    tensor (its bytes viewed); a GpuQ or tensor moved. Other formats (no GPU kernel): a one-line error."""
     if isinstance(w, (GpuQ, torch.Tensor)):
         return w.to(device)
     if w.fmt in FLOAT_DTYPES:
         return w.data.to(device).view(FLOAT_DTYPES[w.fmt])
+    if w.fmt in K_FORMATS:
+        return _pack_k(w, device, chunk_bytes)
     if w.fmt not in BLOCKS:
-        raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q4_1, q8_0 or a float "
-                         f"format (llama.cpp's llama-quantize), or de-quantize them on load")
+        raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q4_1, q8_0, q4_k, q5_k, "
+                         f"q6_k or a float format (llama.cpp's llama-quantize), or de-quantize them on load")
     n, k = w.shape
     nb, bb, head = k // QBLOCK, BLOCKS[w.fmt], _head(w.fmt)
     qs = torch.empty((n, nb * bb), dtype=QDTYPE[w.fmt], device=device)
@@ -219,6 +265,24 @@ def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
         if mins is not None:
             mins[r0:r1].copy_(m)
     return GpuQ(qs, scales, w.fmt, (n, k), mins)
+
+
+def _pack_k(w: QTensor, device: torch.device | str, chunk_bytes: int) -> GpuQ:
+    """pack's K-quants: a chunk of the file's rows at a time to the device, split there (qlayout_k.to_gpu) into the
+    fields, allocated once (row-innermost but qs)."""
+    n, k = w.shape
+    nb, bb = k // qlayout_k.QK, spec(w.fmt).block_bytes
+    fields = {f: None if v is None else (torch.empty(v[0], dtype=v[1], device=device) if f == "qs" else
+                                         qlayout_k.empty_rows_inner(v[0], v[1], device))
+              for f, v in qlayout_k.shapes(w.fmt, n, k).items()}
+    step = max(1, chunk_bytes // row_bytes(w.fmt, k))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        part = qlayout_k.to_gpu(w.data[r0:r1].to(device).view(r1 - r0, nb, bb), w.fmt)  # the chunk's fields
+        for f, t in fields.items():
+            if t is not None:
+                t[r0:r1].copy_(part[f])
+    return GpuQ(fields["qs"], fields["scales"], w.fmt, (n, k), fields["mins"], fields["sub"], fields["qh"])
 
 
 def shape_of(w: Weight) -> tuple[int, int]:
@@ -244,7 +308,11 @@ def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out
         from hotneurons.kernels import qgemv
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        if kernels:
+        if kernels and w.kquant:
+            from hotneurons.kernels import qgemv_k
+
+            wc = qgemv_k.dequant(w.rows(slice(r0, r1)), buf[:r1 - r0])
+        elif kernels:
             wc = qgemv.dequant(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0],
                                mins=None if w.mins is None else w.mins[r0:r1])
         elif isinstance(w, GpuQ):
@@ -280,10 +348,13 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
         else:
             torch.addmm(bias.to(x.dtype), x2, wt.t(), out=out2)
     elif isinstance(w, GpuQ) and _on_kernels(x) and x2.shape[0] <= _gemv_rows():
-        from hotneurons.kernels import qgemv
+        from hotneurons.kernels import qgemv, qgemv_k
 
-        qgemv.gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), w.qs, w.scales, w.q4, bias, out2, add=add,
-                   mins=w.mins)
+        xc = x2 if x2.stride(1) == 1 else x2.contiguous()
+        if w.kquant:
+            qgemv_k.gemv(xc, w, bias, out2, add=add)
+        else:
+            qgemv.gemv(xc, w.qs, w.scales, w.q4, bias, out2, add=add, mins=w.mins)
     elif isinstance(w, QTensor) and w.fmt in BLOCKS and not x.is_cuda and not w.data.is_cuda and m <= CPU_GEMV_ROWS:
         _cpu_gemv(x2, w, bias, out2, add)  # decode on the CPU: the Numba GEMV reads the blocks in place
     else:
@@ -338,9 +409,11 @@ def linear_rows(x: torch.Tensor, w: Weight, rows: torch.Tensor, out_rows: int, p
     are gathered first (the reference)."""
     r = len(rows)
     if isinstance(w, GpuQ) and _on_kernels(x) and (per_slot or x.shape[0] <= _gemv_rows()):
-        from hotneurons.kernels import qgemv
+        from hotneurons.kernels import qgemv, qgemv_k
 
         out = x.new_empty((1 if per_slot else x.shape[0], r * out_rows))
+        if w.kquant:
+            return qgemv_k.gemv(x.contiguous(), w, None, out, rows=rows, out_rows=out_rows, x_slot=per_slot)
         return qgemv.gemv(x.contiguous(), w.qs, w.scales, w.q4, None, out, mins=w.mins, rows=rows,
                           out_rows=out_rows, x_slot=per_slot)
     idx = (rows[:, None] * out_rows + torch.arange(out_rows, device=rows.device)).reshape(-1)  # (r * out_rows,)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hotneurons.weights.formats import WeightFormat, spec, weight_format
+from hotneurons.kernels.qlayout_k import K_FORMATS
+from hotneurons.weights.formats import WeightFormat, nearest, spec, weight_format
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 from torch import nn
 
@@ -194,7 +195,10 @@ def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torc
     """The hot rows in a block format on `device`, as qlinear reads them: gate and up (n_hot, d) rows (kept as stored
     when the file has that format), and the down projection's hot columns (d, n_hot padded to whole blocks with zero
     columns: the padded neurons' values are zeros too); `neuron_major`: instead of those columns, `down_t`, the hot
-    neurons' down weights as (n_hot, d) rows (kernels/gated.py reads only the passing ones)."""
+    neurons' down weights as (n_hot, d) rows (kernels/gated.py reads only the passing ones). A K-quant `fmt`:
+    _hot_blocks_k."""
+    if fmt in K_FORMATS:
+        return _hot_blocks_k(w, hot, fmt, device, gated, neuron_major)
     block = spec(fmt).block
     cols = -(-len(hot) // block) * block
     if neuron_major:
@@ -206,18 +210,51 @@ def hot_blocks(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torc
         return {"up": _device_form(store(w.up, fmt), device),
                 "gate": _device_form(store(w.gate, fmt), device) if gated else None,
                 "down": _device_form(w.down, device), "down_cols": cols}
-    down = None
+    return {"up": _device_form(store(take_rows(w.up, hot), fmt), device),
+            "gate": _device_form(store(take_rows(w.gate, hot), fmt), device) if gated else None,
+            "down": _device_form(_down_columns(w, hot, fmt, cols, device), device), "down_cols": cols}
+
+
+def _down_columns(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, cols: int,
+                  device: torch.device | str) -> Weight:
+    """The down projection's hot columns (d, cols) in `fmt`, zero columns past len(hot)."""
     if fmt != WeightFormat.F32 and _on_cpu_kernels(w, fmt, device, device):  # one pass in Numba, the same bytes
         from hotneurons.weights.quants_cpu import columns_reblocked
 
         out = columns_reblocked(w.down.data.contiguous().numpy(), w.down.fmt.value, hot.cpu().numpy(), cols, fmt.value)
-        down = None if out is None else QTensor(torch.from_numpy(out), fmt, (w.shape[1], cols))
-    if down is None:
-        down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
-        down = store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt, device)  # (d, cols)
-    return {"up": _device_form(store(take_rows(w.up, hot), fmt), device),
-            "gate": _device_form(store(take_rows(w.gate, hot), fmt), device) if gated else None,
-            "down": _device_form(down, device), "down_cols": cols}
+        if out is not None:
+            return QTensor(torch.from_numpy(out), fmt, (w.shape[1], cols))
+    down = to_float(down_t_rows(w, hot, WeightFormat.F32, device, work=device)).T  # (d, n_hot) float32
+    return store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt, device)  # (d, cols)
+
+
+def _hot_blocks_k(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str, gated: bool,
+                  neuron_major: bool) -> dict[str, Any]:
+    """hot_blocks for a K-quant `fmt` (Q4_K, Q5_K, Q6_K: the GPU reads them as stored, weights/quants.py does not
+    write them): gate and up rows as stored where the GPU reads their format, else in fmt's nearest; the down
+    projection as stored when every neuron is hot (and the GPU reads its format: a Q4_K_M file's Q6_K down stays
+    Q6_K), else its hot columns, which are re-blocked and so re-quantized, in its stored format's nearest (Q4_K ->
+    q4_1, Q5_K and Q6_K -> q8_0; weights/formats.py). neuron_major: all in fmt's nearest (kernels/gated.py reads
+    q4_0, q4_1 and q8_0)."""
+    if neuron_major:
+        return hot_blocks(w, hot, nearest(fmt), device, gated, neuron_major=True)
+
+    def gpu_reads(f: WeightFormat) -> bool:
+        return f in K_FORMATS or spec(f).gpu_kernel
+
+    def rows(m: Weight) -> Any:
+        m = take_rows(m, hot)
+        return _device_form(m if gpu_reads(fmt_of(m)) else store(m, nearest(fmt)), device)
+
+    n, down = w.shape[0], w.down
+    stored = fmt_of(down) if down is not None else fmt
+    if len(hot) == n and isinstance(down, QTensor) and gpu_reads(stored) and n % spec(stored).block == 0:
+        down, cols = _device_form(down, device), n
+    else:
+        dfmt = nearest(stored) if stored in K_FORMATS or not spec(stored).gpu_kernel else stored
+        cols = -(-len(hot) // spec(dfmt).block) * spec(dfmt).block
+        down = _device_form(_down_columns(w, hot, dfmt, cols, device), device)
+    return {"up": rows(w.up), "gate": rows(w.gate) if gated else None, "down": down, "down_cols": cols}
 
 
 def _on_cpu_kernels(w: FFNWeights, fmt: WeightFormat, device: torch.device | str,

@@ -185,11 +185,11 @@ def test_pack_float_and_refusals():
     w = torch.randn(8, 64)
     q = QTensor(w.half().view(torch.uint8), "f16", (8, 64))
     assert torch.equal(pack(q, "cpu"), w.half())
-    q4k = QTensor(torch.zeros((2, 144), dtype=torch.uint8), "q4_k", (2, 256))
+    q2k = QTensor(torch.zeros((2, 84), dtype=torch.uint8), "q2_k", (2, 256))  # K-quants: tests/test_qgemv_k.py
     with pytest.raises(ValueError, match="no GPU kernel") as e:
-        pack(q4k, "cpu")
+        pack(q2k, "cpu")
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="q4_0, q4_1 or q8_0"):
+    with pytest.raises(ValueError, match="q4_0, q4_1, q8_0, q4_k, q5_k or q6_k"):
         GpuQ(torch.zeros((2, 256), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "f16", (2, 256))
     with pytest.raises(ValueError, match="expected"):
         GpuQ(torch.zeros((2, 100), dtype=torch.uint8), torch.zeros((2, 8), dtype=torch.float16), "q4_0", (2, 256))
