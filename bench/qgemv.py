@@ -1,14 +1,15 @@
-"""The quantized GEMV's speed on the GPU (kernels/qgemv.py): time and effective bandwidth (bytes of the weight as
-stored / time) for Q4_0, Q8_0 and fp16 (cuBLAS through F.linear, and kernels/fused.py's Triton GEMV) on LLaMA-2-70B's
-shapes, against two ceilings measured in the same run: a device-to-device copy of a 1 GiB buffer (bytes moved, read +
-written, / time: the HBM figure common/hardware.py measures; its bytes read / time too) and a read-only reduction
-(torch.sum of a 1 GiB fp16 buffer).
+"""The quantized GEMV's speed on the GPU (kernels/qgemv.py; K-quants: kernels/qgemv_k.py): time and effective
+bandwidth (bytes of the weight as stored / time) for Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (--formats) and fp16 (cuBLAS
+through F.linear, and kernels/fused.py's Triton GEMV) on LLaMA-2-70B's shapes, against two ceilings measured in the
+same run: a device-to-device copy of a 1 GiB buffer (bytes moved, read + written, / time: the HBM figure
+common/hardware.py measures; its bytes read / time too) and a read-only reduction (torch.sum of a 1 GiB fp16 buffer).
 
 Timing: CUDA events, median over --repeats. "graph": a CUDA graph of --calls GEMVs, replayed (how the static decoder
 runs them), time / calls; "eager": --calls GEMVs launched from Python between two events (the CPU's launch cost shows
 where it exceeds the kernel's). Each call reads another copy of the weight (copies of >= 512 MB in all), so that no
 call finds its weight in the L2 cache (50-60 MB), as a decode step, whose layers read different weights, does not.
-Weights are random bytes (valid blocks: random quants, fp16 scales ~ N(0, 0.02)); x ~ N(0, 1) in --dtype.
+Weights are random bytes (valid blocks: random quants, fp16 scales ~ N(0, 0.02); K-quants: random bytes but d, dmin ~
+|N(0, 0.002)|, packed as the loader packs a file's blocks); x ~ N(0, 1) in --dtype.
 
 --sweep also times the (BLOCK_N, BLOCK_B, num_warps) alternatives around gemv_config's choice (graph timing) and
 reports the best: the data to retune gemv_config with.
@@ -24,9 +25,11 @@ import sys
 
 import torch
 from hotneurons.bench import record
-from hotneurons.kernels import qgemv
-from hotneurons.kernels.qlinear import GpuQ
-from hotneurons.weights.formats import row_bytes
+from hotneurons.kernels import qgemv, qgemv_k
+from hotneurons.kernels.qlayout_k import K_FORMATS
+from hotneurons.kernels.qlinear import GpuQ, pack
+from hotneurons.weights.formats import row_bytes, spec, weight_format
+from hotneurons.weights.qtensor import QTensor
 
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672)]  # (n, k): q/o projections, gate/up, down
 ROTATE_BYTES = 512 << 20  # weight copies a timing cycles through: >> any L2
@@ -73,6 +76,13 @@ def ceilings(repeats: int) -> dict:
 
 def random_gpuq(n: int, k: int, fmt: str, seed: int) -> GpuQ:
     g = torch.Generator(device="cuda").manual_seed(seed)
+    if weight_format(fmt) in K_FORMATS:  # the file's blocks, packed as the loader packs them
+        nb, bb = k // 256, spec(fmt).block_bytes
+        blocks = torch.randint(0, 256, (n, nb, bb), generator=g, device="cuda", dtype=torch.uint8)
+        at = 208 if fmt == "q6_k" else 0
+        dd = (0.002 * torch.randn((n, nb, 1 if fmt == "q6_k" else 2), generator=g, device="cuda")).abs().half()
+        blocks[:, :, at:at + dd.shape[2] * 2] = dd.view(torch.uint8)
+        return pack(QTensor(blocks.view(n, nb * bb), fmt, (n, k)), "cuda")
     q4 = fmt == "q4_0"
     qs = torch.randint(0, 256, (n, k // 2 if q4 else k), generator=g, device="cuda", dtype=torch.uint8)
     scales = (0.02 * torch.randn((n, k // 32), generator=g, device="cuda")).half()
@@ -83,10 +93,16 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-ROTATE_BYTES // nbytes))
 
 
+def gemv(x: torch.Tensor, w: GpuQ, out: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    if w.kquant:
+        return qgemv_k.gemv(x, w, None, out, config=config)
+    return qgemv.gemv(x, w.qs, w.scales, w.q4, None, out, config=config)
+
+
 def check_once(w: GpuQ, x: torch.Tensor) -> float:
     """Max |y - ref| / max |ref| of the GEMV against float32 de-quantized weights (a sanity figure)."""
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="cuda")
-    qgemv.gemv(x, w.qs, w.scales, w.q4, None, y)
+    gemv(x, w, y)
     ref = x.float() @ w.dequantize(torch.float32).T
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
@@ -99,10 +115,9 @@ def bench_quant(n: int, k: int, fmt: str, m: int, dtype: torch.dtype, repeats: i
     nbytes = ws[0].nbytes
 
     def call(config):
-        return lambda i: qgemv.gemv(x, ws[i % len(ws)].qs, ws[i % len(ws)].scales, ws[i % len(ws)].q4, None, out,
-                                    config=config)
+        return lambda i: gemv(x, ws[i % len(ws)], out, config)
 
-    cfg = qgemv.gemv_config(n, k, fmt == "q4_0", m)
+    cfg = qgemv_k.gemv_config(n, k, ws[0].fmt, m) if ws[0].kquant else qgemv.gemv_config(n, k, fmt == "q4_0", m)
     res = {"format": fmt, "n": n, "k": k, "tokens": m, "weight_bytes": nbytes, "copies": len(ws),
            "config": list(cfg), "rel_err_vs_f32": check_once(ws[0], x)}
     for mode in ("graph", "eager"):
@@ -143,11 +158,12 @@ def bench_fp16(n: int, k: int, m: int, repeats: int, calls: int) -> list[dict]:
     return rows
 
 
-def sweep_configs(n: int, k: int, q4: bool, m: int) -> list[tuple[int, int, int]]:
-    """(BLOCK_N, BLOCK_B, num_warps) around gemv_config's: a step's units one a thread (the kernel's layout)."""
+def sweep_configs(n: int, k: int, fmt: str, m: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_B | BLOCK_U, num_warps) around gemv_config's: a step's 16-byte units one a thread (the kernels'
+    layout: a Q4 block, half a Q8_0 block, a K-quant's 32 weights)."""
     out = []
     for nw in (1, 2, 4):
-        bb = 32 * nw // (1 if q4 else 2)
+        bb = 32 * nw // (2 if fmt == "q8_0" else 1)
         if bb > triton_pow2(k // 32):
             continue
         for bn in (2, 4, 8):
@@ -167,11 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="results JSON (bench/record.py's schema)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="n x k, comma separated")
     ap.add_argument("--tokens", default="1,2,4,8", help="rows of x, comma separated (<= 8: the GEMV)")
+    ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k", help="block formats, comma separated")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--calls", type=int, default=20, help="GEMVs a timed run (a graph holds this many)")
     ap.add_argument("--sweep", action="store_true", help="also time the alternative block configs")
     a = ap.parse_args(argv)
+    formats = [str(weight_format(f)) for f in a.formats.split(",")]
+    if any(f not in ("q4_0", "q8_0") and weight_format(f) not in K_FORMATS for f in formats):
+        ap.error(f"--formats {a.formats}: choose from q4_0, q8_0, q4_k, q5_k, q6_k")
     if not torch.cuda.is_available():
         print("bench/qgemv.py needs CUDA", file=sys.stderr)
         return 2
@@ -198,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for n, k in shapes:
         for m in tokens:
-            for fmt in ("q4_0", "q8_0"):
-                sweep = sweep_configs(n, k, fmt == "q4_0", m) if a.sweep else None
+            for fmt in formats:
+                sweep = sweep_configs(n, k, fmt, m) if a.sweep else None
                 add(bench_quant(n, k, fmt, m, dtype, a.repeats, a.calls, sweep))
                 torch.cuda.empty_cache()  # the last weights' copies (each bench function's locals are gone)
             for r in bench_fp16(n, k, m, a.repeats, a.calls):
@@ -211,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if t1 and r["tokens"] > 1:
             r["graph_s_over_tokens_times_1"] = r["graph_s"] / (r["tokens"] * t1)
     figures = {"ceilings": ceil, "gemv": rows, "dtype": a.dtype, "repeats": a.repeats, "calls": a.calls,
-               "weights": "random bytes (valid Q4_0 / Q8_0 blocks), fp16 scales ~ N(0, 0.02); x ~ N(0, 1)",
+               "weights": "random bytes (valid Q4_0 / Q8_0 blocks), fp16 scales ~ N(0, 0.02) (K-quants: random "
+                          "blocks, d and dmin ~ |N(0, 0.002)|, packed); x ~ N(0, 1)",
                "bandwidth": "bytes of the weight as stored (quants + scales) / time; of_copy: over the copy's "
                             "bytes moved (read + written) / time; of_read: over torch.sum's bytes read / time"}
     record.write_result(a.out, figures)
