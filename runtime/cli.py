@@ -128,12 +128,13 @@ def runtime_options(f):
                      "fp32 on CPU)."),
         click.option("--cold-dtype", type=click.Choice(("auto",) + COLD_DTYPES), default="auto", show_default=True,
                      help="Storage of the cold rows in CPU RAM. auto: the file's format where the CPU kernels read it "
-                          "(a GGUF's Q4_0/Q4_1/Q8_0 rows as stored), else q4_0 for Q4_K/Q5_K files, q8_0 for Q6_K, "
-                          "bf16 for float ones. Fewer bits: fewer bytes read per token, a small rounding error."),
+                          "(a GGUF's Q4_0/Q4_1/Q8_0 rows as stored), else its nearest one (Q4_K: q4_1; Q5_0, Q5_K, "
+                          "Q6_K, IQ4_XS...: q8_0; Q2_K, Q3_K, IQ1-IQ3...: q4_0; docs/memory.md), bf16 for float "
+                          "files. Fewer bits: fewer bytes read per token, a small rounding error."),
         click.option("--gpu-dtype", type=click.Choice(("auto",) + GPU_DTYPES), default="auto", show_default=True,
                      help="Storage of the hot rows on the device. auto: the file's format where the GPU kernels "
-                          "read it (Q4_0/Q4_1/Q8_0), else q4_0 for Q4_K/Q5_K files, q8_0 for Q6_K, the compute dtype "
-                          "for float files."),
+                          "read it (Q4_0/Q4_1/Q8_0), else its nearest one (as --cold-dtype's), the compute dtype for "
+                          "float files. A GGUF's other matrices in a type no kernel reads are converted likewise."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
                      help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "

@@ -53,8 +53,10 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--cores", type=int, help="Override CPU cores used for cold neurons.")
 @click.option("--sync-us", type=float, help="Override the per-layer GPU<->CPU sync latency, microseconds.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)),
-              help="Weight format on both devices (sets bytes per neuron; llama.cpp's block formats q8_0 ... q6_k "
-                   "for sizing only). Default: fp16; a mixture of experts: the formats of its GGUF file.")
+              help="Weight format on both devices (sets bytes per neuron; llama.cpp's block formats q8_0 ... iq1_m "
+                   "for sizing only: name the format pi-generate keeps, e.g. q8_0 for a Q5_0 or IQ4_XS file, whose "
+                   "rows it converts; docs/memory.md). Default: fp16; a mixture of experts: the formats of its GGUF "
+                   "file.")
 @click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)),
               help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 and q8_0 take 0.53 "
                    "of bf16's bytes for an active cold neuron to read, q4_0 0.28. Default: bf16; a mixture of "

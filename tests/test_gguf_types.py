@@ -264,7 +264,7 @@ def mixed_files(tmp_path_factory):
     return {name: write_mix(folder / f"tiny-{name}.gguf", mix, seed) for seed, (name, mix) in enumerate(MIXES.items())}
 
 
-def layout_weights(lm, rt, source, placement) -> None:
+def layout_weights(lm, rt, source, placement, device: str = "cpu") -> None:
     """Replace the HF model's weights by what the runtime computes with: attention and head as converted at load
     (weights.quants.convert to kernel_format; an untied embedding is read as stored), each FFN's hot and cold rows
     widened back from the layout (down's columns of hot neurons, down_t rows of cold ones)."""
@@ -277,7 +277,7 @@ def layout_weights(lm, rt, source, placement) -> None:
             if p.dim() < 2 or canon is None or ".ffn_" in canon or canon == "token_embd.weight":
                 continue
             w = source.get(canon)  # q, k rows in HF's order (a row gather: it commutes with a row-wise conversion)
-            to = kernel_format(w.fmt, "cpu")
+            to = kernel_format(w.fmt, device)
             p.copy_((w if to == w.fmt else convert(w, to)).dequantize())
         for i, (layer, f) in enumerate(zip(lm.layers, rt.ffns)):
             mods = lm.adapter.layer_ffn(layer)
@@ -286,10 +286,10 @@ def layout_weights(lm, rt, source, placement) -> None:
             rows = f.cold.float32()
             for name in ("gate", "up"):
                 mods[name].weight[cold] = rows[name]
-                mods[name].weight[hot] = f.hot_q[name].dequantize()
+                mods[name].weight[hot] = f.hot_q[name].dequantize().cpu()
             down = mods["down"].weight  # (d, n)
             down[:, cold] = rows["down_t"].T
-            down[:, hot] = f.hot_q["down"].dequantize()[:, :len(hot)]
+            down[:, hot] = f.hot_q["down"].dequantize().cpu()[:, :len(hot)]
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -365,3 +365,52 @@ def test_mixed_file_through_the_commands(mixed_files, text_corpus, tmp_path):
     assert rt.cfg.cold_dtype == "q4_1" and rt.cfg.gpu_dtype == "q4_1"  # the file's Q4_K rows, nearest
     gpu = pd.read_parquet(run / "placement" / "placement.parquet")["gpu"]
     assert 0 < gpu.mean() < 1 and rt.bytes_cpu > 0  # a hybrid split: hot rows on the device, cold ones in CPU RAM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_dequantize_equals_gguf_py():
+    """Every type de-quantized on the device (its tables moved there): gguf-py's floats, bit for bit."""
+    for fmt in GGUF_TYPES:
+        rng = np.random.default_rng(3000 + list(F).index(fmt))
+        cols = 4 * max(FORMATS[fmt].block, 32)
+        b = random_rows(rng, fmt, 33, cols, scale=0.05)
+        ours = dequantize(torch.from_numpy(b).cuda(), fmt, cols)
+        assert ours.is_cuda, fmt
+        np.testing.assert_array_equal(ours.cpu().numpy(), reference(b, fmt), err_msg=str(fmt))
+
+
+# measured on an H200: the mixes whose conversions land in q4_1 / q4_0 give logits 0.03 (attention alone, FFN rows in
+# float32) to 0.2 (q4_1 hot rows) from the CPU run's, of ~2.6; the q8_0 mix agrees. Its cause is not found yet: the
+# de-quantization on CUDA is gguf-py's bit for bit (above), and CUDA's q4 kernels agree with HF on Q4_0 / Q4_1 files
+# (tests/test_engine_gpu.py)
+_Q4_ON_CUDA = pytest.mark.xfail(strict=True, reason="q4_1 / q4_0 conversions on CUDA: logits off the CPU run's")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mix", [pytest.param(m, marks=_Q4_ON_CUDA) if m != "iq4_xs" else m for m in MIXES])
+def test_on_cuda_mixed_file_equals_the_cpu_run(mix, mixed_files):
+    """The mixes on CUDA in float32 (attention and head converted on the device and packed for the Triton GEMV, hot
+    rows there, cold ones on the CPU): the CPU run's logits (itself held to HF's above), the same placement."""
+    from hotneurons.artifacts.placement import Placement
+    from hotneurons.runtime.config import RuntimeConfig
+    from hotneurons.runtime.engine import load_source_runtime
+    from hotneurons.runtime.generate import generate
+
+    path = mixed_files[mix]
+    placement = Placement(tuple(np.random.default_rng(i).random(704) < 0.5 for i in range(2)))  # "small": 2 x 704
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products on both sides
+    logits = []
+    for device in ("cpu", "cuda"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rt = load_source_runtime(None, None, RuntimeConfig(mode="dense", device=device, dtype="float32"),
+                                     model=str(path), placement=placement)
+        ids = list(rt.lm.tokenizer("The quick brown fox jumps")["input_ids"])
+        logits.append(generate(rt, ids, 1, stop_at_eos=False, keep_logits=True).logits[0].float().cpu())
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-3 * float(logits[0].abs().max()))

@@ -75,9 +75,10 @@ def _signs(bits: torch.Tensor) -> torch.Tensor:
     return 1.0 - 2.0 * bits.float()  # a set bit: minus
 
 
-def _shifted(v: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
-    """(..., k) -> (..., k, len(shifts)): (v >> s) & mask for each shift."""
-    return torch.stack([(v >> s) & mask for s in shifts], dim=-1)
+def _shifted(v: torch.Tensor, shifts: tuple[int, ...], mask: int, dim: int = -1) -> torch.Tensor:
+    """(..., k) -> (..., k, len(shifts)) (dim=-1), or (..., len(shifts), k) (dim=-2): (v >> s) & mask for each
+    shift."""
+    return torch.stack([(v >> s) & mask for s in shifts], dim=dim)
 
 
 def _nibble_scales(s: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _nibble_scales(s: torch.Tensor) -> torch.Tensor:
 def _deq_iq4_nl(b: torch.Tensor) -> torch.Tensor:
     # fp16 d, 16 bytes of 4-bit indices (weight j low nibble of byte j, weight 16 + j its high nibble); w = d * level
     n, dev = b.shape[0], b.device
-    q = _shifted(b[:, 2:18], (0, 4), 0x0F).transpose(1, 2).reshape(n, 32)
+    q = _shifted(b[:, 2:18], (0, 4), 0x0F, dim=-2).reshape(n, 32)
     return _f16(b, 0) * _byte_table("iq4", dev)[q.long()]
 
 
@@ -99,7 +100,7 @@ def _deq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
     high = _shifted(_u16(b[:, 2:4]), tuple(range(0, 16, 2)), 3).reshape(n, 8)  # (n, 8)
     scale = (_nibble_scales(b[:, 4:8]).long() | (high << 4)) - 32  # (n, 8) in -32..31
     dl = (_f16(b, 0) * scale.float()).reshape(n, 8, 1)  # (n, 8, 1)
-    q = _shifted(b[:, 8:136].reshape(n, 8, 16), (0, 4), 0x0F).transpose(2, 3).reshape(n, 8, 32)
+    q = _shifted(b[:, 8:136].reshape(n, 8, 16), (0, 4), 0x0F, dim=-2).reshape(n, 8, 32)
     return (dl * _byte_table("iq4", dev)[q.long()]).reshape(n, 256)
 
 
@@ -201,7 +202,7 @@ def _deq_tq1_0(b: torch.Tensor) -> torch.Tensor:
 def _deq_tq2_0(b: torch.Tensor) -> torch.Tensor:
     # 64 bytes of 2-bit values (per half of 128: weight 32 s + j in bits 2 s of byte j), fp16 d; w = d * (q - 1)
     n = b.shape[0]
-    q = _shifted(b[:, :64].reshape(n, 2, 32), (0, 2, 4, 6), 3).transpose(2, 3).reshape(n, 256)
+    q = _shifted(b[:, :64].reshape(n, 2, 32), (0, 2, 4, 6), 3, dim=-2).reshape(n, 256)
     return _f16(b, 64) * (q.to(torch.int8) - 1).float()
 
 
@@ -209,7 +210,7 @@ def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:
     # an e8m0 scale byte, 16 bytes of e2m1 indices (weight j low nibble of byte j, weight 16 + j its high nibble)
     n, dev = b.shape[0], b.device
     d = _byte_table("e8m0", dev)[b[:, 0].long()].unsqueeze(1)  # (n, 1)
-    q = _shifted(b[:, 1:17], (0, 4), 0x0F).transpose(1, 2).reshape(n, 32)
+    q = _shifted(b[:, 1:17], (0, 4), 0x0F, dim=-2).reshape(n, 32)
     return d * _byte_table("e2m1", dev)[q.long()]
 
 
@@ -217,7 +218,7 @@ def _deq_nvfp4(b: torch.Tensor) -> torch.Tensor:
     # 4 ue4m3 scale bytes (one per 16 weights), 32 bytes: per 16 weights 8 bytes, weights 0-7 low nibbles, 8-15 high
     n, dev = b.shape[0], b.device
     d = _byte_table("ue4m3", dev)[b[:, :4].long()].reshape(n, 4, 1)
-    q = _shifted(b[:, 4:36].reshape(n, 4, 8), (0, 4), 0x0F).transpose(2, 3).reshape(n, 4, 16)
+    q = _shifted(b[:, 4:36].reshape(n, 4, 8), (0, 4), 0x0F, dim=-2).reshape(n, 4, 16)
     return (d * _byte_table("e2m1", dev)[q.long()]).reshape(n, 64)
 
 
