@@ -133,8 +133,9 @@ def runtime_options(f):
                           "files. Fewer bits: fewer bytes read per token, a small rounding error."),
         click.option("--gpu-dtype", type=click.Choice(("auto",) + GPU_DTYPES), default="auto", show_default=True,
                      help="Storage of the hot rows on the device. auto: the file's format where the GPU kernels "
-                          "read it (Q4_0/Q4_1/Q8_0), else its nearest one (as --cold-dtype's), the compute dtype for "
-                          "float files. A GGUF's other matrices in a type no kernel reads are converted likewise."),
+                          "read it (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K), else its nearest one (as --cold-dtype's), the "
+                          "compute dtype for float files. A GGUF's other matrices in a type no kernel reads are "
+                          "converted likewise."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
                      help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "

@@ -18,8 +18,8 @@ class RuntimeConfig:
     # format where the kernels read it (a GGUF's Q4_0/Q4_1/Q8_0 rows byte for byte), else the nearest they read
     # (engine.auto_format)
     cold_dtype: str = "auto"
-    # the hot rows on the device (formats.GPU_DTYPES): a float dtype, q8_0, q4_0 or q4_1 (qlinear's GEMV); auto: the
-    # file's format where the GPU kernels read it, floats in the compute dtype
+    # the hot rows on the device (formats.GPU_DTYPES): a float dtype, q8_0, q4_0, q4_1 or a K-quant (qlinear's GEMVs);
+    # auto: the file's format where the GPU kernels read it, floats in the compute dtype
     gpu_dtype: str = "auto"
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)

@@ -292,7 +292,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
 
         warnings.warn(notice, stacklevel=2)
     ctx = cfg.ctx or min(solved.flags.ctx if solved is not None else CAPACITY, mcfg.max_positions)
-    need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info)
+    need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info,
+                      neuron_major=gate and torch.device(device).type == "cuda")
     check_fits(need, device, cfg.vram, ctx)
     prenorm = mask == "predictor" and predictors.form == PredictorForm.POWERINFER
     threads = set_threads(cfg.threads)

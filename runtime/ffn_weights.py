@@ -228,30 +228,44 @@ def _down_columns(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, cols: int
     return store(torch.nn.functional.pad(down, (0, cols - len(hot))).contiguous(), fmt, device)  # (d, cols)
 
 
-def _hot_blocks_k(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str, gated: bool,
-                  neuron_major: bool) -> dict[str, Any]:
-    """hot_blocks for a K-quant `fmt` (Q4_K, Q5_K, Q6_K: the GPU reads them as stored, weights/quants.py does not
-    write them): gate and up rows as stored where the GPU reads their format, else in fmt's nearest; the down
-    projection as stored when every neuron is hot (and the GPU reads its format: a Q4_K_M file's Q6_K down stays
-    Q6_K), else its hot columns, which are re-blocked and so re-quantized, in its stored format's nearest (Q4_K ->
-    q4_1, Q5_K and Q6_K -> q8_0; weights/formats.py). neuron_major: all in fmt's nearest (kernels/gated.py reads
+def k_hot_formats(fmt: WeightFormat, rows: WeightFormat, down: WeightFormat, dense: bool,
+                  neuron_major: bool = False) -> tuple[WeightFormat, WeightFormat]:
+    """The formats a K-quant `fmt`'s hot rows are kept in (_hot_blocks_k; runtime/memory.py plans with them): (gate
+    and up rows, down projection) from their stored formats. The K-quants the GPU reads as stored but
+    weights/quants.py does not write: rows as stored where the GPU reads their format, else in fmt's nearest; the down
+    projection as stored when every neuron is hot (`dense`: a Q4_K_M file's Q6_K down stays Q6_K), else its hot
+    columns, re-blocked and so re-quantized, in its stored format's nearest where that is a K-quant or unread (Q4_K ->
+    q4_1, Q5_K and Q6_K -> q8_0: weights/formats.py). neuron_major: both in fmt's nearest (kernels/gated.py reads
     q4_0, q4_1 and q8_0)."""
     if neuron_major:
-        return hot_blocks(w, hot, nearest(fmt), device, gated, neuron_major=True)
+        return nearest(fmt), nearest(fmt)
 
-    def gpu_reads(f: WeightFormat) -> bool:
+    def reads(f: WeightFormat) -> bool:
         return f in K_FORMATS or spec(f).gpu_kernel
+
+    keep = rows if reads(rows) else nearest(fmt)
+    if dense and reads(down):
+        return keep, down
+    return keep, nearest(down) if down in K_FORMATS or not reads(down) else down
+
+
+def _hot_blocks_k(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: torch.device | str, gated: bool,
+                  neuron_major: bool) -> dict[str, Any]:
+    """hot_blocks for a K-quant `fmt`, in k_hot_formats' formats."""
+    n = w.shape[0]
+    stored = fmt_of(w.down) if w.down is not None else fmt
+    dense = len(hot) == n and w.down is not None and n % spec(stored).block == 0
+    if neuron_major:
+        return hot_blocks(w, hot, k_hot_formats(fmt, fmt, stored, dense, True)[0], device, gated, neuron_major=True)
 
     def rows(m: Weight) -> Any:
         m = take_rows(m, hot)
-        return _device_form(m if gpu_reads(fmt_of(m)) else store(m, nearest(fmt)), device)
+        return _device_form(store(m, k_hot_formats(fmt, fmt_of(m), stored, dense)[0]), device)
 
-    n, down = w.shape[0], w.down
-    stored = fmt_of(down) if down is not None else fmt
-    if len(hot) == n and isinstance(down, QTensor) and gpu_reads(stored) and n % spec(stored).block == 0:
-        down, cols = _device_form(down, device), n
+    dfmt = k_hot_formats(fmt, fmt, stored, dense)[1]
+    if dense and dfmt == stored:
+        down, cols = _device_form(w.down, device), n
     else:
-        dfmt = nearest(stored) if stored in K_FORMATS or not spec(stored).gpu_kernel else stored
         cols = -(-len(hot) // spec(dfmt).block) * spec(dfmt).block
         down = _device_form(_down_columns(w, hot, dfmt, cols, device), device)
     return {"up": rows(w.up), "gate": rows(w.gate) if gated else None, "down": down, "down_cols": cols}

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common.units import parse_bytes
-from hotneurons.weights.formats import bytes_per_weight, kernel_format, spec
+from hotneurons.kernels.qlayout_k import K_FORMATS
+from hotneurons.weights.formats import bytes_per_weight, kernel_format, spec, weight_format
 
 SLACK = 256 << 20  # bytes: interpreter, kernels' scratch, small buffers
 
@@ -49,16 +50,31 @@ def _stored_bytes(info: Any, dtype: torch.dtype) -> int:
     return int(np.prod(info.shape)) * torch.empty((), dtype=dtype).element_size()
 
 
+def _hot_bytes(source: Any, i: int, gpu: np.ndarray, d: int, mats: int, hot_fmt: str, neuron_major: bool) -> int:
+    """Layer i's hot rows on the device (gpu: its neurons' mask): in hot_fmt, or for a K-quant hot_fmt in the formats
+    runtime/ffn_weights.k_hot_formats keeps them in (its down projection's may differ)."""
+    n_hot = int(gpu.sum())
+    if weight_format(hot_fmt) not in K_FORMATS:
+        return int(n_hot * mats * d * bytes_per_weight(hot_fmt))
+    from hotneurons.runtime.ffn_weights import k_hot_formats
+
+    down = source.infos.get(f"blk.{i}.ffn_down.weight") or source.infos.get(f"blk.{i}.ffn_down_t.weight")
+    rows, dn = k_hot_formats(weight_format(hot_fmt), source.infos[f"blk.{i}.ffn_up.weight"].fmt, down.fmt,
+                             dense=n_hot == len(gpu), neuron_major=neuron_major)
+    return int(n_hot * d * ((mats - 1) * bytes_per_weight(rows) + bytes_per_weight(dn)))
+
+
 def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str, dtype: torch.dtype, ctx: int,
-               info: dict) -> MemoryNeed:
-    """The memory a layout of `source` will take (see the module's docstring)."""
+               info: dict, neuron_major: bool = False) -> MemoryNeed:
+    """The memory a layout of `source` will take (see the module's docstring); neuron_major: the hot rows laid out
+    for kernels/gated.py (the gate mask on CUDA)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     d, n = info["d_model"], info["n_neurons"]
     mats = 3 if info["gated"] else 2
     n_hot = sum(int(g.sum()) for g in placement.gpu)
     n_cold = sum(len(g) for g in placement.gpu) - n_hot
     cold = int(n_cold * mats * d * bytes_per_weight(cold_fmt))
-    hot = int(n_hot * mats * d * bytes_per_weight(hot_fmt))
+    hot = sum(_hot_bytes(source, i, np.asarray(g), d, mats, hot_fmt, neuron_major) for i, g in enumerate(placement.gpu))
     untied = "output.weight" in source.infos  # the embedding then stays in CPU RAM (models/common.load_embedding)
     rest = sum(_stored_bytes(t, dtype) for name, t in source.infos.items()
                if not is_ffn_weight(name) and not (untied and name == "token_embd.weight"))

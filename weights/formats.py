@@ -96,7 +96,7 @@ _NEAREST = {
 # (cpu_kernel, gpu_kernel) of the formats some kernel reads as stored; every other GGUF type: (False, False)
 _KERNELS = {F.F32: (False, True), F.F16: (False, True), F.BF16: (True, True), F.Q8_0: (True, True),
             F.Q4_0: (True, True), F.Q4_1: (True, True),
-            F.Q4_K: (False, False), F.Q5_K: (False, False), F.Q6_K: (False, False)}
+            F.Q4_K: (False, True), F.Q5_K: (False, True), F.Q6_K: (False, True)}
 
 
 def _gguf_spec(fmt: WeightFormat) -> FormatSpec | None:
@@ -114,7 +114,7 @@ FORMATS: dict[WeightFormat, FormatSpec] = {
                               if f is F.INT8 else _gguf_spec(f)] if s is not None}
 # the hot rows' formats that the GPU kernels read: --gpu-dtype's choices (the cold rows': kernels/names.COLD_DTYPES, the
 # formats marked cpu_kernel)
-GPU_DTYPES = tuple(str(f) for f, s in FORMATS.items() if s.gpu_kernel)  # f32 f16 bf16 q8_0 q4_0 q4_1
+GPU_DTYPES = tuple(str(f) for f, s in FORMATS.items() if s.gpu_kernel)  # f32 f16 bf16 q8_0 q4_0 q4_1 q4_k q5_k q6_k
 # the names earlier versions took (pi-solve --dtype fp16, meta.json files written by them)
 ALIASES = {"fp32": WeightFormat.F32, "fp16": WeightFormat.F16, "float32": WeightFormat.F32,
            "float16": WeightFormat.F16, "bfloat16": WeightFormat.BF16, "fp64": WeightFormat.F64,
