@@ -10,7 +10,8 @@ dmin m with d sc, the product and dmin m exact, the difference rounded once; so 
 to that dtype).
 
 `dequant_rows(data, fmt, cols, dtype)`: the same function on every device; on the CPU (or a format without a kernel)
-it is weights/quants.dequantize then a cast.
+it is weights/quants.dequantize then a cast. `dequant_k(w, out)`: a K-quant GpuQ's rows (kernels/qlayout_k.py's
+fields) likewise, for the prefill path's chunks of hot rows (kernels/qlinear.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from hotneurons.kernels.qgemv_k import KIND, UW, _funnel, strides
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
 
 KERNEL_FORMATS = {WeightFormat.Q4_0: (18, 2), WeightFormat.Q4_1: (20, 4), WeightFormat.Q8_0: (34, 2)}  # bytes, head
@@ -120,6 +122,76 @@ def _dequant_k_kernel(d_ptr, out_ptr, N, NB, stride_d, stride_o, KIND: tl.conste
         at = o_at[:, None, None] + 64 * pp + ll
         tl.store(at, (ds0[:, :, None] * v0.to(tl.float32) - dm0[:, :, None]).to(dt), mask=m3)
         tl.store(at + 32, (ds1[:, :, None] * v1.to(tl.float32) - dm1[:, :, None]).to(dt), mask=m3)
+
+
+@triton.jit
+def _gpuq_k_kernel(q_ptr, h_ptr, s_ptr, m_ptr, t_ptr, out_ptr, N, NU, stride_q, stride_hu, stride_he, stride_sb,
+                    stride_tb, stride_tw, stride_o, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Program (p, r): rows [p * BLOCK_N, ...), units [r * BLOCK_U, ...) of a K-quant GpuQ (kernels/qlayout_k.py) to
+    out's dtype: byte 4 i + c of a unit's nibble words holds weights 8 c + i (low nibble) and 8 c + 4 + i (high),
+    their high bits where qlayout_k puts them; each weight's float32 value as gguf-py's (Q4_K, Q5_K: d sc q - dmin m,
+    rounded once; Q6_K: d sc (q - 32), exact), rounded to out's dtype."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    un = tl.program_id(1) * BLOCK_U + tl.arange(0, BLOCK_U)
+    pb = tl.arange(0, 16)  # byte of a unit's nibble words
+    i = (pb // 4)[None, None, :]
+    c = (pb % 4)[None, None, :]
+    m2 = (n < N)[:, None] & (un < NU)[None, :]  # (BLOCK_N, BLOCK_U)
+    m3 = m2[:, :, None]
+    n64 = n.to(tl.int64)
+    q = tl.load(q_ptr + n64[:, None, None] * stride_q + un[None, :, None] * 16 + pb[None, None, :], mask=m3,
+                other=0).to(tl.int32)  # (BLOCK_N, BLOCK_U, 16)
+    v0 = q & 15  # weight 8 c + i
+    v1 = q >> 4  # weight 8 c + 4 + i
+    d = tl.load(s_ptr + (un // 8)[None, :] * stride_sb + n[:, None], mask=m2, other=0.0).to(tl.float32)[:, :, None]
+    if FMT == 2:
+        g = tl.load(h_ptr + un[None, :, None] * stride_hu + (i // 2) * stride_he + n[:, None, None], mask=m3, other=0)
+        at = 8 * c + tl.where(i % 2 == 0, 4, 0)
+        v0 |= ((g >> at) & 3) << 4
+        v1 |= ((g >> (at + 2)) & 3) << 4
+        t = tl.load(t_ptr + un[None, :] * stride_tb + n[:, None], mask=m2, other=0).to(tl.int32)[:, :, None]
+        s = d * tl.where(c < 2, (t << 24) >> 24, t >> 8).to(tl.float32)  # (BLOCK_N, BLOCK_U, 16)
+        w0 = s * (v0 - 32).to(tl.float32)
+        w1 = s * (v1 - 32).to(tl.float32)
+    else:
+        j = un % 8
+        wl = (12 * j) // 32
+        t_at = t_ptr + (un // 8)[None, :] * stride_tb + wl[None, :] * stride_tw + n[:, None]
+        lo = tl.load(t_at, mask=m2, other=0)
+        hi = tl.load(t_at + tl.where(wl < 2, stride_tw, 0)[None, :], mask=m2, other=0)
+        f = _funnel(lo, hi, ((12 * j) % 32)[None, :], False)[:, :, None]
+        dm = tl.load(m_ptr + (un // 8)[None, :] * stride_sb + n[:, None], mask=m2, other=0.0).to(tl.float32)
+        s = d * (f & 0x3F).to(tl.float32)
+        mn = dm[:, :, None] * ((f >> 6) & 0x3F).to(tl.float32)
+        if FMT == 1:
+            g = tl.load(h_ptr + un[None, :] * stride_hu + n[:, None], mask=m2, other=0)[:, :, None]
+            k0 = 2 * i  # qlayout_k: the fifth bit of weight 8 c + 4 h + i, k = 2 i + h
+            v0 |= ((g >> (8 * c + tl.where(k0 < 4, 4 + k0, k0 - 4))) & 1) << 4
+            v1 |= ((g >> (8 * c + tl.where(k0 + 1 < 4, 5 + k0, k0 - 3))) & 1) << 4
+        w0 = s * v0.to(tl.float32) - mn
+        w1 = s * v1.to(tl.float32) - mn
+    o_at = out_ptr + n64[:, None, None] * stride_o + un[None, :, None] * UW + (8 * c + i)
+    dt = out_ptr.dtype.element_ty
+    tl.store(o_at, w0.to(dt), mask=m3)
+    tl.store(o_at + 4, w1.to(dt), mask=m3)
+
+
+def dequant_k(w, out: torch.Tensor) -> torch.Tensor:
+    """out (n, k) (any float dtype, unit last stride) = the weight of a K-quant GpuQ w (the prefill path's chunks of
+    rows, kernels/qlinear.py), where w is."""
+    n, k = w.shape
+    if tuple(out.shape) != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"dequant_k: expected out ({n}, {k}) with a unit last stride, got {tuple(out.shape)}")
+    nu = k // 32
+    if n == 0 or nu == 0:
+        return out
+    bn, bu = 4, min(32, triton.next_power_of_2(nu))
+    qh = w.qh if w.qh is not None else w.sub  # never read without high bits
+    mins = w.mins if w.mins is not None else w.scales  # never read for Q6_K
+    _gpuq_k_kernel[(triton.cdiv(n, bn), triton.cdiv(nu, bu))](w.qs, qh, w.scales, mins, w.sub, out, n, nu,
+                                                               w.qs.stride(0), **strides(w), stride_o=out.stride(0),
+                                                               FMT=KIND[w.fmt], BLOCK_N=bn, BLOCK_U=bu, num_warps=4)
+    return out
 
 
 def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: torch.dtype = torch.float32,

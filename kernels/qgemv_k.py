@@ -16,8 +16,7 @@ about 10 instructions a (row, unit) for the scales and 18 for Q5_K's / Q6_K's me
 weights (one token, DENORM). The bytes read are the file's: 4.5, 5.5 and 6.5625 bits a weight.
 
   gemv     y (m, n) = x (m, k) @ w.T (+ b), or h += that, m <= qgemv.GEMV_MAX_ROWS: qgemv.gemv's contract
-  dequant  rows of a K GpuQ to a float tensor (the prefill path), each weight its float32 value as gguf-py computes it
-           (d sc q - dmin m rounded once; d sc (q - 32) exact) rounded once to out's dtype
+(the prefill path's de-quantizer of these fields: kernels/dequant.py's dequant_k).
 
 No host syncs, no allocations: capturable in CUDA graphs. Without CUDA the tests run them in Triton's interpreter.
 """
@@ -48,31 +47,6 @@ def _sel(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lop_b(src, b, MASK: tl.constexpr, ASM: tl.constexpr):
-    """(src & MASK) ^ b for the byte pieces' masks: one LOP3 (qgemv._lop's, for 5- and 6-bit fields)."""
-    if ASM:
-        bb = tl.zeros_like(src) + b
-        if MASK == 0x1F:
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x1F, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
-        elif MASK == 0x1F00:
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x1F00, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
-        elif MASK == 0x1F0000:
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x1F0000, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True,
-                                          1)
-        elif MASK == 0x3F:
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x3F, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
-        elif MASK == 0x3F00:
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x3F00, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True, 1)
-        else:
-            tl.static_assert(MASK == 0x3F0000)
-            v = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x3F0000, $2, 0x6A;", "=r,r,r", [src, bb], tl.int32, True,
-                                          1)
-    else:
-        v = (src & MASK) ^ b
-    return v
-
-
-@triton.jit
 def _field(src, b, MASK: tl.constexpr, OFF: tl.constexpr):
     """((src & MASK) ^ b) as a float32, - OFF: a field of src as a float with no conversion instruction (qgemv._piece's
     way), b its exponent (and a sign flip for int8 fields): a LOP3 (ptxas takes b from a uniform register) and an
@@ -92,7 +66,7 @@ def _piece_b(bw, b3, magic, c: tl.constexpr, BITS: tl.constexpr, OFF: tl.constex
     if DENORM:
         v = (src & MASK).to(tl.float32, bitcast=True)
     else:
-        v = _lop_b(src, magic - (SH << 23), MASK, ASM).to(tl.float32, bitcast=True) - float(2 ** (23 - SH) + OFF)
+        v = _field(src, magic - (SH << 23), MASK, float(2 ** (23 - SH) + OFF))
     return v
 
 
@@ -341,80 +315,30 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, m_ptr, t_ptr, b_ptr, out_ptr, r_ptr
     tl.store(o_at, y.to(dt), mask=om)
 
 
-@triton.jit
-def _dequant_kernel(q_ptr, h_ptr, s_ptr, m_ptr, t_ptr, out_ptr, N, NU, stride_q, stride_hu, stride_he, stride_sb,
-                    stride_tb, stride_tw, stride_o, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Program (p, r): rows [p * BLOCK_N, ...), units [r * BLOCK_U, ...) of the weight to out's dtype: byte 4 i + c of
-    a unit's nibble words holds weights 8 c + i (low nibble) and 8 c + 4 + i (high), their high bits where
-    qlayout_k puts them; each weight's float32 value as gguf-py's (Q4_K, Q5_K: d sc q - dmin m, rounded once; Q6_K:
-    d sc (q - 32), exact), rounded to out's dtype."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    un = tl.program_id(1) * BLOCK_U + tl.arange(0, BLOCK_U)
-    pb = tl.arange(0, 16)  # byte of a unit's nibble words
-    i = (pb // 4)[None, None, :]
-    c = (pb % 4)[None, None, :]
-    m2 = (n < N)[:, None] & (un < NU)[None, :]  # (BLOCK_N, BLOCK_U)
-    m3 = m2[:, :, None]
-    n64 = n.to(tl.int64)
-    q = tl.load(q_ptr + n64[:, None, None] * stride_q + un[None, :, None] * 16 + pb[None, None, :], mask=m3,
-                other=0).to(tl.int32)  # (BLOCK_N, BLOCK_U, 16)
-    v0 = q & 15  # weight 8 c + i
-    v1 = q >> 4  # weight 8 c + 4 + i
-    d = tl.load(s_ptr + (un // 8)[None, :] * stride_sb + n[:, None], mask=m2, other=0.0).to(tl.float32)[:, :, None]
-    if FMT == 2:
-        g = tl.load(h_ptr + un[None, :, None] * stride_hu + (i // 2) * stride_he + n[:, None, None], mask=m3, other=0)
-        at = 8 * c + tl.where(i % 2 == 0, 4, 0)
-        v0 |= ((g >> at) & 3) << 4
-        v1 |= ((g >> (at + 2)) & 3) << 4
-        t = tl.load(t_ptr + un[None, :] * stride_tb + n[:, None], mask=m2, other=0).to(tl.int32)[:, :, None]
-        s = d * tl.where(c < 2, (t << 24) >> 24, t >> 8).to(tl.float32)  # (BLOCK_N, BLOCK_U, 16)
-        w0 = s * (v0 - 32).to(tl.float32)
-        w1 = s * (v1 - 32).to(tl.float32)
-    else:
-        j = un % 8
-        wl = (12 * j) // 32
-        t_at = t_ptr + (un // 8)[None, :] * stride_tb + wl[None, :] * stride_tw + n[:, None]
-        lo = tl.load(t_at, mask=m2, other=0)
-        hi = tl.load(t_at + tl.where(wl < 2, stride_tw, 0)[None, :], mask=m2, other=0)
-        f = _funnel(lo, hi, ((12 * j) % 32)[None, :], False)[:, :, None]
-        dm = tl.load(m_ptr + (un // 8)[None, :] * stride_sb + n[:, None], mask=m2, other=0.0).to(tl.float32)
-        s = d * (f & 0x3F).to(tl.float32)
-        mn = dm[:, :, None] * ((f >> 6) & 0x3F).to(tl.float32)
-        if FMT == 1:
-            g = tl.load(h_ptr + un[None, :] * stride_hu + n[:, None], mask=m2, other=0)[:, :, None]
-            k0 = 2 * i  # qlayout_k: the fifth bit of weight 8 c + 4 h + i, k = 2 i + h
-            v0 |= ((g >> (8 * c + tl.where(k0 < 4, 4 + k0, k0 - 4))) & 1) << 4
-            v1 |= ((g >> (8 * c + tl.where(k0 + 1 < 4, 5 + k0, k0 - 3))) & 1) << 4
-        w0 = s * v0.to(tl.float32) - mn
-        w1 = s * v1.to(tl.float32) - mn
-    o_at = out_ptr + n64[:, None, None] * stride_o + un[None, :, None] * UW + (8 * c + i)
-    dt = out_ptr.dtype.element_ty
-    tl.store(o_at, w0.to(dt), mask=m3)
-    tl.store(o_at + 4, w1.to(dt), mask=m3)
-
-
-def _strides(w) -> dict[str, int]:
-    """The kernels' strides of a K GpuQ's row-innermost fields (qlayout_k)."""
+def strides(w) -> dict[str, int]:
+    """The kernels' strides of a K GpuQ's row-innermost fields (qlayout_k; GpuQ stores them so)."""
     six = w.fmt == WeightFormat.Q6_K
     qh = w.qh if w.qh is not None else w.sub
     return {"stride_hu": qh.stride(1), "stride_he": qh.stride(2) if qh.dim() == 3 else 0,
             "stride_sb": w.scales.stride(1), "stride_tb": w.sub.stride(1), "stride_tw": 0 if six else w.sub.stride(2)}
 
 
-def _check_fields(w) -> None:
-    if any(t is not None and t.shape[0] > 1 and t.stride(0) != 1 for t in (w.scales, w.mins, w.sub, w.qh)):
-        raise ValueError(f"K-quant GEMV: {w.fmt.value} fields must be stored row-innermost (GpuQ makes them so)")
-
-
-def gemv_config(n: int, k: int, fmt: WeightFormat, m: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_U, num_warps) for a GEMV of an (n, k) K-quant weight by m tokens: qgemv.gemv_config's plan (a
-    step's units one a thread, BLOCK_U = 32 * num_warps, 2 warps; 8 rows up to 2 tokens, 4 past that; fewer rows
-    for short n so that every SM gets programs; one warp for short k)."""
+def gemv_config(n: int, k: int, fmt: WeightFormat, m: int = 1, by_index: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_U, num_warps) for a GEMV of an (n, k) K-quant weight by m tokens (by_index: rows picked by
+    index): qgemv.gemv_config's plan (a step's units one a thread, BLOCK_U = 32 * num_warps, 2 warps; 8 rows up to 2
+    tokens, 4 past that; fewer rows for short n so that every SM gets programs; one warp for short k). Where ptxas
+    (sm_90, Triton 3.6) spills the 4-row code (rows by index, 64-bit offsets, past 4 tokens or masked: 150-340 bytes),
+    2 rows; rows by index take at most 4 (8: 300 bytes of spills at 1 token, 2 tokens)."""
     nu = max(8, k // UNIT)
     nw = 2 if nu >= 64 else 1
     bn = 8 if m <= 2 else 4
+    if by_index:
+        bn = min(bn, 4)
     while bn > 1 and triton.cdiv(n, bn) < 512:
         bn //= 2
+    masked = nu % (32 * nw) or n % bn or m & (m - 1)
+    if m > 4 and (masked or by_index):
+        bn = min(bn, 2)
     return bn, 32 * nw, nw
 
 
@@ -440,12 +364,9 @@ def gemv(x: torch.Tensor, w, b: torch.Tensor | None, out: torch.Tensor, add: boo
             or out.stride(1) != 1):
         raise ValueError(f"K-quant GEMV: expected x (<= {GEMV_MAX_ROWS}, {w.shape[1]}) and out ({m}, {n}) with unit "
                          f"last strides, got {tuple(x.shape)} and {tuple(out.shape)}")
-    _check_fields(w)
     if m == 0 or n == 0:
         return out
-    bn, bu, nw = config or gemv_config(n, k, w.fmt, m)
-    if rows is not None and config is None:  # rows by index: 64-bit offsets; at 8 rows ptxas spills (sm_90, Triton 3.6)
-        bn = min(bn, 4)
+    bn, bu, nw = config or gemv_config(n, k, w.fmt, m, by_index=rows is not None)
     while x_slot and out_rows % bn:  # a program's rows within one slice: one x row
         bn //= 2
     bm = triton.next_power_of_2(m)
@@ -457,28 +378,9 @@ def gemv(x: torch.Tensor, w, b: torch.Tensor | None, out: torch.Tensor, add: boo
     mins = w.mins if w.mins is not None else w.scales  # never read for Q6_K
     _gemv_kernel[(triton.cdiv(n, bn),)](x, words, qh, w.scales, mins, w.sub, words if b is None else b, out,
                                         words if rows is None else rows, words if count is None else count, m, n, nu,
-                                        max(out_rows, 1), x.stride(0), words.stride(0), **_strides(w),
+                                        max(out_rows, 1), x.stride(0), words.stride(0), **strides(w),
                                         stride_o=out.stride(0), magic=MAGIC, FMT=KIND[w.fmt], BIAS=b is not None,
                                         ADD=add, EVEN=even, DENORM=denorm, ASM=x.is_cuda, MAP=rows is not None,
                                         XSLOT=x_slot, CNT=count is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_U=bu,
                                         num_warps=nw)
-    return out
-
-
-def dequant(w, out: torch.Tensor) -> torch.Tensor:
-    """out (n, k) (any float dtype, unit last stride) = the weight of a K-quant GpuQ w."""
-    n, k = w.shape
-    if tuple(out.shape) != (n, k) or out.stride(1) != 1:
-        raise ValueError(f"K-quant dequant: expected out ({n}, {k}) with a unit last stride, got {tuple(out.shape)}")
-    _check_fields(w)
-    nu = k // UNIT
-    if n == 0 or nu == 0:
-        return out
-    bn, bu = 4, min(32, triton.next_power_of_2(nu))
-    qh = w.qh if w.qh is not None else w.sub
-    mins = w.mins if w.mins is not None else w.scales
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nu, bu))](w.qs, qh, w.scales, mins, w.sub, out, n, nu,
-                                                                w.qs.stride(0), **_strides(w),
-                                                                stride_o=out.stride(0), FMT=KIND[w.fmt], BLOCK_N=bn,
-                                                                BLOCK_U=bu, num_warps=4)
     return out

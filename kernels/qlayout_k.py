@@ -29,7 +29,7 @@ constant: byte c of Bh is weight 8 c + 4 h + i of the unit, its low nibble the w
 from __future__ import annotations
 
 import torch
-from hotneurons.weights.formats import WeightFormat
+from hotneurons.weights.formats import WeightFormat, spec
 
 K_FORMATS = (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)
 QK = 256  # weights a block
@@ -174,6 +174,43 @@ def to_file(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, s
         hb = hb.reshape(rows, nb, 8, 32)
         parts.append(sum(hb[:, :, j] << j for j in range(8)).to(torch.uint8))  # (rows, nb, 32)
     return torch.cat([*parts, quants], dim=-1)
+
+
+FIELDS = ("qs", "scales", "mins", "sub", "qh")
+
+
+def pack(data: torch.Tensor, fmt: WeightFormat, shape: tuple[int, int], device: torch.device | str,
+         chunk_bytes: int) -> dict[str, torch.Tensor | None]:
+    """A file's rows (n, row bytes) uint8, any device -> the fields on `device`, allocated once (row-innermost but qs):
+    chunk_bytes of the file at a time to the device, split there (to_gpu), so the temporaries stay a chunk's."""
+    (n, k), bb = shape, spec(fmt).block_bytes
+    fields = {f: None if v is None else (torch.empty(v[0], dtype=v[1], device=device) if f == "qs" else
+                                         empty_rows_inner(v[0], v[1], device)) for f, v in shapes(fmt, n, k).items()}
+    step = max(1, chunk_bytes // max(1, k // QK * bb))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        part = to_gpu(data[r0:r1].to(device).view(r1 - r0, k // QK, bb), fmt)  # the chunk's fields
+        for f, t in fields.items():
+            if t is not None:
+                t[r0:r1].copy_(part[f])
+    return fields
+
+
+def checked(fields: dict[str, torch.Tensor | None], fmt: WeightFormat,
+            shape: tuple[int, int]) -> dict[str, torch.Tensor | None]:
+    """The fields if they have shapes' shapes and dtypes on one device, qs row-major, the rest made row-innermost
+    (rows_inner); else a one-line error."""
+    n, k = shape
+    want = shapes(fmt, n, k) if k % QK == 0 else {}
+    dev = fields["qs"].device
+    ok = bool(want) and fields["qs"].stride(1) == 1 and all(
+        (t is None) == (want[f] is None) and (t is None or (tuple(t.shape), t.dtype, t.device) == (*want[f], dev))
+        for f, t in fields.items())
+    if not ok:
+        have = ", ".join(f"{f} {None if t is None else (tuple(t.shape), t.dtype)}" for f, t in fields.items())
+        need = ", ".join(f"{f} {v}" for f, v in want.items()) or f"k a multiple of {QK}"
+        raise ValueError(f"GpuQ {fmt.value} {shape}: got {have}; expected {need} on one device")
+    return {f: t if f == "qs" else rows_inner(t) for f, t in fields.items()}
 
 
 def rows_inner(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -94,21 +94,10 @@ class GpuQ:
             object.__setattr__(self, "mins", _block_major(self.mins))
 
     def _check_k(self) -> None:
-        """A K-quant's fields: qlayout_k.shapes' shapes and dtypes on one device, qs row-major; the rest made
-        row-innermost."""
-        n, k = self.shape
-        want = qlayout_k.shapes(self.fmt, n, k) if k % qlayout_k.QK == 0 else {}
-        got = {f: getattr(self, f) for f in ("qs", "scales", "mins", "sub", "qh")}
-        ok = bool(want) and self.qs.stride(1) == 1 and all(
-            (t is None) == (want[f] is None) and (t is None or (tuple(t.shape) == want[f][0] and t.dtype == want[f][1]
-                                                                and t.device == self.qs.device))
-            for f, t in got.items())
-        if not ok:
-            have = ", ".join(f"{f} {None if t is None else (tuple(t.shape), t.dtype)}" for f, t in got.items())
-            need = ", ".join(f"{f} {v}" for f, v in want.items()) or f"k a multiple of {qlayout_k.QK}"
-            raise ValueError(f"GpuQ {self.fmt.value} {self.shape}: got {have}; expected {need} on one device")
-        for f in ("scales", "mins", "sub", "qh"):
-            object.__setattr__(self, f, qlayout_k.rows_inner(got[f]))
+        """A K-quant's fields (qlayout_k.checked: their shapes and dtypes, made row-innermost)."""
+        fields = qlayout_k.checked({f: getattr(self, f) for f in qlayout_k.FIELDS}, self.fmt, self.shape)
+        for f, t in fields.items():
+            object.__setattr__(self, f, t)
 
     @property
     def q4(self) -> bool:
@@ -245,7 +234,7 @@ def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
     if w.fmt in FLOAT_DTYPES:
         return w.data.to(device).view(FLOAT_DTYPES[w.fmt])
     if w.fmt in K_FORMATS:
-        return _pack_k(w, device, chunk_bytes)
+        return GpuQ(fmt=w.fmt, shape=w.shape, **qlayout_k.pack(w.data, w.fmt, w.shape, device, chunk_bytes))
     if w.fmt not in BLOCKS:
         raise ValueError(f"pack: {w.fmt.value} weights have no GPU kernel: store them as q4_0, q4_1, q8_0, q4_k, q5_k, "
                          f"q6_k or a float format (llama.cpp's llama-quantize), or de-quantize them on load")
@@ -265,24 +254,6 @@ def pack(w: QTensor | GpuQ | torch.Tensor, device: torch.device | str,
         if mins is not None:
             mins[r0:r1].copy_(m)
     return GpuQ(qs, scales, w.fmt, (n, k), mins)
-
-
-def _pack_k(w: QTensor, device: torch.device | str, chunk_bytes: int) -> GpuQ:
-    """pack's K-quants: a chunk of the file's rows at a time to the device, split there (qlayout_k.to_gpu) into the
-    fields, allocated once (row-innermost but qs)."""
-    n, k = w.shape
-    nb, bb = k // qlayout_k.QK, spec(w.fmt).block_bytes
-    fields = {f: None if v is None else (torch.empty(v[0], dtype=v[1], device=device) if f == "qs" else
-                                         qlayout_k.empty_rows_inner(v[0], v[1], device))
-              for f, v in qlayout_k.shapes(w.fmt, n, k).items()}
-    step = max(1, chunk_bytes // row_bytes(w.fmt, k))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        part = qlayout_k.to_gpu(w.data[r0:r1].to(device).view(r1 - r0, nb, bb), w.fmt)  # the chunk's fields
-        for f, t in fields.items():
-            if t is not None:
-                t[r0:r1].copy_(part[f])
-    return GpuQ(fields["qs"], fields["scales"], w.fmt, (n, k), fields["mins"], fields["sub"], fields["qh"])
 
 
 def shape_of(w: Weight) -> tuple[int, int]:
@@ -309,9 +280,9 @@ def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         if kernels and w.kquant:
-            from hotneurons.kernels import qgemv_k
+            from hotneurons.kernels import dequant
 
-            wc = qgemv_k.dequant(w.rows(slice(r0, r1)), buf[:r1 - r0])
+            wc = dequant.dequant_k(w.rows(slice(r0, r1)), buf[:r1 - r0])
         elif kernels:
             wc = qgemv.dequant(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0],
                                mins=None if w.mins is None else w.mins[r0:r1])
@@ -355,7 +326,8 @@ def _apply(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, out: torch.Ten
             qgemv_k.gemv(xc, w, bias, out2, add=add)
         else:
             qgemv.gemv(xc, w.qs, w.scales, w.q4, bias, out2, add=add, mins=w.mins)
-    elif isinstance(w, QTensor) and w.fmt in BLOCKS and not x.is_cuda and not w.data.is_cuda and m <= CPU_GEMV_ROWS:
+    elif isinstance(w, QTensor) and (w.fmt in BLOCKS or w.fmt in K_FORMATS) and not x.is_cuda and not w.data.is_cuda \
+            and m <= CPU_GEMV_ROWS:
         _cpu_gemv(x2, w, bias, out2, add)  # decode on the CPU: the Numba GEMV reads the blocks in place
     else:
         _chunked(x2, w, bias, out2, add)

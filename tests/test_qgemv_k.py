@@ -93,6 +93,8 @@ def test_pack_keeps_the_bytes(fmt):
     assert torch.equal(part.to_qtensor().data, q.data[4:11])
     picked = g.rows(torch.tensor([3, 3, 0]))  # copies, made row-innermost again
     assert picked.sub.stride(0) == 1 and torch.equal(picked.to_qtensor().data, q.data[[3, 3, 0]])
+    empty = pack(random_k(0, k, fmt, "cpu", seed=1), "cpu")  # a layer with no hot rows
+    assert empty.nbytes == 0 and qgemv_k.gemv(torch.randn(1, k), empty, None, torch.empty(1, 0)).shape == (1, 0)
 
 
 @pytest.mark.parametrize("fmt", KFMTS)
@@ -220,7 +222,7 @@ def test_dequant_kernels(fmt, dtype):
     n, k = 9, 768
     q = random_k(n, k, fmt, DEVICE, seed=11)
     want = reference(q)[0].float().to(dtype)
-    got = [qgemv_k.dequant(pack(q, DEVICE), torch.empty((n, k), dtype=dtype, device=DEVICE)),
+    got = [dequant.dequant_k(pack(q, DEVICE), torch.empty((n, k), dtype=dtype, device=DEVICE)),
            dequant.dequant_rows(q.data, fmt, k, dtype)]
     for out in got:
         if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bfloat16
@@ -241,17 +243,17 @@ def test_dequant_rows_strided_rows():
 
 @pytest.mark.parametrize("fmt", KFMTS)
 def test_linear_dispatches_to_kernels(fmt, monkeypatch):
-    """linear / add_linear on the kernels' path: <= GEMV_MAX_ROWS tokens through qgemv_k's GEMV, more through its
-    de-quantizer and a matmul, a chunk of rows at a time."""
+    """linear / add_linear on the kernels' path: <= GEMV_MAX_ROWS tokens through qgemv_k's GEMV, more through
+    dequant.dequant_k and a matmul, a chunk of rows at a time."""
     need_kernels()
     monkeypatch.setattr(qlinear, "_on_kernels", lambda t: True)
     monkeypatch.setattr(qlinear, "CHUNK_ELEMS", 8 * 256)  # chunks of 8 rows
     if not CUDA:  # few programs in the interpreter
-        monkeypatch.setattr(qgemv_k, "gemv_config", lambda n, k, fmt, m=1: (8, 8, 1))
+        monkeypatch.setattr(qgemv_k, "gemv_config", lambda n, k, fmt, m=1, by_index=False: (8, 8, 1))
     calls = []
-    for name in ("gemv", "dequant"):
-        real = getattr(qgemv_k, name)
-        monkeypatch.setattr(qgemv_k, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    for mod, name in ((qgemv_k, "gemv"), (dequant, "dequant_k")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     q = random_k(20, 256, fmt, DEVICE, seed=13)
     g, (w64, mag) = pack(q, DEVICE), reference(q)
     dt = torch.float16 if CUDA else torch.float32
@@ -260,7 +262,7 @@ def test_linear_dispatches_to_kernels(fmt, monkeypatch):
         x = torch.randn((1, m, 256), device=DEVICE).to(dt)
         b = torch.randn(20, device=DEVICE)
         y = linear(x, g, b)
-        assert y.shape == (1, m, 20) and calls == (["gemv"] if m <= qgemv.GEMV_MAX_ROWS else ["dequant"] * 3)
+        assert y.shape == (1, m, 20) and calls == (["gemv"] if m <= qgemv.GEMV_MAX_ROWS else ["dequant_k"] * 3)
         u_w = U_W[dt] if m > qgemv.GEMV_MAX_ROWS else 0.0
         check(y, x, w64, b, U_OUT[dt], u_w, mag=mag)
         h = torch.randn((1, m, 20), device=DEVICE).to(dt)
