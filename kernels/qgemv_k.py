@@ -13,7 +13,10 @@ conversion instruction (qgemv._piece: a LOP3, and an FADD unless DENORM), the sa
           fields (qlayout_k's B words: one LOP3 each, after a shift of each), whose bytes are then the pieces (5 or 6
           bits, masked in place as qgemv's Q8_0 bytes are), met by the same x as Q4_0's nibbles u = 2 c + h
 about 10 instructions a (row, unit) for the scales and 18 for Q5_K's / Q6_K's merges, next to ~64 for its 32
-weights (one token, DENORM). The bytes read are the file's: 4.5, 5.5 and 6.5625 bits a weight.
+weights. sm_90's code (Triton 3.6, compiled ahead of time and counted in cuobjdump's SASS of the loop; gemv_config's
+8 rows, 2 warps, one token, fp16 x): 3.09 instructions a Q4_K weight (Q4_0's 2.74, Q4_1's 2.87), 3.89 a Q5_K one,
+3.91 a Q6_K one, 167-168 registers; a byte of the file costs 5.5, 5.7 and 4.8 instructions against Q4_0's 4.9. The
+bytes read are the file's: 4.5, 5.5 and 6.5625 bits a weight.
 
   gemv     y (m, n) = x (m, k) @ w.T (+ b), or h += that, m <= qgemv.GEMV_MAX_ROWS: qgemv.gemv's contract
 (the prefill path's de-quantizer of these fields: kernels/dequant.py's dequant_k).
