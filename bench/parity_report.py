@@ -142,12 +142,16 @@ def markdown(rec: dict) -> str:
                       "shared context: `exact` = the file's de-quantized weights, `rounded` = the same with "
                       "activations rounded as llama.cpp's CPU matrix products round them. Max |logit difference| "
                       "over the prompt's last position and every shared step; the reference's greedy token at the "
-                      "divergence step.", "",
+                      "divergence step. `rounding explains`: 1 - |llama.cpp - rounded|^2 / |llama.cpp - exact|^2 over "
+                      "those logits, the share of llama.cpp's departure from exact arithmetic that the modelled "
+                      "rounding accounts for.", "",
                   "| file | prompt | step | ours vs exact | llama.cpp vs rounded | llama.cpp vs exact | ours vs "
-                  "llama.cpp | tokens ours / llama.cpp / exact / rounded |", "|---|---|---|---|---|---|---|---|"]
+                  "llama.cpp | rounding explains | tokens ours / llama.cpp / exact / rounded |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for label, i, g in refs:
             x = g["reference"]
             lines.append(f"| {label} | {i} | {g['step']} | {x['ours_vs_exact']:.3g} | {x['llamacpp_vs_rounded']:.3g}"
-                         f" | {x['llamacpp_vs_exact']:.3g} | {g['steps_logits_max_diff']:.3g} | {g['ours_token']} / "
+                         f" | {x['llamacpp_vs_exact']:.3g} | {g['steps_logits_max_diff']:.3g} | "
+                         f"{x['rounding_explains']:.0%} | {g['ours_token']} / "
                          f"{g['llamacpp_token']} / {x['exact_token']} / {x['rounded_token']} |")
     return "\n".join(lines) + "\n"

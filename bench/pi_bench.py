@@ -20,6 +20,8 @@ Stages (each a separate run; they share files through --work, so run them on one
   all      build, then bench, in one run
   memory   anywhere, no GPU needed: peak host RSS of every pipeline stage on random ReLU LLaMAs written for it (HF
            bf16 and Q4_0 GGUF) against the model file; its own flags: pi-bench --stage memory --help (bench/memory.py)
+  parity   anywhere, CPU: the same GGUF in our runtime and llama.cpp (llama-cpp-python): ids, greedy tokens, logits,
+           perplexity, decode time and peak RSS; its own flags: pi-bench --stage parity --help (bench/parity.py)
 CPU smoke test: pi-bench --stage all --device cpu --shape tiny --layers 2 --ctx 64 --work /tmp/pib --out /tmp/pib/out
 This module is the command line (parse, main); the stages live in bench_build.py (build), bench_stages.py (bench:
 the child process, fairness, our systems through bench_pipeline.py and bench_systems.py), bench_powerinfer.py
@@ -48,7 +50,8 @@ from hotneurons.bench.bench_report import goals, markdown, write_results
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all", "memory"),
+    ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all", "memory",
+                                                 "parity"),
                     required=True, help="memory: bench/memory.py, with its own flags (pi-bench --stage memory --help)")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hotneurons" / "pi-bench",
                     help="local disk: build, GGUF, run dir")
@@ -133,6 +136,11 @@ def main(argv=None) -> dict:
         from hotneurons.bench.memory import main as memory_main
 
         return memory_main(args=memory, prog_name="pi-bench --stage memory", standalone_mode=False)
+    parity = _memory_argv(argv, "parity")
+    if parity is not None:  # its own argparse command too
+        from hotneurons.bench.parity import main as parity_main
+
+        return parity_main(parity, prog="pi-bench --stage parity")
     args = parse(argv)
     args.argv = [a for a in argv]  # what a child process of the bench stage runs again, with --part
     if args.stage == "prepare":
@@ -197,12 +205,12 @@ def main(argv=None) -> dict:
     return done
 
 
-def _memory_argv(argv: list[str]) -> list[str] | None:
-    """The arguments other than `--stage memory` when that is the stage asked for, else None."""
+def _memory_argv(argv: list[str], stage: str = "memory") -> list[str] | None:
+    """The arguments other than `--stage STAGE` when that is the stage asked for, else None."""
     for i, a in enumerate(argv):
-        if a == "--stage" and argv[i + 1:i + 2] == ["memory"]:
+        if a == "--stage" and argv[i + 1:i + 2] == [stage]:
             return argv[:i] + argv[i + 2:]
-        if a == "--stage=memory":
+        if a == f"--stage={stage}":
             return argv[:i] + argv[i + 1:]
     return None
 
