@@ -71,8 +71,9 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_bits(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """(..., 32) int64 small values -> (...) int32: the sum of v << at (their bits disjoint)."""
-    return _words((v << at.to(v.device)).sum(dim=-1))
+    """(..., 32) uint8 small values -> (...) int32: the sum of v << at (their bits disjoint: no carries, so int32's
+    wrap-around gives the bits; 8 bytes of temporaries a value, not int64's 16 and more)."""
+    return (v.to(torch.int32) << at.to(v.device, torch.int32)).sum(dim=-1, dtype=torch.int32)
 
 
 def _k_scale_fields(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +128,7 @@ def to_gpu(blocks: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     has none)."""
     rows, nb, _ = blocks.shape
     if fmt == WeightFormat.Q6_K:
-        ql, qh = blocks[..., :128], blocks[..., 128:192].to(torch.int64)  # (rows, nb, 128), (rows, nb, 64)
+        ql, qh = blocks[..., :128], blocks[..., 128:192]  # (rows, nb, 128), (rows, nb, 64) uint8
         low = torch.stack([ql.reshape(rows, nb, 2, 64) & 15, ql.reshape(rows, nb, 2, 64) >> 4], dim=2)  # (.., s, h, b)
         low = low.permute(0, 1, 3, 2, 4).reshape(rows, nb * 8, UNIT)  # (rows, units, 32): weight 128 h + 64 s + b
         high = torch.stack([(qh.reshape(rows, nb, 2, 32) >> (2 * t)) & 3 for t in range(4)], dim=3)  # (.., h, t, l)
@@ -144,7 +145,7 @@ def to_gpu(blocks: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     out = {"qs": _nibble_words(v).reshape(rows, nb * 128), "scales": _f16(blocks, 0), "mins": _f16(blocks, 2),
            "sub": _pack_fields(sc | (mn << 6)), "qh": None}
     if fmt == WeightFormat.Q5_K:
-        qh = blocks[..., 16:48].to(torch.int64)  # (rows, nb, 32): bit j of byte l = sub-block j's weight l
+        qh = blocks[..., 16:48]  # (rows, nb, 32) uint8: bit j of byte l = sub-block j's weight l
         high = torch.stack([(qh >> j) & 1 for j in range(8)], dim=2).reshape(rows, nb * 8, UNIT)  # (rows, units, 32)
         out["qh"] = _gather_bits(high, Q5_BIT).unsqueeze(-1)  # (rows, units, 1)
     return out
@@ -182,11 +183,12 @@ FIELDS = ("qs", "scales", "mins", "sub", "qh")
 def pack(data: torch.Tensor, fmt: WeightFormat, shape: tuple[int, int], device: torch.device | str,
          chunk_bytes: int) -> dict[str, torch.Tensor | None]:
     """A file's rows (n, row bytes) uint8, any device -> the fields on `device`, allocated once (row-innermost but qs):
-    chunk_bytes of the file at a time to the device, split there (to_gpu), so the temporaries stay a chunk's."""
+    a quarter of chunk_bytes of the file at a time to the device, split there (to_gpu), so the temporaries stay a
+    chunk's (to_gpu's take 7 (Q4_K) to 20 (Q5_K) times its bytes)."""
     (n, k), bb = shape, spec(fmt).block_bytes
     fields = {f: None if v is None else (torch.empty(v[0], dtype=v[1], device=device) if f == "qs" else
                                          empty_rows_inner(v[0], v[1], device)) for f, v in shapes(fmt, n, k).items()}
-    step = max(1, chunk_bytes // max(1, k // QK * bb))
+    step = max(1, chunk_bytes // 4 // max(1, k // QK * bb))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         part = to_gpu(data[r0:r1].to(device).view(r1 - r0, k // QK, bb), fmt)  # the chunk's fields

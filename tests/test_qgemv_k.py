@@ -81,7 +81,7 @@ def kernels_in_the_interpreter(monkeypatch):
 def test_pack_keeps_the_bytes(fmt):
     n, k = 19, 512
     q = random_k(n, k, fmt, "cpu", seed=1)
-    g = pack(q, "cpu", chunk_bytes=3 * row_bytes(fmt, k) + 7)  # 7 chunks, the last short
+    g = pack(q, "cpu", chunk_bytes=4 * (3 * row_bytes(fmt, k) + 7))  # chunks of 3 rows (a quarter), the last short
     assert isinstance(g, GpuQ) and g.kquant and g.shape == (n, k)
     assert g.nbytes == q.nbytes == n * row_bytes(fmt, k)  # the file's 144 / 176 / 210 bytes a block
     assert torch.equal(g.to_qtensor().data, q.data)
