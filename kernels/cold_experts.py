@@ -4,9 +4,11 @@ RAM, read as the GGUF stores them, with no copy: each projection's experts stack
   gate, up  (E * n, row)  expert e's neuron j is row e * n + j  (rows of d weights)
   down      (E * d, row)  expert e's output i is row e * d + i  (rows of n weights: the file's (E, d, n) down)
 
-so an expert is a range of rows. Row formats: llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks (uint8 rows, read by cold_q's
-block dots, `cold_q_ir.rows_dot`, on its float route: float32 arithmetic on the file's weights), or floats: float32,
-fp16 (as uint16 bits) and bf16 (as int16 bits), widened by `_f32`. gate and up share a format; down may have its own.
+so an expert is a range of rows. Row formats: llama.cpp's Q4_0 / Q4_1 / Q8_0 blocks and its K-quants Q4_K / Q5_K /
+Q6_K (uint8 rows, read by cold_q's block dots, `cold_q_ir.rows_dot`, on its float route: float32 arithmetic on the
+file's weights), or floats: float32, fp16 (as uint16 bits) and bf16 (as int16 bits), widened by `_f32`. gate and up
+share a format; down may have its own (a Q4_K_M file's Q6_K). A K-quant is named by the caller (`fmts`): Q4_K's rows
+are as wide as Q4_0's.
 
 For tokens X (T, d) and pairs (token t, expert e, routing weight w) grouped per expert:
 
@@ -23,14 +25,14 @@ The next group's rows are prefetched while a group computes (pass 1). The int ro
 used: results are the float route's, float32 sums (a float64 reference agrees to float32 rounding).
 
 API:
-  experts_ffn(X, tokens, experts, weights, gate, up, down, act, out=None) -> Y (T, d) float32
-  expert_ffn(x, experts, weights, gate, up, down, act, out=None) -> y (d,) float32   (one token)
+  experts_ffn(X, tokens, experts, weights, gate, up, down, act, out=None, fmts=None) -> Y (T, d) float32
+  expert_ffn(x, experts, weights, gate, up, down, act, out=None, fmts=None) -> y (d,) float32   (one token)
 gate / up / down: 2-D C arrays as above (`gate` any array of up's for ungated FFNs, never read); act: ACT_CODE's name
 or code. Pairs are grouped per expert here (a stable sort), and H is bounded by doing at most `MAX_H_BYTES` of pairs at
 a time.
 
-Numba's cache (cache=True) checks only this file: after editing cold_q_ir.py, activations.py or intrinsics.py,
-delete kernels/__pycache__ (or touch this file).
+Numba's cache (cache=True) checks only this file: after editing cold_q_ir.py, cold_k.py, activations.py or
+intrinsics.py, delete kernels/__pycache__ (or touch this file).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, SPINS, wait_ready
 from hotneurons.kernels.cold_q import _format, _xq_buffers
-from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q8_0, XQ_OK, rows_dot
+from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, XQ_OK, rows_dot
 from hotneurons.kernels.intrinsics import _store_release
 from llvmlite import ir
 from numba import njit, prange, types
@@ -110,8 +112,14 @@ def _gate_up_q(X, tok, off, ids, gate, up, H, act, fmt):
                 _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 1)
             elif fmt == Q4_1:
                 _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 2)
-            else:
+            elif fmt == Q8_0:
                 _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 0)
+            elif fmt == Q4_K:
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 3)
+            elif fmt == Q5_K:
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 4)
+            else:
+                _neurons4_q((x,), gate, up, r, nr, H[p], 4 * g, act, gated, lut, 5)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -164,8 +172,14 @@ def _down_q(H, tok, off, ids, wts, down, Y, fmt):
                     _down8_q(H[p], down, r, y, wts[p], lut, 1)
                 elif fmt == Q4_1:
                     _down8_q(H[p], down, r, y, wts[p], lut, 2)
-                else:
+                elif fmt == Q8_0:
                     _down8_q(H[p], down, r, y, wts[p], lut, 0)
+                elif fmt == Q4_K:
+                    _down8_q(H[p], down, r, y, wts[p], lut, 3)
+                elif fmt == Q5_K:
+                    _down8_q(H[p], down, r, y, wts[p], lut, 4)
+                else:
+                    _down8_q(H[p], down, r, y, wts[p], lut, 5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,7 +247,7 @@ def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, 
     else:
         tok = np.zeros(m, np.int64)  # (m,) every pair is the one token's
         off = np.arange(m + 1)  # (m + 1,) one pair an expert
-        if xq and XQ_OK and fgu != Q4_1:
+        if xq and XQ_OK and (fgu == Q4_0 or fgu == Q8_0):
             _gate_up_xq(_xq_buffers(X[0], fgu, True), cid, gate, up, H[:m], act, fgu)
         else:
             _gate_up_q(X, tok, off, cid, gate, up, H[:m], act, fgu)
@@ -247,20 +261,23 @@ def experts_layer_q(ready, release, i, X, ids, wts, cold_of, gate, up, down, H, 
 # Python side
 
 
-def row_format(rows: np.ndarray, width: int) -> str:
-    """The format of a 2-D C array of rows holding `width` weights each: q8_0 / q4_0 / q4_1 (uint8 blocks), f32, f16
-    (uint16 bits) or bf16 (int16 bits); a one-line error otherwise."""
+def row_format(rows: np.ndarray, width: int, fmt: str | None = None) -> str:
+    """The format of a 2-D C array of rows holding `width` weights each: q8_0 / q4_0 / q4_1 / q4_k / q5_k / q6_k
+    (uint8 blocks), f32, f16 (uint16 bits) or bf16 (int16 bits); a one-line error otherwise. fmt: the block format
+    the rows are stored in, checked against their width (None: told by it among q8_0, q4_0 and q4_1; a K-quant must
+    be named, Q4_K's rows being as wide as Q4_0's)."""
     if rows.ndim == 2 and rows.flags.c_contiguous:
-        if rows.dtype == np.uint8:
-            code = _format(width, rows.shape[1])
+        if rows.dtype == np.uint8 and (fmt is None or fmt in CODE):
+            code = _format(width, rows.shape[1], -1 if fmt is None else CODE[fmt])
             if code >= 0:
-                return {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1"}[code]
+                return NAME[code]
         for name, dt in FLOAT_ROWS.items():
-            if rows.dtype == dt and rows.shape[1] == width:
+            if rows.dtype == dt and rows.shape[1] == width and fmt in (None, name):
                 return name
-    raise ValueError(f"cold experts: rows {rows.shape} {rows.dtype} are not {width}-weight rows of Q4_0 / Q4_1 / Q8_0 "
-                     f"blocks (uint8, {width} a multiple of {BLOCK}) nor float32 / fp16 (uint16) / bf16 (int16), "
-                     f"C-contiguous: store the experts in one of those formats")
+    raise ValueError(f"cold experts: rows {rows.shape} {rows.dtype} are not {width}-weight rows of "
+                     f"{fmt or 'Q4_0 / Q4_1 / Q8_0'} blocks (uint8, {width} a multiple of {BLOCK}; 256 for K-quants) "
+                     f"nor float32 / fp16 (uint16) / bf16 (int16), C-contiguous: store the experts in one of those "
+                     f"formats")
 
 
 def group_pairs(tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray
@@ -276,10 +293,12 @@ def group_pairs(tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray
 
 
 def experts_ffn(X: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate: np.ndarray,
-                up: np.ndarray, down: np.ndarray, act: str | int, out: np.ndarray | None = None) -> np.ndarray:
+                up: np.ndarray, down: np.ndarray, act: str | int, out: np.ndarray | None = None,
+                fmts: tuple[str | None, str | None] | None = None) -> np.ndarray:
     """out (T, d) float32 = for each token the sum over its pairs (tokens[p] == t) of weights[p] * expert
     experts[p]'s FFN of X[t] (the module docstring); tokens with no pair get zeros. X (T, d) float32, tokens /
-    experts (P,) int, weights (P,) float; gate, up (E * n, row), down (E * d, row) as stored."""
+    experts (P,) int, weights (P,) float; gate, up (E * n, row), down (E * d, row) as stored; fmts: the formats of
+    gate / up and of down (row_format's `fmt`; None: told by the rows)."""
     X = np.ascontiguousarray(X, dtype=np.float32)
     T, d = X.shape
     code = ACT_CODE[act] if isinstance(act, str) else int(act)
@@ -287,10 +306,10 @@ def experts_ffn(X: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights:
     if down.shape[0] % d or (code >= FIRST_GATED and up.shape[0] != gate.shape[0]):
         raise ValueError(f"cold experts: down has {down.shape[0]} rows, not experts x d = {d}, or gate "
                          f"{gate.shape} and up {up.shape} differ")
-    fgu, fdn = row_format(up, d), row_format(down, n)
+    fgu, fdn = (row_format(up, d, fmts and fmts[0]), row_format(down, n, fmts and fmts[1]))
     if (fgu not in FLOAT_ROWS and n % 4) or (fdn not in FLOAT_ROWS and d % 8):
         raise ValueError(f"cold experts: block rows need n ({n}) a multiple of 4 and d ({d}) of 8")
-    if code >= FIRST_GATED and row_format(gate, d) != fgu:
+    if code >= FIRST_GATED and row_format(gate, d, fmts and fmts[0]) != fgu:
         raise ValueError("cold experts: gate and up rows differ in format: store them in one")
     E = down.shape[0] // d
     experts = np.asarray(experts, np.int64)
@@ -326,13 +345,15 @@ def experts_ffn(X: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights:
     return out
 
 
-CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}  # block formats -> cold_q_ir's codes
+CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}  # -> cold_q_ir's codes
+NAME = {c: f for f, c in CODE.items()}
 
 
 def expert_ffn(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate: np.ndarray, up: np.ndarray,
-               down: np.ndarray, act: str | int, out: np.ndarray | None = None) -> np.ndarray:
+               down: np.ndarray, act: str | int, out: np.ndarray | None = None,
+               fmts: tuple[str | None, str | None] | None = None) -> np.ndarray:
     """One token (a decode step): out (d,) float32 = sum over i of weights[i] * expert experts[i]'s FFN of x (d,)."""
     k = len(experts)
     y = experts_ffn(np.asarray(x, np.float32)[None], np.zeros(k, np.int64), experts, weights, gate, up, down, act,
-                    None if out is None else out[None])
+                    None if out is None else out[None], fmts)
     return y[0]

@@ -16,7 +16,9 @@ a skipped neuron cannot avoid reading, so the layer holds its cold experts' down
                                (dt_of: expert id -> c)
 
 Rows: Q4_0 / Q4_1 / Q8_0 blocks (cold_q_ir's row dots and axpys, the float route) or floats (f32, fp16 bits as uint16,
-bf16 bits as int16: cold_experts._f32). gate / up and down_t may differ in format.
+bf16 bits as int16: cold_experts._f32); gate / up may be K-quants too (Q4_K / Q5_K / Q6_K: their dots, kernels/cold_k),
+down_t not (runtime/moe_down_t.py and runtime/ffn_weights.py store it in one of the three). gate / up and down_t may
+differ in format.
 
 One call for the token (`sparse_layer`), so that no Python runs between the GPU's signal and the kernel (as
 cold_experts.experts_layer_q): wait for ready[i], then
@@ -32,7 +34,7 @@ cold_experts.experts_layer_q's): the gate rows are read whole, so their dots, no
 result is the float route's, float32 sums: which thread sums which neuron varies from call to call, so results vary
 in the last float32 bits.
 
-Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold.py,
+Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold_k.py, cold.py,
 activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file).
 """
 
@@ -43,7 +45,7 @@ from hotneurons.kernels.activations import _gate_value, _times_up, _ungated_valu
 from hotneurons.kernels.cold import FIRST_GATED, SPINS, _claim, _head, _n_chunks, _sum_rows, wait_ready
 from hotneurons.kernels.cold_experts import _f32, _fdot
 from hotneurons.kernels.cold_q import _xq_buffers
-from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, Q8_0, XQ_OK, rows_axpy, rows_dot
+from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, XQ_OK, rows_axpy, rows_dot
 from hotneurons.kernels.intrinsics import _fetch_add, _store_release
 from numba import njit, prange, types
 from numba.extending import overload
@@ -230,6 +232,12 @@ def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, f
             cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 1)
         elif fmt == Q4_1:
             cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 2)
+        elif fmt == Q4_K:
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 3)
+        elif fmt == Q5_K:
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 4)
+        elif fmt > Q5_K:  # Q6_K
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 5)
         else:  # Q8_0, or float rows (their overloads take no format)
             cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 0)
 
@@ -303,9 +311,11 @@ def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_
     x (d,) float32, ids (k,) int64, wts (k,) float32; cold_of / dt_of (E,) int64: expert id -> its index in gate / up's
     rows, in down_t's rows (-1: on the device); gate / up (E_rows * n, row), down_t (n_cold * n, row) as the module
     docstring; idx, hs, cnt: `scratch(k, n)`'s; part (threads, d) float32; act: ACT_CODE (0, 2 or 3); fgu / fdn:
-    cold_q_ir's format code of gate / up and of down_t (-1: float rows); xq: the gate and up dots on cold_q's int
-    route (x quantized once; Q4_0 / Q8_0 rows where cold_q_ir.XQ_OK, else the float route). Returns the firing
-    neurons' count, or -1 (nothing done) when no signal came within SPINS reads."""
+    cold_q_ir's format code of gate / up and of down_t (-1: float rows; down_t: not a K-quant); xq: the gate and up
+    dots on cold_q's int route (x quantized once; Q4_0 / Q8_0 rows where cold_q_ir.XQ_OK, else the float route).
+    Returns the firing neurons' count, or -1 (nothing done) when no signal came within SPINS reads."""
+    if fdn >= Q4_K:
+        raise ValueError("sparse_layer: down_t rows in a K-quant: store them in Q8_0, Q4_0 or Q4_1")
     if i >= 0 and not wait_ready(ready, i, SPINS):
         return -1
     m = 0

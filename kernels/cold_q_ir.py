@@ -4,7 +4,9 @@ one pass, and axpys (acc += h * row) of 1 or 4 rows, each prefetching other rows
 Rows are llama.cpp blocks (cold_q's docstring): Q8_0 (fp16 scale d, 32 int8 q), Q4_0 (d, 16 bytes of nibbles:
 weight j in byte j's low nibble, weight j + 16 in its high one; w = d (q - 8)) and Q4_1 (d, fp16 min m, Q4_0's 16
 bytes; w = d q + m). A scale d (and a min m) is read through F16_TO_F32 (65536 float32: every fp16 pattern's value),
-one load from memory that the multiply broadcasts, instead of a vcvtph2ps and a broadcast per block and row.
+one load from memory that the multiply broadcasts, instead of a vcvtph2ps and a broadcast per block and row. The
+K-quants' dots (Q4_K, Q5_K, Q6_K: format codes 3-5, float route only) are kernels/cold_k.py's IR, reached through
+`rows_dot`; the axpys read the three 32-weight formats only (down_t rows are never K-quants).
 
 Two routes for the dots (the axpys are float32 only):
   float (the file's weights, float32 sums): Q4_0 weights d (q - 8) as a 16-entry table d * (-8..7) (one multiply a
@@ -36,9 +38,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-BLOCK = 32  # weights per block, every format
+BLOCK = 32  # weights per block of Q8_0, Q4_0, Q4_1
 Q8_0, Q4_0, Q4_1 = 0, 1, 2  # format codes
-BLOCK_BYTES = (34, 18, 20)  # by format code
+Q4_K, Q5_K, Q6_K = 3, 4, 5  # the K-quants' (256 weights a block: kernels/cold_k.py has their row math)
+BLOCK_BYTES = (34, 18, 20, 144, 176, 210)  # by format code
+BLOCK_WEIGHTS = (32, 32, 32, 256, 256, 256)  # by format code
 STEP = (2, 4)  # blocks per step of the int route, by format code (64 / 128 weights: one register of x's bytes)
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -295,8 +299,8 @@ def _arrays(context, builder, tup_type, tup):
     return [context.make_array(t)(context, builder, v) for t, v in zip(tup_type, cgutils.unpack_tuple(builder, tup))]
 
 
-def _rows_ok(rows, nxt, lut, fmt):
-    return (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in (Q8_0, Q4_0, Q4_1)
+def _rows_ok(rows, nxt, lut, fmt, codes=(Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)):
+    return (isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in codes
             and isinstance(rows, types.BaseTuple) and isinstance(nxt, types.BaseTuple) and len(rows) >= 1
             and all(_ok(r, types.uint8) for r in tuple(rows) + tuple(nxt)) and _ok(lut, types.float32))
 
@@ -304,13 +308,15 @@ def _rows_ok(rows, nxt, lut, fmt):
 def dot_typer(xs, rows, nxt, lut, fmt):
     """Signature and codegen of dots of the rows (a tuple of 1-D C uint8 arrays) with xs: (x,) (d,) float32 (the
     float route) or (xb int8, corr int32, dxv float32) in XQ_LAYOUT (the int route); prefetching the rows nxt (a
-    tuple, maybe empty); lut = F16_TO_F32; fmt a literal format code (the int route: Q4_0 or Q8_0). Returns float32,
-    or a tuple per row."""
+    tuple, maybe empty); lut = F16_TO_F32; fmt a literal format code (the int route: Q4_0 or Q8_0; the K-quants:
+    the float route, by kernels/cold_k.dot_k). Returns float32, or a tuple per row."""
     if not _rows_ok(rows, nxt, lut, fmt) or not isinstance(xs, types.BaseTuple):
         return None
     if len(xs) == 1 and _ok(xs[0], types.float32):
         route = _dot_float
-    elif len(xs) == 3 and XQ_OK and fmt.literal_value != Q4_1 and \
+        if fmt.literal_value >= Q4_K:
+            from hotneurons.kernels.cold_k import dot_k as route  # it imports this module's helpers
+    elif len(xs) == 3 and XQ_OK and fmt.literal_value in (Q8_0, Q4_0) and \
             all(_ok(a, t) for a, t in zip(xs, (types.int8, types.int32, types.float32))):
         route = _dot_int
     else:
@@ -323,7 +329,7 @@ def dot_typer(xs, rows, nxt, lut, fmt):
                                                                                    args[2])
         lut_ptr = context.make_array(signature.args[3])(context, builder, args[3]).data
         intp = context.get_value_type(types.intp)
-        out = route(builder, code, xa[0] if route is _dot_float else xa, ra, na, lut_ptr, intp)
+        out = route(builder, code, xa if route is _dot_int else xa[0], ra, na, lut_ptr, intp)
         return out[0] if len(out) == 1 else context.make_tuple(builder, signature.return_type, out)
 
     ret = types.float32 if len(rows) == 1 else types.UniTuple(types.float32, len(rows))
@@ -331,9 +337,10 @@ def dot_typer(xs, rows, nxt, lut, fmt):
 
 
 def axpy_typer(hs, rows, nxt, lut, fmt, acc):
-    """Signature and codegen of acc (d,) float32 += sum of hs (a tuple of float32) * rows, prefetching nxt."""
-    if not _rows_ok(rows, nxt, lut, fmt) or not _ok(acc, types.float32) or not isinstance(hs, types.BaseTuple) \
-            or len(hs) != len(rows) or any(h != types.float32 for h in hs):
+    """Signature and codegen of acc (d,) float32 += sum of hs (a tuple of float32) * rows, prefetching nxt; rows of
+    Q8_0, Q4_0 or Q4_1 (a neuron's down row: runtime/ffn_weights.py keeps down_t in those formats)."""
+    if not _rows_ok(rows, nxt, lut, fmt, (Q8_0, Q4_0, Q4_1)) or not _ok(acc, types.float32) \
+            or not isinstance(hs, types.BaseTuple) or len(hs) != len(rows) or any(h != types.float32 for h in hs):
         return None
     code = fmt.literal_value
 

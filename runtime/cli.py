@@ -128,9 +128,10 @@ def runtime_options(f):
                      "fp32 on CPU)."),
         click.option("--cold-dtype", type=click.Choice(("auto",) + COLD_DTYPES), default="auto", show_default=True,
                      help="Storage of the cold rows in CPU RAM. auto: the file's format where the CPU kernels read it "
-                          "(a GGUF's Q4_0/Q4_1/Q8_0 rows as stored), else its nearest one (Q4_K: q4_1; Q5_0, Q5_K, "
-                          "Q6_K, IQ4_XS...: q8_0; Q2_K, Q3_K, IQ1-IQ3...: q4_0; docs/memory.md), bf16 for float "
-                          "files. Fewer bits: fewer bytes read per token, a small rounding error."),
+                          "(a GGUF's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K rows as stored; beside K-quant rows the down "
+                          "projection's re-blocked in q8_0 or q4_1), else its nearest one (Q5_0, IQ4_XS...: q8_0; "
+                          "Q2_K, Q3_K, IQ1-IQ3...: q4_0; docs/memory.md), bf16 for float files. K-quants are kept, "
+                          "never made. Fewer bits: fewer bytes read per token, a small rounding error."),
         click.option("--gpu-dtype", type=click.Choice(("auto",) + GPU_DTYPES), default="auto", show_default=True,
                      help="Storage of the hot rows on the device. auto: the file's format where the GPU kernels "
                           "read it (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K), else its nearest one (as --cold-dtype's), the "

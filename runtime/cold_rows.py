@@ -1,5 +1,6 @@
 """Cold rows in CPU RAM: their storage, as the kernels read them (`ColdRows`: bfloat16 bit patterns, int8 with a
-float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks as a GGUF file stores them),
+float32 scale per group of INT8_GROUP weights, or llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks or K-quants (Q4_K / Q5_K / Q6_K
+gate and up rows beside down_t rows of the former) as a GGUF file stores them),
 the CPU's sum over a token's active rows (`ffn_rows`, by the Numba kernels of hotneurons.kernels), and the compute
 device's reads of them in place (`map_rows`, `ffn_rows_mapped`: the GPU's share of the active cold rows, read over
 PCIe)."""
@@ -14,9 +15,9 @@ import numba
 import numpy as np
 import torch
 from hotneurons.kernels.cold import ACT_CODE, INT8_GROUP, cold_ffn
-from hotneurons.kernels.cold_q import cold_ffn_q
+from hotneurons.kernels.cold_q import FORMAT_CODE, cold_ffn_q
 from hotneurons.kernels.dequant import dequant_rows
-from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
+from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES, ROW_DTYPES
 from hotneurons.kernels.ops import neuron_values
 from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
@@ -96,8 +97,10 @@ class ColdRows:
     float32 scale per `group` weights (w ~ scale * q, an error of at most scale / 2 per weight): 1.0625 bytes a weight,
     so a token reads about half the bytes from DRAM. q8_0 / q4_0 / q4_1 (`fmt`): rows are (n, row_bytes) uint8 of
     llama.cpp blocks of 32 weights, each with its fp16 scale (and q4_1's fp16 min) inside (1.0625 / 0.5625 / 0.625
-    bytes a weight), the bytes of a GGUF file's rows; `scale` is (3, n, 0) and `group` 32. Read by
-    cold_q.cold_ffn_q / cold_layer_q."""
+    bytes a weight), the bytes of a GGUF file's rows; `scale` is (3, n, 0) and `group` 32. q4_k / q5_k / q6_k (`fmt`):
+    gate and up rows of llama.cpp's K-quant blocks of 256 weights (0.5625 / 0.6875 / 0.8203 bytes a weight) as the
+    file stores them, and down_t rows in q8_0, q4_0 or q4_1 (`fmt_down`: runtime/ffn_weights.cold_formats says why).
+    Read by cold_q.cold_ffn_q / cold_layer_q."""
 
     gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
     up: np.ndarray  # (n, d)
@@ -105,7 +108,8 @@ class ColdRows:
     b_up: np.ndarray  # (n,) float32, zeros when the FFN has no up bias
     scale: np.ndarray  # (3, n, groups) float32: gate, up, down_t scales (gate's unused by ungated FFNs)
     group: int  # weights per scale along d
-    fmt: str | None = None  # "q8_0" / "q4_0" / "q4_1" for rows of blocks; None: bf16 or int8, told by the rows' type
+    fmt: str | None = None  # "q8_0" / "q4_0" / "q4_1" / a K-quant for rows of blocks; None: bf16 or int8 (the type)
+    fmt_down: str | None = None  # down_t's block format where it is not fmt's (beside K-quant gate and up rows)
 
     @classmethod
     def from_weights(cls, gate: torch.Tensor | None, up: torch.Tensor, b_up: torch.Tensor | None,
@@ -114,6 +118,9 @@ class ColdRows:
         and q4_1 quantise with llama.cpp's rounding and need d a multiple of 32)."""
         if dtype not in COLD_DTYPES:
             raise ValueError(f"unknown cold-row dtype '{dtype}': choose one of {', '.join(COLD_DTYPES)}")
+        if dtype in K_DTYPES:
+            raise ValueError(f"cold-row dtype '{dtype}': K-quant rows are kept as a GGUF file stores them, not made "
+                             f"from float weights: choose one of {', '.join(ROW_DTYPES + BLOCK_DTYPES)}")
         n, d = up.shape
         bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
         if dtype in BLOCK_DTYPES:
@@ -128,26 +135,38 @@ class ColdRows:
     @classmethod
     def from_blocks(cls, gate: QTensor | None, up: QTensor, b_up: torch.Tensor | None, down_t: QTensor,
                     copy: bool = True) -> "ColdRows":
-        """Rows already in q8_0, q4_0 or q4_1 blocks (e.g. a GGUF file's gate and up rows), kept byte for byte: no
-        re-quantisation. gate (None: ungated), up, down_t (n, d) QTensors of one format on any device, b_up (n,) or
-        None. copy=False uses C-contiguous CPU bytes in place (e.g. a memory-mapped file's) instead of copying them."""
-        fmt = weight_format(up.fmt).value
+        """Rows already in blocks (e.g. a GGUF file's gate and up rows), kept byte for byte: no re-quantisation. gate
+        (None: ungated), up, down_t (n, d) QTensors of one format (BLOCK_DTYPES), or gate and up of a K-quant beside
+        down_t of BLOCK_DTYPES, on any device; b_up (n,) or None. copy=False uses C-contiguous CPU bytes in place
+        (e.g. a memory-mapped file's) instead of copying them."""
+        fmt, dfmt = weight_format(up.fmt).value, weight_format(down_t.fmt).value
         shape = tuple(up.shape)
-        if fmt not in BLOCK_DTYPES:
+        if fmt not in BLOCK_DTYPES + K_DTYPES:
             raise ValueError(f"ColdRows.from_blocks: up is {fmt}, which the cold kernels do not read: choose one of "
-                             f"{', '.join(BLOCK_DTYPES)}, or convert with ColdRows.from_weights(..., dtype)")
-        for name, t in (("gate", gate), ("down_t", down_t)):
-            if t is not None and (weight_format(t.fmt).value != fmt or tuple(t.shape) != shape):
+                             f"{', '.join(BLOCK_DTYPES + K_DTYPES)}, or convert with ColdRows.from_weights(..., dtype)")
+        for name, t, ok in (("gate", gate, (fmt,)), ("down_t", down_t, BLOCK_DTYPES if fmt in K_DTYPES else (fmt,))):
+            if t is not None and (weight_format(t.fmt).value not in ok or tuple(t.shape) != shape):
                 raise ValueError(f"ColdRows.from_blocks: {name} is {weight_format(t.fmt).value} {tuple(t.shape)}, up "
-                                 f"{fmt} {shape}: store gate, up and down_t in one format and shape")
+                                 f"{fmt} {shape}: store gate, up and down_t in one format and shape (down_t of a "
+                                 f"K-quant's in one of {', '.join(BLOCK_DTYPES)})")
         n = shape[0]
         bias = np.zeros(n, np.float32) if b_up is None else b_up.detach().float().cpu().numpy()
         return cls(None if gate is None else _own(gate.data, copy), _own(up.data, copy), _own(down_t.data, copy),
-                   bias, np.ones((3, n, 0), np.float32), 32, fmt)
+                   bias, np.ones((3, n, 0), np.float32), 32, fmt, None if dfmt == fmt else dfmt)
 
     @property
     def dtype(self) -> str:
         return self.fmt or ("int8" if self.up.dtype == np.int8 else "bf16")
+
+    @property
+    def down_fmt(self) -> str | None:
+        """down_t's block format (None: bf16 or int8 rows)."""
+        return self.fmt_down or self.fmt
+
+    @property
+    def code(self) -> int:
+        """cold_q.FORMAT_CODE of the gate and up rows (-1: bf16 or int8 rows)."""
+        return FORMAT_CODE.get(self.fmt, -1)
 
     @property
     def d(self) -> int:
@@ -192,7 +211,8 @@ class ColdRows:
 
     def widen(self, raw: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor | None]:
         """stored()'s blocks as `dtype` weights where they are (one pass each: kernels/dequant.dequant_rows)."""
-        return {k: v if v is None or k == "b_up" else dequant_rows(v, self.fmt, self.d, dtype) for k, v in raw.items()}
+        return {k: v if v is None or k == "b_up" else dequant_rows(v, self.down_fmt if k == "down_t" else self.fmt,
+                                                                  self.d, dtype) for k, v in raw.items()}
 
 
 def chunks(cold: ColdRows, step: int, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -248,8 +268,9 @@ def ffn_rows(activation: str, x: np.ndarray, idx: np.ndarray, rows: ColdRows, ou
     number of threads that share the active list."""
     if part is None:
         part = np.empty((numba.get_num_threads(), x.shape[0]), np.float32)
-    if rows.fmt:  # llama.cpp blocks (q8_0, q4_0, q4_1): their own kernel
-        cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, ACT_CODE[activation])
+    if rows.fmt:  # llama.cpp blocks (q8_0, q4_0, q4_1, the K-quants): their own kernel
+        cold_ffn_q(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out, ACT_CODE[activation],
+                   fmt=rows.code)
         return out
     cold_ffn(x, idx, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part, out,
              ACT_CODE[activation])
@@ -302,7 +323,8 @@ def host_mapped(a: np.ndarray, view: np.ndarray, device: torch.device, register:
 
 def map_rows(rows: ColdRows, device: torch.device) -> dict[str, torch.Tensor | str | int | None]:
     """rows' arrays as tensors on `device` over the same memory (CUDA: registered and mapped; CPU: views)."""
-    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "group": rows.group, "d": rows.d}
+    out: dict[str, torch.Tensor | str | int | None] = {"dtype": rows.dtype, "down_dtype": rows.down_fmt or rows.dtype,
+                                                       "group": rows.group, "d": rows.d}
     for name in ("gate", "up", "down_t", "scale"):
         a = getattr(rows, name)
         if a is None:
@@ -320,8 +342,9 @@ def _take(mapped: dict, name: str, which: int, ids: torch.Tensor) -> torch.Tenso
     if a is None:
         return None
     r = a.index_select(0, ids)  # (K, row bytes / itemsize)
-    if mapped["dtype"] in BLOCK_DTYPES:
-        return dequantize(r.view(torch.uint8), mapped["dtype"], mapped["d"])  # (K, d)
+    fmt = mapped["down_dtype" if name == "down_t" else "dtype"]
+    if fmt in BLOCK_DTYPES + K_DTYPES:
+        return dequantize(r.view(torch.uint8), fmt, mapped["d"])  # (K, d)
     if mapped["dtype"] == "bf16":
         return r.view(torch.int16).view(torch.bfloat16).float()
     s = mapped["scale"][which].index_select(0, ids)  # (K, groups)

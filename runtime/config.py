@@ -14,9 +14,9 @@ class RuntimeConfig:
     oracle: bool = False  # hybrid: true masks computed densely instead of the predictors
     device: str = "auto"  # auto: cuda if available
     dtype: str = "auto"  # compute dtype on the device (auto: fp16 on CUDA, fp32 on CPU)
-    # storage of the cold rows in CPU RAM (kernels/names.COLD_DTYPES): bf16, int8, q8_0, q4_0, q4_1; auto: the file's
-    # format where the kernels read it (a GGUF's Q4_0/Q4_1/Q8_0 rows byte for byte), else the nearest they read
-    # (engine.auto_format)
+    # storage of the cold rows in CPU RAM (kernels/names.COLD_DTYPES): bf16, int8, q8_0, q4_0, q4_1 or a K-quant (kept
+    # as a file stores it); auto: the file's format where the kernels read it (a GGUF's Q4_0/Q4_1/Q8_0 and
+    # Q4_K/Q5_K/Q6_K rows byte for byte), else the nearest they read (engine.auto_format)
     cold_dtype: str = "auto"
     # the hot rows on the device (formats.GPU_DTYPES): a float dtype, q8_0, q4_0, q4_1 or a K-quant (qlinear's GEMVs);
     # auto: the file's format where the GPU kernels read it, floats in the compute dtype

@@ -58,6 +58,7 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
     resident after (FFN rows split by `gpu`: per layer the neurons on the device, bool; None: all there). None where
     nothing is converted. An untied embedding stays as stored (a token's row is de-quantized as it is read)."""
     from hotneurons.common.units import format_bytes
+    from hotneurons.runtime.ffn_weights import kept_format
     from hotneurons.runtime.memory import is_ffn_weight
 
     dev = torch.device(device).type
@@ -70,7 +71,9 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
         numel = int(np.prod(t.shape))
         if is_ffn_weight(name):
             share = 1.0 if gpu is None else float(np.mean(gpu[int(name.split(".")[1])]))
-            parts = [(f, w) for f, w in ((hot, share), (cold, 1 - share)) if w > 0 and weight_format(f) != t.fmt]
+            kept = [(kept_format(source.infos, name, f, side == "cold", share == 1), w)
+                    for side, f, w in (("hot", hot, share), ("cold", cold, 1 - share))]  # a K-quant's rows or down's
+            parts = [(str(f), w) for f, w in kept if w > 0 and f != t.fmt]
         else:
             parts = [(str(kernel_format(t.fmt, dev)), 1.0)] if kernel_format(t.fmt, dev) != t.fmt else []
         if not parts:
@@ -184,7 +187,7 @@ def requantized(source: Any, cold: str, hot: str) -> None:
     s = spec(stored)
     if (s.block > 1 and 4 <= s.bits_per_weight <= 6 and nearest(stored) != WeightFormat.Q4_0
             and WeightFormat.Q4_0 in (cold, hot)):
-        keep = ("--cold-dtype auto --gpu-dtype auto reads them as stored" if nearest(stored) == stored else
+        keep = ("--cold-dtype auto --gpu-dtype auto reads them as stored" if kernel_format(stored, "cpu") == stored else
                 f"--cold-dtype auto --gpu-dtype auto converts them to {nearest(stored)} instead")
         warnings.warn(f"the file's {stored} FFN rows are re-quantized to q4_0, which costs quality (SmolLM2-135M from "
                       f"Q4_1: +15% perplexity, docs/memory.md); {keep}", stacklevel=3)

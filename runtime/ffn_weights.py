@@ -274,14 +274,13 @@ def _hot_blocks_k(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat, device: t
 def _on_cpu_kernels(w: FFNWeights, fmt: WeightFormat, device: torch.device | str,
                     work: torch.device | str | None) -> bool:
     """Whether the down projection's columns can be taken by weights/quants_cpu.py's Numba kernels: stored (d, n) in
-    Q4_0 or Q8_0 blocks in CPU memory, d whole blocks, converted on the CPU into f32, q4_0 or q8_0 (a GPU's `work`
-    keeps torch's kernels there: they are fast on it)."""
-    from hotneurons.weights import quants
+    blocks it reads (Q4_0, Q8_0, Q4_1, the K-quants) in CPU memory, d whole blocks of 32, converted on the CPU into
+    f32, q4_0, q8_0 or q4_1 (a GPU's `work` keeps torch's kernels there: they are fast on it)."""
+    from hotneurons.weights import quants, quants_cpu
 
-    fmts = quants.CPU_FORMATS
-    return (quants.CPU_KERNELS and isinstance(w.down, QTensor) and w.down.fmt in fmts and w.down.device.type == "cpu"
-            and fmt in (WeightFormat.F32, *fmts) and w.shape[1] % 32 == 0 and torch.device(device).type == "cpu"
-            and (work is None or torch.device(work).type == "cpu"))
+    return (quants.CPU_KERNELS and isinstance(w.down, QTensor) and w.down.fmt.value in quants_cpu.READS
+            and w.down.device.type == "cpu" and fmt.value in ("f32", *quants_cpu.WRITES) and w.shape[1] % 32 == 0
+            and torch.device(device).type == "cpu" and (work is None or torch.device(work).type == "cpu"))
 
 
 def _device_form(w: QTensor, device: torch.device | str) -> Any:
@@ -308,19 +307,63 @@ def every_column(w: FFNWeights, hot: torch.Tensor, fmt: WeightFormat) -> bool:
     return isinstance(w.down, QTensor) and w.down.fmt == fmt and len(hot) == n and n % spec(fmt).block == 0
 
 
+def cold_formats(fmt: WeightFormat, up: WeightFormat, gate: WeightFormat | None,
+                 down: WeightFormat) -> tuple[WeightFormat, WeightFormat]:
+    """The formats of cold rows asked in block format `fmt` (--cold-dtype), from the stored formats of up, gate (None:
+    ungated) and the down projection: (gate and up rows, down_t rows). Q8_0, Q4_0, Q4_1: both in fmt. A K-quant (the
+    CPU kernels read it as stored; weights/quants.py writes none): gate and up as stored where both are stored in fmt
+    (else all three in fmt's nearest), and down_t in the down's own format where it is q8_0, q4_0 or q4_1, else its
+    nearest (Q4_K -> q4_1, Q5_K and Q6_K -> q8_0, weights/formats.py; floats -> q8_0), whatever d_model is.
+
+    down_t is never a K-quant: it re-blocks the down projection's columns along d_model, so its blocks of 256 would
+    hold other weights than the file's blocks and no byte of the file would be kept in any format; a K-quant's rounding
+    is llama.cpp's search for sub-block scales and mins (make_qkx2_quants), which nothing here reproduces; and a
+    32-weight format needs d_model a multiple of 32, not 256. q8_0 for the 5- and 6-bit K-quants keeps a weight within
+    ~1/16 of their own step (a Q4_K_M file's Q6_K down), q4_1 for Q4_K about its bytes a weight."""
+    if fmt not in K_FORMATS:
+        return fmt, fmt
+    if up != fmt or gate not in (None, fmt):
+        return nearest(fmt), nearest(fmt)
+    dt = nearest(down) if spec(down).block > 1 else WeightFormat.Q8_0
+    return fmt, dt if dt in (WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1) else WeightFormat.Q8_0
+
+
+def kept_format(infos: dict[str, Any], name: str, fmt: str | WeightFormat, cold: bool, dense: bool) -> WeightFormat:
+    """The format a dense FFN's tensor `name` (blk.{i}.ffn_gate / up / down / down_t.weight; infos: the file's tensor
+    table) is kept in by its cold rows (`cold`) or its hot rows, asked in `fmt` (--cold-dtype / --gpu-dtype): fmt, or
+    for a K-quant fmt what cold_formats / k_hot_formats make of its layer (dense: every neuron hot)."""
+    fmt = weight_format(fmt)
+    p, _, own = name.rpartition(".ffn_")
+    if fmt not in K_FORMATS or own not in ("gate.weight", "up.weight", "down.weight", "down_t.weight"):
+        return fmt
+
+    def stored(k: str) -> WeightFormat | None:
+        t = infos.get(f"{p}.ffn_{k}.weight")
+        return None if t is None else t.fmt
+
+    down, mine = stored("down") or stored("down_t"), infos[name].fmt
+    if cold:
+        rows, dt = cold_formats(fmt, stored("up"), stored("gate"), down)
+    else:
+        rows, dt = k_hot_formats(fmt, mine, down, dense)
+    return dt if own.startswith("down") else rows
+
+
 def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool,
                  work: torch.device | str | None = None):
     """The cold neurons' rows in CPU RAM as runtime/cold_rows.ColdRows stores them in `dtype`: block formats from the
-    stored rows (copied as they are when the file has that format), bf16 / int8 from float rows. The down rows'
-    conversion runs on `work` (the compute device)."""
+    stored rows (copied as they are when the file has that format; a K-quant's in cold_formats' formats), bf16 / int8
+    from float rows. The down rows' conversion runs on `work` (the compute device)."""
     from hotneurons.runtime.cold_rows import ColdRows
 
     fmt = weight_format(dtype)
     b_up = None if w.b_up is None else w.b_up[cold.to(w.b_up.device)]
     if spec(fmt).block > 1 and fmt != WeightFormat.INT8:
-        gate = store(take_rows(w.gate, cold), fmt) if gated else None
-        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), fmt), b_up,
-                                    down_t_rows(w, cold, fmt, work=work))
+        rows, dt = cold_formats(fmt, fmt_of(w.up), fmt_of(w.gate) if gated else None,
+                                fmt_of(w.down if w.down is not None else w.down_t))
+        gate = store(take_rows(w.gate, cold), rows) if gated else None
+        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), rows), b_up,
+                                    down_t_rows(w, cold, dt, work=work))
     wide = torch.bfloat16 if fmt == WeightFormat.BF16 else torch.float32  # bf16 rows lose nothing from bf16
     gate = to_float(take_rows(w.gate, cold), wide) if gated else None
     return ColdRows.from_weights(gate, to_float(take_rows(w.up, cold), wide), b_up,

@@ -86,11 +86,11 @@ def gate_first(ffn, ready: np.ndarray, release: np.ndarray, i: int) -> int:
             return a.view(np.int16) if c.fmt is None else a
         one = np.zeros(1, np.int64)
         ffn._gate_args = (one, np.ones(1, np.float32), *scratch(1, ffn.n_cold), rows(c.gate), rows(c.up),
-                          rows(c.down_t), CODE.get(c.fmt, -1))
-    one, w1, idx, hs, cnt, g, u, dt, f = ffn._gate_args
+                          rows(c.down_t), CODE.get(c.fmt, -1), CODE.get(c.down_fmt, -1))
+    one, w1, idx, hs, cnt, g, u, dt, f, fd = ffn._gate_args
     tg, th = ffn.taus
     return sparse_layer(ready, release, i, io.x_np, one, w1, one, one, g, u, dt, idx, hs, cnt, io.part, io.out,
-                        ACT_CODE[ffn.activation], f, f, cold_q.XQ, tg, th)
+                        ACT_CODE[ffn.activation], f, fd, cold_q.XQ, tg, th)
 
 
 def hot_sparse(ffn, x: torch.Tensor) -> torch.Tensor:

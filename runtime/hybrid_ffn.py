@@ -396,9 +396,10 @@ class HybridFFN(nn.Module):
             return self._gate_args[2][:k]  # the passing cold neurons' down_t rows (sparse_layer's idx)
         if self.mask == "predictor" and self.n_cold:
             c, layer = self.cold, i if flags is not None else -1
-            if c.fmt:  # rows in Q4_0 / Q4_1 / Q8_0 blocks (cold_q)
+            if c.fmt:  # rows in Q4_0 / Q4_1 / Q8_0 blocks or K-quants (cold_q)
                 k = cold_layer_q(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
-                                 c.up, c.b_up, c.down_t, io.part, io.out, ACT_CODE[self.activation], self.cold_marks)
+                                 c.up, c.b_up, c.down_t, io.part, io.out, ACT_CODE[self.activation], self.cold_marks,
+                                 fmt=c.code)
             else:
                 k = cold_layer(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
                                c.up, c.b_up, c.down_t, c.scale, c.group, io.part, io.out, ACT_CODE[self.activation],

@@ -64,6 +64,21 @@ def _hot_bytes(source: Any, i: int, gpu: np.ndarray, d: int, mats: int, hot_fmt:
     return int(n_hot * d * ((mats - 1) * bytes_per_weight(rows) + bytes_per_weight(dn)))
 
 
+def _cold_bytes(source: Any, i: int, n_cold: int, d: int, mats: int, cold_fmt: str) -> int:
+    """Layer i's cold rows in CPU RAM: in cold_fmt, or for a K-quant in runtime/ffn_weights.cold_formats' formats
+    (its down_t's may differ)."""
+    if weight_format(cold_fmt) not in K_FORMATS:
+        return int(n_cold * mats * d * bytes_per_weight(cold_fmt))
+    from hotneurons.runtime.ffn_weights import cold_formats
+
+    infos = source.infos
+    down = infos.get(f"blk.{i}.ffn_down.weight") or infos.get(f"blk.{i}.ffn_down_t.weight")
+    gate = infos.get(f"blk.{i}.ffn_gate.weight")
+    rows, dt = cold_formats(weight_format(cold_fmt), infos[f"blk.{i}.ffn_up.weight"].fmt,
+                            None if gate is None else gate.fmt, down.fmt)
+    return int(n_cold * d * ((mats - 1) * bytes_per_weight(rows) + bytes_per_weight(dt)))
+
+
 def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str, dtype: torch.dtype, ctx: int,
                info: dict, neuron_major: bool = False) -> MemoryNeed:
     """The memory a layout of `source` will take (see the module's docstring); neuron_major: the hot rows laid out
@@ -71,9 +86,7 @@ def plan_bytes(source: Any, placement: Any, cold_fmt: str, hot_fmt: str, dtype: 
     itemsize = torch.empty((), dtype=dtype).element_size()
     d, n = info["d_model"], info["n_neurons"]
     mats = 3 if info["gated"] else 2
-    n_hot = sum(int(g.sum()) for g in placement.gpu)
-    n_cold = sum(len(g) for g in placement.gpu) - n_hot
-    cold = int(n_cold * mats * d * bytes_per_weight(cold_fmt))
+    cold = sum(_cold_bytes(source, i, len(g) - int(np.sum(g)), d, mats, cold_fmt) for i, g in enumerate(placement.gpu))
     hot = sum(_hot_bytes(source, i, np.asarray(g), d, mats, hot_fmt, neuron_major) for i, g in enumerate(placement.gpu))
     untied = "output.weight" in source.infos  # the embedding then stays in CPU RAM (models/common.load_embedding)
     rest = sum(_stored_bytes(t, dtype) for name, t in source.infos.items()

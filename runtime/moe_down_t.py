@@ -4,10 +4,11 @@ ReLU-family mixture of experts' decode: runtime/moe_ffn.py).
 A GGUF stores an expert's down as (d, n): output-major rows, a Q4_0 / Q8_0 block spanning 32 neurons, so skipping an
 inactive neuron saves none of its down bytes. down_t holds cold expert c's neuron j at row c * n + j (the d weights
 neuron j writes), in the format of the down rows the dense kernel reads:
-  block formats (Q4_0, Q4_1, Q8_0): the file's down de-quantized, transposed and quantized again with llama.cpp's
-    rounding (runtime/cold_rows.to_blocks). This is a second quantization of down: its weights differ from the
-    file's by that rounding (PowerInfer's own export of TurboSparse models quantizes its neuron-major down the same
-    way). Decode and prefill both compute with down_t (kernels/cold_experts_sparse.py token by token, or
+  block formats (Q4_0, Q4_1, Q8_0; a K-quant down in its nearest, Q4_K -> q4_1, Q5_K / Q6_K -> q8_0, as
+    runtime/ffn_weights.cold_formats says why): the file's down de-quantized, transposed and quantized again with
+    llama.cpp's rounding (runtime/cold_rows.to_blocks). This is a second quantization of down: its weights differ
+    from the file's by that rounding (PowerInfer's own export of TurboSparse models quantizes its neuron-major down the
+    same way). Decode and prefill both compute with down_t (kernels/cold_experts_sparse.py token by token, or
     runtime/moe_prefill.py on the device), so the two agree.
   floats (f32, f16, bf16): the file's rows transposed, bit for bit.
 
@@ -23,19 +24,19 @@ import torch
 from hotneurons.kernels.cold_experts import FLOAT_ROWS, row_format
 from hotneurons.kernels.cold_experts_sparse import SPARSE_ACTS
 from hotneurons.runtime.cold_rows import to_blocks
-from hotneurons.weights.formats import row_bytes, spec
+from hotneurons.weights.formats import nearest, row_bytes, spec
 from hotneurons.weights.qtensor import QTensor
 
 COLS = 2048  # neurons de-quantized at a time: bounds the float32 temporary to (d, COLS)
 BLOCK = 32  # weights per block of the formats down_t may take (its rows hold d weights)
 
 
-def wants_down_t(activation: str, cold_down: np.ndarray | None, d: int, n: int) -> bool:
+def wants_down_t(activation: str, cold_down: np.ndarray | None, d: int, n: int, fmt: str | None = None) -> bool:
     """Whether a layer's cold experts get a down_t: a ReLU-family activation, down rows the kernels read (block rows
-    need d, down_t's row width, a whole number of blocks)."""
+    need d, down_t's row width, a whole number of blocks). fmt: cold_down's (kernels/cold_experts.row_format's)."""
     if activation not in SPARSE_ACTS or cold_down is None:
         return False
-    fmt = row_format(cold_down, n)
+    fmt = row_format(cold_down, n, fmt)
     return fmt in FLOAT_ROWS or d % BLOCK == 0
 
 
@@ -48,12 +49,14 @@ def _columns(down: QTensor | torch.Tensor, e: int, d: int, n: int, c0: int, c1: 
     return QTensor(rows.contiguous(), down.fmt, (d, c1 - c0)).dequantize(torch.float32)
 
 
-def build_down_t(down: QTensor | torch.Tensor, cold_down: np.ndarray, experts: np.ndarray, d: int, n: int
-                 ) -> np.ndarray:
-    """(len(experts) * n, row) down_t of the cold experts `experts` (ids, in cold order) in cold_down's format.
-    down: the file's stacked down (QTensor (E * d, n) rows, or a float (E, d, n) tensor); cold_down: the rows the
-    dense kernel reads (kernels/cold_experts: the file's own for floats, so that expert e is rows e * d..)."""
-    fmt = row_format(cold_down, n)
+def build_down_t(down: QTensor | torch.Tensor, cold_down: np.ndarray, experts: np.ndarray, d: int, n: int,
+                 fmt: str | None = None) -> np.ndarray:
+    """(len(experts) * n, row) down_t of the cold experts `experts` (ids, in cold order) in cold_down's format (a
+    K-quant's nearest). down: the file's stacked down (QTensor (E * d, n) rows, or a float (E, d, n) tensor);
+    cold_down: the rows the dense kernel reads (kernels/cold_experts: the file's own for floats, so that expert e is
+    rows e * d..); fmt: cold_down's (row_format's)."""
+    fmt = row_format(cold_down, n, fmt)
+    fmt = nearest(fmt).value if fmt in ("q4_k", "q5_k", "q6_k") else fmt
     m = len(experts)
     if fmt in FLOAT_ROWS:  # the file's bits, transposed
         out = np.empty((m * n, d), cold_down.dtype)  # (n_cold * n, d) float32 / fp16 bits / bf16 bits

@@ -96,11 +96,16 @@ class HybridMoE(nn.Module):
             self.cold = tuple(requantized(stacked[k], self.cold_ids, outs[k]) for k in PROJ)
             self.cold_map[self.cold_ids] = np.arange(self.n_cold)
         self.in_place = in_place
+        # the stored formats of the rows in place (kernels/cold_experts.row_format's `fmt`: a K-quant's rows are as wide
+        # as another format's); re-quantized rows are told by their width
+        self.cold_fmts = tuple(fmt_name(stacked[k]) for k in PROJ) if in_place else (None, None, None)
         # ReLU-family experts: the cold experts' down neuron-major, so that decode skips an inactive neuron's down row
         self.down_t = None  # (n_cold * n, row) cold expert c's neuron j at row c * n + j, in the cold down's format
         self.dt_of = np.full(E, -1, np.int64)  # expert id -> its index in down_t; -1: on the device (or no down_t)
-        if self.cold is not None and wants_down_t(self.activation, self.cold[2], self.d_model, self.n_ff):
-            self.down_t = build_down_t(stacked["down"], self.cold[2], self.cold_ids, self.d_model, self.n_ff)
+        if self.cold is not None and wants_down_t(self.activation, self.cold[2], self.d_model, self.n_ff,
+                                                  self.cold_fmts[2]):
+            self.down_t = build_down_t(stacked["down"], self.cold[2], self.cold_ids, self.d_model, self.n_ff,
+                                       self.cold_fmts[2])
             self.dt_of[self.cold_ids] = np.arange(self.n_cold)
         if release_rows is not None:  # as each layer loads, so that the peak does not hold them either
             for v in unread_rows(stacked, outs, self.gpu_ids, self.cold_ids, self.device.type != "cpu", in_place,
@@ -235,7 +240,8 @@ class HybridMoE(nn.Module):
         elif cold.any():
             t, s = np.nonzero(cold)  # (P_c,) each
             g, u, dn = self.cold
-            yc = experts_ffn(xh, t, self.cold_map[ih[t, s]], wh[t, s], g, u, dn, self.activation)  # (T, d)
+            yc = experts_ffn(xh, t, self.cold_map[ih[t, s]], wh[t, s], g, u, dn, self.activation,
+                             fmts=self.cold_fmts[1:])  # (T, d)
             y = y + torch.from_numpy(yc).to(y.device, y.dtype)
         return y.reshape(shape)
 
@@ -255,7 +261,8 @@ class HybridMoE(nn.Module):
             if self.down_t is not None:  # the CPU's part over the firing neurons (cold_rows)
                 self._sparse_setup()
             elif self.cold is not None:  # block rows: the CPU's part in one Numba call (experts_layer_q)
-                fmts = (row_format(self.cold[1], self.d_model), row_format(self.cold[2], self.n_ff))
+                fmts = (row_format(self.cold[1], self.d_model, self.cold_fmts[1]),
+                        row_format(self.cold[2], self.n_ff, self.cold_fmts[2]))
                 if all(f in CODE for f in fmts):
                     self._layer_args = (np.where(self.gpu, -1, self.cold_map),  # (E,) cold row index, -1: on device
                                         np.empty((k, self.n_ff), np.float32), ACT_CODE[self.activation],
@@ -312,7 +319,7 @@ class HybridMoE(nn.Module):
             if cold.any():
                 g, u, dn = self.cold
                 experts_ffn(io.x_np[None], np.zeros(int(cold.sum()), np.int64), self.cold_map[io.ids[cold]],
-                            io.w[cold], g, u, dn, self.activation, out=io.out)
+                            io.w[cold], g, u, dn, self.activation, out=io.out, fmts=self.cold_fmts[1:])
             else:
                 io.out[:] = 0.0
             if flags is not None:
@@ -325,7 +332,8 @@ class HybridMoE(nn.Module):
         """sparse_layer's row maps, scratch and format codes, once (host_io, or the first decode token)."""
         if self._sparse_args is None:
             k, act = self.cfg.n_experts_used, ACT_CODE[self.activation]
-            fgu, fdn = (CODE.get(row_format(a, self.d_model), -1) for a in (self.cold[1], self.down_t))  # -1: floats
+            fgu, fdn = (CODE.get(row_format(a, self.d_model, f), -1)  # -1: floats
+                        for a, f in ((self.cold[1], self.cold_fmts[1]), (self.down_t, None)))
             self._sparse_args = (np.where(self.gpu, -1, self.cold_map),  # (E,) gate / up row block, -1: on device
                                  *scratch(k, self.n_ff),  # a slot per routed neuron: (k n,) int64, float32; counts
                                  np.empty((numba.get_num_threads(), self.d_model), np.float32), act, fgu, fdn)

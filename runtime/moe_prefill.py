@@ -23,15 +23,15 @@ from hotneurons.weights.formats import weight_format
 
 OFFLOAD_TOKENS = 64  # prefill tokens from which a layer's cold experts run on the device
 DEVICE_TYPES = ("cuda",)  # devices that take them (the tests add "cpu", where dequant_rows de-quantizes by torch)
-FORMATS = ("q4_0", "q4_1", "q8_0")  # block rows kernels/dequant.py de-quantizes on the device
+FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # block rows kernels/dequant.py de-quantizes on the device
 
 
 def offloads(ffn: Any, T: int) -> bool:
     """Whether HybridMoE `ffn` computes the cold experts of a T-token call on its device."""
     if T < OFFLOAD_TOKENS or ffn.device.type not in DEVICE_TYPES or ffn.cold is None:
         return False
-    fmts = (row_format(ffn.cold[1], ffn.d_model), row_format(ffn.cold[2], ffn.n_ff) if ffn.down_t is None
-            else row_format(ffn.down_t, ffn.d_model))
+    fmts = (row_format(ffn.cold[1], ffn.d_model, ffn.cold_fmts[1]), row_format(ffn.cold[2], ffn.n_ff, ffn.cold_fmts[2])
+            if ffn.down_t is None else row_format(ffn.down_t, ffn.d_model))
     return all(f in FORMATS for f in fmts)
 
 
@@ -43,8 +43,9 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
 
     T, k = ids.shape
     n, d, dev = ffn.n_ff, ffn.d_model, x.device
-    fgu = weight_format(row_format(ffn.cold[1], d))
-    fdn = weight_format(row_format(ffn.cold[2], n) if ffn.down_t is None else row_format(ffn.down_t, d))
+    fgu = weight_format(row_format(ffn.cold[1], d, ffn.cold_fmts[1]))
+    fdn = weight_format(row_format(ffn.cold[2], n, ffn.cold_fmts[2]) if ffn.down_t is None
+                        else row_format(ffn.down_t, d))
     pairs = np.flatnonzero(cold)  # (P,) positions t * k + slot
     pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]  # grouped per expert
     experts = ids.ravel()[pairs]

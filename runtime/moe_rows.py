@@ -15,8 +15,8 @@ from hotneurons.weights.qtensor import QTensor
 
 PROJ = ("gate", "up", "down")
 # what the kernel reads as stored; other formats' cold experts are re-quantized, each into its nearest format
-# (weights/formats.py: Q4_K to q4_1, Q2_K, Q3_K, IQ2 ... to q4_0, Q5_0, Q6_K, IQ4_XS ... to q8_0)
-KERNEL_FMTS = {"q4_0", "q4_1", "q8_0", "f32", "f16", "bf16"}
+# (weights/formats.py: Q2_K, Q3_K, IQ2 ... to q4_0, Q5_0, IQ4_XS ... to q8_0)
+KERNEL_FMTS = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32", "f16", "bf16"}
 
 
 def fmt_name(w: QTensor | torch.Tensor) -> str:

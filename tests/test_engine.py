@@ -129,20 +129,19 @@ def test_exact_levels_survive_every_block_format():
 
 
 def test_auto_keeps_the_formats_the_kernels_read():
-    """`auto` for each stored FFN format: Q4_0, Q4_1 and Q8_0 kept on both sides, Q4_K, Q5_K and Q6_K on a GPU; the
-    others to their nearest format a kernel reads (weights/formats.py), with the warning where 4- to 6-bit rows become
-    q4_0 (a Q4_1 file's names `auto` as the way to keep them, a Q4_K file's its conversion to q4_1)."""
+    """`auto` for each stored FFN format: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K kept on both sides; the others to
+    their nearest format a kernel reads (weights/formats.py), with the warning where 4- to 6-bit rows become q4_0 (a
+    Q4_1 or Q4_K file's names `auto` as the way to keep them, a Q5_0 file's its conversion to q8_0)."""
     import warnings
     from types import SimpleNamespace
 
     from hotneurons.runtime.engine import auto_format, requantized
     from hotneurons.weights.formats import WeightFormat as F
 
-    want = {F.Q4_0: "q4_0", F.Q4_1: "q4_1", F.Q8_0: "q8_0", F.Q4_K: "q4_1", F.Q5_K: "q8_0", F.Q6_K: "q8_0",
+    want = {F.Q4_0: "q4_0", F.Q4_1: "q4_1", F.Q8_0: "q8_0", F.Q4_K: "q4_k", F.Q5_K: "q5_k", F.Q6_K: "q6_k",
             F.Q5_0: "q8_0", F.Q5_1: "q8_0", F.Q2_K: "q4_0", F.Q3_K: "q4_0", F.IQ4_XS: "q8_0", F.IQ3_S: "q4_0"}
     for stored, fmt in want.items():
-        on_gpu = str(stored) if stored in (F.Q4_K, F.Q5_K, F.Q6_K) else fmt  # kernels/qgemv_k.py reads them as stored
-        assert auto_format(stored, "cpu", torch.float16) == fmt and auto_format(stored, "gpu", torch.float16) == on_gpu
+        assert auto_format(stored, "cpu", torch.float16) == fmt and auto_format(stored, "gpu", torch.float16) == fmt
         assert auto_format(stored, "gpu", torch.float32, device="cpu") == fmt
     q41 = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q4_1)})
     with warnings.catch_warnings():
@@ -151,8 +150,11 @@ def test_auto_keeps_the_formats_the_kernels_read():
     with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto reads them as stored"):
         requantized(q41, "q4_0", "q4_1")
     q4k = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q4_K)})
-    with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto converts them to q4_1 instead"):
+    with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto reads them as stored"):
         requantized(q4k, "q4_0", "q4_0")
+    q50 = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q5_0)})
+    with pytest.warns(UserWarning, match="re-quantized to q4_0.*--gpu-dtype auto converts them to q8_0 instead"):
+        requantized(q50, "q4_0", "q4_0")
     q3k = SimpleNamespace(infos={"blk.0.ffn_up.weight": SimpleNamespace(fmt=F.Q3_K)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -317,9 +317,9 @@ def test_mixed_file_equals_hf_on_gguf_py_weights(mix, mixed_files):
     notes = [str(w.message) for w in caught if "converted at load" in str(w.message)]
     assert len(notes) == 1 and "\n" not in notes[0], notes
     for f in set(types.values()):
-        if nearest(f) != f:  # each type no kernel reads named, with what it becomes
+        if kernel_format(f, "cpu") != f:  # each type no CPU kernel reads named, with what it becomes
             assert f"{str(f).upper()} -> " in notes[0], (f, notes[0])
-    assert rt.cfg.cold_dtype == rt.cfg.gpu_dtype == str(nearest(types["blk.0.ffn_up.weight"]))
+    assert rt.cfg.cold_dtype == rt.cfg.gpu_dtype == str(kernel_format(types["blk.0.ffn_up.weight"], "cpu"))
     ids = list(lm.tokenizer("The quick brown fox jumps")["input_ids"])
     with torch.no_grad():
         file_logits = lm.model(torch.tensor([ids])).logits[0, -1].float()  # (vocab,)
@@ -362,7 +362,7 @@ def test_mixed_file_through_the_commands(mixed_files, text_corpus, tmp_path):
     flags = serve_main.make_context("pi-serve", ["--run", str(run), "--device", "cpu", "--port", "0"]).params
     serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
     rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})
-    assert rt.cfg.cold_dtype == "q4_1" and rt.cfg.gpu_dtype == "q4_1"  # the file's Q4_K rows, nearest
+    assert rt.cfg.cold_dtype == "q4_k" and rt.cfg.gpu_dtype == "q4_k"  # the file's Q4_K rows, as stored
     gpu = pd.read_parquet(run / "placement" / "placement.parquet")["gpu"]
     assert 0 < gpu.mean() < 1 and rt.bytes_cpu > 0  # a hybrid split: hot rows on the device, cold ones in CPU RAM
 

@@ -263,7 +263,7 @@ def test_block_rows_refuse_bad_inputs():
     x = np.zeros(96, np.float32)  # another d than the rows'
     with pytest.raises(ValueError, match="not Q8_0, Q4_0 or Q4_1 blocks of x's d weights"):
         C.ffn_rows("relu", x, np.arange(8, dtype=np.int64), rows, np.empty(96, np.float32))
-    assert set(COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0", "q4_1"}
+    assert set(COLD_DTYPES) == {"bf16", "int8", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"}
 
 
 def _x_quantized(x: np.ndarray) -> np.ndarray:

@@ -118,16 +118,15 @@ def test_cold_experts_read_in_place():
 
 
 def test_other_block_formats_are_requantized():
-    """Q6_K experts (no kernel reads them): the cold experts only, re-quantized to q8_0 into a compact stack; the GPU
+    """Q5_0 experts (no kernel reads them): the cold experts only, re-quantized to q8_0 into a compact stack; the GPU
     experts on a CPU run stay the file's rows. Equal to the reference within q8_0's rounding of the weights."""
     cfg = dataclass_replace(_cfg("olmoe"), d_model=256, n_ff_exp=256, n_ff=256)
     g = torch.Generator().manual_seed(6)
     w = {"blk.0.ffn_gate_inp.weight": torch.randn(E, 256, generator=g) * 0.1}
-    rng = np.random.default_rng(6)
-    for k in ("gate_exps", "up_exps", "down_exps"):  # random Q6_K blocks (gguf-py has no Q6_K quantizer): 210 bytes,
-        blocks = rng.integers(0, 256, (E * 256, 210), dtype=np.uint8)  # ql, qh, int8 scales, then the fp16 d
-        blocks[:, 208:] = np.full((E * 256, 1), 2e-4, np.float16).view(np.uint8)
-        w[f"blk.0.ffn_{k}.weight"] = QTensor(torch.from_numpy(blocks), "q6_k", (E * 256, 256))
+    for k in ("gate_exps", "up_exps", "down_exps"):
+        rows = (torch.randn(E * 256, 256, generator=g) * 0.2).numpy()
+        blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q5_0)
+        w[f"blk.0.ffn_{k}.weight"] = QTensor(torch.from_numpy(blocks), "q5_0", (E * 256, 256))
     mask = np.array([True, False, False, True, False, False])
     ffn = HybridMoE(0, cfg, w.get, mask)
     assert not ffn.in_place and ffn.cold[0].shape[0] == 4 * 256

@@ -96,7 +96,7 @@ _NEAREST = {
 # (cpu_kernel, gpu_kernel) of the formats some kernel reads as stored; every other GGUF type: (False, False)
 _KERNELS = {F.F32: (False, True), F.F16: (False, True), F.BF16: (True, True), F.Q8_0: (True, True),
             F.Q4_0: (True, True), F.Q4_1: (True, True),
-            F.Q4_K: (False, True), F.Q5_K: (False, True), F.Q6_K: (False, True)}
+            F.Q4_K: (True, True), F.Q5_K: (True, True), F.Q6_K: (True, True)}
 
 
 def _gguf_spec(fmt: WeightFormat) -> FormatSpec | None:

@@ -10,8 +10,9 @@ hold these functions to it bit for bit). Every product and sum is taken in float
 ops (no fused multiply-add), so the results are the reference's exactly, not merely close.
 
 Big inputs go in chunks of rows (`_CHUNK_FLOATS` float32 values of output at a time), so the temporaries stay bounded
-however large the tensor; the result itself is allocated once. Q4_0 and Q8_0 on the CPU take Numba kernels of the
-same arithmetic instead (weights/quants_cpu.py: one pass over a chunk, equal bytes and floats).
+however large the tensor; the result itself is allocated once. Q4_0, Q8_0, Q4_1 (and the K-quants' de-quantization) on
+the CPU take Numba kernels of the same arithmetic instead (weights/quants_cpu.py: one pass over a chunk, equal bytes
+and floats).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from hotneurons.weights.formats import FORMATS, WeightFormat, row_bytes, weight_
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
 _CHUNK_FLOATS = 1 << 24  # float32 values per chunk: 64 MB of output; the temporaries are a few times that
-# Q4_0 / Q8_0 on the CPU go through weights/quants_cpu.py's Numba kernels: the same bytes and floats in one pass over
-# the data instead of torch's ten or more (a CPU load of a 4-bit GGUF spends most of its time here). False: torch's
-# kernels everywhere (the tests hold the two to each other)
+# Q4_0 / Q8_0 / Q4_1 (and the K-quants' de-quantization) on the CPU go through weights/quants_cpu.py's Numba kernels:
+# the same bytes and floats in one pass over the data instead of torch's ten or more (a CPU load of a 4-bit GGUF
+# spends most of its time here). False: torch's kernels everywhere (the tests hold the two to each other)
 CPU_KERNELS = True
-CPU_FORMATS = (WeightFormat.Q4_0, WeightFormat.Q8_0)
+CPU_FORMATS = (WeightFormat.Q4_0, WeightFormat.Q8_0, WeightFormat.Q4_1)  # quantized and de-quantized there
+CPU_READS = CPU_FORMATS + (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)  # de-quantized there
 
 
 def fp16_bits_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -279,12 +281,12 @@ def _chunk_rows(cols: int) -> int:
     return max(1, _CHUNK_FLOATS // max(cols, 1))
 
 
-def _on_cpu_kernels(t: torch.Tensor, fmt: WeightFormat) -> bool:
-    return CPU_KERNELS and fmt in CPU_FORMATS and t.device.type == "cpu"
+def _on_cpu_kernels(t: torch.Tensor, fmt: WeightFormat, formats: tuple = CPU_FORMATS) -> bool:
+    return CPU_KERNELS and fmt in formats and t.device.type == "cpu"
 
 
 def _dequantize_cpu(chunk: torch.Tensor, fmt: WeightFormat, out: torch.Tensor) -> None:
-    """A chunk (r, row bytes) of Q4_0 / Q8_0 rows -> out (r, cols) float32 (C-contiguous), by quants_cpu."""
+    """A chunk (r, row bytes) of CPU_READS rows -> out (r, cols) float32 (C-contiguous), by quants_cpu."""
     from hotneurons.weights import quants_cpu
 
     blocks = chunk.contiguous().numpy().reshape(-1, FORMATS[fmt].block_bytes)  # (blocks, block bytes)
@@ -319,7 +321,7 @@ def dequantize(data: torch.Tensor, fmt: str | WeightFormat, cols: int) -> torch.
     spec, kernel = FORMATS[fmt], _DEQUANT[fmt]
     out = torch.empty((rows, cols), dtype=torch.float32, device=data.device)  # (rows, cols)
     step = _chunk_rows(cols)
-    fast = _on_cpu_kernels(data, fmt)
+    fast = _on_cpu_kernels(data, fmt, CPU_READS)
     for r0 in range(0, rows, step):
         chunk = data[r0:r0 + step]  # (r, rb)
         if fast:
