@@ -26,6 +26,7 @@ import sys
 
 import torch
 from hotneurons.kernels import gated
+from hotneurons.kernels.gated_ref import gated_ffn_torch
 from hotneurons.kernels.ops import act_torch, gate_act
 from hotneurons.kernels.qlinear import GpuQ, linear
 from hotneurons.weights.formats import row_bytes
@@ -121,7 +122,7 @@ def bench_gated(d: int, n: int, pass_rate: float, fmt: str, activation: str = "s
         gated.gated_ffn(activation, x, gate, up, down_t, tau, tau_h, ws)
         counts.append(int(ws.count))
     gate, up, _, down_t = layers[-1]
-    ref = gated.gated_ffn_torch(activation, x, gate, up, down_t, taus[-1], tau_h).float()
+    ref = gated_ffn_torch(activation, x, gate, up, down_t, taus[-1], tau_h).float()
     err = float((ws.y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     rate = sum(counts) / (len(counts) * n)
     mat = _nbytes(layers[0][0])

@@ -20,8 +20,9 @@ Bytes: gate + (pass-1 share) up + (pass-2 share) down, but for the block-major s
 sector holds a block's scales of 16 rows, so gathered rows touch most scale sectors until sparsity is high (scales are
 1/9 of Q4_0's bytes, 1/17 of Q8_0's).
 
-Roundings are the model's (gated_ffn_torch, the reference): g, a, u, h in x's dtype, the tests on those values in
-float32, sums in float32 (down's over the passing neurons in whatever order the splits give, then across splits).
+Roundings are the model's (kernels/gated_ref.gated_ffn_torch, the reference): g, a, u, h in x's dtype, the tests on
+those values in float32, sums in float32 (down's over the passing neurons in whatever order the splits give, then
+across splits).
 down_t is the down projection's columns as rows, (n, d): runtime/ffn_weights.down_t_rows's, then qlinear.pack.
 """
 
@@ -403,42 +404,3 @@ def _reduce_stage(activation, x, gate, up, down_t, tau_g, tau_h, ws) -> None:
 
 
 STAGES = (_gate_stage, _up_stage, _down_stage, _reduce_stage)  # in order; bench/gated_gemv.py times each
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the torch reference
-
-
-def _float(w: Weight) -> torch.Tensor:
-    if isinstance(w, DownRows):
-        w = w.rows(slice(None))
-    return w.dequantize(torch.float32) if isinstance(w, GpuQ) else w.float()
-
-
-def gate_up_values(activation: str, x: torch.Tensor, gate: Weight,
-                   up: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, h), (tokens, n) each in x's dtype, for x (tokens, d): a = act(g), h = a * u (drelu: a * relu(u)), weights
-    de-quantized to float32 (whole-matrix temporaries), g, a, u and h each rounded to x's dtype as the kernels round
-    them."""
-    from hotneurons.kernels.ops import gate_act
-
-    dt = x.dtype
-    a = gate_act(activation, (x.float() @ _float(gate).T).to(dt).float()).to(dt)
-    u = (x.float() @ _float(up).T).to(dt).float()
-    return a, (a.float() * (torch.relu(u) if activation == "drelu" else u)).to(dt)
-
-
-def pass_masks(a: torch.Tensor, h: torch.Tensor, tau_g: float | torch.Tensor,
-               tau_h: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pass 1, pass 2) bool masks of gate_up_values's a and h: |a| > tau_g, and that and |h| > tau_h (float32)."""
-    p1 = a.float().abs() > float(tau_g)
-    return p1, p1 & (h.float().abs() > float(tau_h))
-
-
-def gated_ffn_torch(activation: str, x: torch.Tensor, gate: Weight, up: Weight, down_t: Weight,
-                    tau_g: float | torch.Tensor, tau_h: float | torch.Tensor) -> torch.Tensor:
-    """gated_ffn's reference, dense: every a and h computed (gate_up_values), those that do not pass zeroed, times
-    down_t in float32, rounded once to x's dtype. x (tokens, d) -> (tokens, d)."""
-    a, h = gate_up_values(activation, x, gate, up)
-    _, p2 = pass_masks(a, h, tau_g, tau_h)
-    return ((h.float() * p2) @ _float(down_t)).to(x.dtype)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 from hotneurons.kernels import gated, qgemv
-from hotneurons.kernels.gated import DownRows, GatedWorkspace, gate_up_values, gated_ffn, gated_ffn_torch, pass_masks
+from hotneurons.kernels.gated import DownRows, GatedWorkspace, gated_ffn
+from hotneurons.kernels.gated_ref import as_float, gate_up_values, gated_ffn_torch, pass_masks
 from hotneurons.kernels.ops import ffn_rows_torch
 from hotneurons.kernels.qlinear import pack
 from hotneurons.weights.quants import dequantize
@@ -73,7 +74,7 @@ def _check(y: torch.Tensor, ref: torch.Tensor, h: torch.Tensor, down_t, u_h: flo
     """y against ref within the module docstring's bound (u_h: the weight of |h| @ |down_t|, 4 U + 1e-5 unless
     given); either: h of the neurons that may count or not, whose whole terms the bound takes in too."""
     u = U_OUT[y.dtype]
-    w = gated._float(down_t).double().abs()
+    w = as_float(down_t).double().abs()
     tol = u * ref.double().abs() + (4 * u + 1e-5 if u_h is None else u_h) * (h.double().abs() @ w) + 1e-6
     if either is not None:
         tol += either.double().abs() @ w
@@ -114,7 +115,7 @@ def _case(activation: str, fmt: str, rate: float, n: int, d: int, dtype: torch.d
     """gated_ffn on random weights at about `rate` against gated_ffn_torch (_compare)."""
     weights = _weights(fmt, n, d, device, seed, dtype)
     x = torch.randn((1, d), generator=torch.Generator(device=device).manual_seed(seed), device=device)
-    x = (x * 2 / (gated._float(weights[0]).std() * d ** 0.5)).to(dtype)  # g ~ N(0, 4), as a model's
+    x = (x * 2 / (as_float(weights[0]).std() * d ** 0.5)).to(dtype)  # g ~ N(0, 4), as a model's
     a, h = gate_up_values(activation, x, *weights[:2])
     tg, th = _taus(a[0], h[0], rate)
     ws = GatedWorkspace.make(n, d, device, dtype, splits)
@@ -128,7 +129,7 @@ def _case(activation: str, fmt: str, rate: float, n: int, d: int, dtype: torch.d
     assert abs(float(p2.float().mean()) - rate) < 0.06
     if rate == 1:  # every neuron whose h is not 0: the dense FFN, in float32 throughout (a few roundings apart)
         assert not bool(h[~p2].any())
-        w = [gated._float(t) for t in weights]
+        w = [as_float(t) for t in weights]
         dense = ffn_rows_torch(activation, x.float(), w[0], w[1], None, w[2])
         _check(y, dense, h, weights[2], u_h=8 * U_OUT[dtype] + 1e-5)
 
@@ -330,7 +331,7 @@ def test_gated_ffn_in_cuda_graph(fmt):
     gate, up, down_t = _weights(fmt, n, d, "cuda", 11)
     x = torch.zeros((1, d), device="cuda").half()
     tau_g, tau_h = (torch.zeros((), dtype=torch.float32, device="cuda") for _ in range(2))
-    scale = 2 / (gated._float(gate).std() * d ** 0.5)  # g ~ N(0, 4), as _case's
+    scale = 2 / (as_float(gate).std() * d ** 0.5)  # g ~ N(0, 4), as _case's
     ws = GatedWorkspace.make(n, d, "cuda", torch.float16)
     graphs, (y,) = capture(torch.device("cuda"), [lambda: gated_ffn("swiglu", x, gate, up, down_t, tau_g, tau_h, ws)])
     assert y is ws.y
