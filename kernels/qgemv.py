@@ -271,6 +271,13 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, r_ptr, c_ptr, M, N,
     else:
         acc = _step(acc, q, s, mn if MIN else None, x_at + b0 * 32,
                     (mi < M)[:, None] & (b0 + w // (4 * UPB) < NB)[None, :], magic, Q4, MIN, DENORM, ASM)
+    _store(acc, b_ptr, out_ptr, n, nm, mi, M, stride_o, BIAS, ADD)
+
+
+@triton.jit
+def _store(acc, b_ptr, out_ptr, n, nm, mi, M, stride_o, BIAS: tl.constexpr, ADD: tl.constexpr):
+    """A GEMV program's end: the (BLOCK_M, BLOCK_N, lanes) float32 sums added up, + bias, rounded to out's dtype and
+    stored, or added to what out holds (the biased sum rounded first, as y = x W^T + b then out += y would)."""
     y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
     if BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from hotneurons.kernels.qgemv import DENORM_MAX_ROWS, GEMV_MAX_ROWS, MAGIC, XEXP, _piece, _split4, _xscale
+from hotneurons.kernels.qgemv import DENORM_MAX_ROWS, GEMV_MAX_ROWS, MAGIC, XEXP, _piece, _split4, _store, _xscale
 from hotneurons.kernels.qlayout_k import UNIT
 from hotneurons.weights.formats import WeightFormat
 
@@ -305,17 +305,7 @@ def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, m_ptr, t_ptr, b_ptr, out_ptr, r_ptr
     s, mn = _scales(d, dm, lo, hi, sh, magic, FMT, DENORM, ASM)
     xm = None if EVEN else (mi < M)[:, None] & (u0 + w // 4 < NU)[None, :]
     acc = _step(acc, q, g0, g1, s, mn, x_at + u0 * UW, xm, magic, FMT, DENORM, ASM)
-    y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N) float32
-    if BIAS:
-        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    o_at = out_ptr + mi[:, None] * stride_o + n[None, :]
-    om = (mi < M)[:, None] & nm[None, :]
-    dt = out_ptr.dtype.element_ty
-    if ADD:
-        if BIAS:
-            y = y.to(dt).to(tl.float32)
-        y += tl.load(o_at, mask=om, other=0.0).to(tl.float32)
-    tl.store(o_at, y.to(dt), mask=om)
+    _store(acc, b_ptr, out_ptr, n, nm, mi, M, stride_o, BIAS, ADD)
 
 
 def strides(w) -> dict[str, int]:
