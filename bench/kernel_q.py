@@ -1,15 +1,19 @@
-"""The cold-row kernel's effective bandwidth per cold-row dtype (bf16, int8, q8_0, q4_0) beside the DRAM row-gather
-ceiling: bytes of the rows a call reads / its time, and that as a fraction of the ceiling.
+"""The cold-row kernel's effective bandwidth per cold-row dtype (bf16, int8, q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)
+beside the DRAM row-gather ceiling: bytes of the rows a call reads / its time, and that as a fraction of the ceiling.
 
 One big layer's cold rows (default d 8192, 28672 neurons: LLaMA-2-70B's FFN) from random weights (std 0.02), stored
-in each dtype by cold_rows.ColdRows.from_weights (q8_0 / q4_0: llama.cpp's rounding), then laid out as many times as
-it takes to fill --total-gb (copies, as if of that many layers), so that the rows a call reads were last read
-several calls ago and come from DRAM, not the L3. Each timed call takes the next layer copy and a fresh set of active
-neurons, drawn among those whose gate is positive for x (what a predictor marks: each reads its gate, up and down
-rows; the FFN is ReGLU). Beside it, one core's rate with its rows in the cache (what bounds a core that DRAM
-feeds faster). Bytes per active neuron: its three rows with their scales (bf16 2, int8 1 + 4/64, q8_0
-34/32, q4_0 18/32 bytes a weight). The ceiling (bench_ceilings.dram_read_bw: 16 KiB rows gathered in random order,
-four at once per thread, the cold kernel's read pattern) is measured before and after the kernels and averaged.
+in each dtype by cold_rows.ColdRows.from_weights (q8_0 / q4_0 / q4_1: llama.cpp's rounding); a K-quant's gate and up
+rows are random valid blocks (random bytes, fp16 d and dmin for weights of about 0.02: gguf-py writes no K-quant),
+its down_t rows the runtime's choice for a down of the same type (runtime/ffn_weights.cold_formats: Q4_K -> q4_1,
+Q5_K / Q6_K -> q8_0), quantized from random weights. Then laid out as many times as it takes to fill --total-gb
+(copies, as if of that many layers), so that the rows a call reads were last read several calls ago and come from
+DRAM, not the L3. Each timed call takes the next layer copy and a fresh set of active neurons, drawn among those whose
+gate is positive for x (what a predictor marks: each reads its gate, up and down rows; the FFN is ReGLU). Beside it,
+one core's rate with its rows in the cache (what bounds a core that DRAM feeds faster). Bytes per active neuron: its
+three rows with their scales (bf16 2, int8 1 + 4/64, q8_0 34/32, q4_0 18/32, q4_1 20/32 bytes a weight; q4_k
+144/256, q5_k 176/256, q6_k 210/256 for gate and up, down_t's own). The ceiling (bench_ceilings.dram_read_bw: 16 KiB
+rows gathered in random order, four at once per thread, the cold kernel's read pattern) is measured before and after
+the kernels and averaged.
 
 Block dtypes run on cold_q.cold_ffn_q's float route; a dtype written with "+xq" (q4_0+xq, q8_0+xq) runs the int
 route (x quantized once per call: cold_q's docstring). --ahead sets the prefetch distance (groups of four neurons).
@@ -23,11 +27,13 @@ the JSON.
   python bench/kernel_q.py --out results.json            # the full size (~8 GB of rows per dtype, 16 cores)
   python bench/kernel_q.py --small --out small.json      # a quick run (d 2048, ~1 GB per dtype)
   python bench/kernel_q.py --out q.json --dtypes q4_0,q4_0+xq,q8_0,q8_0+xq,bf16,int8
+  python bench/kernel_q.py --out k.json --dtypes q4_0,q4_k,q5_k,q6_k    # the K-quants, Q4_0 as the yardstick
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,8 +46,8 @@ import torch
 from hotneurons.bench.bench_ceilings import dram_read_bw
 from hotneurons.kernels.cold_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
 from hotneurons.kernels.intrinsics import _fetch_add
-from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
-from hotneurons.runtime.cold_rows import ColdRows, ffn_rows, from_bf16_bits, from_int8_groups
+from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES
+from hotneurons.runtime.cold_rows import ColdRows, ffn_rows, from_bf16_bits, from_int8_groups, to_blocks
 from numba import njit, prange
 
 
@@ -59,23 +65,48 @@ def gate_values(rows: ColdRows, x: np.ndarray, chunk: int = 4096) -> np.ndarray:
     return out
 
 
+K_DOWN_T = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}  # cold_formats' down_t for a down of the same type
+K_BLOCK = {"q4_k": (144, (0, 2), 1 / 500), "q5_k": (176, (0, 2), 1 / 1000), "q6_k": (210, (208,), 1 / 2000)}
+
+
+def k_blocks(rng: np.random.Generator, fmt: str, n: int, d: int, scale: float = 0.02) -> np.ndarray:
+    """(n, d / 256 * block bytes) uint8 rows of random `fmt` blocks: random bytes, the fp16 d (and dmin) uniform in
+    +-scale * a unit that makes the weights about `scale` in size."""
+    bb, fields, unit = K_BLOCK[fmt]
+    b = rng.integers(0, 256, (n, d // 256, bb), dtype=np.uint8)
+    for at in fields:
+        h = (rng.uniform(-1, 1, (n, d // 256)) * scale / 0.02 * unit).astype(np.float16)  # (n, blocks)
+        b[..., at:at + 2] = h.view(np.uint8).reshape(n, d // 256, 2)
+    return b.reshape(n, -1)
+
+
 def layer_rows(d: int, n: int, dtype: str, seed: int) -> ColdRows:
-    """One layer's gated cold rows (n, d) from random weights, stored as `dtype`."""
+    """One layer's gated cold rows (n, d) from random weights, stored as `dtype` (K-quants: random blocks)."""
     g = torch.Generator().manual_seed(seed)
     w = [torch.randn(n, d, generator=g) * 0.02 for _ in range(3)]  # gate, up, down_t
-    return ColdRows.from_weights(w[0], w[1], None, w[2], dtype)
+    if dtype not in K_DTYPES:
+        return ColdRows.from_weights(w[0], w[1], None, w[2], dtype)
+    rng = np.random.default_rng(seed)
+    gate, up = k_blocks(rng, dtype, n, d), k_blocks(rng, dtype, n, d)
+    return ColdRows(gate, up, to_blocks(w[2], K_DOWN_T[dtype]), np.zeros(n, np.float32), np.ones((3, n, 0), np.float32),
+                    32, dtype, K_DOWN_T[dtype])
 
 
 def laid_out(rows: ColdRows, layers: int) -> ColdRows:
     """`layers` copies of a layer's rows, one after another: (layers * n, row) arrays."""
     tile = lambda a: np.tile(a, (layers,) + (1,) * (a.ndim - 1))  # noqa: E731
-    return ColdRows(tile(rows.gate), tile(rows.up), tile(rows.down_t), tile(rows.b_up),
-                    np.tile(rows.scale, (1, layers, 1)), rows.group, rows.fmt)
+    return dataclasses.replace(rows, gate=tile(rows.gate), up=tile(rows.up), down_t=tile(rows.down_t),
+                               b_up=tile(rows.b_up), scale=np.tile(rows.scale, (1, layers, 1)))
+
+
+def row_bytes(rows: ColdRows) -> int:
+    """Bytes of a neuron's gate, up and down rows (scales kept apart not counted)."""
+    return sum(a.shape[1] * a.itemsize for a in (rows.gate, rows.up, rows.down_t))
 
 
 def neuron_bytes(rows: ColdRows) -> int:
     """Bytes a call reads per active neuron: its gate, up and down rows with their scales."""
-    return 3 * (rows.up.shape[1] * rows.up.itemsize + rows.scale.shape[2] * 4)
+    return row_bytes(rows) + 3 * rows.scale.shape[2] * 4
 
 
 def kernel(rows: ColdRows, xq: bool = False, ahead: int = PREFETCH_AHEAD):
@@ -83,7 +114,7 @@ def kernel(rows: ColdRows, xq: bool = False, ahead: int = PREFETCH_AHEAD):
     if not rows.fmt:
         return lambda x, idx, out, part: ffn_rows("reglu", x, idx, rows, out, part)
     return lambda x, idx, out, part: cold_ffn_q(x, idx, rows.gate, rows.up, rows.b_up, rows.down_t, part, out, 2, xq,
-                                                ahead)
+                                                ahead, rows.code)
 
 
 def core_rate(one: ColdRows, x: np.ndarray, positive: np.ndarray, call=None, nbytes: float = 4e6,
@@ -91,8 +122,8 @@ def core_rate(one: ColdRows, x: np.ndarray, positive: np.ndarray, call=None, nby
     """Weights per second one core computes with its rows in the cache (~nbytes of a layer's first neurons, read over
     and over): what bounds a core where DRAM feeds it faster (a part of one row: only one thread takes work)."""
     m = max(8, int(nbytes / neuron_bytes(one)))
-    rows = ColdRows(None if one.gate is None else one.gate[:m], one.up[:m], one.down_t[:m], one.b_up[:m],
-                    one.scale[:, :m], one.group, one.fmt)
+    rows = dataclasses.replace(one, gate=None if one.gate is None else one.gate[:m], up=one.up[:m],
+                               down_t=one.down_t[:m], b_up=one.b_up[:m], scale=one.scale[:, :m])
     idx = positive[positive < m].astype(np.int64)
     d = x.shape[0]
     out, part = np.empty(d, np.float32), np.empty((1, d), np.float32)
@@ -192,7 +223,7 @@ def measure(b: dict, call, n: int, densities: list[float], reps: int, seed: int,
                     "median_s": med, "best_s": min(times[0]), "median_bytes_per_s": nbytes / med,
                     "best_bytes_per_s": nbytes / min(times[0])})
         if read is not None:  # the rows' bytes (no int8 scales) over the pure read's median time
-            rb = 3 * k * rows.up.shape[1] * rows.up.itemsize
+            rb = k * row_bytes(rows)
             res[-1]["read_median_bytes_per_s"] = rb / float(np.median(times[1]))
     return res
 

@@ -141,22 +141,28 @@ def _prefetch_block(builder, nxt, o, bb):
 
 
 def dot_k(builder, fmt, x, rows, nxt, lut, intp):
-    """x . row for each row of K blocks, x (d,) float32 (d a multiple of 256): the sums per row (float32)."""
-    bb = BLOCK_BYTES[fmt]
+    """x . row for each row of K blocks, x (d,) float32 (d a multiple of 256): the sums per row (float32). Per block,
+    the rows in a loop (not unrolled: a row's scales, its unit weights and its one vector of sums stay in registers,
+    x's vectors are read from the L1 by the FMAs; unrolled over 8 rows they spilled to the stack)."""
+    bb, m = BLOCK_BYTES[fmt], len(rows)
     nb = builder.sdiv(cgutils.unpack_tuple(builder, x.shape)[0], _c(intp, QK_K))
-    sums = [[cgutils.alloca_once_value(builder, _c(_V16F, None)) for _ in range(2)] for _ in rows]
-    with cgutils.for_range(builder, nb, intp=intp) as loop:
-        o = builder.mul(loop.index, _c(intp, bb))
+    i8p = ir.PointerType(ir.IntType(8))
+    ptrs = cgutils.alloca_once(builder, i8p, size=m)  # the rows' bytes
+    sums = cgutils.alloca_once(builder, _V16F, size=m)  # a vector of sums a row
+    for i, r in enumerate(rows):
+        builder.store(builder.bitcast(r.data, i8p), builder.gep(ptrs, [_c(intp, i)]))
+        builder.store(_c(_V16F, None), builder.gep(sums, [_c(intp, i)]))
+    with cgutils.for_range(builder, nb, intp=intp) as blk:
+        o = builder.mul(blk.index, _c(intp, bb))
         _prefetch_block(builder, nxt, o, bb)
-        scales = [_scales(builder, lut, r.data, o, fmt) for r in rows]
-        acc = [[builder.load(s) for s in pair] for pair in sums]
-        for u in range(UNITS):
-            xo = builder.add(builder.mul(loop.index, _c(intp, QK_K)), _c(intp, 32 * u))
-            xs = _ld(builder, x.data, xo, _V16F, 4), _ld(builder, x.data, _at(builder, xo, 16), _V16F, 4)
-            for r, sc, a in zip(rows, scales, acc):
-                for half, w in enumerate(_unit(builder, r.data, o, fmt, sc, u)):
-                    a[half] = _fma(builder, xs[half], w, a[half])
-        for pair, a in zip(sums, acc):
-            for s, v in zip(pair, a):
-                builder.store(v, s)
-    return [_hsum(builder, builder.fadd(builder.load(sl), builder.load(sh))) for sl, sh in sums]
+        x0 = builder.mul(blk.index, _c(intp, QK_K))
+        with cgutils.for_range(builder, _c(intp, m), intp=intp) as row:
+            data = builder.load(builder.gep(ptrs, [row.index]))
+            slot = builder.gep(sums, [row.index])
+            sc, acc = _scales(builder, lut, data, o, fmt), builder.load(slot)
+            for u in range(UNITS):
+                xo = _at(builder, x0, 32 * u)
+                for half, w in enumerate(_unit(builder, data, o, fmt, sc, u)):
+                    acc = _fma(builder, _ld(builder, x.data, _at(builder, xo, 16 * half), _V16F, 4), w, acc)
+            builder.store(acc, slot)
+    return [_hsum(builder, builder.load(builder.gep(sums, [_c(intp, i)]))) for i in range(m)]

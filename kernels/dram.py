@@ -62,15 +62,15 @@ def _gather_order(n: int) -> np.ndarray:
 
 
 def random_blocks(rng: np.random.Generator, rows: int, width: int, fmt: str) -> np.ndarray:
-    """(rows, row bytes) uint8: random `fmt` blocks of `width` weights a row whose fp16 scale (and q4_1's min) is
-    0.01, a normal number: the kernels' timing must not meet subnormals."""
+    """(rows, row bytes) uint8: random `fmt` blocks of `width` weights a row whose fp16 fields (scale, q4_1's min, the
+    K-quants' d and dmin) are 0.01, a normal number: the kernels' timing must not meet subnormals."""
     from hotneurons.weights.formats import spec
 
     s = spec(fmt)
     a = rng.integers(0, 256, (rows, width // s.block * s.block_bytes), dtype=np.uint8)
-    head = {"q4_1": 4}.get(fmt, 2)  # bytes of the fp16 scale (and q4_1's fp16 min) before each block's quants
-    a.reshape(rows, -1, s.block_bytes)[:, :, :head] = np.frombuffer(np.full(head // 2, 0.01, np.float16).tobytes(),
-                                                                     np.uint8)
+    at, n16 = {"q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208, 1)}.get(fmt, (0, 1))  # the fp16 fields
+    a.reshape(rows, -1, s.block_bytes)[:, :, at:at + 2 * n16] = np.frombuffer(np.full(n16, 0.01, np.float16).tobytes(),
+                                                                              np.uint8)
     return a
 
 
@@ -83,29 +83,32 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
     start and stop at every layer read several times slower than row_gather_bw's one long pass; this is the rate
     the solver's cost model needs for an active cold neuron."""
     from hotneurons.kernels.cold import ACT_CODE, cold_ffn
-    from hotneurons.kernels.cold_q import cold_ffn_q
-    from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES
-    from hotneurons.weights.formats import spec
+    from hotneurons.kernels.cold_q import FORMAT_CODE, cold_ffn_q
+    from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES
+    from hotneurons.weights.formats import nearest, spec
 
     if fmt not in COLD_DTYPES:
         raise ValueError(f"unknown cold-row format '{fmt}': choose one of {', '.join(COLD_DTYPES)}")
     rng = np.random.default_rng(seed)
     n_mats = 3 if gated else 2
-    if fmt in BLOCK_DTYPES:
-        s = spec(fmt)
-        row_bytes = d // s.block * s.block_bytes
-    else:
-        row_bytes = d * (2 if fmt == "bf16" else 1)
-    n = max(rows_per_call * 4, table_bytes // (n_mats * row_bytes))  # neurons: far more than the caches hold
+    dfmt = nearest(fmt).value if fmt in K_DTYPES else fmt  # down_t beside K-quant rows (ffn_weights.cold_formats)
 
-    def table() -> np.ndarray:
-        if fmt in BLOCK_DTYPES:
-            return random_blocks(rng, n, d, fmt)
-        if fmt == "bf16":  # normal numbers about 0.01, never subnormal
+    def width(f: str) -> int:  # bytes of a row of d weights
+        if f in BLOCK_DTYPES + K_DTYPES:
+            return d // spec(f).block * spec(f).block_bytes
+        return d * (2 if f == "bf16" else 1)
+
+    row_bytes = ((n_mats - 1) * width(fmt) + width(dfmt)) / n_mats  # a neuron's rows' mean
+    n = max(rows_per_call * 4, int(table_bytes // (n_mats * row_bytes)))  # neurons: far more than the caches hold
+
+    def table(f: str = fmt) -> np.ndarray:
+        if f in BLOCK_DTYPES + K_DTYPES:
+            return random_blocks(rng, n, d, f)
+        if f == "bf16":  # normal numbers about 0.01, never subnormal
             return rng.integers(0x3C00, 0x3D00, (n, d), dtype=np.uint16)
         return rng.integers(-127, 128, (n, d), dtype=np.int8)
 
-    up, down_t = table(), table()
+    up, down_t = table(), table(dfmt)
     gate = table() if gated else up
     b_up = np.zeros(n, np.float32)
     x = rng.standard_normal(d).astype(np.float32)
@@ -115,8 +118,8 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
     scale, group = np.ones((3, n, 1), np.float32), d
 
     def call(idx: np.ndarray) -> None:
-        if fmt in BLOCK_DTYPES:
-            cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act)
+        if fmt in BLOCK_DTYPES + K_DTYPES:
+            cold_ffn_q(x, idx, gate, up, b_up, down_t, part, out, act, fmt=FORMAT_CODE[fmt])
         else:
             cold_ffn(x, idx, gate, up, b_up, down_t, scale, group, part, out, act)
 

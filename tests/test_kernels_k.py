@@ -258,6 +258,17 @@ def test_formats_are_named_not_guessed():
     assert KE.row_format(q4k, d) == "q4_0" and KE.row_format(q4k, d, "q4_k") == "q4_k"
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_cold_call_rate_of_k_rows(fmt):
+    """kernels/dram.cold_call_bw (pi-solve --measure's CPU rate) times K-quant rows as the runtime lays them out: gate
+    and up in fmt, down_t in its nearest."""
+    from hotneurons.kernels.dram import cold_call_bw, random_blocks
+
+    b = random_blocks(np.random.default_rng(0), 4, 512, fmt)
+    assert np.isfinite(w64(b, fmt)).all() and np.abs(w64(b, fmt)).max() > 0
+    assert cold_call_bw(512, fmt, True, 32, table_bytes=2**22, calls=8) > 1e7
+
+
 def test_cold_formats():
     """runtime/ffn_weights.cold_formats: K-quant gate and up as stored, down_t in the down's 32-weight format or its
     nearest (never a K-quant); other block formats all in the one asked for."""
