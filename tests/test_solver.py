@@ -215,7 +215,8 @@ def test_byte_tables_are_weights_formats():
     for name, b in DTYPE_BYTES.items():
         assert b == bytes_per_weight(name)
         assert ACT_BYTES[name] == (b if b >= 2 else 2.0)  # block formats keep a 16-bit KV cache
-    assert COLD_BYTES == {"bf16": 2.0, "int8": 1 + 4 / 64, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
+    assert COLD_BYTES == {"bf16": 2.0, "int8": 1 + 4 / 64, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                          "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
     assert all(COLD_BYTES[f.value] == s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel)
 
 
