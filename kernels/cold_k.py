@@ -34,11 +34,13 @@ from hotneurons.kernels.cold_q_ir import (
     _V16F,
     _V16I,
     BLOCK_BYTES,
+    HAS_512,
     Q4_K,
     Q5_K,
     Q6_K,
     _c,
     _fma,
+    _fn,
     _hsum,
     _ld,
     _prefetch,
@@ -124,13 +126,24 @@ def _unit(builder, data, o, fmt, scales, u):
     p, hi = divmod(u, 2)
     ds = _splat(builder, builder.extract_element(scales[0], _c(_I32, u)))
     dm = _splat(builder, builder.fneg(builder.extract_element(scales[1], _c(_I32, u))))
+    if HAS_512:  # the unit's 16 (Q4_K) or 32 (Q5_K) weights d sc q - dmin m as a table, made once for 32 lookups
+        tables = [_fma(builder, ds, _c(_V16F, [float(v) for v in range(k, k + 16)]), dm)
+                  for k in ((0,) if fmt == Q4_K else (0, 16))]
     out = []
     for half in range(2):
         raw = _bytes16(builder, data, _at(builder, o, _NIBBLES[fmt] + 32 * p + 16 * half))
+        if HAS_512 and fmt == Q4_K:  # vpermps reads an index's low 4 bits: the low nibble needs no mask
+            out.append(builder.call(_fn(builder, "llvm.x86.avx512.permvar.sf.512", _V16F, [_V16F, _V16I]),
+                                    [tables[0], builder.lshr(raw, _splat_i(4)) if hi else raw]))
+            continue
         q = builder.lshr(raw, _splat_i(4)) if hi else builder.and_(raw, _splat_i(15))
         if fmt == Q5_K:
             qh = _bytes16(builder, data, _at(builder, o, 16 + 16 * half))  # bit u -> bit 4
             q = builder.or_(q, builder.and_(_shift(builder, qh, 4 - u), _splat_i(16)))
+        if HAS_512:  # q 0..31 picks from the two tables (vpermt2ps)
+            out.append(builder.call(_fn(builder, "llvm.x86.avx512.vpermi2var.ps.512", _V16F, [_V16F, _V16I, _V16F]),
+                                    [tables[0], q, tables[1]]))
+            continue
         out.append(_fma(builder, ds, builder.sitofp(q, _V16F), dm))  # d sc q exact: one rounding, gguf-py's
     return tuple(out)
 

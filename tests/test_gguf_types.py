@@ -384,16 +384,9 @@ def test_on_cuda_dequantize_equals_gguf_py():
         np.testing.assert_array_equal(ours.cpu().numpy(), reference(b, fmt), err_msg=str(fmt))
 
 
-# measured on an H200: the mixes whose conversions land in q4_1 / q4_0 give logits 0.03 (attention alone, FFN rows in
-# float32) to 0.2 (q4_1 hot rows) from the CPU run's, of ~2.6; the q8_0 mix agrees. Its cause is not found yet: the
-# de-quantization on CUDA is gguf-py's bit for bit (above), and CUDA's q4 kernels agree with HF on Q4_0 / Q4_1 files
-# (tests/test_engine_gpu.py)
-_Q4_ON_CUDA = pytest.mark.xfail(strict=True, reason="q4_1 / q4_0 conversions on CUDA: logits off the CPU run's")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mix", [pytest.param(m, marks=_Q4_ON_CUDA) if m != "iq4_xs" else m for m in MIXES])
+@pytest.mark.parametrize("mix", list(MIXES))
 def test_on_cuda_mixed_file_equals_the_cpu_run(mix, mixed_files):
     """The mixes on CUDA in float32 (attention and head converted on the device and packed for the Triton GEMV, hot
     rows there, cold ones on the CPU): the CPU run's logits (itself held to HF's above), the same placement."""
