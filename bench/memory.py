@@ -63,6 +63,7 @@ STAGES: dict[str, Stage] = {
     "generate-int8": Stage((*_GEN, "--cold-dtype", "int8"), first_output=r"(?s)."),
     # the 4-bit path: cold rows kept in the file's Q4_0 blocks (weights/formats.py); skipped until the flag exists
     "generate-q4": Stage((*_GEN, "--cold-dtype", "q4_0"), first_output=r"(?s).", needs="q4_0"),
+    "generate-auto": Stage((*_GEN, "--cold-dtype", "auto"), first_output=r"(?s)."),  # the file's own formats
     "serve": Stage(("pi-serve", "--run", "{run}", "--device", "{device}", "--port", "0", "--max-tokens",
                     "{serve_tokens}", "-q"), first_output=r"(https?://\S+?)/v1", first_output_on=("stdout", "stderr"),
                    requests=True),
@@ -74,7 +75,7 @@ class Settings:
     """One benchmark run: which models, formats and stages, and the sizes of the work each stage does."""
 
     shapes: tuple[str, ...]
-    formats: tuple[str, ...] = mm.FORMATS
+    formats: tuple[str, ...] = ("hf", "gguf")
     stages: tuple[str, ...] = tuple(STAGES)
     profile_tokens: int = 512
     eval_tokens: int = 256
@@ -290,7 +291,8 @@ def write(figures: dict, out: Path | None, kind: str | None = None, command: str
 @click.option("--shape", "shapes", multiple=True, type=click.Choice(list(mm.SHAPES)),
               help="Model preset(s) instead of the preset's (repeat).")
 @click.option("--format", "formats", multiple=True, type=click.Choice(mm.FORMATS),
-              help="hf (bf16 safetensors folder), gguf (Q4_0); repeat [both].")
+              help="hf (bf16 safetensors folder), gguf (Q4_0), gguf-k (Q4_K_M, by llama-cpp-python's "
+                   "quantizer); repeat [hf, gguf].")
 @click.option("--stages", default=None, help=f"Comma list, in order [{','.join(STAGES)}].")
 @click.option("--models", type=click.Path(path_type=Path), default=Path("runs/memory-bench/models"),
               show_default=True, help="Where the models are written (and reused when their manifest matches).")

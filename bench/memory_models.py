@@ -27,7 +27,7 @@ import torch
 
 WRITER_VERSION = 3  # bump when the files written for a shape change: manifests of older files then do not match
 STD = 0.02
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "gguf", "gguf-k")  # gguf-k: the Q4_0 file re-quantized by llama.cpp as Q4_K_M (needs llama_cpp)
 ACTIVATION_KEY = "hotneurons.activation"  # the GGUF's own record of its FFN activation (llama arch says nothing)
 
 
@@ -241,14 +241,30 @@ def write_q4_file(s: Shape, path: Path, arrays: Iterator[np.ndarray], activation
 
 def model_paths(folder: Path, name: str) -> dict[str, Path]:
     """Where each format's model lives (what --model names) and its weights file (what file_bytes measures)."""
-    return {"hf": folder / name / "hf", "gguf": folder / name / "gguf" / f"random-relu-llama-{name}.Q4_0.gguf"}
+    return {"hf": folder / name / "hf", "gguf": folder / name / "gguf" / f"random-relu-llama-{name}.Q4_0.gguf",
+            "gguf-k": folder / name / "gguf-k" / f"random-relu-llama-{name}.Q4_K_M.gguf"}
+
+
+def write_gguf_k(s: Shape, path: Path, q4_0: Path, seed: int = 0) -> Path:
+    """The Q4_0 file's weights as llama.cpp's Q4_K_M mix (Q4_K and Q6_K tensors): de-quantized to an F16 copy (beside
+    `path`, removed after), then quantized by llama-cpp-python's llama_model_quantize (bench/parity_files.py)."""
+    from hotneurons.bench.parity_files import float_copy, quantized_copy
+
+    if not q4_0.exists():
+        write_gguf_q4(s, q4_0, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f16 = path.with_name(path.name + ".f16.gguf")
+    try:
+        return quantized_copy(float_copy(q4_0, f16, "f16"), path, "q4_k", threads=os.cpu_count() or 1)
+    finally:
+        f16.unlink(missing_ok=True)
 
 
 def weights_file(fmt: str, model: Path) -> Path:
     return model / "model.safetensors" if fmt == "hf" else model
 
 
-def ensure_models(name: str, folder: Path, formats: tuple[str, ...] = FORMATS, seed: int = 0,
+def ensure_models(name: str, folder: Path, formats: tuple[str, ...] = ("hf", "gguf"), seed: int = 0,
                   log=print) -> dict[str, dict]:
     """The preset `name`'s model in each of `formats` under folder/name, written unless its manifest.json (shape,
     seed, writer version, file sizes) already describes it. Returns {format: {model, file, file_bytes, written_s}}."""
@@ -267,7 +283,12 @@ def ensure_models(name: str, folder: Path, formats: tuple[str, ...] = FORMATS, s
             continue
         log(f"writing the {name} model as {fmt} ({s.params / 1e6:.1f}M weights) to {paths[fmt]}")
         t0 = time.perf_counter()
-        write_hf(s, paths[fmt], seed) if fmt == "hf" else write_gguf_q4(s, paths[fmt], seed)
+        if fmt == "hf":
+            write_hf(s, paths[fmt], seed)
+        elif fmt == "gguf":
+            write_gguf_q4(s, paths[fmt], seed)
+        else:
+            write_gguf_k(s, paths[fmt], paths["gguf"], seed)
         files[fmt] = {"model": str(paths[fmt]), "file": str(f), "file_bytes": f.stat().st_size,
                       "written_s": round(time.perf_counter() - t0, 2)}
         manifest_path.write_text(json.dumps({**key, "files": files}, indent=1))

@@ -53,6 +53,7 @@ from numba.core import cgutils
 
 QK_K = 256  # weights a block
 UNITS = 8  # units of 32 weights a block
+CHAINS = 4  # independent sums a row and block
 _V8B, _V16B, _V8I, _V8F = (ir.VectorType(ir.IntType(8), 8), ir.VectorType(ir.IntType(8), 16),
                            ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8))
 _NIBBLES = {Q4_K: 16, Q5_K: 48}  # byte of the 128 nibble bytes in a Q4_K / Q5_K block
@@ -174,10 +175,13 @@ def dot_k(builder, fmt, x, rows, nxt, lut, intp):
         with cgutils.for_range(builder, _c(intp, m), intp=intp) as row:
             data = builder.load(builder.gep(ptrs, [row.index]))
             slot = builder.gep(sums, [row.index])
-            sc, acc = _scales(builder, lut, data, o, fmt), builder.load(slot)
+            sc = _scales(builder, lut, data, o, fmt)
+            # four chains of FMAs, not one: a block's 16 in one chain waited on the FMA's latency (4 cycles each)
+            acc = [builder.load(slot)] + [_c(_V16F, None)] * (CHAINS - 1)
             for u in range(UNITS):
                 xo = _at(builder, x0, 32 * u)
                 for half, w in enumerate(_unit(builder, data, o, fmt, sc, u)):
-                    acc = _fma(builder, _ld(builder, x.data, _at(builder, xo, 16 * half), _V16F, 4), w, acc)
-            builder.store(acc, slot)
+                    c = (2 * u + half) % CHAINS
+                    acc[c] = _fma(builder, _ld(builder, x.data, _at(builder, xo, 16 * half), _V16F, 4), w, acc[c])
+            builder.store(builder.fadd(builder.fadd(acc[0], acc[1]), builder.fadd(acc[2], acc[3])), slot)
     return [_hsum(builder, builder.load(builder.gep(sums, [_c(intp, i)]))) for i in range(m)]
