@@ -2,10 +2,13 @@
 rows by Numba on the CPU.
 
 Per layer it holds
-- hot neurons (placement gpu=True) as compact matrices on the compute device, in the model dtype:
-  `gate_hot`, `up_hot` (n_hot, d_model), `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T;
+- hot neurons (placement gpu=True) as compact matrices on the compute device: `gate_hot`, `up_hot` (n_hot, d_model),
+  `down_t_hot` (n_hot, d_model) = down.weight[:, hot].T, in the compute dtype or a block format the GPU GEMVs read
+  (`--gpu-dtype`: q4_0 / q4_1 / q8_0, the file's Q4_K / Q5_K / Q6_K; kernels/qlinear.py);
 - cold neurons in CPU RAM, `cold` (cold_rows.ColdRows): one contiguous row per neuron of gate, up and down.T,
-  (n_cold, d_model) each, as bfloat16 bit patterns or int8 with a scale per 64 weights (`cold_dtype`), read by Numba.
+  (n_cold, d_model) each, in `cold_dtype`: bfloat16 bit patterns, int8 with a scale per 64 weights, llama.cpp's
+  q8_0 / q4_0 / q4_1 blocks, or a K-quant file's gate and up rows as stored (down_t in a 32-weight format), read by
+  Numba (kernels/cold.py, cold_q.py, cold_k.py).
 The original FFN modules are dropped, so the dense FFN weights never reach the device.
 
 Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
