@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from hotneurons.artifacts.placement import Objective, PlacementSummary
 from hotneurons.artifacts.profile import check_profile
-from hotneurons.common.artifacts import ArtifactError
+from hotneurons.common.artifacts import ArtifactError, read_json
 from hotneurons.common.cli import cli_error, stdout_to_stderr
 from hotneurons.common.hardware import (
     HARDWARE,
@@ -108,6 +108,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
             meta = read_moe_profile(run_dir)[2]
         else:
             meta = check_profile(run_dir)
+            check_run_predictors(run_dir, meta.model)
     except ArtifactError as e:
         raise cli_error(e, FLAGS) from None
     with stdout_to_stderr(as_json):  # HiGHS prints its banner to fd 1 whatever it is told
@@ -154,6 +155,27 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
         click.echo(human_moe_summary(summary, run_dir) if moe else human_summary(summary, run_dir))
+
+
+def check_run_predictors(run_dir: str, model: dict) -> None:
+    """RUN/predictors/ left by another model (or of another shape) would size the VRAM budget with its bytes:
+    refused in one line that says what differs, before the solve."""
+    pdir = Path(run_dir) / "predictors"
+    if not (pdir / "meta.json").exists():
+        return
+    fix = f"retrain them (pi-train-predictors --run {run_dir} --force) or delete {pdir}"
+    try:
+        old = read_json(pdir / "meta.json").get("model") or {}  # any version: only its model matters here
+    except (OSError, ValueError):
+        raise ArtifactError(f"{pdir / 'meta.json'} is unreadable, so the predictors' size is unknown: {fix}") from None
+    diff = [f"model '{old.get('name')}' ({str(old.get('fingerprint'))[:12]}), the profile's '{model['name']}' "
+            f"({model['fingerprint'][:12]})"] if old.get("fingerprint") != model["fingerprint"] else []
+    diff += [f"{what} {old.get(key)}, the profile's {model[key]}" for key, what in
+             (("n_layers", "layers"), ("n_neurons", "FFN neurons"), ("d_model", "d_model"))
+             if old.get(key) != model.get(key)]
+    if diff:
+        raise ArtifactError(f"{pdir} holds predictors of another model ({'; '.join(diff)}), whose size pi-solve "
+                            f"would budget: {fix}")
 
 
 def human_summary(s: PlacementSummary, run_dir: str) -> str:
