@@ -71,7 +71,7 @@ def stage_build(a) -> dict:
 def install_predictors(run: Path, gguf: Path) -> dict:
     """The exact predictors written beside the model (bench_gguf) as RUN/predictors, for RUN's model and profile."""
     from hotneurons.bench import tiny
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
     from safetensors.torch import load_file
 

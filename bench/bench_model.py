@@ -66,7 +66,7 @@ def share_of_top(p: np.ndarray, top: float = 0.2) -> float:
 
 @dataclass
 class BenchModel:
-    lm: object  # hotneurons.common.models.LoadedModel (weights where they were built)
+    lm: object  # hotneurons.models.family.LoadedModel (weights where they were built)
     shape: str
     layers: int
     targets: list[np.ndarray]  # per layer (n,) target firing probabilities
@@ -128,7 +128,7 @@ def build_model(shape: str, layers: int, device: str, seed: int = 0, std: float 
     """Random fp16 LLaMA (ReLU-gated FFN) built on `device`, with the constant channel wired in (uncalibrated);
     gate_rank: gate columns 1.. of rank `gate_rank` (gate_factors), for exact_predictor."""
     from hotneurons.common.model_source import ModelSource
-    from hotneurons.common.models import wrap_model
+    from hotneurons.models.family import wrap_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d, n, heads, kv, vocab = SHAPES[shape]

@@ -203,7 +203,7 @@ def run_accelerate(base_model, budget: int, device: str, prompt: list[int], toke
         row["device_map"] = {k: str(v) for k, v in dm.items()}
     else:
         row["device_map"] = {"": "cpu"}
-    from hotneurons.common.models import step as hf_step
+    from hotneurons.models.family import step as hf_step
 
     dev = "cuda:0" if device == "cuda" else "cpu"
     with torch.inference_mode():

@@ -30,7 +30,7 @@ from hotneurons.bench import record, tiny
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.model_source import resolve_source
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate

@@ -36,7 +36,7 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
     from hotneurons.artifacts.placement import Placement
     from hotneurons.bench import memory_models as mm
     from hotneurons.bench import tiny
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
 
     files = mm.ensure_models(shape, Path(models))
@@ -54,7 +54,7 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
 def main(a) -> dict:
     import torch
     from hotneurons.bench import tiny
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.predictors.train import load_predictors
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, build_runtime

@@ -90,7 +90,7 @@ def write_doc(doc: Path, md: str) -> None:
 def run(a: argparse.Namespace) -> dict:
     import torch
     from hotneurons.common.gating import key
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.predictors.evaluate import evaluate, format_table
     from hotneurons.profiler.cli import format_summary
     from hotneurons.profiler.profile import ProfileConfig, profile_model

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from hotneurons.bench import ROOT, record
-from hotneurons.common.models import step as hf_step
+from hotneurons.models.family import step as hf_step
 
 TARBALL = ROOT.parent / "shared" / "vendor" / "PowerInfer-src.tgz"
 CMAKE_FLAGS = ["-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
@@ -69,10 +69,10 @@ def unfolded_control(work: Path, main: Path, n: int, threads: int, extra: list[s
     """The normed run's predictors written as they are (γ not folded into fc1) through write_powerinfer: PowerInfer then
     decides from W_gate·x_pre instead of W_gate·diag(γ)·x_pre, and its tokens should part from HF's."""
     import numpy as np
-    from hotneurons.common.models import load_model
     from hotneurons.export import roundtrip as rt
     from hotneurons.export import vocab_from_tokenizer, write_powerinfer
     from hotneurons.export.predictors import read_predictors
+    from hotneurons.models.family import load_model
 
     lm = load_model(str(work / "model"), device="cpu", dtype="float32")
     cfg = lm.model.config

@@ -19,9 +19,9 @@ from hotneurons.bench import record
 
 
 def check(work: Path, main: Path, prompt: str = "The capital of France is", n: int = 16, threads: int = 1) -> dict:
-    from hotneurons.common.models import load_model
     from hotneurons.export import export_run
     from hotneurons.export import roundtrip as rt
+    from hotneurons.models.family import load_model
     from hotneurons.relufy.relufy import plain_model
 
     folder = work / "smollm2-relu"

@@ -19,7 +19,7 @@ from hotneurons.artifacts.profile import read_profile
 from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
-from hotneurons.common.models import load_model_from_meta
+from hotneurons.models.family import load_model_from_meta
 from hotneurons.predictors.train import (
     PRESETS,
     Predictor,

@@ -24,7 +24,7 @@ import torch
 from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.model_source import ModelSource
-from hotneurons.common.models import load_model, pick_device, pick_dtype, wrap_model
+from hotneurons.models.family import load_model, pick_device, pick_dtype, wrap_model
 from hotneurons.profiler.hooks import ActivationCounter, SampleReservoir
 from hotneurons.profiler.profile import forward
 

@@ -50,7 +50,7 @@ def write_wiki(out: Path) -> None:
 
 def sweep(args) -> None:
     import torch
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.relufy.distill import relufy
     from hotneurons.relufy.relufy import RelufyConfig, build_pool, plain_model
 

@@ -62,7 +62,7 @@ def _configs():
 
 def _moe_configs():
     """Mixtures of experts: 4 experts, 2 per token. Apart from FAMILIES: the profiler, solver and runtime, whose tests
-    run every family, do not run experts yet (common/models.MOE_ADAPTER); models/ does (tests/test_models_moe.py)."""
+    run every family, do not run experts yet (models/family.MOE_ADAPTER); models/ does (tests/test_models_moe.py)."""
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -112,7 +112,7 @@ def make_drelu(lm) -> None:
 def load_rounded(folder, family: str):
     """A tiny model on the CPU in float32 with its FFN weights rounded to bf16 (what the runtime's cold rows store),
     so that the runtime and HF `generate` compute with the same weights."""
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     lm = load_model(str(folder), device="cpu", dtype="float32", activation=ACTIVATION_OVERRIDE.get(family))
     if family == "mistral-drelu":

@@ -69,7 +69,7 @@ def choose(value: Any, allowed: type[K] | Mapping[str, Any] | Iterable[str], wha
 
 
 class Activation(Kind):
-    """How an FFN turns its up projection into per-neuron values (see common/models.py)."""
+    """How an FFN turns its up projection into per-neuron values (see models/family.py)."""
 
     RELU = "relu"  # ungated ReLU (OPT, Falcon-ReLU)
     GELU = "gelu"  # ungated GELU or SiLU: no exact zeros

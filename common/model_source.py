@@ -3,7 +3,7 @@
 `ModelSource`: a hub id, a local folder or a GGUF file inside a folder, resolved from what the user typed
 (`resolve_source`); `load_error`: what transformers and huggingface_hub raise on a source they cannot find or read, as
 one `ModelError` line; `fingerprint`: the identity every artifact records (config and weight files' bytes, not the
-dtype). Nothing here loads weights: common/models.py does.
+dtype). Nothing here loads weights: models/family.py does.
 """
 
 from __future__ import annotations
@@ -129,3 +129,8 @@ def fingerprint(source: ModelSource, config: Any) -> str:
                 f.seek(max(0, size - (1 << 20)))
                 h.update(f.read(1 << 20))
     return h.hexdigest()
+
+
+def text_config(config: Any) -> Any:
+    """The text model's config (a multimodal wrapper's, such as Gemma3's, holds it inside)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -210,7 +210,7 @@ def llama_metadata(w: Any, cfg: Any, name: str, activation: str | None = None) -
 
 def activation_metadata(w: Any, cfg: Any, activation: str | None = None) -> None:
     """`hotneurons.activation` (and `hotneurons.fat_threshold` for FATReLU) from `activation` or the config."""
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.weights.names import ACTIVATION_KEY, FAT_THRESHOLD_KEY
 
     act = str(activation or adapter_for(cfg).activation(cfg))
@@ -256,7 +256,7 @@ def moe_metadata(w: Any, cfg: Any, name: str) -> None:
     for the qwen archs expert_feed_forward_length (feed_forward_length stays the config's intermediate_size) and
     Qwen2-MoE's expert_shared_feed_forward_length; OLMoE's clip_qkv as attention.clamp_kqv. expert_weights_norm
     (renormalised top-k) too, outside Mixtral (always): llama.cpp fixes it per arch, our reader reads the key."""
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
 
     llama_metadata(w, cfg, name, activation=adapter_for(cfg, experts=True).activation(cfg))
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

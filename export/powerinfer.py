@@ -146,7 +146,7 @@ def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.
     gpuidx's split.vram_capacity. The folder appears whole or not at all; an existing one needs `force`.
     Returns the summary also written to OUT/export.json.
     """
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
 
     out = Path(out)
     cfg = config if config is not None else model.config

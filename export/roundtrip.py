@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from hotneurons.common.models import step as hf_step
+from hotneurons.models.family import step as hf_step
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 TEXT = ("The quick brown fox jumps over the lazy dog. Sparse activations make the large models fast, "
@@ -100,7 +100,7 @@ def activation_counts(lm, text: str = TEXT) -> tuple[np.ndarray, int]:
 def make_run(folder: Path, run: Path, form: str = "normed", gpu_share: float = 0.25) -> Path:
     """RUN/profile (counted on TEXT), RUN/placement (each layer's hottest `gpu_share` of neurons on the GPU) and
     RUN/predictors (the exact predictors in `form`, threshold 0) for the model in `folder`."""
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     from .predictors import exact_predictors, write_predictors
 
@@ -142,7 +142,7 @@ def write_profile_and_placement(run: Path, info: dict, counts: np.ndarray, token
 
 def hf_tokens(folder: Path, prompt: str, n: int) -> dict[str, Any]:
     """HF greedy generate: the new token ids and each step's top-two logit margin."""
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     lm = load_model(str(folder), device="cpu", dtype="float32")
     ids = lm.tokenizer(prompt)["input_ids"]

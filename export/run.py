@@ -53,7 +53,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     from hotneurons.artifacts.placement import read_placement
     from hotneurons.artifacts.profile import check_profile, read_profile
     from hotneurons.common.kinds import choose
-    from hotneurons.common.models import load_model_from_meta
+    from hotneurons.models.family import load_model_from_meta
 
     choose(fmt, FORMATS, "export format", ExportError, "fmt")
     run, out = Path(run_dir), Path(out)
@@ -113,7 +113,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
 def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form, counts, gpu_mask, vram_capacity,
                  out: Path, progress: bool, source: dict) -> dict[str, Any]:
     """export_run for a GGUF model: its header read, its tensors streamed as stored (powerinfer_gguf)."""
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
     from hotneurons.weights.formats import row_bytes
 

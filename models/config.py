@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from hotneurons.common import sparse_act
 from hotneurons.common.kinds import Activation
-from hotneurons.common.models import adapter_for, text_config
+from hotneurons.common.model_source import text_config
+from hotneurons.models.family import adapter_for
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from hotneurons.common import sparse_act
 from hotneurons.common.kinds import Activation, choose
-from hotneurons.common.model_source import ModelError, ModelSource, fingerprint, load_error, resolve_source
+from hotneurons.common.model_source import (
+    ModelError,
+    ModelSource,
+    fingerprint,
+    load_error,
+    resolve_source,
+    text_config,
+)
 from torch import nn
 
 # Activation kinds (common/kinds.Activation). ReLU-family kinds have exact zeros; the others need a magnitude threshold.
@@ -130,10 +137,6 @@ def decoder_layers(model: nn.Module, config: Any) -> nn.ModuleList:
         if isinstance(mod, nn.ModuleList) and len(mod) == n and "Layer" in type(mod[0]).__name__:
             return mod
     raise ValueError(f"could not find {n} decoder layers in {type(model).__name__}")
-
-
-def text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ from hotneurons.common.gate_masks import neuron_pass
 from hotneurons.common.gating import Criterion, LayerTaus
 from hotneurons.common.kinds import Rule, choose
 from hotneurons.common.model_source import ModelError
-from hotneurons.common.models import LoadedModel, load_model_from_meta, pick_device, pick_dtype
 from hotneurons.common.prenorm import ffn_norms
+from hotneurons.models.family import LoadedModel, load_model_from_meta, pick_device, pick_dtype
 from hotneurons.predictors import gated_eval
 from hotneurons.predictors.answers import load_prompts
 from hotneurons.predictors.form import PredictorForm

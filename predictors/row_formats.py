@@ -19,7 +19,7 @@ from hotneurons.common.kinds import FixableError, choose
 from hotneurons.weights.formats import WeightFormat, spec
 
 if TYPE_CHECKING:  # torch and the models load in stored_as: pi-eval checks the names before they load
-    from hotneurons.common.models import LoadedModel
+    from hotneurons.models.family import LoadedModel
     from hotneurons.profiler.streamed import StreamedModel
 
 ROW_FORMATS = (WeightFormat.BF16, WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1)

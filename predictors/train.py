@@ -210,7 +210,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     needed: `lm` (a LoadedModel or StreamedModel), else the profile's model: read from its file, a layer's FFN at a
     time, where it is a local safetensors folder or GGUF file; loaded whole through transformers otherwise.
     """
-    from hotneurons.common.models import pick_device
+    from hotneurons.models.family import pick_device
     from hotneurons.profiler.streamed import StreamedModel
 
     run_dir = Path(run_dir)
@@ -318,7 +318,7 @@ def _model(pmeta: ProfileMeta, device: str, count: int, magnitude: bool):
     a layer is read) after checking that a layer's FFN and samples fit; a LoadedModel where it is a hub id or an
     architecture our definitions lack."""
     from hotneurons.common.model_source import ModelError
-    from hotneurons.common.models import load_model_from_meta, pick_dtype
+    from hotneurons.models.family import load_model_from_meta, pick_dtype
     from hotneurons.profiler.stream_memory import check_memory, train_need
     from hotneurons.profiler.streamed import meta_source, open_streamed, streams
 

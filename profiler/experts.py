@@ -53,7 +53,7 @@ def open_experts(model: str | None, gguf_file: str | None = None, *, activation:
     """An ExpertsModel of a local safetensors folder or GGUF file holding a mixture of experts; None for a dense
     model (open_streamed opens it). As runtime/engine.open_model, with experts allowed."""
     from hotneurons.common.kinds import Activation, choose
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.weights.source import open_source
 
     sid = resolve_source(model, gguf_file)

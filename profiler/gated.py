@@ -22,7 +22,7 @@ from hotneurons.common import artifacts
 from hotneurons.common.gate_masks import channel_scores, column_norms, neuron_pass
 from hotneurons.common.gating import GATE_H_GATE_SHARE, SPARSITIES, Criterion, LayerTaus, as_f32, criterion, key
 from hotneurons.common.kinds import Activation, FixableError, Rule
-from hotneurons.common.models import LoadedModel
+from hotneurons.models.family import LoadedModel
 from hotneurons.profiler.hooks import count_active, quantile_tau
 
 PASSES = "passes.safetensors"

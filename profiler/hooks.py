@@ -20,9 +20,10 @@ import numba
 import numpy as np
 import torch
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.ffn import FFNHooks, active_mask, as_tau
-from hotneurons.common.models import LoadedModel
+from hotneurons.common.ffn import active_mask, as_tau
 from hotneurons.common.prenorm import ffn_norm
+from hotneurons.models.family import LoadedModel
+from hotneurons.models.ffn_hooks import FFNHooks
 
 
 def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:

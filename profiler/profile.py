@@ -39,7 +39,7 @@ from hotneurons.common.ffn import activation_rule, share_covering
 from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Rule
 from hotneurons.common.model_source import ModelError, resolve_source
-from hotneurons.common.models import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.models.family import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
 from hotneurons.profiler import experts, gated
 from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms

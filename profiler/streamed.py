@@ -48,7 +48,7 @@ def streams(model: str | None, gguf_file: str | None = None, layer_by_layer: boo
 def meta_source(info: dict[str, Any], model: str | None = None,
                 gguf_file: str | None = None) -> tuple[str | None, str | None, str | None]:
     """(model, gguf_file, activation) to open for an artifact's meta.json "model" section, unless `model` names
-    another (whose own activation then holds); as common/models.load_model_from_meta."""
+    another (whose own activation then holds); as models/family.load_model_from_meta."""
     if model is not None:
         return model, gguf_file, None
     src = info["source"]
@@ -286,7 +286,7 @@ def open_streamed(model: str | None, gguf_file: str | None = None, *, activation
     """A StreamedModel of a local safetensors folder or GGUF file, reading only its header (the decoder's embeddings
     and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). `experts`: a
     mixture of experts opens as profiler/experts.ExpertsModel (pi-profile counts them) instead of being refused."""
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
 
     if experts:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from hotneurons.common import artifacts
-from hotneurons.common.models import LoadedModel, load_model, pick_device
+from hotneurons.models.family import LoadedModel, load_model, pick_device
 from hotneurons.relufy.relufy import (
     FFNValues,
     RelufyConfig,

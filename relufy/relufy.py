@@ -30,8 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hotneurons.common.corpus import CorpusError, iter_texts, token_rows
-from hotneurons.common.models import LoadedModel, decoder_layers, text_config
+from hotneurons.common.model_source import text_config
 from hotneurons.common.sparse_act import mark_config, patch_ffn
+from hotneurons.models.family import LoadedModel, decoder_layers
 from hotneurons.relufy.config import (  # noqa: F401  (re-exported: the stage's settings live in config.py)
     ACTIVATIONS,
     PENALTIES,

@@ -92,7 +92,7 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
 
 
 def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
-    """The meta.json "model" section from the file's tensor table (the same keys as common.models.model_info)."""
+    """The meta.json "model" section from the file's tensor table (the same keys as models.family.model_info)."""
     infos, cfg = source.infos, source.config
     # the model's tensors (a PowerInfer file also holds its predictors, blk.{i}.fc1/fc2: not the model's)
     numel = {n: int(np.prod(t.shape)) for n, t in infos.items() if not n.endswith((".fc1.weight", ".fc2.weight"))}
@@ -127,8 +127,8 @@ def model_info(source: Any, source_id: ModelSource, activation: str, family: str
 
 def open_model(model: str | None, gguf_file: str | None = None, activation: str | None = None):
     """(source, ModelSource, ModelConfig, Activation) of a model file, reading only its header."""
-    from hotneurons.common.models import adapter_for
     from hotneurons.models.config import ModelConfig
+    from hotneurons.models.family import adapter_for
     from hotneurons.weights.source import open_source
 
     sid = resolve_source(model, gguf_file)
@@ -216,10 +216,10 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.artifacts.profile import read_profile
     from hotneurons.common import artifacts
-    from hotneurons.common.models import RELU_FAMILY, adapter_for
     from hotneurons.kernels.cold import set_threads
     from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
+    from hotneurons.models.family import RELU_FAMILY, adapter_for
     from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.gated import gate_taus, uses_gate

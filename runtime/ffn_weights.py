@@ -37,7 +37,7 @@ class FFNWeights:
 
     @classmethod
     def from_linears(cls, ffn: dict[str, nn.Linear]) -> "FFNWeights":
-        """An HF layer's FFN modules (common/models.FamilyAdapter.layer_ffn)."""
+        """An HF layer's FFN modules (models/family.FamilyAdapter.layer_ffn)."""
         g = ffn.get("gate")
         if g is not None and (g.bias is not None or ffn["up"].bias is not None):
             raise ValueError("this gated FFN has gate/up biases (e.g. mlp_bias=True), which the runtime does not "

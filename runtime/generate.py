@@ -22,20 +22,15 @@ from hotneurons.artifacts.placement import Placement
 from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.kinds import GpuOps, RuntimeMode, choose
-from hotneurons.common.models import (
-    RELU_FAMILY,
-    LoadedModel,
-    pick_device,
-    pick_dtype,
-    text_config,
-)
-from hotneurons.common.models import (
-    step as hf_step,
-)
+from hotneurons.common.model_source import text_config
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.kernels.cold import set_threads
 from hotneurons.kernels.names import COLD_DTYPES
 from hotneurons.kernels.ops import default_ops
+from hotneurons.models.family import RELU_FAMILY, LoadedModel, pick_device, pick_dtype
+from hotneurons.models.family import (
+    step as hf_step,
+)
 from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
 from hotneurons.runtime.config import RuntimeConfig
 from hotneurons.runtime.engine import SourceModel

@@ -12,7 +12,7 @@ from hotneurons.artifacts.placement import Placement
 from hotneurons.artifacts.profile import check_profile, read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.models import check_model, load_model, load_model_from_meta
+from hotneurons.models.family import check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.gated import default_sparsity, gate_taus, uses_gate
 from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import torch
-from hotneurons.common.models import LoadedModel
+from hotneurons.models.family import LoadedModel
 from torch import nn
 
 

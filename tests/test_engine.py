@@ -99,7 +99,7 @@ EXACT_SCALE = {"q4_0": 2.0 ** -5, "q8_0": 2.0 ** -9, "q4_1": 2.0 ** -7}
 
 
 def exact_folder(family, folder, tmp_path, fmt):
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     lm = load_model(str(folder), device="cpu", dtype="float32")
     gen = torch.Generator().manual_seed(1)
@@ -195,7 +195,7 @@ def test_q4_0_gguf_read_in_place_equals_hf(tmp_path):
     float32 gives the greedy tokens of transformers' own GGUF load (de-quantized whole); cold rows kept in the file's
     Q4_0 blocks (gate/up copied byte for byte) run too."""
     from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     path = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
     lm = load_model(str(path), device="cpu", dtype="float32", cache=False)
@@ -222,10 +222,10 @@ def test_powerinfer_file_runs_as_model_predictors_and_split(tmp_path):
     directory as model + predictors (its threshold, the powerinfer input form) + placement. Written with a threshold
     every logit passes and a split of every neuron on the device, the result is the dense model's: HF's greedy tokens
     on the same (fp16-rounded) weights."""
-    from hotneurons.common.models import load_model
     from hotneurons.export import roundtrip
     from hotneurons.export.gguf_model import hf_state, vocab_from_tokenizer
     from hotneurons.export.powerinfer import write_powerinfer
+    from hotneurons.models.family import load_model
 
     folder = roundtrip.build_model(tmp_path / "model", hidden_size=32, intermediate_size=1024, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)

@@ -53,7 +53,7 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
 
     folder = tiny_model_dir(family)
     source, sid, mcfg, act = open_model(str(folder))
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
 
     ad = adapter_for(source.config)
     info = model_info(source, sid, act, ad.name, ad.gated)

@@ -15,7 +15,7 @@ from hotneurons.artifacts.profile import read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate, perplexity
 from hotneurons.predictors.train import load_predictors, preset, train_predictors

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from hotneurons.artifacts.predictors import EvalReport
 from hotneurons.common.corpus import iter_texts, token_batches
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate, format_table
 from hotneurons.predictors.row_formats import RowFormatError, check_rows, parse_row_formats

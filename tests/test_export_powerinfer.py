@@ -62,7 +62,7 @@ def exported(tmp_path_factory):
     folder = rt.build_model(work / "model")
     run = rt.make_run(folder, work / "run", form="normed")
     summary = export_run(run, work / "out")
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
 
     lm = load_model(str(folder), device="cpu", dtype="float32")
     return SimpleNamespace(work=work, folder=folder, run=run, out=work / "out", summary=summary, lm=lm,

@@ -15,9 +15,9 @@ gguf = pytest.importorskip("gguf")
 def exported(tmp_path_factory):
     from hotneurons.bench.bench_70b import install_predictors
     from hotneurons.bench.bench_gguf import write_model
-    from hotneurons.common.models import adapter_for
     from hotneurons.export import export_run
     from hotneurons.export.roundtrip import write_profile_and_placement
+    from hotneurons.models.family import adapter_for
     from hotneurons.runtime.engine import model_info, open_model
 
     work = tmp_path_factory.mktemp("pwri-gguf")

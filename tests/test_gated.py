@@ -15,7 +15,7 @@ from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.common.gate_masks import channel_pass, column_norms, neuron_pass
 from hotneurons.common.gating import GATE_H_GATE_SHARE, SPARSITIES, LayerTaus, key
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.answers import agreement, greedy_answers
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate

@@ -298,7 +298,7 @@ def test_mixed_file_equals_hf_on_gguf_py_weights(mix, mixed_files):
     converted ones named in one notice; logits equal to HF's model (transformers' GGUF loader: gguf-py's de-quantized
     weights) on the weights the layout holds, and within the conversions' rounding of HF's on the file's own."""
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.runtime.config import RuntimeConfig
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import generate

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hotneurons.common import gguf_cache
 from hotneurons.common.model_source import resolve_source
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 
 
 @pytest.fixture

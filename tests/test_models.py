@@ -298,9 +298,9 @@ def test_grouped_attention_equals_float64_per_head(T, H, K, S, softcap):
 
 
 def test_cached_step_equals_full_forward_without_deprecation_warnings(recwarn):
-    """common.models.step, the cached forward the transformers paths decode with: the last position's logits equal a
+    """models.family.step, the cached forward the transformers paths decode with: the last position's logits equal a
     full forward's over the whole sequence, and no call warns about the cache argument's name."""
-    from hotneurons.common.models import step
+    from hotneurons.models.family import step
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

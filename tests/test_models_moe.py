@@ -207,7 +207,7 @@ def test_quantized_experts_equal_their_dequantized_floats():
 def test_refusals_name_the_value():
     """Dense layers of a Qwen MoE, the stages that do not run experts yet, and moe_ffn on a dense config."""
     from hotneurons.common.model_source import ModelError
-    from hotneurons.common.models import adapter_for
+    from hotneurons.models.family import adapter_for
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     small = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, num_experts=4)

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from hotneurons.common import artifacts
 from hotneurons.common.corpus import iter_texts
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.cli import train_main
 from hotneurons.predictors.evaluate import evaluate
 from hotneurons.predictors.fit import metrics

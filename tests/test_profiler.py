@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.profiler.cli import main as cli
 from hotneurons.profiler.gated import read_passes
 from hotneurons.profiler.hooks import SampleReservoir

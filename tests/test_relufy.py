@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.corpus import iter_texts, token_batches
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.profiler.cli import main as profile_cli
 from hotneurons.relufy.distill import relufy
 from hotneurons.relufy.relufy import RelufyConfig, RelufyError, l1_at, lr_at, preset
@@ -350,7 +350,7 @@ def test_cli_refuses_bad_inputs(case, swiglu, tiny_model_dir, text_corpus, tmp_p
 def test_gate_cos_penalty_matches_reference_and_ignores_rescaling(teacher):
     """The gate-cos term equals mean ReLU(cos(x, w_i)) computed in float64 from the FFN inputs, and rescaling a
     neuron (gate row * a, down column / a: the same function) leaves it unchanged while mean |h| moves."""
-    from hotneurons.common.models import decoder_layers
+    from hotneurons.models.family import decoder_layers
     from hotneurons.relufy.relufy import FFNValues, plain_model
 
     model = plain_model(teacher, torch.float32, "cpu", "relu")

@@ -13,7 +13,7 @@ import pytest
 import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.predictors.train import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 

@@ -8,7 +8,7 @@ import pytest
 import tiny
 from click.testing import CliRunner
 from hotneurons.common import artifacts
-from hotneurons.common.models import load_model
+from hotneurons.models.family import load_model
 from hotneurons.runtime.cli import SHARE_WARN_STEPS, format_stats, main, share_warning
 
 

@@ -36,7 +36,7 @@ def test_smollm2_q4_1_read_in_place_equals_hf():
     """The demo model from its Q4_1 GGUF as stored (no de-quantized copy of the model): greedy tokens equal HF's on the
     de-quantized weights, with the layout's rows in float32 (dense: every neuron on the device, which is the CPU)."""
     import torch
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.runtime.generate import RuntimeConfig, generate
     from hotneurons.runtime.load import load_runtime
 
@@ -63,7 +63,7 @@ def test_smollm2_q4_1_rows_kept_as_stored_equal_hf_on_the_same_weights():
 
     import torch
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.common.models import load_model
+    from hotneurons.models.family import load_model
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
     from hotneurons.weights.quants import dequantize, quantize

@@ -16,9 +16,9 @@ import tiny
 import torch
 from click.testing import CliRunner
 from hotneurons.common import artifacts
-from hotneurons.common.models import load_model
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.models import ModelConfig, build_model, dense_ffn
+from hotneurons.models.family import load_model
 from hotneurons.predictors import fit
 from hotneurons.predictors.evaluate import evaluate
 from hotneurons.predictors.train import preset, train_predictors
@@ -53,7 +53,7 @@ def no_transformers_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the transformers model was loaded")
 
-    monkeypatch.setattr("hotneurons.common.models.load_model", refuse)
+    monkeypatch.setattr("hotneurons.models.family.load_model", refuse)
     monkeypatch.setattr("hotneurons.profiler.profile.load_model", refuse)
 
 

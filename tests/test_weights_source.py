@@ -12,8 +12,8 @@ import tiny
 import torch
 from hotneurons.common.kinds import Activation
 from hotneurons.common.model_source import ModelError
-from hotneurons.common.models import adapter_for
 from hotneurons.export.gguf_model import llama_metadata, permute_qk, vocab_from_tokenizer
+from hotneurons.models.family import adapter_for
 from hotneurons.weights.formats import WeightFormat
 from hotneurons.weights.gguf_file import GGUFFile
 from hotneurons.weights.gguf_source import GGUFSource
@@ -252,7 +252,7 @@ def test_activation_survives_a_gguf_round_trip(family, act, tiny_model_dir, tmp_
                    metadata=lambda w: llama_metadata(w, cfg, family, act))  # export/gguf_model.py's keys
     with open_source(tmp_path / "m.gguf") as src:
         assert src.activation == Activation(act) == adapter_for(src.config).activation(src.config)
-        # what common/models.py's loader patches the FFNs by (dReLU, FATReLU and its threshold)
+        # what models/family.py's loader patches the FFNs by (dReLU, FATReLU and its threshold)
         assert config_activation(src.config) == ((act, 0.5 if act == "fatrelu" else 0.0) if act != "reglu"
                                                  else (None, 0.0))
 

@@ -216,7 +216,7 @@ def falcon_qkv_rows(n_head: int, n_kv: int, head_dim: int) -> np.ndarray:
 
 
 def config_activation(config: Any, activation: Activation, fat_threshold: float = 0.0) -> None:
-    """Set the config's activation attribute so that common/models.py's adapter reads `activation` from it (the
+    """Set the config's activation attribute so that models/family.py's adapter reads `activation` from it (the
     GGUF's config, which llama.cpp's keys leave at transformers' default)."""
     mt = getattr(config, "model_type", "")
     act = Activation(activation)

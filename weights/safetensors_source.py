@@ -59,7 +59,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 class SafetensorsSource(WeightSource):
     def __init__(self, folder: str | Path):
-        from hotneurons.common.models import text_config
+        from hotneurons.common.model_source import text_config
         from transformers import AutoConfig
 
         self.path = Path(folder)

@@ -118,7 +118,7 @@ class WeightSource:
 
     path: Path
     config: Any  # the transformers (text) config
-    activation: Activation | None  # what the file records; None: the config's (common/models.py's adapter)
+    activation: Activation | None  # what the file records; None: the config's (models/family.py's adapter)
     infos: dict[str, TensorInfo]
     _spans: dict[str, Span]
 
