@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 from hotneurons.artifacts.profile import ProfileMeta
-from hotneurons.common.artifacts import ArtifactError, StageInterrupted
+from hotneurons.common.artifacts import ArtifactError, StageInterrupted, default_run_dir
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.gating import SPARSITIES
@@ -45,7 +46,7 @@ MIN_USEFUL_TOKENS = 1000  # tokens: below this a neuron firing 1% of the time is
               help="Override the activation read from the config (e.g. drelu for Bamboo/TurboSparse).")
 @click.option("--out", default=None, help="Run directory. Default: runs/<model-slug>.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in --out from its last checkpoint.")
-@click.option("--force", is_flag=True, help="Replace a profile of another model, or discard an interrupted run.")
+@click.option("--force", is_flag=True, help="Replace the run's profile, or discard an interrupted run.")
 @click.option("--checkpoint-every", default=50, show_default=True, type=click.IntRange(1),
               help="Batches between checkpoints.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
@@ -78,6 +79,8 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
                         samples_per_layer=samples_per_layer, seed=seed, dtype=dtype, activation=activation,
                         trust_remote_code=trust_remote_code, criterion=criterion, sparsities=sparsities)
     try:
+        if not (resume or force):
+            refuse_existing(out, model, gguf_file, revision)
         with stdout_to_stderr(as_json):
             meta = profile_model(cfg, out, resume=resume, force=force, device=device,
                                  checkpoint_every=checkpoint_every, progress=not quiet,
@@ -96,6 +99,17 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         click.echo(json.dumps(meta.to_dict(), indent=2) if as_json else format_summary(meta))
     except KeyboardInterrupt:
         interrupted("the profile was complete and is written")
+
+
+def refuse_existing(out: str | None, model: str | None, gguf_file: str | None, revision: str | None) -> None:
+    """A profile already in the run folder is replaced only with --force (the predictors and placement made from it
+    would no longer match it): refused in one line, before the model loads."""
+    from hotneurons.common.model_source import resolve_source
+
+    run = Path(out) if out is not None else default_run_dir(resolve_source(model, gguf_file, revision).name)
+    if (run / "profile" / "meta.json").exists():
+        raise click.ClickException(f"{run / 'profile'} already holds a profile: pass --force to replace it, or "
+                                   f"write to another run folder (--out)")
 
 
 def parse_sparsities(text: str, flag: str) -> tuple[float, ...]:

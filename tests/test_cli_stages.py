@@ -78,3 +78,23 @@ def test_solve_takes_its_own_models_predictors(run):
     r = pi("pi-solve", "--run", run, "--ctx", 16, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["memory"]["predictors_source"].startswith("measured from"), r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-profile over a run that already has a profile
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_profile_refuses_to_replace_a_profile_without_force(run, tiny_model_dir, text_corpus):
+    args = ["--model", tiny_model_dir("llama-reglu"), "--dataset", text_corpus, "--tokens", 200, "--seq-len", 32,
+            "--samples-per-layer", 20, "--out", run, "--quiet", "--device", "cpu"]
+    before = tree(run)
+    line = one_error(pi("pi-profile", *args))
+    assert str(run / "profile") in line and "--force" in line, line
+    assert tree(run) == before  # nothing replaced
+    r = pi("pi-profile", *args, "--force")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "profile" / "meta.json").read_text())["tokens"] == 200
