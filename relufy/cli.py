@@ -10,7 +10,7 @@ import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import interrupted
 from hotneurons.common.corpus import CorpusError, known_datasets
-from hotneurons.relufy.config import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, preset
+from hotneurons.relufy.config import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, RelufyInterrupted, preset
 
 
 def _tokens(ctx, param, value):
@@ -79,6 +79,8 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
         cfg = replace(preset(preset_name), **{k: v for k, v in overrides.items() if v is not None})
         s = relufy(model, out, cfg, gguf_file=gguf_file, device=device, resume=resume, force=force,
                    progress=not quiet)
+    except RelufyInterrupted as e:
+        interrupted(_flags(str(e)))
     except (RelufyError, CorpusError, ArtifactError, ValueError) as e:
         raise click.ClickException(_flags(str(e))) from None
     except KeyboardInterrupt:
@@ -86,8 +88,8 @@ def main(model, gguf_file, out, preset_name, activation, fat_threshold, tokens, 
 
         kept = (partial_dir(Path(out)) / "checkpoint" / "state.json").exists()
         interrupted(f"the last checkpoint is kept in {partial_dir(Path(out))}: continue with --resume (same flags), "
-                    f"or start over with --force" if kept else f"stopped before the first checkpoint; {out} is as it "
-                    f"was: run the same command again")
+                    f"or start over with --force" if kept else f"stopped before the teacher text was built; {out} is "
+                    f"as it was: run the same command again")
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return

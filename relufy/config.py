@@ -16,6 +16,10 @@ class RelufyError(ValueError):
     pass
 
 
+class RelufyInterrupted(RelufyError):
+    """Ctrl-C in the training loop: what was kept, for the CLI's exit code 130."""
+
+
 @dataclass(frozen=True)
 class RelufyConfig:
     """One relufication: activation, loss weights, data and schedule."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from hotneurons.common import artifacts
 from hotneurons.models.family import LoadedModel, load_model, pick_device
+from hotneurons.relufy.config import RelufyInterrupted
 from hotneurons.relufy.relufy import (
     FFNValues,
     RelufyConfig,
@@ -61,7 +62,8 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
     """Distil a ReLU-family student from `model`; writes the HF folder `out` and returns its summary.
 
     `on_step(step, stats)` is called after each optimiser step (notebooks plot from it; tests interrupt
-    from it). On KeyboardInterrupt the last checkpoint stays in OUT.partial for `resume`. `lm` and `pool`
+    from it). On KeyboardInterrupt after the pool is built, the pool and the last checkpoint (step 0's at
+    least) stay in OUT.partial for `resume`; before that, nothing is kept. `lm` and `pool`
     (from `build_pool`, same config) skip loading the model and building the pool again, as sweeps do.
     """
     out = Path(out)
@@ -93,6 +95,8 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         step0, curve, swapped = 0, [], None
         if state is None:
             swapped = evaluate(student, lm.adapter, eval_rows, cfg.batch_size, cuda)
+            # a checkpoint of step 0: the teacher text (the pool, often half the run on a CPU) survives an interrupt
+            _write_checkpoint(partial, student, opt, cfg, 0, [], before, swapped)
         else:
             load_weights(student, str(partial / "checkpoint" / "student.safetensors"))
             _load_optimizer(opt, partial / "checkpoint" / "optimizer.safetensors")
@@ -145,11 +149,8 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         except KeyboardInterrupt:
             bar.close()
             done = _last_checkpoint_step(partial)
-            if not done:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise RelufyError(f"interrupted at step {step + 1} before the first checkpoint; nothing kept") from None
-            raise RelufyError(f"interrupted at step {step + 1}: the checkpoint of step {done} is kept in '{partial}'; "
-                              f"continue with resume") from None
+            raise RelufyInterrupted(f"interrupted at step {step + 1}: the teacher text and the checkpoint of step "
+                                    f"{done} are kept in '{partial}'; continue with resume") from None
         bar.close()
         vals.close()
         train_s = time.perf_counter() - t_train
@@ -215,8 +216,7 @@ def _load_optimizer(opt, path: Path) -> None:
 
 
 def _last_checkpoint_step(partial: Path) -> int:
-    path = partial / "checkpoint" / "state.json"
-    return json.loads(path.read_text())["step"] if path.exists() else 0
+    return json.loads((partial / "checkpoint" / "state.json").read_text())["step"]
 
 
 def _write_output(partial: Path, student, lm: LoadedModel, cfg: RelufyConfig, summary: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from hotneurons.artifacts.profile import read_profile
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.models.family import load_model
 from hotneurons.profiler.cli import main as profile_cli
+from hotneurons.relufy.config import RelufyInterrupted
 from hotneurons.relufy.distill import relufy
 from hotneurons.relufy.relufy import RelufyConfig, RelufyError, l1_at, lr_at, preset
 from safetensors.torch import load_file
@@ -269,7 +270,7 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(teacher, text_corpu
     with pytest.raises(RelufyError) as e:
         relufy(None, tmp_path / "b", cfg, lm=teacher, device="cpu", progress=False, on_step=interrupt_at(6))
     msg = str(e.value)
-    assert "\n" not in msg and "step 6" in msg and "step 4 is kept" in msg and ".b.partial" in msg and "resume" in msg
+    assert "\n" not in msg and "step 6" in msg and "step 4 are kept" in msg and ".b.partial" in msg and "resume" in msg
     partial = tmp_path / ".b.partial"
     assert json.loads((partial / "checkpoint/state.json").read_text())["step"] == 4
     assert not (tmp_path / "b").exists()
@@ -286,7 +287,7 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(teacher, text_corpu
 
 def test_resume_with_other_settings_is_refused(teacher, text_corpus, tmp_path):
     cfg = tiny_cfg(text_corpus)
-    with pytest.raises(RelufyError, match="step 4 is kept"):
+    with pytest.raises(RelufyError, match="step 4 are kept"):
         relufy(None, tmp_path / "out", cfg, lm=teacher, device="cpu", progress=False, on_step=interrupt_at(5))
     partial = tmp_path / ".out.partial"
     with pytest.raises(RelufyError) as e:
@@ -300,13 +301,29 @@ def test_resume_with_other_settings_is_refused(teacher, text_corpus, tmp_path):
     assert s["curve"][-1]["step"] == cfg.steps and (tmp_path / "out/model.safetensors").exists()
 
 
-def test_interrupt_before_first_checkpoint_keeps_nothing(teacher, text_corpus, tmp_path):
+def test_interrupt_before_first_checkpoint_keeps_the_teacher_text(teacher, text_corpus, tmp_path):
     cfg = tiny_cfg(text_corpus)
-    with pytest.raises(RelufyError, match="before the first checkpoint; nothing kept"):
+    with pytest.raises(RelufyError, match="the teacher text and the checkpoint of step 0 are kept"):
         relufy(None, tmp_path / "out", cfg, lm=teacher, device="cpu", progress=False, on_step=interrupt_at(4))
-    assert list(tmp_path.iterdir()) == []  # step 4's checkpoint comes after on_step: none was written
+    partial = tmp_path / ".out.partial"  # step 4's checkpoint comes after on_step: only step 0's was written
+    pool = load_file(str(partial / "pool.safetensors"))["pool"]
+    assert json.loads((partial / "checkpoint/state.json").read_text())["step"] == 0
+    s = relufy(None, tmp_path / "out", cfg, lm=teacher, device="cpu", progress=False, resume=True)
+    assert s["pool_tokens"] == pool.numel() and s["curve"][-1]["step"] == cfg.steps and not partial.exists()
+
+
+def test_interrupt_while_building_the_pool_keeps_nothing(teacher, text_corpus, tmp_path, monkeypatch):
+    import hotneurons.relufy.distill as distill
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "build_pool", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        relufy(None, tmp_path / "out", tiny_cfg(text_corpus), lm=teacher, device="cpu", progress=False)
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(RelufyError, match="no interrupted relufy"):
-        relufy(None, tmp_path / "out", cfg, lm=teacher, device="cpu", progress=False, resume=True)
+        relufy(None, tmp_path / "out", tiny_cfg(text_corpus), lm=teacher, device="cpu", progress=False, resume=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,11 +437,20 @@ def test_cli_ctrl_c_says_what_was_kept(monkeypatch, tmp_path):
 
     monkeypatch.setattr(distill, "relufy", stopped)
     r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet"])
-    assert r.exit_code == 130 and "interrupted: stopped before the first checkpoint" in r.output, r.output
+    assert r.exit_code == 130 and "interrupted: stopped before the teacher text was built" in r.output, r.output
     (distill.partial_dir(tmp_path / "out") / "checkpoint").mkdir(parents=True)
     (distill.partial_dir(tmp_path / "out") / "checkpoint" / "state.json").write_text("{}")
     r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet"])
     assert r.exit_code == 130 and "--resume" in r.output and "Aborted" not in r.output, r.output
+
+    def stopped_in_training(*a, **k):  # the training loop's interrupt, as distill.relufy raises it
+        raise RelufyInterrupted("interrupted at step 6: the teacher text and the checkpoint of step 4 are kept in "
+                                "'x'; continue with resume")
+
+    monkeypatch.setattr(distill, "relufy", stopped_in_training)
+    r = CliRunner().invoke(main, ["--out", str(tmp_path / "out"), "--preset", "tiny", "--quiet", "--resume"])
+    assert r.exit_code == 130 and "interrupted: interrupted at step 6" in r.output, r.output
+    assert "with --resume" in r.output and r.output.strip().count("\n") == 0, r.output
 
 
 @pytest.mark.parametrize("mode", ["dense", "layer-split"])
