@@ -119,7 +119,7 @@ def _timed(fn) -> float:
 def cuda_ceilings(nbytes: int = 256 * 2**20) -> dict:
     """PCIe H2D (hotneurons.common.hardware's measurement) and D2H, pinned; HBM device copy;
     small D2H+H2D round trip."""
-    from hotneurons.common.hardware import _measure_cuda
+    from hotneurons.kernels.measure import _measure_cuda
 
     m = _measure_cuda()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

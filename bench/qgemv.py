@@ -2,7 +2,7 @@
 bandwidth (bytes of the weight as stored / time) for Q4_0, Q8_0, Q4_K, Q5_K, Q6_K (--formats) and fp16 (cuBLAS
 through F.linear, and kernels/fused.py's Triton GEMV) on LLaMA-2-70B's shapes, against two ceilings measured in the
 same run: a device-to-device copy of a 1 GiB buffer (bytes moved, read + written, / time: the HBM figure
-common/hardware.py measures; its bytes read / time too) and a read-only reduction (torch.sum of a 1 GiB fp16 buffer).
+kernels/measure.py measures; its bytes read / time too) and a read-only reduction (torch.sum of a 1 GiB fp16 buffer).
 
 Timing: CUDA events, median over --repeats. "graph": a CUDA graph of --calls GEMVs, replayed (how the static decoder
 runs them), time / calls; "eager": --calls GEMVs launched from Python between two events (the CPU's launch cost shows

@@ -1,7 +1,7 @@
 """The DRAM read ceiling as the cold kernels see it: a reduction over 16 KiB rows in random order, four at once per
 thread, threads taking eight rows at a time from a shared counter (kernels/cold.py reads cold rows that way).
 One core reading one sequential stream keeps fewer reads in flight, so sequential reductions under-read DRAM
-(docs/history.md). hotneurons.common.hardware and bench_ceilings use it."""
+(docs/history.md). kernels/measure.py and bench_ceilings use it."""
 
 from __future__ import annotations
 

@@ -11,16 +11,9 @@ from hotneurons.artifacts.placement import Objective, PlacementSummary
 from hotneurons.artifacts.profile import check_profile
 from hotneurons.common.artifacts import ArtifactError, read_json
 from hotneurons.common.cli import cli_error, stdout_to_stderr
-from hotneurons.common.hardware import (
-    HARDWARE,
-    UnknownHardware,
-    get_hardware,
-    measure_cold_rate,
-    measure_expert_rate,
-    measure_hardware,
-    presets_table,
-)
+from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, presets_table
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
+from hotneurons.kernels.measure import measure_cold_rate, measure_expert_rate, measure_hardware
 
 from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
 

@@ -1,14 +1,8 @@
 import dataclasses
 
 import pytest
-from hotneurons.common.hardware import (
-    HARDWARE,
-    HardwareSpec,
-    UnknownHardware,
-    get_hardware,
-    measure_hardware,
-    presets_table,
-)
+from hotneurons.common.hardware import HARDWARE, HardwareSpec, UnknownHardware, get_hardware, presets_table
+from hotneurons.kernels.measure import measure_hardware
 
 
 def test_presets_are_complete_and_sane():
@@ -75,8 +69,8 @@ def test_openmp_wait_policy_by_gpu(monkeypatch):
 def test_cold_call_rate_is_the_kernels_and_becomes_the_cost_models_cpu_rate(fmt):
     """cold_call_bw times the cold kernels on decode-sized calls; measure_cold_rate makes it the solver's CPU rate and
     says so beside the DRAM figure it replaces. Unknown formats are refused by name."""
-    from hotneurons.common.hardware import measure_cold_rate
     from hotneurons.kernels.dram import cold_call_bw
+    from hotneurons.kernels.measure import measure_cold_rate
 
     assert cold_call_bw(256, fmt, True, 32, table_bytes=2**22, calls=8) > 1e7
     with pytest.raises(ValueError, match="q3_k"):
@@ -91,8 +85,9 @@ def test_cold_call_rate_is_the_kernels_and_becomes_the_cost_models_cpu_rate(fmt)
 def test_expert_call_bw_times_the_experts_kernel(monkeypatch):
     """pi-solve --measure on a mixture of experts prices a cold expert at the experts' kernel's own rate: a quarter
     of the routed experts a call, float experts timed as q8_0 rows."""
-    from hotneurons.common.hardware import get_hardware, measure_expert_rate
+    from hotneurons.common.hardware import get_hardware
     from hotneurons.kernels import dram
+    from hotneurons.kernels.measure import measure_expert_rate
 
     for fmt in ("q4_0", "q8_0"):
         assert dram.expert_call_bw(64, 32, fmt, 2, table_bytes=1 << 20, calls=4, gap_s=0.0) > 0
