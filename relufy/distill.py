@@ -103,6 +103,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
             step0, curve, swapped = state["step"], state["curve"], state["eval_swapped"]
 
         vals = FFNValues(student, lm.adapter, keep=True, penalty=cfg.penalty)
+        micro = cfg.batch_size if cuda else micro_rows(cfg.seq_len, student.config.vocab_size)
         every = max(1, cfg.steps // CURVE_POINTS)
         bar = tqdm(total=cfg.steps, initial=step0, desc="relufy", unit="step", disable=not progress, dynamic_ncols=True)
         t_train, tokens_done = time.perf_counter(), 0
@@ -115,28 +116,21 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
                 for group in opt.param_groups:
                     group["lr"] = lr
                 vals.reset()
-                with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                    with torch.no_grad():
-                        t_logits = teacher(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
-                    s_logits = student(input_ids=ids, use_cache=False).logits  # (batch, seq, vocab)
-                kl = kl_loss(s_logits, t_logits)
-                loss = cfg.kl * kl
-                if cfg.lm > 0:
-                    v = s_logits.shape[-1]
-                    loss = loss + cfg.lm * torch.nn.functional.cross_entropy(
-                        s_logits[:, :-1].float().reshape(-1, v), ids[:, 1:].reshape(-1))
-                l1 = vals.l1()
-                if l1w > 0:
-                    loss = loss + l1w * l1
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                sums = {"loss": 0.0, "kl": 0.0, "l1": 0.0}
+                for part in ids.split(micro):  # each part's losses are means: weighted by its share, the batch's
+                    share = len(part) / len(ids)
+                    losses = _losses(teacher, student, vals, part, cfg, l1w, cuda)
+                    (share * losses["loss"]).backward()
+                    vals.terms.clear()  # the terms hold the graph: freed before the next part
+                    for k in sums:
+                        sums[k] += share * losses[k].item()
                 torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
                 opt.step()
-                vals.terms.clear()  # the terms hold the graph: freed before the next batch
                 tokens_done += ids.numel()
                 sparsity = sum(vals.sparsity()) / len(vals.mods)
-                stats = {"step": step + 1, "tokens": (step + 1) * ids.numel(), "loss": loss.item(), "kl": kl.item(),
-                         "l1": l1.item(), "l1_weight": l1w, "lr": lr, "sparsity": sparsity}
+                stats = {"step": step + 1, "tokens": (step + 1) * ids.numel(), **sums, "l1_weight": l1w, "lr": lr,
+                         "sparsity": sparsity}
                 if (step + 1) % every == 0 or step + 1 == cfg.steps:
                     curve.append(stats)
                 tok_s = tokens_done / max(1e-9, time.perf_counter() - t_train)
@@ -169,6 +163,36 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         }
         _write_output(partial, student, lm, cfg, summary)
     return summary
+
+
+# rows of a batch whose logits are alive at once on the CPU: a row's teacher and student logits, their float32
+# log-softmaxes and the student's gradient are ~6 (seq, vocab) float32 tensors; a whole batch of 32 x 256 tokens of
+# a 49,152-token vocabulary at once held ~12 GB
+LOGITS_BYTES = 2 * 1024**3
+
+
+def micro_rows(seq_len: int, vocab: int) -> int:
+    """Rows of a batch computed at once on the CPU (gradients accumulated over the parts)."""
+    return max(1, LOGITS_BYTES // (6 * 4 * seq_len * vocab))
+
+
+def _losses(teacher, student, vals, ids: torch.Tensor, cfg: RelufyConfig, l1w: float,
+            cuda: bool) -> dict[str, torch.Tensor]:
+    """The step's losses on `ids` (rows, seq), each a mean over its tokens: KL, L1 and their weighted sum."""
+    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+        with torch.no_grad():
+            t_logits = teacher(input_ids=ids, use_cache=False).logits  # (rows, seq, vocab)
+        s_logits = student(input_ids=ids, use_cache=False).logits  # (rows, seq, vocab)
+    kl = kl_loss(s_logits, t_logits)
+    loss = cfg.kl * kl
+    if cfg.lm > 0:
+        v = s_logits.shape[-1]
+        loss = loss + cfg.lm * torch.nn.functional.cross_entropy(
+            s_logits[:, :-1].float().reshape(-1, v), ids[:, 1:].reshape(-1))
+    l1 = vals.l1()
+    if l1w > 0:
+        loss = loss + l1w * l1
+    return {"loss": loss, "kl": kl, "l1": l1}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -465,3 +465,22 @@ def test_fatrelu_output_is_refused_by_pi_generate_in_one_line(mode, relufied):
     res = CliRunner().invoke(generate_main, args)
     assert res.exit_code != 0
     assert "FATReLU's threshold is in none of them: relufy with --activation relu or drelu" in res.output, res.output
+
+
+def test_cpu_batch_in_parts_equals_the_whole_batch(teacher, text_corpus, tmp_path, monkeypatch):
+    """On the CPU a batch runs in parts of `micro_rows` rows (the logits of 32 x 256 tokens held ~12 GB), gradients
+    accumulated: the same steps as the whole batch at once, to float32 rounding."""
+    import hotneurons.relufy.distill as distill
+
+    cfg = tiny_cfg(text_corpus, l1=1.0)
+    assert distill.micro_rows(cfg.seq_len, teacher.model.config.vocab_size) >= cfg.batch_size  # tiny: one part
+    whole = relufy(None, tmp_path / "a", cfg, lm=teacher, device="cpu", progress=False)
+    monkeypatch.setattr(distill, "LOGITS_BYTES", 1)  # one row a part
+    assert distill.micro_rows(cfg.seq_len, teacher.model.config.vocab_size) == 1
+    parts = relufy(None, tmp_path / "b", cfg, lm=teacher, device="cpu", progress=False)
+    for a, b in zip(whole["curve"], parts["curve"]):
+        assert a["step"] == b["step"] and a["sparsity"] == pytest.approx(b["sparsity"], abs=0.02)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-5) and a["l1"] == pytest.approx(b["l1"], rel=1e-3)
+    a, b = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=k)
