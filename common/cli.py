@@ -13,8 +13,9 @@ import errno
 import os
 import socket
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
@@ -82,3 +83,58 @@ def interrupted(message: str) -> None:
         bar.close()
     click.echo(f"\ninterrupted: {message}", err=True)
     sys.exit(130)
+
+
+class StageCommand(click.Command):
+    """A pi-* command whose Ctrl-C ends in one line and exit code 130 wherever it lands (click's own handler says
+    "Aborted!" and exits 1: an interrupt while torch imports, before a command's own handler is in place), and
+    that removes the run folder it created when an interrupt leaves it empty (never one that existed before).
+
+    `run_folder(params)`: the folder the command writes into, from its parsed flags (None: it writes none)."""
+
+    def __init__(self, *args, run_folder: Callable[[dict], str | os.PathLike | None] | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.run_folder = run_folder
+
+    def invoke(self, ctx: click.Context):
+        new = new_folders(self.run_folder(ctx.params) if self.run_folder else None)
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            removed = remove_empty(new)
+            interrupted(f"{ctx.command_path} stopped before its work began, nothing was written"
+                        + (f" (the empty folder {removed} it had made is removed)" if removed else "")
+                        + ": run the same command again")
+        except SystemExit as e:  # a command's own interrupted(): its line is out, the folder goes quietly
+            if e.code == 130:
+                remove_empty(new)
+            raise
+
+
+def new_folders(folder: str | os.PathLike | None) -> list[Path]:
+    """`folder` and its ancestors that do not exist yet, deepest first: what a command may create."""
+    out: list[Path] = []
+    p = Path(folder).absolute() if folder is not None else None
+    while p is not None and not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_empty(new: list[Path]) -> Path | None:
+    """Remove the folders of `new` (from `new_folders`) that hold no file, only empty folders if any; returns the
+    outermost removed. A folder that holds a file stays whole, with its parents."""
+    removed = None
+    for top in new:
+        if not top.is_dir():
+            continue
+        walk = list(os.walk(top, topdown=False))  # (folder, subfolders, files), each folder after its subfolders
+        if any(files for _, _, files in walk):
+            break
+        try:
+            for folder, _, _ in walk:
+                os.rmdir(folder)
+        except OSError:  # something appeared meanwhile: it stays
+            break
+        removed = top
+    return removed

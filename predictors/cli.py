@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from hotneurons.artifacts.predictors import EvalMode, PredictorsSummary
 from hotneurons.common.artifacts import ArtifactError, default_run_dir
-from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
+from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.kinds import FixableError
 
@@ -16,7 +16,7 @@ _CTX = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 
 
-@click.command(context_settings=_CTX)
+@click.command(cls=StageCommand, run_folder=lambda p: p["run_dir"], context_settings=_CTX)
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory holding profile/ (with samples); predictors/ is written there.")
 @click.option("--preset", "preset_name", default="default", show_default=True,
@@ -97,7 +97,7 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-@click.command(context_settings=_CTX)
+@click.command(cls=StageCommand, run_folder=lambda p: p["run_dir"], context_settings=_CTX)
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory with profile/ and, optionally, predictors/ and placement/.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(EvalMode.values()),

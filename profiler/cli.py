@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.artifacts import ArtifactError, StageInterrupted, default_run_dir
-from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
+from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Activation, FixableError
@@ -19,7 +19,21 @@ FLAGS = {"fingerprint": "--model", "world_size": "torchrun --nproc-per-node"}
 MIN_USEFUL_TOKENS = 1000  # tokens: below this a neuron firing 1% of the time is counted ~10 times or fewer
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def run_folder(params: dict) -> Path | None:
+    """The run folder pi-profile writes into: --out, else runs/<model-slug>; None where the model does not resolve
+    (profile_model refuses it in one line)."""
+    from hotneurons.common.model_source import resolve_source
+
+    if params.get("out") is not None:
+        return Path(params["out"])
+    try:
+        return default_run_dir(resolve_source(params["model"], params["gguf_file"], params["revision"]).name)
+    except ValueError:
+        return None
+
+
+@click.command(cls=StageCommand, run_folder=run_folder,
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--model", default=None, help="HF hub id, local folder, or .gguf file. Default: the embedded "
               "SmolLM2-135M-Instruct (needs the [demo] extra).")
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
@@ -80,7 +94,7 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
                         trust_remote_code=trust_remote_code, criterion=criterion, sparsities=sparsities)
     try:
         if not (resume or force):
-            refuse_existing(out, model, gguf_file, revision)
+            refuse_existing(run_folder({"out": out, "model": model, "gguf_file": gguf_file, "revision": revision}))
         with stdout_to_stderr(as_json):
             meta = profile_model(cfg, out, resume=resume, force=force, device=device,
                                  checkpoint_every=checkpoint_every, progress=not quiet,
@@ -101,13 +115,10 @@ def main(model, gguf_file, revision, dataset, text_column, tokens, seq_len, batc
         interrupted("the profile was complete and is written")
 
 
-def refuse_existing(out: str | None, model: str | None, gguf_file: str | None, revision: str | None) -> None:
+def refuse_existing(run: Path | None) -> None:
     """A profile already in the run folder is replaced only with --force (the predictors and placement made from it
     would no longer match it): refused in one line, before the model loads."""
-    from hotneurons.common.model_source import resolve_source
-
-    run = Path(out) if out is not None else default_run_dir(resolve_source(model, gguf_file, revision).name)
-    if (run / "profile" / "meta.json").exists():
+    if run is not None and (run / "profile" / "meta.json").exists():
         raise click.ClickException(f"{run / 'profile'} already holds a profile: pass --force to replace it, or "
                                    f"write to another run folder (--out)")
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 import click
-from hotneurons.common.cli import check_port, interrupted, stdout_to_stderr
+from hotneurons.common.cli import StageCommand, check_port, interrupted, stdout_to_stderr
 from hotneurons.common.kinds import GpuOps, RuntimeMode
 from hotneurons.common.schema import ArtifactError
 from hotneurons.kernels.names import COLD_DTYPES
@@ -185,7 +185,7 @@ def open_runtime(run_dir, mode, oracle, no_predictor, recall, sparsity, criterio
         raise click.ClickException(str(e))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=StageCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @runtime_options
 @click.option("--prompt", "-p", default=None, help="Prompt text (default: read from stdin unless -i).")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1), default=128, show_default=True,

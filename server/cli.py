@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 
 import click
+from hotneurons.common.cli import StageCommand
 from hotneurons.runtime.cli import open_runtime, runtime_options
 from hotneurons.server.config import ServeConfig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=StageCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @runtime_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every "
               "interface; set --api-key then).")

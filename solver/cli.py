@@ -10,7 +10,7 @@ import click
 from hotneurons.artifacts.placement import Objective, PlacementSummary
 from hotneurons.artifacts.profile import check_profile
 from hotneurons.common.artifacts import ArtifactError, read_json
-from hotneurons.common.cli import cli_error, stdout_to_stderr
+from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, presets_table
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 from hotneurons.kernels.measure import measure_cold_rate, measure_expert_rate, measure_hardware
@@ -31,7 +31,8 @@ def _parsed(parse, flag: str, text: str | None):
         raise click.ClickException(f"{flag}: {e}") from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(cls=StageCommand, run_folder=lambda p: p["run_dir"],
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--run", "run_dir", type=click.Path(file_okay=False),
               help="Run directory holding profile/ (from pi-profile).")
 @click.option("--vram", help="GPU memory to plan for, e.g. 24GB (10^9 B) or 24GiB (2^30 B). Default: the preset's.")
@@ -121,6 +122,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                         sync_latency_s=None if sync_us is None else sync_us * 1e-6)
         # a placement is re-solved in place (another budget, a new profile): said, never silent
         before = Path(run_dir) / "placement" / "summary.json"
+        written = before.stat().st_mtime_ns if before.exists() else None
         try:
             replaced = PlacementSummary.load(before).budget.vram if before.exists() else None
         except (ArtifactError, ValueError, KeyError, TypeError):  # unreadable: replaced all the same
@@ -142,6 +144,10 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                                           cold_dtype=cold_dtype or "bf16")
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
+        except KeyboardInterrupt:  # a Ctrl-C during the write waits for it (common/artifacts.staged)
+            if before.exists() and before.stat().st_mtime_ns != written:
+                interrupted(f"the placement was complete and is written in {before.parent}")
+            interrupted(f"nothing was written ({before.parent} is as it was): run the command again")
     if before.exists() and replaced is not None:
         click.echo(f"replaced the placement in {before.parent} (solved before for {replaced})", err=True)
     if as_json:

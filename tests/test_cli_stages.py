@@ -8,9 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hotneurons.predictors.train import preset, train_predictors
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 
@@ -98,3 +100,91 @@ def test_profile_refuses_to_replace_a_profile_without_force(run, tiny_model_dir,
     r = pi("pi-profile", *args, "--force")
     assert r.returncode == 0, r.stderr
     assert json.loads((run / "profile" / "meta.json").read_text())["tokens"] == 200
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ctrl-C in a command's first seconds (in-process: a KeyboardInterrupt raised where the signal would land)
+
+
+class Interrupting(types.ModuleType):
+    """A module whose import, as `from M import x` reads it, is interrupted: Ctrl-C while torch & co. import."""
+
+    def __getattr__(self, name):
+        raise KeyboardInterrupt
+
+
+def interrupted_line(res) -> str:
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 130 and "Aborted" not in res.output and "Traceback" not in res.output, res.output
+    assert lines[-1].startswith("interrupted: "), res.output
+    return lines[-1]
+
+
+@pytest.mark.parametrize("tool,module", [
+    ("pi-profile", "hotneurons.profiler.profile"),
+    ("pi-solve", "hotneurons.solver.place"),
+    ("pi-train-predictors", "hotneurons.predictors.train"),
+    ("pi-eval", "hotneurons.common.gating"),
+    ("pi-generate", "hotneurons.runtime.sampling"),
+])
+def test_interrupt_while_importing_exits_130(run, tiny_model_dir, text_corpus, tmp_path, monkeypatch, tool, module):
+    from hotneurons.predictors.cli import eval_main, train_main
+    from hotneurons.profiler.cli import main as profile_main
+    from hotneurons.runtime.cli import main as generate_main
+    from hotneurons.solver.cli import main as solve_main
+
+    main, args = {
+        "pi-profile": (profile_main, ["--model", tiny_model_dir("llama-reglu"), "--dataset", text_corpus,
+                                      "--out", tmp_path / "new" / "r"]),
+        "pi-solve": (solve_main, ["--run", run, "--ctx", 16]),
+        "pi-train-predictors": (train_main, ["--run", run, "--force"]),
+        "pi-eval": (eval_main, ["--run", run, "--criterion", "gate"]),
+        "pi-generate": (generate_main, ["--run", run, "--prompt", "hi", "-n", 2]),
+    }[tool]
+    before = tree(run)
+    package, _, name = module.rpartition(".")
+    fake = Interrupting(module)
+    monkeypatch.setitem(sys.modules, module, fake)
+    monkeypatch.setattr(sys.modules[package], name, fake, raising=False)
+    line = interrupted_line(CliRunner().invoke(main, [str(a) for a in args]))
+    assert "nothing was written" in line and "run the same command again" in line, line
+    assert tree(run) == before and not (tmp_path / "new").exists()
+
+
+def test_interrupt_while_serve_loads_exits_130(run, monkeypatch):
+    from hotneurons.server import cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "open_runtime", lambda **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    line = interrupted_line(CliRunner().invoke(serve_cli.main, ["--run", str(run), "--port", "0"]))
+    assert "pi-serve stopped" in line or "stopped before" in line, line
+
+
+def profile_until_interrupted(model, corpus, out, monkeypatch):
+    """pi-profile into `out`, interrupted at its first forward pass (before the first checkpoint)."""
+    from hotneurons.profiler import profile as profile_mod
+    from hotneurons.profiler.cli import main as profile_main
+
+    real = profile_mod.forward
+
+    def forward(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile_mod, "forward", forward)
+    try:
+        return interrupted_line(CliRunner().invoke(profile_main, [
+            "--model", str(model), "--dataset", str(corpus), "--tokens", "200", "--seq-len", "32",
+            "--samples-per-layer", "20", "--out", str(out), "--quiet", "--device", "cpu"]))
+    finally:
+        monkeypatch.setattr(profile_mod, "forward", real)
+
+
+def test_interrupt_removes_the_empty_run_folder_it_made(tiny_model_dir, text_corpus, tmp_path, monkeypatch):
+    model = tiny_model_dir("llama-reglu")
+    line = profile_until_interrupted(model, text_corpus, tmp_path / "runs" / "a" / "r", monkeypatch)
+    assert "nothing was kept" in line and not (tmp_path / "runs").exists(), line  # all it made, parents too
+    (tmp_path / "mine").mkdir()  # an empty folder of the user's: kept
+    profile_until_interrupted(model, text_corpus, tmp_path / "mine", monkeypatch)
+    assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
+    (tmp_path / "runs").mkdir()  # an existing parent: kept, its new child goes
+    profile_until_interrupted(model, text_corpus, tmp_path / "runs" / "r", monkeypatch)
+    assert (tmp_path / "runs").is_dir() and not (tmp_path / "runs" / "r").exists()
