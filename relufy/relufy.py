@@ -85,6 +85,28 @@ def corpus_rows(tokenizer, cfg: RelufyConfig, dataset: str, max_tokens: int) -> 
     return torch.tensor(rows, dtype=torch.int64)
 
 
+class _StepBar:
+    """transformers' streamer protocol (put the prompt, then each step's tokens; end): moves `bar` every decoding
+    step, since one batch's generate() runs for minutes on a CPU. `done()` tops it up to the batch's exact count."""
+
+    def __init__(self, bar):
+        self.bar, self.seen, self.prompt = bar, 0, True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt:  # the first call hands the prompts
+            self.prompt = False
+            return
+        self.seen += value.numel()
+        self.bar.update(value.numel())
+
+    def end(self) -> None:
+        pass
+
+    def done(self, tokens: int) -> None:
+        self.bar.update(max(0, tokens - self.seen))
+        self.seen, self.prompt = 0, True
+
+
 @torch.no_grad()
 def teacher_rows(teacher: torch.nn.Module, prompts: torch.Tensor, cfg: RelufyConfig, pad_id: int,
                  progress: bool) -> torch.Tensor:
@@ -100,11 +122,13 @@ def teacher_rows(teacher: torch.nn.Module, prompts: torch.Tensor, cfg: RelufyCon
     out = []
     bar = tqdm(total=len(prompts) * cfg.seq_len, desc="teacher text", unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True)
+    step_bar = _StepBar(bar)
     for i in range(0, len(prompts), cfg.gen_batch):
         ids = prompts[i:i + cfg.gen_batch].to(device)
-        rows = teacher.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        rows = teacher.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                                streamer=step_bar if progress else None)
         out.append(rows[:, :cfg.seq_len].cpu())
-        bar.update(rows.numel())
+        step_bar.done(rows[:, :cfg.seq_len].numel())
     bar.close()
     return torch.cat(out)
 
@@ -161,12 +185,14 @@ def chat_rows(teacher: torch.nn.Module, tokenizer, windows: torch.Tensor, n_rows
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(b)) + b for b in batch], device=device)  # left-padded
         mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch], device=device)
-        out = teacher.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, width:].tolist()
-        before = len(stream)
+        # the bar moves a token a row each step (progress only); after the batch it is set to the tokens kept
+        out = teacher.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
+                               streamer=_StepBar(bar) if progress else None)[:, width:].tolist()
         for b, answer in zip(batch, out):
             end = answer.index(eos) + 1 if eos in answer else len(answer)
             stream += b + answer[:end]
-        bar.update(min(len(stream), n_rows * cfg.seq_len) - min(before, n_rows * cfg.seq_len))
+        bar.n = min(len(stream), n_rows * cfg.seq_len)
+        bar.refresh()
     bar.close()
     rows = len(stream) // cfg.seq_len
     return torch.tensor(stream[:rows * cfg.seq_len], dtype=torch.int64).view(rows, cfg.seq_len)[:n_rows]

@@ -426,6 +426,37 @@ def test_pool_is_no_larger_than_the_training_reads(teacher, text_corpus):
     assert pool.shape[1] == cfg.seq_len and needed <= len(pool) <= needed + 1
 
 
+def test_teacher_text_bar_moves_every_decoding_step(teacher, text_corpus, monkeypatch):
+    """The teacher-text bar moves as tokens are sampled (a batch's generate() runs for minutes on a CPU), and ends at
+    the rows' exact token count; the rows are those of a run without the bar."""
+    import hotneurons.relufy.relufy as rr
+
+    updates = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n = total, 0
+
+        def update(self, k):
+            updates.append(k)
+            self.n += k
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            pass
+
+    cfg = tiny_cfg(text_corpus, gen_batch=4)
+    prompts = rr.corpus_rows(teacher.tokenizer, cfg, cfg.dataset, 2048)[:6, :cfg.prompt_tokens]  # (6, 8): 2 batches
+    plain = rr.teacher_rows(teacher.model, prompts, cfg, 0, progress=False)
+    monkeypatch.setattr(rr, "tqdm", Bar)
+    rows = rr.teacher_rows(teacher.model, prompts, cfg, 0, progress=True)
+    torch.testing.assert_close(rows, plain, rtol=0, atol=0)
+    assert sum(updates) == rows.numel() == 6 * cfg.seq_len
+    assert len(updates) >= 2 * (cfg.seq_len - cfg.prompt_tokens)  # a move a decoding step, not one a batch
+
+
 def test_cli_ctrl_c_says_what_was_kept(monkeypatch, tmp_path):
     """Ctrl-C in pi-relufy: exit code 130 and one `interrupted:` line naming what is kept (not click's `Aborted!`)."""
     from click.testing import CliRunner
