@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from hotneurons.common.kinds import FixableError
+from hotneurons.common.memory import SLACK, MemoryPlanError, available_host
 from hotneurons.runtime.ffn_weights import CHUNK_BYTES
-from hotneurons.runtime.memory import SLACK, MemoryPlanError, available_host
 from hotneurons.weights.formats import spec
 
 BATCH_FIX = "use a smaller batch size or sequence length, or free memory"

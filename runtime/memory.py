@@ -12,17 +12,14 @@ another machine, or to test the refusal.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from hotneurons.common.units import parse_bytes
+from hotneurons.common.memory import SLACK, MemoryPlanError, available_host
 from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.weights.formats import bytes_per_weight, kernel_format, spec, weight_format
-
-SLACK = 256 << 20  # bytes: interpreter, kernels' scratch, small buffers
 
 
 @dataclass(frozen=True)
@@ -30,10 +27,6 @@ class MemoryNeed:
     host: int  # bytes of anonymous host memory the layout keeps
     gpu: int  # bytes on the compute device (0 when it is the CPU: counted in host)
     temp: int  # bytes of the largest layer's conversion temporaries while loading
-
-
-class MemoryPlanError(ValueError):
-    """A layout that would not fit: one line naming what it needs, what there is, and the fix."""
 
 
 def is_ffn_weight(name: str) -> bool:
@@ -111,20 +104,6 @@ def plan_moe_bytes(source: Any, gpu: np.ndarray, dtype: torch.dtype, ctx: int, i
     cold = sum(int(t.nbytes) for t in exps.values()) - gpu_exps
     kv = 2 * info["n_layers"] * info["num_key_value_heads"] * info["head_dim"] * ctx * itemsize
     return MemoryNeed(host=cold + SLACK, gpu=rest + gpu_exps + kv, temp=0)
-
-
-def available_host() -> int:
-    env = os.environ.get("HOTNEURONS_HOST_MEMORY")
-    if env:
-        return parse_bytes(env)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: no check
 
 
 def check_vram(need: int, device: str, vram: int | None, ctx: int) -> None:

@@ -13,9 +13,9 @@ import pytest
 import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
+from hotneurons.common.memory import MemoryPlanError
 from hotneurons.runtime.generate import RuntimeConfig, generate
 from hotneurons.runtime.load import load_runtime
-from hotneurons.runtime.memory import MemoryPlanError
 
 LOGIT_ATOL = 1e-4
 NEW = 10

@@ -1,0 +1,33 @@
+"""Host memory as every plan counts it: what the machine has available (`available_host`), the slack a process keeps
+beyond what a plan counts, and the one-line refusal of a plan that would not fit. The runtime's layout
+(runtime/memory.py) and the layer-by-layer stages (models/stream_memory.py) both check against it.
+
+HOTNEURONS_HOST_MEMORY (a size such as 16GB) replaces the host memory the checks see as available: to plan for
+another machine, or to test the refusal.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hotneurons.common.units import parse_bytes
+
+SLACK = 256 << 20  # bytes: interpreter, kernels' scratch, small buffers
+
+
+class MemoryPlanError(ValueError):
+    """A layout that would not fit: one line naming what it needs, what there is, and the fix."""
+
+
+def available_host() -> int:
+    env = os.environ.get("HOTNEURONS_HOST_MEMORY")
+    if env:
+        return parse_bytes(env)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: no check
