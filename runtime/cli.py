@@ -217,6 +217,7 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
             if prompt is None:
                 prompt = sys.stdin.read()
             ids = gen.prompt_ids(rt, prompt, chat)
+            check_room(rt, len(ids), max_new_tokens)
             stream = None if as_json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
             g = gen.generate(rt, ids, max_new_tokens, sampling, on_text=stream)
     except (ArtifactError, ValueError) as e:
@@ -228,6 +229,21 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
     else:
         click.echo("")
         click.echo(format_stats(g.stats), err=True)
+
+
+def check_room(rt, prompt_tokens: int, max_new_tokens: int) -> None:
+    """-n past the context is refused in one line, as pi-serve refuses such a max_tokens (generate would stop at the
+    context's end without a word). A prompt that fills the context alone is generate's to refuse."""
+    from hotneurons.runtime import generate as gen
+
+    ctx = gen.context_length(rt.lm)
+    room = ctx - prompt_tokens
+    if 0 < room < max_new_tokens:
+        ours = isinstance(rt.lm, gen.SourceModel)  # our decoder: the context is its KV cache's, --ctx
+        longer = f", or --ctx {prompt_tokens + max_new_tokens}" if ours else ""
+        raise ValueError(f"the prompt's {prompt_tokens:,} tokens and -n {max_new_tokens:,} make "
+                         f"{prompt_tokens + max_new_tokens:,}, past the model's context of {ctx:,} tokens: pass -n "
+                         f"{room} or less{longer}")
 
 
 def _chat_loop(rt, max_new_tokens: int, sampling) -> None:

@@ -188,3 +188,18 @@ def test_interrupt_removes_the_empty_run_folder_it_made(tiny_model_dir, text_cor
     (tmp_path / "runs").mkdir()  # an existing parent: kept, its new child goes
     profile_until_interrupted(model, text_corpus, tmp_path / "runs" / "r", monkeypatch)
     assert (tmp_path / "runs").is_dir() and not (tmp_path / "runs" / "r").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-generate -n past the context
+
+
+def test_generate_refuses_n_past_the_context(run):
+    args = ["--run", run, "--prompt", "hi", "--device", "cpu", "--mode", "dense", "--json"]
+    line = one_error(pi("pi-generate", *args, "-n", 100_000))
+    # the tiny models' context: 256 positions; "hi" is 2 byte tokens
+    assert "the prompt's 2 tokens and -n 100,000 make 100,002, past the model's context of 256 tokens" in line, line
+    assert "pass -n 254 or less" in line and "--ctx 100002" in line, line
+    r = pi("pi-generate", *args, "-n", 254, "--temperature", 1, "--seed", 3)
+    assert r.returncode == 0, r.stderr
+    assert 1 <= len(json.loads(r.stdout)["token_ids"]) <= 254
