@@ -80,12 +80,14 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         teacher = plain_model(lm, torch.bfloat16 if cuda else torch.float32, device)
         for p in teacher.parameters():
             p.requires_grad_(False)
+        micro = cfg.batch_size if cuda else micro_rows(cfg.seq_len, teacher.config.vocab_size)
+        label = "eval: {}" if progress else None  # the evaluations' bar labels
         pool_path = partial / "pool.safetensors"
         eval_rows = corpus_rows(lm.tokenizer, cfg, cfg.eval_dataset, cfg.eval_tokens)
         if state is None:
             pool = build_pool(teacher, lm.tokenizer, cfg, progress) if pool is None else pool
             save_file({"pool": pool.contiguous()}, str(pool_path))
-            before = evaluate(teacher, lm.adapter, eval_rows, cfg.batch_size, cuda)
+            before = evaluate(teacher, lm.adapter, eval_rows, micro, cuda, label and label.format("the teacher"))
         else:
             pool = load_file(str(pool_path))["pool"]
             before = state["eval_before"]
@@ -94,7 +96,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         step0, curve, swapped = 0, [], None
         if state is None:
-            swapped = evaluate(student, lm.adapter, eval_rows, cfg.batch_size, cuda)
+            swapped = evaluate(student, lm.adapter, eval_rows, micro, cuda, label and label.format("the student"))
             # a checkpoint of step 0: the teacher text (the pool, often half the run on a CPU) survives an interrupt
             _write_checkpoint(partial, student, opt, cfg, 0, [], before, swapped)
         else:
@@ -103,7 +105,6 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
             step0, curve, swapped = state["step"], state["curve"], state["eval_swapped"]
 
         vals = FFNValues(student, lm.adapter, keep=True, penalty=cfg.penalty)
-        micro = cfg.batch_size if cuda else micro_rows(cfg.seq_len, student.config.vocab_size)
         every = max(1, cfg.steps // CURVE_POINTS)
         bar = tqdm(total=cfg.steps, initial=step0, desc="relufy", unit="step", disable=not progress, dynamic_ncols=True)
         t_train, tokens_done = time.perf_counter(), 0
@@ -149,7 +150,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
         vals.close()
         train_s = time.perf_counter() - t_train
         student.eval()
-        after = evaluate(student, lm.adapter, eval_rows, cfg.batch_size, cuda)
+        after = evaluate(student, lm.adapter, eval_rows, micro, cuda, label and label.format("the relufied student"))
         summary = {
             "model": lm.info["name"], "activation": cfg.activation, "config": asdict(cfg),
             "pool_rows": len(pool), "pool_tokens": pool.numel(), "steps": cfg.steps,

@@ -297,13 +297,15 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, adapter, rows: torch.Tensor, batch_size: int, amp: bool) -> dict[str, Any]:
-    """Perplexity and per-layer exact-zero share of h on held-out rows."""
+def evaluate(model: torch.nn.Module, adapter, rows: torch.Tensor, batch_size: int, amp: bool,
+             desc: str | None = None) -> dict[str, Any]:
+    """Perplexity and per-layer exact-zero share of h on held-out rows (`desc`: a progress bar's label)."""
     device = next(model.parameters()).device
     vals = FFNValues(model, adapter, keep=False)
     nll, count = 0.0, 0
     try:
-        for i in range(0, len(rows), batch_size):
+        for i in tqdm(range(0, len(rows), batch_size), desc=desc, unit="batch", disable=desc is None,
+                      dynamic_ncols=True, leave=False):
             ids = rows[i:i + batch_size].to(device)
             with torch.autocast(device.type, torch.bfloat16, enabled=amp):
                 logits = model(input_ids=ids, use_cache=False).logits  # (b, s, vocab)
