@@ -33,7 +33,7 @@ def _copied(f, name: str, as_name: str | None = None) -> Tensor:
 def down_t(source, layer: int) -> Tensor:
     """blk.{layer}.ffn_down_t: the down matrix (d, n) as n rows of d weights, in the file's own format, cut by the
     runtime's own down_t_rows (Numba's one pass over the file's blocks, else windows of columns through torch)."""
-    from hotneurons.runtime.ffn_weights import FFNWeights, down_t_rows
+    from hotneurons.models.ffn_weights import FFNWeights, down_t_rows
     from hotneurons.weights.formats import WeightFormat, from_ggml_type, row_bytes, spec
     from hotneurons.weights.qtensor import QTensor
 

@@ -17,7 +17,7 @@ a skipped neuron cannot avoid reading, so the layer holds its cold experts' down
 
 Rows: Q4_0 / Q4_1 / Q8_0 blocks (cold_q_ir's row dots and axpys, the float route) or floats (f32, fp16 bits as uint16,
 bf16 bits as int16: cold_experts._f32); gate / up may be K-quants too (Q4_K / Q5_K / Q6_K: their dots, kernels/cold_k),
-down_t not (runtime/moe_down_t.py and runtime/ffn_weights.py store it in one of the three). gate / up and down_t may
+down_t not (runtime/moe_down_t.py and models/ffn_weights.py store it in one of the three). gate / up and down_t may
 differ in format.
 
 One call for the token (`sparse_layer`), so that no Python runs between the GPU's signal and the kernel (as

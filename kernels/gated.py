@@ -23,7 +23,7 @@ sector holds a block's scales of 16 rows, so gathered rows touch most scale sect
 Roundings are the model's (kernels/gated_ref.gated_ffn_torch, the reference): g, a, u, h in x's dtype, the tests on
 those values in float32, sums in float32 (down's over the passing neurons in whatever order the splits give, then
 across splits).
-down_t is the down projection's columns as rows, (n, d): runtime/ffn_weights.down_t_rows's, then qlinear.pack.
+down_t is the down projection's columns as rows, (n, d): models/ffn_weights.down_t_rows's, then qlinear.pack.
 """
 
 from __future__ import annotations

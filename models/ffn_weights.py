@@ -347,24 +347,3 @@ def kept_format(infos: dict[str, Any], name: str, fmt: str | WeightFormat, cold:
     else:
         rows, dt = k_hot_formats(fmt, mine, down, dense)
     return dt if own.startswith("down") else rows
-
-
-def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool,
-                 work: torch.device | str | None = None):
-    """The cold neurons' rows in CPU RAM as runtime/cold_rows.ColdRows stores them in `dtype`: block formats from the
-    stored rows (copied as they are when the file has that format; a K-quant's in cold_formats' formats), bf16 / int8
-    from float rows. The down rows' conversion runs on `work` (the compute device)."""
-    from hotneurons.runtime.cold_rows import ColdRows
-
-    fmt = weight_format(dtype)
-    b_up = None if w.b_up is None else w.b_up[cold.to(w.b_up.device)]
-    if spec(fmt).block > 1 and fmt != WeightFormat.INT8:
-        rows, dt = cold_formats(fmt, fmt_of(w.up), fmt_of(w.gate) if gated else None,
-                                fmt_of(w.down if w.down is not None else w.down_t))
-        gate = store(take_rows(w.gate, cold), rows) if gated else None
-        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), rows), b_up,
-                                    down_t_rows(w, cold, dt, work=work))
-    wide = torch.bfloat16 if fmt == WeightFormat.BF16 else torch.float32  # bf16 rows lose nothing from bf16
-    gate = to_float(take_rows(w.gate, cold), wide) if gated else None
-    return ColdRows.from_weights(gate, to_float(take_rows(w.up, cold), wide), b_up,
-                                 to_float(down_t_rows(w, cold, WeightFormat.F32, work=work), wide), str(fmt))

@@ -3,7 +3,7 @@ format costs without the runtime's kernels (bench/format_quality.py measures the
 
 The runtime keeps a neuron's gate row, up row and down column as rows of d_model weights (runtime/cold_rows.py): bf16,
 or llama.cpp's q8_0 / q4_0 / q4_1 blocks of 32 weights along d_model. Here every neuron's three rows are stored that
-way (runtime/ffn_weights.as_stored: the runtime's own conversions, so a GGUF file's rows already in the format are
+way (models/ffn_weights.as_stored: the runtime's own conversions, so a GGUF file's rows already in the format are
 kept byte for byte and its down projection is re-quantized along neurons) and widened back to the evaluation's dtype.
 What this leaves out: the runtime's hot down columns are blocked along hot neurons instead (qlinear), and the
 runtime's own arithmetic. Attention, norms, embeddings, head and biases stay as the model runs them.
@@ -60,8 +60,8 @@ def stored_as(lm: LoadedModel | StreamedModel, fmt: WeightFormat) -> Iterator[No
     FFN weights overwritten in place and put back after; the originals wait in CPU memory, so that the device holds no
     second copy of the FFNs."""
     import torch
+    from hotneurons.models.ffn_weights import FFNWeights, as_stored
     from hotneurons.profiler.streamed import StreamedModel
-    from hotneurons.runtime.ffn_weights import FFNWeights, as_stored
 
     if isinstance(lm, StreamedModel):
         lm.row_format = fmt

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from hotneurons.common.kinds import FixableError
 from hotneurons.common.memory import SLACK, MemoryPlanError, available_host
-from hotneurons.runtime.ffn_weights import CHUNK_BYTES
+from hotneurons.models.ffn_weights import CHUNK_BYTES
 from hotneurons.weights.formats import spec
 
 BATCH_FIX = "use a smaller batch size or sequence length, or free memory"

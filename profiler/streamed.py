@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from hotneurons.common import prenorm
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values, gate_values
-from hotneurons.runtime.ffn_weights import FFNWeights, as_stored, float_format, store
+from hotneurons.models.ffn_weights import FFNWeights, as_stored, float_format, store
 from hotneurons.weights.formats import WeightFormat
 from hotneurons.weights.qtensor import QTensor
 

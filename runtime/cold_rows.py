@@ -19,7 +19,16 @@ from hotneurons.kernels.cold_q import FORMAT_CODE, cold_ffn_q
 from hotneurons.kernels.dequant import dequant_rows
 from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES, ROW_DTYPES
 from hotneurons.kernels.ops import neuron_values
-from hotneurons.weights.formats import row_bytes, spec, weight_format
+from hotneurons.models.ffn_weights import (
+    FFNWeights,
+    cold_formats,
+    down_t_rows,
+    fmt_of,
+    store,
+    take_rows,
+    to_float,
+)
+from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.quants import dequantize, quantize
 
@@ -99,7 +108,7 @@ class ColdRows:
     llama.cpp blocks of 32 weights, each with its fp16 scale (and q4_1's fp16 min) inside (1.0625 / 0.5625 / 0.625
     bytes a weight), the bytes of a GGUF file's rows; `scale` is (3, n, 0) and `group` 32. q4_k / q5_k / q6_k (`fmt`):
     gate and up rows of llama.cpp's K-quant blocks of 256 weights (0.5625 / 0.6875 / 0.8203 bytes a weight) as the
-    file stores them, and down_t rows in q8_0, q4_0 or q4_1 (`fmt_down`: runtime/ffn_weights.cold_formats says why).
+    file stores them, and down_t rows in q8_0, q4_0 or q4_1 (`fmt_down`: models/ffn_weights.cold_formats says why).
     Read by cold_q.cold_ffn_q / cold_layer_q."""
 
     gate: np.ndarray | None  # (n, d) uint16 or int8; None for ungated FFNs
@@ -361,3 +370,22 @@ def ffn_rows_mapped(activation: str, x: torch.Tensor, ids: torch.Tensor, valid: 
     h = neuron_values(activation, x.float(), _take(mapped, "gate", 0, ids), _take(mapped, "up", 1, ids),
                       mapped["b_up"].index_select(0, ids))  # (1, K)
     return (h * valid) @ _take(mapped, "down_t", 2, ids)  # (1, K) @ (K, d)
+
+
+def cold_rows_of(w: FFNWeights, cold: torch.Tensor, dtype: str, gated: bool,
+                 work: torch.device | str | None = None):
+    """The cold neurons' rows in CPU RAM as runtime/cold_rows.ColdRows stores them in `dtype`: block formats from the
+    stored rows (copied as they are when the file has that format; a K-quant's in cold_formats' formats), bf16 / int8
+    from float rows. The down rows' conversion runs on `work` (the compute device)."""
+    fmt = weight_format(dtype)
+    b_up = None if w.b_up is None else w.b_up[cold.to(w.b_up.device)]
+    if spec(fmt).block > 1 and fmt != WeightFormat.INT8:
+        rows, dt = cold_formats(fmt, fmt_of(w.up), fmt_of(w.gate) if gated else None,
+                                fmt_of(w.down if w.down is not None else w.down_t))
+        gate = store(take_rows(w.gate, cold), rows) if gated else None
+        return ColdRows.from_blocks(gate, store(take_rows(w.up, cold), rows), b_up,
+                                    down_t_rows(w, cold, dt, work=work))
+    wide = torch.bfloat16 if fmt == WeightFormat.BF16 else torch.float32  # bf16 rows lose nothing from bf16
+    gate = to_float(take_rows(w.gate, cold), wide) if gated else None
+    return ColdRows.from_weights(gate, to_float(take_rows(w.up, cold), wide), b_up,
+                                 to_float(down_t_rows(w, cold, WeightFormat.F32, work=work), wide), str(fmt))

@@ -58,7 +58,7 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
     resident after (FFN rows split by `gpu`: per layer the neurons on the device, bool; None: all there). None where
     nothing is converted. An untied embedding stays as stored (a token's row is de-quantized as it is read)."""
     from hotneurons.common.units import format_bytes
-    from hotneurons.runtime.ffn_weights import kept_format
+    from hotneurons.models.ffn_weights import kept_format
     from hotneurons.runtime.memory import is_ffn_weight
 
     dev = torch.device(device).type
@@ -156,9 +156,9 @@ def file_predictors(source: Any, dtype: torch.dtype) -> Any:
     """PowerInfer's predictors from its own file (fc1, fc2 per layer; a neuron computed iff its logit >= the file's
     sparse threshold, 0 by default), in the powerinfer form: they read the residual before the pre-FFN norm."""
     from hotneurons.artifacts.predictors import PredictorForm
+    from hotneurons.models.ffn_weights import to_float
     from hotneurons.predictors.fit import Predictor
     from hotneurons.predictors.load import Predictors
-    from hotneurons.runtime.ffn_weights import to_float
 
     threshold = source.sparse_threshold or 0.0
     layers = {}
@@ -220,8 +220,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
     from hotneurons.models.family import RELU_FAMILY, adapter_for
+    from hotneurons.models.ffn_weights import FFNWeights
     from hotneurons.runtime.balance import pcie_share
-    from hotneurons.runtime.ffn_weights import FFNWeights
     from hotneurons.runtime.gated import gate_taus, uses_gate
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN

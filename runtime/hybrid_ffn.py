@@ -34,17 +34,9 @@ from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, gated_values, neuron_values, predict
 from hotneurons.kernels.qlinear import GpuQ, linear
-from hotneurons.runtime.cold_rows import chunks, ffn_rows, ffn_rows_mapped, map_rows
+from hotneurons.models.ffn_weights import FFNWeights, down_t_rows, float_dtype, hot_blocks, take_rows, to_float
+from hotneurons.runtime.cold_rows import chunks, cold_rows_of, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
-from hotneurons.runtime.ffn_weights import (
-    FFNWeights,
-    cold_rows_of,
-    down_t_rows,
-    float_dtype,
-    hot_blocks,
-    take_rows,
-    to_float,
-)
 from hotneurons.runtime.gated import gate_first, hot_sparse
 from hotneurons.runtime.host_io import HostIO
 from hotneurons.weights.formats import spec, weight_format

@@ -45,11 +45,11 @@ def _stored_bytes(info: Any, dtype: torch.dtype) -> int:
 
 def _hot_bytes(source: Any, i: int, gpu: np.ndarray, d: int, mats: int, hot_fmt: str, neuron_major: bool) -> int:
     """Layer i's hot rows on the device (gpu: its neurons' mask): in hot_fmt, or for a K-quant hot_fmt in the formats
-    runtime/ffn_weights.k_hot_formats keeps them in (its down projection's may differ)."""
+    models/ffn_weights.k_hot_formats keeps them in (its down projection's may differ)."""
     n_hot = int(gpu.sum())
     if weight_format(hot_fmt) not in K_FORMATS:
         return int(n_hot * mats * d * bytes_per_weight(hot_fmt))
-    from hotneurons.runtime.ffn_weights import k_hot_formats
+    from hotneurons.models.ffn_weights import k_hot_formats
 
     down = source.infos.get(f"blk.{i}.ffn_down.weight") or source.infos.get(f"blk.{i}.ffn_down_t.weight")
     rows, dn = k_hot_formats(weight_format(hot_fmt), source.infos[f"blk.{i}.ffn_up.weight"].fmt, down.fmt,
@@ -58,11 +58,11 @@ def _hot_bytes(source: Any, i: int, gpu: np.ndarray, d: int, mats: int, hot_fmt:
 
 
 def _cold_bytes(source: Any, i: int, n_cold: int, d: int, mats: int, cold_fmt: str) -> int:
-    """Layer i's cold rows in CPU RAM: in cold_fmt, or for a K-quant in runtime/ffn_weights.cold_formats' formats
+    """Layer i's cold rows in CPU RAM: in cold_fmt, or for a K-quant in models/ffn_weights.cold_formats' formats
     (its down_t's may differ)."""
     if weight_format(cold_fmt) not in K_FORMATS:
         return int(n_cold * mats * d * bytes_per_weight(cold_fmt))
-    from hotneurons.runtime.ffn_weights import cold_formats
+    from hotneurons.models.ffn_weights import cold_formats
 
     infos = source.infos
     down = infos.get(f"blk.{i}.ffn_down.weight") or infos.get(f"blk.{i}.ffn_down_t.weight")

@@ -5,7 +5,7 @@ A GGUF stores an expert's down as (d, n): output-major rows, a Q4_0 / Q8_0 block
 inactive neuron saves none of its down bytes. down_t holds cold expert c's neuron j at row c * n + j (the d weights
 neuron j writes), in the format of the down rows the dense kernel reads:
   block formats (Q4_0, Q4_1, Q8_0; a K-quant down in its nearest, Q4_K -> q4_1, Q5_K / Q6_K -> q8_0, as
-    runtime/ffn_weights.cold_formats says why): the file's down de-quantized, transposed and quantized again with
+    models/ffn_weights.cold_formats says why): the file's down de-quantized, transposed and quantized again with
     llama.cpp's rounding (runtime/cold_rows.to_blocks). This is a second quantization of down: its weights differ
     from the file's by that rounding (PowerInfer's own export of TurboSparse models quantizes its neuron-major down the
     same way). Decode and prefill both compute with down_t (kernels/cold_experts_sparse.py token by token, or

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from hotneurons.artifacts.predictors import EvalReport
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.models.family import load_model
+from hotneurons.models.ffn_weights import FFNWeights, as_stored
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate, format_table
 from hotneurons.predictors.row_formats import RowFormatError, check_rows, parse_row_formats
 from hotneurons.profiler.profile import ProfileConfig, profile_model
-from hotneurons.runtime.ffn_weights import FFNWeights, as_stored
 from hotneurons.weights.qtensor import QTensor
 from hotneurons.weights.quants import quantize
 

@@ -1,4 +1,4 @@
-"""The load's shortcuts in runtime/ffn_weights.py give the bytes of the long way: a dense layout's down projection
+"""The load's shortcuts in models/ffn_weights.py give the bytes of the long way: a dense layout's down projection
 packed as the file stores it (hot_blocks, every_column) equals the one re-quantized from its de-quantized columns, for
 files written with llama.cpp's reference rounding; the down columns as rows (down_t_rows) through the CPU's Numba
 kernels (weights/quants_cpu.py) equal them through torch's."""
@@ -6,8 +6,8 @@ kernels (weights/quants_cpu.py) equal them through torch's."""
 import numpy as np
 import pytest
 import torch
-from hotneurons.runtime import ffn_weights
-from hotneurons.runtime.ffn_weights import FFNWeights, down_t_rows, hot_blocks
+from hotneurons.models import ffn_weights
+from hotneurons.models.ffn_weights import FFNWeights, down_t_rows, hot_blocks
 from hotneurons.weights import quants
 from hotneurons.weights.formats import WeightFormat
 from hotneurons.weights.qtensor import QTensor

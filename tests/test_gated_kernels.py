@@ -213,10 +213,10 @@ def test_matches_float64_numpy_reference():
 
 
 def test_down_t_rows_feed_gated_ffn():
-    """The down projection (d, n) as the runtime stores its neurons' rows (runtime/ffn_weights.down_t_rows, Q4_0 here,
+    """The down projection (d, n) as the runtime stores its neurons' rows (models/ffn_weights.down_t_rows, Q4_0 here,
     then qlinear.pack): neuron j's row holds down[:, j], and gated_ffn takes it as down_t."""
     need_kernels()
-    from hotneurons.runtime.ffn_weights import FFNWeights, down_t_rows
+    from hotneurons.models.ffn_weights import FFNWeights, down_t_rows
 
     n, d = 96, 64
     gate, up, _ = _weights("f16", n, d, DEVICE, 21)

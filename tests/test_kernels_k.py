@@ -106,7 +106,7 @@ def test_columns_of_k_rows(fmt, dst, monkeypatch):
     """columns_as_rows / columns_reblocked over a K-quant (d, n) matrix: f32 columns equal gguf-py's de-quantized
     ones; block ones equal weights/quants.quantize of them (torch's kernels), byte for byte; down_t_rows through the
     Numba kernels equals its torch path."""
-    from hotneurons.runtime.ffn_weights import FFNWeights, down_t_rows
+    from hotneurons.models.ffn_weights import FFNWeights, down_t_rows
 
     rng = _seed("cols", fmt, dst)
     d, n = 96, 512
@@ -270,9 +270,9 @@ def test_cold_call_rate_of_k_rows(fmt):
 
 
 def test_cold_formats():
-    """runtime/ffn_weights.cold_formats: K-quant gate and up as stored, down_t in the down's 32-weight format or its
+    """models/ffn_weights.cold_formats: K-quant gate and up as stored, down_t in the down's 32-weight format or its
     nearest (never a K-quant); other block formats all in the one asked for."""
-    from hotneurons.runtime.ffn_weights import cold_formats
+    from hotneurons.models.ffn_weights import cold_formats
 
     assert cold_formats(F.Q4_K, F.Q4_K, F.Q4_K, F.Q6_K) == (F.Q4_K, F.Q8_0)  # a Q4_K_M layer
     assert cold_formats(F.Q4_K, F.Q4_K, F.Q4_K, F.Q4_K) == (F.Q4_K, F.Q4_1)

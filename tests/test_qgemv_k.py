@@ -375,11 +375,11 @@ def test_reference_is_gguf():
 
 
 def test_hot_rows_stay_k_quants():
-    """runtime/ffn_weights.hot_blocks with a K-quant hot format (a Q4_K_M file's: Q4_K gate and up, Q6_K down): gate
+    """models/ffn_weights.hot_blocks with a K-quant hot format (a Q4_K_M file's: Q4_K gate and up, Q6_K down): gate
     and up rows as stored; the down projection as stored when every neuron is hot, else its hot columns (re-blocked)
     in Q6_K's nearest, q8_0, within q8_0's rounding of the stored weights; the gated kernels' neuron-major rows in
     Q4_K's nearest, q4_1."""
-    from hotneurons.runtime.ffn_weights import FFNWeights, hot_blocks
+    from hotneurons.models.ffn_weights import FFNWeights, hot_blocks
     from hotneurons.weights.formats import WeightFormat
 
     n, d = 512, 256
