@@ -4,7 +4,7 @@ beside the DRAM row-gather ceiling: bytes of the rows a call reads / its time, a
 One big layer's cold rows (default d 8192, 28672 neurons: LLaMA-2-70B's FFN) from random weights (std 0.02), stored
 in each dtype by cold_rows.ColdRows.from_weights (q8_0 / q4_0 / q4_1: llama.cpp's rounding); a K-quant's gate and up
 rows are random valid blocks (random bytes, fp16 d and dmin for weights of about 0.02: gguf-py writes no K-quant),
-its down_t rows the runtime's choice for a down of the same type (runtime/ffn_weights.cold_formats: Q4_K -> q4_1,
+its down_t rows the runtime's choice for a down of the same type (models/ffn_weights.cold_formats: Q4_K -> q4_1,
 Q5_K / Q6_K -> q8_0), quantized from random weights. Then laid out as many times as it takes to fill --total-gb
 (copies, as if of that many layers), so that the rows a call reads were last read several calls ago and come from
 DRAM, not the L3. Each timed call takes the next layer copy and a fresh set of active neurons, drawn among those whose

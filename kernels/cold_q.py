@@ -11,7 +11,7 @@ A row of d weights is d / 32 (d / 256) blocks, (n, row_bytes) uint8 per matrix, 
 down_t (the down projection transposed). Q8_0, Q4_0 and Q4_1 are told from the rows' width (row_bytes d / 32 * 34,
 * 18 or * 20: no width is two of them for one d); a K-quant is named (`fmt`: FORMAT_CODE), since Q4_K's width is Q4_0's
 (d / 256 * 144 = d / 32 * 18). Beside K-quant gate and up rows, down_t is Q8_0, Q4_0 or Q4_1 (told by its width:
-runtime/ffn_weights.cold_formats says why); each thread runs the code compiled for the gate and up rows' format.
+models/ffn_weights.cold_formats says why); each thread runs the code compiled for the gate and up rows' format.
 
 The contract is cold.cold_ffn's and cold.cold_layer's without `scale` and `group` (kernels/cold.py: work
 claimed CHUNK neurons at a time from an atomic counter, four neurons' gate and up rows read in one pass of eight rows,

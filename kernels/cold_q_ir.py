@@ -338,7 +338,7 @@ def dot_typer(xs, rows, nxt, lut, fmt):
 
 def axpy_typer(hs, rows, nxt, lut, fmt, acc):
     """Signature and codegen of acc (d,) float32 += sum of hs (a tuple of float32) * rows, prefetching nxt; rows of
-    Q8_0, Q4_0 or Q4_1 (a neuron's down row: runtime/ffn_weights.py keeps down_t in those formats)."""
+    Q8_0, Q4_0 or Q4_1 (a neuron's down row: models/ffn_weights.py keeps down_t in those formats)."""
     if not _rows_ok(rows, nxt, lut, fmt, (Q8_0, Q4_0, Q4_1)) or not _ok(acc, types.float32) \
             or not isinstance(hs, types.BaseTuple) or len(hs) != len(rows) or any(h != types.float32 for h in hs):
         return None

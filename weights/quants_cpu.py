@@ -6,7 +6,7 @@ docstring has their layouts). Written (quantized): Q8_0, Q4_0, Q4_1.
 
 Why: torch's vectorised form takes ten or more passes over a float32 temporary of the whole chunk (nibbles stacked,
 widened, offset, scaled; |w|, argmax, gather, scale, round, clamp, narrow, pack), and a CPU load of a 4-bit GGUF
-re-quantizes every down row that way (runtime/ffn_weights.down_t_rows: de-quantize, gather the columns, transpose,
+re-quantizes every down row that way (models/ffn_weights.down_t_rows: de-quantize, gather the columns, transpose,
 quantize) and widens every cold row in prefill: most of its time to the first token (bench/first_token.py). Here each
 block is read once and written once.
 
