@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,12 +39,10 @@ def main() -> None:
     import gguf
     import numpy as np
     import torch
+    from hotneurons.bench.blocks import random_rows  # valid random blocks of every type
     from hotneurons.weights.formats import FORMATS, nearest
     from hotneurons.weights.qtensor import QTensor
     from hotneurons.weights.quants import convert, dequantize
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_gguf_types import random_rows  # valid random blocks of every type
 
     warnings.simplefilter("ignore")
     cuda = torch.cuda.is_available()

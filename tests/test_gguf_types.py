@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from hotneurons.bench.blocks import random_rows, valid_blocks
 from hotneurons.weights.formats import (
     FORMATS,
     GPU_DTYPES,
@@ -24,7 +25,6 @@ from hotneurons.weights.formats import (
     from_ggml_type,
     kernel_format,
     nearest,
-    row_bytes,
     spec,
 )
 from hotneurons.weights.qtensor import QTensor
@@ -33,73 +33,6 @@ from hotneurons.weights.quants import convert, dequantize
 F = WeightFormat
 GGUF_TYPES = [f for f, s in FORMATS.items() if s.ggml_type is not None]
 BLOCK_TYPES = [f for f in GGUF_TYPES if FORMATS[f].block > 1]
-# byte offsets of each block's fp16 scale fields, which random bytes could make inf or NaN
-F16_FIELDS = {F.Q4_0: (0,), F.Q4_1: (0, 2), F.Q5_0: (0,), F.Q5_1: (0, 2), F.Q8_0: (0,), F.Q2_K: (80, 82),
-              F.Q3_K: (108,), F.Q4_K: (0, 2), F.Q5_K: (0, 2), F.Q6_K: (208,), F.IQ2_XXS: (0,), F.IQ2_XS: (0,),
-              F.IQ2_S: (0,), F.IQ3_XXS: (0,), F.IQ3_S: (0,), F.IQ1_S: (0,), F.IQ4_NL: (0,), F.IQ4_XS: (0,),
-              F.TQ1_0: (52,), F.TQ2_0: (64,)}
-# per format, the scale that makes its weights about 1 in size (the largest index times scale bits), for the models
-UNIT = {F.Q4_0: 1 / 4, F.Q4_1: 1 / 4, F.Q5_0: 1 / 8, F.Q5_1: 1 / 8, F.Q8_0: 1 / 64, F.Q2_K: 1 / 12, F.Q3_K: 1 / 64,
-        F.Q4_K: 1 / 40, F.Q5_K: 1 / 80, F.Q6_K: 1 / 2000, F.Q8_K: 1 / 64, F.IQ2_XXS: 1 / 20, F.IQ2_XS: 1 / 20,
-        F.IQ2_S: 1 / 20, F.IQ3_XXS: 1 / 120, F.IQ3_S: 1 / 200, F.IQ1_S: 1 / 8, F.IQ1_M: 1 / 8, F.IQ4_NL: 1 / 64,
-        F.IQ4_XS: 1 / 1000, F.TQ1_0: 1.0, F.TQ2_0: 1.0, F.MXFP4: 1 / 6, F.NVFP4: 1 / 6}
-# the affine formats' min fields, per scale: the levels then straddle zero (w = d q - m)
-CENTER = {F.Q4_1: -7.5, F.Q5_1: -15.5, F.Q2_K: 1.5, F.Q4_K: 7.5, F.Q5_K: 15.5}
-
-
-def finite_f16(rng, n: int) -> np.ndarray:
-    """n random finite fp16 bit patterns (subnormals, zeros and both signs included), as (n, 2) bytes."""
-    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
-    return np.where(bits & 0x7C00 == 0x7C00, bits ^ 0x0400, bits).astype(np.uint16).view(np.uint8).reshape(n, 2)
-
-
-def f16_bytes(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float16).reshape(-1).view(np.uint8).reshape(-1, 2)
-
-
-def valid_blocks(rng, fmt: WeightFormat, n: int, scale: float | None = None) -> np.ndarray:
-    """(n, block bytes) uint8 of `fmt`: random bytes whose scale fields hold random finite values (scale None), or
-    (a model's weights) scales for weights of about `scale` in size, the affine formats' levels centred on zero."""
-    s = FORMATS[fmt]
-    b = rng.integers(0, 256, (n, s.block_bytes), dtype=np.uint8)
-    d = None if scale is None else scale * UNIT[fmt] * rng.uniform(0.5, 1.5, n).astype(np.float32)  # (n,)
-    if fmt in CENTER and d is not None:
-        v = rng.integers(1, 16, (n, 1), dtype=np.uint8)  # one 4-bit scale and min for every sub-block
-        if fmt == F.Q2_K:
-            b[:, :16] = v | (v << 4)
-        elif fmt in (F.Q4_K, F.Q5_K):
-            b[:, 4:12], b[:, 12:16] = v, v | (v << 4)
-    for i, at in enumerate(F16_FIELDS.get(fmt, ())):
-        if d is None:
-            b[:, at:at + 2] = finite_f16(rng, n)
-        else:
-            b[:, at:at + 2] = f16_bytes(d if i == 0 else (-d if fmt in (F.Q4_1, F.Q5_1) else d) * CENTER[fmt])
-    if fmt == F.Q8_K:  # a float32 scale
-        b[:, :4] = (rng.standard_normal(n).astype(np.float32) if d is None else d).view(np.uint8).reshape(n, 4)
-    elif fmt == F.IQ1_M:  # the fp16 scale's 4 nibbles are the top nibbles of the 4 uint16 at bytes 48-55
-        bits = (finite_f16(rng, n) if d is None else f16_bytes(d)).view(np.uint16)[:, 0]  # (n,)
-        sc = b[:, 48:56].copy().view(np.uint16)  # (n, 4)
-        for k in range(4):
-            sc[:, k] = (sc[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
-        b[:, 48:56] = sc.view(np.uint8)
-    elif fmt == F.MXFP4 and d is not None:  # e8m0: the scale is 2^(e - 128)
-        b[:, 0] = np.clip(np.round(np.log2(d)) + 128, 1, 254).astype(np.uint8)
-    elif fmt == F.NVFP4 and d is not None:  # ue4m3 bytes 0x38 (0.5) give weights of up to 3
-        b[:, :4] = 0x38
-    return b
-
-
-def random_rows(rng, fmt: WeightFormat, rows: int, cols: int, scale: float | None = None) -> np.ndarray:
-    """(rows, row_bytes) uint8 rows of `fmt` (valid_blocks), or a float format's finite values."""
-    if FORMATS[fmt].block == 1:
-        dt = {F.F32: np.float32, F.F16: np.float16, F.F64: np.float64}.get(fmt)
-        x = rng.standard_normal((rows, cols)) * (1.0 if scale is None else scale)
-        if dt is None:  # bf16: float32's top half
-            return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
-        return x.astype(dt).view(np.uint8).reshape(rows, -1)
-    return valid_blocks(rng, fmt, rows * cols // FORMATS[fmt].block, scale).reshape(rows, row_bytes(fmt, cols))
-
-
 def reference(b: np.ndarray, fmt: WeightFormat) -> np.ndarray:
     """gguf-py's de-quantization; float64 numpy for the two types it lacks (exact products, rounded once)."""
     if fmt == F.F64:
@@ -146,6 +79,83 @@ def test_table_holds_every_type_gguf_py_dequantizes():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="number 999"):
         from_ggml_type(999)
+
+
+def test_kernels_take_their_sizes_from_the_table():
+    """The kernels' own size tables (Numba's tuples by format code, Triton's per-format arguments, the CPU blocks')
+    are the table's numbers, and the command lines' format choices its names."""
+    from hotneurons.kernels import cold_experts, cold_q, cold_q_ir, dequant, qgemv, qlayout_k, qlinear
+    from hotneurons.kernels.names import COLD_DTYPES
+    from hotneurons.runtime.cli import _float_bytes
+    from hotneurons.weights import quants_cpu
+
+    for code, f in enumerate(cold_q_ir.CODE_FORMATS):
+        assert (cold_q_ir.BLOCK_WEIGHTS[code], cold_q_ir.BLOCK_BYTES[code]) == (spec(f).block, spec(f).block_bytes)
+        assert cold_q.FORMAT_CODE[f.value] == code and cold_experts.CODE[f.value] == code
+    q = cold_q_ir  # each code names its format (the compiled kernels branch on the codes)
+    assert [q.CODE_FORMATS[c] for c in (q.Q8_0, q.Q4_0, q.Q4_1, q.Q4_K, q.Q5_K, q.Q6_K)] == [
+        F.Q8_0, F.Q4_0, F.Q4_1, F.Q4_K, F.Q5_K, F.Q6_K]
+    for name, (block, nbytes) in quants_cpu.BLOCKS.items():
+        assert (block, nbytes) == (spec(name).block, spec(name).block_bytes)
+        assert quants_cpu.READS[quants_cpu._SRC[name]] == name
+    for name, code in quants_cpu._DST.items():
+        assert quants_cpu._DST_BYTES[code] == (0 if name == "f32" else spec(name).block_bytes)
+    assert qlinear.QBLOCK == qgemv.QBLOCK == quants_cpu.QK == cold_q_ir.BLOCK == spec(F.Q4_0).block
+    for f in qlinear.BLOCKS:
+        assert qlinear._head(f) + qlinear.BLOCKS[f] == spec(f).block_bytes and qlinear._head(f) in (2, 4)  # fp16 fields
+    assert set(dequant.KERNEL_FORMATS) == set(qlinear.BLOCKS) and set(dequant.K_FORMATS) == set(qlayout_k.K_FORMATS)
+    assert all(FORMATS[f].gpu_kernel for f in (*dequant.KERNEL_FORMATS, *dequant.K_FORMATS))
+    assert set(COLD_DTYPES) == {str(f) for f, s in FORMATS.items() if s.cpu_kernel}
+    assert [_float_bytes(n) for n in ("f16", "fp16", "float16", "bf16", "f32", "fp32", "float64", "q4_0", "auto")] == [
+        2, 2, 2, 2, 4, 4, 8, None, None]
+
+
+def test_no_module_types_block_bytes():
+    """No module of the package holds a literal table of block bytes (a tuple, list, set or dict with two or more of
+    the kernel formats' block bytes among its numbers, one level of nesting included): they come from the table."""
+    import ast
+    from pathlib import Path
+
+    kernel_bytes = {s.block_bytes for s in FORMATS.values() if (s.cpu_kernel or s.gpu_kernel) and s.block > 1}
+    assert kernel_bytes >= {18, 20, 34, 144, 176, 210}
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("tests", "runs") or any(p.startswith(".") for p in rel.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(rel))):
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                continue
+            items = [*node.keys, *node.values] if isinstance(node, ast.Dict) else node.elts
+            items += [e for i in items if isinstance(i, ast.Tuple) for e in i.elts]
+            ints = {i.value for i in items if isinstance(i, ast.Constant) and type(i.value) is int}
+            if len(ints & kernel_bytes) >= 2:
+                found.append(f"{rel}:{node.lineno} {sorted(ints & kernel_bytes)}")
+    assert not found, f"block bytes typed outside weights/formats.py: {found}"
+
+
+def test_gguf_numbers_are_gguf_pys():
+    """The GGUF reader's value types are gguf-py's (each scalar's width its writer's), and a layer's tensor names its
+    TENSOR_NAMES'."""
+    import struct
+
+    from hotneurons.weights import gguf_file
+    from hotneurons.weights.names import layer_name
+
+    packing = gguf.GGUFWriter._simple_value_packing
+    assert set(gguf_file._SCALARS) == {int(t) for t in packing}
+    for t, fmt in packing.items():
+        assert np.dtype(gguf_file._SCALARS[t]) == np.dtype(fmt) and np.dtype(fmt).itemsize == struct.calcsize(fmt)
+    assert (gguf_file._STRING, gguf_file._ARRAY) == (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)
+    assert {np.dtype(dt).itemsize for dt in gguf_file.INTS.values()} == {1, 2, 4, 8}
+    for t, dt in gguf_file.INTS.items():
+        assert gguf.GGML_QUANT_SIZES[Q(t)] == (1, np.dtype(dt).itemsize)
+    T = gguf.MODEL_TENSOR
+    for t in (T.FFN_UP, T.FFN_GATE, T.FFN_DOWN, T.FFN_NORM, T.ATTN_Q, T.FFN_UP_EXP, T.FFN_GATE_INP):
+        assert layer_name(7, gguf.TENSOR_NAMES[t].removeprefix("blk.{bid}.") + ".weight") == \
+            gguf.TENSOR_NAMES[t].format(bid=7) + ".weight"
+    assert layer_name(3) == "blk.3."
 
 
 # ---------------------------------------------------------------------------------------------------------------
