@@ -40,7 +40,9 @@ def format_stats(s: dict) -> str:
     text = (f"[{mode} on {s['device']} ({s['dtype']}" + (f", hot rows {hot}" if hot != s["dtype"] else "")
             + f", cold rows {s['cold_dtype']}), {s['threads']} CPU "
             f"threads] prefill "
-            f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s, "
+            f"{fmt(s['prefill_tokens_per_s'])} tok/s, decode {fmt(s['decode_tokens_per_s'])} tok/s"
+            + (f" (a first step of {s['decode_warmup_s']:.2f} s left out)" if s.get("decode_warmup_steps") else "")
+            + ", "
             f"FFN sparsity {s['ffn_sparsity']:.3f}, {gpu_share(s)}, "
             f"{device_bytes(s)}, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
     warning = share_warning(s)

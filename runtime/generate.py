@@ -291,14 +291,20 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         t_step = time.perf_counter()
     _sync(rt.device)
     t_decode = time.perf_counter() - t1
+    # the rate is the steady state's: the first step is left out, as it compiles or loads the kernels it meets first
+    # (Numba's cold kernels: a minute on a first run, a second from its cache after) and warms the caches
+    warmup = 1 if steps > 1 else 0  # one step only: it is all there is to time
+    t_warmup = sum(step_s[:warmup])
     text = tok.decode(ids, skip_special_tokens=True)
     if on_text is not None and len(text) > len(shown):
         on_text(text[len(shown):])
     # the median step: a rate that a few stalled steps (another process, the OS) do not move; the first is left out,
     # as its sampling found the prefill's logits ready while later ones wait for the step before
     median_ms = 1e3 * float(np.median(step_s[1:])) if len(step_s) > 1 else None
-    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps, t_decode), "new_tokens": len(ids),
-                                      "stopped": stopped, "decode_step_ms_median": median_ms},
+    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps - warmup, t_decode - t_warmup),
+                                      "new_tokens": len(ids), "stopped": stopped, "decode_step_ms_median": median_ms,
+                                      "decode_steps": steps, "decode_warmup_steps": warmup,
+                                      "decode_warmup_s": t_warmup},
                       kept)
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -203,3 +204,36 @@ def test_generate_refuses_n_past_the_context(run):
     r = pi("pi-generate", *args, "-n", 254, "--temperature", 1, "--seed", 3)
     assert r.returncode == 0, r.stderr
     assert 1 <= len(json.loads(r.stdout)["token_ids"]) <= 254
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-generate's decode rate: the steady state's
+
+
+def test_decode_rate_leaves_the_first_step_out(run, monkeypatch):
+    """The first decode step stalls a second (as a first run compiles the cold kernels there): the rate printed is
+    the later steps', and the line says what was left out."""
+    from hotneurons.runtime import generate as gen
+    from hotneurons.runtime.cli import main as generate_main
+
+    real, calls = gen.tune_mapped_rows, [0]
+
+    def stalled(*a, **kw):  # runs at the end of each decode step
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(1.0)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gen, "tune_mapped_rows", stalled)
+    args = ["--run", str(run), "--mode", "dense", "--device", "cpu", "--prompt", "The quick", "-n", "12",
+            "--temperature", "1", "--seed", "1"]
+    res = CliRunner().invoke(generate_main, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output.strip().splitlines()[-1])["stats"]
+    assert calls[0] >= 3 and s["decode_steps"] == calls[0] and s["decode_warmup_steps"] == 1, s
+    assert s["decode_warmup_s"] >= 1.0
+    # the stall counted would hold the rate under (steps) / 1 s; the steps after it take milliseconds
+    assert s["decode_tokens_per_s"] > 2 * s["decode_steps"], s
+    calls[0] = 0
+    res = CliRunner().invoke(generate_main, args)
+    assert res.exit_code == 0 and "tok/s (a first step of 1." in res.output and "s left out)" in res.output, res.output
