@@ -1,7 +1,8 @@
 """pi-serve's HTTP side: the FastAPI application over a `Server` (server/serve.py).
 
 Request bodies are read raw and checked by server/api.py alone (its messages and codes are the API's), not by
-FastAPI: the pydantic models of server/schemas.py only describe them on the OpenAPI page (/docs). Every error
+FastAPI: the pydantic models of server/schemas.py only describe them in the OpenAPI document (/openapi.json). No
+/docs or /redoc page: their scripts come from a CDN, and the server runs offline. Every error
 is answered in OpenAI's shape, 404 and 405 included. A streamed response sends its headers when the generation
 starts, so that a request refused while it waits still gets a plain JSON error.
 """
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hotneurons.serve")
 
 MAX_BODY = 8 * 2 ** 20  # bytes; a prompt over any context this runtime serves is far smaller
-ROUTES = "see /v1/models, /v1/completions, /v1/chat/completions, /health, /docs"
+ROUTES = "see /v1/models, /v1/completions, /v1/chat/completions, /health, /openapi.json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -201,7 +202,7 @@ class _StripSlash:
 def make_app(server: Server) -> FastAPI:
     from hotneurons import __version__
 
-    app = FastAPI(title="pi-serve", version=__version__, redoc_url=None, redirect_slashes=False,
+    app = FastAPI(title="pi-serve", version=__version__, docs_url=None, redoc_url=None, redirect_slashes=False,
                   description="An OpenAI-compatible API over the hotneurons runtime (batch 1, one request at a "
                               "time, a bounded FIFO queue). Errors come in OpenAI's shape. See docs/serve.md.")
     app.add_middleware(_StripSlash)

@@ -30,6 +30,8 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, *
 
     Example: pi-serve --run runs/demo --port 8080, then
     curl localhost:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+    The OpenAPI document is at /openapi.json (no /docs page: Swagger UI loads from a CDN, and this runs offline).
     """
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
     try:

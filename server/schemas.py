@@ -1,4 +1,4 @@
-"""pydantic models of pi-serve's requests and responses, for the OpenAPI page (/docs) only.
+"""pydantic models of pi-serve's requests and responses, for the OpenAPI document (/openapi.json) only.
 
 The server checks requests with server/api.py, whose rules and error codes are the API's; these models describe
 the same fields for people and tools (tests/test_serve.py checks that they name only fields api.py reads).

@@ -237,3 +237,8 @@ def test_decode_rate_leaves_the_first_step_out(run, monkeypatch):
     calls[0] = 0
     res = CliRunner().invoke(generate_main, args)
     assert res.exit_code == 0 and "tok/s (a first step of 1." in res.output and "s left out)" in res.output, res.output
+
+
+def test_serve_help_names_the_openapi_document():
+    r = pi("pi-serve", "--help")
+    assert r.returncode == 0 and "/openapi.json" in r.stdout and "offline" in r.stdout, r.stdout

@@ -155,12 +155,16 @@ def test_stop_strings(server, ref):
     assert "".join(ch.choices[0].text for ch in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_openapi_page(server):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
-    conn.request("GET", "/docs")
-    r = conn.getresponse()
-    assert r.status == 200 and b"swagger" in r.read().lower()
-    conn.close()
+def test_openapi_document_no_cdn_pages(server):
+    """/openapi.json is served; /docs and /redoc (Swagger UI and ReDoc from a CDN: blank offline) are not, and
+    the 404 names the document."""
+    for page in ("/docs", "/redoc"):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+        conn.request("GET", page)
+        r = conn.getresponse()
+        body = r.read()
+        assert r.status == 404 and b"/openapi.json" in body and b"cdn" not in body.lower(), body
+        conn.close()
     status, spec = request(server, "GET", "/openapi.json")
     assert status == 200 and spec["info"]["title"] == "pi-serve"
     assert set(spec["paths"]) == {"/health", "/v1/models", "/v1/models/{model_id}", "/v1/completions",
