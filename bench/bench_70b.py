@@ -72,7 +72,7 @@ def install_predictors(run: Path, gguf: Path) -> dict:
     """The exact predictors written beside the model (bench_gguf) as RUN/predictors, for RUN's model and profile."""
     from hotneurons.bench import tiny
     from hotneurons.models.family import adapter_for
-    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.models.open import model_info, open_model
     from safetensors.torch import load_file
 
     source, sid, _, act = open_model(str(gguf))

@@ -35,7 +35,7 @@ def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, promp
 
 def kv_bytes(gguf: Path, ctx: int) -> int:
     """The fp16 KV cache of `ctx` tokens for the model in `gguf` (what our runtime holds and pi-solve reserves)."""
-    from hotneurons.runtime.engine import open_model
+    from hotneurons.models.open import open_model
 
     _, _, cfg, _ = open_model(str(gguf))
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * ctx * 2

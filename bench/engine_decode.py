@@ -37,7 +37,7 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
     from hotneurons.bench import memory_models as mm
     from hotneurons.bench import tiny
     from hotneurons.models.family import adapter_for
-    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.models.open import model_info, open_model
 
     files = mm.ensure_models(shape, Path(models))
     source, sid, mcfg, act = open_model(files["gguf"]["model"])

@@ -114,7 +114,7 @@ def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form,
                  out: Path, progress: bool, source: dict) -> dict[str, Any]:
     """export_run for a GGUF model: its header read, its tensors streamed as stored (powerinfer_gguf)."""
     from hotneurons.models.family import adapter_for
-    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.models.open import model_info, open_model
     from hotneurons.weights.formats import row_bytes
 
     from .powerinfer import powerinfer_arch

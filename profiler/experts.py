@@ -51,7 +51,7 @@ def open_experts(model: str | None, gguf_file: str | None = None, *, activation:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  ctx: int = 512) -> ExpertsModel | None:
     """An ExpertsModel of a local safetensors folder or GGUF file holding a mixture of experts; None for a dense
-    model (open_streamed opens it). As runtime/engine.open_model, with experts allowed."""
+    model (open_streamed opens it). As models/open.open_model, with experts allowed."""
     from hotneurons.common.kinds import Activation, choose
     from hotneurons.models.family import adapter_for
     from hotneurons.weights.source import open_source
@@ -72,7 +72,7 @@ def open_experts(model: str | None, gguf_file: str | None = None, *, activation:
 
 
 def model_info(source: Any, sid: Any, cfg: ModelConfig, activation: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The meta.json "model" section (runtime/engine.model_info's keys): n_neurons is one expert's (n_ff_exp); a
+    """The meta.json "model" section (models/open.model_info's keys): n_neurons is one expert's (n_ff_exp); a
     layer's FFN parameters are its router's, experts' and shared expert's."""
     infos = source.infos
     numel = {n: int(np.prod(t.shape)) for n, t in infos.items()}

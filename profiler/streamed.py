@@ -287,7 +287,7 @@ def open_streamed(model: str | None, gguf_file: str | None = None, *, activation
     and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). `experts`: a
     mixture of experts opens as profiler/experts.ExpertsModel (pi-profile counts them) instead of being refused."""
     from hotneurons.models.family import adapter_for
-    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.models.open import model_info, open_model
 
     if experts:
         from hotneurons.profiler.experts import open_experts

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.kinds import Activation, choose
-from hotneurons.common.model_source import ModelSource, fingerprint, resolve_source
+from hotneurons.common.model_source import ModelSource
 from hotneurons.weights.formats import TORCH_FLOATS, WeightFormat, kernel_format, nearest, spec, weight_format
 
 
@@ -89,58 +88,6 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
             f"stored -> {format_bytes(r[2])} resident)" for f, r in rows.items()]
     return (f"tensors converted at load (no kernel reads their stored format, or the FFN rows' layout keeps one): "
             f"{'; '.join(said)} (docs/memory.md: the formats)")
-
-
-def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
-    """The meta.json "model" section from the file's tensor table (the same keys as models.family.model_info)."""
-    infos, cfg = source.infos, source.config
-    # the model's tensors (a PowerInfer file also holds its predictors, blk.{i}.fc1/fc2: not the model's)
-    numel = {n: int(np.prod(t.shape)) for n, t in infos.items() if not n.endswith((".fc1.weight", ".fc2.weight"))}
-    L = int(cfg.num_hidden_layers)
-    layer = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.")) for i in range(L)]
-    ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
-    emb, head = numel.get("token_embd.weight", 0), numel.get("output.weight", 0)
-    total = sum(numel.values())
-    up = infos.get("blk.0.ffn_up.weight") or infos["blk.0.ffn_up_exps.weight"]  # (n, d) | experts (E, n, d)
-    n_neurons = int(np.prod(up.shape[:-1]))  # a mixture of experts: all its experts' neurons
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    if cfg.model_type == "falcon":
-        n_kv = cfg.num_kv_heads if (getattr(cfg, "new_decoder_architecture", False) or not cfg.multi_query) else 1
-    stored = up.fmt
-    return {
-        "name": source_id.name,
-        "source": {"kind": source_id.kind, "path": source_id.path, "gguf_file": source_id.gguf_file,
-                   "revision": source_id.revision},
-        "fingerprint": fingerprint(source_id, cfg),
-        "family": family, "model_type": cfg.model_type, "activation": activation, "gated": gated,
-        "n_layers": L, "d_model": int(up.shape[-1]), "n_neurons": n_neurons,
-        "ffn_bias": "blk.0.ffn_up.bias" in infos,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
-        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads),
-        "vocab_size": int(cfg.vocab_size),
-        "weight_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(str(stored), str(stored)),
-        "params": {"total": total, "embedding": emb, "lm_head": head, "other": total - sum(layer) - emb - head,
-                   "attention_per_layer": [a - f for a, f in zip(layer, ffn)], "ffn_per_layer": ffn},
-    }
-
-
-def open_model(model: str | None, gguf_file: str | None = None, activation: str | None = None):
-    """(source, ModelSource, ModelConfig, Activation) of a model file, reading only its header."""
-    from hotneurons.models.config import ModelConfig
-    from hotneurons.models.family import adapter_for
-    from hotneurons.weights.source import open_source
-
-    sid = resolve_source(model, gguf_file)
-    if sid.kind == "hub":
-        raise ArtifactError(f"model '{sid.name}' is a hub id: the in-place loader reads a local folder of "
-                            f"safetensors or a GGUF file; download it first (huggingface-cli download {sid.name})")
-    path = Path(sid.path)
-    source = open_source(str(path), sid.gguf_file)
-    act = activation or (str(source.activation) if source.activation is not None else None)
-    act = str(adapter_for(source.config, experts=True).activation(source.config, act))  # MoE: runtime/moe_load.py
-    mcfg = ModelConfig.from_hf(source.config, choose(act, Activation, "activation"))
-    return source, sid, mcfg, act
 
 
 def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dtype,
@@ -221,6 +168,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     from hotneurons.models import build_model
     from hotneurons.models.family import RELU_FAMILY, adapter_for
     from hotneurons.models.ffn_weights import FFNWeights
+    from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.balance import pcie_share
     from hotneurons.runtime.gated import gate_taus, uses_gate
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype

@@ -110,11 +110,12 @@ def default_mask(source: Any, L: int, E: int, dtype: torch.dtype, ctx: int, info
 
 def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: Any, act: str,
                      placement: Any = None) -> Any:
-    """The Runtime of a mixture of experts (source opened by engine.open_model), `placement` its expert mask."""
+    """The Runtime of a mixture of experts (source opened by models/open.open_model), `placement` its expert mask."""
     from hotneurons.kernels.cold import set_threads
     from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
-    from hotneurons.runtime.engine import SourceModel, model_info
+    from hotneurons.models.open import model_info
+    from hotneurons.runtime.engine import SourceModel
     from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes
     from hotneurons.runtime.moe_ffn import HybridMoE

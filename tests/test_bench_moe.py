@@ -23,7 +23,7 @@ def work(tmp_path_factory):
 def test_build_file_is_readable_and_routes_as_calibrated(work):
     import gguf
     from hotneurons.bench.moe_gguf import SHAPES, tensor_plan
-    from hotneurons.runtime.engine import open_model
+    from hotneurons.models.open import open_model
 
     build = json.loads((work / "build.json").read_text())["figures"]
     r = gguf.GGUFReader(str(work / "model.gguf"))
@@ -89,7 +89,7 @@ def test_n_cpu_moe_probe_finds_the_smallest_n_that_fits():
 def test_sparse_mixtral_build_fires_near_turbosparse(tmp_path):
     """The dReLU variant, arch llama with experts: our reader sees drelu, ~15% of a routed expert's neurons fire."""
     from hotneurons.bench.moe_gguf import DRELU_ACTIVE, write_model
-    from hotneurons.runtime.engine import open_model
+    from hotneurons.models.open import open_model
 
     info = write_model("tiny-mixtral", tmp_path / "m.gguf", "cpu", sparse=True, calibration_tokens=512, seq=128,
                        log=lambda *_: None)

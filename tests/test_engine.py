@@ -172,11 +172,12 @@ def test_block_rows_on_both_sides_equal_hf(family, fmt, mask, tiny_model_dir, tm
     want, want_logits = hf_greedy(copy.deepcopy(lm), ids)
     run = tmp_path / "run"
     run.mkdir()
-    from hotneurons.runtime.engine import load_source_runtime, open_model
+    from hotneurons.models.open import open_model
+    from hotneurons.runtime.engine import load_source_runtime
 
     if mask == "predictor":  # every neuron marked: the predictor path (cold_layer_q) with the dense result
         source, sid, mcfg, act = open_model(str(folder))
-        from hotneurons.runtime.engine import model_info
+        from hotneurons.models.open import model_info
 
         tiny.write_predictors(run, model_info(source, sid, act, lm.adapter.name, lm.adapter.gated), -1e30)
     rt = load_source_runtime(run, None, RuntimeConfig(device="cpu", cold_dtype=fmt, gpu_dtype=fmt,

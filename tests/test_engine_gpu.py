@@ -48,7 +48,8 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
     default ops (Triton) give the same tokens."""
     from hotneurons.artifacts.placement import Placement
     from hotneurons.bench import tiny
-    from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
+    from hotneurons.models.open import model_info, open_model
+    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
 
     folder = tiny_model_dir(family)

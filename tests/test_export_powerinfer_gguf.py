@@ -18,7 +18,7 @@ def exported(tmp_path_factory):
     from hotneurons.export import export_run
     from hotneurons.export.roundtrip import write_profile_and_placement
     from hotneurons.models.family import adapter_for
-    from hotneurons.runtime.engine import model_info, open_model
+    from hotneurons.models.open import model_info, open_model
 
     work = tmp_path_factory.mktemp("pwri-gguf")
     path = work / "model.gguf"

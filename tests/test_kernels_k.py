@@ -439,8 +439,9 @@ def test_k_quant_gguf_runs_hybrid_on_the_cpu(mask, tmp_path):
     from hotneurons.artifacts.placement import Placement
     from hotneurons.bench.tiny import write_predictors
     from hotneurons.models.family import load_model
+    from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.config import RuntimeConfig
-    from hotneurons.runtime.engine import load_source_runtime, model_info, open_model
+    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import generate
     from hotneurons.weights.source import open_source
 
