@@ -103,8 +103,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
 # Mixtures of experts: models/ runs them (models/moe.py), but the profiler, solver and runtime count and place one
 # dense FFN's neurons per layer: adapter_for refuses them unless asked (ModelConfig.from_hf: experts=True)
 MOE_ADAPTER = FamilyAdapter("moe", ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), **_GATED, experts=True)
-_MOE_REFUSAL = ("{}: only the decoder definitions (hotneurons.models) run mixtures of experts yet; profiling, "
-                "placement and the runtime need one dense FFN per layer: use a dense model")
+_MOE_REFUSAL = ("{}: mixtures of experts run from a local safetensors folder or GGUF file in pi-profile (layer by "
+                "layer), pi-solve, pi-generate and pi-serve, not whole through transformers nor in pi-eval or "
+                "pi-train-predictors (the router picks the experts: no predictors): run those on the local file")
 
 
 class ExpertsRefused(ModelError):

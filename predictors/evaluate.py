@@ -167,9 +167,10 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     # everything that can be refused without the model, before it loads
     pmeta = check_profile(run_dir)
     if pmeta.experts is not None:
-        raise ArtifactError(f"{run_dir / 'profile'} profiles a mixture of experts: pi-eval masks a dense FFN's "
-                            f"neurons, and the runtime computes each routed expert whole (the router is exact, no "
-                            f"predictors), so its perplexity is the model's own: run `pi-generate --run {run_dir}`")
+        raise ArtifactError(f"{run_dir / 'profile'} profiles a mixture of experts, which pi-eval does not run yet "
+                            f"(no mode, --mode dense included: its hooks see one dense FFN a layer); pi-solve and "
+                            f"pi-generate run it, each routed expert whole as the router picks it (no predictors, so "
+                            f"no masks to evaluate): `pi-solve --run {run_dir}`, then `pi-generate --run {run_dir}`")
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     gated_only = modes is None and (criteria is not None or sparsities is not None)  # dense and the criteria only

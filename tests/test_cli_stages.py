@@ -242,3 +242,17 @@ def test_decode_rate_leaves_the_first_step_out(run, monkeypatch):
 def test_serve_help_names_the_openapi_document():
     r = pi("pi-serve", "--help")
     assert r.returncode == 0 and "/openapi.json" in r.stdout and "offline" in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-eval on a mixture of experts
+
+
+def test_eval_on_a_mixture_of_experts_says_what_runs(tiny_model_dir, text_corpus, tmp_path):
+    r = pi("pi-profile", "--model", tiny_model_dir("mixtral"), "--dataset", text_corpus, "--tokens", 200,
+           "--seq-len", 32, "--out", tmp_path / "moe", "--quiet", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    line = one_error(pi("pi-eval", "--run", tmp_path / "moe", "--mode", "dense", "--dataset", text_corpus,
+                        "--device", "cpu"))
+    assert "mixture of experts, which pi-eval does not run yet" in line and "--mode dense" in line, line
+    assert f"pi-solve --run {tmp_path / 'moe'}" in line and "pi-generate" in line and "only the decoder" not in line
