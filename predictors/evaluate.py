@@ -11,7 +11,7 @@ A computed neuron keeps its true value; only skipped ones are zeroed, exactly as
 `row_formats` runs every mode again with the FFN rows rounded to each storage format the runtime keeps them in (bf16,
 q8_0, q4_0, q4_1: predictors/row_formats.py), so each format's cost in perplexity sits beside the unrounded figures.
 
-A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
+A local safetensors folder or GGUF file runs layer by layer from the file (models/streamed.py: one layer's weights
 on the device at a time), a hub id whole through transformers; the masks are the same hooks either way.
 
 Results go to `RUN/eval/eval.json` (artifacts/predictors.EvalReport; docs/predictors.md lists the fields).
@@ -39,14 +39,14 @@ from hotneurons.common.kinds import Rule, choose
 from hotneurons.common.model_source import ModelError
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.models.family import LoadedModel, load_model_from_meta, pick_device, pick_dtype
+from hotneurons.models.stream_memory import check_memory, eval_need
+from hotneurons.models.streamed import StreamedModel, meta_source, open_streamed, streams
 from hotneurons.predictors import gated_eval
 from hotneurons.predictors.answers import load_prompts
 from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.row_formats import check_rows, parse_row_formats, stored_as
 from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
 from hotneurons.profiler.hooks import StageHooks, device_of, dtype_of
-from hotneurons.profiler.stream_memory import check_memory, eval_need
-from hotneurons.profiler.streamed import StreamedModel, meta_source, open_streamed, streams
 from tqdm.auto import tqdm
 
 MODES = EvalMode.values()

@@ -20,7 +20,7 @@ from hotneurons.weights.formats import WeightFormat, spec
 
 if TYPE_CHECKING:  # torch and the models load in stored_as: pi-eval checks the names before they load
     from hotneurons.models.family import LoadedModel
-    from hotneurons.profiler.streamed import StreamedModel
+    from hotneurons.models.streamed import StreamedModel
 
 ROW_FORMATS = (WeightFormat.BF16, WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1)
 
@@ -61,7 +61,7 @@ def stored_as(lm: LoadedModel | StreamedModel, fmt: WeightFormat) -> Iterator[No
     second copy of the FFNs."""
     import torch
     from hotneurons.models.ffn_weights import FFNWeights, as_stored
-    from hotneurons.profiler.streamed import StreamedModel
+    from hotneurons.models.streamed import StreamedModel
 
     if isinstance(lm, StreamedModel):
         lm.row_format = fmt

@@ -211,7 +211,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     time, where it is a local safetensors folder or GGUF file; loaded whole through transformers otherwise.
     """
     from hotneurons.models.family import pick_device
-    from hotneurons.profiler.streamed import StreamedModel
+    from hotneurons.models.streamed import StreamedModel
 
     run_dir = Path(run_dir)
     device = pick_device(device)
@@ -319,8 +319,8 @@ def _model(pmeta: ProfileMeta, device: str, count: int, magnitude: bool):
     architecture our definitions lack."""
     from hotneurons.common.model_source import ModelError
     from hotneurons.models.family import load_model_from_meta, pick_dtype
-    from hotneurons.profiler.stream_memory import check_memory, train_need
-    from hotneurons.profiler.streamed import meta_source, open_streamed, streams
+    from hotneurons.models.stream_memory import check_memory, train_need
+    from hotneurons.models.streamed import meta_source, open_streamed, streams
 
     path, gguf, activation = meta_source(pmeta.model)
     dtype = (pmeta.config or {}).get("dtype", "auto")

@@ -28,10 +28,10 @@ from hotneurons.common import artifacts
 from hotneurons.common.model_source import ModelError, fingerprint, resolve_source
 from hotneurons.models import ModelConfig, ffn_values
 from hotneurons.models.moe import route
+from hotneurons.models.stream_memory import Need, _itemsize
+from hotneurons.models.stream_memory import profile_need as dense_need
+from hotneurons.models.streamed import StreamedModel, to_device
 from hotneurons.profiler.hooks import MagnitudeCollector, StageHooks, count_active
-from hotneurons.profiler.stream_memory import Need, _itemsize
-from hotneurons.profiler.stream_memory import profile_need as dense_need
-from hotneurons.profiler.streamed import StreamedModel, to_device
 
 SHARED = -1  # the `expert` of Qwen2-MoE's shared expert in neurons.parquet and on_expert
 

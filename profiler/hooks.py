@@ -5,7 +5,7 @@ activation values h (what `fc2` / `down_proj` multiplies), and, only on batches 
 pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks) and, where the model has a pre-FFN RMSNorm,
 one on that norm sees the residual before it, of which each sample keeps the norm's divisor r (common/prenorm.py:
 with x, it is what the powerinfer predictor form trains on). The activation rule itself (active_mask, as_tau) is in
-common/ffn.py: later stages apply the same one. A model run layer by layer (profiler/streamed.py) registers no hooks:
+common/ffn.py: later stages apply the same one. A model run layer by layer (models/streamed.py) registers no hooks:
 its forward hands the same tensors to the same methods (StageHooks).
 """
 
@@ -244,7 +244,7 @@ def dtype_of(lm) -> torch.dtype:
 class StageHooks(FFNHooks):
     """FFNHooks for both ways a stage runs a model. On a LoadedModel (transformers): the FFN's forward hooks, and where
     `pre_norms` lists the layers' pre-FFN RMSNorms, a pre-hook on each that hands its input (the residual x_pre) to
-    `on_pre_norm`. On a StreamedModel (profiler/streamed.py) nothing is registered: entered, the hooks attach to it,
+    `on_pre_norm`. On a StreamedModel (models/streamed.py) nothing is registered: entered, the hooks attach to it,
     and its layer-by-layer forward calls on_pre_norm, on_ffn_input (while wants_input), on_gate (while wants_gate),
     on_ffn (x only while wants_x) and end_layer itself, in that order, as the transformers path's hooks fire."""
 

@@ -7,7 +7,7 @@ RMSNorm). Work goes to `RUN/.profile.partial/`
 so an existing profile survives any failure, and an interrupted run can be resumed from its checkpoint.
 Under `torchrun` each rank profiles every world_size-th batch and the counts are all-reduced at the end.
 
-A local safetensors folder or GGUF file runs layer by layer from the file (profiler/streamed.py: one layer's weights
+A local safetensors folder or GGUF file runs layer by layer from the file (models/streamed.py: one layer's weights
 on the device at a time, for models bigger than it), a hub id whole through transformers; both feed the same hooks
 (profiler/hooks.py) and write the same artifacts. Under torchrun either way shards by batches. A mixture of experts runs
 layer by layer only and is counted per expert (profiler/experts.py): experts.parquet, an expert column, no samples.
@@ -40,11 +40,11 @@ from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Rule
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models.family import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.models.stream_memory import check_memory, profile_need
+from hotneurons.models.streamed import StreamedModel, open_streamed, streams
 from hotneurons.profiler import experts, gated
 from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms
-from hotneurons.profiler.stream_memory import check_memory, profile_need
-from hotneurons.profiler.streamed import StreamedModel, open_streamed, streams
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
@@ -183,8 +183,8 @@ def _load(cfg: ProfileConfig, name: str, device: str, layer_by_layer: bool | Non
     through transformers: as asked, or where the file's architecture has no model definition of ours."""
     if streams(cfg.model, cfg.gguf_file, layer_by_layer):
         try:
-            sm = open_streamed(cfg.model, cfg.gguf_file, activation=cfg.activation, device=device,
-                               dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len, experts=True)
+            kw = dict(activation=cfg.activation, device=device, dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len)
+            sm = experts.open_experts(cfg.model, cfg.gguf_file, **kw) or open_streamed(cfg.model, cfg.gguf_file, **kw)
         except ValueError as e:  # an architecture feature our definitions lack: transformers runs it
             if isinstance(e, ModelError) or layer_by_layer:
                 raise

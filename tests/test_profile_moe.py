@@ -23,10 +23,10 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.common.model_source import ModelError
 from hotneurons.models import moe
+from hotneurons.models.streamed import open_streamed
 from hotneurons.profiler.cli import main as cli
 from hotneurons.profiler.experts import SHARED, ExpertFFN, open_experts, whole_model_refusal
 from hotneurons.profiler.profile import ProfileConfig, profile_model
-from hotneurons.profiler.streamed import open_streamed
 from hotneurons.weights.names import NameMap
 from test_models_moe import _cfg, _weights
 from transformers import AutoModelForCausalLM
@@ -234,7 +234,7 @@ def test_resume_equals_an_uninterrupted_run(models, text_corpus, tmp_path):
 def test_refusals(models, tiny_model_dir, text_corpus, tmp_path):
     """Other stages still refuse a mixture of experts; read_expert_profile refuses a dense profile."""
     folder = models("olmoe", "silu")
-    with pytest.raises(ModelError, match="mixture of experts.*use a dense model"):
+    with pytest.raises(ModelError, match="mixture of experts.*not whole through transformers"):
         open_streamed(str(folder))
     hub = whole_model_refusal("org/some-moe", "org/some-moe", None)  # a hub id: through transformers, not counted
     assert "huggingface-cli download org/some-moe --local-dir DIR" in str(hub) and "\n" not in str(hub)

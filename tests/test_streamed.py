@@ -1,4 +1,4 @@
-"""Stages run layer by layer from the model's file (profiler/streamed.py) against the transformers path on tiny models.
+"""Stages run layer by layer from the model's file (models/streamed.py) against the transformers path on tiny models.
 
 The reference model runs eager attention where transformers lets it switch (all but Falcon): its softmax is float32,
 as our decoder's; SDPA's is float64 in these float64 tests, and a value within float32 rounding of tau would flip.
@@ -19,13 +19,13 @@ from hotneurons.common import artifacts
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.models import ModelConfig, build_model, dense_ffn
 from hotneurons.models.family import load_model
+from hotneurons.models.stream_memory import StreamMemoryError, profile_need
+from hotneurons.models.streamed import open_streamed
 from hotneurons.predictors import fit
 from hotneurons.predictors.evaluate import evaluate
 from hotneurons.predictors.train import preset, train_predictors
 from hotneurons.profiler.cli import main as profile_cli
 from hotneurons.profiler.profile import ProfileConfig, profile_model
-from hotneurons.profiler.stream_memory import StreamMemoryError, profile_need
-from hotneurons.profiler.streamed import open_streamed
 from hotneurons.weights.source import open_source
 
 COMPARED = ["opt", "llama-reglu", "llama-swiglu", "falcon-relu", "gemma-geglu", "mistral-drelu"]
@@ -294,7 +294,7 @@ def test_memory_refusals_name_both_figures_and_the_fix(tiny_model_dir, text_corp
 def test_device_refusal_names_the_free_memory(tiny_model_dir, monkeypatch):
     """The device branch of the check (CUDA here faked): what a layer, the batch and the samples need against what is
     free."""
-    from hotneurons.profiler.stream_memory import check_memory
+    from hotneurons.models.stream_memory import check_memory
 
     sm = open_streamed(str(tiny_model_dir("opt")), ctx=48)
     need = profile_need(sm, 3, 48, 150, 0, False)
@@ -308,7 +308,7 @@ def test_device_refusal_names_the_free_memory(tiny_model_dir, monkeypatch):
 
 
 def test_which_models_stream(tiny_model_dir, tmp_path):
-    from hotneurons.profiler.streamed import streams
+    from hotneurons.models.streamed import streams
 
     assert streams(str(tiny_model_dir("opt")))  # a local safetensors folder
     assert not streams("some-org/some-model")  # a hub id: transformers

@@ -1,4 +1,4 @@
-"""What a stage run layer by layer (profiler/streamed.py) needs of host and device memory, counted from the file's
+"""What a stage run layer by layer (models/streamed.py) needs of host and device memory, counted from the file's
 tensor table before anything loads, and the check that refuses, in one line naming both figures and the fix, a run
 that would not fit (instead of an out-of-memory kill after an hour of profiling).
 

@@ -11,8 +11,8 @@ cache overwritten by each); the FFN computes the neuron values h (B, T, n), whic
 hooks: profiler/hooks.StageHooks) see and may replace exactly as the transformers path's forward hooks do; then the
 down projection; then the layer is dropped and its pages of the file released (source.release), since the next batch
 reads them again from the page cache. One layer's weights on the device at a time, the batch's activations beside
-them. What the stages need of memory, checked before anything loads: profiler/stream_memory.py. A mixture of experts
-(pi-profile only: open_streamed(experts=True)) is profiler/experts.ExpertsModel, whose run_ffn routes the tokens and
+them. What the stages need of memory, checked before anything loads: models/stream_memory.py. A mixture of experts
+(pi-profile only: profiler/experts.open_experts) is profiler/experts.ExpertsModel, whose run_ffn routes the tokens and
 runs each expert on its own.
 """
 
@@ -282,19 +282,13 @@ def _asks(consumer: Any, wants: str) -> bool:
 
 def open_streamed(model: str | None, gguf_file: str | None = None, *, activation: str | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  ctx: int = 512, experts: bool = False) -> StreamedModel:
+                  ctx: int = 512) -> StreamedModel:
     """A StreamedModel of a local safetensors folder or GGUF file, reading only its header (the decoder's embeddings
-    and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). `experts`: a
-    mixture of experts opens as profiler/experts.ExpertsModel (pi-profile counts them) instead of being refused."""
+    and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). A mixture of
+    experts is refused (pi-profile opens one with profiler/experts.open_experts first)."""
     from hotneurons.models.family import adapter_for
     from hotneurons.models.open import model_info, open_model
 
-    if experts:
-        from hotneurons.profiler.experts import open_experts
-
-        sm = open_experts(model, gguf_file, activation=activation, device=device, dtype=dtype, ctx=ctx)
-        if sm is not None:
-            return sm
     source, sid, mcfg, act = open_model(model, gguf_file, activation)
     adapter = adapter_for(source.config)
     info = model_info(source, sid, act, adapter.name, adapter.gated)
