@@ -169,7 +169,7 @@ def relufy(model: str | None, out: str | Path, cfg: RelufyConfig, *, gguf_file: 
 # rows of a batch whose logits are alive at once on the CPU: a row's teacher and student logits, their float32
 # log-softmaxes and the student's gradient are ~6 (seq, vocab) float32 tensors; a whole batch of 32 x 256 tokens of
 # a 49,152-token vocabulary at once held ~12 GB
-LOGITS_BYTES = 2 * 1024**3
+LOGITS_BYTES = 1024**3
 
 
 def micro_rows(seq_len: int, vocab: int) -> int:
