@@ -65,6 +65,10 @@ def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction
     except KeyboardInterrupt:
         interrupted(f"nothing was written ({Path(run_dir) / 'predictors'} is as it was): run the command again")
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_train(summary, Path(run_dir)))
+    from hotneurons.predictors.train import training_warning
+
+    if (warning := training_warning(summary)) is not None:
+        click.echo(warning, err=True)
 
 
 def refuse_experts(run_dir: str | Path) -> None:

@@ -57,6 +57,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 SHARE = 0.8  # skewness statistic: share of neurons (hottest first) that covers this share of activations
+# samples per layer below which training is warned about: its val and test splits (10% each) then hold a few hundred
+# rows, too few to set a layer's threshold at the target recall and to check it (pi-profile keeps 16,384 by default)
+MIN_SAMPLES = 4096
+RECALL_SHORTFALL = 0.05  # a layer whose held-out recall is this far under the target is warned about
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,6 +340,26 @@ def _model(pmeta: ProfileMeta, device: str, count: int, magnitude: bool):
                          "free memory, or re-run pi-profile with a smaller --samples-per-layer", ())
             return sm
     return load_model_from_meta(pmeta.model, device=device, dtype=dtype)
+
+
+def training_warning(summary: PredictorsSummary) -> str | None:
+    """One line when the predictors will likely cost perplexity: a layer's held-out (test split) recall far under
+    the target, or a profile of too few samples; it says what to run instead. None when neither."""
+    target, count = summary.config["target_recall"], summary.samples_per_layer
+    low = [r for r in summary.layers if r.recall < target - RECALL_SHORTFALL]
+    if not low and count >= MIN_SAMPLES:
+        return None
+    said = []
+    if low:
+        worst = min(low, key=lambda r: r.recall)
+        said.append(f"{len(low)} of {len(summary.layers)} layers catch under {target - RECALL_SHORTFALL:.2f} of the "
+                    f"active neurons on held-out samples (layer {worst.layer}: {worst.recall:.3f}, target {target:g})")
+    if count < MIN_SAMPLES:
+        said.append(f"the profile holds {count:,} samples a layer, fewer than the {MIN_SAMPLES:,} training needs")
+    fix = (f"re-run pi-profile with more --tokens and --samples-per-layer {MIN_SAMPLES} or more, then "
+           f"pi-train-predictors --force" if count < MIN_SAMPLES else
+           "train again with --preset thorough (more epochs and sizes), or profile more --tokens in pi-profile")
+    return f"warning: {'; '.join(said)}: the sparse modes will lose perplexity; {fix}"
 
 
 def _summary(cfg, sel, kept, tried, sparsity, share80, ffn_params, budget, seconds, device, count, d,

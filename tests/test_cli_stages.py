@@ -256,3 +256,35 @@ def test_eval_on_a_mixture_of_experts_says_what_runs(tiny_model_dir, text_corpus
                         "--device", "cpu"))
     assert "mixture of experts, which pi-eval does not run yet" in line and "--mode dense" in line, line
     assert f"pi-solve --run {tmp_path / 'moe'}" in line and "pi-generate" in line and "only the decoder" not in line
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-train-predictors on too small a profile
+
+
+def test_train_warns_on_a_small_profile(run):
+    r = pi("pi-train-predictors", "--run", run, "--force", "--preset", "plain", "--device", "cpu", "--quiet")
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warn) == 1 and "the profile holds 200 samples a layer, fewer than the 4,096" in warn[0], r.stderr
+    assert "pi-profile with more --tokens" in warn[0] and "--force" in warn[0], warn[0]
+
+
+def test_training_warning_rules(run):
+    """On the run's real summary: quiet when every layer meets the target with enough samples; one line naming the
+    worst layer and --preset when a layer's held-out recall is more than 5 points under the target."""
+    import dataclasses
+
+    from hotneurons.artifacts.predictors import PredictorsSummary
+    from hotneurons.predictors.train import MIN_SAMPLES, training_warning
+
+    s = PredictorsSummary.load(run / "predictors" / "summary.json")
+    target = s.config["target_recall"]
+    good = dataclasses.replace(s, samples_per_layer=MIN_SAMPLES,
+                               layers=[dataclasses.replace(r, recall=target - 0.04) for r in s.layers])
+    assert training_warning(good) is None
+    low = dataclasses.replace(good, layers=[dataclasses.replace(r, recall=0.8 if r.layer == 1 else r.recall)
+                                            for r in good.layers])
+    line = training_warning(low)
+    assert line.startswith("warning: 1 of 2 layers catch under") and "(layer 1: 0.800, target 0.95)" in line, line
+    assert "--preset thorough" in line and "samples a layer" not in line and "\n" not in line, line
