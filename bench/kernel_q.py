@@ -48,6 +48,7 @@ from hotneurons.kernels.cold_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
 from hotneurons.kernels.intrinsics import _fetch_add
 from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES
 from hotneurons.runtime.cold_rows import ColdRows, ffn_rows, from_bf16_bits, from_int8_groups, to_blocks
+from hotneurons.weights.formats import spec
 from numba import njit, prange
 
 
@@ -66,13 +67,14 @@ def gate_values(rows: ColdRows, x: np.ndarray, chunk: int = 4096) -> np.ndarray:
 
 
 K_DOWN_T = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}  # cold_formats' down_t for a down of the same type
-K_BLOCK = {"q4_k": (144, (0, 2), 1 / 500), "q5_k": (176, (0, 2), 1 / 1000), "q6_k": (210, (208,), 1 / 2000)}
+# per K-quant: its fp16 fields' byte offsets in a block, the unit of their scale; the block's bytes are the table's
+K_BLOCK = {"q4_k": ((0, 2), 1 / 500), "q5_k": ((0, 2), 1 / 1000), "q6_k": ((208,), 1 / 2000)}
 
 
 def k_blocks(rng: np.random.Generator, fmt: str, n: int, d: int, scale: float = 0.02) -> np.ndarray:
     """(n, d / 256 * block bytes) uint8 rows of random `fmt` blocks: random bytes, the fp16 d (and dmin) uniform in
     +-scale * a unit that makes the weights about `scale` in size."""
-    bb, fields, unit = K_BLOCK[fmt]
+    (fields, unit), bb = K_BLOCK[fmt], spec(fmt).block_bytes
     b = rng.integers(0, 256, (n, d // 256, bb), dtype=np.uint8)
     for at in fields:
         h = (rng.uniform(-1, 1, (n, d // 256)) * scale / 0.02 * unit).astype(np.float16)  # (n, blocks)

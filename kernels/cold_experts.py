@@ -40,8 +40,8 @@ from __future__ import annotations
 import numpy as np
 from hotneurons.kernels.activations import _gated_value, _ungated_value
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, SPINS, wait_ready
-from hotneurons.kernels.cold_q import _format, _xq_buffers
-from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, XQ_OK, rows_dot
+from hotneurons.kernels.cold_q import FORMAT_CODE, _format, _xq_buffers
+from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, XQ_OK, rows_dot
 from hotneurons.kernels.intrinsics import _store_release
 from llvmlite import ir
 from numba import njit, prange, types
@@ -345,7 +345,7 @@ def experts_ffn(X: np.ndarray, tokens: np.ndarray, experts: np.ndarray, weights:
     return out
 
 
-CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}  # -> cold_q_ir's codes
+CODE = FORMAT_CODE  # format name -> cold_q_ir's codes
 NAME = {c: f for f, c in CODE.items()}
 
 

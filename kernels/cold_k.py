@@ -34,6 +34,7 @@ from hotneurons.kernels.cold_q_ir import (
     _V16F,
     _V16I,
     BLOCK_BYTES,
+    BLOCK_WEIGHTS,
     HAS_512,
     Q4_K,
     Q5_K,
@@ -51,7 +52,7 @@ from hotneurons.kernels.cold_q_ir import (
 from llvmlite import ir
 from numba.core import cgutils
 
-QK_K = 256  # weights a block
+QK_K = BLOCK_WEIGHTS[Q4_K]  # weights a block (256, every K-quant's)
 UNITS = 8  # units of 32 weights a block
 CHAINS = 4  # independent sums a row and block
 _V8B, _V16B, _V8I, _V8F = (ir.VectorType(ir.IntType(8), 8), ir.VectorType(ir.IntType(8), 16),

@@ -75,6 +75,7 @@ from hotneurons.kernels.cold_q_ir import (
     BLOCK,
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
+    CODE_FORMATS,
     F16_TO_F32,
     Q4_0,
     Q4_1,
@@ -90,7 +91,7 @@ from hotneurons.kernels.cold_xq import _xq_buffers, quantize_x
 from hotneurons.kernels.intrinsics import _fetch_add, _store_release
 from numba import njit, prange
 
-FORMAT_CODE = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+FORMAT_CODE = {f.value: code for code, f in enumerate(CODE_FORMATS)}  # q8_0: Q8_0, ... q6_k: Q6_K
 GEMV_ROWS = 8  # rows a thread reads at once in gemv_q
 XQ = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "0") == "1"  # cold_ffn_q's default route (module docstring)
 XQ_EXPERTS = XQ_OK and os.environ.get("HOTNEURONS_COLD_XQ", "") != "0"  # cold experts' default route (docstring)

@@ -33,16 +33,21 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 import numba
 import numpy as np
+from hotneurons.weights.formats import FORMATS, WeightFormat
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-BLOCK = 32  # weights per block of Q8_0, Q4_0, Q4_1
 Q8_0, Q4_0, Q4_1 = 0, 1, 2  # format codes
 Q4_K, Q5_K, Q6_K = 3, 4, 5  # the K-quants' (256 weights a block: kernels/cold_k.py has their row math)
-BLOCK_BYTES = (34, 18, 20, 144, 176, 210)  # by format code
-BLOCK_WEIGHTS = (32, 32, 32, 256, 256, 256)  # by format code
+CODE_FORMATS = (WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1,
+                WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)  # by format code
+# weights/formats.py's sizes by format code, as tuples: the jitted code indexes them by a runtime code, and Numba
+# takes a global tuple as a constant (a dict or the FORMATS table it cannot read)
+BLOCK_BYTES = tuple(FORMATS[f].block_bytes for f in CODE_FORMATS)  # 34 18 20 144 176 210
+BLOCK_WEIGHTS = tuple(FORMATS[f].block for f in CODE_FORMATS)  # 32 32 32 256 256 256
+BLOCK = BLOCK_WEIGHTS[Q8_0]  # weights per block of Q8_0, Q4_0, Q4_1
 STEP = (2, 4)  # blocks per step of the int route, by format code (64 / 128 weights: one register of x's bytes)
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 

@@ -20,10 +20,12 @@ import torch
 import triton
 import triton.language as tl
 from hotneurons.kernels.qgemv_k import KIND, UW, _funnel, strides
-from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
+from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 
-KERNEL_FORMATS = {WeightFormat.Q4_0: (18, 2), WeightFormat.Q4_1: (20, 4), WeightFormat.Q8_0: (34, 2)}  # bytes, head
-K_FORMATS = {WeightFormat.Q4_K: (144, 0), WeightFormat.Q5_K: (176, 1), WeightFormat.Q6_K: (210, 2)}  # bytes, kind
+# the formats the kernels read, -> the kernel's KIND (the 32-weight blocks' here; the K-quants' qgemv_k's); a block's
+# bytes are weights/formats.py's
+KERNEL_FORMATS = {WeightFormat.Q4_0: 0, WeightFormat.Q4_1: 1, WeightFormat.Q8_0: 2}
+K_FORMATS = KIND
 
 
 @triton.jit
@@ -213,16 +215,15 @@ def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: 
     if rows == 0 or cols == 0:
         return out
     if fmt in K_FORMATS:
-        nbk, (nbytes, kind) = cols // 256, K_FORMATS[fmt]
+        nbk, nbytes, kind = cols // spec(fmt).block, spec(fmt).block_bytes, K_FORMATS[fmt]
         br = 16 if kind == 2 else 32  # (row, block) pairs a program: 4096 | 8192 weights
         _dequant_k_kernel[(triton.cdiv(rows * nbk, br),)](data, out, rows, nbk, data.stride(0), out.stride(0),
                                                           KIND=kind, BYTES=nbytes, BLOCK_R=br, num_warps=4)
         return out
-    nb = cols // 32
+    nb = cols // spec(fmt).block
     bn, bb = 4, min(64, triton.next_power_of_2(nb))
-    kind = {WeightFormat.Q4_0: 0, WeightFormat.Q4_1: 1, WeightFormat.Q8_0: 2}[fmt]
     _dequant_file_kernel[(triton.cdiv(rows, bn), triton.cdiv(nb, bb))](
-        data, out, rows, nb, data.stride(0), out.stride(0), KIND=kind, BYTES=KERNEL_FORMATS[fmt][0],
+        data, out, rows, nb, data.stride(0), out.stride(0), KIND=KERNEL_FORMATS[fmt], BYTES=spec(fmt).block_bytes,
         BLOCK_N=bn, BLOCK_B=bb, num_warps=4)
     return out
 

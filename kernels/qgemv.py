@@ -43,10 +43,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from hotneurons.weights.formats import WeightFormat, spec
 
 GEMV_MAX_ROWS = 8  # tokens the GEMV takes in one pass; more go through dequant + matmul
 DENORM_MAX_ROWS = 2  # tokens up to which the GEMV takes pieces as denormals (_piece), for fp16 / bf16 x
-QBLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
+QBLOCK = spec(WeightFormat.Q4_0).block  # weights per Q4_0 / Q4_1 / Q8_0 block (32)
 
 
 # float32 exponent field of 2^23 (150 << 23), a runtime argument: the pieces' LOP3 takes its per-piece variant from a

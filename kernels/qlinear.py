@@ -35,8 +35,9 @@ from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
-QBLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
-BLOCKS = {WeightFormat.Q4_0: 16, WeightFormat.Q4_1: 16, WeightFormat.Q8_0: 32}  # bytes of quants per block
+QBLOCK = spec(WeightFormat.Q4_0).block  # weights per Q4_0 / Q4_1 / Q8_0 block (32; weights/formats.py's, as all sizes)
+# bytes of quants per block: a nibble a weight (Q4_0, Q4_1), a byte (Q8_0); the rest of the block is its head (_head)
+BLOCKS = {WeightFormat.Q4_0: QBLOCK // 2, WeightFormat.Q4_1: QBLOCK // 2, WeightFormat.Q8_0: QBLOCK}
 QDTYPE = {WeightFormat.Q4_0: torch.uint8, WeightFormat.Q4_1: torch.uint8, WeightFormat.Q8_0: torch.int8}
 CHUNK_ELEMS = 1 << 24  # weights de-quantized at a time (64 MB as float32): bounds the temporaries of big matrices
 PACK_CHUNK_BYTES = 1 << 24  # file bytes copied to the device at a time by pack

@@ -12,7 +12,7 @@ from hotneurons.common.kinds import GpuOps, RuntimeMode
 from hotneurons.common.schema import ArtifactError
 from hotneurons.kernels.names import COLD_DTYPES
 from hotneurons.runtime.config import RuntimeConfig
-from hotneurons.weights.formats import GPU_DTYPES
+from hotneurons.weights.formats import FORMATS, GPU_DTYPES, weight_format
 
 # torch, numba and transformers load after the flags are parsed (--help answers at once): the engine's modules are
 # imported where they are used, as modules, so that tests and benchmarks can wrap their functions
@@ -62,7 +62,14 @@ def gpu_share(s: dict) -> str:
             + (f" (the profile's: {profile:.3f})" if profile is not None and s["mode"] == "hybrid" else ""))
 
 
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
+def _float_bytes(name: str | None) -> int | None:
+    """Bytes a weight of a float format under any of its names (f16, fp16, float16: weights/formats.py's aliases);
+    None for a block format or no name."""
+    try:
+        s = FORMATS.get(weight_format(name)) if name else None
+    except ValueError:
+        return None
+    return s.block_bytes if s is not None and s.block == 1 else None
 
 
 def device_bytes(s: dict) -> str:
@@ -74,7 +81,7 @@ def device_bytes(s: dict) -> str:
     if plan is None or s["mode"] == "layer-split":
         return text
     text += f" (the plan counts {plan / 1e6:.1f} MB" + (f" in {plan_dtype}" if plan_dtype else "")
-    have, planned = _DTYPE_BYTES.get(s["dtype"]), _DTYPE_BYTES.get(plan_dtype or "")
+    have, planned = _float_bytes(s["dtype"]), _float_bytes(plan_dtype)
     if have and planned and have != planned:
         text += f": {planned} bytes a weight, not {have}"
     return text + ")"

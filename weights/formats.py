@@ -115,7 +115,9 @@ FORMATS: dict[WeightFormat, FormatSpec] = {
 # the hot rows' formats that the GPU kernels read: --gpu-dtype's choices (the cold rows': kernels/names.COLD_DTYPES, the
 # formats marked cpu_kernel)
 GPU_DTYPES = tuple(str(f) for f, s in FORMATS.items() if s.gpu_kernel)  # f32 f16 bf16 q8_0 q4_0 q4_1 q4_k q5_k q6_k
-# the names earlier versions took (pi-solve --dtype fp16, meta.json files written by them)
+# The one place other spellings are read: a format's name is its value above (f16, not fp16 or float16), and these
+# are what earlier versions, torch and HF wrote (pi-solve --dtype fp16, meta.json files, torch dtype names), accepted
+# wherever weight_format parses a name
 ALIASES = {"fp32": WeightFormat.F32, "fp16": WeightFormat.F16, "float32": WeightFormat.F32,
            "float16": WeightFormat.F16, "bfloat16": WeightFormat.BF16, "fp64": WeightFormat.F64,
            "float64": WeightFormat.F64}

@@ -22,16 +22,19 @@ not worth copying.
 from __future__ import annotations
 
 import numpy as np
+from hotneurons.weights.formats import FORMATS, WeightFormat
 from numba import njit, prange
 
-QK = 32  # weights per block of the formats written
-BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176),
-          "q6_k": (256, 210)}  # format -> (weights, bytes) a block
-READS = tuple(BLOCKS)  # the formats de-quantized here
-WRITES = ("q4_0", "q8_0", "q4_1")  # the formats quantized here
+READS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")  # the formats de-quantized here, in _SRC's order
+WRITES = ("q4_0", "q8_0", "q4_1")  # the formats quantized here, in _DST's order
+BLOCKS = {f: (FORMATS[WeightFormat(f)].block, FORMATS[WeightFormat(f)].block_bytes)
+          for f in READS}  # format -> (weights, bytes) a block, weights/formats.py's
+QK = FORMATS[WeightFormat.Q4_0].block  # weights per block of the formats written (32)
 BLOCK_BYTES = {f: BLOCKS[f][1] for f in BLOCKS}
-_SRC = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # a source format, as a number for Numba
-_DST = {"f32": 0, "q4_0": 1, "q8_0": 2, "q4_1": 3}  # an output format, likewise
+_SRC = {f: code for code, f in enumerate(READS)}  # a source format, as a number for Numba
+_DST = {"f32": 0, **{f: code for code, f in enumerate(WRITES, 1)}}  # an output format, likewise
+# block bytes by _DST code (0: f32, no blocks), a tuple so that the jitted functions take it as a constant
+_DST_BYTES = (0, *(BLOCK_BYTES[f] for f in WRITES))
 _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)  # fp16 bits -> value
 
 
@@ -169,7 +172,7 @@ def _columns_as_rows(src, lut, code, bw, bb, idx, dst, out, dm_out):  # pragma: 
     widened at a time (one thread's), and each output block is one column of it. Returns the blocks left to torch."""
     d = src.shape[0]
     n = src.shape[1] // bb * bw
-    bb_out = (0, 18, 34, 20)[dst]
+    bb_out = _DST_BYTES[dst]
     bad = 0
     for t in prange(d // QK):
         tile = np.empty(QK * n, np.float32)  # (32 rows, n) float32, row-major
@@ -195,7 +198,7 @@ def _columns_reblocked(src, lut, code, bw, bb, idx, cols, dst, out, dm_out):  # 
     """As _columns_as_rows, but the columns stay columns: out (d, cols / 32 * block bytes) holds row r's columns idx,
     zero-padded to `cols` (a multiple of 32), re-blocked along them in dst; dm_out (d, cols / 32, 2)."""
     d = src.shape[0]
-    bb_out = (0, 18, 34, 20)[dst]
+    bb_out = _DST_BYTES[dst]
     bad = 0
     for r in prange(d):
         row = np.empty(src.shape[1] // bb * bw, np.float32)
