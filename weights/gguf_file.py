@@ -9,19 +9,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 from hotneurons.common.model_source import ModelError
 from hotneurons.weights.formats import from_ggml_type, spec
 from hotneurons.weights.source import map_file
 
-# PowerInfer's ggml (Dec 2023) numbers I8/I16/I32 16/17/18 (ggml.h:351-353); today's ggml 24/25/26
-POWERINFER_INTS = {16: 24, 17: 25, 18: 26}
-INTS = {24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64}  # ggml's integer types (gpuidx files hold I32)
+T, V = gguf.GGMLQuantizationType, gguf.GGUFValueType  # the file's numbers, as gguf-py's writer names them
+# PowerInfer's ggml (Dec 2023) numbers I8/I16/I32 16/17/18 (ggml.h:351-353); today's ggml T.I8/T.I16/T.I32 (24-26)
+POWERINFER_INTS = {16: int(T.I8), 17: int(T.I16), 18: int(T.I32)}
+INTS = {int(T.I8): np.int8, int(T.I16): np.int16, int(T.I32): np.int32,
+        int(T.I64): np.int64}  # ggml's integer types (gpuidx files hold I32)
 _LONG = 1024  # metadata arrays longer than this (vocabularies) are kept as their length until asked for
-# GGUF metadata value types: fixed-size scalars (numpy dtype), 8 string, 9 array
-_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_STRING, _ARRAY = 8, 9
+# GGUF metadata value types: fixed-size scalars (numpy dtype), a string, an array; as plain ints, since each of a
+# vocabulary's strings is compared with them (an enum member's compare costs several times an int's)
+_SCALARS = {int(t): dt for t, dt in (
+    (V.UINT8, np.uint8), (V.INT8, np.int8), (V.UINT16, np.uint16), (V.INT16, np.int16), (V.UINT32, np.uint32),
+    (V.INT32, np.int32), (V.FLOAT32, np.float32), (V.BOOL, np.bool_), (V.UINT64, np.uint64), (V.INT64, np.int64),
+    (V.FLOAT64, np.float64))}
+_STRING, _ARRAY = int(V.STRING), int(V.ARRAY)
 
 
 @dataclass(frozen=True)
