@@ -184,7 +184,7 @@ class GGUFSource(WeightSource):
 
     def predictor(self, layer: int) -> tuple[torch.Tensor | QTensor, torch.Tensor | QTensor]:
         """(fc1 (r, d), fc2 (n_ff, r)) of a PowerInfer file's layer, in place."""
-        names = (f"blk.{layer}.fc1.weight", f"blk.{layer}.fc2.weight")
+        names = (N.layer_name(layer, "fc1.weight"), N.layer_name(layer, "fc2.weight"))
         if not all(n in self.infos for n in names):
             raise ModelError(f"'{self.path}' has no predictor for layer {layer} ({names[0]}): use a PowerInfer file "
                              f"(PWRI) with predictors", params="model")

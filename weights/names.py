@@ -86,6 +86,13 @@ class Part:
     half: int | None = None
 
 
+def layer_name(i: int, tensor: str = "") -> str:
+    """The canonical name of layer i's `tensor`: layer_name(3, "ffn_up.weight") is "blk.3.ffn_up.weight", gguf-py's
+    TENSOR_NAMES pattern blk.{bid}.* (PowerInfer's fc1, fc2, ffn_down_t and gpu_idx likewise); with no tensor, the
+    start every name of the layer's has ("blk.3.")."""
+    return f"blk.{i}.{tensor}"
+
+
 def supported_model_types() -> tuple[str, ...]:
     return (*_TYPE_ARCH, "opt")
 
@@ -184,7 +191,7 @@ def _opt_name(hf_name: str) -> str | None:
         return f"{_OPT[base]}.{suffix}"
     m = _OPT_RE.fullmatch(base)
     if m and m.group(2) in _OPT_LAYER:
-        return f"blk.{m.group(1)}.{_OPT_LAYER[m.group(2)]}.{suffix}"
+        return layer_name(int(m.group(1)), f"{_OPT_LAYER[m.group(2)]}.{suffix}")
     return None
 
 
