@@ -319,9 +319,10 @@ def strides(w) -> dict[str, int]:
 def gemv_config(n: int, k: int, fmt: WeightFormat, m: int = 1, by_index: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_U, num_warps) for a GEMV of an (n, k) K-quant weight by m tokens (by_index: rows picked by
     index): qgemv.gemv_config's plan (a step's units one a thread, BLOCK_U = 32 * num_warps, 2 warps; 8 rows up to 2
-    tokens, 4 past that; fewer rows for short n so that every SM gets programs; one warp for short k, and at 1 token under 2,048
-    programs). Where ptxas (sm_90, Triton 3.6) spills the 4-row code (rows by index, 64-bit offsets, past 4 tokens or masked: 150-340 bytes),
-    2 rows; rows by index take at most 4 (8: 300 bytes of spills at 1 token, 2 tokens)."""
+    tokens, 4 past that; fewer rows for short n so that every SM gets programs; one warp for short k, and at 1 token
+    under 2,048 programs). Where ptxas (sm_90, Triton 3.6) spills the 4-row code (rows by index, 64-bit offsets, past 4
+    tokens or masked: 150-340 bytes), 2 rows; rows by index take at most 4 (8: 300 bytes of spills at 1 token, 2
+    tokens)."""
     nu = max(8, k // UNIT)
     nw = 2 if nu >= 64 else 1
     bn = 8 if m <= 2 else 4
