@@ -55,7 +55,7 @@ def main(a) -> dict:
     import torch
     from hotneurons.bench import tiny
     from hotneurons.models.family import load_model
-    from hotneurons.predictors.train import load_predictors
+    from hotneurons.models.predictor import load_predictors
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, build_runtime
 

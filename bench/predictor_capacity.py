@@ -20,9 +20,9 @@ from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
 from hotneurons.models.family import load_model_from_meta
+from hotneurons.models.predictor import Predictor
 from hotneurons.predictors.train import (
     PRESETS,
-    Predictor,
     ffn_values,
     fit_layer,
     importance_weights,

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotneurons.artifacts.predictors import PredictorForm as Form
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.kinds import choose
-from hotneurons.predictors.form import PredictorForm as Form  # normed | powerinfer, as pi-train-predictors writes
 
 from .gguf_model import ExportError
 
@@ -90,7 +90,7 @@ def read_predictors(run_dir: str | Path, n_layers: int, recall: float | None = N
     """RUN/predictors as (per layer (fc1, fc2), per-layer thresholds, form). Thresholds are summary.json's
     `threshold` (the run's target recall), or those tabulated for `recall`. Refuses biases and missing layers."""
     from hotneurons.artifacts.predictors import PredictorsMeta, PredictorsSummary
-    from hotneurons.predictors.train import check_predictors
+    from hotneurons.models.predictor import check_predictors
     from safetensors.torch import load_file
 
     pdir = Path(run_dir) / "predictors"

@@ -1,9 +1,11 @@
-"""Forward hooks on a transformers model's FFNs (a LoadedModel, models/family.py): what the profiler and the
-predictors' evaluation observe and mask, without editing any model code."""
+"""Forward hooks on a model's FFNs: what the profiler and the predictors' evaluation observe and mask, without editing
+any model code. FFNHooks hooks a transformers model (a LoadedModel, models/family.py); StageHooks also attaches to a
+model run layer by layer (models/streamed.py), whose forward calls the same methods."""
 
 from __future__ import annotations
 
 import torch
+from hotneurons.common.gate_masks import column_norms
 from hotneurons.common.kinds import Activation
 from hotneurons.models.family import LoadedModel
 
@@ -100,3 +102,52 @@ def _gate_act(lm: LoadedModel, layer: torch.nn.Module):
         raise ValueError(f"the gate sparsity criteria read act(gate x) of a SwiGLU or GeGLU FFN; {lm.info['name']} "
                          f"is {lm.activation}")
     return act
+
+
+def device_of(lm) -> torch.device:
+    """Where a LoadedModel or a StreamedModel computes."""
+    return next(lm.model.parameters()).device if isinstance(lm, LoadedModel) else lm.device
+
+
+def dtype_of(lm) -> torch.dtype:
+    return next(lm.model.parameters()).dtype if isinstance(lm, LoadedModel) else lm.dtype
+
+
+class StageHooks(FFNHooks):
+    """FFNHooks for both ways a stage runs a model. On a LoadedModel (transformers): the FFN's forward hooks, and where
+    `pre_norms` lists the layers' pre-FFN RMSNorms, a pre-hook on each that hands its input (the residual x_pre) to
+    `on_pre_norm`. On a StreamedModel (models/streamed.py) nothing is registered: entered, the hooks attach to it,
+    and its layer-by-layer forward calls on_pre_norm, on_ffn_input (while wants_input), on_gate (while wants_gate),
+    on_ffn (x only while wants_x) and end_layer itself, in that order, as the transformers path's hooks fire."""
+
+    pre_norms: list | None = None
+
+    def __enter__(self):
+        if not isinstance(self.lm, LoadedModel):
+            self.lm.attach(self)
+            return self
+        super().__enter__()
+        for i, norm in enumerate(self.pre_norms or ()):
+            self._handles.append(norm.module.register_forward_pre_hook(
+                lambda _mod, args, i=i: self.on_pre_norm(i, args[0])))  # (..., d_model) the pre-norm residual
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not isinstance(self.lm, LoadedModel):
+            self.lm.detach(self)
+            return
+        super().__exit__(*exc)
+
+    def on_pre_norm(self, layer: int, x_pre: torch.Tensor) -> None:
+        """The residual entering layer `layer`'s pre-FFN RMSNorm (..., d_model), before its on_ffn."""
+
+    def end_layer(self, layer: int) -> None:
+        """After layer `layer`'s FFN (the streamed path only)."""
+
+
+def gate_column_norms(lm) -> list[torch.Tensor]:
+    """Per layer (d,) ||W_gate[:, i]||_2 on the model's device: a LoadedModel's from its modules, a StreamedModel's
+    read from its file."""
+    if isinstance(lm, LoadedModel):
+        return [column_norms(lm.adapter.layer_ffn(layer)["gate"].weight) for layer in lm.layers]
+    return lm.gate_column_norms()

@@ -8,7 +8,7 @@ token ids (B, T) goes through it one layer at a time, its hidden states (B, T, d
 layer i: its attention and norms come to the device (decoder.load_layer) and its FFN (FFNWeights.from_source), all
 de-quantized to float; each of the B sequences runs through attention (batch 1, positions 0..T-1, the one-layer
 cache overwritten by each); the FFN computes the neuron values h (B, T, n), which the attached consumers (the stages'
-hooks: profiler/hooks.StageHooks) see and may replace exactly as the transformers path's forward hooks do; then the
+hooks: models/ffn_hooks.StageHooks) see and may replace exactly as the transformers path's forward hooks do; then the
 down projection; then the layer is dropped and its pages of the file released (source.release), since the next batch
 reads them again from the page cache. One layer's weights on the device at a time, the batch's activations beside
 them. What the stages need of memory, checked before anything loads: models/stream_memory.py. A mixture of experts

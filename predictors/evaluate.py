@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.artifacts.placement import Placement, PlacementMeta, read_placement
-from hotneurons.artifacts.predictors import EvalMode, EvalReport, ModeResult
+from hotneurons.artifacts.predictors import EvalMode, EvalReport, ModeResult, PredictorForm
 from hotneurons.artifacts.profile import check_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
@@ -39,14 +39,13 @@ from hotneurons.common.kinds import Rule, choose
 from hotneurons.common.model_source import ModelError
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.models.family import LoadedModel, load_model_from_meta, pick_device, pick_dtype
+from hotneurons.models.ffn_hooks import StageHooks, device_of, dtype_of
+from hotneurons.models.predictor import Predictors, check_predictors, load_predictors
 from hotneurons.models.stream_memory import check_memory, eval_need
 from hotneurons.models.streamed import StreamedModel, meta_source, open_streamed, streams
 from hotneurons.predictors import gated_eval
 from hotneurons.predictors.answers import load_prompts
-from hotneurons.predictors.form import PredictorForm
 from hotneurons.predictors.row_formats import check_rows, parse_row_formats, stored_as
-from hotneurons.predictors.train import Predictors, check_predictors, load_predictors
-from hotneurons.profiler.hooks import StageHooks, device_of, dtype_of
 from tqdm.auto import tqdm
 
 MODES = EvalMode.values()

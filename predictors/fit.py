@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common.kinds import choose
+from hotneurons.models.predictor import Predictor
 from torch import nn
 
 NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)
@@ -86,34 +87,6 @@ def _bad(message: str, param: str) -> ValueError:
     e = ValueError(message)
     e.params = (param,)  # the CLI names the flag (common/cli.py)
     return e
-
-
-class Predictor(nn.Module):
-    """Linear(d -> h) -> ReLU -> Linear(h -> n), no biases; `threshold` is the per-layer decision logit."""
-
-    def __init__(self, d_model: int, hidden: int, n_neurons: int, threshold: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, hidden, bias=False)
-        self.fc2 = nn.Linear(hidden, n_neurons, bias=False)
-        self.register_buffer("threshold", torch.tensor([threshold], dtype=torch.float32))
-
-    @classmethod
-    def from_weights(cls, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> "Predictor":
-        """A predictor holding fc1 (h, d) and fc2 (n, h) as `dtype` on `device` (the threshold too), built on the meta
-        device first: the constructor's random initialisation costs a CPU seconds a layer at a 70B's shapes."""
-        with torch.device("meta"):
-            p = cls(fc1.shape[1], fc1.shape[0], fc2.shape[0])
-        p.fc1.weight = nn.Parameter(fc1.to(device=device, dtype=dtype))  # (h, d)
-        p.fc2.weight = nn.Parameter(fc2.to(device=device, dtype=dtype))  # (n, h)
-        p.threshold = torch.tensor([threshold], dtype=dtype, device=device)
-        return p.eval()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))  # (..., d) -> (..., n) logits
-
-    def mask(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x) >= self.threshold.to(x.dtype)  # (..., n) bool
 
 
 def n_params(d_model: int, hidden: int, n_neurons: int) -> int:

@@ -31,19 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hotneurons.artifacts.predictors import PredictorForm  # noqa: F401 (the forms' names, imported from here too)
 from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.prenorm import has_ffn_norm, refusal
 from hotneurons.predictors.fit import Fit
-
-
-def check_model_family(info: dict) -> None:
-    """The powerinfer form needs a pre-FFN RMSNorm: refused in one line, from the profile's model section, for
-    families without one (OPT, Falcon)."""
-    if not has_ffn_norm(info.get("family", "")):
-        raise refusal(info.get("family", "?"), info.get("model_type"))
 
 
 def rms_path(sdir: Path, layer: int) -> Path:

@@ -19,7 +19,7 @@ from hotneurons.artifacts.predictors import AnswerAgreement, GatedResult
 from hotneurons.common.gate_masks import channel_pass, criterion_taus, neuron_pass
 from hotneurons.common.gating import Criterion, LayerTaus, bytes_read_share, criterion, key
 from hotneurons.common.kinds import FixableError
-from hotneurons.profiler.hooks import StageHooks
+from hotneurons.models.ffn_hooks import StageHooks
 
 
 class GatedMasks(StageHooks):
@@ -90,7 +90,7 @@ def run_gated(lm, batches: list[torch.Tensor], gated: dict, crits: list[Criterio
               new_tokens: int = 32) -> tuple[list[GatedResult], dict | None]:
     """Every criterion x sparsity on `batches` (perplexity: evaluate.perplexity); with `prompts`, answer agreement
     against dense greedy answers too (a LoadedModel). -> (results, the answers' report section or None)."""
-    from hotneurons.profiler.gated import gate_column_norms
+    from hotneurons.models.ffn_hooks import gate_column_norms
 
     norms = gate_column_norms(lm) if Criterion.WINA in crits else None
     dense_answers = answers_meta = None

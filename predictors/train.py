@@ -32,13 +32,13 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import share_covering as _covering
 from hotneurons.common.kinds import Rule
+from hotneurons.models.predictor import check_model_family
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scripts that import them from here)
     NEVER,
     PRESETS,
     RECALL_GRID,
     Fit,
-    Predictor,
     PredictorConfig,
     ffn_values,
     fit_layer,
@@ -47,11 +47,6 @@ from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scr
     n_params,
     preset,
     threshold_for_recall,
-)
-from hotneurons.predictors.load import (  # noqa: F401 (names re-exported for scripts that import them from here)
-    Predictors,
-    check_predictors,
-    load_predictors,
 )
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -224,7 +219,7 @@ def train_predictors(run_dir: str | Path, cfg: PredictorConfig = PRESETS["defaul
     check_samples(sdir, pmeta)
     prenorm = PredictorForm.of({"form": cfg.form}) == PredictorForm.POWERINFER
     if prenorm:
-        pform.check_model_family(pmeta.model)
+        check_model_family(pmeta.model)
         pform.check_rms(sdir, pmeta)
     final = run_dir / "predictors"
     info = pmeta.model

@@ -27,11 +27,12 @@ from hotneurons.artifacts.profile import ExpertsMeta
 from hotneurons.common import artifacts
 from hotneurons.common.model_source import ModelError, fingerprint, resolve_source
 from hotneurons.models import ModelConfig, ffn_values
+from hotneurons.models.ffn_hooks import StageHooks
 from hotneurons.models.moe import route
 from hotneurons.models.stream_memory import Need, _itemsize
 from hotneurons.models.stream_memory import profile_need as dense_need
 from hotneurons.models.streamed import StreamedModel, to_device
-from hotneurons.profiler.hooks import MagnitudeCollector, StageHooks, count_active
+from hotneurons.profiler.hooks import MagnitudeCollector, count_active
 
 SHARED = -1  # the `expert` of Qwen2-MoE's shared expert in neurons.parquet and on_expert
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from hotneurons.common import artifacts
-from hotneurons.common.gate_masks import channel_scores, column_norms, neuron_pass
+from hotneurons.common.gate_masks import channel_scores, neuron_pass
 from hotneurons.common.gating import GATE_H_GATE_SHARE, SPARSITIES, Criterion, LayerTaus, as_f32, criterion, key
 from hotneurons.common.kinds import Activation, FixableError, Rule
-from hotneurons.models.family import LoadedModel
+from hotneurons.models.ffn_hooks import gate_column_norms
 from hotneurons.profiler.hooks import count_active, quantile_tau
 
 PASSES = "passes.safetensors"
@@ -54,14 +54,6 @@ def tabulated(target: float, sparsities=SPARSITIES) -> list[float]:
     """The sparsities a profile tabulates: `sparsities`, plus the target where it is not among them."""
     out = [float(s) for s in sparsities]
     return out if key(target) in {key(s) for s in out} else [*out, float(target)]
-
-
-def gate_column_norms(lm) -> list[torch.Tensor]:
-    """Per layer (d,) ||W_gate[:, i]||_2 on the model's device: a LoadedModel's from its modules, a StreamedModel's
-    read from its file."""
-    if isinstance(lm, LoadedModel):
-        return [column_norms(lm.adapter.layer_ffn(layer)["gate"].weight) for layer in lm.layers]
-    return lm.gate_column_norms()
 
 
 def _sorted(vals: list[torch.Tensor]) -> torch.Tensor:

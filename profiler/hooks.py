@@ -23,7 +23,7 @@ from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import active_mask, as_tau
 from hotneurons.common.prenorm import ffn_norm
 from hotneurons.models.family import LoadedModel
-from hotneurons.models.ffn_hooks import FFNHooks
+from hotneurons.models.ffn_hooks import StageHooks, device_of, gate_column_norms
 
 
 def count_active(h: torch.Tensor, tau: float | None) -> torch.Tensor:
@@ -232,47 +232,6 @@ def sample_norms(lm) -> list | None:
     return None if any(n is None for n in norms) else norms
 
 
-def device_of(lm) -> torch.device:
-    """Where a LoadedModel or a StreamedModel computes."""
-    return next(lm.model.parameters()).device if isinstance(lm, LoadedModel) else lm.device
-
-
-def dtype_of(lm) -> torch.dtype:
-    return next(lm.model.parameters()).dtype if isinstance(lm, LoadedModel) else lm.dtype
-
-
-class StageHooks(FFNHooks):
-    """FFNHooks for both ways a stage runs a model. On a LoadedModel (transformers): the FFN's forward hooks, and where
-    `pre_norms` lists the layers' pre-FFN RMSNorms, a pre-hook on each that hands its input (the residual x_pre) to
-    `on_pre_norm`. On a StreamedModel (models/streamed.py) nothing is registered: entered, the hooks attach to it,
-    and its layer-by-layer forward calls on_pre_norm, on_ffn_input (while wants_input), on_gate (while wants_gate),
-    on_ffn (x only while wants_x) and end_layer itself, in that order, as the transformers path's hooks fire."""
-
-    pre_norms: list | None = None
-
-    def __enter__(self):
-        if not isinstance(self.lm, LoadedModel):
-            self.lm.attach(self)
-            return self
-        super().__enter__()
-        for i, norm in enumerate(self.pre_norms or ()):
-            self._handles.append(norm.module.register_forward_pre_hook(
-                lambda _mod, args, i=i: self.on_pre_norm(i, args[0])))  # (..., d_model) the pre-norm residual
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not isinstance(self.lm, LoadedModel):
-            self.lm.detach(self)
-            return
-        super().__exit__(*exc)
-
-    def on_pre_norm(self, layer: int, x_pre: torch.Tensor) -> None:
-        """The residual entering layer `layer`'s pre-FFN RMSNorm (..., d_model), before its on_ffn."""
-
-    def end_layer(self, layer: int) -> None:
-        """After layer `layer`'s FFN (the streamed path only)."""
-
-
 class ActivationCounter(StageHooks):
     """Counts active neurons: `counts` accumulates (layers, neurons) int64 on the model's device.
 
@@ -349,8 +308,6 @@ class MagnitudeCollector(StageHooks):
 
     def __enter__(self):
         if self.gated and self.norms is None:
-            from hotneurons.profiler.gated import gate_column_norms
-
             self.norms = [n.float().cpu() for n in gate_column_norms(self.lm)]  # (d,) per layer
         return super().__enter__()
 

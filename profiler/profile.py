@@ -40,11 +40,12 @@ from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Rule
 from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models.family import ExpertsRefused, LoadedModel, check_model, load_model, pick_device, pick_dtype
+from hotneurons.models.ffn_hooks import device_of
 from hotneurons.models.stream_memory import check_memory, profile_need
 from hotneurons.models.streamed import StreamedModel, open_streamed, streams
 from hotneurons.profiler import experts, gated
 from hotneurons.profiler.experts import ExpertsModel
-from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, device_of, sample_norms
+from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 

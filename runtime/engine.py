@@ -104,8 +104,7 @@ def file_predictors(source: Any, dtype: torch.dtype) -> Any:
     sparse threshold, 0 by default), in the powerinfer form: they read the residual before the pre-FFN norm."""
     from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.models.ffn_weights import to_float
-    from hotneurons.predictors.fit import Predictor
-    from hotneurons.predictors.load import Predictors
+    from hotneurons.models.predictor import Predictor, Predictors
 
     threshold = source.sparse_threshold or 0.0
     layers = {}
@@ -212,7 +211,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         predictors = file_predictors(source, dtype)
         placement = placement or file_placement(source, L)
     elif mask == "predictor":
-        from hotneurons.predictors.train import load_predictors
+        from hotneurons.models.predictor import load_predictors
 
         if run is None:  # a model file alone (not PowerInfer's, which carries its own): no predictors to read
             raise ArtifactError("hybrid mode needs predictors: pass --run RUN (pi-profile, pi-solve, "

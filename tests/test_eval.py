@@ -16,9 +16,10 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
 from hotneurons.models.family import load_model
+from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate, perplexity
-from hotneurons.predictors.train import load_predictors, preset, train_predictors
+from hotneurons.predictors.train import preset, train_predictors
 from hotneurons.profiler.profile import ProfileConfig, profile_model, token_batches
 
 EVAL = dict(tokens=300, seq_len=40, batch_size=2, progress=False)

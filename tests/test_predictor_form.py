@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common import artifacts
 from hotneurons.common.corpus import iter_texts
 from hotneurons.models.family import load_model
+from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import train_main
 from hotneurons.predictors.evaluate import evaluate
 from hotneurons.predictors.fit import metrics
-from hotneurons.predictors.form import PredictorForm, single_threshold
-from hotneurons.predictors.train import load_predictors, preset, split_indices, train_predictors
+from hotneurons.predictors.form import single_threshold
+from hotneurons.predictors.train import preset, split_indices, train_predictors
 from hotneurons.profiler.profile import ProfileConfig, _merge_samples, profile_model, token_batches
 from safetensors.torch import load_file
 

@@ -12,12 +12,12 @@ import torch
 from click.testing import CliRunner
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import train_main
 from hotneurons.predictors.train import (
     Fit,
     PredictorConfig,
     fit_layer,
-    load_predictors,
     metrics,
     plan_sizes,
     preset,
@@ -315,7 +315,7 @@ def test_threshold_without_positives_predicts_nothing():
 def test_predictor_from_weights_equals_constructed(dtype):
     """from_weights (no random initialisation) holds the same weights and threshold as a constructed predictor whose
     weights are copied in, and gives the same logits on fresh inputs."""
-    from hotneurons.predictors.fit import Predictor
+    from hotneurons.models.predictor import Predictor
 
     g = torch.Generator().manual_seed(7)
     fc1, fc2 = torch.randn(24, 40, generator=g), torch.randn(96, 24, generator=g)

@@ -14,7 +14,7 @@ import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
 from hotneurons.models.family import load_model
-from hotneurons.predictors.train import Predictor, Predictors
+from hotneurons.models.predictor import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 
 LOGIT_ATOL = 1e-4

@@ -1,4 +1,6 @@
-"""Reading RUN/predictors/: `check_predictors` (before a model loads), `load_predictors`, and `Predictors`.
+"""The predictor network (`Predictor`) and reading RUN/predictors/: `check_predictors` (before a model loads),
+`load_predictors`, and `Predictors`. The runtime and the stages that evaluate or export predictors read them here;
+predictors/ trains them.
 
 Predictors of either form (artifacts/predictors.PredictorForm) load the same way; `Predictors.form` tells the
 evaluation and the runtime what each layer's predictor reads.
@@ -13,9 +15,44 @@ import torch
 from hotneurons.artifacts.predictors import PredictorForm, PredictorsMeta, PredictorsSummary
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.predictors import form as pform
-from hotneurons.predictors.fit import Predictor
+from hotneurons.common.prenorm import has_ffn_norm, refusal
 from safetensors import safe_open
+from torch import nn
+
+
+class Predictor(nn.Module):
+    """Linear(d -> h) -> ReLU -> Linear(h -> n), no biases; `threshold` is the per-layer decision logit."""
+
+    def __init__(self, d_model: int, hidden: int, n_neurons: int, threshold: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden, bias=False)
+        self.fc2 = nn.Linear(hidden, n_neurons, bias=False)
+        self.register_buffer("threshold", torch.tensor([threshold], dtype=torch.float32))
+
+    @classmethod
+    def from_weights(cls, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> "Predictor":
+        """A predictor holding fc1 (h, d) and fc2 (n, h) as `dtype` on `device` (the threshold too), built on the meta
+        device first: the constructor's random initialisation costs a CPU seconds a layer at a 70B's shapes."""
+        with torch.device("meta"):
+            p = cls(fc1.shape[1], fc1.shape[0], fc2.shape[0])
+        p.fc1.weight = nn.Parameter(fc1.to(device=device, dtype=dtype))  # (h, d)
+        p.fc2.weight = nn.Parameter(fc2.to(device=device, dtype=dtype))  # (n, h)
+        p.threshold = torch.tensor([threshold], dtype=dtype, device=device)
+        return p.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))  # (..., d) -> (..., n) logits
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) >= self.threshold.to(x.dtype)  # (..., n) bool
+
+
+def check_model_family(info: dict) -> None:
+    """The powerinfer form needs a pre-FFN RMSNorm: refused in one line, from the profile's model section, for
+    families without one (OPT, Falcon)."""
+    if not has_ffn_norm(info.get("family", "")):
+        raise refusal(info.get("family", "?"), info.get("model_type"))
 
 
 @dataclass
@@ -44,7 +81,7 @@ def check_predictors(run_dir: str | Path, recall: float | None = None) -> Predic
         raise ArtifactError(f"no predictors in {pdir}: run pi-train-predictors on {run_dir} first")
     meta = PredictorsMeta.load(pdir / "meta.json")
     if PredictorForm.of(meta.config) == PredictorForm.POWERINFER:
-        pform.check_model_family(meta.model)  # its input needs a pre-FFN RMSNorm
+        check_model_family(meta.model)  # its input needs a pre-FFN RMSNorm
     summary = PredictorsSummary.load(pdir / "summary.json")
     names = set(artifacts.check_tensors(pdir / "predictors.safetensors", f"pi-train-predictors --run {run_dir}"))
     for row in summary.layers:
