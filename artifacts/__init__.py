@@ -6,7 +6,8 @@
   (`PlacementSummary`): artifacts/placement.py (`read_placement` and `Placement`, the mask the runtime loads); a
   mixture of experts' `experts.parquet`: artifacts/experts.py (`read_expert_placement`, `ExpertPlacement`).
 - `RUN/predictors/` (pi-train-predictors): `predictors.safetensors`, `meta.json` (`PredictorsMeta`), `summary.json`
-  (`PredictorsSummary`): artifacts/predictors.py.
+  (`PredictorsSummary`): artifacts/predictors.py; the tensors, read into `Predictor` networks (`load_predictors`,
+  `check_predictors`): artifacts/predictor_file.py.
 - the eval report `RUN/eval/eval.json` (pi-eval, `EvalReport`): artifacts/predictors.py too (its modes are the
   predictors' masks).
 

@@ -108,7 +108,7 @@ def gate_factors(shape: str, layer: int, seed: int, rank: int, device: str, std:
 
 def exact_predictor(lm, shape: str, layer: int, seed: int, rank: int):
     """The predictor whose logits are layer `layer`'s gate pre-activations (module docstring), fp16, threshold 0."""
-    from hotneurons.models.predictor import Predictor
+    from hotneurons.artifacts.predictor_file import Predictor
 
     d, n, *_ = SHAPES[shape]
     w = lm.layers[layer].mlp.gate_proj.weight

@@ -53,9 +53,9 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
 
 def main(a) -> dict:
     import torch
+    from hotneurons.artifacts.predictor_file import load_predictors
     from hotneurons.bench import tiny
     from hotneurons.models.family import load_model
-    from hotneurons.models.predictor import load_predictors
     from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, build_runtime
 

@@ -24,7 +24,7 @@ T0 = time.perf_counter()
 TIMED = (
     ("hotneurons.runtime.engine", "load_source_runtime", 0, "load (all of runtime/engine.load_source_runtime)"),
     ("hotneurons.models.open", "open_model", 1, "open the file, its config (transformers)"),
-    ("hotneurons.models.predictor", "load_predictors", 1, "predictors (a run's)"),
+    ("hotneurons.artifacts.predictor_file", "load_predictors", 1, "predictors (a run's)"),
     ("hotneurons.models", "build_model", 1, "decoder: attention, norms, embeddings, head"),
     ("hotneurons.models.ffn_weights", "FFNWeights.from_source", 1, "FFN weights from the file (views)"),
     ("hotneurons.runtime.hybrid_ffn", "HybridFFN.__init__", 1, "FFN layers laid out (HybridFFN)"),

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import click
 import torch
+from hotneurons.artifacts.predictor_file import Predictor
 from hotneurons.artifacts.profile import read_profile
 from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
 from hotneurons.models.family import load_model_from_meta
-from hotneurons.models.predictor import Predictor
 from hotneurons.predictors.train import (
     PRESETS,
     ffn_values,

@@ -89,8 +89,8 @@ def read_predictors(run_dir: str | Path, n_layers: int, recall: float | None = N
                     ) -> tuple[list[Layer], list[float], str]:
     """RUN/predictors as (per layer (fc1, fc2), per-layer thresholds, form). Thresholds are summary.json's
     `threshold` (the run's target recall), or those tabulated for `recall`. Refuses biases and missing layers."""
+    from hotneurons.artifacts.predictor_file import check_predictors
     from hotneurons.artifacts.predictors import PredictorsMeta, PredictorsSummary
-    from hotneurons.models.predictor import check_predictors
     from safetensors.torch import load_file
 
     pdir = Path(run_dir) / "predictors"

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.artifacts.placement import Placement, PlacementMeta, read_placement
+from hotneurons.artifacts.predictor_file import Predictors, check_predictors, load_predictors
 from hotneurons.artifacts.predictors import EvalMode, EvalReport, ModeResult, PredictorForm
 from hotneurons.artifacts.profile import check_profile
 from hotneurons.common import artifacts
@@ -40,7 +41,6 @@ from hotneurons.common.model_source import ModelError
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.models.family import LoadedModel, load_model_from_meta, pick_device, pick_dtype
 from hotneurons.models.ffn_hooks import StageHooks, device_of, dtype_of
-from hotneurons.models.predictor import Predictors, check_predictors, load_predictors
 from hotneurons.models.stream_memory import check_memory, eval_need
 from hotneurons.models.streamed import StreamedModel, meta_source, open_streamed, streams
 from hotneurons.predictors import gated_eval

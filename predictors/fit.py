@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from hotneurons.artifacts.predictor_file import Predictor
 from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common.kinds import choose
-from hotneurons.models.predictor import Predictor
 from torch import nn
 
 NEVER = float(torch.finfo(torch.float32).max)  # threshold of a layer with no active sample (JSON has no inf)

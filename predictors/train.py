@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 import torch
+from hotneurons.artifacts.predictor_file import check_model_family
 from hotneurons.artifacts.predictors import (
     PredictorForm,
     PredictorLayer,
@@ -32,7 +33,6 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.ffn import share_covering as _covering
 from hotneurons.common.kinds import Rule
-from hotneurons.models.predictor import check_model_family
 from hotneurons.predictors import form as pform
 from hotneurons.predictors.fit import (  # noqa: F401 (names re-exported for scripts that import them from here)
     NEVER,

@@ -102,9 +102,9 @@ def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dty
 def file_predictors(source: Any, dtype: torch.dtype) -> Any:
     """PowerInfer's predictors from its own file (fc1, fc2 per layer; a neuron computed iff its logit >= the file's
     sparse threshold, 0 by default), in the powerinfer form: they read the residual before the pre-FFN norm."""
+    from hotneurons.artifacts.predictor_file import Predictor, Predictors
     from hotneurons.artifacts.predictors import PredictorForm
     from hotneurons.models.ffn_weights import to_float
-    from hotneurons.models.predictor import Predictor, Predictors
 
     threshold = source.sparse_threshold or 0.0
     layers = {}
@@ -211,7 +211,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         predictors = file_predictors(source, dtype)
         placement = placement or file_placement(source, L)
     elif mask == "predictor":
-        from hotneurons.models.predictor import load_predictors
+        from hotneurons.artifacts.predictor_file import load_predictors
 
         if run is None:  # a model file alone (not PowerInfer's, which carries its own): no predictors to read
             raise ArtifactError("hybrid mode needs predictors: pass --run RUN (pi-profile, pi-solve, "

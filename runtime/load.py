@@ -39,7 +39,7 @@ def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: b
     line naming it (missing, empty, cut short, of another format). A mixture of experts' run (`moe`) needs no
     predictors: its router picks the experts (runtime/moe_load.check_moe_run)."""
     from hotneurons.artifacts.placement import PlacementMeta
-    from hotneurons.models.predictor import check_predictors
+    from hotneurons.artifacts.predictor_file import check_predictors
 
     if (run / "profile" / "meta.json").exists():
         check_profile(run)
@@ -111,7 +111,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
             cfg = replace(cfg, ctx=solved.flags.ctx)
     gate = uses_gate(cfg)
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle and not gate:
-        from hotneurons.models.predictor import load_predictors
+        from hotneurons.artifacts.predictor_file import load_predictors
 
         if not (run / "predictors" / "predictors.safetensors").exists():
             raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "

@@ -11,12 +11,12 @@ import pytest
 import tiny
 import torch
 from click.testing import CliRunner
+from hotneurons.artifacts.predictor_file import load_predictors
 from hotneurons.artifacts.profile import read_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts
 from hotneurons.models.family import load_model
-from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import eval_main
 from hotneurons.predictors.evaluate import evaluate, perplexity
 from hotneurons.predictors.train import preset, train_predictors

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hotneurons.artifacts.predictor_file import load_predictors
 from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common import artifacts
 from hotneurons.common.corpus import iter_texts
 from hotneurons.models.family import load_model
-from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import train_main
 from hotneurons.predictors.evaluate import evaluate
 from hotneurons.predictors.fit import metrics

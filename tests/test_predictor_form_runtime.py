@@ -9,8 +9,8 @@ import copy
 import pytest
 import tiny
 import torch
+from hotneurons.artifacts.predictor_file import Predictor, Predictors
 from hotneurons.artifacts.predictors import PredictorForm
-from hotneurons.models.predictor import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 from test_predictor_form import with_random_gammas
 from test_runtime import LOGIT_ATOL, NEW, PROMPT, make_placement

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
+from hotneurons.artifacts.predictor_file import load_predictors
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.models.predictor import load_predictors
 from hotneurons.predictors.cli import train_main
 from hotneurons.predictors.train import (
     Fit,
@@ -279,7 +279,7 @@ def test_presets_and_cli(tmp_path):
     res = CliRunner().invoke(train_main, ["--run", str(tmp_path), "--preset", "plain", "--epochs", "4", "--json",
                                           "--quiet"])
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)  # stderr: the warning about a profile of few samples
     assert out["totals"]["layers"] == 1 and out["config"]["name"] == "plain" and out["config"]["epochs"] == 4
     res = CliRunner().invoke(train_main, ["--run", str(tmp_path), "--preset", "fast", "--magnitude-weight", "0",
                                           "--quiet"])
@@ -315,7 +315,7 @@ def test_threshold_without_positives_predicts_nothing():
 def test_predictor_from_weights_equals_constructed(dtype):
     """from_weights (no random initialisation) holds the same weights and threshold as a constructed predictor whose
     weights are copied in, and gives the same logits on fresh inputs."""
-    from hotneurons.models.predictor import Predictor
+    from hotneurons.artifacts.predictor_file import Predictor
 
     g = torch.Generator().manual_seed(7)
     fc1, fc2 = torch.randn(24, 40, generator=g), torch.randn(96, 24, generator=g)

@@ -13,8 +13,8 @@ import pytest
 import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
+from hotneurons.artifacts.predictor_file import Predictor, Predictors
 from hotneurons.models.family import load_model
-from hotneurons.models.predictor import Predictor, Predictors
 from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
 
 LOGIT_ATOL = 1e-4

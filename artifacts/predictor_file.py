@@ -1,6 +1,6 @@
-"""The predictor network (`Predictor`) and reading RUN/predictors/: `check_predictors` (before a model loads),
-`load_predictors`, and `Predictors`. The runtime and the stages that evaluate or export predictors read them here;
-predictors/ trains them.
+"""RUN/predictors/predictors.safetensors read into the predictor network (`Predictor`): `check_predictors` (before a
+model loads), `load_predictors`, and `Predictors`. The runtime and the stages that evaluate or export predictors read
+them here; predictors/ trains them.
 
 Predictors of either form (artifacts/predictors.PredictorForm) load the same way; `Predictors.form` tells the
 evaluation and the runtime what each layer's predictor reads.
