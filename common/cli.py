@@ -74,6 +74,18 @@ def check_port(host: str, port: int) -> None:
             raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror} (--host, --port)") from None
 
 
+def parse_sparsities(text: str, flag: str) -> tuple[float, ...]:
+    """A comma list of sparsities in [0, 1), refused with a click usage error (exit 2) naming the value."""
+    try:
+        out = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        out = ()
+    if not out or any(not 0 <= v < 1 for v in out):
+        raise click.BadParameter(f"{text!r} is not a comma list of sparsities in [0, 1), e.g. 0.25,0.4,0.5",
+                                 param_hint=flag)
+    return out
+
+
 def interrupted(message: str) -> None:
     """Ctrl-C: one line on stderr saying what was kept, exit code 130. Progress bars still open (the signal can land
     between a bar's creation and its `with`) are closed first, so none is redrawn after the line."""

@@ -151,9 +151,9 @@ def eval_main(run_dir, modes, dataset, text_column, tokens, seq_len, batch_size,
     computed iff the predictor fires. Placement: GPU neurons always, the others where the predictor fires.
     --row-format repeats the modes with the FFN rows rounded to each storage format (eval.json's row_formats).
     """
+    from hotneurons.common.cli import parse_sparsities
     from hotneurons.common.gating import criterion as check_criterion
     from hotneurons.predictors.row_formats import RowFormatError, parse_row_formats
-    from hotneurons.profiler.cli import parse_sparsities
 
     sparsities = parse_sparsities(sparsities, "--sparsity") if sparsities is not None else None
     try:  # a criterion name is refused before torch and the model load

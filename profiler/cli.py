@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.artifacts import ArtifactError, StageInterrupted, default_run_dir
-from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
+from hotneurons.common.cli import StageCommand, cli_error, interrupted, parse_sparsities, stdout_to_stderr
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.common.gating import SPARSITIES
 from hotneurons.common.kinds import Activation, FixableError
@@ -121,18 +121,6 @@ def refuse_existing(run: Path | None) -> None:
     if run is not None and (run / "profile" / "meta.json").exists():
         raise click.ClickException(f"{run / 'profile'} already holds a profile: pass --force to replace it, or "
                                    f"write to another run folder (--out)")
-
-
-def parse_sparsities(text: str, flag: str) -> tuple[float, ...]:
-    """A comma list of sparsities in [0, 1), refused with a click usage error (exit 2) naming the value."""
-    try:
-        out = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        out = ()
-    if not out or any(not 0 <= v < 1 for v in out):
-        raise click.BadParameter(f"{text!r} is not a comma list of sparsities in [0, 1), e.g. 0.25,0.4,0.5",
-                                 param_hint=flag)
-    return out
 
 
 def interrupt_message(e: KeyboardInterrupt) -> str:
