@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from hotneurons.models.common import Decoder, WeightFn, dense_ffn, ffn_values, gate_values
+from hotneurons.models.common import Decoder, Loader, WeightFn, _linear, ffn_values, gate_values
 from hotneurons.models.config import ModelConfig, Rope
 from hotneurons.models.falcon import Falcon
 from hotneurons.models.llama import Llama
@@ -34,3 +34,24 @@ def build_model(cfg: ModelConfig, weights: WeightFn, device: torch.device | str,
     if cfg.family not in MODELS:
         raise ValueError(f"no model definition for family '{cfg.family}': the definitions are {', '.join(MODELS)}")
     return MODELS[cfg.family](cfg, weights, device, dtype, ctx, release, layers)
+
+
+def dense_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32, release: Callable[[str], None] | None = None
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Layer i's whole FFN from its canonical ffn_* weights (float or QTensor): x (T, d) -> y (T, d). A mixture of
+    experts' is models/moe.moe_ffn (every neuron of each token's chosen experts)."""
+    if cfg.moe:
+        return moe_ffn(weights, cfg, i, device, dtype, release)
+    load = Loader(weights, device, dtype, release)
+    p = f"blk.{i}.ffn_"
+    up, down = load.matrix(p + "up.weight"), load.matrix(p + "down.weight")
+    gate = load.matrix(p + "gate.weight") if cfg.gated else None
+    b_up, b_down = (load.tensor(p + "up.bias"), load.tensor(p + "down.bias")) if cfg.ffn_bias else (None, None)
+    b_gate = load.tensor(p + "gate.bias") if cfg.ffn_bias and cfg.gated else None
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        g = _linear(x, gate, b_gate) if gate is not None else None  # (T, n)
+        return _linear(ffn_values(cfg, _linear(x, up, b_up), g), down, b_down)  # (T, d)
+
+    return ffn

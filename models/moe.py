@@ -42,7 +42,7 @@ def moe_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | 
     """Layer i's mixture of experts from its canonical weights (float or QTensor, de-quantized here): x (T, d) ->
     y (T, d), every neuron of each token's top-k experts computed."""
     if not cfg.moe:
-        raise ValueError(f"{cfg.model_type} has no experts (n_experts 0): its FFN is models/common.dense_ffn")
+        raise ValueError(f"{cfg.model_type} has no experts (n_experts 0): its FFN is hotneurons.models.dense_ffn")
     load = Loader(weights, device, dtype, release)
     p, E = f"blk.{i}.ffn_", cfg.n_experts
     router = load.tensor(p + "gate_inp.weight")  # (E, d)
