@@ -303,7 +303,7 @@ def main(argv=None) -> None:
     from hotneurons.bench import record
 
     if a.stage == "report":
-        print(rep.markdown(rep.stage_report(a)))
+        print(rep.markdown(rep.stage_report(a, _dir(a), variant(a))))
         return
     fn = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp}[a.stage]
     figures = {"stage": a.stage, "variant": variant(a), "shape": a.shape, "routing": a.routing, "sparse": a.sparse,

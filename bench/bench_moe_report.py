@@ -112,12 +112,12 @@ def _stage_files(folder: Path) -> dict[str, dict]:
             if (folder / f"{s}.json").exists()}
 
 
-def stage_report(a) -> dict:
-    """WORK/<variant>'s stage files into bench/results/<date>-<kind>-moe-<variant>.{json,md} (or --out and .md)."""
+def stage_report(a, folder: Path, variant: str) -> dict:
+    """WORK/<variant>'s stage files (`folder`) into bench/results/<date>-<kind>-moe-<variant>.{json,md} (or --out and
+    .md)."""
     from hotneurons.bench import record
-    from hotneurons.bench.bench_moe import _dir, variant
 
-    recs = _stage_files(_dir(a))
+    recs = _stage_files(folder)
     uni = None
     if a.routing == "calibrated" and not a.sparse:
         u = _stage_files(a.work / f"{a.shape}-uniform")
@@ -125,7 +125,7 @@ def stage_report(a) -> dict:
     fig = report({k: r["figures"] for k, r in recs.items()}, uni)
     src = recs.get("ours") or recs["pipeline"]  # where the systems ran, not where the report is made
     kind = record.machine_kind(src["machine"])
-    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-moe-{variant(a)}.json")
+    out = Path(a.out or record.ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}-{kind}-moe-{variant}.json")
     record.write_result(out, fig, machine_info=src["machine"], kind=kind, commit=src.get("commit"))
     out.with_suffix(".md").write_text(markdown(fig))
     return fig
