@@ -34,9 +34,9 @@ class RuntimeConfig:
     # --ctx when loaded from a run, else static_decoder.CAPACITY); longer generations decode through HF
     ctx: int | None = None
     # static decoder with CUDA graphs: what computes a step's GPU ops, the norms, RoPE, attention, the predictor and
-    # one token's GEMVs (common/kinds.GpuOps): "triton" (kernels/fused.py, one kernel where torch runs several), "torch", or
-    # "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it imports
-    # (torch's CUDA builds bring it), else torch
+    # one token's GEMVs (common/kinds.GpuOps): "triton" (kernels/fused.py, one kernel where torch runs several),
+    # "torch", or "compile" (torch.compile on the small ops; a few seconds at the first step). auto: triton where it
+    # imports (torch's CUDA builds bring it), else torch
     ops: str = "auto"
     # static decoder with CUDA graphs: launch layer i+1's graph before layer i's cold part, held on the GPU by a host
     # flag, where the driver can (False: each graph after the previous cold part, the fallback without the driver's
