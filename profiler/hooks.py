@@ -2,11 +2,12 @@
 
 No model code is edited: per decoder layer, one forward pre-hook on the down projection sees the per-neuron
 activation values h (what `fc2` / `down_proj` multiplies), and, only on batches that feed the reservoir, one
-pre-hook on the up projection sees the FFN input x (common/ffn.FFNHooks) and, where the model has a pre-FFN RMSNorm,
-one on that norm sees the residual before it, of which each sample keeps the norm's divisor r (common/prenorm.py:
-with x, it is what the powerinfer predictor form trains on). The activation rule itself (active_mask, as_tau) is in
-common/ffn.py: later stages apply the same one. A model run layer by layer (models/streamed.py) registers no hooks:
-its forward hands the same tensors to the same methods (StageHooks).
+pre-hook on the up projection sees the FFN input x (models/ffn_hooks.FFNHooks) and, where the model has a pre-FFN
+RMSNorm, one on that norm sees the residual before it, of which each sample keeps the norm's divisor r
+(common/prenorm.py: with x, it is what the powerinfer predictor form trains on). The activation rule itself
+(active_mask, as_tau) is in common/ffn.py: later stages apply the same one. A model run layer by layer
+(models/streamed.py) registers no hooks: its forward hands the same tensors to the same methods
+(models/ffn_hooks.StageHooks).
 """
 
 from __future__ import annotations
