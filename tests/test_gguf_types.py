@@ -310,8 +310,8 @@ def test_mixed_file_equals_hf_on_gguf_py_weights(mix, mixed_files):
     from hotneurons.artifacts.placement import Placement
     from hotneurons.models.family import load_model
     from hotneurons.runtime.config import RuntimeConfig
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.source import open_source
 
     path = mixed_files[mix]
@@ -402,8 +402,8 @@ def test_on_cuda_mixed_file_equals_the_cpu_run(mix, mixed_files):
     rows there, cold ones on the CPU): the CPU run's logits (itself held to HF's above), the same placement."""
     from hotneurons.artifacts.placement import Placement
     from hotneurons.runtime.config import RuntimeConfig
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import load_source_runtime
 
     path = mixed_files[mix]
     placement = Placement(tuple(np.random.default_rng(i).random(704) < 0.5 for i in range(2)))  # "small": 2 x 704
