@@ -48,8 +48,8 @@ def main(a) -> dict:
 
     mark("import numba, torch, transformers")
     from hotneurons.bench.engine_decode import setup
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
 
     files, run, placement = setup(a.models, a.shape, a.threshold, a.hot_share)
     mark("the benchmark model written or found")

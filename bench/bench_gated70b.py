@@ -113,13 +113,13 @@ def ours_child(a) -> None:
                         sparsity=a.sparsity if kind.endswith("gate") else 0.0, criterion=crit or a.criterion)
     if gpu:  # every neuron on the device: the run's profile (thresholds) with a placement of all of them
         from hotneurons.artifacts.placement import Placement
-        from hotneurons.runtime import engine
+        from hotneurons.runtime.load import load_source_runtime
 
         def load():
             meta = json.loads((a.work / "run" / "profile" / "meta.json").read_text())
             m = meta["model"]
             mask = Placement.uniform(m["n_layers"], m["n_neurons"], True)
-            return engine.load_source_runtime(a.work / "run", meta, cfg, placement=mask)
+            return load_source_runtime(a.work / "run", meta, cfg, placement=mask)
     else:
         from hotneurons.runtime.load import load_runtime
 

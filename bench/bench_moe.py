@@ -186,8 +186,8 @@ def stage_ours(a) -> dict:
 
 def ours_child(a) -> None:
     """In its own process (what stage_ours measures): the runtime as pi-generate loads it, pi-solve's expert mask."""
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.runtime.sampling import Sampling
 
     d = _dir(a)

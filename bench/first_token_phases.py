@@ -1,5 +1,5 @@
 """Where pi-generate's time to its first token goes: pi-generate run in this process with wall-clock timers around
-the phases of its load (runtime/engine.load_source_runtime) and of its first forward, and Numba's JIT compiles.
+the phases of its load (runtime/load.load_source_runtime) and of its first forward, and Numba's JIT compiles.
 
     python -m hotneurons.bench.first_token_phases OUT.json -- --model FILE.gguf -p "The capital of France is" -n 1
 
@@ -22,7 +22,7 @@ T0 = time.perf_counter()
 
 # (module, attribute path, depth, label): the phases, in the order a load meets them
 TIMED = (
-    ("hotneurons.runtime.engine", "load_source_runtime", 0, "load (all of runtime/engine.load_source_runtime)"),
+    ("hotneurons.runtime.load", "load_source_runtime", 0, "load (all of runtime/load.load_source_runtime)"),
     ("hotneurons.models.open", "open_model", 1, "open the file, its config (transformers)"),
     ("hotneurons.artifacts.predictor_file", "load_predictors", 1, "predictors (a run's)"),
     ("hotneurons.models", "build_model", 1, "decoder: attention, norms, embeddings, head"),

@@ -42,8 +42,8 @@ def run(model: str | None, tokens: int, seq_len: int, hot_share: float, formats:
     import torch
     from hotneurons.artifacts.placement import Placement
     from hotneurons.common.corpus import iter_texts, token_batches
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_source_runtime
 
     results = {}
     batches = None

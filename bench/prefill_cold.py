@@ -27,8 +27,8 @@ def main() -> None:
     import numpy as np
     import torch
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.source import open_source
 
     src = open_source(a.model)

@@ -56,6 +56,6 @@ def test_phases_child_on_the_small_model(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = {row["name"]: row for row in res["rows"]}
-    assert rows["hotneurons.runtime.engine.load_source_runtime"]["calls"] == 1
+    assert rows["hotneurons.runtime.load.load_source_runtime"]["calls"] == 1
     assert rows["hotneurons.runtime.hybrid_ffn.HybridFFN.__init__"]["calls"] == SHAPES["small"].n_layers
     assert rows["hotneurons.runtime.generate.generate"]["seconds"] > 0 and res["total_s"] > rows["imports"]["seconds"]

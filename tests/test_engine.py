@@ -30,7 +30,7 @@ def hf_greedy(lm, ids, n=NEW):
 
 def run_engine(folder, cfg, placement=None):
     if placement is not None:  # a placement without a run directory: the engine's own entry
-        from hotneurons.runtime.engine import load_source_runtime
+        from hotneurons.runtime.load import load_source_runtime
 
         return load_source_runtime(None, None, cfg, model=str(folder), placement=placement)
     return load_runtime(None, cfg, model=str(folder))
@@ -173,7 +173,7 @@ def test_block_rows_on_both_sides_equal_hf(family, fmt, mask, tiny_model_dir, tm
     run = tmp_path / "run"
     run.mkdir()
     from hotneurons.models.open import open_model
-    from hotneurons.runtime.engine import load_source_runtime
+    from hotneurons.runtime.load import load_source_runtime
 
     if mask == "predictor":  # every neuron marked: the predictor path (cold_layer_q) with the dense result
         source, sid, mcfg, act = open_model(str(folder))
@@ -207,7 +207,7 @@ def test_q4_0_gguf_read_in_place_equals_hf(tmp_path):
     g = generate(rt, ids, NEW, keep_logits=True)
     assert g.token_ids == want
     assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < LOGIT_ATOL
-    from hotneurons.runtime.engine import load_source_runtime
+    from hotneurons.runtime.load import load_source_runtime
 
     n, L = lm.info["n_neurons"], lm.info["n_layers"]
     rt = load_source_runtime(None, None, RuntimeConfig(device="cpu", oracle=True), model=str(path),

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("family", ["llama-reglu", "opt"])
 def test_block_rows_on_cuda_equal_hf(family, fmt, dtype, atol, tiny_model_dir, tmp_path):
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
 
     lm, folder = exact_folder(family, tiny_model_dir(family), tmp_path, fmt)
     ids = list(lm.tokenizer(PROMPT)["input_ids"])
@@ -49,8 +49,8 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
     from hotneurons.artifacts.placement import Placement
     from hotneurons.bench import tiny
     from hotneurons.models.open import model_info, open_model
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
 
     folder = tiny_model_dir(family)
     source, sid, mcfg, act = open_model(str(folder))

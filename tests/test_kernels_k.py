@@ -441,8 +441,8 @@ def test_k_quant_gguf_runs_hybrid_on_the_cpu(mask, tmp_path):
     from hotneurons.models.family import load_model
     from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.config import RuntimeConfig
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.source import open_source
 
     path = write_k_model(tmp_path / "tiny-q4_k_m.gguf")

@@ -193,8 +193,8 @@ PROMPT_IDS = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"])
 @pytest.mark.parametrize("where", ["gpu", "cpu", "mixed"])
 def test_engine_gguf_greedy_equals_hf(moe_gguf, family, where):
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
 
     path, hf, _ = moe_gguf(family)
     L, E = hf.config.num_hidden_layers, 4
@@ -269,8 +269,9 @@ def test_engine_q8_0_experts_mixed_formats(moe_gguf, tmp_path):
         vocab_from_tokenizer,
         write_gguf,
     )
-    from hotneurons.runtime.engine import forward, load_source_runtime
+    from hotneurons.runtime.engine import forward
     from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.gguf_source import GGUFSource
     from test_models import ours
 
@@ -383,8 +384,8 @@ def test_cuda_equals_reference(family, fmt, where):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_greedy_equals_hf(moe_gguf):
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path, hf, _ = moe_gguf("qwen2-moe")

@@ -64,8 +64,8 @@ def test_smollm2_q4_1_rows_kept_as_stored_equal_hf_on_the_same_weights():
     import torch
     from hotneurons.artifacts.placement import Placement
     from hotneurons.models.family import load_model
-    from hotneurons.runtime.engine import load_source_runtime
     from hotneurons.runtime.generate import RuntimeConfig, generate
+    from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.quants import dequantize, quantize
     from hotneurons.weights.source import open_source
 
