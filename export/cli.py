@@ -10,9 +10,12 @@ import click
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.cli import cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.units import format_bytes, parse_bytes
+from hotneurons.weights.formats import ALIASES, TORCH_FLOATS
 
 from . import FORMATS
 
+# the float formats of weights/formats.py's table, by name and by its aliases (float32, fp16, ...)
+_DTYPES = [str(f) for f in TORCH_FLOATS] + [a for a, f in ALIASES.items() if f in TORCH_FLOATS]
 FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
 
 
@@ -30,8 +33,9 @@ FLAGS = {"fmt": "--format", "vram_capacity": "--vram-capacity", "out": "--out"}
 @click.option("--vram-capacity", default=None,
               help="split.vram_capacity of the .gpuidx, e.g. 6GiB [the GPU neurons' own F16 bytes].")
 @click.option("--model", default=None, help="Load this model (same fingerprint) instead of the one the run names.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
-              help="Dtype the model loads in before the F16 write (float32 keeps the folded norm weights exact).")
+@click.option("--dtype", type=click.Choice(_DTYPES, case_sensitive=False), default="f32", show_default=True,
+              help="Dtype the model loads in before the F16 write: f32, bf16 or f16 (their aliases fp32, float32, "
+                   "bfloat16, fp16, float16 accepted; f32 keeps the folded norm weights exact).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (stdout holds only the JSON).")
 def main(run_dir, fmt, out, recall, threshold, vram_capacity, model, dtype, force, as_json):

@@ -35,6 +35,7 @@ from hotneurons.common.model_source import (
     resolve_source,
     text_config,
 )
+from hotneurons.weights.formats import ALIASES, WeightFormat, weight_format
 from torch import nn
 
 # Activation kinds (common/kinds.Activation). ReLU-family kinds have exact zeros; the others need a magnitude threshold.
@@ -191,13 +192,25 @@ def check_model(model: str | None, gguf_file: str | None = None, *, revision: st
     return source
 
 
+# the compute dtypes a model runs in, by weights/formats.py's names (f32, f16, bf16; its ALIASES fp16, float16, ...
+# parse too); f64 for the float64 references
+_COMPUTE_DTYPES = {WeightFormat.F32: torch.float32, WeightFormat.F16: torch.float16, WeightFormat.BF16: torch.bfloat16,
+                   WeightFormat.F64: torch.float64}
+
+
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
-    """One place decides the compute dtype: fp32 on CPU (fast there), fp16 on CUDA unless told otherwise."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}  # float64: references
+    """One place decides the compute dtype: f32 on CPU (fast there), f16 on CUDA unless told otherwise. Any spelling
+    of weights/formats.py's (f16, fp16, float16, ...) is read."""
     if dtype == "auto":
         return torch.float16 if device.startswith("cuda") else torch.float32
-    return names[choose(dtype, ["auto", *names], "dtype", ModelError, "dtype")]
+    try:
+        fmt = weight_format(dtype)
+    except ValueError:
+        fmt = None
+    if fmt not in _COMPUTE_DTYPES:  # a one-line error listing every spelling read
+        names = [str(f) for f in _COMPUTE_DTYPES] + [a for a, f in ALIASES.items() if f in _COMPUTE_DTYPES]
+        choose(dtype, ["auto", *names], "dtype", ModelError, "dtype")
+    return _COMPUTE_DTYPES[fmt]
 
 
 def pick_device(device: str = "auto") -> str:

@@ -118,7 +118,8 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--model", default=None, help="Model to load. Default: the one recorded in the profile.")
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
-@click.option("--dtype", default="auto", show_default=True, help="auto (fp32 on CPU, fp16 on CUDA), float32, ...")
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto (f32 on CPU, f16 on CUDA), f32, f16, bf16 (aliases fp16, float16, ... accepted).")
 @click.option("--row-format", "row_formats", multiple=True, metavar="FMT",
               help="Also evaluate every mode with the FFN rows stored as the runtime stores them in FMT: "
               "bf16, q8_0, q4_0 or q4_1 (repeat, or a comma list; gate and up rows and the down projection's "

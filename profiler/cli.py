@@ -65,7 +65,7 @@ def run_folder(params: dict) -> Path | None:
               help="Batches between checkpoints.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
-              help="auto (fp32 on CPU, fp16 on CUDA), float32, float16, bfloat16.")
+              help="auto (f32 on CPU, f16 on CUDA), f32, f16, bf16 (aliases fp16, float16, ... accepted).")
 @click.option("--layer-by-layer/--whole-model", default=None,
               help="How the model runs: layer by layer from its file (one layer's weights on the device at a time: "
               "models bigger than it) or whole through transformers. Default: layer by layer for a local "

@@ -133,8 +133,8 @@ def runtime_options(f):
         click.option("--model", default=None, help="Model (hub id, folder or .gguf) instead of the run's."),
         click.option("--gguf-file", default=None, help="GGUF file inside --model's folder."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ..."),
-        click.option("--dtype", default="auto", show_default=True, help="Device compute dtype (auto: fp16 on CUDA, "
-                     "fp32 on CPU)."),
+        click.option("--dtype", default="auto", show_default=True, help="Device compute dtype: auto (f16 on CUDA, "
+                     "f32 on CPU), f32, f16, bf16 (aliases fp16, float16, ... accepted)."),
         click.option("--cold-dtype", type=click.Choice(("auto",) + COLD_DTYPES), default="auto", show_default=True,
                      help="Storage of the cold rows in CPU RAM. auto: the file's format where the CPU kernels read it "
                           "(a GGUF's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K rows as stored; beside K-quant rows the down "

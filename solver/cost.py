@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import FixableError
-from hotneurons.weights.formats import FORMATS, WeightFormat
+from hotneurons.weights.formats import FORMATS, TORCH_FLOATS, WeightFormat, weight_format
 
 # bytes per weight, from weights.formats (the one table of sizes), under the names pi-solve has always taken (fp32 and
 # fp16 for f32 and f16: placement meta.json files and the runtime's checks use them). The block formats are llama.cpp's
@@ -26,6 +26,18 @@ _GGUF = {_SOLVER_NAMES.get(f, f.value): s for f, s in FORMATS.items() if s.ggml_
 DTYPE_BYTES: dict[str, float] = {name: s.bytes_per_weight for name, s in _GGUF.items()}
 ACT_BYTES: dict[str, float] = {name: float(s.block_bytes) if s.block == 1 else 2.0  # KV cache, norms
                                for name, s in _GGUF.items()}
+
+
+def model_dtype(weight_dtype: object) -> str:
+    """pi-solve's name of the float format a model records as its weight_dtype, under any of weights/formats.py's
+    spellings (float16, fp16, f16, ...); fp16 where none is recorded or it is no float format torch computes with."""
+    try:
+        fmt = weight_format(str(weight_dtype))
+    except ValueError:
+        return _SOLVER_NAMES[WeightFormat.F16]
+    return _SOLVER_NAMES.get(fmt, fmt.value) if fmt in TORCH_FLOATS else _SOLVER_NAMES[WeightFormat.F16]
+
+
 # bytes per weight of the cold rows in CPU RAM, in the formats the runtime's CPU kernels read (--cold-dtype): bf16,
 # int8 with a float32 scale per 64 weights (runtime/cold_rows.ColdRows), q8_0 / q4_0 / q4_1 in llama.cpp's blocks
 COLD_BYTES: dict[str, float] = {f.value: s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel}

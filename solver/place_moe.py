@@ -29,7 +29,7 @@ from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import Activation, choose
 from hotneurons.common.units import format_bytes, format_size_arg
 
-from .cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES, SolverError
+from .cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES, SolverError, model_dtype
 from .experts import ExpertProblem, baselines, evaluate_experts, expert_tables, solve_experts
 from .ilp import IlpResult
 from .place import _check_args
@@ -146,7 +146,7 @@ def weight_sizes(model: dict, x: dict, dtype: str | None) -> WeightSizes:
             fixed[l] += t.nbytes
         fmt = formats.pop() if len(formats) == 1 else "mixed"
         return WeightSizes(expert, fixed, items, fmt, f"tensor table of {path}")
-    wd = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(str(model.get("weight_dtype")), "fp16")
+    wd = model_dtype(model.get("weight_dtype"))
     dtype = choose(dtype or wd, DTYPE_BYTES, "weight dtype", SolverError, "dtype")
     w, a = DTYPE_BYTES[dtype], ACT_BYTES[dtype]  # block formats: router and norms stay 16-bit
     n, n_sh = x["n_ff_exp"], x["n_ff_shexp"]
