@@ -26,8 +26,7 @@ from hotneurons.common.model_source import text_config
 from hotneurons.common.prenorm import ffn_norms
 from hotneurons.kernels.cold import set_threads
 from hotneurons.kernels.names import COLD_DTYPES
-from hotneurons.kernels.ops import default_ops
-from hotneurons.models.family import RELU_FAMILY, LoadedModel, pick_device, pick_dtype
+from hotneurons.models.family import LoadedModel
 from hotneurons.models.family import (
     step as hf_step,
 )
@@ -37,21 +36,18 @@ from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
+from hotneurons.runtime.load_checks import (
+    check_ctx,
+    device_and_dtype,
+    gpu_ops,
+    mask_kind,
+    need_oracle_taus,
+    need_placement,
+)
 from hotneurons.runtime.moe_load import expert_stats
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
 from hotneurons.runtime.sampling import Sampling, sample
 from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
-
-
-def device_and_dtype(cfg: RuntimeConfig) -> tuple[str, torch.dtype]:
-    """The one place that decides where the hot part runs and in which dtype (and how attention runs there)."""
-    device = pick_device(cfg.device)
-    if device.startswith("cuda"):
-        # cuDNN's attention builds a new execution plan for every new KV length, and decoding makes a new length
-        # each step, costing several times the whole step in CPU time. Flash and memory-efficient attention have
-        # no per-shape plans.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    return device, pick_dtype(cfg.dtype, device)
 
 
 @dataclass
@@ -127,23 +123,16 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
         raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
                          f"or leave it out to measure it")
-    if cfg.ctx is not None and cfg.ctx < 1:
-        raise ValueError(f"--ctx {cfg.ctx}: the static KV cache needs at least 1 token (leave it out for the "
-                         f"placement's)")
+    check_ctx(cfg)
     device, dtype = device_and_dtype(cfg)
     threads = set_threads(cfg.threads)
     info, n_layers = lm.info, len(lm.layers)
-    if cfg.mode == "hybrid":
-        if placement is None:
-            raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
-        mask = "oracle" if cfg.oracle else ("gate" if gate_taus is not None else "predictor")
-        if mask == "predictor" and predictors is None:
-            raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
-                                "(true masks) or --no-predictor (dense)")
-        if mask == "oracle" and taus is None and lm.activation not in RELU_FAMILY:
-            raise ArtifactError(f"--oracle on a {lm.activation} model needs the profile's thresholds (RUN/profile/)")
-    else:
-        mask = "dense"
+    mask = mask_kind(cfg.mode, cfg.oracle, gate_taus is not None)
+    need_placement(cfg.mode, placement)
+    if mask == "predictor" and predictors is None:
+        raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
+                            "(true masks) or --no-predictor (dense)")
+    need_oracle_taus(mask, taus, lm.activation)
     if cfg.mode == "layer-split":
         k = layer_split_count(lm, cfg.vram, cfg.gpu_layers, dtype)
         placement = Placement.uniform(n_layers, info["n_neurons"], False)
@@ -182,7 +171,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
         cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
         raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
                          f"pi-solve with this budget, or raise --vram")
-    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
+    ops = gpu_ops(cfg, device)
     fast = (StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops, cfg.prelaunch) if static
             else None)
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)

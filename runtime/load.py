@@ -1,7 +1,8 @@
 """Reading a run directory into a runtime: `check_run` (the run's files, each checked before the model loads) and
-`load_runtime` (the model the run was made for, its placement, predictors and profile thresholds, laid out by
-generate.build_runtime, or read in place into our decoder by `load_source_runtime`). The stages that run the runtime
-build it here.
+`load_runtime`, the runtime's one entry: the model the run was made for, its placement, predictors and profile
+thresholds, laid out by one of three builders by the model's kind: a transformers model by generate.build_runtime, a
+dense model read in place into our decoder by `load_source_runtime`, a mixture of experts by `load_moe_runtime`. The
+stages that run the runtime build it here; the checks the builders share are runtime/load_checks.py's.
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hotneurons.artifacts.placement import Placement
-from hotneurons.artifacts.profile import check_profile, read_profile
+from hotneurons.artifacts.profile import check_profile
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.models.family import check_model, load_model, load_model_from_meta
+from hotneurons.models.family import adapter_for, check_model, load_model, load_model_from_meta
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.engine import (
-    SourceModel,
     conversions,
     file_placement,
     file_predictors,
@@ -26,9 +25,25 @@ from hotneurons.runtime.engine import (
     requantized,
 )
 from hotneurons.runtime.gated import default_sparsity, gate_taus, uses_gate
-from hotneurons.runtime.generate import Runtime, build_runtime, device_and_dtype
-from hotneurons.runtime.moe_load import check_moe_run, is_moe_run
-from hotneurons.runtime.placement import plan_figures, solved_summary
+from hotneurons.runtime.generate import Runtime, build_runtime
+from hotneurons.runtime.load_checks import (
+    check_ctx,
+    check_sparsity,
+    device_and_dtype,
+    host_embedding_bytes,
+    mask_kind,
+    need_oracle_taus,
+    need_placement,
+    profile_taus,
+    resolved_mode,
+    run_predictors,
+    solved_placement,
+    source_model,
+    source_steps,
+    static_ctx,
+)
+from hotneurons.runtime.moe_load import check_moe_run, default_mask, expert_mask, is_moe_run, run_placement
+from hotneurons.runtime.placement import plan_figures
 
 
 def _first_meta(run_dir: Path) -> dict | None:
@@ -89,13 +104,12 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     """Load the model the run was made for (or `model`), its placement and predictors, and build the runtime.
 
     `use_predictor=False` turns hybrid into dense (no predictors needed). A mixture of experts reads its expert
-    placement and no predictors (runtime/moe_load.py)."""
-    if cfg.sparsity is not None and not 0 <= cfg.sparsity < 1:
-        raise ArtifactError(f"--sparsity {cfg.sparsity}: give the FFN sparsity as a share in [0, 1), e.g. 0.5")
+    placement and no predictors (`load_moe_runtime`)."""
+    check_sparsity(cfg)
     run = Path(run_dir) if run_dir is not None else None
     cfg = default_sparsity(run, cfg)
-    if cfg.mode == "hybrid" and not cfg.oracle and (not use_predictor or cfg.sparsity == 0):
-        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": "dense"})
+    if (mode := resolved_mode(cfg, use_predictor)) != cfg.mode:
+        cfg = RuntimeConfig(**{**cfg.__dict__, "mode": mode})
     device, dtype = device_and_dtype(cfg)
     dname = str(dtype).removeprefix("torch.")
     meta = _first_meta(run) if run is not None else None
@@ -111,27 +125,18 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     lm = (load_model_from_meta(meta["model"], model, gguf_file, device="cpu", dtype=dname,
                                trust_remote_code=trust_remote_code) if meta is not None
           else load_model(model, gguf_file, device="cpu", dtype=dname, trust_remote_code=trust_remote_code))
-    placement = predictors = taus = None
-    solved = None  # pi-solve's summary, where the placement came from pi-solve
-    if run is not None and (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
-        placement = Placement.from_run(run, lm.info)
-        solved = solved_summary(run)
-        if cfg.ctx is None and solved is not None:  # the KV cache the solver reserved room for
-            cfg = replace(cfg, ctx=solved.flags.ctx)
+    predictors = None
+    # pi-solve's placement and summary, where the placement came from pi-solve
+    placement, solved = solved_placement(run, lm.info) if cfg.mode != "layer-split" else (None, None)
+    if cfg.ctx is None and solved is not None:  # the KV cache the solver reserved room for
+        cfg = replace(cfg, ctx=solved.flags.ctx)
     gate = uses_gate(cfg)
     if run is not None and cfg.mode == "hybrid" and not cfg.oracle and not gate:
-        from hotneurons.artifacts.predictor_file import load_predictors
-
         if not (run / "predictors" / "predictors.safetensors").exists():
             raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
                                 f"pass --no-predictor (dense) or --oracle (true masks)")
-        predictors = load_predictors(run, lm.info, device="cpu", dtype=dtype)
-        if recall is not None:
-            predictors.set_recall(recall)
-    if run is not None and (run / "profile" / "meta.json").exists():
-        _, pmeta = read_profile(run)
-        artifacts.check_same_model(pmeta, {"model": lm.info}, f"profile {run / 'profile'}", "the model")
-        taus = pmeta.layer_taus
+        predictors = run_predictors(run, lm.info, dtype, recall)
+    taus = profile_taus(run, lm.info)
     gtaus = gate_taus(run, cfg, lm.activation, len(lm.layers)) if gate else None
     rt = build_runtime(lm, cfg, placement, predictors, taus, gtaus)
     plan_figures(rt, solved)
@@ -143,53 +148,37 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
                         placement: Any = None) -> Any:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
     `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks); for a mixture of experts, a
-    (layers, experts) bool mask of the experts on the device, else the run's experts.parquet (runtime/moe_load.py)."""
+    (layers, experts) bool mask of the experts on the device, else the run's experts.parquet (`load_moe_runtime`)."""
     from hotneurons.artifacts.placement import Placement
     from hotneurons.artifacts.predictors import PredictorForm
-    from hotneurons.artifacts.profile import read_profile
-    from hotneurons.common import artifacts
     from hotneurons.kernels.cold import set_threads
-    from hotneurons.kernels.ops import default_ops
     from hotneurons.models import build_model
-    from hotneurons.models.family import RELU_FAMILY, adapter_for
     from hotneurons.models.ffn_weights import FFNWeights
     from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.balance import pcie_share
-    from hotneurons.runtime.gated import gate_taus, uses_gate
-    from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
     from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
-    from hotneurons.runtime.placement import plan_figures, solved_summary
-    from hotneurons.runtime.source_steps import SourceSteps
     from tqdm.auto import tqdm
 
-    if cfg.ctx is not None and cfg.ctx < 1:
-        raise ValueError(f"--ctx {cfg.ctx}: the static KV cache needs at least 1 token (leave it out for the "
-                         f"placement's)")
+    check_ctx(cfg)
     if meta is not None and model is None:
         src = meta["model"]["source"]
         model, gguf_file = src["path"], gguf_file or src.get("gguf_file")
     activation = meta["model"]["activation"] if meta is not None and meta["model"]["activation"] == "drelu" else None
     source, sid, mcfg, act = open_model(model, gguf_file, activation)
     if mcfg.moe:
-        from hotneurons.runtime.moe_load import load_moe_runtime
-
         return load_moe_runtime(run, cfg, source, sid, mcfg, act, placement)
     adapter = adapter_for(source.config)
     info = model_info(source, sid, act, adapter.name, adapter.gated)
     device, dtype = device_and_dtype(cfg)
     L, n = info["n_layers"], info["n_neurons"]
-    predictors = taus = None
+    predictors = None
     solved = None  # pi-solve's summary, where the placement came from pi-solve
-    if placement is None and run is not None and (run / "placement" / "placement.parquet").exists():
-        placement = Placement.from_run(run, info)
-        solved = solved_summary(run)
-    mode = cfg.mode
-    oracle = mode == "hybrid" and cfg.oracle
-    if mode == "hybrid" and not oracle and (not use_predictor or cfg.sparsity == 0):
-        mode = "dense"
+    if placement is None:
+        placement, solved = solved_placement(run, info)
+    mode = resolved_mode(cfg, use_predictor)
     gate = mode == "hybrid" and uses_gate(cfg)
-    mask = "dense" if mode == "dense" else ("oracle" if oracle else ("gate" if gate else "predictor"))
+    mask = mask_kind(mode, cfg.oracle, gate)
     gtaus = gate_taus(run, cfg, act, L) if gate else None
 
     pwri = run is None and getattr(source, "powerinfer", False)  # PowerInfer's own file: predictors and split in it
@@ -197,24 +186,14 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         predictors = file_predictors(source, dtype)
         placement = placement or file_placement(source, L)
     elif mask == "predictor":
-        from hotneurons.artifacts.predictor_file import load_predictors
-
         if run is None:  # a model file alone (not PowerInfer's, which carries its own): no predictors to read
             raise ArtifactError("hybrid mode needs predictors: pass --run RUN (pi-profile, pi-solve, "
                                 "pi-train-predictors), or use --mode dense (--no-predictor) or --oracle with a "
                                 "placement")
-
-        predictors = load_predictors(run, info, device="cpu", dtype=dtype)
-        if recall is not None:
-            predictors.set_recall(recall)
-    if run is not None and (run / "profile" / "meta.json").exists():
-        _, pmeta = read_profile(run)
-        artifacts.check_same_model(pmeta, {"model": info}, f"profile {run / 'profile'}", "the model")
-        taus = pmeta.layer_taus
-    if mode == "hybrid" and placement is None:
-        raise ArtifactError("hybrid mode needs a placement: run `pi-solve --run RUN` first, or use --mode dense")
-    if mask == "oracle" and taus is None and act not in RELU_FAMILY:
-        raise ArtifactError(f"--oracle on a {act} model needs the profile's thresholds (RUN/profile/)")
+        predictors = run_predictors(run, info, dtype, recall)
+    taus = profile_taus(run, info)
+    need_placement(mode, placement)
+    need_oracle_taus(mask, taus, act)
     placement = placement or Placement.uniform(L, n, True)
     if len(placement.gpu) != L or any(len(g) != n for g in placement.gpu):
         raise ArtifactError(f"the placement is for {len(placement.gpu)} layers of {len(placement.gpu[0])} neurons, the "
@@ -227,7 +206,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         import warnings
 
         warnings.warn(notice, stacklevel=2)
-    ctx = cfg.ctx or min(solved.flags.ctx if solved is not None else CAPACITY, mcfg.max_positions)
+    ctx = static_ctx(cfg, solved, mcfg.max_positions)
     need = plan_bytes(source, placement, cold_fmt, hot_fmt, dtype, ctx, info,
                       neuron_major=gate and torch.device(device).type == "cuda")
     check_fits(need, device, cfg.vram, ctx)
@@ -247,19 +226,76 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
         for name in w.names(i):
             if name in source.infos:
                 source.release(name)
-    tok = source.tokenizer()
-    eos = getattr(tok, "eos_token_id", None)
-    lm = SourceModel(decoder, tok, act, sid, info, source.config, set() if eos is None else {int(eos)})
-    # what the device really holds (the plan estimated it); an untied embedding stays in CPU RAM (models/common.py)
-    host_embedding = 0 if mcfg.tied_embeddings else tensor_bytes(decoder.tok_embd)
+    lm = source_model(decoder, source, act, sid, info)
+    # what the device really holds (the plan estimated it)
+    host_embedding = host_embedding_bytes(mcfg, decoder)
     bytes_cpu = sum(f.cold_bytes() for f in ffns) + host_embedding
     bytes_gpu = tensor_bytes(decoder, *ffns, device=device) - (host_embedding if device == "cpu" else 0)
     check_vram(bytes_gpu, device, cfg.vram, ctx)
-    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
-    # decode steps as CUDA graphs over the decoder's own cache (eager on a CPU, the same pieces)
-    fast = (SourceSteps(decoder, ffns, torch.device(device), dtype, cfg.cuda_graphs, ops, cfg.prelaunch)
-            if cfg.static_decode else None)
+    fast = source_steps(decoder, ffns, cfg, device, dtype)
     rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
     rt.pcie_share = pcie_share(rt, mask)
     plan_figures(rt, solved)
+    return rt
+
+
+def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: Any, act: str,
+                     placement: Any = None) -> Any:
+    """The Runtime of a mixture of experts (source opened by models/open.open_model), `placement` its expert mask
+    (runtime/moe_load.py: the expert placement's rules)."""
+    import warnings
+
+    from hotneurons.kernels.cold import set_threads
+    from hotneurons.models import build_model
+    from hotneurons.models.open import model_info
+    from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes
+    from hotneurons.runtime.moe_ffn import HybridMoE
+    from hotneurons.runtime.placement import solved_summary
+
+    if cfg.mode == "hybrid" and cfg.oracle:
+        raise ArtifactError("--oracle computes a dense FFN's true masks; a mixture of experts' router is exact "
+                            "already: drop --oracle")
+    if cfg.mode == "layer-split":
+        raise ArtifactError("layer-split runs dense FFNs through transformers; a mixture of experts runs hybrid: "
+                            "use --mode hybrid")
+    info = model_info(source, sid, act, "moe", True)
+    info |= {"n_experts": mcfg.n_experts, "n_experts_used": mcfg.n_experts_used, "n_ff_exp": mcfg.n_ff_exp}
+    device, dtype = device_and_dtype(cfg)
+    L, E = mcfg.n_layers, mcfg.n_experts
+    gpu, solved, where = expert_mask(placement, L, E), None, "given"
+    if gpu is None and run is not None and (run / "placement" / "meta.json").exists():
+        gpu, solved, where = run_placement(run, info, L, E), solved_summary(run), str(run / "placement")
+    ctx = static_ctx(cfg, solved, mcfg.max_positions)  # as the dense path sizes it
+    if gpu is None:
+        gpu, where = default_mask(source, L, E, dtype, ctx, info, cfg.vram), "default"
+        if run is not None:
+            warnings.warn(f"{run / 'placement'} holds no expert placement: every expert that fits goes to the "
+                          f"device (run `pi-solve --run {run}` to place them)", stacklevel=3)
+    check_fits(plan_moe_bytes(source, gpu, dtype, ctx, info), device, cfg.vram, ctx)
+    threads = set_threads(cfg.threads)
+
+    def weights(name: str):
+        return source.get(name) if name in source.infos else None
+
+    def release(name: str) -> int:
+        return source.release(name) if name in source.infos else 0
+
+    decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
+    ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release, source.release_view) for i in range(L)]
+    stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
+    # ctx as the decoder's cache holds
+    cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored, ctx=ctx)
+    lm = source_model(decoder, source, act, sid, info)
+    host_embedding = host_embedding_bytes(mcfg, decoder)
+    bytes_cpu = sum(f.cold_bytes() for f in ffns) + host_embedding
+    bytes_gpu = (tensor_bytes(decoder, device=device) - (host_embedding if device == "cpu" else 0)
+                 + sum(f.device_bytes() for f in ffns))
+    check_vram(bytes_gpu, device, cfg.vram, ctx)
+    # decode steps as the dense path's (CUDA graphs, the CPU's experts between them; eager pieces on a CPU); prefill
+    # runs through engine.forward, HybridMoE.forward batching tokens per expert
+    fast = source_steps(decoder, ffns, cfg, device, dtype)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
+    plan_figures(rt, solved)
+    rt.plan_expert_share = None if solved is None or solved.experts is None else solved.experts.gpu_share_routed
+    rt.expert_placement = where
     return rt

@@ -1,6 +1,6 @@
-"""A mixture of experts read in place into our decoder (runtime/engine.py's path for MoE files): attention, norms,
-embeddings and head as the dense engine loads them, and one `HybridMoE` per layer (runtime/moe_ffn.py) with the
-experts that the placement puts on the device there and the others read by the CPU from the file's own rows.
+"""A mixture of experts' expert placement and figures: the rules that runtime/load.load_moe_runtime (the MoE files'
+path into our decoder, one `HybridMoE` per layer from runtime/moe_ffn.py) reads its placement by, the run's checks,
+and generate's expert stats.
 
 The placement is a (layers, experts) bool mask (pi-solve's ExpertPlacement.gpu, or a plain array): True = the expert
 lives on the compute device. A run's is read from RUN/placement/ (experts.parquet, checked to be this model's; its
@@ -13,8 +13,6 @@ so `hybrid` and `dense` modes run alike and no predictors are read; `--oracle` d
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,71 +104,3 @@ def default_mask(source: Any, L: int, E: int, dtype: torch.dtype, ctx: int, info
     keep = int(np.clip((vram - none) // per if per else E, 0, E))
     gpu[:, keep:] = False
     return gpu
-
-
-def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: Any, act: str,
-                     placement: Any = None) -> Any:
-    """The Runtime of a mixture of experts (source opened by models/open.open_model), `placement` its expert mask."""
-    from hotneurons.kernels.cold import set_threads
-    from hotneurons.kernels.ops import default_ops
-    from hotneurons.models import build_model
-    from hotneurons.models.open import model_info
-    from hotneurons.runtime.engine import SourceModel
-    from hotneurons.runtime.generate import CAPACITY, Runtime, device_and_dtype
-    from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes
-    from hotneurons.runtime.moe_ffn import HybridMoE
-    from hotneurons.runtime.placement import plan_figures, solved_summary
-    from hotneurons.runtime.source_steps import SourceSteps
-
-    if cfg.mode == "hybrid" and cfg.oracle:
-        raise ArtifactError("--oracle computes a dense FFN's true masks; a mixture of experts' router is exact "
-                            "already: drop --oracle")
-    if cfg.mode == "layer-split":
-        raise ArtifactError("layer-split runs dense FFNs through transformers; a mixture of experts runs hybrid: "
-                            "use --mode hybrid")
-    info = model_info(source, sid, act, "moe", True)
-    info |= {"n_experts": mcfg.n_experts, "n_experts_used": mcfg.n_experts_used, "n_ff_exp": mcfg.n_ff_exp}
-    device, dtype = device_and_dtype(cfg)
-    L, E = mcfg.n_layers, mcfg.n_experts
-    gpu, solved, where = expert_mask(placement, L, E), None, "given"
-    if gpu is None and run is not None and (run / "placement" / "meta.json").exists():
-        gpu, solved, where = run_placement(run, info, L, E), solved_summary(run), str(run / "placement")
-    # the KV cache the solver reserved room for, as the dense path sizes it
-    ctx = cfg.ctx or min(solved.flags.ctx if solved is not None else CAPACITY, mcfg.max_positions)
-    if gpu is None:
-        gpu, where = default_mask(source, L, E, dtype, ctx, info, cfg.vram), "default"
-        if run is not None:
-            warnings.warn(f"{run / 'placement'} holds no expert placement: every expert that fits goes to the "
-                          f"device (run `pi-solve --run {run}` to place them)", stacklevel=3)
-    check_fits(plan_moe_bytes(source, gpu, dtype, ctx, info), device, cfg.vram, ctx)
-    threads = set_threads(cfg.threads)
-
-    def weights(name: str):
-        return source.get(name) if name in source.infos else None
-
-    def release(name: str) -> int:
-        return source.release(name) if name in source.infos else 0
-
-    decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
-    ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release, source.release_view) for i in range(L)]
-    stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
-    # ctx as the decoder's cache holds
-    cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored, ctx=ctx)
-    tok = source.tokenizer()
-    eos = getattr(tok, "eos_token_id", None)
-    lm = SourceModel(decoder, tok, act, sid, info, source.config, set() if eos is None else {int(eos)})
-    host_embedding = 0 if mcfg.tied_embeddings else tensor_bytes(decoder.tok_embd)
-    bytes_cpu = sum(f.cold_bytes() for f in ffns) + host_embedding
-    bytes_gpu = (tensor_bytes(decoder, device=device) - (host_embedding if device == "cpu" else 0)
-                 + sum(f.device_bytes() for f in ffns))
-    check_vram(bytes_gpu, device, cfg.vram, ctx)
-    # decode steps as the dense path's (runtime/source_steps.py: CUDA graphs, the CPU's experts between them; eager
-    # pieces on a CPU); prefill runs through engine.forward, HybridMoE.forward batching tokens per expert
-    ops = default_ops(torch.device(device)) if cfg.ops == "auto" else cfg.ops
-    fast = (SourceSteps(decoder, ffns, torch.device(device), dtype, cfg.cuda_graphs, ops, cfg.prelaunch)
-            if cfg.static_decode else None)
-    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, [], bytes_gpu, bytes_cpu, L, threads, fast)
-    plan_figures(rt, solved)
-    rt.plan_expert_share = None if solved is None or solved.experts is None else solved.experts.gpu_share_routed
-    rt.expert_placement = where
-    return rt

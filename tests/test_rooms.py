@@ -38,7 +38,7 @@ KNOWN_CIRCLES = {
     frozenset({"weights.qtensor", "weights.quants"}),
     frozenset({"weights.gguf_file", "weights.gguf_source", "weights.safetensors_source", "weights.source"}),
     frozenset({"kernels.cold_k", "kernels.cold_q_ir"}),
-    frozenset({"runtime.balance", "runtime.generate", "runtime.moe_load"}),
+    frozenset({"runtime.balance", "runtime.generate"}),  # TYPE_CHECKING: balance names generate.Runtime
     frozenset({"server.app", "server.serve"}),
     frozenset({"bench.parity", "bench.parity_report"}),
 }
