@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from hotneurons.bench import bench_model as bm
 from hotneurons.bench import memory_models as mm
+from hotneurons.weights.names import layer_name
 
 Q4 = "q4_0"
 
@@ -60,7 +61,7 @@ def layer_weights(s: mm.Shape, shape: str, i: int, seed: int, std: float, rank: 
     (o_proj's and down's row 0 are zero), gate column 0 zero until calibrated."""
     g = torch.Generator(device).manual_seed(seed * 1_000_003 + 1000 * (i + 1))
     d, n, kv = s.d_model, s.n_neurons, s.n_kv_heads * s.head_dim
-    p = f"blk.{i}."
+    p = layer_name(i)
     w = {p + "attn_norm.weight": torch.ones(d, device=device), p + "ffn_norm.weight": torch.ones(d, device=device),
          p + "attn_q.weight": _randn(g, (d, d), std, device), p + "attn_k.weight": _randn(g, (kv, d), std, device),
          p + "attn_v.weight": _randn(g, (kv, d), std, device), p + "attn_output.weight": _randn(g, (d, d), std, device),
@@ -148,8 +149,8 @@ def _calibrated(s: mm.Shape, shape: str, device: str, seed: int, std: float, emb
     stored.clear()
     for i in range(s.n_layers):
         lw = layer_weights(s, shape, i, seed, std, rank, device)
-        a, b = lw.pop(f"blk.{i}.gate_factors")
-        p = f"blk.{i}."
+        a, b = lw.pop(layer_name(i, "gate_factors"))
+        p = layer_name(i)
         for name, t in lw.items():
             if t.dim() == 1:
                 stored[name] = floats[name] = t

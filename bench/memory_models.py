@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hotneurons.weights.names import layer_name
 
 WRITER_VERSION = 3  # bump when the files written for a shape change: manifests of older files then do not match
 STD = 0.02
@@ -86,7 +87,7 @@ def tensor_plan(s: Shape) -> list[TensorSpec]:
            TensorSpec("model.norm.weight", "output_norm.weight", (d,), norm=True),
            TensorSpec("lm_head.weight", "output.weight", (s.vocab, d))]
     for i in range(s.n_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
+        p, b = f"model.layers.{i}.", layer_name(i)
         out += [TensorSpec(p + "input_layernorm.weight", b + "attn_norm.weight", (d,), norm=True),
                 TensorSpec(p + "self_attn.q_proj.weight", b + "attn_q.weight", (d, d), permute_heads=s.n_heads),
                 TensorSpec(p + "self_attn.k_proj.weight", b + "attn_k.weight", (kv, d), permute_heads=s.n_kv_heads),

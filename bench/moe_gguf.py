@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from hotneurons.bench import bench_model as bm
 from hotneurons.bench.shapes import CONST, EMBED_STD
+from hotneurons.weights.names import layer_name
 
 Q4_BLOCK, Q4_BYTES = 32, 18  # Q4_0: 32 weights in 18 bytes
 CAL_STEPS = 200
@@ -149,7 +150,7 @@ def tensor_plan(s: MoEShape) -> list[tuple[str, tuple[int, ...], bool]]:
     out = [("token_embd.weight", (s.vocab, d), True), ("output_norm.weight", (d,), False),
            ("output.weight", (s.vocab, d), True)]
     for i in range(s.n_layers):
-        p = f"blk.{i}."
+        p = layer_name(i)
         out += [(p + "attn_norm.weight", (d,), False), (p + "attn_q.weight", (q, d), True),
                 (p + "attn_k.weight", (kv, d), True), (p + "attn_v.weight", (kv, d), True),
                 (p + "attn_output.weight", (d, q), True)]
@@ -269,7 +270,7 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
     target = target_shares(s, routing)
     q, kv, E, n, d = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_experts, s.n_ff, s.d
     for i in range(s.n_layers):
-        p, g = f"blk.{i}.", _gen(seed, i, device=device)
+        p, g = layer_name(i), _gen(seed, i, device=device)
         out: list[np.ndarray] = []  # the layer's tensors in the file's order
         ones = torch.ones(d, device=device)
         floats[p + "attn_norm.weight"] = ones

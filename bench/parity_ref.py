@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from hotneurons.weights.names import layer_name
 
 Q8_0_TYPES = {"Q4_0", "Q5_0", "Q8_0", "IQ4_NL"}
 Q8_1_TYPES = {"Q4_1": 20, "Q5_1": 24}  # their block bytes: fp16 d, fp16 m (the min), then the quants
@@ -134,7 +135,7 @@ class Reference:
         h = self.w["token_embd.weight"][0][np.asarray(ids)]  # (T, d)
         causal = np.triu(np.full((T, T), -np.inf), 1)
         for i in range(self.layers):
-            p = f"blk.{i}."
+            p = layer_name(i)
             x = self._norm(h, p + "attn_norm.weight")
             q = self._rope(self._mm(x, p + "attn_q.weight", rounded).reshape(T, H, hd))
             k = self._rope(self._mm(x, p + "attn_k.weight", rounded).reshape(T, K, hd))

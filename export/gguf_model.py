@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common.kinds import FixableError
+from hotneurons.weights.names import layer_name
 
 
 class ExportError(FixableError, ValueError):
@@ -164,20 +165,20 @@ def llama_tensors(state: Mapping[str, torch.Tensor], cfg: Any, *, ffn: Callable[
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         q, k = state[p + "self_attn.q_proj.weight"], state[p + "self_attn.k_proj.weight"]
-        out += [f32(f"blk.{i}.attn_norm.weight", state[p + "input_layernorm.weight"]),
-                Tensor(f"blk.{i}.attn_q.weight", tuple(q.shape), np.dtype(np.float16),
-                       lambda q=q, i=i: host(permute_qk(q, n_heads), np.float16, f"blk.{i}.attn_q.weight")),
-                Tensor(f"blk.{i}.attn_k.weight", tuple(k.shape), np.dtype(np.float16),
-                       lambda k=k, i=i: host(permute_qk(k, n_kv), np.float16, f"blk.{i}.attn_k.weight")),
-                f16(f"blk.{i}.attn_v.weight", state[p + "self_attn.v_proj.weight"]),
-                f16(f"blk.{i}.attn_output.weight", state[p + "self_attn.o_proj.weight"]),
-                f32(f"blk.{i}.ffn_norm.weight", state[p + "post_attention_layernorm.weight"])]
+        out += [f32(layer_name(i, "attn_norm.weight"), state[p + "input_layernorm.weight"]),
+                Tensor(layer_name(i, "attn_q.weight"), tuple(q.shape), np.dtype(np.float16),
+                       lambda q=q, i=i: host(permute_qk(q, n_heads), np.float16, layer_name(i, "attn_q.weight"))),
+                Tensor(layer_name(i, "attn_k.weight"), tuple(k.shape), np.dtype(np.float16),
+                       lambda k=k, i=i: host(permute_qk(k, n_kv), np.float16, layer_name(i, "attn_k.weight"))),
+                f16(layer_name(i, "attn_v.weight"), state[p + "self_attn.v_proj.weight"]),
+                f16(layer_name(i, "attn_output.weight"), state[p + "self_attn.o_proj.weight"]),
+                f32(layer_name(i, "ffn_norm.weight"), state[p + "post_attention_layernorm.weight"])]
         if ffn is not None:
             out += ffn(i)
         else:
-            out += [f16(f"blk.{i}.ffn_gate.weight", state[p + "mlp.gate_proj.weight"]),
-                    f16(f"blk.{i}.ffn_up.weight", state[p + "mlp.up_proj.weight"]),
-                    f16(f"blk.{i}.ffn_down.weight", state[p + "mlp.down_proj.weight"])]
+            out += [f16(layer_name(i, "ffn_gate.weight"), state[p + "mlp.gate_proj.weight"]),
+                    f16(layer_name(i, "ffn_up.weight"), state[p + "mlp.up_proj.weight"]),
+                    f16(layer_name(i, "ffn_down.weight"), state[p + "mlp.down_proj.weight"])]
     return out
 
 

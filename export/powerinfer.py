@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common import artifacts
+from hotneurons.weights.names import layer_name
 
 from .gguf_model import (
     ExportError,
@@ -113,8 +114,8 @@ def gpu_index_tensors(gpu_mask: Sequence[np.ndarray]) -> list[Tensor]:
     for i, m in enumerate(gpu_mask):
         idx = np.asarray(m, dtype=bool).astype(np.int32)  # (n_ff,)
         bucket = np.flatnonzero(idx).astype(np.int32)  # (k,), ascending
-        out += [Tensor(f"blk.{i}.gpu_idx", idx.shape, np.dtype(np.int32), lambda a=idx: a),
-                Tensor(f"blk.{i}.gpu_bucket", bucket.shape, np.dtype(np.int32), lambda a=bucket: a)]
+        out += [Tensor(layer_name(i, "gpu_idx"), idx.shape, np.dtype(np.int32), lambda a=idx: a),
+                Tensor(layer_name(i, "gpu_bucket"), bucket.shape, np.dtype(np.int32), lambda a=bucket: a)]
     return out
 
 
@@ -169,12 +170,12 @@ def write_powerinfer(model: Any, vocab: Vocab, predictors: Sequence[tuple[torch.
         p = f"model.layers.{i}.mlp."
         down = state[p + "down_proj.weight"]  # (d, n_ff)
         fc1, fc2 = predictors[i]
-        return [f16(f"blk.{i}.ffn_gate.weight", state[p + "gate_proj.weight"]),  # (n_ff, d)
-                f16(f"blk.{i}.ffn_up.weight", state[p + "up_proj.weight"]),  # (n_ff, d)
-                Tensor(f"blk.{i}.ffn_down_t.weight", (n_ff, d), np.dtype(np.float16),  # a row per neuron
-                       lambda: host(down.t(), np.float16, f"blk.{i}.ffn_down_t.weight")),
-                f16(f"blk.{i}.fc1.weight", fc1),  # (r, d)
-                f16(f"blk.{i}.fc2.weight", fc2)]  # (n_ff, r)
+        return [f16(layer_name(i, "ffn_gate.weight"), state[p + "gate_proj.weight"]),  # (n_ff, d)
+                f16(layer_name(i, "ffn_up.weight"), state[p + "up_proj.weight"]),  # (n_ff, d)
+                Tensor(layer_name(i, "ffn_down_t.weight"), (n_ff, d), np.dtype(np.float16),  # a row per neuron
+                       lambda: host(down.t(), np.float16, layer_name(i, "ffn_down_t.weight"))),
+                f16(layer_name(i, "fc1.weight"), fc1),  # (r, d)
+                f16(layer_name(i, "fc2.weight"), fc2)]  # (n_ff, r)
 
     def metadata(w):
         llama_metadata(w, cfg, name)

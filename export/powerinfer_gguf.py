@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.weights.names import layer_name
 
 from .gguf_model import ExportError, Tensor, host
 from .powerinfer import ARCH, check_predictors, counts_and_masks, write_folder
@@ -37,14 +38,15 @@ def down_t(source, layer: int) -> Tensor:
     from hotneurons.weights.formats import WeightFormat, from_ggml_type, row_bytes, spec
     from hotneurons.weights.qtensor import QTensor
 
-    e = source.file.tensors[f"blk.{layer}.ffn_down.weight"]
+    e = source.file.tensors[layer_name(layer, "ffn_down.weight")]
     d, n = e.shape  # torch order: (d_model, n_ff)
     fmt = from_ggml_type(e.ggml_type)
-    name = f"blk.{layer}.ffn_down_t.weight"
+    name = layer_name(layer, "ffn_down_t.weight")
     floats = {WeightFormat.F16: np.float16, WeightFormat.F32: np.float32}
     if fmt not in (*floats, WeightFormat.Q4_0, WeightFormat.Q8_0):
-        raise ExportError(f"blk.{layer}.ffn_down.weight is {fmt.value}: the down rows are re-cut for PowerInfer from "
-                          f"q4_0, q8_0, f16 or f32 only; quantize the model to one of those (llama-quantize)")
+        raise ExportError(f"{layer_name(layer, 'ffn_down.weight')} is {fmt.value}: the down rows are re-cut for "
+                          f"PowerInfer from q4_0, q8_0, f16 or f32 only; quantize the model to one of those "
+                          f"(llama-quantize)")
 
     def rows() -> np.ndarray:  # (n, d) floats, or (n, row bytes) uint8 blocks
         w = down_t_rows(FFNWeights.from_source(source, layer), torch.arange(n), fmt)
@@ -59,7 +61,7 @@ def tensors_of(source, n_layers: int, predictors: Sequence[tuple[torch.Tensor, t
     """PowerInfer's tensor set from the source (weights/gguf_source.GGUFSource), in its order per layer (the loader
     takes them by name)."""
     f = source.file
-    need = ["token_embd.weight", "output_norm.weight", *(f"blk.{i}.{k}.weight" for i in range(n_layers)
+    need = ["token_embd.weight", "output_norm.weight", *(layer_name(i, f"{k}.weight") for i in range(n_layers)
                                                         for k in (*LAYER_TENSORS, "ffn_down"))]
     missing = [n for n in need if n not in f.tensors]
     if missing:
@@ -69,12 +71,12 @@ def tensors_of(source, n_layers: int, predictors: Sequence[tuple[torch.Tensor, t
            _copied(f, "output.weight") if "output.weight" in f.tensors else  # a tied model: its embedding again
            _copied(f, "token_embd.weight", "output.weight")]
     for i, (fc1, fc2) in enumerate(predictors):
-        out += [_copied(f, f"blk.{i}.{k}.weight") for k in LAYER_TENSORS]
+        out += [_copied(f, layer_name(i, f"{k}.weight")) for k in LAYER_TENSORS]
         out += [down_t(source, i),
-                Tensor(f"blk.{i}.fc1.weight", tuple(fc1.shape), np.dtype(np.float16),  # (r, d)
-                       lambda w=fc1, i=i: host(w, np.float16, f"blk.{i}.fc1.weight")),
-                Tensor(f"blk.{i}.fc2.weight", tuple(fc2.shape), np.dtype(np.float16),  # (n_ff, r)
-                       lambda w=fc2, i=i: host(w, np.float16, f"blk.{i}.fc2.weight"))]
+                Tensor(layer_name(i, "fc1.weight"), tuple(fc1.shape), np.dtype(np.float16),  # (r, d)
+                       lambda w=fc1, i=i: host(w, np.float16, layer_name(i, "fc1.weight"))),
+                Tensor(layer_name(i, "fc2.weight"), tuple(fc2.shape), np.dtype(np.float16),  # (n_ff, r)
+                       lambda w=fc2, i=i: host(w, np.float16, layer_name(i, "fc2.weight")))]
     return out
 
 
@@ -110,7 +112,7 @@ def write_powerinfer_gguf(source, predictors: Sequence[tuple[torch.Tensor, torch
     path, out, f = Path(source.path), Path(out), source.file
     src_arch = str(f.meta.get("general.architecture", ""))
     L = int(f.meta[f"{src_arch}.block_count"])
-    n_ff, d = f.tensors["blk.0.ffn_up.weight"].shape  # (n_ff, d_model)
+    n_ff, d = f.tensors[layer_name(0, "ffn_up.weight")].shape  # (n_ff, d_model)
     arch = ARCH[activation]
     check_predictors(predictors, L, d, n_ff, threshold, vram_capacity)
     counts, gpu_mask = counts_and_masks(counts, gpu_mask, L, n_ff)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError, slugify
+from hotneurons.weights.names import layer_name
 
 from . import FORMATS
 from .gguf_model import ExportError, hf_state, vocab_from_tokenizer
@@ -127,9 +128,10 @@ def _export_gguf(info: dict, model: str | None, pmeta, layers, thresholds, form,
                                "the profile", "the model")
     powerinfer_arch(file.config, act)
     L, d = info["n_layers"], info["d_model"]
-    gamma = [file.get(f"blk.{i}.ffn_norm.weight").float() for i in range(L)]  # (d,) each
+    gamma = [file.get(layer_name(i, "ffn_norm.weight")).float() for i in range(L)]  # (d,) each
     pi_layers, threshold = to_powerinfer(layers, thresholds, form, gamma)
-    neuron = sum(row_bytes(file.infos[f"blk.0.ffn_{k}.weight"].fmt, d) for k in ("gate", "up", "down"))  # bytes
+    neuron = sum(row_bytes(file.infos[layer_name(0, f"ffn_{k}.weight")].fmt, d)
+                 for k in ("gate", "up", "down"))  # bytes
     cap = split_capacity(gpu_mask, vram_capacity, neuron)
     return write_powerinfer_gguf(file, pi_layers, threshold, counts, gpu_mask, cap, out, activation=act,
                                  name=slugify(info["name"]), progress=progress, info={"source": source})

@@ -15,6 +15,7 @@ from hotneurons.models.falcon import Falcon
 from hotneurons.models.llama import Llama
 from hotneurons.models.moe import moe_ffn
 from hotneurons.models.opt import OPT
+from hotneurons.weights.names import layer_name
 
 # moe: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, whose attention is LLaMA's (their FFN: models/moe.py)
 MODELS: dict[str, type[Decoder]] = {"llama": Llama, "gemma": Llama, "opt": OPT, "falcon": Falcon, "moe": Llama}
@@ -44,7 +45,7 @@ def dense_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device 
     if cfg.moe:
         return moe_ffn(weights, cfg, i, device, dtype, release)
     load = Loader(weights, device, dtype, release)
-    p = f"blk.{i}.ffn_"
+    p = layer_name(i, "ffn_")
     up, down = load.matrix(p + "up.weight"), load.matrix(p + "down.weight")
     gate = load.matrix(p + "gate.weight") if cfg.gated else None
     b_up, b_down = (load.tensor(p + "up.bias"), load.tensor(p + "down.bias")) if cfg.ffn_bias else (None, None)

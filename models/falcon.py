@@ -27,6 +27,7 @@ from hotneurons.models.common import (
     rope_tables,
 )
 from hotneurons.models.config import ModelConfig
+from hotneurons.weights.names import layer_name
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Falcon(Decoder):
         self.cos, self.sin = rope_tables(cfg.rope, cfg.head_dim, ctx, self.device, dtype)  # (ctx, hd) each
 
     def _load_layer(self, load: Loader, i: int) -> _Layer:
-        cfg, p = self.cfg, f"blk.{i}."
+        cfg, p = self.cfg, layer_name(i)
         return _Layer(
             attn_norm=load_norm(load, cfg, p + "attn_norm"),
             attn_norm_2=load_norm(load, cfg, p + "attn_norm_2") if cfg.parallel_norms == 2 else None,

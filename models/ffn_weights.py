@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.weights.formats import WeightFormat, nearest, spec, weight_format
+from hotneurons.weights.names import layer_name
 from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 from torch import nn
 
@@ -53,7 +54,7 @@ class FFNWeights:
         def get(name: str):
             return source.get(name) if name in source.infos else None
 
-        p = f"blk.{i}."
+        p = layer_name(i)
         down_t = get(p + "ffn_down_t.weight")
         return cls(up=get(p + "ffn_up.weight"), down=None if down_t is not None else get(p + "ffn_down.weight"),
                    gate=get(p + "ffn_gate.weight"), b_up=get(p + "ffn_up.bias"), b_down=get(p + "ffn_down.bias"),
@@ -65,7 +66,7 @@ class FFNWeights:
         return tuple(self.up.shape)
 
     def names(self, i: int) -> list[str]:
-        p = f"blk.{i}."
+        p = layer_name(i)
         return [p + n for n in ("ffn_up.weight", "ffn_down.weight", "ffn_gate.weight", "ffn_up.bias",
                                 "ffn_down.bias", "ffn_down_t.weight")]
 

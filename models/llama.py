@@ -31,6 +31,7 @@ from hotneurons.models.common import (
     rope_tables,
 )
 from hotneurons.models.config import ModelConfig
+from hotneurons.weights.names import layer_name
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Llama(Decoder):
         self._step_mask = torch.zeros((1, 1, 1, ctx), device=self.device, dtype=dtype)  # (1, 1, 1, ctx) 0 or -inf
 
     def _load_layer(self, load: Loader, i: int) -> _Layer:
-        cfg, p = self.cfg, f"blk.{i}."
+        cfg, p = self.cfg, layer_name(i)
         attn_norm = load_norm(load, cfg, p + "attn_norm")
         wqkv, bqkv = load.fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.attn_bias)
         q_norm = load_norm(load, cfg, p + "attn_q_norm") if cfg.qk_norm else None

@@ -21,6 +21,7 @@ import torch
 from hotneurons.kernels.route import top_k
 from hotneurons.models.common import Loader, WeightFn, _linear, ffn_values
 from hotneurons.models.config import ModelConfig
+from hotneurons.weights.names import layer_name
 
 GATHER_BYTES = 256 << 20  # per gathered projection of a chunk of tokens
 
@@ -44,7 +45,7 @@ def moe_ffn(weights: WeightFn, cfg: ModelConfig, i: int, device: torch.device | 
     if not cfg.moe:
         raise ValueError(f"{cfg.model_type} has no experts (n_experts 0): its FFN is hotneurons.models.dense_ffn")
     load = Loader(weights, device, dtype, release)
-    p, E = f"blk.{i}.ffn_", cfg.n_experts
+    p, E = layer_name(i, "ffn_"), cfg.n_experts
     router = load.tensor(p + "gate_inp.weight")  # (E, d)
     gate = _stacked(load, p + "gate_exps.weight", E)  # (E, n, d)
     up = _stacked(load, p + "up_exps.weight", E)  # (E, n, d)

@@ -25,6 +25,7 @@ from hotneurons.models.common import (
     load_norm,
 )
 from hotneurons.models.config import ModelConfig
+from hotneurons.weights.names import layer_name
 
 POSITION_OFFSET = 2  # OPT's position table starts at row 2 (a fairseq leftover kept in HF's weights)
 
@@ -53,7 +54,7 @@ class OPT(Decoder):
         self.output = load_head(load, cfg, self.tok_embd)  # (vocab, d_embed)
 
     def _load_layer(self, load: Loader, i: int) -> _Layer:
-        cfg, p = self.cfg, f"blk.{i}."
+        cfg, p = self.cfg, layer_name(i)
         attn_norm = load_norm(load, cfg, p + "attn_norm")
         wqkv, bqkv = load.fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], cfg.attn_bias)
         wo = load.matrix(p + "attn_output.weight")

@@ -29,6 +29,7 @@ from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models import MODELS, Decoder, ModelConfig, build_model, ffn_values, gate_values
 from hotneurons.models.ffn_weights import FFNWeights, as_stored, float_format, store
 from hotneurons.weights.formats import WeightFormat
+from hotneurons.weights.names import layer_name
 from hotneurons.weights.qtensor import QTensor
 
 LOGIT_BYTES = 256 << 20  # the head's output is computed this many bytes of (tokens, vocab) at a time
@@ -166,7 +167,7 @@ class StreamedModel:
                 raise prenorm.refusal(self.info["family"], self.info.get("model_type"))
             return None
         offset = 1.0 if self.cfg.norm == "rms_gemma" else 0.0
-        return [FileNorm(self._float(f"blk.{i}.ffn_norm.weight"), self.cfg.norm_eps, offset) for i in self.layers]
+        return [FileNorm(self._float(layer_name(i, "ffn_norm.weight")), self.cfg.norm_eps, offset) for i in self.layers]
 
     def gate_column_norms(self) -> list[torch.Tensor]:
         """Per layer ||W_gate[:, i]||_2 (d,) on the device, WINA's channel weights, each gate matrix read once (as a
@@ -175,10 +176,10 @@ class StreamedModel:
 
         out = []
         for i in self.layers:
-            w = to_device(self.source.get(f"blk.{i}.ffn_gate.weight"), self.device, self.dtype)  # (n, d)
+            w = to_device(self.source.get(layer_name(i, "ffn_gate.weight")), self.device, self.dtype)  # (n, d)
             out.append(column_norms(w))
             del w
-            self.source.release(f"blk.{i}.ffn_gate.weight")
+            self.source.release(layer_name(i, "ffn_gate.weight"))
         return out
 
     def _float(self, name: str) -> torch.Tensor:
@@ -194,13 +195,14 @@ class StreamedModel:
         if self.row_format is not None:  # rounded anew each batch, as the file is read anew: no layer is kept
             w = as_stored(w, self.row_format, dev, dt)
         down = to_device(w.down_t, dev, dt).T if w.down_t is not None else to_device(w.down, dev, dt)  # (d, n)
-        b_gate = self.source.get(f"blk.{i}.ffn_gate.bias") if f"blk.{i}.ffn_gate.bias" in self.source.infos else None
+        bias = layer_name(i, "ffn_gate.bias")
+        b_gate = self.source.get(bias) if bias in self.source.infos else None
         return FloatFFN(up=to_device(w.up, dev, dt), down=down, gate=to_device(w.gate, dev, dt),
                         b_up=to_device(w.b_up, dev, dt), b_gate=to_device(b_gate, dev, dt),
                         b_down=to_device(w.b_down, dev, dt))
 
     def release_ffn(self, i: int) -> None:
-        for name in (f"blk.{i}.{t}" for t in FFN_TENSORS):
+        for name in (layer_name(i, t) for t in FFN_TENSORS):
             if name in self.source.infos:
                 self.source.release(name)
 

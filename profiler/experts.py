@@ -33,6 +33,7 @@ from hotneurons.models.stream_memory import Need, _itemsize
 from hotneurons.models.stream_memory import profile_need as dense_need
 from hotneurons.models.streamed import StreamedModel, to_device
 from hotneurons.profiler.hooks import MagnitudeCollector, count_active
+from hotneurons.weights.names import layer_name
 
 SHARED = -1  # the `expert` of Qwen2-MoE's shared expert in neurons.parquet and on_expert
 
@@ -149,7 +150,7 @@ class ExpertsModel(StreamedModel):
         """Layer i's router and experts from the file, de-quantized on the device (a block format's stacked experts
         come as (E * out, in) rows)."""
         def get(name: str) -> torch.Tensor:
-            return to_device(self.source.get(f"blk.{i}.ffn_{name}.weight"), self.device, self.dtype)
+            return to_device(self.source.get(layer_name(i, f"ffn_{name}.weight")), self.device, self.dtype)
 
         E, d = self.cfg.n_experts, self.cfg.d_model
         gate, up = (get(f"{p}_exps").reshape(E, -1, d) for p in ("gate", "up"))  # (E, n, d) each

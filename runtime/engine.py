@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from hotneurons.common.model_source import ModelSource
 from hotneurons.weights.formats import TORCH_FLOATS, WeightFormat, kernel_format, nearest, spec, weight_format
+from hotneurons.weights.names import layer_name
 
 
 @dataclass
@@ -91,7 +92,7 @@ def conversions(source: Any, device: str, cold: str, hot: str, gpu: Any = None) 
 def formats_for(source: Any, cold_dtype: str, gpu_dtype: str, compute: torch.dtype,
                 device: str) -> tuple[str, str]:
     """(cold rows' format, hot rows' format) from the flags and the file's FFN format."""
-    stored = source.infos["blk.0.ffn_up.weight"].fmt
+    stored = source.infos[layer_name(0, "ffn_up.weight")].fmt
     cold = auto_format(stored, "cpu", compute) if cold_dtype == "auto" else str(weight_format(cold_dtype))
     gpu = auto_format(stored, "gpu", compute, device) if gpu_dtype == "auto" else str(weight_format(gpu_dtype))
     return cold, gpu
@@ -118,7 +119,7 @@ def file_placement(source: Any, n_layers: int) -> Any:
 
     masks = source.gpu_index()
     if masks is None:
-        return Placement.uniform(n_layers, source.infos["blk.0.ffn_up.weight"].shape[0], False)
+        return Placement.uniform(n_layers, source.infos[layer_name(0, "ffn_up.weight")].shape[0], False)
     return Placement(tuple(np.asarray(m, dtype=bool) for m in masks))
 
 
@@ -127,7 +128,7 @@ def requantized(source: Any, cold: str, hot: str) -> None:
     coarser or other grid than theirs: a real cost in quality (`auto` converts them to their nearest format)."""
     import warnings
 
-    stored = source.infos["blk.0.ffn_up.weight"].fmt
+    stored = source.infos[layer_name(0, "ffn_up.weight")].fmt
     s = spec(stored)
     if (s.block > 1 and 4 <= s.bits_per_weight <= 6 and nearest(stored) != WeightFormat.Q4_0
             and WeightFormat.Q4_0 in (cold, hot)):

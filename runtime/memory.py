@@ -20,6 +20,7 @@ import torch
 from hotneurons.common.memory import SLACK, MemoryPlanError, available_host
 from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.weights.formats import bytes_per_weight, kernel_format, spec, weight_format
+from hotneurons.weights.names import layer_name
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ def _hot_bytes(source: Any, i: int, gpu: np.ndarray, d: int, mats: int, hot_fmt:
         return int(n_hot * mats * d * bytes_per_weight(hot_fmt))
     from hotneurons.models.ffn_weights import k_hot_formats
 
-    down = source.infos.get(f"blk.{i}.ffn_down.weight") or source.infos.get(f"blk.{i}.ffn_down_t.weight")
-    rows, dn = k_hot_formats(weight_format(hot_fmt), source.infos[f"blk.{i}.ffn_up.weight"].fmt, down.fmt,
+    down = source.infos.get(layer_name(i, "ffn_down.weight")) or source.infos.get(layer_name(i, "ffn_down_t.weight"))
+    rows, dn = k_hot_formats(weight_format(hot_fmt), source.infos[layer_name(i, "ffn_up.weight")].fmt, down.fmt,
                              dense=n_hot == len(gpu), neuron_major=neuron_major)
     return int(n_hot * d * ((mats - 1) * bytes_per_weight(rows) + bytes_per_weight(dn)))
 
@@ -65,9 +66,9 @@ def _cold_bytes(source: Any, i: int, n_cold: int, d: int, mats: int, cold_fmt: s
     from hotneurons.models.ffn_weights import cold_formats
 
     infos = source.infos
-    down = infos.get(f"blk.{i}.ffn_down.weight") or infos.get(f"blk.{i}.ffn_down_t.weight")
-    gate = infos.get(f"blk.{i}.ffn_gate.weight")
-    rows, dt = cold_formats(weight_format(cold_fmt), infos[f"blk.{i}.ffn_up.weight"].fmt,
+    down = infos.get(layer_name(i, "ffn_down.weight")) or infos.get(layer_name(i, "ffn_down_t.weight"))
+    gate = infos.get(layer_name(i, "ffn_gate.weight"))
+    rows, dt = cold_formats(weight_format(cold_fmt), infos[layer_name(i, "ffn_up.weight")].fmt,
                             None if gate is None else gate.fmt, down.fmt)
     return int(n_cold * d * ((mats - 1) * bytes_per_weight(rows) + bytes_per_weight(dt)))
 

@@ -44,6 +44,7 @@ from hotneurons.runtime import moe_prefill
 from hotneurons.runtime.host_io import MoEHostIO
 from hotneurons.runtime.moe_down_t import build_down_t, wants_down_t
 from hotneurons.runtime.moe_rows import KERNEL_FMTS, PROJ, fmt_name, host_rows, nbytes, requantized, rows2d, unread_rows
+from hotneurons.weights.names import layer_name
 from hotneurons.weights.qtensor import QTensor
 from torch import nn
 
@@ -70,7 +71,7 @@ class HybridMoE(nn.Module):
         self.d_model, self.n_ff = cfg.d_model, cfg.n_ff_exp
         self.activation = str(cfg.activation)
         load = Loader(weights, self.device, dtype, release)
-        p = f"blk.{layer}.ffn_"
+        p = layer_name(layer, "ffn_")
         self.router = load.tensor(p + "gate_inp.weight")  # (E, d) in dtype, as the reference routes
         self.shared = None
         if cfg.n_ff_shexp:
