@@ -157,7 +157,8 @@ def stage_ours(args, work: Path) -> dict:
     ceilings, model, profile, placement, our systems (with --interleave, llama-bench paired in rounds while this
     process is stopped), the kernel rows and the floors. The standalone baselines run after it (stage_bench)."""
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.runtime.generate import RuntimeConfig, layer_split_count
+    from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import layer_split_count
 
     dl = Deadline(args.ours_time_limit)
     skipped: dict = {}

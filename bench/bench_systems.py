@@ -16,7 +16,8 @@ def build_ours(base, cfg, placement, preds, prompt: list[int]):
     """One of our systems (its RuntimeConfig from bench/systems.py) built and warmed up; returns (runtime, build
     seconds)."""
     from hotneurons.runtime.balance import TUNING_TOKENS
-    from hotneurons.runtime.generate import build_runtime, generate
+    from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import build_runtime
 
     lm = copy.deepcopy(base)
     t0 = time.perf_counter()

@@ -33,7 +33,8 @@ from hotneurons.common.model_source import resolve_source
 from hotneurons.models.family import load_model
 from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")

@@ -56,8 +56,8 @@ def main(a) -> dict:
     from hotneurons.artifacts.predictor_file import load_predictors
     from hotneurons.bench import tiny
     from hotneurons.models.family import load_model
-    from hotneurons.runtime.generate import RuntimeConfig, build_runtime
-    from hotneurons.runtime.load import load_source_runtime
+    from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import build_runtime, load_source_runtime
 
     files, run, placement = setup(a.models, a.shape, a.threshold, a.hot_share)
     gguf, hf = files["gguf"]["model"], files["hf"]["model"]

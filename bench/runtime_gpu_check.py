@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from hotneurons.artifacts.placement import Placement  # noqa: E402
 from hotneurons.bench import bench_ceilings, record, tiny  # noqa: E402
 from hotneurons.bench import bench_model as bm  # noqa: E402
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate, layer_split_count  # noqa: E402
+from hotneurons.runtime.generate import RuntimeConfig, generate  # noqa: E402
+from hotneurons.runtime.load import build_runtime, layer_split_count  # noqa: E402
 from hotneurons.runtime.static_decoder import cache_bytes  # noqa: E402
 
 DEV = "cuda"

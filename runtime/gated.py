@@ -6,7 +6,7 @@ neuron is its own exact predictor, so profile -> solve -> generate needs no trai
 predictors whose profile tabulates gated thresholds decodes dense (`default_sparsity`): on the 70B-class shape the
 gate mask at the criterion that keeps SmolLM2's perplexity within 1.08x (`h` at 0.5) decoded slower than the dense
 mask (docs/gated.md), so skipping neurons is the user's choice, not the default. `--sparsity 0` is the dense mask.
-Both runtime builders (generate.build_runtime, load.load_source_runtime) and check_run ask here, so they agree.
+Both dense runtime builders (load.build_runtime, load.load_source_runtime) and check_run ask here, so they agree.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`generate`: batch-1 decoding with the hybrid runtime; `build_runtime` lays a loaded model out for a placement.
+"""`generate`: batch-1 decoding with the hybrid runtime (runtime/load.py builds it; load.build_runtime lays a
+transformers model out for a placement).
 
 The model stays a transformers causal LM (its attention, norms, RoPE and KV cache are reused for every family);
 each decoder layer's FFN is replaced by a `HybridFFN` (runtime/hybrid_ffn.py). Modes:
@@ -11,43 +12,26 @@ each decoder layer's FFN is replaced by a `HybridFFN` (runtime/hybrid_ffn.py). M
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from hotneurons.artifacts.placement import Placement
-from hotneurons.artifacts.predictors import PredictorForm
-from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.kinds import GpuOps, RuntimeMode, choose
 from hotneurons.common.model_source import text_config
-from hotneurons.common.prenorm import ffn_norms
-from hotneurons.kernels.cold import set_threads
-from hotneurons.kernels.names import COLD_DTYPES
 from hotneurons.models.family import LoadedModel
 from hotneurons.models.family import (
     step as hf_step,
 )
-from hotneurons.runtime.balance import ShareBalance, pcie_share, tune_mapped_rows
+from hotneurons.runtime.balance import ShareBalance, tune_mapped_rows
 from hotneurons.runtime.config import RuntimeConfig
 from hotneurons.runtime.engine import SourceModel
 from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
-from hotneurons.runtime.load_checks import (
-    check_ctx,
-    device_and_dtype,
-    gpu_ops,
-    mask_kind,
-    need_oracle_taus,
-    need_placement,
-)
 from hotneurons.runtime.moe_load import expert_stats
-from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
+from hotneurons.runtime.offload import OnCPULayer
 from hotneurons.runtime.sampling import Sampling, sample
-from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
 
 
 @dataclass
@@ -79,104 +63,6 @@ class Runtime:
     @property
     def mode(self) -> str:
         return "oracle" if (self.cfg.mode == "hybrid" and self.cfg.oracle) else self.cfg.mode
-
-
-def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None, dtype: torch.dtype) -> int:
-    """Decoder layers that fit on the device: (vram - everything outside the layers) // bytes per layer."""
-    n_layers = len(lm.layers)
-    if gpu_layers is not None:
-        if not 0 <= gpu_layers <= n_layers:
-            raise ValueError(f"--gpu-layers {gpu_layers} is out of range: the model has {n_layers} layers")
-        return gpu_layers
-    if vram is None:
-        raise ValueError("layer-split needs a budget: pass --vram (e.g. 8GB) or --gpu-layers N")
-    size = torch.tensor([], dtype=dtype).element_size()
-    per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
-    params = lm.info["params"]  # as loaded, whether the embedding has left the module tree yet or not
-    on_cpu = params["embedding"] if params["lm_head"] else 0  # an untied input embedding (offload.embedding_to_cpu)
-    fixed = (params["total"] - on_cpu) * size - sum(per_layer)
-    if vram < fixed:
-        raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the LM head, norms (and a tied embedding) need "
-                         f"on the device: raise --vram")
-    k, used = 0, fixed
-    while k < n_layers and used + per_layer[k] <= vram:
-        used += per_layer[k]
-        k += 1
-    return k
-
-
-def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | None = None,
-                  predictors: Any = None, taus: list[float] | None = None,
-                  gate_taus: list[tuple[float, float]] | None = None) -> Runtime:
-    """Lay the (CPU-resident) model out for `cfg` and move its device part to the device. Modifies `lm` in place.
-
-    `predictors`: hotneurons.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
-    thresholds of non-ReLU models (oracle masks), None for ReLU-family models; `gate_taus`: per layer (tau_g, tau_h)
-    of mask 'gate' (runtime/gated.py), which then replaces the predictors.
-    """
-    choose(cfg.mode, RuntimeMode, "mode")
-    if cfg.cold_dtype == "auto":  # an HF model in memory holds floats: bf16 rows lose the least
-        cfg = replace(cfg, cold_dtype="bf16")
-    if cfg.cold_dtype not in COLD_DTYPES:
-        raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
-    choose(cfg.ops, ("auto", *GpuOps.values()), "ops")
-    if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
-        raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
-                         f"or leave it out to measure it")
-    check_ctx(cfg)
-    device, dtype = device_and_dtype(cfg)
-    threads = set_threads(cfg.threads)
-    info, n_layers = lm.info, len(lm.layers)
-    mask = mask_kind(cfg.mode, cfg.oracle, gate_taus is not None)
-    need_placement(cfg.mode, placement)
-    if mask == "predictor" and predictors is None:
-        raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
-                            "(true masks) or --no-predictor (dense)")
-    need_oracle_taus(mask, taus, lm.activation)
-    if cfg.mode == "layer-split":
-        k = layer_split_count(lm, cfg.vram, cfg.gpu_layers, dtype)
-        placement = Placement.uniform(n_layers, info["n_neurons"], False)
-    else:
-        k = n_layers
-        placement = placement or Placement.uniform(n_layers, info["n_neurons"], True)
-    # the powerinfer form reads the residual before each layer's pre-FFN RMSNorm (refused for families without one)
-    prenorm = mask == "predictor" and getattr(predictors, "form", None) == PredictorForm.POWERINFER
-    norms = ffn_norms(lm) if prenorm else None
-    lm.model.to("cpu", dtype)
-    ffns: list[HybridFFN] = []
-    cpu_layers: list[OnCPULayer] = []
-    for i in range(n_layers):
-        if i < k and cfg.mode == "layer-split":
-            continue  # a whole dense layer on the device, untouched
-        # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
-        pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
-        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
-                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None,
-                        gate_taus=gate_taus[i] if mask == "gate" else None)
-        if norms is not None:
-            ffn.watch_norm(norms[i].module)  # HF's layers; the static decoder passes the residual itself
-        install(lm, i, ffn)
-        ffns.append(ffn)
-        if cfg.mode == "layer-split":
-            layers = lm.layers
-            cpu_layers.append(OnCPULayer(layers[i], device, dtype))
-            layers[i] = cpu_layers[-1]
-    embedding_to_cpu(lm, device)  # untied: one row a token is read, from CPU RAM (pi-solve counts it there)
-    lm.model.to(device)
-    bytes_gpu, bytes_cpu = count_bytes(lm, ffns, cpu_layers)
-    static = cfg.static_decode and cfg.mode != "layer-split" and supported(lm, ffns) is None
-    ctx = cfg.ctx or CAPACITY
-    bytes_gpu += cache_bytes(lm, ctx, dtype) if static else 0  # the static KV cache, allocated below
-    if cfg.vram is not None and bytes_gpu > cfg.vram:
-        cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
-        raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
-                         f"pi-solve with this budget, or raise --vram")
-    ops = gpu_ops(cfg, device)
-    fast = (StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops, cfg.prelaunch) if static
-            else None)
-    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
-    rt.pcie_share = pcie_share(rt, mask)
-    return rt
 
 
 # ---------------------------------------------------------------------------------------------------------------

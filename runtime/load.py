@@ -1,21 +1,27 @@
-"""Reading a run directory into a runtime: `check_run` (the run's files, each checked before the model loads) and
-`load_runtime`, the runtime's one entry: the model the run was made for, its placement, predictors and profile
-thresholds, laid out by one of three builders by the model's kind: a transformers model by generate.build_runtime, a
-dense model read in place into our decoder by `load_source_runtime`, a mixture of experts by `load_moe_runtime`. The
-stages that run the runtime build it here; the checks the builders share are runtime/load_checks.py's.
+"""The runtime's builders, and `load_runtime`, their one entry from a run directory (its files checked before the
+model loads by load_checks.check_run): the model the run was made for, its placement, predictors and profile
+thresholds, laid out by the model's kind: a transformers model by `build_runtime` (layer-split, --hf-decode, hub ids),
+a dense model read in place into our decoder by `load_source_runtime`, a mixture of experts by `load_moe_runtime`. The
+checks they share are runtime/load_checks.py's; the decode loop over what they build is runtime/generate.py's.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from hotneurons.artifacts.profile import check_profile
-from hotneurons.common import artifacts
+from hotneurons.artifacts.placement import Placement
+from hotneurons.artifacts.predictors import PredictorForm
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.models.family import adapter_for, check_model, load_model, load_model_from_meta
+from hotneurons.common.kinds import GpuOps, RuntimeMode, choose
+from hotneurons.common.prenorm import ffn_norms
+from hotneurons.kernels.cold import set_threads
+from hotneurons.kernels.names import COLD_DTYPES
+from hotneurons.models.family import LoadedModel, adapter_for, check_model, load_model, load_model_from_meta
+from hotneurons.runtime.balance import pcie_share
 from hotneurons.runtime.config import PRESETS, RuntimeConfig
 from hotneurons.runtime.engine import (
     conversions,
@@ -25,11 +31,15 @@ from hotneurons.runtime.engine import (
     requantized,
 )
 from hotneurons.runtime.gated import default_sparsity, gate_taus, uses_gate
-from hotneurons.runtime.generate import Runtime, build_runtime
+from hotneurons.runtime.generate import Runtime
+from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.load_checks import (
     check_ctx,
+    check_run,
     check_sparsity,
     device_and_dtype,
+    first_meta,
+    gpu_ops,
     host_embedding_bytes,
     mask_kind,
     need_oracle_taus,
@@ -42,45 +52,10 @@ from hotneurons.runtime.load_checks import (
     source_steps,
     static_ctx,
 )
-from hotneurons.runtime.moe_load import check_moe_run, default_mask, expert_mask, is_moe_run, run_placement
+from hotneurons.runtime.moe_load import default_mask, expert_mask, is_moe_run, run_placement
+from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
 from hotneurons.runtime.placement import plan_figures
-
-
-def _first_meta(run_dir: Path) -> dict | None:
-    for stage in ("placement", "predictors", "profile"):
-        p = run_dir / stage / "meta.json"
-        if p.exists():
-            try:
-                meta = artifacts.read_json(p)
-            except (ValueError, OSError) as e:
-                raise ArtifactError(f"{p} is not valid JSON ({e}): re-run the stage that wrote it") from None
-            if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
-                raise ArtifactError(f"{p} names no model: re-run the stage that wrote it")
-            return meta
-    return None
-
-
-def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: bool = False) -> None:
-    """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
-    line naming it (missing, empty, cut short, of another format). A mixture of experts' run (`moe`) needs no
-    predictors: its router picks the experts (runtime/moe_load.check_moe_run)."""
-    from hotneurons.artifacts.placement import PlacementMeta
-    from hotneurons.artifacts.predictor_file import check_predictors
-
-    if (run / "profile" / "meta.json").exists():
-        check_profile(run)
-    if moe:
-        return check_moe_run(run)
-    if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
-        PlacementMeta.load(run / "placement" / "meta.json")
-        artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
-                              f"pi-solve --run {run}")
-    if cfg.mode == "hybrid" and not cfg.oracle and not uses_gate(cfg):
-        if not (run / "predictors" / "predictors.safetensors").exists():
-            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
-                                f"pass --sparsity S (a gated model's own gates), --no-predictor (dense) or --oracle "
-                                f"(true masks)")
-        check_predictors(run, recall)
+from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
 
 
 def reads_in_place(meta: dict | None, model: str | None, cfg: RuntimeConfig) -> bool:
@@ -112,7 +87,7 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
         cfg = RuntimeConfig(**{**cfg.__dict__, "mode": mode})
     device, dtype = device_and_dtype(cfg)
     dname = str(dtype).removeprefix("torch.")
-    meta = _first_meta(run) if run is not None else None
+    meta = first_meta(run) if run is not None else None
     if meta is None and model is None:
         raise ArtifactError(f"no profile, placement or predictors in {run_dir}: run pi-profile first, or pass --model")
     if run is not None:
@@ -143,20 +118,113 @@ def load_runtime(run_dir: str | Path | None, cfg: RuntimeConfig = PRESETS["hybri
     return rt
 
 
+def layer_split_count(lm: LoadedModel, vram: int | None, gpu_layers: int | None, dtype: torch.dtype) -> int:
+    """Decoder layers that fit on the device: (vram - everything outside the layers) // bytes per layer."""
+    n_layers = len(lm.layers)
+    if gpu_layers is not None:
+        if not 0 <= gpu_layers <= n_layers:
+            raise ValueError(f"--gpu-layers {gpu_layers} is out of range: the model has {n_layers} layers")
+        return gpu_layers
+    if vram is None:
+        raise ValueError("layer-split needs a budget: pass --vram (e.g. 8GB) or --gpu-layers N")
+    size = torch.tensor([], dtype=dtype).element_size()
+    per_layer = [sum(p.numel() for p in layer.parameters()) * size for layer in lm.layers]
+    params = lm.info["params"]  # as loaded, whether the embedding has left the module tree yet or not
+    on_cpu = params["embedding"] if params["lm_head"] else 0  # an untied input embedding (offload.embedding_to_cpu)
+    fixed = (params["total"] - on_cpu) * size - sum(per_layer)
+    if vram < fixed:
+        raise ValueError(f"--vram {vram:,} B is below the {fixed:,} B the LM head, norms (and a tied embedding) need "
+                         f"on the device: raise --vram")
+    k, used = 0, fixed
+    while k < n_layers and used + per_layer[k] <= vram:
+        used += per_layer[k]
+        k += 1
+    return k
+
+
+def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | None = None,
+                  predictors: Any = None, taus: list[float] | None = None,
+                  gate_taus: list[tuple[float, float]] | None = None) -> Runtime:
+    """Lay the (CPU-resident) model out for `cfg` and move its device part to the device. Modifies `lm` in place.
+
+    `predictors`: hotneurons.predictors.train.Predictors (hybrid without oracle); `taus`: per-layer activation
+    thresholds of non-ReLU models (oracle masks), None for ReLU-family models; `gate_taus`: per layer (tau_g, tau_h)
+    of mask 'gate' (runtime/gated.py), which then replaces the predictors.
+    """
+    choose(cfg.mode, RuntimeMode, "mode")
+    if cfg.cold_dtype == "auto":  # an HF model in memory holds floats: bf16 rows lose the least
+        cfg = replace(cfg, cold_dtype="bf16")
+    if cfg.cold_dtype not in COLD_DTYPES:
+        raise ValueError(f"unknown cold-row dtype '{cfg.cold_dtype}': choose one of {', '.join(COLD_DTYPES)}")
+    choose(cfg.ops, ("auto", *GpuOps.values()), "ops")
+    if cfg.pcie_share is not None and not 0 <= cfg.pcie_share < 1:
+        raise ValueError(f"--pcie-share {cfg.pcie_share} is out of range: give a share in [0, 1), 0 to turn it off, "
+                         f"or leave it out to measure it")
+    check_ctx(cfg)
+    device, dtype = device_and_dtype(cfg)
+    threads = set_threads(cfg.threads)
+    info, n_layers = lm.info, len(lm.layers)
+    mask = mask_kind(cfg.mode, cfg.oracle, gate_taus is not None)
+    need_placement(cfg.mode, placement)
+    if mask == "predictor" and predictors is None:
+        raise ArtifactError("hybrid mode needs predictors: run `pi-train-predictors --run RUN`, or pass --oracle "
+                            "(true masks) or --no-predictor (dense)")
+    need_oracle_taus(mask, taus, lm.activation)
+    if cfg.mode == "layer-split":
+        k = layer_split_count(lm, cfg.vram, cfg.gpu_layers, dtype)
+        placement = Placement.uniform(n_layers, info["n_neurons"], False)
+    else:
+        k = n_layers
+        placement = placement or Placement.uniform(n_layers, info["n_neurons"], True)
+    # the powerinfer form reads the residual before each layer's pre-FFN RMSNorm (refused for families without one)
+    prenorm = mask == "predictor" and getattr(predictors, "form", None) == PredictorForm.POWERINFER
+    norms = ffn_norms(lm) if prenorm else None
+    lm.model.to("cpu", dtype)
+    ffns: list[HybridFFN] = []
+    cpu_layers: list[OnCPULayer] = []
+    for i in range(n_layers):
+        if i < k and cfg.mode == "layer-split":
+            continue  # a whole dense layer on the device, untouched
+        # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
+        pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
+        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
+                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None,
+                        gate_taus=gate_taus[i] if mask == "gate" else None)
+        if norms is not None:
+            ffn.watch_norm(norms[i].module)  # HF's layers; the static decoder passes the residual itself
+        install(lm, i, ffn)
+        ffns.append(ffn)
+        if cfg.mode == "layer-split":
+            layers = lm.layers
+            cpu_layers.append(OnCPULayer(layers[i], device, dtype))
+            layers[i] = cpu_layers[-1]
+    embedding_to_cpu(lm, device)  # untied: one row a token is read, from CPU RAM (pi-solve counts it there)
+    lm.model.to(device)
+    bytes_gpu, bytes_cpu = count_bytes(lm, ffns, cpu_layers)
+    static = cfg.static_decode and cfg.mode != "layer-split" and supported(lm, ffns) is None
+    ctx = cfg.ctx or CAPACITY
+    bytes_gpu += cache_bytes(lm, ctx, dtype) if static else 0  # the static KV cache, allocated below
+    if cfg.vram is not None and bytes_gpu > cfg.vram:
+        cache = f" (with a static KV cache of {ctx} tokens: a smaller --ctx needs less)" if static else ""
+        raise ValueError(f"the layout needs {bytes_gpu:,} B on {device}{cache} but --vram is {cfg.vram:,} B: re-run "
+                         f"pi-solve with this budget, or raise --vram")
+    ops = gpu_ops(cfg, device)
+    fast = (StaticDecoder(lm, ffns, torch.device(device), dtype, cfg.cuda_graphs, ctx, ops, cfg.prelaunch) if static
+            else None)
+    rt = Runtime(lm, cfg, torch.device(device), dtype, ffns, cpu_layers, bytes_gpu, bytes_cpu, k, threads, fast)
+    rt.pcie_share = pcie_share(rt, mask)
+    return rt
+
+
 def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model: str | None = None,
                         gguf_file: str | None = None, use_predictor: bool = True, recall: float | None = None,
                         placement: Any = None) -> Any:
     """The Runtime of the model a run was made for (or `model`), read in place into our decoder and hybrid FFNs.
     `placement` (artifacts.placement.Placement) replaces the run's (tests, benchmarks); for a mixture of experts, a
     (layers, experts) bool mask of the experts on the device, else the run's experts.parquet (`load_moe_runtime`)."""
-    from hotneurons.artifacts.placement import Placement
-    from hotneurons.artifacts.predictors import PredictorForm
-    from hotneurons.kernels.cold import set_threads
     from hotneurons.models import build_model
     from hotneurons.models.ffn_weights import FFNWeights
     from hotneurons.models.open import model_info, open_model
-    from hotneurons.runtime.balance import pcie_share
-    from hotneurons.runtime.hybrid_ffn import HybridFFN
     from hotneurons.runtime.memory import check_fits, check_vram, plan_bytes, tensor_bytes
     from tqdm.auto import tqdm
 
@@ -245,7 +313,6 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     (runtime/moe_load.py: the expert placement's rules)."""
     import warnings
 
-    from hotneurons.kernels.cold import set_threads
     from hotneurons.models import build_model
     from hotneurons.models.open import model_info
     from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes

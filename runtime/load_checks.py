@@ -1,7 +1,8 @@
-"""The checks and defaults that the runtime's builders share (runtime/load.py: load_runtime, load_source_runtime,
-load_moe_runtime; runtime/generate.py: build_runtime), one place each so that the paths agree: where and in which
-dtype the hot part runs, the mode and mask a config asks for, what hybrid mode needs, the run's predictors, profile
-thresholds and placement, the KV cache's length, and the pieces that finish a runtime over our decoder.
+"""The checks and defaults that the runtime's builders share (runtime/load.py: load_runtime and its builders
+build_runtime, load_source_runtime, load_moe_runtime), one place each so that the paths agree: the run's files before
+the model loads (`check_run`), where and in which dtype the hot part runs, the mode and mask a config asks for, what
+hybrid mode needs, the run's predictors, profile thresholds and placement, the KV cache's length, and the pieces that
+finish a runtime over our decoder.
 """
 
 from __future__ import annotations
@@ -10,10 +11,52 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hotneurons.artifacts.profile import check_profile
+from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.models.family import RELU_FAMILY, pick_device, pick_dtype
 from hotneurons.runtime.config import RuntimeConfig
+from hotneurons.runtime.gated import uses_gate
+from hotneurons.runtime.moe_load import check_moe_run
 from hotneurons.runtime.static_decoder import CAPACITY
+
+
+def first_meta(run_dir: Path) -> dict | None:
+    """The meta.json of the run's first stage that names the model (placement, predictors, profile); None if none."""
+    for stage in ("placement", "predictors", "profile"):
+        p = run_dir / stage / "meta.json"
+        if p.exists():
+            try:
+                meta = artifacts.read_json(p)
+            except (ValueError, OSError) as e:
+                raise ArtifactError(f"{p} is not valid JSON ({e}): re-run the stage that wrote it") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+                raise ArtifactError(f"{p} names no model: re-run the stage that wrote it")
+            return meta
+    return None
+
+
+def check_run(run: Path, cfg: RuntimeConfig, recall: float | None = None, moe: bool = False) -> None:
+    """The run directory's files that `load_runtime` will read, checked before the model loads: each refused in one
+    line naming it (missing, empty, cut short, of another format). A mixture of experts' run (`moe`) needs no
+    predictors: its router picks the experts (runtime/moe_load.check_moe_run)."""
+    from hotneurons.artifacts.placement import PlacementMeta
+    from hotneurons.artifacts.predictor_file import check_predictors
+
+    if (run / "profile" / "meta.json").exists():
+        check_profile(run)
+    if moe:
+        return check_moe_run(run)
+    if (run / "placement" / "placement.parquet").exists() and cfg.mode != "layer-split":
+        PlacementMeta.load(run / "placement" / "meta.json")
+        artifacts.check_table(run / "placement" / "placement.parquet", ("layer", "neuron", "gpu"),
+                              f"pi-solve --run {run}")
+    if cfg.mode == "hybrid" and not cfg.oracle and not uses_gate(cfg):
+        if not (run / "predictors" / "predictors.safetensors").exists():
+            raise ArtifactError(f"no predictors in {run / 'predictors'}: run `pi-train-predictors --run {run}`, or "
+                                f"pass --sparsity S (a gated model's own gates), --no-predictor (dense) or --oracle "
+                                f"(true masks)")
+        check_predictors(run, recall)
 
 
 def device_and_dtype(cfg: RuntimeConfig) -> tuple[str, torch.dtype]:
@@ -77,7 +120,6 @@ def run_predictors(run: Path, info: dict, dtype: torch.dtype, recall: float | No
 def profile_taus(run: Path | None, info: dict) -> list[float] | None:
     """The profile's per-layer activation thresholds (its model checked to be this one); None without a profile."""
     from hotneurons.artifacts.profile import read_profile
-    from hotneurons.common import artifacts
 
     if run is None or not (run / "profile" / "meta.json").exists():
         return None

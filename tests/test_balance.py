@@ -4,7 +4,8 @@ a simulated machine; next_share's step; the share's range."""
 import numpy as np
 import pytest
 import tiny
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime
+from hotneurons.runtime.generate import RuntimeConfig
+from hotneurons.runtime.load import build_runtime
 from test_runtime import always_on_predictors, check_equal, make_placement
 
 

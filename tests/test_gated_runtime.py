@@ -25,7 +25,8 @@ from hotneurons.kernels import cold_experts_sparse as KS
 from hotneurons.kernels.cold import ACT_CODE, NO_FLAGS
 from hotneurons.kernels.cold_experts import CODE
 from hotneurons.kernels.ops import gate_act, gated_values
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 from test_kernels_experts import _stored  # the rows as stored, and the float64 weights they hold
 from test_runtime import make_placement
 

@@ -11,7 +11,8 @@ import tiny
 import torch
 from hotneurons.artifacts.predictor_file import Predictor, Predictors
 from hotneurons.artifacts.predictors import PredictorForm
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 from test_predictor_form import with_random_gammas
 from test_runtime import LOGIT_ATOL, NEW, PROMPT, make_placement
 

@@ -15,7 +15,8 @@ import torch
 from hotneurons.artifacts.placement import Placement
 from hotneurons.artifacts.predictor_file import Predictor, Predictors
 from hotneurons.models.family import load_model
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 
 LOGIT_ATOL = 1e-4
 NEW = 12
@@ -82,7 +83,7 @@ def test_layer_split_equals_hf(family, tiny_model_dir):
 def test_untied_input_embedding_stays_in_cpu_ram(family, tiny_model_dir):
     """An untied embedding is looked up on the CPU (the static decoder: into a host row layer 0 copies in), and
     neither the runtime nor layer-split counts it on the device; a tied one (OPT's) is the LM head and stays."""
-    from hotneurons.runtime.generate import layer_split_count
+    from hotneurons.runtime.load import layer_split_count
     from hotneurons.runtime.offload import OnCPUEmbedding
 
     lm = tiny.load_rounded(tiny_model_dir(family), family)

@@ -12,7 +12,8 @@ import warnings
 import pytest
 import tiny
 import torch
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 from test_runtime import (
     NEW,
     PROMPT,

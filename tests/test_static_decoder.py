@@ -8,7 +8,8 @@ import pytest
 import tiny
 import torch
 from hotneurons.kernels import ops
-from hotneurons.runtime.generate import RuntimeConfig, build_runtime, generate
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import build_runtime
 from test_runtime import LOGIT_ATOL, NEW, PROMPT, always_on_predictors, make_placement
 
 
