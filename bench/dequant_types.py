@@ -1,5 +1,5 @@
 """De-quantization rate of every GGUF tensor type (weights/quants.py, quants_iq.py) against gguf-py's numpy
-(gguf.quants.dequantize), and of the conversion at load into the type's nearest kernel format (weights/quants.convert):
+(gguf.quants.dequantize), and of the conversion at load into the type's nearest kernel format (weights/qtensor.convert):
 million weights a second on random valid blocks of a (rows, 4096) matrix, the best of `--repeat` runs, on the CPU
 (torch's threads) and, where there is one, a CUDA device.
 
@@ -41,8 +41,8 @@ def main() -> None:
     import torch
     from hotneurons.bench.blocks import random_rows  # valid random blocks of every type
     from hotneurons.weights.formats import FORMATS, nearest
-    from hotneurons.weights.qtensor import QTensor
-    from hotneurons.weights.quants import convert, dequantize
+    from hotneurons.weights.qtensor import QTensor, convert
+    from hotneurons.weights.quants import dequantize
 
     warnings.simplefilter("ignore")
     cuda = torch.cuda.is_available()

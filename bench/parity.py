@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
         res = child(a.child, a.model, a.threads, a.ctx, a.decode_steps)
         print(CHILD_TAG + json.dumps(res), flush=True)
         return res
-    return parity_report.write(parity_report.run_all(a), a)["figures"]
+    return parity_report.write(parity_report.run_all(a, parity), a)["figures"]
 
 
 if __name__ == "__main__":

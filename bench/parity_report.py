@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hotneurons.bench import parity_files as pf
 from hotneurons.bench import record
@@ -47,9 +47,9 @@ def files(a: Any) -> list[tuple[str, Path]]:
     return out
 
 
-def run_all(a: Any) -> list[dict]:
-    from hotneurons.bench.parity import parity
-
+def run_all(a: Any, parity: Callable[..., dict]) -> list[dict]:
+    """bench/parity.parity (passed in: parity.py's main calls this) on every file of `files(a)`, the record rewritten
+    after each."""
     rows = []
     for label, path in files(a):
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ vpermps), which a Q4_K table of d sc (0..15) - dmin m a unit could share.
 
 from __future__ import annotations
 
-from hotneurons.kernels.cold_q_ir import (
+from hotneurons.kernels.ir_util import (
     _I32,
     _V16F,
     _V16I,

@@ -17,8 +17,7 @@ from hotneurons.common.kinds import Activation
 from hotneurons.kernels import qlinear
 from hotneurons.models.config import ModelConfig, Rope
 from hotneurons.weights.formats import FORMATS, kernel_format
-from hotneurons.weights.qtensor import QTensor
-from hotneurons.weights.quants import convert
+from hotneurons.weights.qtensor import QTensor, convert
 
 Weight = torch.Tensor | QTensor | qlinear.GpuQ
 WeightFn = Callable[[str], Weight | None]  # a canonical name -> its tensor, None where the model has none
@@ -44,7 +43,7 @@ def _pack(w: QTensor, device: torch.device) -> Weight:
 
 
 def _readable(w: QTensor, device: torch.device) -> QTensor | torch.Tensor:
-    """w, or its conversion into kernel_format(w.fmt, device) on `device` (weights/quants.convert: a chunk of rows at
+    """w, or its conversion into kernel_format(w.fmt, device) on `device` (weights/qtensor.convert: a chunk of rows at
     a time, so the float temporaries stay a chunk's)."""
     to = kernel_format(w.fmt, device.type)
     return w if to == w.fmt else convert(w, to, device)

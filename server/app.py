@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -22,12 +22,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from hotneurons.server import api, schemas
 from hotneurons.server.api import ApiError, Reply, Result
+from hotneurons.server.config import ServeConfig
+from hotneurons.server.jobs import Events, Job
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-if TYPE_CHECKING:
-    from hotneurons.server.serve import Job, Server
 
 log = logging.getLogger("hotneurons.serve")
 
@@ -40,22 +39,25 @@ class _ClientGone(Exception):
     pass
 
 
-class Events:
-    """The worker's events for one request: ("start",) ("text", s) ("done", Result) ("error", ApiError). `put`
-    from any thread; `get` on the event loop that made it."""
+class Server(Protocol):
+    """What the app asks of the server it fronts (server/serve.Server, which builds the app over itself): its queue,
+    its key check and its figures."""
 
-    def __init__(self):
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple] = asyncio.Queue()
+    cfg: ServeConfig
+    model_id: str
+    started: int  # unix time
 
-    def put(self, event: tuple) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the loop has closed: nobody waits for this request any more
-            pass
+    def job_for(self, raw: bytes, chat: bool, arrived: float, events: Events) -> tuple[api.Request, Job]: ...
 
-    async def get(self) -> tuple:
-        return await self._queue.get()
+    def submit(self, job: Job) -> None: ...
+
+    def leave(self, job: Job) -> None: ...
+
+    def expire(self, job: Job) -> bool: ...
+
+    def authorized(self, header: str | None) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
 
 
 def error_response(e: ApiError) -> JSONResponse:

@@ -18,40 +18,22 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
 from hotneurons.runtime.generate import Runtime, context_length, eos_ids, generate, prompt_ids
-from hotneurons.runtime.sampling import Sampling
 from hotneurons.server import api
 from hotneurons.server.api import ApiError, Result, StopMatcher
-from hotneurons.server.app import Events, make_app
+from hotneurons.server.app import make_app
 from hotneurons.server.config import ServeConfig
+from hotneurons.server.jobs import Events, Job
 
 log = logging.getLogger("hotneurons.serve")
 
 SHUTTING_DOWN = "the server is shutting down: retry on another one"
 IDLE_S = 60.0  # an idle keep-alive connection is closed after this long
 GRACE_S = 10.0  # on shutdown, how long responses still being sent may take before they are cut
-
-
-@dataclass(eq=False)
-class Job:
-    ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stop: tuple[str, ...]
-    stream: bool
-    deadline: float | None  # time.monotonic() after which the job ends
-    events: Events
-    state: str = "queued"  # queued -> running -> done, or queued -> dropped (client left or timed out)
-    gone: bool = False  # the client left: the worker stops at the next token
-    timed_out: bool = False
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
 
 
 def _model_id(info: dict[str, Any]) -> str:

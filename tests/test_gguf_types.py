@@ -27,8 +27,8 @@ from hotneurons.weights.formats import (
     nearest,
     spec,
 )
-from hotneurons.weights.qtensor import QTensor
-from hotneurons.weights.quants import convert, dequantize
+from hotneurons.weights.qtensor import QTensor, convert
+from hotneurons.weights.quants import dequantize
 
 F = WeightFormat
 GGUF_TYPES = [f for f, s in FORMATS.items() if s.ggml_type is not None]
@@ -276,7 +276,7 @@ def mixed_files(tmp_path_factory):
 
 def layout_weights(lm, rt, source, placement, device: str = "cpu") -> None:
     """Replace the HF model's weights by what the runtime computes with: attention and head as converted at load
-    (weights.quants.convert to kernel_format; an untied embedding is read as stored), each FFN's hot and cold rows
+    (weights.qtensor.convert to kernel_format; an untied embedding is read as stored), each FFN's hot and cold rows
     widened back from the layout (down's columns of hot neurons, down_t rows of cold ones)."""
     from hotneurons.weights.names import NameMap
 

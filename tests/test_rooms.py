@@ -35,12 +35,8 @@ ALLOWED: dict[str, set[str]] = {
 RUNTIME_PUBLIC = {"hotneurons.runtime.load", "hotneurons.runtime.generate"}
 # circles between modules of one room that stand for now (module names without "hotneurons.")
 KNOWN_CIRCLES = {
-    frozenset({"weights.qtensor", "weights.quants"}),
     frozenset({"weights.gguf_file", "weights.gguf_source", "weights.safetensors_source", "weights.source"}),
-    frozenset({"kernels.cold_k", "kernels.cold_q_ir"}),
     frozenset({"runtime.balance", "runtime.generate"}),  # TYPE_CHECKING: balance names generate.Runtime
-    frozenset({"server.app", "server.serve"}),
-    frozenset({"bench.parity", "bench.parity_report"}),
 }
 
 

@@ -2,8 +2,8 @@
 
 Every GGUF tensor type gguf-py de-quantizes is de-quantized here (the lattice and small-float ones in
 weights/quants_iq.py); quantization writes the formats the kernels read (f32, f16, bf16, q8_0, q4_0, q4_1), and
-`convert` turns rows of one format into another a chunk at a time (a type no kernel reads into its nearest,
-weights/formats.py).
+weights/qtensor.convert turns rows of one format into another with them, a chunk at a time (a type no kernel reads
+into its nearest, weights/formats.py).
 
 The block layouts are ggml-common.h's, byte for byte (gguf-py's gguf/quants.py writes the same in numpy, and the tests
 hold these functions to it bit for bit). Every product and sum is taken in float32 in gguf-py's order, as separate torch
@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 from hotneurons.weights import quants_iq
 from hotneurons.weights.formats import FORMATS, WeightFormat, row_bytes, weight_format
-from hotneurons.weights.qtensor import FLOAT_DTYPES, QTensor
 
 _CHUNK_FLOATS = 1 << 24  # float32 values per chunk: 64 MB of output; the temporaries are a few times that
 # Q4_0 / Q8_0 / Q4_1 (and the K-quants' de-quantization) on the CPU go through weights/quants_cpu.py's Numba kernels:
@@ -358,22 +357,3 @@ def quantize(w: torch.Tensor, fmt: str | WeightFormat) -> torch.Tensor:
         blocks = chunk.reshape(-1, spec.block)  # (r * cols / block, block)
         out[r0:r0 + step] = kernel(blocks).reshape(chunk.shape[0], rb)
     return out[0] if one_row else out
-
-
-def convert(w: QTensor, to: str | WeightFormat, device: torch.device | str | None = None) -> QTensor | torch.Tensor:
-    """w's weights in format `to` on `device` (default: w's), a chunk of rows at a time: each chunk's stored bytes
-    cross to the device, are de-quantized and quantized there, so the float temporaries stay a chunk's. A block `to`
-    gives a QTensor, a float one a tensor of its dtype; w itself (moved) where it is in `to` already."""
-    to = weight_format(to)
-    device = w.data.device if device is None else torch.device(device)
-    if w.fmt == to:
-        return w.to(device)
-    rows, cols = w.shape
-    dtype = FLOAT_DTYPES.get(to)
-    out = (torch.empty((rows, cols), dtype=dtype, device=device) if dtype is not None  # (rows, cols)
-           else torch.empty((rows, row_bytes(to, cols)), dtype=torch.uint8, device=device))  # (rows, row bytes)
-    step = _chunk_rows(cols)
-    for r0 in range(0, rows, step):
-        x = dequantize(w.data[r0:r0 + step].to(device), w.fmt, cols)  # (r, cols) float32
-        out[r0:r0 + step] = x if dtype is not None else quantize(x, to)
-    return out if dtype is not None else QTensor(out, to, (rows, cols))
