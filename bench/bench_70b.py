@@ -161,7 +161,7 @@ def ours_child(a, load=None, out: Path | None = None) -> None:
 
         try:  # a diagnostic: its failure must not cost the figures above
             rows["timeline"] = step_timeline(rt, short, a.timeline)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             rows["timeline"] = {"error": f"{type(e).__name__}: {e}"}
     res = {"decode_tok_s": {str(n): rows[f"decode_{n}"]["decode_tokens_per_s"] for n in (32, 256)},
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],

@@ -67,7 +67,7 @@ def stage_build(args, work: Path) -> dict:
     if args.device == "cuda" or args.cpu_llamacpp:
         try:
             out["llama_cpp_build"] = lcpp.build(work, cuda=args.device == "cuda", jobs=args.jobs)
-        except Exception as e:  # noqa: BLE001 - reported, the rest of the stage still runs
+        except Exception as e:
             out["llama_cpp_build"] = {"error": f"{type(e).__name__}: {e}"}
     model = calibrated_model(args, work)
     gpath = work / f"model-{model_key(args)}.gguf"
@@ -81,7 +81,7 @@ def stage_build(args, work: Path) -> dict:
     if (bin_dir / "llama-quantize").exists() and not q8.exists():
         try:
             out["gguf_q8_0"] = lcpp.quantize(bin_dir, gpath, q8, "Q8_0", args.jobs)
-        except Exception as e:  # noqa: BLE001 - the fp16 comparison does not need it
+        except Exception as e:
             out["gguf_q8_0"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 

@@ -117,7 +117,7 @@ def stage_accelerate(args, work: Path) -> dict:
     prompt = list(range(100, 100 + args.prompt_tokens))
     try:
         row = run_accelerate(base, budget, args.device, prompt, args.slow_tokens)
-    except Exception as e:  # noqa: BLE001 - reported in the results
+    except Exception as e:
         row = {"error": f"{type(e).__name__}: {e}"}
     row["omp_wait_policy"] = OMP_WAIT_POLICY
     return {"stage": "part accelerate", "systems": {"accelerate offload": row}}
@@ -169,7 +169,7 @@ def stage_ours(args, work: Path) -> dict:
         c.update(ceil.cuda_ceilings())
         try:
             c["zero_copy"] = ceil.zero_copy_read(args.dram_bytes)
-        except Exception as e:  # noqa: BLE001 - the other ceilings stand without it
+        except Exception as e:
             c["zero_copy"] = {"error": f"{type(e).__name__}: {e}"}
     res["ceilings"] = c
     print("ceilings", json.dumps(c, default=float)[:600], flush=True)
@@ -236,7 +236,7 @@ def stage_ours(args, work: Path) -> dict:
             else:
                 row, extra = run_ours(name, base, cfg, pl, pr, prompt, n_tok, reps,
                                       args.dram_bytes if name.startswith("hybrid") else None)
-        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
+        except Exception as e:
             row, extra = {"error": f"{type(e).__name__}: {e}"}, {}
             print(name, "failed:", row["error"], flush=True)
         if name == "layer-split" and "error" not in row:

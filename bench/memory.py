@@ -155,7 +155,7 @@ def serve_requests(mon: Monitor, s: Settings) -> dict:
             _post(f"{url}/v1/completions", {"prompt": s.prompt, "max_tokens": s.serve_tokens, "temperature": 0}, 600)
             times.append(time.perf_counter() - t0)
             in_a_row = 0
-        except Exception as e:  # noqa: BLE001 (a failed request is a figure, not the end of the run)
+        except Exception as e:
             errors.append(f"{type(e).__name__}: {e}"[:300])
             in_a_row += 1
             if in_a_row == 3:  # a server that died or hangs: no point in the rest
@@ -231,7 +231,7 @@ def run_bench(s: Settings, models: Path, runs: Path, log=print) -> dict:
                 if name == "solve":
                     try:
                         vals["vram"] = gpu_budget(run, s.gpu_share, s.ctx)
-                    except Exception as e:  # noqa: BLE001 (no profile: record why, go on)
+                    except Exception as e:
                         rows.append({**base, "status": "skipped", "reason": f"no GPU budget: {e}"[:300]})
                         log(_line(rows[-1]))
                         continue

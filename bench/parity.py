@@ -271,7 +271,7 @@ def parity(gguf_path: Path | str, threads: int = 2, ctx: int = 256, new_tokens: 
     row: dict[str, Any] = {"label": label or path.stem, "file": str(path), "file_bytes": path.stat().st_size}
     try:
         row.update(compare(path, threads, ctx, new_tokens, ppl_n, window))
-    except Exception as e:  # noqa: BLE001 (a file one side cannot run is a result)
+    except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     if speed:
         row["speed"] = {side: measured(side, path, threads, ctx, decode_steps) for side in ("ours", "llamacpp")}

@@ -137,7 +137,7 @@ class ColdRows:
                        to_blocks(down_t, dtype), bias, np.ones((3, n, 0), np.float32), 32, dtype)
         group = d if dtype == "bf16" else min(INT8_GROUP, max(d, 1))
         ones = np.ones((n, -(-d // group)), np.float32)
-        store = (lambda w: (to_bf16_bits(w), ones)) if dtype == "bf16" else to_int8_groups  # noqa: E731
+        store = (lambda w: (to_bf16_bits(w), ones)) if dtype == "bf16" else to_int8_groups
         (g, sg), (u, su), (dt, sd) = (store(gate) if gate is not None else (None, ones)), store(up), store(down_t)
         return cls(g, u, dt, bias, np.stack([sg, su, sd]), group)
 

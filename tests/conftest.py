@@ -8,12 +8,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's and Numba's OpenMP threads must not spin (runtime)
 
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():  # kernels/fused.py's Triton kernels run in Triton's interpreter (numpy, CPU tensors)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import tiny  # noqa: E402
+import tiny
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Sparse activations make large models fast. ") * 40
 

@@ -17,7 +17,7 @@ from hotneurons.runtime.load import load_runtime
 
 pytest.importorskip("fastapi")  # a GPU image may lack the server's packages: its GPU tests still collect
 pytest.importorskip("uvicorn")
-from hotneurons.server.serve import ServeConfig, Server  # noqa: E402
+from hotneurons.server.serve import ServeConfig, Server
 
 openai = pytest.importorskip("openai")
 

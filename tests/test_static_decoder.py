@@ -80,7 +80,7 @@ def check_norm_and_softmax(dtype: torch.dtype, device: str, exact_norm: bool) ->
     norm = LlamaRMSNorm(512, eps=1e-5)
     norm.weight.data = 1 + 0.1 * torch.randn(512, generator=g)
     norm = norm.to(device, dtype)
-    same = torch.equal if exact_norm else lambda a, b: torch.testing.assert_close(a, b) is None  # noqa: E731
+    same = torch.equal if exact_norm else lambda a, b: torch.testing.assert_close(a, b) is None
     for scale in (0.01, 1.0, 30.0):
         h = (scale * torch.randn(1, 1, 512, generator=g)).to(device, dtype)
         assert same(ops.rms_norm(norm, h), norm(h))

@@ -1,3 +1,3 @@
 """Tiny random models of every family: hotneurons.bench.tiny, under the name the tests import."""
 
-from hotneurons.bench.tiny import *  # noqa: F401,F403
+from hotneurons.bench.tiny import *  # noqa: F403
