@@ -1,5 +1,5 @@
-"""Stages on models bigger than the device: the model run layer by layer from its file (DESIGN.md, "Stages on models
-bigger than the GPU").
+"""Stages on models bigger than the device: the model run layer by layer from its file (docs/profiler.md, "Models
+bigger than the device: layer by layer").
 
 `StreamedModel` stands where the transformers path's LoadedModel does (pi-profile, pi-eval, pi-train-predictors). It
 reads a local safetensors folder or GGUF file in place (hotneurons.weights) into a lazy decoder of our own

@@ -1,8 +1,10 @@
 """`generate`: batch-1 decoding with the hybrid runtime (runtime/load.py builds it; load.build_runtime lays a
 transformers model out for a placement).
 
-The model stays a transformers causal LM (its attention, norms, RoPE and KV cache are reused for every family);
-each decoder layer's FFN is replaced by a `HybridFFN` (runtime/hybrid_ffn.py). Modes:
+The model is one of our decoders reading a local file or folder in place (models/: load.load_source_runtime, in
+hybrid and dense modes) or a transformers causal LM whose attention, norms, RoPE and KV cache are reused
+(load.build_runtime: hub ids, layer-split, --hf-decode; load.reads_in_place decides); either way each layer's FFN
+is a `HybridFFN` (runtime/hybrid_ffn.py), or a `HybridMoE` for a mixture of experts. Modes:
 - hybrid: hot neurons on the compute device, active cold neurons on the CPU; masks from the predictors, or
   from the true activations with `oracle` (correctness checks, not speed);
 - dense: the same layout, every cold neuron computed (no sparsity); without a placement, all on the device;
