@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from cold_ref import cold_ffn64
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import ops
 from hotneurons.kernels.names import ROW_DTYPES
@@ -27,19 +28,9 @@ def _widen64(rows: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
 
 def reference(act: str, x, idx, rows: C.ColdRows) -> np.ndarray:
     """float64 numpy: sum over j in idx of h_j(x) * down_t[j], from the weights the stored rows stand for."""
-    from math import erf
-
-    x = x.astype(np.float64)
-    u = _widen64(rows.up, rows.scale[1], rows.group)[idx] @ x
-    g = _widen64(rows.gate, rows.scale[0], rows.group)[idx] @ x if rows.gate is not None else None
-    if g is None:
-        u = u + rows.b_up[idx].astype(np.float64)
-    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
-    erf64 = np.vectorize(erf, otypes=[np.float64])
-    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + erf64(u / np.sqrt(2))),
-         "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
-         "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
-    return h @ _widen64(rows.down_t, rows.scale[2], rows.group)[idx]
+    gate = None if rows.gate is None else _widen64(rows.gate, rows.scale[0], rows.group)
+    return cold_ffn64(act, x, idx, gate, _widen64(rows.up, rows.scale[1], rows.group), rows.b_up,
+                      _widen64(rows.down_t, rows.scale[2], rows.group))
 
 
 def random_rows(rng, act: str, d: int, n: int, dtype: str) -> C.ColdRows:

@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from cold_ref import cold_ffn64
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import cold_experts as KE
 from hotneurons.kernels import cold_experts_sparse as KS
@@ -149,20 +150,9 @@ def test_gemv_q_matches_float64(fmt, d, n):
 
 
 def reference(act: str, x: np.ndarray, idx: np.ndarray, rows: C.ColdRows) -> np.ndarray:
-    """float64: sum over j in idx of h_j(x) * down_t[j]."""
-    from math import erf
-
-    x = x.astype(np.float64)
-    u = w64(rows.up, rows.fmt)[idx] @ x
-    g = w64(rows.gate, rows.fmt)[idx] @ x if rows.gate is not None else None
-    if g is None:
-        u = u + rows.b_up[idx].astype(np.float64)
-    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
-    erf64 = np.vectorize(erf, otypes=[np.float64])
-    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + erf64(u / np.sqrt(2))),
-         "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
-         "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
-    return h @ w64(rows.down_t, rows.down_fmt)[idx]
+    """float64: sum over j in idx of h_j(x) * down_t[j] (tests/cold_ref.py on gguf-py's weights)."""
+    gate = w64(rows.gate, rows.fmt) if rows.gate is not None else None
+    return cold_ffn64(act, x, idx, gate, w64(rows.up, rows.fmt), rows.b_up, w64(rows.down_t, rows.down_fmt))
 
 
 def k_cold_rows(rng, act: str, fmt: str, dfmt: str, n: int, d: int) -> C.ColdRows:

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from cold_ref import cold_ffn64
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import cold_q as KQ
 from hotneurons.kernels.names import COLD_DTYPES
@@ -46,20 +47,9 @@ def _w64(rows: np.ndarray | None, fmt: str) -> np.ndarray | None:
 
 
 def reference(act: str, x: np.ndarray, idx: np.ndarray, rows: C.ColdRows) -> np.ndarray:
-    """float64: sum over j in idx of h_j(x) * down_t[j] (tests/test_kernels.py's activations)."""
-    from math import erf
-
-    x = x.astype(np.float64)
-    u = _w64(rows.up, rows.fmt)[idx] @ x
-    g = _w64(rows.gate, rows.fmt)[idx] @ x if rows.gate is not None else None
-    if g is None:
-        u = u + rows.b_up[idx].astype(np.float64)
-    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
-    erf64 = np.vectorize(erf, otypes=[np.float64])
-    h = {"relu": lambda: np.maximum(u, 0), "gelu": lambda: 0.5 * u * (1 + erf64(u / np.sqrt(2))),
-         "reglu": lambda: np.maximum(g, 0) * u, "drelu": lambda: np.maximum(g, 0) * np.maximum(u, 0),
-         "swiglu": lambda: g / (1 + np.exp(-g)) * u, "geglu": lambda: gelu_tanh(g) * u}[act]()
-    return h @ _w64(rows.down_t, rows.fmt)[idx]
+    """float64: sum over j in idx of h_j(x) * down_t[j] (tests/cold_ref.py on gguf-py's weights)."""
+    return cold_ffn64(act, x, idx, _w64(rows.gate, rows.fmt), _w64(rows.up, rows.fmt), rows.b_up,
+                      _w64(rows.down_t, rows.fmt))
 
 
 def gguf_rows(rng, act: str, d: int, n: int, fmt: str) -> C.ColdRows:
