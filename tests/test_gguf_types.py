@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from cold_ref import lay_out_ffns
 from gguf import GGMLQuantizationType as Q
 from hotneurons.bench.blocks import random_rows, valid_blocks
 from hotneurons.weights.formats import (
@@ -289,17 +290,7 @@ def layout_weights(lm, rt, source, placement, device: str = "cpu") -> None:
             w = source.get(canon)  # q, k rows in HF's order (a row gather: it commutes with a row-wise conversion)
             to = kernel_format(w.fmt, device)
             p.copy_((w if to == w.fmt else convert(w, to)).dequantize())
-        for i, (layer, f) in enumerate(zip(lm.layers, rt.ffns)):
-            mods = lm.adapter.layer_ffn(layer)
-            hot = torch.from_numpy(np.flatnonzero(placement.gpu[i]))
-            cold = torch.from_numpy(np.flatnonzero(~placement.gpu[i]))
-            rows = f.cold.float32()
-            for name in ("gate", "up"):
-                mods[name].weight[cold] = rows[name]
-                mods[name].weight[hot] = f.hot_q[name].dequantize().cpu()
-            down = mods["down"].weight  # (d, n)
-            down[:, cold] = rows["down_t"].T
-            down[:, hot] = f.hot_q["down"].dequantize().cpu()[:, :len(hot)]
+    lay_out_ffns(lm.layers, lm.adapter, rt.ffns, placement)
 
 
 @pytest.mark.parametrize("mix", list(MIXES))

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from cold_ref import cold_ffn64
+from cold_ref import check_ffn_rows, cold_ffn64, lay_out_ffns
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import cold_experts as KE
 from hotneurons.kernels import cold_experts_sparse as KS
@@ -182,17 +182,7 @@ def test_cold_ffn_matches_float64(fmt, dfmt, act):
     some = np.flatnonzero(rng.random(n) < 0.5)
     for idx in (np.zeros(0), np.array([n - 1]), some[:len(some) - 1 + len(some) % 2], np.arange(n)):  # odd count
         idx = idx.astype(np.int64)
-        ref = reference(act, x, idx, rows)
-        out = np.full(d, np.nan, np.float32)
-        C.ffn_rows(act, x, idx, rows, out, np.full((3, d), np.nan, np.float32))
-        _close(out, ref)
-        part = np.full((5, d), np.nan, np.float32)
-        C.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
-        _close(part.sum(0), ref)
-    ids = torch.from_numpy(np.concatenate([idx, np.zeros(3, np.int64)]))
-    valid = torch.arange(len(ids)) < len(idx)
-    y = C.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, C.map_rows(rows, torch.device("cpu")))[0]
-    _close(y.numpy(), ref)
+        check_ffn_rows(act, x, idx, rows, reference(act, x, idx, rows), _close)
     wide = rows.float32()  # prefill's widening: the K de-quantizer for gate / up, dfmt's for down_t
     np.testing.assert_array_equal(wide["up"].numpy(), w64(rows.up, fmt).astype(np.float32))
     np.testing.assert_array_equal(wide["down_t"].numpy(), w64(rows.down_t, dfmt).astype(np.float32))
@@ -457,17 +447,8 @@ def test_k_quant_gguf_runs_hybrid_on_the_cpu(mask, tmp_path):
     ids = list(lm.tokenizer("The quick brown fox")["input_ids"])
     g = generate(rt, ids, 3, stop_at_eos=False, keep_logits=True)
     ref = copy.deepcopy(lm)
+    lay_out_ffns(ref.layers, ref.adapter, rt.ffns, placement)
     with torch.no_grad():
-        for i, (layer, f) in enumerate(zip(ref.layers, rt.ffns)):
-            mods = ref.adapter.layer_ffn(layer)
-            hot = torch.from_numpy(np.flatnonzero(placement.gpu[i]))
-            cold = torch.from_numpy(np.flatnonzero(~placement.gpu[i]))
-            rows = f.cold.float32()
-            for name in ("gate", "up"):
-                mods[name].weight[cold] = rows[name]
-                mods[name].weight[hot] = f.hot_q[name].dequantize().cpu()
-            mods["down"].weight[:, cold] = rows["down_t"].T
-            mods["down"].weight[:, hot] = f.hot_q["down"].dequantize().cpu()[:, :len(hot)]
         for k, logits in enumerate(g.logits):  # the prompt's, then two decode steps'
             want = ref.model(torch.tensor([ids + g.token_ids[:k]])).logits[0, -1].float()
             assert torch.isfinite(want).all()

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from cold_ref import cold_ffn64
+from cold_ref import check_ffn_rows, cold_ffn64
 from hotneurons.kernels import cold as K
 from hotneurons.kernels import cold_q as KQ
 from hotneurons.kernels.names import COLD_DTYPES
@@ -85,19 +85,8 @@ def test_kernel_matches_float64_reference(fmt, act, d, n, which):
     assert rows.dtype == fmt and rows.d == d
     pre = _w64(rows.gate, fmt) @ x if act in K.GATED else _w64(rows.up, fmt) @ x + rows.b_up
     idx = _idx(which, rng, n, pre)
-    ref = reference(act, x, idx, rows)
-    out = np.full(d, np.nan, np.float32)  # must be overwritten
-    C.ffn_rows(act, x, idx, rows, out, np.full((3, d), np.nan, np.float32))  # dispatches on rows.dtype
-    _close(out, ref)
-    # out of shape (0,): the sum left in part's rows, rows of threads without neurons zeroed over stale values
-    part = np.full((5, d), np.nan, np.float32)
-    C.ffn_rows(act, x, idx, rows, np.empty(0, np.float32), part)
-    _close(part.sum(0), ref)
-    # the device's reads in place (on the CPU: views), de-quantised by torch, with padding rows that add nothing
-    ids = torch.from_numpy(np.concatenate([idx, np.zeros(3, np.int64)]))
-    valid = torch.arange(len(ids)) < len(idx)
-    y = C.ffn_rows_mapped(act, torch.from_numpy(x)[None], ids, valid, C.map_rows(rows, torch.device("cpu")))[0]
-    _close(y.numpy(), ref)
+    # ffn_rows dispatches on rows.dtype; the device's reads in place are views on the CPU, de-quantised by torch
+    check_ffn_rows(act, x, idx, rows, reference(act, x, idx, rows), _close)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
