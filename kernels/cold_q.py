@@ -71,12 +71,13 @@ from hotneurons.kernels.cold import (
     bit_indices,
     wait_ready,
 )
-from hotneurons.kernels.cold_q_ir import (
-    BLOCK,
+from hotneurons.kernels.cold_q_ir import BLOCK, F16_TO_F32, rows_axpy, rows_dot
+from hotneurons.kernels.cold_xq import _xq_buffers, quantize_x
+from hotneurons.kernels.intrinsics import _fetch_add, _store_release
+from hotneurons.kernels.ir_util import (
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
     CODE_FORMATS,
-    F16_TO_F32,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -84,11 +85,7 @@ from hotneurons.kernels.cold_q_ir import (
     Q6_K,
     Q8_0,
     XQ_OK,
-    rows_axpy,
-    rows_dot,
 )
-from hotneurons.kernels.cold_xq import _xq_buffers, quantize_x
-from hotneurons.kernels.intrinsics import _fetch_add, _store_release
 from numba import njit, prange
 
 FORMAT_CODE = {f.value: code for code, f in enumerate(CODE_FORMATS)}  # q8_0: Q8_0, ... q6_k: Q6_K

@@ -41,7 +41,6 @@ from hotneurons.kernels.ir_util import (
     _V64B,
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
-    CODE_FORMATS,  # noqa: F401 (the codes' formats, read here by cold_q and the tests)
     HAS_512,
     Q4_0,
     Q4_1,

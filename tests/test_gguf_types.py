@@ -85,15 +85,15 @@ def test_table_holds_every_type_gguf_py_dequantizes():
 def test_kernels_take_their_sizes_from_the_table():
     """The kernels' own size tables (Numba's tuples by format code, Triton's per-format arguments, the CPU blocks')
     are the table's numbers, and the command lines' format choices its names."""
-    from hotneurons.kernels import cold_experts, cold_q, cold_q_ir, dequant, qgemv, qlayout_k, qlinear
+    from hotneurons.kernels import cold_experts, cold_q, dequant, ir_util, qgemv, qlayout_k, qlinear
     from hotneurons.kernels.names import COLD_DTYPES
     from hotneurons.runtime.cli import _float_bytes
     from hotneurons.weights import quants_cpu
 
-    for code, f in enumerate(cold_q_ir.CODE_FORMATS):
-        assert (cold_q_ir.BLOCK_WEIGHTS[code], cold_q_ir.BLOCK_BYTES[code]) == (spec(f).block, spec(f).block_bytes)
+    for code, f in enumerate(ir_util.CODE_FORMATS):
+        assert (ir_util.BLOCK_WEIGHTS[code], ir_util.BLOCK_BYTES[code]) == (spec(f).block, spec(f).block_bytes)
         assert cold_q.FORMAT_CODE[f.value] == code and cold_experts.CODE[f.value] == code
-    q = cold_q_ir  # each code names its format (the compiled kernels branch on the codes)
+    q = ir_util  # each code names its format (the compiled kernels branch on the codes)
     assert [q.CODE_FORMATS[c] for c in (q.Q8_0, q.Q4_0, q.Q4_1, q.Q4_K, q.Q5_K, q.Q6_K)] == [
         F.Q8_0, F.Q4_0, F.Q4_1, F.Q4_K, F.Q5_K, F.Q6_K]
     for name, (block, nbytes) in quants_cpu.BLOCKS.items():
@@ -101,7 +101,7 @@ def test_kernels_take_their_sizes_from_the_table():
         assert quants_cpu.READS[quants_cpu._SRC[name]] == name
     for name, code in quants_cpu._DST.items():
         assert quants_cpu._DST_BYTES[code] == (0 if name == "f32" else spec(name).block_bytes)
-    assert qlinear.QBLOCK == qgemv.QBLOCK == quants_cpu.QK == cold_q_ir.BLOCK == spec(F.Q4_0).block
+    assert qlinear.QBLOCK == qgemv.QBLOCK == quants_cpu.QK == cold_q.BLOCK == spec(F.Q4_0).block
     for f in qlinear.BLOCKS:
         assert qlinear._head(f) + qlinear.BLOCKS[f] == spec(f).block_bytes and qlinear._head(f) in (2, 4)  # fp16 fields
     assert set(dequant.KERNEL_FORMATS) == set(qlinear.BLOCKS) and set(dequant.K_FORMATS) == set(qlayout_k.K_FORMATS)
