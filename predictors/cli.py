@@ -105,7 +105,8 @@ def format_train(summary: PredictorsSummary, run_dir: Path) -> str:
 @click.option("--run", "run_dir", default=_DEFAULT_RUN, show_default=True,
               help="Run directory with profile/ and, optionally, predictors/ and placement/.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(EvalMode.values()),
-              help="Modes to evaluate (repeat). Default: dense, oracle, and predictor/placement when present.")
+              help="Modes to evaluate (repeat). Default: dense, oracle, and predictor/placement when present; a "
+              "mixture of experts runs dense only.")
 @click.option("--dataset", default="wikipedia-sample:eval", show_default=True, help=f"Corpus: {known_datasets()}.")
 @click.option("--text-column", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
 @click.option("--tokens", default=32768, show_default=True, type=click.IntRange(2), help="Token budget.")

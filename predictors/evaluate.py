@@ -12,7 +12,9 @@ A computed neuron keeps its true value; only skipped ones are zeroed, exactly as
 q8_0, q4_0, q4_1: predictors/row_formats.py), so each format's cost in perplexity sits beside the unrounded figures.
 
 A local safetensors folder or GGUF file runs layer by layer from the file (models/streamed.py: one layer's weights
-on the device at a time), a hub id whole through transformers; the masks are the same hooks either way.
+on the device at a time), a hub id whole through transformers; the masks are the same hooks either way. A mixture of
+experts runs dense only, layer by layer (profiler/experts.ExpertsModel: the router and its experts as pi-profile runs
+them): its router picks each token's experts exactly, so no neuron masks apply; the other modes are refused.
 
 Results go to `RUN/eval/eval.json` (artifacts/predictors.EvalReport; docs/predictors.md lists the fields).
 """
@@ -107,6 +109,14 @@ class FFNMasks(StageHooks):
                           int(hit.sum()), float(mag[true].sum()), float(mag[hit].sum())]
         return None if mask is None else h * mask.to(h.dtype)
 
+    def on_route(self, i: int, weights: torch.Tensor, idx: torch.Tensor) -> None:
+        """A mixture of experts' routing (profiler/experts.ExpertFFN): exact, nothing to mask (dense mode only)."""
+
+    def on_expert(self, i: int, e: int, h: torch.Tensor) -> torch.Tensor | None:
+        """One expert's values h (tokens routed to it, n_ff_exp), counted as a dense FFN's are: the true sparsity
+        is then that of the (token, routed expert, neuron) values the layer computes."""
+        return self.on_ffn(i, h, None)
+
     def summary(self) -> dict[str, Any]:
         s = self.stats
         pairs, comp, true, hit, mag_t, mag_h = (s[:, k] for k in range(6))
@@ -165,11 +175,9 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     run_dir = Path(run_dir)
     # everything that can be refused without the model, before it loads
     pmeta = check_profile(run_dir)
-    if pmeta.experts is not None:
-        raise ArtifactError(f"{run_dir / 'profile'} profiles a mixture of experts, which pi-eval does not run yet "
-                            f"(no mode, --mode dense included: its hooks see one dense FFN a layer); pi-solve and "
-                            f"pi-generate run it, each routed expert whole as the router picks it (no predictors, so "
-                            f"no masks to evaluate): `pi-solve --run {run_dir}`, then `pi-generate --run {run_dir}`")
+    if pmeta.experts is not None:  # its router picks the experts exactly: dense is the one mode to evaluate
+        check_experts_modes(run_dir, modes, recall_sweep, row_formats, criteria, sparsities, answers, layer_by_layer)
+        modes = [EvalMode.DENSE]
     have_pred = (run_dir / "predictors" / "meta.json").exists()
     have_place = (run_dir / "placement" / "placement.parquet").exists()
     gated_only = modes is None and (criteria is not None or sparsities is not None)  # dense and the criteria only
@@ -217,7 +225,7 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
         gpu = read_placement(run_dir, lm.info, len(lm.layers))
     taus = pmeta.layer_taus
     rule = None  # a profile of --criterion gate / gate-h: its oracle is that criterion
-    if pmeta.rule in (Rule.GATE_TAU, Rule.GATE_H_TAU):
+    if pmeta.rule in (Rule.GATE_TAU, Rule.GATE_H_TAU) and pmeta.experts is None:
         rule = (Criterion.GATE if pmeta.rule == Rule.GATE_TAU else Criterion.GATE_H, pmeta.neuron_taus)
     batches = list(token_batches(lm.tokenizer, iter_texts(dataset, text_column), seq_len, batch_size, tokens))
     if not batches:
@@ -275,12 +283,43 @@ def evaluate(run_dir: str | Path, *, modes: list[str] | None = None, dataset: st
     return report
 
 
+def check_experts_modes(run_dir: Path, modes: list | None, recall_sweep, row_formats, criteria, sparsities, answers,
+                   layer_by_layer: bool | None) -> None:
+    """A mixture of experts' profile: anything but the dense mode, layer by layer, refused in one line."""
+    asked = [str(m) for m in modes or () if str(m) != EvalMode.DENSE]
+    asked += [f"--{k}" for k, v in (("recall-sweep", recall_sweep), ("row-format", row_formats),
+                                    ("criterion", criteria), ("sparsity", sparsities), ("answers", answers)) if v]
+    if asked:
+        raise ArtifactError(f"{run_dir / 'profile'} profiles a mixture of experts: pi-eval runs it dense only (its "
+                            f"router picks each token's experts exactly, so there are no neuron masks or predictors "
+                            f"to evaluate), not {', '.join(asked)}: run `pi-eval --run {run_dir} --mode dense`, and "
+                            f"`pi-solve --run {run_dir}`, then `pi-generate --run {run_dir}` for the runtime",
+                            params="modes")
+    if layer_by_layer is False:
+        raise ArtifactError("pi-eval runs a mixture of experts layer by layer from its local safetensors folder or "
+                            "GGUF file: drop --whole-model", params="layer_by_layer")
+
+
 def _load(run_dir: Path, info: dict, model: str | None, gguf_file: str | None, device: str, dtype: str,
           batch_size: int, seq_len: int, layer_by_layer: bool | None,
           rounding: bool = False) -> LoadedModel | StreamedModel:
     """The profile's model (or `model`), layer by layer from its file after checking that a layer and the batch fit,
-    or whole through transformers: as asked, or where the file's architecture has no model definition of ours."""
+    or whole through transformers: as asked, or where the file's architecture has no model definition of ours.
+    A mixture of experts (profiler/experts.ExpertsModel) runs layer by layer only."""
     path, gguf, activation = meta_source(info, model, gguf_file)
+    if info.get("family") == "moe":
+        from hotneurons.models.stream_memory import Need
+        from hotneurons.profiler.experts import experts_need, open_experts
+
+        sm = open_experts(path, gguf, activation=activation, device=device, dtype=pick_dtype(dtype, device),
+                          ctx=seq_len)
+        if sm is None:
+            raise ModelError(f"'{path}' is not a local mixture of experts (the profile's model is): name its local "
+                             f"safetensors folder or GGUF file with --model", params="model")
+        need = eval_need(sm, batch_size, seq_len, 0)  # + the experts' outputs and the shared expert's projections
+        extra = experts_need(sm, batch_size, seq_len, 0, 0, False).device["experts' outputs"]
+        check_memory(Need(device={**need.device, "experts' outputs": extra}, host=need.host), device, "pi-eval")
+        return sm
     if streams(path, gguf, layer_by_layer):
         try:
             sm = open_streamed(path, gguf, activation=activation, device=device, dtype=pick_dtype(dtype, device),

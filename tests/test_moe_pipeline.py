@@ -1,8 +1,8 @@
 """A mixture of experts through the CLI as a user runs it: a tiny Qwen3-MoE written as an F16 GGUF -> pi-profile ->
 pi-solve (a VRAM budget that holds about half the experts) -> pi-generate --run RUN --json, whose greedy tokens equal
 transformers' on the weights the file holds and whose stats report decode's GPU share of routed expert work beside the
-placement's; pi-serve on the run; the stages that do not apply to experts (pi-train-predictors, pi-eval) and
-placements the runtime cannot run (neuron groups inside experts, another model's) refused in one line.
+placement's; pi-serve on the run; the stages that do not apply to experts (pi-train-predictors, pi-eval's masking
+modes) and placements the runtime cannot run (neuron groups inside experts, another model's) refused in one line.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def test_refusals(pipeline, text_corpus, tmp_path):
     run, _, _, _ = pipeline
     _one_line_error(CliRunner().invoke(train_main, ["--run", str(run)]), "mixture of experts", "no predictors",
                     "pi-generate --run")
-    _one_line_error(CliRunner().invoke(eval_main, ["--run", str(run), "--dataset", str(text_corpus)]),
-                    "mixture of experts", "pi-generate --run")
+    _one_line_error(CliRunner().invoke(eval_main, ["--run", str(run), "--dataset", str(text_corpus), "--mode",
+                                                   "oracle"]), "mixture of experts", "pi-generate --run")
     args = ["--device", "cpu", "--prompt", PROMPT, "-n", "2"]
     groups = tmp_path / "groups"
     shutil.copytree(run, groups)
