@@ -229,10 +229,41 @@ class LoadedModel:
     activation: str
     source: ModelSource
     info: dict[str, Any]  # the "model" section of every stage's meta.json
+    cache: Any = None  # decoding: the KV cache of the sequence in progress (`prefill` starts it, `step` extends it)
 
     @property
     def layers(self) -> nn.ModuleList:
         return decoder_layers(self.model, self.model.config)
+
+    # -- decoding, as runtime/lm.DecodeModel describes it (the runtime's transformers path) --------------------------
+    @property
+    def vocab(self) -> int:
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
+    def eos(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    @property
+    def ctx(self) -> int:
+        cfg = text_config(self.model.config)
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+
+    @property
+    def static_ctx(self) -> None:
+        return None  # transformers' cache grows as it is filled
+
+    def prefill(self, rt: Any, ids: list[int]) -> torch.Tensor:
+        logits, self.cache = step(self.model, torch.tensor([ids], device=rt.device))  # (1, T, vocab)
+        return logits[0, -1]
+
+    def step(self, rt: Any, token: int, pos: int) -> torch.Tensor:
+        """`pos` is the cache's length already: transformers counts the positions itself."""
+        logits, self.cache = step(self.model, torch.tensor([[token]], device=rt.device), self.cache)  # (1, 1, vocab)
+        return logits[0, -1]
 
 
 @_load_errors_in_one_line

@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import click
 from hotneurons.common.cli import StageCommand, check_port, interrupted, stdout_to_stderr
 from hotneurons.common.kinds import GpuOps, RuntimeMode
 from hotneurons.common.schema import ArtifactError
 from hotneurons.kernels.names import COLD_DTYPES
-from hotneurons.runtime.config import RuntimeConfig
+from hotneurons.runtime.config import RuntimeConfig, RuntimeRequest
 from hotneurons.weights.formats import FORMATS, GPU_DTYPES, weight_format
 
 # torch, numba and transformers load after the flags are parsed (--help answers at once): the engine's modules are
@@ -105,16 +107,11 @@ def share_warning(s: dict) -> str | None:
 
 
 def runtime_options(f):
-    """The flags that pick the model and lay it out: shared by pi-generate and pi-serve (see `open_runtime`).
+    """The flags that pick the model and lay it out, shared by pi-generate and pi-serve: the command receives them
+    as one `runtime` argument, a RuntimeRequest (`runtime_request`; `open_runtime` loads it).
 
     A command that also takes `host` and `port` (pi-serve) has the address checked first (common/cli.check_port):
     a port in use is refused in one line before the model loads, not after."""
-
-    @functools.wraps(f)
-    def checked(*args, **kw):
-        if isinstance(kw.get("port"), int) and "host" in kw:
-            check_port(kw["host"], kw["port"])
-        return f(*args, **kw)
     options = [
         click.option("--run", "run_dir", type=click.Path(file_okay=False), help="Run directory (profile/, placement/, "
                      "predictors/). The model is the one the run was made for unless --model is given."),
@@ -168,28 +165,44 @@ def runtime_options(f):
                      "decoder (LLaMA family; slower; for checks)."),
         click.option("--trust-remote-code", is_flag=True),
     ]
+    probe = functools.reduce(lambda fn, option: option(fn), options, lambda: None)
+    names = {p.name for p in probe.__click_params__}  # the flags' parameter names, which the request takes
+
+    @functools.wraps(f)
+    def checked(*args, **kw):
+        if isinstance(kw.get("port"), int) and "host" in kw:
+            check_port(kw["host"], kw["port"])
+        runtime = runtime_request(kw)
+        return f(*args, runtime=runtime, **{k: v for k, v in kw.items() if k not in names})
     for option in reversed(options):
         checked = option(checked)
     return checked
 
 
-def open_runtime(run_dir, mode, oracle, no_predictor, recall, sparsity, criterion, model, gguf_file, device, dtype,
-                 cold_dtype, gpu_dtype, threads, pcie_share, vram, gpu_layers, ctx, no_cuda_graphs, ops, hf_decode,
-                 trust_remote_code):
-    """Load and lay out the model that `runtime_options` describe (a runtime.generate.Runtime); errors become
-    one-line click errors."""
+def runtime_request(flags: Mapping[str, Any]) -> RuntimeRequest:
+    """The RuntimeRequest that `runtime_options`' flags describe: `flags` holds click's values by parameter name
+    (a command's other parameters are left alone)."""
+    f = flags
+    if f["run_dir"] is None and f["model"] is None:
+        raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
+    cfg = RuntimeConfig(mode=f["mode"], oracle=f["oracle"], device=f["device"], dtype=f["dtype"],
+                        cold_dtype=f["cold_dtype"], gpu_dtype=f["gpu_dtype"], threads=f["threads"],
+                        vram=_bytes(f["vram"]), gpu_layers=f["gpu_layers"], cuda_graphs=not f["no_cuda_graphs"],
+                        static_decode=not f["hf_decode"], pcie_share=f["pcie_share"], ctx=f["ctx"], ops=f["ops"],
+                        sparsity=f["sparsity"], criterion=f["criterion"])
+    return RuntimeRequest(cfg, run_dir=f["run_dir"], model=f["model"], gguf_file=f["gguf_file"],
+                          use_predictor=not f["no_predictor"], recall=f["recall"],
+                          trust_remote_code=f["trust_remote_code"])
+
+
+def open_runtime(req: RuntimeRequest):
+    """Load and lay out the model `req` names (a runtime.generate.Runtime); errors become one-line click errors."""
     from hotneurons.runtime.load import load_runtime
 
-    if run_dir is None and model is None:
-        raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     try:
-        cfg = RuntimeConfig(mode=mode, oracle=oracle, device=device, dtype=dtype, cold_dtype=cold_dtype,
-                            gpu_dtype=gpu_dtype, threads=threads, vram=_bytes(vram),
-                            gpu_layers=gpu_layers, cuda_graphs=not no_cuda_graphs,
-                            static_decode=not hf_decode, pcie_share=pcie_share, ctx=ctx, ops=ops,
-                            sparsity=sparsity, criterion=criterion)
-        return load_runtime(run_dir, cfg, model=model, gguf_file=gguf_file, use_predictor=not no_predictor,
-                            trust_remote_code=trust_remote_code, recall=recall)
+        return load_runtime(req.run_dir, req.cfg, model=req.model, gguf_file=req.gguf_file,
+                            use_predictor=req.use_predictor, trust_remote_code=req.trust_remote_code,
+                            recall=req.recall)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e))
 
@@ -209,7 +222,7 @@ def open_runtime(run_dir, mode, oracle, no_predictor, recall, sparsity, criterio
 @click.option("-i", "--interactive", is_flag=True, help="Interactive chat (empty line or Ctrl-D ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, chat, interactive, as_json,
-         **runtime):
+         runtime):
     """Generate text with the hybrid GPU-CPU runtime.
 
     Example: pi-generate --run runs/SmolLM2-135M-Instruct --prompt "The capital of France is" -n 64
@@ -220,7 +233,7 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, seed)
     try:
         with stdout_to_stderr(as_json):
-            rt = open_runtime(**runtime)
+            rt = open_runtime(runtime)
             if interactive:
                 return _chat_loop(rt, max_new_tokens, sampling)
             if prompt is None:
@@ -243,13 +256,11 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 def check_room(rt, prompt_tokens: int, max_new_tokens: int) -> None:
     """-n past the context is refused in one line, as pi-serve refuses such a max_tokens (generate would stop at the
     context's end without a word). A prompt that fills the context alone is generate's to refuse."""
-    from hotneurons.runtime import generate as gen
-
-    ctx = gen.context_length(rt.lm)
+    ctx = rt.lm.ctx
     room = ctx - prompt_tokens
     if 0 < room < max_new_tokens:
-        ours = isinstance(rt.lm, gen.SourceModel)  # our decoder: the context is its KV cache's, --ctx
-        longer = f", or --ctx {prompt_tokens + max_new_tokens}" if ours else ""
+        # a static KV cache (our decoder's) holds --ctx tokens; transformers' context is the model's own
+        longer = f", or --ctx {prompt_tokens + max_new_tokens}" if rt.lm.static_ctx is not None else ""
         raise ValueError(f"the prompt's {prompt_tokens:,} tokens and -n {max_new_tokens:,} make "
                          f"{prompt_tokens + max_new_tokens:,}, past the model's context of {ctx:,} tokens: pass -n "
                          f"{room} or less{longer}")

@@ -54,6 +54,21 @@ class RuntimeConfig:
     pcie_recheck: bool = True
 
 
+@dataclass(frozen=True)
+class RuntimeRequest:
+    """What pi-generate and pi-serve open (runtime/cli.open_runtime): a run directory or a model, or both, and how to
+    run it. The command lines' flags make one (runtime/cli.runtime_request); runtime/load.load_runtime takes its
+    fields."""
+
+    cfg: RuntimeConfig = RuntimeConfig()
+    run_dir: str | None = None  # profile/, placement/, predictors/ (pi-profile, pi-solve, pi-train-predictors)
+    model: str | None = None  # a hub id, folder or .gguf in place of the run's model
+    gguf_file: str | None = None  # a GGUF file inside `model`'s folder
+    use_predictor: bool = True  # False: hybrid runs dense, no predictors read
+    recall: float | None = None  # the predictors' threshold tabulated for this recall (None: as trained)
+    trust_remote_code: bool = False
+
+
 PRESETS: dict[str, RuntimeConfig] = {
     "hybrid": RuntimeConfig(),
     "oracle": RuntimeConfig(oracle=True),

@@ -4,8 +4,9 @@ The decoder's attention, norms, embeddings and head go to the compute device in 
 each layer's hot FFN rows to the device and its cold rows into the CPU layout, and each tensor's pages of the file
 are released once copied, so that resident memory stays near the bytes the layout keeps.
 
-`SourceModel` stands where the transformers path keeps its LoadedModel (Runtime.lm); `forward` is one token (or a
-prompt) through it. runtime/load.load_source_runtime builds the Runtime from these pieces.
+`SourceModel` is Runtime.lm on this path, as the transformers path's LoadedModel is on the other (runtime/lm.py: what
+both provide); `forward` is one token (or a prompt) through it. runtime/load.load_source_runtime builds the Runtime
+from these pieces.
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ class SourceModel:
     @property
     def layers(self) -> range:
         return range(self.info["n_layers"])
+
+    # -- decoding, as runtime/lm.DecodeModel describes it ------------------------------------------------------------
+    @property
+    def vocab(self) -> int:
+        return int(self.info["vocab_size"])
+
+    @property
+    def ctx(self) -> int:
+        return int(self.decoder.ctx)  # its static KV cache
+
+    @property
+    def static_ctx(self) -> int:
+        return self.ctx
+
+    def prefill(self, rt: Any, ids: list[int]) -> torch.Tensor:
+        return forward(rt, ids, 0)
+
+    def step(self, rt: Any, token: int, pos: int) -> torch.Tensor:
+        return forward(rt, [token], pos)
 
 
 def auto_format(stored: WeightFormat, where: str, compute: torch.dtype, device: str = "cuda") -> str:

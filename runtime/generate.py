@@ -4,7 +4,9 @@ transformers model out for a placement).
 The model is one of our decoders reading a local file or folder in place (models/: load.load_source_runtime, in
 hybrid and dense modes) or a transformers causal LM whose attention, norms, RoPE and KV cache are reused
 (load.build_runtime: hub ids, layer-split, --hf-decode; load.reads_in_place decides); either way each layer's FFN
-is a `HybridFFN` (runtime/hybrid_ffn.py), or a `HybridMoE` for a mixture of experts. Modes:
+is a `HybridFFN` (runtime/hybrid_ffn.py), or a `HybridMoE` for a mixture of experts, and the decode loop reads the
+model through runtime/lm.DecodeModel (its context, end ids, prefill and step), the same for both. Decode steps run
+through the static decoder (`Runtime.fast`, runtime/graph_steps.py) where it applies, else the model's `step`. Modes:
 - hybrid: hot neurons on the compute device, active cold neurons on the CPU; masks from the predictors, or
   from the true activations with `oracle` (correctness checks, not speed);
 - dense: the same layout, every cold neuron computed (no sparsity); without a placement, all on the device;
@@ -14,23 +16,18 @@ is a `HybridFFN` (runtime/hybrid_ffn.py), or a `HybridMoE` for a mixture of expe
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from hotneurons.common.model_source import text_config
-from hotneurons.models.family import LoadedModel
-from hotneurons.models.family import (
-    step as hf_step,
-)
 from hotneurons.runtime.balance import ShareBalance, tune_mapped_rows
 from hotneurons.runtime.config import RuntimeConfig
-from hotneurons.runtime.engine import SourceModel
-from hotneurons.runtime.engine import forward as source_forward
 from hotneurons.runtime.graph_steps import GraphSteps
 from hotneurons.runtime.hybrid_ffn import HybridFFN
+from hotneurons.runtime.lm import DecodeModel
 from hotneurons.runtime.moe_load import expert_stats
 from hotneurons.runtime.offload import OnCPULayer
 from hotneurons.runtime.sampling import Sampling, sample
@@ -38,7 +35,7 @@ from hotneurons.runtime.sampling import Sampling, sample
 
 @dataclass
 class Runtime:
-    lm: LoadedModel
+    lm: DecodeModel  # runtime/engine.SourceModel (our decoder) or models/family.LoadedModel (transformers)
     cfg: RuntimeConfig
     device: torch.device
     dtype: torch.dtype
@@ -79,22 +76,6 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token (vocab,), when asked
 
 
-def context_length(lm: LoadedModel | SourceModel) -> int:
-    if isinstance(lm, SourceModel):  # its static KV cache
-        return int(lm.decoder.ctx)
-    cfg = text_config(lm.model.config)
-    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
-
-
-def eos_ids(lm: LoadedModel | SourceModel) -> set[int]:
-    if isinstance(lm, SourceModel):
-        return set(lm.eos)
-    eos = getattr(lm.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = lm.tokenizer.eos_token_id
-    return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -108,33 +89,30 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
 
     `should_stop` is asked after each token (e.g. a server whose client left, or a stop string seen by `on_text`);
     True ends the generation there, with stats["stopped"] = True."""
-    ctx = context_length(rt.lm)
+    lm = rt.lm
+    ctx = lm.ctx
     if not prompt_ids:
         raise ValueError("the prompt is empty: pass some text")
     if len(prompt_ids) >= ctx:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {ctx}: shorten it")
     max_new = min(max_new_tokens, ctx - len(prompt_ids))
-    model, tok = getattr(rt.lm, "model", None), rt.lm.tokenizer
-    stop = eos_ids(rt.lm) if stop_at_eos else set()
+    tok = lm.tokenizer
+    stop = set(lm.eos) if stop_at_eos else set()
     gen = torch.Generator().manual_seed(sampling.seed)
     for f in rt.ffns:
         f.reset_counts()
 
-    ours = isinstance(rt.lm, SourceModel)  # our decoder (runtime/engine.py), else a transformers model
     t0 = time.perf_counter()
-    if ours:
-        logits = source_forward(rt, prompt_ids, 0)  # (vocab,)
-    else:
-        out, cache = hf_step(model, torch.tensor([prompt_ids], device=rt.device))
-        logits = out[0, -1]  # (vocab,)
+    logits = lm.prefill(rt, prompt_ids)  # (vocab,)
     _sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
     # the static decoder when it applies (LLaMA family, cache long enough, no FFN probed: its marks are HF's path's)
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
                        and all(f.probe is None for f in rt.ffns)) else None
-    if fast is not None and not ours:  # ours prefilled the decoder's own cache, which its steps read
-        fast.load_prefill(cache, len(prompt_ids))
+    if fast is not None:
+        fast.load_prefill(len(prompt_ids))
+    step = fast.step if fast is not None else functools.partial(lm.step, rt)  # (token, position) -> (vocab,)
     ids: list[int] = []
     kept: list[torch.Tensor] = []
     shown, steps, stopped = "", 0, False
@@ -155,13 +133,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         if should_stop is not None and should_stop():
             stopped = True
             break
-        if fast is not None:
-            logits = fast.step(nxt, len(prompt_ids) + len(ids) - 1)
-        elif ours:
-            logits = source_forward(rt, [nxt], len(prompt_ids) + len(ids) - 1)
-        else:
-            out, cache = hf_step(model, torch.tensor([[nxt]], device=rt.device), cache)
-            logits = out[0, -1]
+        logits = step(nxt, len(prompt_ids) + len(ids) - 1)
         steps += 1
         tune_mapped_rows(rt)
         step_s.append(time.perf_counter() - t_step)
@@ -203,10 +175,9 @@ def _stats(rt: Runtime, n_prompt: int, t_prefill: float, steps: int, t_decode: f
             "mask": rt.ffns[0].mask if rt.ffns else None,  # predictor, gate (a gated model's own), dense, oracle
             "plan_bytes_gpu": rt.plan_bytes_gpu, "plan_dtype": rt.plan_dtype,
             "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."), "cold_dtype": rt.cfg.cold_dtype,
-            "gpu_dtype": rt.cfg.gpu_dtype if isinstance(rt.lm, SourceModel) else str(rt.dtype).removeprefix("torch."),
+            "gpu_dtype": rt.cfg.gpu_dtype,  # as the builder resolved it (the compute dtype on the transformers path)
             "threads": rt.threads, "graph_prelaunch": bool(rt.fast is not None and rt.fast.prelaunch),
-            "static_ctx": rt.lm.decoder.ctx if isinstance(rt.lm, SourceModel) else
-            None if rt.fast is None else rt.fast.capacity,
+            "static_ctx": rt.fast.capacity if rt.fast is not None else rt.lm.static_ctx,
             "ops": None if rt.fast is None else rt.fast.ops_name,
             "pcie_share": rt.pcie_share, "pcie_balance": rt.pcie_balance.rounds if rt.pcie_balance else [],
             "pcie_rows_per_layer": float(np.mean([f.mapped_rows for f in rt.ffns]))

@@ -160,6 +160,10 @@ class GraphSteps:
         self._graphs = None
 
     # -- use ---------------------------------------------------------------------------------------------------
+    def load_prefill(self, n: int) -> None:
+        """Take over a prefill of n tokens (the model's `prefill`, runtime/lm.py) before the first step: its keys and
+        values into the cache the steps read. Nothing here: our decoders' steps read the cache prefill wrote."""
+
     @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor:
         """Logits (vocab,) after `token` at `position` (all earlier positions in the cache)."""

@@ -162,6 +162,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
                          f"or leave it out to measure it")
     check_ctx(cfg)
     device, dtype = device_and_dtype(cfg)
+    cfg = replace(cfg, gpu_dtype=str(dtype).removeprefix("torch."))  # an HF model's hot rows: in the compute dtype
     threads = set_threads(cfg.threads)
     info, n_layers = lm.info, len(lm.layers)
     mask = mask_kind(cfg.mode, cfg.oracle, gate_taus is not None)

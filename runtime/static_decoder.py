@@ -194,8 +194,10 @@ class StaticDecoder(GraphSteps):
     def cache_tensors(self) -> list[torch.Tensor]:
         return [*self.k, *self.v]
 
-    def load_prefill(self, cache, n: int) -> None:
-        """Copy the keys/values of a prefill of n tokens (an HF cache) into the static cache."""
+    def load_prefill(self, n: int) -> None:
+        """Copy the keys/values of a prefill of n tokens (the HF cache LoadedModel.prefill kept) into the static
+        cache."""
+        cache = self.lm.cache
         for i in range(len(self.layers)):
             lay = cache.layers[i] if hasattr(cache, "layers") else None
             keys, values = (lay.keys, lay.values) if lay is not None else (cache.key_cache[i], cache.value_cache[i])

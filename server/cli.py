@@ -25,7 +25,7 @@ from hotneurons.server.config import ServeConfig
               "request names no max_tokens (clipped to the context).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
-def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, **runtime):
+def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, runtime):
     """Serve the runtime over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
 
     Example: pi-serve --run runs/demo --port 8080, then
@@ -38,7 +38,7 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, *
         cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id)
     except ValueError as e:
         raise click.UsageError(str(e))
-    rt = open_runtime(**runtime)
+    rt = open_runtime(runtime)
     from hotneurons.server.serve import serve
 
     serve(rt, cfg, ready=lambda s: click.echo(f"pi-serve: {s.model_id} ({rt.mode} on {rt.device}) at {s.url}/v1, "

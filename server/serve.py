@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import uvicorn
-from hotneurons.runtime.generate import Runtime, context_length, eos_ids, generate, prompt_ids
+from hotneurons.runtime.generate import Runtime, generate, prompt_ids
 from hotneurons.server import api
 from hotneurons.server.api import ApiError, Result, StopMatcher
 from hotneurons.server.app import make_app
@@ -86,10 +86,9 @@ class Server:
     def __init__(self, rt: Runtime, cfg: ServeConfig = ServeConfig(), generate_fn: GenerateFn = generate):
         self.rt, self.cfg, self._generate = rt, cfg, generate_fn
         self.model_id = cfg.model_id or _model_id(rt.lm.info)
-        self.context = context_length(rt.lm)
-        self.vocab = int(rt.lm.info["vocab_size"]) if not hasattr(rt.lm, "model") else \
-            int(rt.lm.model.get_input_embeddings().num_embeddings)
-        self._eos = eos_ids(rt.lm)
+        self.context = rt.lm.ctx
+        self.vocab = rt.lm.vocab
+        self._eos = set(rt.lm.eos)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()  # guards job states and the counters below
         self._tok_lock = threading.Lock()  # request threads share one tokenizer

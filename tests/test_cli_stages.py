@@ -155,7 +155,7 @@ def test_interrupt_while_importing_exits_130(run, tiny_model_dir, text_corpus, t
 def test_interrupt_while_serve_loads_exits_130(run, monkeypatch):
     from hotneurons.server import cli as serve_cli
 
-    monkeypatch.setattr(serve_cli, "open_runtime", lambda **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(serve_cli, "open_runtime", lambda req: (_ for _ in ()).throw(KeyboardInterrupt))
     line = interrupted_line(CliRunner().invoke(serve_cli.main, ["--run", str(run), "--port", "0"]))
     assert "pi-serve stopped" in line or "stopped before" in line, line
 

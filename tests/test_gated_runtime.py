@@ -204,14 +204,13 @@ def test_commands_refuse_untabulated_sparsity(gated_run):
 
 
 def test_serve_loader_takes_the_flag(gated_run):
-    from hotneurons.runtime.cli import open_runtime
+    from hotneurons.runtime.cli import open_runtime, runtime_request
     from hotneurons.server.cli import main as serve_main
 
     run, _ = gated_run
     flags = serve_main.make_context("pi-serve", ["--run", str(run), "--device", "cpu", "--port", "0", "--sparsity",
                                                  "0.4"]).params
-    serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
-    rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})
+    rt = open_runtime(runtime_request(flags))
     assert all(f.mask == "gate" for f in rt.ffns) and rt.cfg.sparsity == 0.4
 
 

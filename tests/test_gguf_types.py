@@ -343,7 +343,7 @@ def test_mixed_file_through_the_commands(mixed_files, text_corpus, tmp_path):
     from click.testing import CliRunner
     from hotneurons.profiler.cli import main as profile
     from hotneurons.runtime.cli import main as generate_main
-    from hotneurons.runtime.cli import open_runtime
+    from hotneurons.runtime.cli import open_runtime, runtime_request
     from hotneurons.server.cli import main as serve_main
     from hotneurons.solver.cli import main as solve
 
@@ -361,8 +361,7 @@ def test_mixed_file_through_the_commands(mixed_files, text_corpus, tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 4
     flags = serve_main.make_context("pi-serve", ["--run", str(run), "--device", "cpu", "--port", "0"]).params
-    serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
-    rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})
+    rt = open_runtime(runtime_request(flags))
     assert rt.cfg.cold_dtype == "q4_k" and rt.cfg.gpu_dtype == "q4_k"  # the file's Q4_K rows, as stored
     gpu = pd.read_parquet(run / "placement" / "placement.parquet")["gpu"]
     assert 0 < gpu.mean() < 1 and rt.bytes_cpu > 0  # a hybrid split: hot rows on the device, cold ones in CPU RAM

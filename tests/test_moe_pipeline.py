@@ -121,7 +121,7 @@ def test_pi_serve_on_the_run(pipeline):
     """pi-serve's loader (runtime/cli.open_runtime, as pi-generate's) on the run; a completion equal to generate's."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from hotneurons.runtime.cli import open_runtime
+    from hotneurons.runtime.cli import open_runtime, runtime_request
     from hotneurons.runtime.generate import generate
     from hotneurons.server.cli import main as serve_main
     from hotneurons.server.serve import ServeConfig, Server
@@ -129,8 +129,7 @@ def test_pi_serve_on_the_run(pipeline):
 
     run, path, _, _ = pipeline
     flags = serve_main.make_context("pi-serve", ["--run", str(run), "--device", "cpu", "--port", "0"]).params
-    serving = ("host", "port", "api_key", "max_queue", "timeout", "max_tokens", "model_id", "quiet")
-    rt = open_runtime(**{k: v for k, v in flags.items() if k not in serving})  # as server/cli.main loads it
+    rt = open_runtime(runtime_request(flags))  # as server/cli.main loads it
     assert rt.expert_placement == str(run / "placement")
     want = generate(rt, _prompt_ids(path), NEW).text
     with Server(rt, ServeConfig(port=0)) as s:
