@@ -11,7 +11,8 @@ to that dtype).
 
 `dequant_rows(data, fmt, cols, dtype)`: the same function on every device; on the CPU (or a format without a kernel)
 it is weights/quants.dequantize then a cast. `dequant_k(w, out)`: a K-quant GpuQ's rows (kernels/qlayout_k.py's
-fields) likewise, for the prefill path's chunks of hot rows (kernels/qlinear.py).
+fields) likewise, for the prefill path's chunks of hot rows (kernels/qlinear.py); `dequant_q(qs, scales, q4, out)`
+the same for a Q4_0 / Q4_1 / Q8_0 GpuQ (kernels/qgemv.py's layout).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from hotneurons.kernels.qgemv import QBLOCK, _mins_ok
 from hotneurons.kernels.qgemv_k import KIND, UW, _funnel, strides
 from hotneurons.weights.formats import WeightFormat, row_bytes, spec, weight_format
 
@@ -231,3 +233,53 @@ def dequant_rows(data: torch.Tensor, fmt: str | WeightFormat, cols: int, dtype: 
 def _on_kernels(t: torch.Tensor) -> bool:
     """Whether t's device runs the kernel (the tests patch it to run it in Triton's interpreter on CPU tensors)."""
     return t.is_cuda
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, m_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_mb, stride_o,
+                    Q4: tl.constexpr, MIN: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_B: tl.constexpr):
+    """Program (p, r): rows [p * BLOCK_N, ...), blocks [r * BLOCK_B, ...) of the weight to out's dtype (scale * (q - 8)
+    | scale * q + min (MIN, Q4_1) | scale * q in float32, rounded to out's dtype), from the kernel order back to the
+    weights' order."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    p = tl.arange(0, BB)  # (BB,) byte p of a block: byte t of word i, p = 4 i + t
+    m3 = (n < N)[:, None, None] & (blk < NB)[None, :, None]  # (BLOCK_N, BLOCK_B, 1): broadcast over a block
+    n64 = n.to(tl.int64)[:, None, None]
+    q = tl.load(q_ptr + n64 * stride_q + blk[None, :, None] * BB + p[None, None, :], mask=m3, other=0)
+    s = tl.load(s_ptr + blk[None, :, None] * stride_sb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
+    o_at = out_ptr + n64 * stride_o + blk[None, :, None] * 32
+    dt = out_ptr.dtype.element_ty
+    if Q4 and MIN:  # Q4_1's nibbles, placed as Q4_0's below; s q exact, + min rounded once (as gguf-py's float32)
+        mn = tl.load(m_ptr + blk[None, :, None] * stride_mb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
+        wi = 8 * (p % 4) + p // 4
+        tl.store(o_at + wi[None, None, :], (s * (q & 15).to(tl.float32) + mn).to(dt), mask=m3)
+        tl.store(o_at + wi[None, None, :] + 4, (s * (q >> 4).to(tl.float32) + mn).to(dt), mask=m3)
+    elif Q4:  # nibbles 2t, 2t + 1 of word i: weights 8 t + i, 8 t + 4 + i
+        wi = 8 * (p % 4) + p // 4
+        tl.store(o_at + wi[None, None, :], (s * ((q & 15).to(tl.float32) - 8.0)).to(dt), mask=m3)
+        tl.store(o_at + wi[None, None, :] + 4, (s * ((q >> 4).to(tl.float32) - 8.0)).to(dt), mask=m3)
+    else:  # byte t of word i: weight 16 (i // 4) + 4 t + i % 4
+        wi = 16 * (p // 16) + 4 * (p % 4) + (p // 4) % 4
+        tl.store(o_at + wi[None, None, :], (s * q.to(tl.float32)).to(dt), mask=m3)
+
+
+def dequant_q(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor,
+            mins: torch.Tensor | None = None) -> torch.Tensor:
+    """out (n, k) (any float dtype, unit last stride) = the weight of (qs, scales[, mins]) (block-major scales; mins:
+    Q4_1's, as gemv's)."""
+    n, nb = scales.shape
+    if (tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1
+            or not _mins_ok(mins, scales, q4)):
+        raise ValueError(f"dequant_q: expected out ({n}, {nb * QBLOCK}) with a unit last stride, block-major scales "
+                         f"(and 4-bit mins of their shape), got {tuple(out.shape)}")
+    if n == 0 or nb == 0:
+        return out
+    bn, bb = 8, min(32, triton.next_power_of_2(max(1, nb)))
+    ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, ms, out, n, nb, qs.stride(0),
+                                                                scales.stride(1), ms.stride(1), out.stride(0), Q4=q4,
+                                                                MIN=mins is not None, BB=16 if q4 else 32,
+                                                                BLOCK_N=bn, BLOCK_B=bb, num_warps=4)
+    return out

@@ -32,7 +32,7 @@ the loop).
            Q4_0's code with no offset (pieces are q, 0..15) and adds min * (the unit's sum of x) once a unit and row
            (MIN): one more load of fp16 mins a block and one FFMA a unit, next to Q4_0's 32 weights' work.
            More tokens cost an FMA each a weight: past GEMV_MAX_ROWS, the tensor cores of the prefill path win.
-  dequant  rows of a GpuQ to a float tensor (the prefill path: chunks of rows, then cuBLAS).
+(kernels/dequant.py's `dequant_q` turns rows of a GpuQ into a float tensor for the prefill path.)
 
 No host syncs, no allocations: capturable in CUDA graphs (after a first call outside the capture compiles them).
 Without CUDA the tests run them in Triton's interpreter (TRITON_INTERPRET=1).
@@ -292,36 +292,6 @@ def _store(acc, b_ptr, out_ptr, n, nm, mi, M, stride_o, BIAS: tl.constexpr, ADD:
     tl.store(o_at, y.to(dt), mask=om)
 
 
-@triton.jit
-def _dequant_kernel(q_ptr, s_ptr, m_ptr, out_ptr, N, NB, stride_q, stride_sb, stride_mb, stride_o,
-                    Q4: tl.constexpr, MIN: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_B: tl.constexpr):
-    """Program (p, r): rows [p * BLOCK_N, ...), blocks [r * BLOCK_B, ...) of the weight to out's dtype (scale * (q - 8)
-    | scale * q + min (MIN, Q4_1) | scale * q in float32, rounded to out's dtype), from the kernel order back to the
-    weights' order."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    p = tl.arange(0, BB)  # (BB,) byte p of a block: byte t of word i, p = 4 i + t
-    m3 = (n < N)[:, None, None] & (blk < NB)[None, :, None]  # (BLOCK_N, BLOCK_B, 1): broadcast over a block
-    n64 = n.to(tl.int64)[:, None, None]
-    q = tl.load(q_ptr + n64 * stride_q + blk[None, :, None] * BB + p[None, None, :], mask=m3, other=0)
-    s = tl.load(s_ptr + blk[None, :, None] * stride_sb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
-    o_at = out_ptr + n64 * stride_o + blk[None, :, None] * 32
-    dt = out_ptr.dtype.element_ty
-    if Q4 and MIN:  # Q4_1's nibbles, placed as Q4_0's below; s q exact, + min rounded once (as gguf-py's float32)
-        mn = tl.load(m_ptr + blk[None, :, None] * stride_mb + n64, mask=m3, other=0.0).to(tl.float32)  # (.., 1)
-        wi = 8 * (p % 4) + p // 4
-        tl.store(o_at + wi[None, None, :], (s * (q & 15).to(tl.float32) + mn).to(dt), mask=m3)
-        tl.store(o_at + wi[None, None, :] + 4, (s * (q >> 4).to(tl.float32) + mn).to(dt), mask=m3)
-    elif Q4:  # nibbles 2t, 2t + 1 of word i: weights 8 t + i, 8 t + 4 + i
-        wi = 8 * (p % 4) + p // 4
-        tl.store(o_at + wi[None, None, :], (s * ((q & 15).to(tl.float32) - 8.0)).to(dt), mask=m3)
-        tl.store(o_at + wi[None, None, :] + 4, (s * ((q >> 4).to(tl.float32) - 8.0)).to(dt), mask=m3)
-    else:  # byte t of word i: weight 16 (i // 4) + 4 t + i % 4
-        wi = 16 * (p // 16) + 4 * (p % 4) + (p // 4) % 4
-        tl.store(o_at + wi[None, None, :], (s * q.to(tl.float32)).to(dt), mask=m3)
-
-
 def _pow2(v: int) -> int:
     return triton.next_power_of_2(max(1, v))
 
@@ -397,24 +367,4 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, q4: bool, b: t
                                         MIN=mins is not None, BIAS=b is not None, ADD=add, EVEN=even, DENORM=denorm,
                                         ASM=x.is_cuda, MAP=rows is not None, XSLOT=x_slot, CNT=count is not None,
                                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_B=bb, num_warps=nw)
-    return out
-
-
-def dequant(qs: torch.Tensor, scales: torch.Tensor, q4: bool, out: torch.Tensor,
-            mins: torch.Tensor | None = None) -> torch.Tensor:
-    """out (n, k) (any float dtype, unit last stride) = the weight of (qs, scales[, mins]) (block-major scales; mins:
-    Q4_1's, as gemv's)."""
-    n, nb = scales.shape
-    if (tuple(out.shape) != (n, nb * QBLOCK) or out.stride(1) != 1 or scales.stride(0) != 1
-            or not _mins_ok(mins, scales, q4)):
-        raise ValueError(f"dequant: expected out ({n}, {nb * QBLOCK}) with a unit last stride, block-major scales "
-                         f"(and 4-bit mins of their shape), got {tuple(out.shape)}")
-    if n == 0 or nb == 0:
-        return out
-    bn, bb = 8, min(32, _pow2(nb))
-    ms = scales if mins is None else mins  # (n, nb) block-major; without MIN never read
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(nb, bb))](qs, scales, ms, out, n, nb, qs.stride(0),
-                                                                scales.stride(1), ms.stride(1), out.stride(0), Q4=q4,
-                                                                MIN=mins is not None, BB=16 if q4 else 32,
-                                                                BLOCK_N=bn, BLOCK_B=bb, num_warps=4)
     return out
