@@ -9,7 +9,8 @@ Per layer it holds
   (n_cold, d_model) each, in `cold_dtype`: bfloat16 bit patterns, int8 with a scale per 64 weights, llama.cpp's
   q8_0 / q4_0 / q4_1 blocks, or a K-quant file's gate and up rows as stored (down_t in a 32-weight format), read by
   Numba (kernels/cold.py, cold_q.py, cold_k.py).
-The original FFN modules are dropped, so the dense FFN weights never reach the device.
+The original FFN modules are dropped, so the dense FFN weights never reach the device. What it is built from (the
+runtime's FFNLayout, the checks of a layer's arguments, the hot rows' setup) is runtime/ffn_setup.py's.
 
 Decode (one token): the mask comes from the predictor (mode "predictor"), the true activations ("oracle") or is
 all ones ("dense"). A predictor of the normed form reads the FFN input x; one of the powerinfer form
@@ -29,17 +30,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from hotneurons.common.ffn import active_mask
-from hotneurons.common.kinds import MaskSource, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED, NO_FLAGS, SPINS, cold_layer, wait_ready
 from hotneurons.kernels.cold_q import cold_layer_q
 from hotneurons.kernels.ops import act_torch, ffn_rows_torch, gated_values, neuron_values, predict
-from hotneurons.kernels.qlinear import GpuQ, linear
-from hotneurons.models.ffn_weights import FFNWeights, down_t_rows, float_dtype, hot_blocks, take_rows, to_float
+from hotneurons.kernels.qlinear import linear
+from hotneurons.models.ffn_weights import FFNWeights
 from hotneurons.runtime.cold_rows import chunks, cold_rows_of, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
+from hotneurons.runtime.ffn_setup import FFNLayout, check_layer, set_hot_rows
 from hotneurons.runtime.gated import gate_first, hot_sparse
 from hotneurons.runtime.host_io import HostIO
-from hotneurons.weights.formats import spec, weight_format
 from torch import nn
 
 COLD_CHUNK = 4096  # cold rows widened at a time in dense prefill (bounds the temporary memory)
@@ -62,32 +62,18 @@ class HybridFFN(nn.Module):
     """One layer's FFN: hot rows by torch on the compute device, active cold rows by Numba on the CPU."""
 
     def __init__(self, layer: int, activation: str, ffn: FFNWeights | dict[str, nn.Linear], gpu: np.ndarray,
-                 mask: str, predictor: nn.Module | None = None, tau: float | None = None, cold_dtype: str = "bf16",
-                 graphs: bool = True, prenorm: bool = False, gpu_dtype: str | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 layout: FFNLayout, *, predictor: nn.Module | None = None, tau: float | None = None,
                  gate_taus: tuple[float, float] | None = None):
         """`ffn`: the layer's weights as stored (FFNWeights: float tensors or QTensors), or an HF layer's Linear
-        modules. Hot rows go to `device` (None: where the weights are; the caller moves the module) in `gpu_dtype`
-        (a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own), cold rows
-        to CPU RAM in `cold_dtype` (kernels/names.COLD_DTYPES). `gate_taus` (tau_g, tau_h): mask 'gate''s thresholds
-        (common/gating.LayerTaus), applied to hot and cold neurons alike, prefill included."""
+        modules; `gpu` (n,) bool: the neurons on the device; `layout` (ffn_setup.FFNLayout): the mask, formats and
+        device, the same for every layer. `predictor`: mask 'predictor''s; `tau`: the activation threshold of a
+        non-ReLU model (oracle masks); `gate_taus` (tau_g, tau_h): mask 'gate''s thresholds (common/gating.LayerTaus),
+        applied to hot and cold neurons alike, prefill included."""
         super().__init__()
-        mask = choose(mask, MaskSource, "mask source")
-        if activation not in ACT_CODE:  # FATReLU: its threshold is in none of the cold kernels (docs/runtime.md)
-            raise ValueError(f"activation {activation!r}: pi-generate's kernels compute {', '.join(ACT_CODE)}; "
-                             f"FATReLU's threshold is in none of them: relufy with --activation relu or drelu to "
-                             f"decode (pi-profile and pi-eval run FATReLU models)")
-        if mask == "predictor" and predictor is None:
-            raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
-        if mask == "gate" and (gate_taus is None or activation not in GATED):
-            raise ValueError(f"layer {layer}: mask 'gate' needs a gated activation and its thresholds, got "
-                             f"{activation} and {gate_taus}")
-        if mask == "gate" and cold_dtype == "int8":
-            raise ValueError("the gate-first cold kernel reads bf16 rows or q8_0 / q4_0 / q4_1 blocks, not int8: pass "
-                             "another --cold-dtype")
-        self.layer, self.activation, self.mask, self.tau = layer, activation, mask, tau
+        check_layer(layer, activation, layout, predictor, gate_taus)
+        self.layer, self.activation, self.mask, self.tau = layer, activation, layout.mask, tau
         # mask 'gate': (tau_g, tau_h) float32 values; None for every other mask (prefill then dense)
-        self.taus = None if mask != "gate" else tuple(float(np.float32(t)) for t in gate_taus)
+        self.taus = None if self.mask != "gate" else tuple(float(np.float32(t)) for t in gate_taus)
         self.gated = activation in GATED
         try:
             w = ffn if isinstance(ffn, FFNWeights) else FFNWeights.from_linears(ffn)
@@ -97,41 +83,18 @@ class HybridFFN(nn.Module):
         gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
         hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
         self.n_hot, self.n_cold = len(hot), len(cold)
-        self.hot_q: dict[str, Any] | None = None  # block-format hot rows (qlinear's GpuQ/QTensor): gate, up, down
-        dev = device if device is not None else (w.up.device if isinstance(w.up, torch.Tensor) else "cpu")
-        fdtype = dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
-                           else torch.float32)
-        b_up, b_down = w.b_up, w.b_down
+        dev = layout.device or (w.up.device if isinstance(w.up, torch.Tensor) else "cpu")
+        fdtype = layout.dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
+                                  else torch.float32)
         self.compute_dtype = fdtype  # the hot rows' (x's at decode)
-        # hot rows in the compute dtype: torch's ops on buffers; in another format (blocks, or bf16 rows of a CPU run
-        # kept as stored): qlinear, which reads blocks and casts floats per call
-        fmt = None if gpu_dtype is None else weight_format(gpu_dtype)
-        self.hot_fmt = None if fmt is None or (spec(fmt).block == 1 and float_dtype(fmt) == fdtype) else fmt
-        if self.hot_fmt is None or not self.n_hot:  # float hot rows, in the model dtype (or none at all)
-            def hot_rows(m):
-                return None if m is None else to_float(take_rows(m, hot), fdtype).to(dev)
-
-            self.register_buffer("up_hot", hot_rows(w.up))  # (n_hot, d)
-            self.register_buffer("gate_hot", hot_rows(w.gate) if self.gated else None)  # (n_hot, d)
-            self.register_buffer("down_t_hot", to_float(down_t_rows(w, hot, "f32", dev), fdtype))  # (n_hot, d)
-        # mask 'gate' on CUDA: one token's hot rows through kernels/gated.py, which reads only the passing neurons' up
-        # and down rows; its down rows are neuron-major, (n_hot, d) in place of the (d, n_hot) columns (as many bytes)
-        self.sparse_hot = (mask == "gate" and self.n_hot > 0 and torch.device(dev).type == "cuda"
-                           and (self.hot_fmt is None or spec(self.hot_fmt).block > 1))  # blocks, or compute-dtype rows
-        if self.hot_fmt is not None and self.n_hot:
-            self.up_hot = self.gate_hot = self.down_t_hot = None
-            self.hot_q = hot_blocks(w, hot, self.hot_fmt, dev, self.gated, neuron_major=self.sparse_hot)
-            if self.sparse_hot and isinstance(self.hot_q["down_t"], GpuQ):
-                from hotneurons.kernels.gated import DownRows  # Triton: CUDA runs only
-
-                self.hot_q["down_t"] = DownRows.of(self.hot_q["down_t"])  # row-major scales: gathered rows' layout
+        set_hot_rows(self, w, hot, layout.gpu_dtype, dev, fdtype)  # hot_fmt, hot_q or up/gate/down_t_hot, sparse_hot
         self.register_buffer("tau_dev", None if self.taus is None else torch.tensor(self.taus, device=dev))  # (2,)
         self.gws: Any = None  # kernels/gated.GatedWorkspace (host_io makes it; Triton imported only where it runs)
-        self.register_buffer("b_up_hot", None if b_up is None else b_up[hot].to(dev, fdtype))  # (n_hot,)
-        self.register_buffer("b_down", None if b_down is None else b_down.to(dev, fdtype))  # (d,)
+        self.register_buffer("b_up_hot", None if w.b_up is None else w.b_up[hot].to(dev, fdtype))  # (n_hot,)
+        self.register_buffer("b_down", None if w.b_down is None else w.b_down.to(dev, fdtype))  # (d,)
         # cold rows in CPU RAM, contiguous per neuron: (n_cold, d) each; rows already in cold_dtype's block format
         # (a GGUF's gate and up rows) are copied byte for byte
-        self.cold = cold_rows_of(w, cold, cold_dtype, self.gated, work=dev)
+        self.cold = cold_rows_of(w, cold, layout.cold_dtype, self.gated, work=dev)
         self.all_cold = np.arange(self.n_cold, dtype=np.int64)  # (n_cold,)
         # the compute device's share of the cold part: of a token's marked cold neurons (ascending ids) the device
         # computes the first `mapped_rows` from `mapped` (the cold rows, read in place over PCIe), the CPU the rest
@@ -145,9 +108,9 @@ class HybridFFN(nn.Module):
         fc2 = None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))]  # (n, hidden)
         self.register_buffer("pred_fc2", fc2)
         self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
-        self.prenorm = prenorm and p is not None  # the predictor reads the residual before the pre-FFN norm
+        self.prenorm = layout.prenorm and p is not None  # the predictor reads the residual before the pre-FFN norm
         self.residual: torch.Tensor | None = None  # (..., d) that residual, from watch_norm's hook (HF's layers)
-        self.use_graphs = graphs  # CUDA: replay the per-token GPU work as two CUDA graphs (_Graphs)
+        self.use_graphs = layout.graphs  # CUDA: replay the per-token GPU work as two CUDA graphs (_Graphs)
         self.io: HostIO | None = None
         self._graphs: _Graphs | None = None
         self.counts = np.zeros(4)  # decode tokens, active neurons, active hot neurons, active cold neurons
@@ -391,6 +354,8 @@ class HybridFFN(nn.Module):
             return self._gate_args[2][:k]  # the passing cold neurons' down_t rows (sparse_layer's idx)
         if self.mask == "predictor" and self.n_cold:
             c, layer = self.cold, i if flags is not None else -1
+            # Numba's njit takes arrays and scalars, not Python objects (no dataclass of the rows passes into it),
+            # hence the long argument lists: written once, here, the kernels' one caller outside their tests
             if c.fmt:  # rows in Q4_0 / Q4_1 / Q8_0 blocks or K-quants (cold_q)
                 k = cold_layer_q(ready, release, layer, io.mask_words, io.idx, self.mapped_rows, io.x_np, c.gate_arg,
                                  c.up, c.b_up, c.down_t, io.part, io.out, ACT_CODE[self.activation], self.cold_marks,

@@ -30,6 +30,7 @@ from hotneurons.runtime.engine import (
     formats_for,
     requantized,
 )
+from hotneurons.runtime.ffn_setup import FFNLayout
 from hotneurons.runtime.gated import default_sparsity, gate_taus, uses_gate
 from hotneurons.runtime.generate import Runtime
 from hotneurons.runtime.hybrid_ffn import HybridFFN
@@ -181,6 +182,7 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     prenorm = mask == "predictor" and getattr(predictors, "form", None) == PredictorForm.POWERINFER
     norms = ffn_norms(lm) if prenorm else None
     lm.model.to("cpu", dtype)
+    layout = FFNLayout(mask, cfg.cold_dtype, graphs=cfg.cuda_graphs, prenorm=norms is not None)
     ffns: list[HybridFFN] = []
     cpu_layers: list[OnCPULayer] = []
     for i in range(n_layers):
@@ -188,8 +190,8 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
             continue  # a whole dense layer on the device, untouched
         # a copy: Module.to moves in place, and another runtime's CUDA graphs may read the caller's predictor
         pred = copy.deepcopy(predictors.layers[i]).to("cpu", dtype) if mask == "predictor" else None
-        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], mask, pred,
-                        None if taus is None else taus[i], cfg.cold_dtype, cfg.cuda_graphs, norms is not None,
+        ffn = HybridFFN(i, lm.activation, lm.adapter.layer_ffn(lm.layers[i]), placement.gpu[i], layout,
+                        predictor=pred, tau=None if taus is None else taus[i],
                         gate_taus=gate_taus[i] if mask == "gate" else None)
         if norms is not None:
             ffn.watch_norm(norms[i].module)  # HF's layers; the static decoder passes the residual itself
@@ -284,14 +286,14 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     decoder = build_model(mcfg, lambda name: source.get(name) if name in source.infos else None,
                           torch.device(device), dtype, ctx,
                           release=lambda name: source.release(name) if name in source.infos else 0)
+    layout = FFNLayout(mask, cold_fmt, hot_fmt, device, dtype, cfg.cuda_graphs, prenorm)
     ffns = []
     for i in tqdm(range(L), desc="loading layers", unit="layer", leave=False, disable=L < 8):
         w = FFNWeights.from_source(source, i)
         # taken out of `predictors`: the FFN keeps its own (reordered) copy, so the file's is freed layer by layer
         pred = predictors.layers.pop(i).to("cpu", dtype) if mask == "predictor" else None
-        ffns.append(HybridFFN(i, act, w, placement.gpu[i], mask, pred, None if taus is None else taus[i], cold_fmt,
-                              cfg.cuda_graphs, prenorm, hot_fmt, device, dtype,
-                              gtaus[i] if gate else None).to(device))
+        ffns.append(HybridFFN(i, act, w, placement.gpu[i], layout, predictor=pred,
+                              tau=None if taus is None else taus[i], gate_taus=gtaus[i] if gate else None).to(device))
         for name in w.names(i):
             if name in source.infos:
                 source.release(name)

@@ -1,0 +1,81 @@
+"""What a `HybridFFN` (runtime/hybrid_ffn.py) is built from: `FFNLayout`, the choices a runtime makes once for every
+layer (the mask, the hot and cold rows' formats, where the hot rows go), the checks of one layer's arguments against
+it, and the hot rows' setup on the compute device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hotneurons.common.kinds import MaskSource, choose
+from hotneurons.kernels.cold import ACT_CODE, GATED
+from hotneurons.kernels.qlinear import GpuQ
+from hotneurons.models.ffn_weights import FFNWeights, down_t_rows, float_dtype, hot_blocks, take_rows, to_float
+from hotneurons.weights.formats import spec, weight_format
+from torch import nn
+
+
+@dataclass(frozen=True)
+class FFNLayout:
+    """How a runtime lays out each layer's FFN: the same for every layer (runtime/load.py's builders make one)."""
+
+    mask: str  # common/kinds.MaskSource: predictor, oracle, dense or gate
+    cold_dtype: str = "bf16"  # the cold rows in CPU RAM (kernels/names.COLD_DTYPES)
+    # the hot rows in a block format such as q4_0, read by qlinear's GEMV; None: float, in `dtype` or the weights' own
+    gpu_dtype: str | None = None
+    device: torch.device | str | None = None  # the hot rows' (None: where the weights are; the caller moves the FFN)
+    dtype: torch.dtype | None = None  # the compute dtype of the hot rows (None: the weights')
+    graphs: bool = True  # CUDA: replay a token's GPU work as two CUDA graphs (HybridFFN's _Graphs)
+    prenorm: bool = False  # the predictor reads the residual before the pre-FFN norm (the powerinfer form)
+
+    def __post_init__(self):
+        object.__setattr__(self, "mask", choose(self.mask, MaskSource, "mask source"))
+        if self.mask == "gate" and self.cold_dtype == "int8":
+            raise ValueError("the gate-first cold kernel reads bf16 rows or q8_0 / q4_0 / q4_1 blocks, not int8: pass "
+                             "another --cold-dtype")
+
+
+def check_layer(layer: int, activation: str, layout: FFNLayout, predictor: nn.Module | None,
+                gate_taus: tuple[float, float] | None) -> None:
+    """One layer's arguments against what the layout's mask and the cold kernels need, each refused in one line."""
+    if activation not in ACT_CODE:  # FATReLU: its threshold is in none of the cold kernels (docs/runtime.md)
+        raise ValueError(f"activation {activation!r}: pi-generate's kernels compute {', '.join(ACT_CODE)}; "
+                         f"FATReLU's threshold is in none of them: relufy with --activation relu or drelu to "
+                         f"decode (pi-profile and pi-eval run FATReLU models)")
+    if layout.mask == "predictor" and predictor is None:
+        raise ValueError(f"layer {layer}: mask 'predictor' needs a predictor")
+    if layout.mask == "gate" and (gate_taus is None or activation not in GATED):
+        raise ValueError(f"layer {layer}: mask 'gate' needs a gated activation and its thresholds, got "
+                         f"{activation} and {gate_taus}")
+
+
+def set_hot_rows(ffn: Any, w: FFNWeights, hot: torch.Tensor, fmt: str | None, dev: Any, fdtype: torch.dtype) -> None:
+    """The hot neurons' rows (`hot`: (n_hot,) ids) onto `dev` as `ffn`'s buffers: float `up_hot`, `gate_hot`,
+    `down_t_hot` (n_hot, d) in `fdtype`, or block-format `hot_q` (qlinear's GpuQ / QTensor) in `fmt`; sets `hot_fmt`,
+    `hot_q` and `sparse_hot`. Reads ffn.n_hot, gated, mask."""
+    # hot rows in the compute dtype: torch's ops on buffers; in another format (blocks, or bf16 rows of a CPU run kept
+    # as stored): qlinear, which reads blocks and casts floats per call
+    fmt = None if fmt is None else weight_format(fmt)
+    ffn.hot_fmt = None if fmt is None or (spec(fmt).block == 1 and float_dtype(fmt) == fdtype) else fmt
+    ffn.hot_q = None  # block-format hot rows: gate, up, down
+    if ffn.hot_fmt is None or not ffn.n_hot:  # float hot rows, in the model dtype (or none at all)
+        def rows(m):
+            return None if m is None else to_float(take_rows(m, hot), fdtype).to(dev)
+
+        ffn.register_buffer("up_hot", rows(w.up))  # (n_hot, d)
+        ffn.register_buffer("gate_hot", rows(w.gate) if ffn.gated else None)  # (n_hot, d)
+        ffn.register_buffer("down_t_hot", to_float(down_t_rows(w, hot, "f32", dev), fdtype))  # (n_hot, d)
+    # mask 'gate' on CUDA: one token's hot rows through kernels/gated.py, which reads only the passing neurons' up and
+    # down rows; its down rows are neuron-major, (n_hot, d) in place of the (d, n_hot) columns (as many bytes)
+    ffn.sparse_hot = (ffn.mask == "gate" and ffn.n_hot > 0 and torch.device(dev).type == "cuda"
+                      and (ffn.hot_fmt is None or spec(ffn.hot_fmt).block > 1))  # blocks, or compute-dtype rows
+    if ffn.hot_fmt is not None and ffn.n_hot:
+        ffn.up_hot = ffn.gate_hot = ffn.down_t_hot = None
+        ffn.hot_q = hot_blocks(w, hot, ffn.hot_fmt, dev, ffn.gated, neuron_major=ffn.sparse_hot)
+        if ffn.sparse_hot and isinstance(ffn.hot_q["down_t"], GpuQ):
+            from hotneurons.kernels.gated import DownRows  # Triton: CUDA runs only
+
+            ffn.hot_q["down_t"] = DownRows.of(ffn.hot_q["down_t"])  # row-major scales: gathered rows' layout
+
