@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from hotneurons.common import sparse_act
 from hotneurons.common.kinds import Activation
+from hotneurons.common.model_info import attention_heads
 from hotneurons.common.model_source import text_config
 from hotneurons.models.family import adapter_for
 
@@ -46,6 +47,10 @@ class Rope:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """How to run a model: what our decoders compute with (norms, rope, fused projections, experts). Not the meta.json
+    "model" section (common/model_info.ModelInfo), which records what a model is (shapes, parameter counts, identity)
+    for the stages to check and price, and is also written for models no decoder here runs (transformers' path)."""
+
     family: str  # which model class runs it: llama (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3), opt, falcon,
     #              moe (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: LLaMA's attention, models/moe.py's FFN)
     model_type: str  # HF's model_type, for messages
@@ -190,8 +195,7 @@ def _windows(config: Any) -> tuple[int, ...]:
 def _llama(config: Any, gemma: bool) -> dict[str, Any]:
     """LLaMA, Mistral, Qwen2/3 and Gemma 1/2/3: one definition with a few switches."""
     mt = config.model_type
-    H = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
+    _, n_kv, head_dim = attention_heads(config)
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{mt}: bidirectional attention (use_bidirectional_attention) is not a decoder: set it false")
     params = _rope_params(config)
@@ -207,7 +211,7 @@ def _llama(config: Any, gemma: bool) -> dict[str, Any]:
     gemma23 = mt in ("gemma2", "gemma3", "gemma3_text")
     scalar = getattr(config, "query_pre_attn_scalar", None)
     return dict(
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or H, head_dim=head_dim,
+        n_kv_heads=n_kv, head_dim=head_dim,
         n_ff=config.intermediate_size, norm="rms_gemma" if gemma else "rms", norm_eps=config.rms_norm_eps,
         rope=rope, rope_local=rope_local, windows=_windows(config),
         attn_bias=bias or mt == "qwen2" or (mt == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))),
@@ -256,12 +260,8 @@ def _falcon(config: Any) -> dict[str, Any]:
                          "rotary embeddings")
     d, H = config.hidden_size, config.num_attention_heads
     new = bool(config.new_decoder_architecture)
-    if new:
-        n_kv, qkv = config.num_kv_heads, "fused_grouped"
-    elif config.multi_query:
-        n_kv, qkv = 1, "fused_mq"
-    else:
-        n_kv, qkv = H, "fused_heads"
+    qkv = "fused_grouped" if new else "fused_mq" if config.multi_query else "fused_heads"
+    n_kv = attention_heads(config)[1]
     bias = bool(config.bias)
     return dict(
         n_kv_heads=n_kv, head_dim=d // H, n_ff=config.ffn_hidden_size or 4 * d, norm="layer",

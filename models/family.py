@@ -27,14 +27,8 @@ from typing import Any
 import torch
 from hotneurons.common import sparse_act
 from hotneurons.common.kinds import Activation, choose
-from hotneurons.common.model_source import (
-    ModelError,
-    ModelSource,
-    fingerprint,
-    load_error,
-    resolve_source,
-    text_config,
-)
+from hotneurons.common.model_info import ModelInfo, ParamCounts, attention_heads
+from hotneurons.common.model_source import ModelError, ModelSource, load_error, resolve_source, text_config
 from hotneurons.weights.formats import ALIASES, WeightFormat, weight_format
 from torch import nn
 
@@ -397,53 +391,22 @@ def wrap_model(hf_model: nn.Module, tokenizer: Any, source: ModelSource, activat
 
 def model_info(model: nn.Module, adapter: FamilyAdapter, activation: str, source: ModelSource,
                dtype: torch.dtype) -> dict[str, Any]:
-    """Shape and parameter accounting of a loaded model: the "model" section of every meta.json."""
+    """The meta.json "model" section (common/model_info.ModelInfo) of a loaded model, counted from its modules."""
     cfg = text_config(model.config)
     layers = decoder_layers(model, model.config)
-    ffn0 = adapter.layer_ffn(layers[0])
-    d_model, n_neurons = ffn0["up"].in_features, ffn0["up"].out_features
-    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    ffn_params = [sum(p.numel() for m in adapter.layer_ffn(layer).values() for p in m.parameters())
-                  for layer in layers]
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
+    up = adapter.layer_ffn(layers[0])["up"]
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
-    total = sum(p.numel() for p in model.parameters())
-    n_heads = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    if cfg.model_type == "falcon":  # Falcon-7B: multi-query (1 kv head); Falcon-40B ("new" arch): num_kv_heads
-        new_arch = getattr(cfg, "new_decoder_architecture", False)
-        n_kv = cfg.num_kv_heads if (new_arch or not cfg.multi_query) else 1
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    lm_head = 0 if (head is None or tied) else head.weight.numel()
-    return {
-        "name": source.name,
-        "source": {"kind": source.kind, "path": source.path, "gguf_file": source.gguf_file,
-                   "revision": source.revision},
-        "fingerprint": fingerprint(source, model.config),
-        "family": adapter.name,
-        "model_type": cfg.model_type,
-        "activation": activation,
-        "gated": adapter.gated,
-        "n_layers": len(layers),
-        "d_model": d_model,
-        "n_neurons": n_neurons,
-        "ffn_bias": ffn0["up"].bias is not None,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "vocab_size": cfg.vocab_size,
-        "weight_dtype": str(dtype).removeprefix("torch."),
-        "params": {
-            "total": total,
-            "embedding": emb.numel(),
-            "lm_head": lm_head,
-            # outside the layers, besides embedding and head: final norm, learned positions (OPT)
-            "other": total - sum(layer_params) - emb.numel() - lm_head,
-            "attention_per_layer": [lp - fp for lp, fp in zip(layer_params, ffn_params)],
-            "ffn_per_layer": ffn_params,
-        },
-    }
+    n_heads, n_kv, head_dim = attention_heads(cfg)
+    params = ParamCounts.count(
+        sum(p.numel() for p in model.parameters()), emb.numel(), 0 if (head is None or tied) else head.weight.numel(),
+        [sum(p.numel() for p in layer.parameters()) for layer in layers],
+        [sum(p.numel() for m in adapter.layer_ffn(layer).values() for p in m.parameters()) for layer in layers])
+    return ModelInfo.of(
+        source, model.config, family=adapter.name, model_type=cfg.model_type, activation=activation,
+        gated=adapter.gated, n_layers=len(layers), d_model=up.in_features, n_neurons=up.out_features,
+        ffn_bias=up.bias is not None, num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
+        vocab_size=cfg.vocab_size, weight_dtype=str(dtype).removeprefix("torch."), params=params).to_meta()
 
 
 @functools.lru_cache(maxsize=None)

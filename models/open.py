@@ -10,41 +10,30 @@ from typing import Any
 import numpy as np
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.kinds import Activation, choose
-from hotneurons.common.model_source import ModelSource, fingerprint, resolve_source
+from hotneurons.common.model_info import ModelInfo, ParamCounts, attention_heads
+from hotneurons.common.model_source import ModelSource, resolve_source
 
 
 def model_info(source: Any, source_id: ModelSource, activation: str, family: str, gated: bool) -> dict[str, Any]:
-    """The meta.json "model" section from the file's tensor table (the same keys as models.family.model_info)."""
+    """The meta.json "model" section (common/model_info.ModelInfo) from the file's tensor table: what the file stores
+    (weight_dtype: its FFN's format); a mixture of experts' n_neurons is all its experts' neurons (profiler/experts.py
+    records one expert's)."""
     infos, cfg = source.infos, source.config
     # the model's tensors (a PowerInfer file also holds its predictors, blk.{i}.fc1/fc2: not the model's)
     numel = {n: int(np.prod(t.shape)) for n, t in infos.items() if not n.endswith((".fc1.weight", ".fc2.weight"))}
     L = int(cfg.num_hidden_layers)
     layer = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.")) for i in range(L)]
     ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
-    emb, head = numel.get("token_embd.weight", 0), numel.get("output.weight", 0)
-    total = sum(numel.values())
     up = infos.get("blk.0.ffn_up.weight") or infos["blk.0.ffn_up_exps.weight"]  # (n, d) | experts (E, n, d)
-    n_neurons = int(np.prod(up.shape[:-1]))  # a mixture of experts: all its experts' neurons
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    if cfg.model_type == "falcon":
-        n_kv = cfg.num_kv_heads if (getattr(cfg, "new_decoder_architecture", False) or not cfg.multi_query) else 1
-    stored = up.fmt
-    return {
-        "name": source_id.name,
-        "source": {"kind": source_id.kind, "path": source_id.path, "gguf_file": source_id.gguf_file,
-                   "revision": source_id.revision},
-        "fingerprint": fingerprint(source_id, cfg),
-        "family": family, "model_type": cfg.model_type, "activation": activation, "gated": gated,
-        "n_layers": L, "d_model": int(up.shape[-1]), "n_neurons": n_neurons,
-        "ffn_bias": "blk.0.ffn_up.bias" in infos,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
-        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads),
-        "vocab_size": int(cfg.vocab_size),
-        "weight_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(str(stored), str(stored)),
-        "params": {"total": total, "embedding": emb, "lm_head": head, "other": total - sum(layer) - emb - head,
-                   "attention_per_layer": [a - f for a, f in zip(layer, ffn)], "ffn_per_layer": ffn},
-    }
+    n_heads, n_kv, head_dim = attention_heads(cfg)
+    stored = str(up.fmt)
+    return ModelInfo.of(
+        source_id, cfg, family=family, model_type=cfg.model_type, activation=activation, gated=gated, n_layers=L,
+        d_model=int(up.shape[-1]), n_neurons=int(np.prod(up.shape[:-1])), ffn_bias="blk.0.ffn_up.bias" in infos,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim, vocab_size=int(cfg.vocab_size),
+        weight_dtype={"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(stored, stored),
+        params=ParamCounts.count(sum(numel.values()), numel.get("token_embd.weight", 0),
+                                 numel.get("output.weight", 0), layer, ffn)).to_meta()
 
 
 def open_model(model: str | None, gguf_file: str | None = None, activation: str | None = None):

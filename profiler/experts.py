@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from hotneurons.artifacts.profile import ExpertsMeta
 from hotneurons.common import artifacts
-from hotneurons.common.model_source import ModelError, fingerprint, resolve_source
+from hotneurons.common.model_source import ModelError, resolve_source
 from hotneurons.models import ModelConfig, ffn_values
 from hotneurons.models.ffn_hooks import StageHooks
 from hotneurons.models.moe import route
@@ -56,6 +55,7 @@ def open_experts(model: str | None, gguf_file: str | None = None, *, activation:
     model (open_streamed opens it). As models/open.open_model, with experts allowed."""
     from hotneurons.common.kinds import Activation, choose
     from hotneurons.models.family import adapter_for
+    from hotneurons.models.open import model_info
     from hotneurons.weights.source import open_source
 
     sid = resolve_source(model, gguf_file)
@@ -68,33 +68,12 @@ def open_experts(model: str | None, gguf_file: str | None = None, *, activation:
     act = activation or (str(source.activation) if source.activation is not None else None)
     act = str(adapter.activation(source.config, act))
     cfg = ModelConfig.from_hf(source.config, choose(act, Activation, "activation"))
-    info = model_info(source, sid, cfg, act, dtype)
+    # the "model" section as models/open.model_info counts it, but (docs/artifacts.md) n_neurons is one expert's, as
+    # the profile's tables count them, and weight_dtype the compute dtype, as the transformers path records it
+    info = {**model_info(source, sid, act, "moe", True), "n_neurons": cfg.n_ff_exp,
+            "weight_dtype": str(dtype).removeprefix("torch.")}
     # a cache past the trained positions is refused (models/common.Decoder); a batch that long by forward
     return ExpertsModel(source, cfg, act, info, torch.device(device), dtype, min(ctx, cfg.max_positions))
-
-
-def model_info(source: Any, sid: Any, cfg: ModelConfig, activation: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The meta.json "model" section (models/open.model_info's keys): n_neurons is one expert's (n_ff_exp); a
-    layer's FFN parameters are its router's, experts' and shared expert's."""
-    infos = source.infos
-    numel = {n: int(np.prod(t.shape)) for n, t in infos.items()}
-    L = cfg.n_layers
-    layer = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.")) for i in range(L)]
-    ffn = [sum(v for n, v in numel.items() if n.startswith(f"blk.{i}.ffn_") and "_norm" not in n) for i in range(L)]
-    emb, head = numel.get("token_embd.weight", 0), numel.get("output.weight", 0)
-    total = sum(numel.values())
-    return {
-        "name": sid.name,
-        "source": {"kind": sid.kind, "path": sid.path, "gguf_file": sid.gguf_file, "revision": sid.revision},
-        "fingerprint": fingerprint(sid, source.config),
-        "family": "moe", "model_type": cfg.model_type, "activation": activation, "gated": True,
-        "n_layers": L, "d_model": cfg.d_model, "n_neurons": cfg.n_ff_exp, "ffn_bias": False,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab,
-        "weight_dtype": str(dtype).removeprefix("torch."),  # the compute dtype, as the transformers path records
-        "params": {"total": total, "embedding": emb, "lm_head": head, "other": total - sum(layer) - emb - head,
-                   "attention_per_layer": [a - f for a, f in zip(layer, ffn)], "ffn_per_layer": ffn},
-    }
 
 
 def experts_meta(cfg: ModelConfig) -> ExpertsMeta:

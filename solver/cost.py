@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import FixableError
+from hotneurons.common.model_info import ModelInfo
 from hotneurons.weights.formats import FORMATS, TORCH_FLOATS, WeightFormat, weight_format
 
 # bytes per weight, from weights.formats (the one table of sizes), under the names pi-solve has always taken (fp32 and
@@ -48,72 +49,13 @@ class SolverError(FixableError):
     names the arguments to change (the CLI shows them as flags)."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The parts of the profile's `model` dict that memory and time depend on."""
-
-    name: str
-    n_layers: int
-    d_model: int
-    n_neurons: int
-    gated: bool
-    ffn_bias: bool
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    embedding_params: int
-    lm_head_params: int  # 0 when tied to the embedding
-    other_params: int  # final norm, learned positions: outside the layers, needed on the GPU
-    attention_params: tuple[int, ...]  # (layers,) every parameter of a decoder layer outside its FFN
-    ffn_params: tuple[int, ...]  # (layers,)
-
-    @classmethod
-    def from_meta(cls, model: dict) -> "ModelShape":
-        try:
-            p = model["params"]
-            shape = cls(
-                name=str(model["name"]), n_layers=int(model["n_layers"]), d_model=int(model["d_model"]),
-                n_neurons=int(model["n_neurons"]), gated=bool(model["gated"]),
-                ffn_bias=bool(model.get("ffn_bias", False)),
-                n_heads=int(model["num_attention_heads"]), n_kv_heads=int(model["num_key_value_heads"]),
-                head_dim=int(model["head_dim"]), vocab_size=int(model["vocab_size"]),
-                embedding_params=int(p["embedding"]), lm_head_params=int(p.get("lm_head", 0)),
-                # "other": parameters outside the layers besides embedding and head (final norm, OPT's
-                # learned positions); older profiles name only the final norm
-                other_params=int(p["other"]) if "other" in p else int(p.get("final_norm", 0)),
-                attention_params=tuple(int(x) for x in p["attention_per_layer"]),
-                ffn_params=tuple(int(x) for x in p["ffn_per_layer"]),
-            )
-        except KeyError as e:
-            raise SolverError(f"profile meta.json lacks model field {e.args[0]!r}: re-run pi-profile") from None
-        if len(shape.attention_params) != shape.n_layers or len(shape.ffn_params) != shape.n_layers:
-            raise SolverError(f"profile meta.json: params per layer do not list {shape.n_layers} layers: "
-                              f"re-run pi-profile")
-        return shape
-
-    @property
-    def rows(self) -> int:
-        """Weight rows per neuron: gate, up, down (gated) or up, down."""
-        return 3 if self.gated else 2
-
-    @property
-    def neuron_params(self) -> int:
-        """Parameters that move with one neuron: its rows plus its bias entries (up, and gate if gated)."""
-        return self.rows * self.d_model + (self.rows - 1 if self.ffn_bias else 0)
-
-    def ffn_fixed_params(self, layer: int) -> int:
-        """FFN parameters not owned by any neuron (the down projection's bias); they stay on the GPU."""
-        return max(0, self.ffn_params[layer] - self.n_neurons * self.neuron_params)
-
-
 def predictor_hidden(d_model: int) -> int:
     """Sizing rule for a predictor not trained yet: PowerInfer uses hidden ~1024 for a 4096-wide layer;
     scale with the width (d/4), rounded up to a multiple of 64."""
     return max(64, 64 * math.ceil(d_model / 4 / 64))
 
 
-def estimate_predictor_params(shape: ModelShape) -> int:
+def estimate_predictor_params(shape: ModelInfo) -> int:
     """Per layer Linear(d->h) + Linear(h->n), no biases."""
     h = predictor_hidden(shape.d_model)
     return shape.n_layers * (shape.d_model * h + h * shape.n_neurons)
@@ -127,35 +69,35 @@ def safetensors_bytes(path: Path) -> int:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
 
-def workspace_bytes(shape: ModelShape, ctx: int) -> int:
+def workspace_bytes(shape: ModelInfo, ctx: int) -> int:
     """fp32 buffers of one decode step (logits, hidden states, FFN intermediates, attention scores over
     ctx, predictor hidden and logits), doubled for allocator slack. cuBLAS and the CUDA context are in
     the reserve."""
-    floats = (shape.vocab_size + 4 * shape.d_model + 3 * shape.n_neurons + shape.n_heads * ctx
+    floats = (shape.vocab_size + 4 * shape.d_model + 3 * shape.n_neurons + shape.num_attention_heads * ctx
               + predictor_hidden(shape.d_model))
     return int(2 * 4 * floats)
 
 
-def embedding_on_cpu(shape: ModelShape) -> bool:
+def embedding_on_cpu(shape: ModelInfo) -> bool:
     """An untied model's input embedding stays in CPU RAM (runtime/offload.py OnCPUEmbedding: a token reads one row of
     it); a tied one is the LM head too and is on the GPU."""
-    return shape.lm_head_params > 0
+    return shape.params.lm_head > 0
 
 
-def memory_items(shape: ModelShape, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int,
+def memory_items(shape: ModelInfo, dtype_bytes: float, ctx: int, reserve: int, predictor_bytes: int,
                  kv_bytes: float | None = None) -> dict[str, int]:
     """What the GPU must hold before any FFN neuron, in bytes, in the order the runtime allocates it.
     dtype_bytes: per weight; kv_bytes: per KV-cache entry (default: dtype_bytes)."""
     L = shape.n_layers
     kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     return {
-        "attention": int(sum(shape.attention_params) * dtype_bytes),  # incl. each layer's norms
+        "attention": int(sum(shape.params.attention_per_layer) * dtype_bytes),  # incl. each layer's norms
         "ffn_fixed": int(sum(shape.ffn_fixed_params(l) for l in range(L)) * dtype_bytes),
-        "final_norm_and_other": int(shape.other_params * kv_bytes),
-        "embedding": 0 if embedding_on_cpu(shape) else int(shape.embedding_params * dtype_bytes),
-        "lm_head": int(shape.lm_head_params * dtype_bytes),
+        "final_norm_and_other": int(shape.params.other * kv_bytes),
+        "embedding": 0 if embedding_on_cpu(shape) else int(shape.params.embedding * dtype_bytes),
+        "lm_head": int(shape.params.lm_head * dtype_bytes),
         "predictors": int(predictor_bytes),
-        "kv_cache": int(2 * L * shape.n_kv_heads * shape.head_dim * kv_bytes * ctx),
+        "kv_cache": int(2 * L * shape.num_key_value_heads * shape.head_dim * kv_bytes * ctx),
         "workspace": workspace_bytes(shape, ctx),
         "reserve": int(reserve),
     }
@@ -191,7 +133,7 @@ class PlacementProblem:
         return (self.group_neurons > 0).sum(axis=1)  # (layers,)
 
 
-def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: HardwareSpec, dtype_bytes: float,
+def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelInfo, hw: HardwareSpec, dtype_bytes: float,
                   budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool,
                   cold_bytes: float | None = None, always_rows: int = 0) -> PlacementProblem:
     """counts: per layer the neurons' activation counts sorted descending; cold_bytes: per weight of a cold row in
@@ -221,10 +163,10 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelShape, hw: 
     xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes
     sync = (hw.sync_latency_s + xfer / hw.pcie_bw) * 1e3 if hw.has_gpu else 0.0
     sync_ms = np.full(L, sync)  # (layers,) ms
-    fixed_ms = np.array([(shape.attention_params[l] + shape.ffn_fixed_params(l) + predictor_params_per_layer)
+    fixed_ms = np.array([(shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l) + predictor_params_per_layer)
                          * dtype_bytes / fixed_bw * 1e3 for l in range(L)])  # (layers,) ms
-    head = shape.lm_head_params or shape.embedding_params  # tied models read the embedding as LM head
-    global_ms = (head + shape.other_params) * dtype_bytes / fixed_bw * 1e3
+    head = shape.params.lm_head or shape.params.embedding  # tied models read the embedding as LM head
+    global_ms = (head + shape.params.other) * dtype_bytes / fixed_bw * 1e3
 
     min_neurons = np.zeros(L, dtype=np.int64)
     min_groups = np.zeros(L, dtype=np.int64)

@@ -22,13 +22,13 @@ from hotneurons.artifacts.profile import ProfileMeta, read_profile
 from hotneurons.common.artifacts import ArtifactError, sha256_file, staged, write_parquet
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import choose
+from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_size_arg
 
 from .cost import (
     ACT_BYTES,
     COLD_BYTES,
     DTYPE_BYTES,
-    ModelShape,
     PlacementProblem,
     SolverError,
     build_problem,
@@ -61,7 +61,7 @@ def _check_args(ctx: int, group_size: int, time_limit: float, mip_gap: float, hw
                           params=("hardware", "gpu_bw", "pcie_bw"))
 
 
-def _sorted_counts(df: pd.DataFrame, shape: ModelShape, where: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _sorted_counts(df: pd.DataFrame, shape: ModelInfo, where: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per layer neuron ids and counts, hottest first (ties by neuron id). Validates the table."""
     missing = {"layer", "neuron", "count"} - set(df.columns)
     if missing:
@@ -99,7 +99,7 @@ def gate_first_rows(run_dir: Path, meta) -> tuple[int, str]:
                     f"neuron a token, the rest only where it passes")
 
 
-def _predictor_bytes(run_dir: Path, shape: ModelShape, dtype_bytes: float) -> tuple[int, str]:
+def _predictor_bytes(run_dir: Path, shape: ModelInfo, dtype_bytes: float) -> tuple[int, str]:
     real = run_dir / "predictors" / "predictors.safetensors"
     if real.exists():
         return safetensors_bytes(real), f"measured from {real}"
@@ -129,7 +129,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     tokens = meta.tokens
     if tokens <= 0:
         raise ArtifactError(f"{run_dir / 'profile'}/meta.json counts no tokens: re-run pi-profile")
-    shape = ModelShape.from_meta(meta.model)
+    shape = ModelInfo.from_meta(meta.model)
     ids, counts = _sorted_counts(df, shape, run_dir / "profile" / "neurons.parquet")
     db = DTYPE_BYTES[dtype]
 
@@ -170,7 +170,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
 
 
 def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, pred_source: str, hw: HardwareSpec,
-             shape: ModelShape, tokens: int, flags: PlacementFlags, notes: list[str]) -> PlacementSummary:
+             shape: ModelInfo, tokens: int, flags: PlacementFlags, notes: list[str]) -> PlacementSummary:
     rows = np.arange(p.n_layers)
     k = result.k
     gpu_neurons = t.neurons[rows, k].astype(np.int64)  # (layers,)
@@ -191,7 +191,7 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
     all_cpu = evaluate(p, np.zeros(p.n_layers, np.int64), t)
     gpu_total = (sum(items.values()) + ffn_gpu) if hw.has_gpu else 0
     # bytes of an untied input embedding, which memory_items leaves off the GPU
-    emb_cpu = int(shape.embedding_params * DTYPE_BYTES[flags.dtype]) if embedding_on_cpu(shape) else 0
+    emb_cpu = int(shape.params.embedding * DTYPE_BYTES[flags.dtype]) if embedding_on_cpu(shape) else 0
     return PlacementSummary(
         model=shape.name,
         budget=Budget(vram_bytes=int(hw.vram_bytes), vram=format_bytes(hw.vram_bytes),

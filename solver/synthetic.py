@@ -15,6 +15,7 @@ import pandas as pd
 from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.artifacts import staged, write_parquet
 from hotneurons.common.kinds import Activation
+from hotneurons.common.model_info import ModelInfo, ParamCounts
 
 
 def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_heads: int, n_kv_heads: int,
@@ -22,15 +23,14 @@ def llama_model_meta(name: str, n_layers: int, d_model: int, n_neurons: int, n_h
     """A profile's `model` dict for a LLaMA-architecture model (gated FFN, RMSNorm, no biases)."""
     hd = d_model // n_heads
     attn = 2 * d_model * d_model + 2 * d_model * n_kv_heads * hd + 2 * d_model  # q,o + k,v + 2 norms
-    return {
-        "name": name, "fingerprint": hashlib.sha256(name.encode()).hexdigest(), "family": "llama",
-        "model_type": "llama", "activation": activation, "gated": True, "n_layers": n_layers, "d_model": d_model,
-        "n_neurons": n_neurons, "ffn_bias": False, "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
-        "head_dim": hd, "vocab_size": vocab_size, "weight_dtype": "float16",
-        "params": {"embedding": vocab_size * d_model, "lm_head": 0 if tied else vocab_size * d_model,
-                   "other": d_model, "attention_per_layer": [attn] * n_layers,
-                   "ffn_per_layer": [3 * d_model * n_neurons] * n_layers},
-    }
+    return ModelInfo(
+        name=name, fingerprint=hashlib.sha256(name.encode()).hexdigest(), family="llama", model_type="llama",
+        activation=activation, gated=True, n_layers=n_layers, d_model=d_model, n_neurons=n_neurons,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=hd, vocab_size=vocab_size,
+        weight_dtype="float16",
+        params=ParamCounts(embedding=vocab_size * d_model, lm_head=0 if tied else vocab_size * d_model, other=d_model,
+                           attention_per_layer=(attn,) * n_layers,
+                           ffn_per_layer=(3 * d_model * n_neurons,) * n_layers)).to_meta()
 
 
 SHAPES = {
@@ -119,15 +119,13 @@ def moe_model_meta(name: str, n_layers: int, d_model: int, n_ff_exp: int, n_expe
     attn = d_model * n_heads * head_dim * 2 + d_model * n_kv_heads * head_dim * 2 + 2 * d_model  # q,o + k,v + norms
     shexp = 3 * d_model * n_ff_shexp + (d_model if n_ff_shexp else 0)  # rows + its sigmoid gate
     ffn = n_experts * 3 * d_model * n_ff_exp + n_experts * d_model + shexp  # experts + router + shared expert
-    return {
-        "name": name, "fingerprint": hashlib.sha256(name.encode()).hexdigest(), "family": "moe",
-        "model_type": "qwen2_moe" if n_ff_shexp else "mixtral", "activation": activation, "gated": True,
-        "n_layers": n_layers, "d_model": d_model, "n_neurons": n_ff_exp, "ffn_bias": False,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
-        "vocab_size": vocab_size, "weight_dtype": "float16",
-        "params": {"embedding": vocab_size * d_model, "lm_head": 0 if tied else vocab_size * d_model,
-                   "other": d_model, "attention_per_layer": [attn] * n_layers, "ffn_per_layer": [ffn] * n_layers},
-    }
+    return ModelInfo(
+        name=name, fingerprint=hashlib.sha256(name.encode()).hexdigest(), family="moe",
+        model_type="qwen2_moe" if n_ff_shexp else "mixtral", activation=activation, gated=True, n_layers=n_layers,
+        d_model=d_model, n_neurons=n_ff_exp, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
+        head_dim=head_dim, vocab_size=vocab_size, weight_dtype="float16",
+        params=ParamCounts(embedding=vocab_size * d_model, lm_head=0 if tied else vocab_size * d_model, other=d_model,
+                           attention_per_layer=(attn,) * n_layers, ffn_per_layer=(ffn,) * n_layers)).to_meta()
 
 
 def synthetic_routing(n_layers: int, n_experts: int, k: int, tokens: int, seed: int = 0, skew: float = 0.8,

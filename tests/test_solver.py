@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 from hotneurons.common.hardware import get_hardware
-from hotneurons.solver.cost import ModelShape, build_problem, comm_min_neurons, evaluate, layer_tables
+from hotneurons.common.model_info import ModelInfo
+from hotneurons.solver.cost import build_problem, comm_min_neurons, evaluate, layer_tables
 from hotneurons.solver.ilp import solve_ilp
 from hotneurons.solver.synthetic import llama_model_meta
 
@@ -18,7 +19,7 @@ def make_problem(rng, n_layers=3, n_neurons=20, group_size=4, budget_frac=0.3, c
                  distinct=False, sync_neurons=None):
     """A random instance. The sync latency is set to the CPU time of about `sync_neurons` hot neurons
     (random by default) so that the communication minimum C_l falls inside these tiny layers."""
-    shape = ModelShape.from_meta(llama_model_meta("tiny", n_layers, d_model, n_neurons, 2, 1, 100))
+    shape = ModelInfo.from_meta(llama_model_meta("tiny", n_layers, d_model, n_neurons, 2, 1, 100))
     tokens = 1000
     if sync_neurons is None:
         sync_neurons = float(rng.uniform(0, n_neurons / 2))
@@ -226,7 +227,7 @@ def test_gate_first_tables_match_neuron_level_costs(always):
     active one its other rows too; the tables and the ILP (against brute force) price it so."""
     rng = np.random.default_rng(12 + always)
     p0, counts = make_problem(rng, n_layers=3, n_neurons=24, group_size=4, comm=True)
-    shape = ModelShape.from_meta(llama_model_meta("tiny", 3, 16, 24, 2, 1, 100))
+    shape = ModelInfo.from_meta(llama_model_meta("tiny", 3, 16, 24, 2, 1, 100))
     p = build_problem(counts, p0.tokens, shape, HW.replace(sync_latency_s=p0.sync_ms[0] / 1e3), 2.0, p0.budget_bytes,
                       0, 4, True, always_rows=always)
     t = layer_tables(p)

@@ -8,10 +8,11 @@ import pytest
 from click.testing import CliRunner
 from hotneurons.common.artifacts import ArtifactError, read_json, write_json
 from hotneurons.common.hardware import get_hardware
+from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import parse_bytes
 from hotneurons.solver import SolverError, solve_placement
 from hotneurons.solver.cli import main
-from hotneurons.solver.cost import ModelShape, memory_items, predictor_hidden
+from hotneurons.solver.cost import memory_items, predictor_hidden
 from hotneurons.solver.synthetic import llama_model_meta, synthetic_counts, write_profile
 
 HW = get_hardware("rtx4090")
@@ -35,7 +36,7 @@ def run(tmp_path):
 
 def fixed_bytes(run_dir, ctx=16, reserve=0, dtype_bytes=2.0):
     meta = read_json(run_dir / "profile" / "meta.json")
-    shape = ModelShape.from_meta(meta["model"])
+    shape = ModelInfo.from_meta(meta["model"])
     h = predictor_hidden(shape.d_model)
     pred = shape.n_layers * h * (shape.d_model + shape.n_neurons) * dtype_bytes
     return sum(memory_items(shape, dtype_bytes, ctx, reserve, int(pred)).values()), shape
