@@ -239,7 +239,7 @@ def _now() -> str:
 @dataclass(kw_only=True)
 class StageMeta(JsonFile):
     """The fields every stage's meta.json starts with. Subclasses set STAGE and add the stage's own fields.
-    `model` is the loaded model's info dict (models/family.model_info): shapes, parameters, fingerprint."""
+    `model` is the model section (common/model_info.ModelInfo.to_meta): shapes, parameters, fingerprint."""
 
     STAGE: ClassVar[str] = ""
 
