@@ -218,3 +218,31 @@ def test_gated_ffn_with_biases_is_refused(tmp_path):
     lm = load_model(str(tmp_path), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="gate/up biases"):
         build_runtime(lm, RuntimeConfig(mode="dense", device="cpu"))
+
+
+def test_both_model_types_decode_alike(tiny_model_dir, tmp_path):
+    """runtime/lm.DecodeModel's two classes on one tiny LLaMA (FFN weights rounded to bf16, dense): our decoder reading
+    the folder in place (SourceModel) and transformers' (LoadedModel, --hf-decode) answer the interface alike, and
+    their prefill and steps, driven by hand as generate's loop drives them, give the same logits at each position."""
+    from dataclasses import replace
+
+    from hotneurons.runtime.load import load_runtime
+
+    lm = tiny.load_rounded(tiny_model_dir("llama-reglu"), "llama-reglu")
+    folder = tmp_path / "rounded"
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    cfg = RuntimeConfig(mode="dense", device="cpu", cold_dtype="bf16", gpu_dtype="f32")
+    ours = load_runtime(None, cfg, model=str(folder))
+    theirs = load_runtime(None, replace(cfg, static_decode=False), model=str(folder))
+    assert (type(ours.lm).__name__, type(theirs.lm).__name__) == ("SourceModel", "LoadedModel")
+    a, b = ours.lm, theirs.lm
+    assert a.vocab == b.vocab == lm.model.config.vocab_size and a.eos == b.eos and len(a.layers) == len(b.layers)
+    assert a.static_ctx == a.ctx <= b.ctx == lm.model.config.max_position_embeddings and b.static_ctx is None
+    ids = list(lm.tokenizer(PROMPT)["input_ids"])
+    x, y = a.prefill(ours, ids), b.prefill(theirs, ids)  # (vocab,) each
+    for pos in range(len(ids), len(ids) + 4):
+        torch.testing.assert_close(x, y, rtol=0, atol=LOGIT_ATOL)
+        token = int(y.argmax())
+        x, y = a.step(ours, token, pos), b.step(theirs, token, pos)
+    torch.testing.assert_close(x, y, rtol=0, atol=LOGIT_ATOL)
