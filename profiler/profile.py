@@ -30,7 +30,6 @@ import torch
 from hotneurons.artifacts.profile import ProfileMeta, ProfileSamples
 from hotneurons.common import artifacts
 from hotneurons.common.artifacts import (
-    ArtifactError,
     StageInterrupted,
     deferred_interrupt,
 )
@@ -43,10 +42,10 @@ from hotneurons.models.family import ExpertsRefused, LoadedModel, check_model, l
 from hotneurons.models.ffn_hooks import device_of
 from hotneurons.models.stream_memory import check_memory, profile_need
 from hotneurons.models.streamed import StreamedModel, open_streamed, streams
-from hotneurons.profiler import experts, gated
+from hotneurons.profiler import checkpoint, experts, gated
 from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 
@@ -146,7 +145,7 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
     run = Path(out) if out is not None else artifacts.default_run_dir(name)
     final = run / "profile"
     partial = final.with_name(".profile.partial")
-    _check_partial(partial, resume, force)
+    checkpoint.check_partial(partial, resume, force)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress and rank == 0 else (lambda msg: None)
     finished = False
     try:
@@ -159,10 +158,11 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
             except ExpertsRefused:
                 raise experts.whole_model_refusal(name, cfg.model, cfg.gguf_file) from None
         gated.check_criterion(cfg.criterion, lm)
-        _check_existing(final, lm.info, force)
+        checkpoint.check_existing(final, lm.info, force)
         _barrier(world)  # every rank has checked before rank 0 creates the partial folder
         with contextlib.ExitStack() as writing:  # holds a deferred interrupt from the final write until the swap
-            with artifacts.staged(final, fresh=not resume, owner=rank == 0, keep_on_failure=_resumable) as partial:
+            with artifacts.staged(final, fresh=not resume, owner=rank == 0,
+                                  keep_on_failure=checkpoint.resumable) as partial:
                 _barrier(world)
                 meta = _profile(cfg, lm, partial, rank, world, resume, checkpoint_every, progress, _stop_after,
                                 writing, say)
@@ -172,7 +172,7 @@ def profile_model(cfg: ProfileConfig, out: str | os.PathLike | None = None, *, r
             raise
         if finished:
             raise StageInterrupted(f"stopped after writing {final}", done=final) from None
-        kept = partial if rank == 0 and _resumable(partial) else None
+        kept = partial if rank == 0 and checkpoint.resumable(partial) else None
         raise StageInterrupted(str(e) or "stopped", kept=kept) from None
     _barrier(world)  # rank 0 has swapped the folder into place
     return meta
@@ -202,11 +202,6 @@ def _load(cfg: ProfileConfig, name: str, device: str, layer_by_layer: bool | Non
                       trust_remote_code=cfg.trust_remote_code, activation=cfg.activation)
 
 
-def _resumable(partial: Path) -> bool:
-    """A partial folder that a resumed run can continue: the shared state and at least one rank's checkpoint."""
-    return (partial / "state.json").exists() and any(partial.glob("state.rank*.json"))
-
-
 def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path, rank: int, world: int, resume: bool,
              checkpoint_every: int, progress: bool, _stop_after: int | None, writing: contextlib.ExitStack,
              say=lambda msg: None) -> ProfileMeta | None:
@@ -217,7 +212,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
     state: dict[str, Any] = {"batches": 0, "tokens": 0, "seconds": 0.0}
     if resume:
         shared = artifacts.read_json(partial / "state.json")
-        _check_resume_key(shared["key"], key, partial)
+        checkpoint.check_resume_key(shared["key"], key, partial)
         if rank_state.exists():
             state = artifacts.read_json(rank_state)
 
@@ -267,7 +262,7 @@ def _profile(cfg: ProfileConfig, lm: LoadedModel | StreamedModel, partial: Path,
             stop = _stop_after is not None and done_here >= _stop_after
             if state["batches"] % checkpoint_every == 0 or stop:
                 state["seconds"] = seconds0 + time.perf_counter() - start
-                _checkpoint(ckpt, rank_state, counter, reservoir, state)
+                checkpoint.checkpoint(ckpt, rank_state, counter, reservoir, state)
             if stop:
                 bar.close()
                 raise KeyboardInterrupt(f"stopped after {done_here} batches (checkpoint kept in {partial})")
@@ -300,48 +295,6 @@ def _barrier(world: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def _check_partial(partial: Path, resume: bool, force: bool) -> None:
-    """Before the model loads: a resumable interrupted run is neither overwritten nor ignored without being told;
-    a partial folder without a checkpoint (stopped before its first) is debris that a fresh run removes."""
-    if _resumable(partial) and not resume and not force:
-        raise ArtifactError(f"an interrupted profile is in {partial}: resume it, or force a fresh start",
-                            params=("resume", "force"))
-    if resume and not _resumable(partial):
-        raise ArtifactError(f"no interrupted profile to resume in {partial} (no checkpoint was written): start a new "
-                            f"one without resume", params="resume")
-
-
-def _check_existing(final: Path, info: dict, force: bool) -> None:
-    """After the model loads: a finished profile of another model is not replaced unless forced."""
-    if (final / "meta.json").exists() and not force:
-        try:
-            old = artifacts.read_json(final / "meta.json")  # any version: only its model matters here
-        except (OSError, ValueError):
-            old = {}
-        if old.get("model", {}).get("fingerprint") != info["fingerprint"]:
-            raise ArtifactError(f"{final} holds a profile of '{old.get('model', {}).get('name')}', not of "
-                                f"'{info['name']}': force a replacement, or write to another run directory",
-                                params=("force", "out"))
-
-
-def _check_resume_key(saved: dict, now: dict, partial: Path) -> None:
-    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-    if diff:
-        k = diff[0]
-        raise ArtifactError(f"cannot resume: the run in {partial} used {k}={saved.get(k)!r}, now {now.get(k)!r}: "
-                            f"use the same settings, or force a fresh start", params=(k, "force"))
-
-
-def _checkpoint(ckpt: Path, rank_state: Path, counter: ActivationCounter, reservoir: SampleReservoir | None,
-                state: dict) -> None:
-    """Samples first, then counts, then state: a state file names only what is already on disk."""
-    with deferred_interrupt():  # Ctrl-C waits: counts newer than the state file would be counted twice on resume
-        if reservoir is not None:
-            reservoir.flush()
-        artifacts.atomic_write_bytes(ckpt, save({k: t.cpu().contiguous() for k, t in counter.tensors().items()}))
-        artifacts.write_json(rank_state, state)
 
 
 def _finalize(partial: Path, lm: LoadedModel | StreamedModel, cfg: ProfileConfig, tables: dict[str, np.ndarray],
