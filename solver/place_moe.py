@@ -27,6 +27,7 @@ from hotneurons.artifacts.profile import ProfileMeta
 from hotneurons.common.artifacts import ArtifactError, read_table, sha256_file, staged, write_parquet
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import Activation, choose
+from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_size_arg
 
 from .cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES, SolverError, model_dtype
@@ -108,19 +109,18 @@ class WeightSizes:
     source: str
 
 
-def _gguf_path(model: dict) -> Path | None:
-    src = model.get("source") or {}
+def _gguf_path(model: ModelInfo) -> Path | None:
+    src = model.source or {}
     if not src.get("gguf_file"):
         return None
     path = Path(src.get("path") or ".") / src["gguf_file"]
     return path if path.is_file() else None
 
 
-def weight_sizes(model: dict, x: dict, dtype: str | None) -> WeightSizes:
+def weight_sizes(model: ModelInfo, x: dict, dtype: str | None) -> WeightSizes:
     """From the GGUF file's tensor table (the formats the file stores) where the profile names one that exists and no
     `dtype` is given; otherwise every weight in `dtype` (default: the model's own float format, else fp16)."""
-    L, E, d = int(model["n_layers"]), x["n_experts"], int(model["d_model"])
-    p = model["params"]
+    L, E, d, p = model.n_layers, x["n_experts"], model.d_model, model.params
     path = None if dtype else _gguf_path(model)
     if path is not None:
         from hotneurons.weights.formats import from_ggml_type
@@ -146,16 +146,15 @@ def weight_sizes(model: dict, x: dict, dtype: str | None) -> WeightSizes:
             fixed[l] += t.nbytes
         fmt = formats.pop() if len(formats) == 1 else "mixed"
         return WeightSizes(expert, fixed, items, fmt, f"tensor table of {path}")
-    wd = model_dtype(model.get("weight_dtype"))
+    wd = model_dtype(model.weight_dtype)
     dtype = choose(dtype or wd, DTYPE_BYTES, "weight dtype", SolverError, "dtype")
     w, a = DTYPE_BYTES[dtype], ACT_BYTES[dtype]  # block formats: router and norms stay 16-bit
     n, n_sh = x["n_ff_exp"], x["n_ff_shexp"]
-    attn = np.array(p["attention_per_layer"], np.float64) * w  # (layers,) everything outside the MoE FFN
+    attn = np.array(p.attention_per_layer, np.float64) * w  # (layers,) everything outside the MoE FFN
     router = E * d * a
     shexp = 3 * d * n_sh * w + (d * a if n_sh else 0)  # rows + its sigmoid gate
     items = {"attention": int(attn.sum()), "router": int(L * router), "shared_expert": int(L * shexp),
-             "final_norm_and_other": int(p.get("other", p.get("final_norm", 0)) * a),
-             "embedding": int(p["embedding"] * w), "lm_head": int(p.get("lm_head", 0) * w)}
+             "final_norm_and_other": int(p.other * a), "embedding": int(p.embedding * w), "lm_head": int(p.lm_head * w)}
     return WeightSizes(np.full(L, 3 * d * n * w), attn + router + shexp, items, dtype,
                        f"{dtype} for every weight ({'--dtype' if dtype != wd else 'the model weight_dtype'})")
 
@@ -181,36 +180,36 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
     pdir = run_dir / "profile"
     if meta.tokens <= 0:
         raise ArtifactError(f"{pdir}/meta.json counts no tokens: re-run pi-profile")
-    model, x = meta.model, experts_info(meta, pdir / "meta.json")
-    L, E, n = int(model["n_layers"]), x["n_experts"], x["n_ff_exp"]
+    model, x = ModelInfo.from_meta(meta.model), experts_info(meta, pdir / "meta.json")
+    L, E, n = model.n_layers, x["n_experts"], x["n_ff_exp"]
     counts = _expert_counts(edf, L, E, pdir / "experts.parquet")  # (layers, experts)
     try:
-        relu = Activation(str(model.get("activation"))).relu_family
+        relu = Activation(str(model.activation)).relu_family
     except ValueError:
         relu = False
     neuron_ids = _neuron_counts(ndf, L, E, n) if relu and expert_neurons != "off" else None
     if expert_neurons == "on" and neuron_ids is None:
         why = "are not ReLU-family" if not relu else "have no complete neuron counts in neurons.parquet"
-        raise SolverError(f"--expert-neurons on: the experts of {model.get('name')} {why}: use --expert-neurons auto "
+        raise SolverError(f"--expert-neurons on: the experts of {model.name} {why}: use --expert-neurons auto "
                           f"or off", params="expert_neurons")
 
     sizes = weight_sizes(model, x, dtype)
-    cold = sizes.expert if cold_dtype is None else np.full(L, 3 * int(model["d_model"]) * n * COLD_BYTES[cold_dtype])
+    cold = sizes.expert if cold_dtype is None else np.full(L, 3 * model.d_model * n * COLD_BYTES[cold_dtype])
     kv_b = ACT_BYTES.get(sizes.format, 2.0)
-    items = {**sizes.items, "embedding": 0 if model["params"].get("lm_head", 0) else sizes.items["embedding"],
-             "kv_cache": int(2 * L * int(model["num_key_value_heads"]) * int(model["head_dim"]) * kv_b * ctx),
+    items = {**sizes.items, "embedding": 0 if model.params.lm_head else sizes.items["embedding"],
+             "kv_cache": int(2 * L * model.num_key_value_heads * model.head_dim * kv_b * ctx),
              # fp32 buffers of a decode step: logits, hidden states, the k experts' and the shared expert's
              # intermediates, attention scores; doubled for allocator slack
-             "workspace": int(2 * 4 * (int(model["vocab_size"]) + 4 * int(model["d_model"])
+             "workspace": int(2 * 4 * (model.vocab_size + 4 * model.d_model
                                        + 3 * (x["n_experts_used"] * n + x["n_ff_shexp"])
-                                       + int(model["num_attention_heads"]) * ctx)),
+                                       + model.num_attention_heads * ctx)),
              "reserve": int(hw.reserve_bytes) if hw.has_gpu else 0}
     emb_cpu = sizes.items["embedding"] - items["embedding"]  # an untied input embedding stays in CPU RAM
     fixed = sum(items.values())
     if hw.has_gpu and fixed > hw.vram_bytes:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
         raise SolverError(
-            f"the VRAM budget {format_bytes(hw.vram_bytes)} is below the {format_bytes(fixed)} that {model['name']} "
+            f"the VRAM budget {format_bytes(hw.vram_bytes)} is below the {format_bytes(fixed)} that {model.name} "
             f"needs on the GPU besides its routed experts at a context of {ctx} tokens ({parts}): raise the VRAM "
             f"budget to at least {format_size_arg(fixed)} or lower the context or the reserve",
             params=("vram_bytes", "ctx", "reserve_bytes"))
@@ -218,7 +217,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
     bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw  # bytes/s of the placement-independent reads
     # per layer with a cold routed expert: the hidden state down, the routed ids (int32) and weights (fp32) too, the
     # CPU's partial sum up; no weight crosses PCIe per token
-    xfer = 2 * int(model["d_model"]) * kv_b + 8 * x["n_experts_used"]  # bytes
+    xfer = 2 * model.d_model * kv_b + 8 * x["n_experts_used"]  # bytes
     sync = (hw.sync_latency_s + xfer / hw.pcie_bw) * 1e3 if hw.has_gpu else 0.0  # ms
     head = (sizes.items["lm_head"] or sizes.items["embedding"]) + sizes.items["final_norm_and_other"]
     nc = None if neuron_ids is None else -np.sort(-neuron_ids, axis=2).astype(np.float64)  # hottest first
@@ -250,7 +249,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
 
 
 def _summary(p: ExpertProblem, t, result: IlpResult, ev: dict, items: dict, emb_cpu: int, sizes: WeightSizes,
-             hw: HardwareSpec, model: dict, x: dict, xfer: int, flags: PlacementFlags,
+             hw: HardwareSpec, model: ModelInfo, x: dict, xfer: int, flags: PlacementFlags,
              notes: list[str]) -> PlacementSummary:
     L, E = p.shape
     G, n = p.n_groups, x["n_ff_exp"]
@@ -269,7 +268,7 @@ def _summary(p: ExpertProblem, t, result: IlpResult, ev: dict, items: dict, emb_
     gpu_total = int(sum(items.values()) + ev["gpu_expert_bytes"]) if hw.has_gpu else 0
     mode = "neuron groups" if p.group_size else "whole experts"
     return PlacementSummary(
-        model=str(model["name"]),
+        model=model.name,
         budget=Budget(vram_bytes=int(hw.vram_bytes), vram=format_bytes(hw.vram_bytes),
                       fixed_gpu_bytes=int(sum(items.values())) if hw.has_gpu else 0,
                       ffn_budget_bytes=int(p.budget_bytes)),
