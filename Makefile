@@ -44,7 +44,7 @@ figures: $(BIN)/.installed
 	$(BIN)/python notebooks/run.py notebooks/profile.ipynb
 
 bench-cpu: $(BIN)/.installed
-	$(BIN)/python bench/profile_overhead.py --out bench/results/profile_overhead_cpu.json
+	$(BIN)/python -m bench.profile_overhead --out bench/results/profile_overhead_cpu.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,7 +2,7 @@
 step of loading and running the in-place engine on the memory benchmark's Q4_0 GGUF (bench/engine_decode.setup), in
 one process, beside what the layout itself counts (the cold rows, the predictors' host copies, the pinned buffers).
 
-  python bench/anon_breakdown.py --models /root/models --out bench/results/<date>-<kind>-anon-breakdown.json
+  python -m bench.anon_breakdown --models /root/models --out bench/results/<date>-<kind>-anon-breakdown.json
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def main(a) -> dict:
     import transformers  # noqa: F401
 
     mark("import numba, torch, transformers")
-    from hotneurons.bench.engine_decode import setup
     from hotneurons.runtime.generate import RuntimeConfig, generate
     from hotneurons.runtime.load import load_source_runtime
+
+    from bench.engine_decode import setup
 
     files, run, placement = setup(a.models, a.shape, a.threshold, a.hot_share)
     mark("the benchmark model written or found")
@@ -86,8 +87,8 @@ def main(a) -> dict:
 
 
 def cli() -> None:
-    from hotneurons.bench import record
-    from hotneurons.bench.engine_decode import parser
+    from bench import record
+    from bench.engine_decode import parser
 
     p = parser(__doc__)
     p.add_argument("--warm-shape", default=None,

@@ -30,7 +30,7 @@ PROMPT_SHORT, PROMPT_LONG = 16, 512  # tokens: the decode runs' prompt, the pref
 
 
 def _tool(name: str) -> str:
-    from hotneurons.bench.memory import tool
+    from bench.memory import tool
 
     return tool(name)
 
@@ -46,7 +46,7 @@ def _run(cmd: list[str], timeout: float) -> dict:
 
 def measured(argv: list[str], timeout: float, pattern: str | None = None) -> dict:
     """Run argv with its host memory (bench/memory_probe.Monitor) and GPU memory (GpuMemory) sampled."""
-    from hotneurons.bench.memory_probe import GpuMemory, Monitor
+    from bench.memory_probe import GpuMemory, Monitor
 
     with Monitor(argv, first_output=pattern) as m, GpuMemory(m.proc.pid) as g:
         res = m.wait(timeout)
@@ -58,8 +58,8 @@ def measured(argv: list[str], timeout: float, pattern: str | None = None) -> dic
 
 
 def stage_build(a) -> dict:
-    from hotneurons.bench import memory_models as mm
-    from hotneurons.bench.bench_gguf import write_model
+    from bench import memory_models as mm
+    from bench.bench_gguf import write_model
 
     t0 = time.perf_counter()
     info = write_model(a.shape, a.layers, a.work / "model.gguf", a.device, seed=a.seed,
@@ -70,10 +70,11 @@ def stage_build(a) -> dict:
 
 def install_predictors(run: Path, gguf: Path) -> dict:
     """The exact predictors written beside the model (bench_gguf) as RUN/predictors, for RUN's model and profile."""
-    from hotneurons.bench import tiny
     from hotneurons.models.family import adapter_for
     from hotneurons.models.open import model_info, open_model
     from safetensors.torch import load_file
+
+    from tests import tiny
 
     source, sid, _, act = open_model(str(gguf))
     ad = adapter_for(source.config)
@@ -102,7 +103,7 @@ def stage_pipeline(a) -> dict:
 
 
 def stage_ours(a) -> dict:
-    argv = [sys.executable, "-m", "hotneurons.bench.bench_70b", "--stage", "ours-child", "--work", str(a.work),
+    argv = [sys.executable, "-m", "bench.bench_70b", "--stage", "ours-child", "--work", str(a.work),
             "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--timeline", str(a.timeline)]
     res = measured(argv, 560, pattern=r"first token")
     if res["exit_code"] != 0:
@@ -157,7 +158,7 @@ def ours_child(a, load=None, out: Path | None = None) -> None:
     rows["prefill_512"] = generate(rt, ids, 2, stop_at_eos=False).stats
     mem["prefill"] = gpu_mem()
     if a.timeline and rt.fast is not None and a.device == "cuda":  # where a step's time goes (after the timed runs)
-        from hotneurons.bench.bench_timeline import step_timeline
+        from bench.bench_timeline import step_timeline
 
         try:  # a diagnostic: its failure must not cost the figures above
             rows["timeline"] = step_timeline(rt, short, a.timeline)
@@ -205,7 +206,7 @@ def report(stages: dict[str, dict]) -> dict:
         if name.startswith("llama.cpp") and "error" not in row:
             systems[name] = {k: row.get(k) for k in SYSTEM_KEYS}
     if "powerinfer" in stages:
-        from hotneurons.bench.bench_70b_baselines import powerinfer_systems
+        from bench.bench_70b_baselines import powerinfer_systems
 
         systems.update(powerinfer_systems(stages["powerinfer"]))
     split = next((n for n in systems if n.startswith("llama.cpp -ngl")), None)
@@ -266,7 +267,7 @@ def markdown(fig: dict) -> str:
 def stage_report(a, stages=None, report_fn=None, markdown_fn=None, name: str = "llama70b") -> dict:
     """The stage files (--inputs, or WORK/<stage>.json) into bench/results/<date>-<kind>-<name>.{json,md} (or --out
     and its .md), by `report_fn` and `markdown_fn` (bench_gated70b.py passes its own; default this bench's)."""
-    from hotneurons.bench import record
+    from bench import record
 
     files = {Path(f).stem: Path(f) for f in a.inputs} or {s: a.work / f"{s}.json" for s in stages or STAGES}
     recs = {stage: record.read(f) for stage, f in files.items() if f.exists()}
@@ -280,13 +281,13 @@ def stage_report(a, stages=None, report_fn=None, markdown_fn=None, name: str = "
 
 
 def stage_llamacpp(a) -> dict:
-    from hotneurons.bench.bench_70b_baselines import stage_llamacpp
+    from bench.bench_70b_baselines import stage_llamacpp
 
     return stage_llamacpp(a)
 
 
 def stage_powerinfer(a) -> dict:
-    from hotneurons.bench.bench_70b_baselines import stage_powerinfer
+    from bench.bench_70b_baselines import stage_powerinfer
 
     return stage_powerinfer(a)
 
@@ -352,7 +353,7 @@ def run(a, stages: dict, child, reporter, markdown_fn) -> None:
     if a.stage == "report":
         print(markdown_fn(reporter(a)))
         return
-    from hotneurons.bench import record
+    from bench import record
 
     figures = {"stage": a.stage, "shape": a.shape, "layers": a.layers, **stages[a.stage](a)}
     out = a.out or a.work / f"{a.stage}.json"

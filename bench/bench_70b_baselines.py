@@ -16,7 +16,7 @@ def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, promp
                 timeout: float = 400, extra: tuple[str, ...] = ()) -> dict:
     """One `llama-bench` process (every layer past the first `ngl` on the CPU; `extra` flags, e.g. --n-cpu-moe N),
     its tokens/s per test and its peak host and GPU memory."""
-    from hotneurons.bench.memory_probe import GpuMemory, Monitor
+    from bench.memory_probe import GpuMemory, Monitor
 
     argv = [binary, "-m", str(gguf), "-ngl", str(ngl), *extra, "-p", str(prompt), "-n", gen, "-r", "1", "-t",
             str(threads), "-o", "json"]
@@ -45,9 +45,10 @@ def stage_llamacpp(a) -> dict:
     """llama.cpp on the same file: the most layers on the GPU whose measured memory, plus the KV cache our runtime
     holds for --ctx tokens (llama-bench's holds only its prompt and generation), fits --vram; all on the GPU; the CPU
     alone."""
-    from hotneurons.bench import bench_llamacpp as lcpp
-    from hotneurons.bench import bench_model as bm
     from hotneurons.common.units import parse_bytes
+
+    from bench import bench_llamacpp as lcpp
+    from bench import bench_model as bm
 
     gguf = a.work / "model.gguf"
     cuda = a.device == "cuda"
@@ -93,11 +94,12 @@ def stage_powerinfer(a) -> dict:
     --vram-budget at --vram: decode of 256 tokens past the 16-token prompt at every core and at 2 threads (where its
     tokens are right: its CPU down-projection races at more, bench_powerinfer's docstring), and a 512-token prompt.
     GPU memory: the driver's, over this process's children; host: the largest child's peak RSS (getrusage)."""
-    from hotneurons.bench.bench_powerinfer import default_source, run_main
-    from hotneurons.bench.memory_probe import GpuMemory
-    from hotneurons.bench.powerinfer_check import build
     from hotneurons.common.units import parse_bytes
     from hotneurons.export import export_run
+
+    from bench.bench_powerinfer import default_source, run_main
+    from bench.memory_probe import GpuMemory
+    from bench.powerinfer_check import build
 
     out = Path(a.pwri_dir)
     res: dict = {"build": build(Path(a.powerinfer_src or default_source()), a.work / "powerinfer", cuda=True,

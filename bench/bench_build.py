@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hotneurons.bench import bench_llamacpp as lcpp
-from hotneurons.bench import bench_model as bm
+
+from bench import bench_llamacpp as lcpp
+from bench import bench_model as bm
 
 
 def _free(device: str) -> None:

@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 import torch
-from hotneurons.bench import bench_model as bm
 from hotneurons.kernels.dram import row_gather_bw
 from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
+
+from bench import bench_model as bm
 
 
 @njit(nogil=True, cache=True, fastmath=True, inline="always")

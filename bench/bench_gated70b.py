@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from hotneurons.bench import bench_70b as b70
+from bench import bench_70b as b70
 
 VARIANTS = ("gate", "dense", "gpu-gate", "gpu-dense")  # a gate variant may name its criterion: gate@h, gpu-gate@gate-h
 
@@ -52,8 +52,9 @@ def rates_from_profile(run: Path, criterion: str, sparsity: float, out: Path, po
 
 def stage_build(a) -> dict:
     import numpy as np
-    from hotneurons.bench import memory_models as mm
-    from hotneurons.bench.bench_gguf import write_model
+
+    from bench import memory_models as mm
+    from bench.bench_gguf import write_model
 
     rates = np.asarray(json.loads(Path(a.rates).read_text())["rates"]) if a.rates else None
     t0 = time.perf_counter()
@@ -88,7 +89,7 @@ def stage_pipeline(a) -> dict:
 def stage_ours(a) -> dict:
     out = {}
     for v in a.variants.split(","):
-        argv = [sys.executable, "-m", "hotneurons.bench.bench_gated70b", "--stage", "ours-child", "--variant", v,
+        argv = [sys.executable, "-m", "bench.bench_gated70b", "--stage", "ours-child", "--variant", v,
                 "--work", str(a.work), "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--sparsity",
                 str(a.sparsity), "--criterion", a.criterion]
         res = b70.measured(argv, 560, pattern=r"first token")

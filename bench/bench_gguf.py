@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hotneurons.bench import bench_model as bm
-from hotneurons.bench import memory_models as mm
 from hotneurons.weights.names import layer_name
+
+from bench import bench_model as bm
+from bench import memory_models as mm
 
 Q4 = "q4_0"
 

@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as version_of
 from pathlib import Path
 
-from hotneurons.bench import ROOT, fair
+from bench import ROOT, fair
 
 CARRY = ROOT / ".llamacpp"  # carried to the GPU machine: llama.cpp.tar.gz
 TARBALL = CARRY / "llama.cpp.tar.gz"

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hotneurons.bench.shapes import CONST, EMBED_STD, SHAPES
+
+from bench.shapes import CONST, EMBED_STD, SHAPES
 
 P_CLIP = (1e-5, 1 - 1e-5)  # firing probabilities kept off 0 and 1 (ndtri is infinite there)
 

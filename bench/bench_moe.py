@@ -52,8 +52,8 @@ def _dir(a) -> Path:
 
 
 def stage_build(a) -> dict:
-    from hotneurons.bench import bench_model as bm
-    from hotneurons.bench.moe_gguf import SHAPES, write_model
+    from bench import bench_model as bm
+    from bench.moe_gguf import SHAPES, write_model
 
     t0 = time.perf_counter()
     info = write_model(a.shape, _dir(a) / "model.gguf", a.device, routing=a.routing, sparse=a.sparse, seed=a.seed,
@@ -73,7 +73,7 @@ def file_bytes(gguf: Path) -> dict:
 
 def kv_bytes(shape: str, ctx: int) -> int:
     """fp16 keys and values of `ctx` tokens (what our runtime holds and pi-solve reserves)."""
-    from hotneurons.bench.moe_gguf import SHAPES
+    from bench.moe_gguf import SHAPES
 
     s = SHAPES[shape]
     return 2 * s.n_layers * s.n_kv_heads * s.head_dim * ctx * 2
@@ -98,13 +98,14 @@ def _run(cmd: list[str], timeout: float) -> dict:
 def stage_pipeline(a) -> dict:
     import shutil
 
-    from hotneurons.bench.memory import tool
     from hotneurons.common.units import parse_bytes
+
+    from bench.memory import tool
 
     d = _dir(a)
     run, gguf = d / "run", d / "model.gguf"
     shutil.rmtree(run, ignore_errors=True)
-    prof = _run([sys.executable, "-m", "hotneurons.bench.bench_moe", "--stage", "profile-child", "--",
+    prof = _run([sys.executable, "-m", "bench.bench_moe", "--stage", "profile-child", "--",
                  "--model", str(gguf), "--out", str(run), "--dataset", str(d / "corpus.txt"), "--tokens",
                  str(a.profile_tokens), "--seq-len", str(min(512, a.profile_tokens)), "--samples-per-layer", "0",
                  "--layer-by-layer", "--device", a.device, "--quiet"], 560)
@@ -157,9 +158,10 @@ def n_cpu_moe_share(shares: np.ndarray, n: int) -> float:
 
 def profile_child(argv: list[str]) -> None:
     """pi-profile, with the file's tokenizer replaced by bench_model.SyntheticTokenizer (the corpus is token ids)."""
-    from hotneurons.bench import bench_model as bm
     from hotneurons.profiler.cli import main as pi_profile
     from hotneurons.weights.gguf_source import GGUFSource
+
+    from bench import bench_model as bm
 
     GGUFSource.tokenizer = lambda self: bm.SyntheticTokenizer(self.infos["token_embd.weight"].shape[0])
     pi_profile(argv)
@@ -170,9 +172,9 @@ def profile_child(argv: list[str]) -> None:
 
 
 def stage_ours(a) -> dict:
-    from hotneurons.bench.bench_70b import measured
+    from bench.bench_70b import measured
 
-    argv = [sys.executable, "-m", "hotneurons.bench.bench_moe", "--stage", "ours-child", "--work", str(a.work),
+    argv = [sys.executable, "-m", "bench.bench_moe", "--stage", "ours-child", "--work", str(a.work),
             "--shape", a.shape, "--routing", a.routing, "--device", a.device, "--ctx", str(a.ctx),
             "--temperature", str(a.temperature)] + (["--sparse"] if a.sparse else [])
     res = measured(argv, 560, pattern=r"first token")
@@ -221,7 +223,7 @@ def ours_child(a) -> None:
 def llama_bench(binary: str, gguf: Path, ncmoe: int, threads: int, gen: str, prompt: int,
                 timeout: float = 500) -> dict:
     """One `llama-bench -ngl 99 --n-cpu-moe N` process: tokens/s per test, peak host and GPU (driver) memory."""
-    from hotneurons.bench.bench_70b_baselines import llama_bench as run
+    from bench.bench_70b_baselines import llama_bench as run
 
     row = run(binary, gguf, 99, threads, gen, prompt, timeout=timeout, extra=("--n-cpu-moe", str(ncmoe)))
     return {"n_cpu_moe": ncmoe, **{k: v for k, v in row.items() if k != "ngl"}}
@@ -250,8 +252,8 @@ def smallest_fitting(probe, guess: int, layers: int, budget: int) -> tuple[int |
 
 
 def stage_llamacpp(a) -> dict:
-    from hotneurons.bench import bench_llamacpp as lcpp
-    from hotneurons.bench.moe_gguf import SHAPES
+    from bench import bench_llamacpp as lcpp
+    from bench.moe_gguf import SHAPES
 
     d = _dir(a)
     gguf, layers = d / "model.gguf", SHAPES[a.shape].n_layers
@@ -299,8 +301,8 @@ def main(argv=None) -> None:
     if a.stage == "ours-child":
         ours_child(a)
         return
-    from hotneurons.bench import bench_moe_report as rep
-    from hotneurons.bench import record
+    from bench import bench_moe_report as rep
+    from bench import record
 
     if a.stage == "report":
         print(rep.markdown(rep.stage_report(a, _dir(a), variant(a))))

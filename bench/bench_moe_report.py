@@ -106,7 +106,7 @@ def markdown(fig: dict) -> str:
 
 
 def _stage_files(folder: Path) -> dict[str, dict]:
-    from hotneurons.bench import record
+    from bench import record
 
     return {s: record.read(folder / f"{s}.json") for s in ("build", "pipeline", "ours", "llamacpp")
             if (folder / f"{s}.json").exists()}
@@ -115,7 +115,7 @@ def _stage_files(folder: Path) -> dict[str, dict]:
 def stage_report(a, folder: Path, variant: str) -> dict:
     """WORK/<variant>'s stage files (`folder`) into bench/results/<date>-<kind>-moe-<variant>.{json,md} (or --out and
     .md)."""
-    from hotneurons.bench import record
+    from bench import record
 
     recs = _stage_files(folder)
     uni = None

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
-from hotneurons.bench import fair
 from hotneurons.common.hardware import openmp_wait_policy
+
+from bench import fair
 
 _SET_BEFORE = {k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
 if os.environ.get(fair.BASELINE_PROCESS):  # a baseline's own process: the user's OpenMP settings, not ours

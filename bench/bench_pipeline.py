@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hotneurons.bench import bench_model as bm
+
+from bench import bench_model as bm
 
 
 def profile(args, model: bm.BenchModel, run: Path) -> dict:
@@ -115,10 +116,11 @@ def topk_placement(run: Path, budget: int, args) -> dict:
     (budget minus what pi-solve's memory_items counts before any neuron)."""
     from hotneurons.artifacts.profile import read_profile
     from hotneurons.common import artifacts
-    from hotneurons.solver.cost import ModelShape, memory_items, safetensors_bytes
+    from hotneurons.common.model_info import ModelInfo
+    from hotneurons.solver.cost import memory_items, safetensors_bytes
 
     df, meta = read_profile(run)
-    shape = ModelShape.from_meta(meta["model"])
+    shape = ModelInfo.from_meta(meta["model"])
     pred = safetensors_bytes(run / "predictors" / "predictors.safetensors")
     fixed = sum(memory_items(shape, 2, args.ctx, 0, pred).values())
     per_neuron = shape.rows * shape.d_model * 2

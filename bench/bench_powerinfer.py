@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from hotneurons.bench import bench_model as bm
+
+from bench import bench_model as bm
 
 NO_NEURON = "1e30"  # a threshold above every logit: no FFN neuron is computed
 PROMPT = "abcdefghijklmno"  # 15 byte tokens plus <s>: the bench's 16-token prompt (placeholder vocabulary)
@@ -55,10 +56,11 @@ def export_bench_model(args, work: Path, counts: list[np.ndarray], gpu_mask: lis
     """The bench model (rebuilt with the saved calibration) with our placement, profile counts and exact
     predictors, as PowerInfer's files in `out`."""
     import torch
-    from hotneurons.bench.bench_build import calibrated_model
     from hotneurons.export.gguf_model import placeholder_vocab
     from hotneurons.export.powerinfer import write_powerinfer
     from hotneurons.export.run import split_bytes
+
+    from bench.bench_build import calibrated_model
 
     model = calibrated_model(args, work)
     lm = model.lm
@@ -109,7 +111,7 @@ def thread_check(binary: Path, gguf: Path, budget_gib: float, threads: int, logs
 
 def stage_powerinfer(args, work: Path) -> dict:
     """Build, export (kept in WORK for the next call) and time PowerInfer at the budget."""
-    from hotneurons.bench.powerinfer_check import build
+    from bench.powerinfer_check import build
 
     res: dict = {"stage": "powerinfer"}
     run = work / f"run-{args.shape}-{args.layers}"
@@ -125,7 +127,7 @@ def stage_powerinfer(args, work: Path) -> dict:
     else:
         res["export"] = {**json.loads((out / "export.json").read_text()), "reused": True}
     res["export_seconds"] = time.perf_counter() - t0
-    from hotneurons.bench.bench_build import _free
+    from bench.bench_build import _free
 
     _free(args.device)
     budget = int(args.budget_share * bm.model_bytes(args.shape, args.layers)["total"])

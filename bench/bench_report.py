@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hotneurons.bench import fair, record
+from bench import fair, record
 
 SPLIT = "llama.cpp -ngl"
 SPLIT_Q8 = "llama.cpp Q8_0 -ngl"

@@ -14,16 +14,17 @@ import time
 from pathlib import Path
 
 import torch
-from hotneurons.bench import bench_ceilings as ceil
-from hotneurons.bench import bench_llamacpp as lcpp
-from hotneurons.bench import bench_model as bm
-from hotneurons.bench import bench_timeline as tl
-from hotneurons.bench import fair, record
-from hotneurons.bench import systems as sy
-from hotneurons.bench.bench_build import _free, calibrated_model, llama_binary, llama_ngl, llama_runs
-from hotneurons.bench.bench_openmp import OMP_WAIT_POLICY
-from hotneurons.bench.bench_pipeline import hardware_spec, place, profile, write_predictors
-from hotneurons.bench.bench_systems import run_accelerate, run_interleaved, run_ours, share_sweep
+
+from bench import bench_ceilings as ceil
+from bench import bench_llamacpp as lcpp
+from bench import bench_model as bm
+from bench import bench_timeline as tl
+from bench import fair, record
+from bench import systems as sy
+from bench.bench_build import _free, calibrated_model, llama_binary, llama_ngl, llama_runs
+from bench.bench_openmp import OMP_WAIT_POLICY
+from bench.bench_pipeline import hardware_spec, place, profile, write_predictors
+from bench.bench_systems import run_accelerate, run_interleaved, run_ours, share_sweep
 
 
 class Deadline:
@@ -129,7 +130,7 @@ def run_part(args, part: str, out: Path, timeout: float) -> dict:
     (fair.baseline_env)."""
     path = out / f"pi_bench_{part}.json"
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "hotneurons.bench.pi_bench", *args.argv, "--part", part, "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.pi_bench", *args.argv, "--part", part, "--out", str(out)]
     env = fair.baseline_env() if part != "ours" else None
     print("+", " ".join(cmd), flush=True)
     try:

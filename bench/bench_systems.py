@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 import torch
-from hotneurons.bench import bench_ceilings as ceil
-from hotneurons.bench import bench_timeline as tl
+
+from bench import bench_ceilings as ceil
+from bench import bench_timeline as tl
 
 
 def build_ours(base, cfg, placement, preds, prompt: list[int]):

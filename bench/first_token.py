@@ -1,8 +1,8 @@
 """Load to first token, side by side: llama.cpp and pi-generate on the same Q4_0 GGUF, each a process of its own, timed
 from its start to its first generated token on stdout.
 
-    python -m hotneurons.bench.first_token                  # 16- and 32-layer models; CPU, and CUDA where a GPU is
-    python -m hotneurons.bench.first_token --shape 1.7GB --reps 3 --work /root/first-token --out $OUT/
+    python -m bench.first_token                  # 16- and 32-layer models; CPU, and CUDA where a GPU is
+    python -m bench.first_token --shape 1.7GB --reps 3 --work /root/first-token --out $OUT/
 
 llama.cpp is `llama-completion` (its plain completion tool: -n 1 -no-cnv prints the one token and exits), built with
 cmake and ninja from the tarball pi-bench carries (.llamacpp/llama.cpp.tar.gz, bench/bench_llamacpp.py) into --work,
@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 
 import click
-from hotneurons.bench import ROOT, record
-from hotneurons.bench import memory_models as mm
+
+from bench import ROOT, record
+from bench import memory_models as mm
 
 PROMPT = "The capital of France is"
 TARGET = "llama-completion"
@@ -61,7 +62,7 @@ def nvcc() -> str | None:
 def start_build(work: Path, cuda: bool, jobs: int) -> dict:
     """Configure llama.cpp (in the foreground: seconds) and start building TARGET in the background. Returns the
     binary's path, the cmake flags and the running build (None where the binary is there already)."""
-    from hotneurons.bench.bench_llamacpp import CMAKE_FLAGS, source_dir
+    from bench.bench_llamacpp import CMAKE_FLAGS, source_dir
 
     missing = [t for t in ("cmake", "ninja") if shutil.which(t) is None]
     if missing:
@@ -189,7 +190,7 @@ def phases(model: str, mode: str, threads: int, work: Path, timeout: float) -> d
     """One more run of ours under bench/first_token_phases.py: where its time went."""
     path = work / f"phases-{Path(model).stem}-{mode}.json"
     argv = commands("ours", "", model, mode, threads)[len(pi_generate()):]
-    cmd = [sys.executable, "-m", "hotneurons.bench.first_token_phases", str(path), "--", *argv]
+    cmd = [sys.executable, "-m", "bench.first_token_phases", str(path), "--", *argv]
     r = subprocess.run(cmd, env=environment(mode), capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 or not path.exists():
         return {"error": r.stderr[-2000:]}

@@ -1,7 +1,7 @@
 """Where pi-generate's time to its first token goes: pi-generate run in this process with wall-clock timers around
 the phases of its load (runtime/load.load_source_runtime) and of its first forward, and Numba's JIT compiles.
 
-    python -m hotneurons.bench.first_token_phases OUT.json -- --model FILE.gguf -p "The capital of France is" -n 1
+    python -m bench.first_token_phases OUT.json -- --model FILE.gguf -p "The capital of France is" -n 1
 
 The arguments after `--` are pi-generate's. bench/first_token.py runs this as a process of its own (`--phases`), so
 the imports are timed as a user's start pays them. Timers are inclusive and nest (the `depth` of each row); a function

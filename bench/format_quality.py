@@ -6,8 +6,8 @@ Every neuron is computed (dense mode), so the figure is the formats' cost alone,
 (on the device, here the CPU) and the cold rows get the same format; `--hot-share` puts that share of each layer's
 neurons on the device side and the rest in CPU RAM, so both code paths run.
 
-  python bench/format_quality.py --out bench/results/<date>-cpu-format-quality.json            # SmolLM2 (Q4_1)
-  python bench/format_quality.py --model models/smollm2-relu --out ...                         # a relufied one
+  python -m bench.format_quality --out bench/results/<date>-cpu-format-quality.json            # SmolLM2 (Q4_1)
+  python -m bench.format_quality --model models/smollm2-relu --out ...                         # a relufied one
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and the passing neurons' rows of up and down (their share of the matrices' bytes
 gathered rows touch beyond that not counted: what a perfect gather would read). Weights: random valid blocks (fp16
 scales ~ N(0, 0.02)) or fp16 ~ N(0, 0.02); x ~ N(0, 1) fp16.
 
-Usage (GPU machine): python bench/gated_gemv.py [--shapes 4096x14336,8192x28672] [--rates 0.3,0.5,0.7]
+Usage (GPU machine): python -m bench.gated_gemv [--shapes 4096x14336,8192x28672] [--rates 0.3,0.5,0.7]
 [--formats q4_0,q8_0,f16] [--out results.json]
 """
 

@@ -1,6 +1,6 @@
 """Training-free activation sparsity of a gated (SwiGLU) model: the quality table of docs/gated.md.
 
-    python bench/gated_quality.py                       # the embedded SmolLM2-135M-Instruct, CPU, ~15 min on 2 cores
+    python -m bench.gated_quality                       # the embedded SmolLM2-135M-Instruct, CPU, ~15 min on 2 cores
 
 pi-profile (whole model through transformers, float32) calibrates every criterion of common/gating.py (h, gate,
 gate-h, input, wina) at 0.25/0.4/0.5/0.65 on `--calibration-tokens` of the Wikipedia sample's training articles and
@@ -31,8 +31,9 @@ MARK = ("<!-- gated-quality:start -->", "<!-- gated-quality:end -->")
 def relufied_reference() -> list[dict]:
     """The relufied SmolLM2's perplexity ratio and exact-zero share (its own eval: 65,280 tokens on an H200), with the
     bytes a gate-first kernel would read at that sparsity (ReLU's gate is an exact predictor)."""
-    from hotneurons.bench import record
     from hotneurons.common.gating import bytes_read_share
+
+    from bench import record
 
     if not RELUFY.exists():
         return []
@@ -143,8 +144,9 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from hotneurons.bench import record
     from hotneurons.common.gating import SPARSITIES
+
+    from bench import record
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a gated model (default: the embedded SmolLM2-135M-Instruct)")

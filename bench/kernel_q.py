@@ -24,10 +24,10 @@ Row-gather ceiling and read_rows alike run under the OpenMP wait policy that imp
 hotneurons.runtime) sets (common.hardware.openmp_wait_policy: ACTIVE with a bounded spin on GPU hosts), recorded in
 the JSON.
 
-  python bench/kernel_q.py --out results.json            # the full size (~8 GB of rows per dtype, 16 cores)
-  python bench/kernel_q.py --small --out small.json      # a quick run (d 2048, ~1 GB per dtype)
-  python bench/kernel_q.py --out q.json --dtypes q4_0,q4_0+xq,q8_0,q8_0+xq,bf16,int8
-  python bench/kernel_q.py --out k.json --dtypes q4_0,q4_k,q5_k,q6_k    # the K-quants, Q4_0 as the yardstick
+  python -m bench.kernel_q --out results.json            # the full size (~8 GB of rows per dtype, 16 cores)
+  python -m bench.kernel_q --small --out small.json      # a quick run (d 2048, ~1 GB per dtype)
+  python -m bench.kernel_q --out q.json --dtypes q4_0,q4_0+xq,q8_0,q8_0+xq,bf16,int8
+  python -m bench.kernel_q --out k.json --dtypes q4_0,q4_k,q5_k,q6_k    # the K-quants, Q4_0 as the yardstick
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ import time
 import numba
 import numpy as np
 import torch
-from hotneurons.bench.bench_ceilings import dram_read_bw
 from hotneurons.kernels.cold_q import PREFETCH_AHEAD, XQ_OK, cold_ffn_q, gemv_q
 from hotneurons.kernels.intrinsics import _fetch_add
 from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES
 from hotneurons.runtime.cold_rows import ColdRows, ffn_rows, from_bf16_bits, from_int8_groups, to_blocks
 from hotneurons.weights.formats import spec
 from numba import njit, prange
+
+from bench.bench_ceilings import dram_read_bw
 
 
 def gate_values(rows: ColdRows, x: np.ndarray, chunk: int = 4096) -> np.ndarray:

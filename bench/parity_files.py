@@ -6,7 +6,7 @@ of every family both decoders read, exported in llama.cpp's layout.
 - `quantized_copy`: llama.cpp's own quantizer (`llama_model_quantize` of llama-cpp-python) on a float copy, with the
   file type's usual mix (as the files users download are made: e.g. Q4_0 keeps the embedding Q6_K); where a row
   length is no multiple of 256, llama.cpp writes that tensor in its fallback type (Q4_K -> Q5_0, Q6_K -> Q8_0).
-- `family_gguf`: a tiny random model of tests/tiny.py (bench/tiny.py) in llama.cpp's conventions (canonical names,
+- `family_gguf`: a tiny random model of tests/tiny.py in llama.cpp's conventions (canonical names,
   Q/K rows interleaved for arch llama, Gemma norms + 1, Falcon's fused QKV regrouped), all F32, with the keys
   llama.cpp's loader needs and the byte-level vocabulary.
 """
@@ -122,15 +122,16 @@ def _llamacpp_value(arch: str, name: str, t: Any, cfg: Any) -> Any:
 
 
 def family_gguf(family: str, path: Path | str, seed: int = 0) -> Path:
-    """bench/tiny.py's random model of `family` (FAMILY_ARCH) as an F32 GGUF in llama.cpp's layout."""
+    """tests/tiny.py's random model of `family` (FAMILY_ARCH) as an F32 GGUF in llama.cpp's layout."""
     import tempfile
 
     import gguf
     import torch
-    from hotneurons.bench import tiny
     from hotneurons.export.gguf_model import llama_metadata, moe_metadata, rope, vocab_from_tokenizer
     from hotneurons.weights.names import NameMap
     from transformers import AutoModelForCausalLM
+
+    from tests import tiny
 
     if family not in FAMILY_ARCH:
         raise ValueError(f"family {family!r}: llama.cpp runs {', '.join(FAMILY_ARCH)} as our decoder does")

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hotneurons.bench import parity_files as pf
-from hotneurons.bench import record
+from bench import parity_files as pf
+from bench import record
 
 
 def files(a: Any) -> list[tuple[str, Path]]:

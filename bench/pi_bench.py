@@ -31,7 +31,7 @@ the child process, fairness, our systems through bench_pipeline.py and bench_sys
 from __future__ import annotations
 
 # first: bench_openmp sets OpenMP's wait policy at import, before torch loads
-from hotneurons.bench.bench_openmp import OMP_WAIT_POLICY
+from bench.bench_openmp import OMP_WAIT_POLICY
 
 # isort: split
 import argparse
@@ -41,11 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-from hotneurons.bench import ROOT, record
-from hotneurons.bench import bench_llamacpp as lcpp
-from hotneurons.bench import shapes as bm
-from hotneurons.bench import systems as sy
-from hotneurons.bench.bench_report import goals, markdown, write_results
+from bench import ROOT, record
+from bench import bench_llamacpp as lcpp
+from bench import shapes as bm
+from bench import systems as sy
+from bench.bench_report import goals, markdown, write_results
 
 
 def parse(argv=None):
@@ -133,12 +133,12 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     memory = _memory_argv(argv)
     if memory is not None:  # its own click command: none of the flags below apply to it
-        from hotneurons.bench.memory import main as memory_main
+        from bench.memory import main as memory_main
 
         return memory_main(args=memory, prog_name="pi-bench --stage memory", standalone_mode=False)
     parity = _memory_argv(argv, "parity")
     if parity is not None:  # its own argparse command too
-        from hotneurons.bench.parity import main as parity_main
+        from bench.parity import main as parity_main
 
         return parity_main(parity, prog="pi-bench --stage parity")
     args = parse(argv)
@@ -178,8 +178,8 @@ def main(argv=None) -> dict:
             return rec
 
         args.save = save if stage in ("bench", "ours") else None
-        from hotneurons.bench.bench_build import _free, stage_build  # torch: after the arguments are read
-        from hotneurons.bench.bench_stages import stage_accelerate, stage_bench, stage_ours
+        from bench.bench_build import _free, stage_build  # torch: after the arguments are read
+        from bench.bench_stages import stage_accelerate, stage_bench, stage_ours
 
         if stage == "build":
             res = stage_build(args, args.work)
@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
         elif stage == "ours":
             res = stage_ours(args, args.work)
         elif stage == "powerinfer":
-            from hotneurons.bench.bench_powerinfer import stage_powerinfer
+            from bench.bench_powerinfer import stage_powerinfer
 
             res = stage_powerinfer(args, args.work)
         else:

@@ -1,6 +1,6 @@
 """Plot one decode token's per-layer FFN timeline (CPU kernel vs GPU hot rows) from a runtime_gpu_check.py result.
 
-Usage: python bench/plot_timeline.py [bench/results/runtime_gpu_h100_omp_active.json]
+Usage: python -m bench.plot_timeline [bench/results/runtime_gpu_h100_omp_active.json]
                                      [notebooks/figures/runtime_timeline_h100.png]
 """
 

@@ -1,7 +1,7 @@
 """PowerInfer's `main` against our runtime and HF generate on a small ReGLU LLaMA exported by pi-export, as a results
 record (bench/record.py): the round trip of docs/export.md.
 
-    python -m hotneurons.bench.powerinfer_check --out DIR [--cuda] [--main PATH] [--results FILE]
+    python -m bench.powerinfer_check --out DIR [--cuda] [--main PATH] [--results FILE]
 
 Builds `main` from PowerInfer's source tarball (../shared/vendor/PowerInfer-src.tgz; CPU, or its CUDA build with
 --cuda) in DIR/build, kept for the next run; then, for each predictor form the run can hold (normed: γ is folded into
@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 import torch
-from hotneurons.bench import ROOT, record
 from hotneurons.models.family import step as hf_step
+
+from bench import ROOT, record
 
 TARBALL = ROOT.parent / "shared" / "vendor" / "PowerInfer-src.tgz"
 CMAKE_FLAGS = ["-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]

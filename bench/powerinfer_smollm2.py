@@ -5,7 +5,7 @@ PowerInfer at --threads (1: its CPU down-projection races with more, ggml.c:1443
 ggml.c:16719, so give it 2), our runtime at one thread. The untrained model's logits are nearly flat, so the three
 may part at a near-tie: each step's top-two margin of HF's logits is recorded beside the tokens.
 
-    python -m hotneurons.bench.powerinfer_smollm2 --main PATH --out DIR [--threads N] [--results FILE]
+    python -m bench.powerinfer_smollm2 --main PATH --out DIR [--threads N] [--results FILE]
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
-from hotneurons.bench import record
+
+from bench import record
 
 
 def check(work: Path, main: Path, prompt: str = "The capital of France is", n: int = 16, threads: int = 1) -> dict:

@@ -1,6 +1,6 @@
 """How much FFN sparsity can a predictor of a given size buy? One layer, several hidden sizes, the train recipe.
 
-    python bench/predictor_capacity.py --run runs/smollm2-s0.7 --layer 14 --sizes 48,112,256,512 --epochs 8 30
+    python -m bench.predictor_capacity --run runs/smollm2-s0.7 --layer 14 --sizes 48,112,256,512 --epochs 8 30
 
 For each (epochs, hidden size) it trains one predictor with `fit_layer` (the default preset otherwise: magnitude
 weighting, early stopping on val) on the layer's profile samples and reports the predicted sparsity at recall
@@ -17,7 +17,6 @@ import click
 import torch
 from hotneurons.artifacts.predictor_file import Predictor
 from hotneurons.artifacts.profile import read_profile
-from hotneurons.bench import record
 from hotneurons.common import artifacts
 from hotneurons.common.hardware import machine_info
 from hotneurons.models.family import load_model_from_meta
@@ -32,6 +31,8 @@ from hotneurons.predictors.train import (
     split_indices,
     threshold_for_recall,
 )
+
+from bench import record
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,6 +1,6 @@
 """Both predictor forms on one profile: recall, predicted sparsity, size and perplexity (docs/predictors.md).
 
-    python bench/predictor_forms.py --root runs/forms --out bench/results/2026-11-24-cpu-predictor-forms.json
+    python -m bench.predictor_forms --root runs/forms --out bench/results/2026-11-24-cpu-predictor-forms.json
 
 One pi-profile (the `make demo` settings), copied into ROOT/normed and ROOT/powerinfer (the same meta.json, so both
 predictor sets name the same profile), pi-train-predictors with each --form, pi-eval on each. `--collect` only reads
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import click
 from hotneurons.artifacts.predictors import EvalReport, PredictorsMeta, PredictorsSummary
-from hotneurons.bench import record
 from hotneurons.common import artifacts
+
+from bench import record
 
 FORMS = ("normed", "powerinfer")
 PROFILE = "pi-profile --tokens 12000 --samples-per-layer 16384 --target-sparsity 0.5 --force --quiet"

@@ -2,7 +2,7 @@
 and are widened on the GPU: what the runtime does) or on the CPU (the activations cross instead, the blocks are
 widened there). Times one layer's cold part per prompt length, on a model file read in place.
 
-  python bench/prefill_cold.py --model M.gguf --out bench/results/<date>-<kind>-prefill-cold.json
+  python -m bench.prefill_cold --model M.gguf --out bench/results/<date>-<kind>-prefill-cold.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Profiling throughput with the counting hooks vs a plain forward pass on the same batches.
 
-    python bench/profile_overhead.py                       # SmolLM2-135M GGUF on wikipedia-sample (CPU here)
-    python bench/profile_overhead.py --shape llama-2-7b --layers 8 --device cuda   # random weights, GPU
+    python -m bench.profile_overhead                       # SmolLM2-135M GGUF on wikipedia-sample (CPU here)
+    python -m bench.profile_overhead --shape llama-2-7b --layers 8 --device cuda   # random weights, GPU
 
 Four timings per batch, interleaved so that drift hits all alike: `plain` (decoder stack, no hooks),
 `count` (counting hooks only), `count+samples:filling` (counting + writing every row to a fresh sample
@@ -21,12 +21,13 @@ from pathlib import Path
 
 import click
 import torch
-from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 from hotneurons.common.model_source import ModelSource
 from hotneurons.models.family import load_model, pick_device, pick_dtype, wrap_model
 from hotneurons.profiler.hooks import ActivationCounter, SampleReservoir
 from hotneurons.profiler.profile import forward
+
+from bench import record
 
 # Real layer shapes (hidden, FFN, heads, kv heads) of public models; the weights are random.
 SHAPES = {

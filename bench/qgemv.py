@@ -14,7 +14,7 @@ Weights are random bytes (valid blocks: random quants, fp16 scales ~ N(0, 0.02);
 --sweep also times the (BLOCK_N, BLOCK_B, num_warps) alternatives around gemv_config's choice (graph timing) and
 reports the best: the data to retune gemv_config with.
 
-Usage (GPU machine): python bench/qgemv.py --out bench/results/<date>-<kind>-qgemv.json [--sweep] [--tokens 1,2,4,8]
+Usage (GPU machine): python -m bench.qgemv --out bench/results/<date>-<kind>-qgemv.json [--sweep] [--tokens 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import statistics
 import sys
 
 import torch
-from hotneurons.bench import record
 from hotneurons.kernels import qgemv, qgemv_k
 from hotneurons.kernels.qlayout_k import K_FORMATS
 from hotneurons.kernels.qlinear import GpuQ, pack
 from hotneurons.weights.formats import row_bytes, spec, weight_format
 from hotneurons.weights.qtensor import QTensor
+
+from bench import record
 
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672)]  # (n, k): q/o projections, gate/up, down
 ROTATE_BYTES = 512 << 20  # weight copies a timing cycles through: >> any L2

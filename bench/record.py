@@ -1,4 +1,4 @@
-"""The one results writer of hotneurons.bench: every results file has the same top-level keys.
+"""The one results writer of bench: every results file has the same top-level keys.
 
     {"schema_version": 1,
      "machine": {hostname, cpu_model, nproc, gpu, gpu_count, mem_total_gib, ... as measured on the machine},

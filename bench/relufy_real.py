@@ -34,8 +34,8 @@ import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from hotneurons.bench import record
-from hotneurons.bench.relufy_report import report
+from bench import record
+from bench.relufy_report import report
 
 
 def write_wiki(out: Path) -> None:
@@ -230,13 +230,14 @@ def formats_md(rec: dict) -> str:
 
 
 def roundtrip(args) -> None:
-    from hotneurons.bench.bench_powerinfer import default_source
-    from hotneurons.bench.powerinfer_check import build, f16_attention, predictor_f16_flips
     from hotneurons.common.units import parse_bytes
     from hotneurons.export import export_run
     from hotneurons.export import roundtrip as rt
     from hotneurons.relufy.distill import relufy
     from hotneurons.relufy.relufy import RelufyConfig
+
+    from bench.bench_powerinfer import default_source
+    from bench.powerinfer_check import build, f16_attention, predictor_f16_flips
 
     work, out = Path(args.work), Path(args.out)
     model, run, exp = work / "models" / "roundtrip", work / "runs" / "roundtrip", work / "export-roundtrip"

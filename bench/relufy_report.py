@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from hotneurons.bench import record
+from bench import record
 
 GOAL_PPL, GOAL_ZEROS = 1.10, 0.85  # relufied perplexity / original, share of FFN activations exactly zero
 

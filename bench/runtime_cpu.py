@@ -1,6 +1,6 @@
 """pi-generate decode speed on this machine's CPU: dense vs hybrid (predictors) on a run, e.g. `make demo`'s.
 
-Usage: python bench/runtime_cpu.py [--run runs/demo] [--tokens 64] [--reps 3]
+Usage: python -m bench.runtime_cpu [--run runs/demo] [--tokens 64] [--reps 3]
                           [--out bench/results/runtime_cpu_smollm2.json]
 Each mode: one warm-up generation, then `reps` greedy generations of `tokens` tokens from the same chat prompt;
 the median decode tok/s is reported with every rep and the measured FFN sparsity. Writes JSON with the machine.
@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
 from hotneurons.runtime.config import PRESETS
 from hotneurons.runtime.generate import generate, prompt_ids
 from hotneurons.runtime.load import load_runtime
+
+from bench import record
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 

@@ -1,7 +1,7 @@
 """pi-generate on a CUDA machine: (a) equality with HF `generate` under real CUDA placement, (b) hybrid vs dense vs
 layer-split decode tokens/s on a model larger than a VRAM budget, (c) per-layer timing of CPU/GPU overlap.
 
-Usage: python bench/runtime_gpu_check.py OUT_DIR [--layers 8] [--shape llama-2-7b] [--tokens 64]
+Usage: python -m bench.runtime_gpu_check OUT_DIR [--layers 8] [--shape llama-2-7b] [--tokens 64]
 Writes OUT_DIR/runtime_gpu_check.json. Needs torch with CUDA, transformers, numba; no downloads.
 
 (b) and (c) use RANDOM weights with LLaMA-2 layer shapes (ReLU-gated, fewer layers) built and calibrated as pi_bench's
@@ -29,11 +29,13 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hotneurons.artifacts.placement import Placement  # noqa: E402
-from hotneurons.bench import bench_ceilings, record, tiny  # noqa: E402
-from hotneurons.bench import bench_model as bm  # noqa: E402
 from hotneurons.runtime.generate import RuntimeConfig, generate  # noqa: E402
 from hotneurons.runtime.load import build_runtime, layer_split_count  # noqa: E402
 from hotneurons.runtime.static_decoder import cache_bytes  # noqa: E402
+
+from bench import bench_ceilings, record  # noqa: E402
+from bench import bench_model as bm  # noqa: E402
+from tests import tiny  # noqa: E402
 
 DEV = "cuda"
 LOGIT_ATOL = 1e-3  # float32 on CUDA (TF32 off) vs HF; the CPU tests use 1e-4

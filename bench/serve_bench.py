@@ -1,8 +1,8 @@
 """pi-serve throughput and time to first token with concurrent streaming clients.
 
-    python bench/serve_bench.py
+    python -m bench.serve_bench
         # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
-    python bench/serve_bench.py --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
+    python -m bench.serve_bench --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
 
 The script starts one real `pi-serve` per mode in subprocesses on free loopback ports, waits for /health and
 sends each a warm-up request. Then, --rounds times, for each client count C and each mode in turn (so that
@@ -27,8 +27,9 @@ import threading
 import time
 
 import click
-from hotneurons.bench import record
 from hotneurons.common.hardware import machine_info
+
+from bench import record
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
              "Give me a short tip for learning Python.", "What does a CPU do?", "Write a haiku about rain.",

@@ -5,7 +5,7 @@ The profile is synthetic (power-law activation counts calibrated to published Re
 about 10% of FFN neurons active per token, about 80% of activations on the hottest 20%); the shapes are
 LLaMA-2-70B's. Writes bench/results/solve_llama70b.json.
 
-    python bench/solve_llama70b.py [--naive] [--out bench/results/solve_llama70b.json]
+    python -m bench.solve_llama70b [--naive] [--out bench/results/solve_llama70b.json]
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import click
 import numpy as np
-from hotneurons.bench import record
 from hotneurons.common.hardware import get_hardware, machine_info
 from hotneurons.common.units import parse_bytes
 from hotneurons.solver import solve_placement
 from hotneurons.solver.synthetic import write_synthetic_profile
+
+from bench import record
 
 CASES = [  # (hardware, dtype, vram or None for the preset's, objective)
     ("rtx4090", "q4_0", None, "latency"),

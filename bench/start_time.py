@@ -2,7 +2,7 @@
 empty GGUF cache (the GGUF is de-quantized and the cache entry written), then with the entry (common/gguf_cache.py),
 and with the cache off (every start de-quantizes: the behaviour before the cache).
 
-    python bench/start_time.py [--run runs/demo] [--repeats 3] [--out bench/results/DATE-cpu-start-time.json]
+    python -m bench.start_time [--run runs/demo] [--repeats 3] [--out bench/results/DATE-cpu-start-time.json]
 
 The run comes first (the `make demo` steps):
     pi-profile --out runs/demo --tokens 30000 --samples-per-layer 4096 --force
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hotneurons.bench import record
+from bench import record
 
 PROMPT = "The capital of France is"
 

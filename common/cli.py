@@ -150,3 +150,19 @@ def remove_empty(new: list[Path]) -> Path | None:
             break
         removed = top
     return removed
+
+
+def bench_main(root: str | os.PathLike | None = None) -> None:
+    """The pi-bench console script. bench/ is not in the wheel: it sits beside the package's rooms in a checkout, and
+    in an editable install the package's folder is the checkout's root (`root`, by default this file's room's
+    parent). That root goes on sys.path and bench.pi_bench runs; without bench/ there (a wheel), one line says why.
+    The module is found by name at run time: no room imports bench (tests/test_rooms.py)."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root).resolve()
+    if not (root / "bench" / "pi_bench.py").is_file():
+        sys.exit(f"pi-bench runs from a checkout of the repository (clone it, then `pip install -e .` in it): bench/ "
+                 f"is not in the wheel, and {root} holds none")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    importlib.import_module("bench.pi_bench").cli()

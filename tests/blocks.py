@@ -1,6 +1,7 @@
 """Random valid blocks of every GGML type gguf-py knows (weights/formats.py's table): scale fields finite, or set so
 that the weights are about a given size, the affine formats' levels centred on zero. The de-quantizers' tests
-(tests/test_gguf_types.py) and rates (bench/dequant_types.py) draw their inputs here."""
+(tests/test_gguf_types.py, as `blocks`) and rates (bench/dequant_types.py, as `tests.blocks`) draw their inputs here:
+a test fixture first, which the benchmark, like tests/ only in a checkout, borrows."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ SOLVED = {"hardware": {"gpu_bw": 1e12, "cpu_bw": 50e9, "sync_latency_s": 1e-5}, 
 
 
 def test_report_keys_systems_and_goals():
-    from hotneurons.bench.bench_70b import SYSTEM_KEYS, markdown, report
+    from bench.bench_70b import SYSTEM_KEYS, markdown, report
 
     fig = report(stages())
     assert list(fig["systems"]) == ["hybrid", "llama.cpp -ngl 50", "llama.cpp all layers on the GPU",  # CPU: failed
@@ -58,7 +58,7 @@ def test_report_keys_systems_and_goals():
 
 
 def test_main_first_token_needs_both_lines():
-    from hotneurons.bench.bench_70b_baselines import main_first_token_s
+    from bench.bench_70b_baselines import main_first_token_s
 
     assert main_first_token_s(["llama_print_timings:        load time =    8000.00 ms",
                                "llama_print_timings: prompt eval time =     500.00 ms /    15 tokens"]) == 8.5
@@ -70,7 +70,7 @@ def test_llamacpp_stage_finds_the_most_layers_that_fit_and_times_loads(tmp_path,
     under the budget less the KV cache, and each system gets a load run (-p 0 -n 1) on its own layers."""
     import argparse
 
-    from hotneurons.bench import bench_70b_baselines as b
+    from bench import bench_70b_baselines as b
 
     calls = []
 
@@ -97,8 +97,9 @@ def test_powerinfer_stage_exports_once_and_runs_main_three_ways(tmp_path, monkey
     import argparse
 
     from hotneurons import export
-    from hotneurons.bench import bench_70b_baselines as b
-    from hotneurons.bench import bench_powerinfer, powerinfer_check
+
+    from bench import bench_70b_baselines as b
+    from bench import bench_powerinfer, powerinfer_check
 
     calls = []
     monkeypatch.setattr(powerinfer_check, "build", lambda *a, **k: {"binary": "/bin/main"})

@@ -2,8 +2,9 @@
 cold kernel read, and the floor with the cold rows at the kernel's rate."""
 
 import pytest
-from hotneurons.bench import bench_ceilings as ceil
-from hotneurons.bench import bench_model as bm
+
+from bench import bench_ceilings as ceil
+from bench import bench_model as bm
 
 
 def test_floor_arithmetic():

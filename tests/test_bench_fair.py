@@ -3,8 +3,9 @@ the flag on a standalone figure that disagrees with the paired ones."""
 
 import subprocess
 import sys
+from pathlib import Path
 
-from hotneurons.bench import fair
+from bench import fair
 
 
 def test_frozen_baseline_stops_the_caller_until_it_ends(tmp_path):
@@ -12,14 +13,15 @@ def test_frozen_baseline_stops_the_caller_until_it_ends(tmp_path):
     command runs, and it runs on once the command has ended, also when the command overran its timeout."""
     code = """if True:
         import os, sys, time
-        from hotneurons.bench import fair
+        from bench import fair
         rc, out, _, _ = fair.run(["sh", "-c", f"cat /proc/{os.getpid()}/stat"], 30, freeze=True)
         state = out.rsplit(")", 1)[1].split()[0]
         t0 = time.perf_counter()
         rc2, _, _, s = fair.run(["sleep", "30"], 1, freeze=True)
         print(rc, state, rc2, round(s))
     """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[1])  # the checkout's root, where bench imports
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["0", "T", "124", "1"]
 

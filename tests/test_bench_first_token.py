@@ -5,8 +5,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from hotneurons.bench import first_token as ft
+from bench import first_token as ft
 
 
 def test_timed_takes_the_first_byte_and_the_exit():
@@ -46,13 +47,13 @@ def test_markdown_of_a_record():
 
 
 def test_phases_child_on_the_small_model(tmp_path):
-    from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
+    from bench.memory_models import SHAPES, write_gguf_q4
 
     model = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
     out = tmp_path / "phases.json"
-    r = subprocess.run([sys.executable, "-m", "hotneurons.bench.first_token_phases", str(out), "--", "--model",
+    r = subprocess.run([sys.executable, "-m", "bench.first_token_phases", str(out), "--", "--model",
                         str(model), "-p", "hello", "-n", "1", "--mode", "dense", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = {row["name"]: row for row in res["rows"]}

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_smoke_stages_end_to_end(tmp_path):
-    from hotneurons.bench import bench_gated70b as g
+    from bench import bench_gated70b as g
 
     rates = tmp_path / "rates.json"
     rng = np.random.default_rng(0)
@@ -35,7 +35,7 @@ def test_smoke_stages_end_to_end(tmp_path):
 
 
 def test_report_ratios():
-    from hotneurons.bench.bench_gated70b import markdown, report
+    from bench.bench_gated70b import markdown, report
 
     def ours(tok_s, sp):
         return {"decode_tok_s": {"32": tok_s, "256": tok_s}, "prefill_tok_s": 100.0, "ffn_sparsity": sp,

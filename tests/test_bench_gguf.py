@@ -9,7 +9,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    from hotneurons.bench.bench_gguf import write_model
+    from bench.bench_gguf import write_model
 
     path = tmp_path_factory.mktemp("bench-gguf") / "tiny.gguf"
     info = write_model("tiny", 2, path, "cpu", calibration_tokens=512, seq=64, rank=31, log=lambda *_: None)

@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hotneurons.bench import memory, memory_models, memory_probe
+
+from bench import memory, memory_models, memory_probe
 
 
 def test_sampler_measures_a_known_allocation():
@@ -151,7 +152,7 @@ def test_stage_table_fills_every_placeholder(tmp_path):
 
 
 def test_pi_bench_hands_the_memory_stage_its_own_flags():
-    from hotneurons.bench.pi_bench import _memory_argv
+    from bench.pi_bench import _memory_argv
 
     assert _memory_argv(["--stage", "memory", "--preset", "small"]) == ["--preset", "small"]
     assert _memory_argv(["--out", "x", "--stage=memory"]) == ["--out", "x"]

@@ -5,7 +5,8 @@ exact predictor, the GPU layers a budget holds, and the model written as a GGUF 
 import numpy as np
 import pytest
 import torch
-from hotneurons.bench import bench_model as bm
+
+from bench import bench_model as bm
 
 
 def test_power_law_targets():
@@ -69,7 +70,7 @@ def test_gpu_layers_for_budget():
 
 def test_gguf_round_trip(tmp_path):
     gguf = pytest.importorskip("gguf")
-    from hotneurons.bench import bench_llamacpp as lcpp
+    from bench import bench_llamacpp as lcpp
 
     lm = bm.build_model("tiny", 2, "cpu", seed=2)
     path = tmp_path / "tiny.gguf"

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from hotneurons.bench import bench_moe
+    from bench import bench_moe
 
     w = tmp_path_factory.mktemp("moe")
     common = ["--shape", "tiny", "--device", "cpu", "--work", str(w), "--ctx", "1024", "--profile-tokens", "2048"]
@@ -22,8 +22,9 @@ def work(tmp_path_factory):
 
 def test_build_file_is_readable_and_routes_as_calibrated(work):
     import gguf
-    from hotneurons.bench.moe_gguf import SHAPES, tensor_plan
     from hotneurons.models.open import open_model
+
+    from bench.moe_gguf import SHAPES, tensor_plan
 
     build = json.loads((work / "build.json").read_text())["figures"]
     r = gguf.GGUFReader(str(work / "model.gguf"))
@@ -54,7 +55,7 @@ def test_ours_measures_speed_memory_and_the_routed_share(work):
 
 
 def test_report_with_a_recorded_llamacpp_stage(work, tmp_path):
-    from hotneurons.bench import bench_moe, record
+    from bench import bench_moe, record
 
     lc = {"budget_for_weights_bytes": 1e6, "n_cpu_moe": 1, "gpu_share_routed": 0.4,
           "llama.cpp -ngl 99 --n-cpu-moe 1": {"decode_tok_s": {"32": 100.0, "256": 100.0}, "prefill_tok_s": 1e3,
@@ -75,7 +76,7 @@ def test_report_with_a_recorded_llamacpp_stage(work, tmp_path):
 
 
 def test_n_cpu_moe_probe_finds_the_smallest_n_that_fits():
-    from hotneurons.bench.bench_moe import n_cpu_moe_share, smallest_fitting
+    from bench.bench_moe import n_cpu_moe_share, smallest_fitting
 
     probe = lambda n: {"gpu_peak_bytes": 10e9 - 0.5e9 * n}  # noqa: E731  each layer's experts 0.5 GB
     assert smallest_fitting(probe, 3, 48, 6e9)[0] == 8  # from below the answer: walks up
@@ -88,8 +89,9 @@ def test_n_cpu_moe_probe_finds_the_smallest_n_that_fits():
 
 def test_sparse_mixtral_build_fires_near_turbosparse(tmp_path):
     """The dReLU variant, arch llama with experts: our reader sees drelu, ~15% of a routed expert's neurons fire."""
-    from hotneurons.bench.moe_gguf import DRELU_ACTIVE, write_model
     from hotneurons.models.open import open_model
+
+    from bench.moe_gguf import DRELU_ACTIVE, write_model
 
     info = write_model("tiny-mixtral", tmp_path / "m.gguf", "cpu", sparse=True, calibration_tokens=512, seq=128,
                        log=lambda *_: None)

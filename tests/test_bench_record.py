@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from hotneurons.bench import record
+
+from bench import record
 
 
 def test_result_record_schema(tmp_path):

@@ -1,7 +1,8 @@
 """pi-bench's report (bench/bench_report.py): the goals and the markdown table."""
 
 import pytest
-from hotneurons.bench import bench_report as report
+
+from bench import bench_report as report
 
 
 def test_goals_and_table():

@@ -195,8 +195,9 @@ def test_q4_0_gguf_read_in_place_equals_hf(tmp_path):
     """A Q4_0 GGUF in llama.cpp's conventions (Q/K rows permuted, ReGLU recorded): every neuron on the device side in
     float32 gives the greedy tokens of transformers' own GGUF load (de-quantized whole); cold rows kept in the file's
     Q4_0 blocks (gate/up copied byte for byte) run too."""
-    from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
     from hotneurons.models.family import load_model
+
+    from bench.memory_models import SHAPES, write_gguf_q4
 
     path = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
     lm = load_model(str(path), device="cpu", dtype="float32", cache=False)
@@ -254,8 +255,9 @@ def test_powerinfer_file_runs_as_model_predictors_and_split(tmp_path):
 def test_hybrid_from_a_model_file_alone_asks_for_predictors(tmp_path):
     """`pi-generate --model FILE.gguf` in the default hybrid mode has no predictors to read: one line naming the fix
     (it was a TypeError from a None run directory)."""
-    from hotneurons.bench.memory_models import SHAPES, write_gguf_q4
     from hotneurons.common.artifacts import ArtifactError
+
+    from bench.memory_models import SHAPES, write_gguf_q4
 
     path = write_gguf_q4(SHAPES["small"], tmp_path / "m.gguf")
     with pytest.raises(ArtifactError, match="hybrid mode needs predictors: pass --run RUN"):

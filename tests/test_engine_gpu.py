@@ -46,8 +46,8 @@ def test_graph_steps_equal_eager_steps(family, cold, hot, tiny_model_dir, tmp_pa
     and a mixed placement: the same tokens and logits. llama-reglu's untied embedding is looked up on the host and
     copied in by layer 0's graph; gemma3 has sliding-window layers and norms after attention and FFN. The graphs'
     default ops (Triton) give the same tokens."""
+    import tiny
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.bench import tiny
     from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.generate import RuntimeConfig, generate
     from hotneurons.runtime.load import load_source_runtime

@@ -160,7 +160,7 @@ def test_stored_rows_keep_a_files_blocks_and_quantize_down_along_d_model():
 
 def test_formats_stage_markdown():
     """bench/relufy_real.py --stage formats: the record's markdown, before the relufied model exists and after."""
-    from hotneurons.bench.relufy_real import formats_md
+    from bench.relufy_real import formats_md
 
     row = lambda p, v, b: {"perplexity": p, "ppl_vs_unrounded": v, "bytes_per_weight": b, "seconds": 1.0}  # noqa: E731
     model = {"model": "m.gguf", "dataset": "eval", "tokens": 511, "device": "cpu", "dtype": "torch.float32",

@@ -33,7 +33,7 @@ from transformers import LlamaConfig
 
 gguf = pytest.importorskip("gguf")
 MAIN = os.environ.get("POWERINFER_MAIN")
-BUILD = ("set POWERINFER_MAIN to PowerInfer's `main` (python -m hotneurons.bench.powerinfer_check --out DIR builds it "
+BUILD = ("set POWERINFER_MAIN to PowerInfer's `main` (python -m bench.powerinfer_check --out DIR builds it "
          "from ../shared/vendor/PowerInfer-src.tgz, or: cmake -S PowerInfer -B build -DLLAMA_BUILD_TESTS=OFF "
          "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target main)")
 
@@ -241,7 +241,7 @@ def test_cli_json_and_one_line_errors(exported, tmp_path):
 
 
 def test_vocabularies():
-    from hotneurons.bench.tiny import byte_tokenizer
+    from tiny import byte_tokenizer
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 

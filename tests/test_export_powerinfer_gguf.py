@@ -13,12 +13,13 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from hotneurons.bench.bench_70b import install_predictors
-    from hotneurons.bench.bench_gguf import write_model
     from hotneurons.export import export_run
     from hotneurons.export.roundtrip import write_profile_and_placement
     from hotneurons.models.family import adapter_for
     from hotneurons.models.open import model_info, open_model
+
+    from bench.bench_70b import install_predictors
+    from bench.bench_gguf import write_model
 
     work = tmp_path_factory.mktemp("pwri-gguf")
     path = work / "model.gguf"

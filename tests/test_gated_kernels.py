@@ -352,7 +352,7 @@ def test_gated_ffn_in_cuda_graph(fmt):
 @gpu
 def test_bench_gated_runs():
     """bench/gated_gemv.bench_gated on a small layer: its figures are there and its result is the reference's."""
-    from hotneurons.bench.gated_gemv import bench_gated
+    from bench.gated_gemv import bench_gated
 
     r = bench_gated(1024, 2816, 0.5, "q4_0", repeats=3)
     assert abs(r["pass_rate"] - 0.5) < 0.01 and r["rel_err"] < 1e-2

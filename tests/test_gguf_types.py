@@ -16,9 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from blocks import random_rows, valid_blocks
 from cold_ref import lay_out_ffns
 from gguf import GGMLQuantizationType as Q
-from hotneurons.bench.blocks import random_rows, valid_blocks
 from hotneurons.weights.formats import (
     FORMATS,
     GPU_DTYPES,
@@ -246,8 +246,9 @@ def mix_type(mix: dict, name: str) -> Q:
 def write_mix(path, mix: dict, seed: int = 0):
     """The bench's "small" SwiGLU LLaMA (d 256, 704 neurons, 2 layers, vocab 1024, byte tokenizer) with random
     valid blocks of each tensor's type (weights of std ~0.02, embedding ~1 so that tokens differ), norms F32."""
-    from hotneurons.bench import memory_models as mm
     from hotneurons.export.gguf_model import llama_metadata, vocab_from_tokenizer
+
+    from bench import memory_models as mm
 
     s = mm.SHAPES["small"]
     tok = mm.tokenizer(s.vocab)

@@ -384,8 +384,9 @@ MIX = {"attn_v": "q6_k", "output": "q6_k", "blk.0.ffn_down": "q6_k"}
 def write_k_model(path):
     """A SwiGLU LLaMA (d 256, 512 neurons: every row whole 256-blocks, 2 layers, vocab 1024, byte tokenizer) of
     random K-quant blocks in MIX's types (Q4_K elsewhere; weights of std ~0.05, the embedding's ~1), norms F32."""
-    from hotneurons.bench import memory_models as mm
     from hotneurons.export.gguf_model import llama_metadata, vocab_from_tokenizer
+
+    from bench import memory_models as mm
 
     s = mm.Shape(d_model=256, n_neurons=512, n_heads=4, n_kv_heads=2, n_layers=2, vocab=1024)
     tok = mm.tokenizer(s.vocab)
@@ -417,13 +418,13 @@ def test_k_quant_gguf_runs_hybrid_on_the_cpu(mask, tmp_path):
     import copy
 
     from hotneurons.artifacts.placement import Placement
-    from hotneurons.bench.tiny import write_predictors
     from hotneurons.models.family import load_model
     from hotneurons.models.open import model_info, open_model
     from hotneurons.runtime.config import RuntimeConfig
     from hotneurons.runtime.generate import generate
     from hotneurons.runtime.load import load_source_runtime
     from hotneurons.weights.source import open_source
+    from tiny import write_predictors
 
     path = write_k_model(tmp_path / "tiny-q4_k_m.gguf")
     lm = load_model(str(path), device="cpu", dtype="float32", cache=False)

@@ -1,6 +1,6 @@
 """models/: our decoders against transformers' own models (float32, eager attention), family by family.
 
-Each tiny family (bench/tiny.py) and a few variants built here (OPT-350m's post-norm and projections, Gemma2's
+Each tiny family (tests/tiny.py) and a few variants built here (OPT-350m's post-norm and projections, Gemma2's
 softcaps and alternating windows, Gemma3 with a full-attention layer and linear rope scaling, LLaMA-3 rope scaling)
 is loaded by HF, and our model is fed its state dict under canonical names (weights/names.py), the FFN by dense_ffn.
 """
@@ -11,8 +11,8 @@ import types
 
 import numpy as np
 import pytest
+import tiny
 import torch
-from hotneurons.bench import tiny
 from hotneurons.kernels.ops import Ops
 from hotneurons.models import ModelConfig, build_model, dense_ffn
 from hotneurons.weights.names import NameMap

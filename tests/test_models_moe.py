@@ -1,7 +1,7 @@
 """models/ on the mixtures of experts against transformers' own models (float32, eager attention), as
 tests/test_models.py does for the dense families.
 
-Each tiny model (bench/tiny.MOE_FAMILIES: Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE; and an OLMoE
+Each tiny model (tests/tiny.MOE_FAMILIES: Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE; and an OLMoE
 with clip_qkv, built here) is loaded by HF, and our model is fed its weights under canonical names (weights/names.py:
 each projection's experts stacked in one tensor), the FFN by models/moe.py. The FFN itself is checked in float64
 against a plain loop over tokens and experts.
@@ -15,8 +15,8 @@ import dataclasses
 import gguf
 import numpy as np
 import pytest
+import tiny
 import torch
-from hotneurons.bench import tiny
 from hotneurons.common.kinds import Activation
 from hotneurons.models import ModelConfig, build_model, moe
 from hotneurons.weights.names import NameMap

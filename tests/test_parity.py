@@ -6,8 +6,9 @@ import importlib.util
 
 import numpy as np
 import pytest
-from hotneurons.bench import parity_files as pf
-from hotneurons.bench.parity import PROMPTS, LlamaCpp, Ours, perplexity, ppl_text, top5
+
+from bench import parity_files as pf
+from bench.parity import PROMPTS, LlamaCpp, Ours, perplexity, ppl_text, top5
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (llama.cpp itself)")
 pytest.importorskip("gguf")

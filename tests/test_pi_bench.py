@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from hotneurons.bench import bench_report as report
-from hotneurons.bench import record
+
+from bench import bench_report as report
+from bench import record
 
 
 def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
-    from hotneurons.bench import pi_bench
+    from bench import pi_bench
 
     t0 = time.perf_counter()
     work, out = tmp_path / "work", tmp_path / "out"
@@ -70,7 +71,7 @@ def test_pi_bench_tiny_cpu_end_to_end(tmp_path):
 def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     """The bench stage writes its JSON after each system (a temp file, then a rename), marked partial: a run that a
     timeout stops keeps the systems measured before it, and the report says it is partial."""
-    from hotneurons.bench import bench_stages, pi_bench
+    from bench import bench_stages, pi_bench
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt("the device's timeout")
@@ -93,9 +94,9 @@ def test_pi_bench_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
     """--interleave writes the rounds so far after each round: a timeout inside the second round's llama-bench keeps
     the first round's generations and llama-bench row, and the report lists them."""
-    from hotneurons.bench import bench_llamacpp as lcpp
-    from hotneurons.bench import pi_bench
-    from hotneurons.bench.bench_build import model_key
+    from bench import bench_llamacpp as lcpp
+    from bench import pi_bench
+    from bench.bench_build import model_key
 
     calls = []
 
@@ -127,9 +128,9 @@ def test_pi_bench_stopped_within_the_rounds_keeps_them(tmp_path, monkeypatch):
 def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     """--interleave: the hybrid systems built side by side, timed in rounds, each with its own row and the per-round
     ratios to the first; llama-bench (here a stand-in) once after each round, paired with them."""
-    from hotneurons.bench import bench_llamacpp as lcpp
-    from hotneurons.bench import pi_bench
-    from hotneurons.bench.bench_build import model_key
+    from bench import bench_llamacpp as lcpp
+    from bench import pi_bench
+    from bench.bench_build import model_key
 
     calls = []
 
@@ -185,24 +186,53 @@ def test_pi_bench_interleaved_hybrids_tiny_cpu(tmp_path, monkeypatch):
     assert f"| {label} | 6.00 | 4.00 (2 rounds) | 0.67 | FLAG: more than 10% apart |" in md
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository's root: the package's rooms, bench/ and tests/
+
+
 def test_bench_modules_import_as_a_package():
-    """Every bench module imports as hotneurons.bench.X in a fresh interpreter (no sys.path edits), and pi-bench's
-    --help runs as a module."""
-    root = Path(__file__).resolve().parents[1] / "bench"
-    names = sorted(p.stem for p in root.glob("*.py") if p.stem != "__init__")
-    code = "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module('hotneurons.bench.' + n)"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    """Every bench module imports as bench.X in a fresh interpreter started at the checkout's root (no sys.path
+    edits, PYTHONPATH cleared), and pi-bench's --help runs as a module there."""
+    names = sorted(p.stem for p in (CHECKOUT / "bench").glob("*.py") if p.stem != "__init__")
+    code = "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module('bench.' + n)"
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300, env=env,
-                       cwd="/")
+                       cwd=CHECKOUT)
     assert p.returncode == 0, p.stderr[-2000:]
-    p = subprocess.run([sys.executable, "-m", "hotneurons.bench.pi_bench", "--help"], capture_output=True, text=True,
-                       timeout=120, cwd="/")
+    p = subprocess.run([sys.executable, "-m", "bench.pi_bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=CHECKOUT, env=env)
     assert p.returncode == 0 and "--machine-kind" in p.stdout
 
 
+def test_launcher_runs_the_checkouts_bench_from_anywhere(tmp_path):
+    """pi-bench's console script (common/cli.bench_main) finds bench/ beside the package's own files, which in an
+    editable install are the checkout: from another directory, with no PYTHONPATH, --help runs."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "from hotneurons.common.cli import bench_main\nbench_main()"
+    p = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0 and "--machine-kind" in p.stdout, p.stderr[-2000:]
+
+
+def test_launcher_without_bench_says_so_in_one_line(tmp_path, capsys):
+    """A root without bench/ (a wheel's package folder): one line naming the fix, exit code 1, nothing run."""
+    from hotneurons.common.cli import bench_main
+
+    (tmp_path / "common").mkdir()
+    with pytest.raises(SystemExit) as e:
+        bench_main(tmp_path)
+    msg = str(e.value.code)
+    assert msg == (f"pi-bench runs from a checkout of the repository (clone it, then `pip install -e .` in it): "
+                   f"bench/ is not in the wheel, and {tmp_path.resolve()} holds none")
+    assert "\n" not in msg and capsys.readouterr().out == ""
+    p = subprocess.run([sys.executable, "-c", f"from hotneurons.common.cli import bench_main\n"
+                        f"bench_main({str(tmp_path)!r})"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip() == msg and p.stdout == ""
+
+
 def test_systems_table_parses_names_and_refuses_unknown_ones():
-    from hotneurons.bench import systems as sy
     from hotneurons.runtime.config import RuntimeConfig
+
+    from bench import systems as sy
 
     assert sy.parse("hybrid, llama.cpp,all-gpu") == {"hybrid", "llama.cpp", "all-gpu"}
     assert set(sy.DEFAULT) <= set(sy.SYSTEMS)

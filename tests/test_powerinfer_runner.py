@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hotneurons.bench.bench_powerinfer import PROMPT, run_main, thread_check
 from hotneurons.export import roundtrip as rt
+
+from bench.bench_powerinfer import PROMPT, run_main, thread_check
 
 EVAL_LINE = ("llama_print_timings:        eval time =     204.54 ms /    15 runs   (   13.64 ms per token,    "
              "73.34 tokens per second)")

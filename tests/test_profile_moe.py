@@ -18,7 +18,6 @@ import tiny
 import torch
 from click.testing import CliRunner
 from hotneurons.artifacts.profile import check_profile, read_expert_profile, read_profile
-from hotneurons.bench.tiny import _moe_configs
 from hotneurons.common.artifacts import ArtifactError
 from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.common.model_source import ModelError
@@ -29,6 +28,7 @@ from hotneurons.profiler.experts import SHARED, ExpertFFN, open_experts, whole_m
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 from hotneurons.weights.names import NameMap
 from test_models_moe import _cfg, _weights
+from tiny import _moe_configs
 from transformers import AutoModelForCausalLM
 
 CASES = [(family, act, seed) for seed, (family, act) in

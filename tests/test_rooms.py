@@ -1,7 +1,8 @@
 """The package's rooms (its top-level folders) import one another in layers: ALLOWED says which room may import which,
 and is the one place that says so. Every import counts, inside functions and under TYPE_CHECKING too, relative ones
 resolved: a lazy import is still a dependency. Inside a room, modules import one another without circles, except the
-ones KNOWN_CIRCLES lists (each must still exist, so that a broken one leaves the list)."""
+ones KNOWN_CIRCLES lists (each must still exist, so that a broken one leaves the list). bench/ and tests/ sit beside
+the rooms, outside the package: they import it, and no room imports them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the package root: hotneurons.<room>.<module> is ROOT/<room>/<module>.py
 PACKAGE = "hotneurons"
+BESIDE = {"bench", "tests"}  # top-level folders of the checkout that are not in the package (pyproject.toml)
 
 _STAGE = {"models", "artifacts", "kernels", "weights", "common"}
 ALLOWED: dict[str, set[str]] = {
@@ -28,10 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "relufy": _STAGE,
     "export": _STAGE | {"runtime"},
     "server": {"runtime", "common"},
-    "bench": {"common", "weights", "kernels", "models", "artifacts", "runtime", "profiler", "solver", "predictors",
-              "relufy", "export", "server"},
 }
-# what a room other than the runtime's own, the server and bench may import of the runtime: building and running it
+# what a room other than the runtime's own and the server may import of the runtime: building and running it
 RUNTIME_PUBLIC = {"hotneurons.runtime.load", "hotneurons.runtime.generate"}
 # circles between modules of one room that stand for now (module names without "hotneurons.")
 KNOWN_CIRCLES = {
@@ -45,6 +45,8 @@ def _modules() -> dict[str, Path]:
     mods = {}
     for init in sorted(ROOT.glob("*/__init__.py")):
         room = init.parent.name
+        if room in BESIDE:
+            continue
         for f in sorted(init.parent.glob("*.py")):
             mods[f"{PACKAGE}.{room}" if f.stem == "__init__" else f"{PACKAGE}.{room}.{f.stem}"] = f
     return mods
@@ -153,7 +155,7 @@ def test_rooms_import_only_the_floors_below():
                 continue
             if _room(dst) not in ALLOWED[room]:
                 wrong.append(f"{_where(mods, src, dst, line)} ({room} may import {sorted(ALLOWED[room])})")
-            elif _room(dst) == "runtime" and room not in ("server", "bench") and dst not in RUNTIME_PUBLIC:
+            elif _room(dst) == "runtime" and room != "server" and dst not in RUNTIME_PUBLIC:
                 wrong.append(f"{_where(mods, src, dst, line)} (of the runtime, only {sorted(RUNTIME_PUBLIC)})")
     assert not wrong, "imports against the layering (tests/test_rooms.py ALLOWED):\n" + "\n".join(wrong)
 
@@ -169,3 +171,17 @@ def test_modules_of_a_room_import_no_new_circle():
     assert not new, "modules import each other in a circle: " + " | ".join(said)
     gone = [sorted(c) for c in KNOWN_CIRCLES if c not in found]
     assert not gone, f"circles in KNOWN_CIRCLES that no longer exist (remove them from the list): {gone}"
+
+
+def test_no_room_imports_what_sits_beside_the_package():
+    """bench/ and tests/ are not in the wheel: a room that imported them would break an installed package.
+    (pi-bench's launcher, common/cli.bench_main, loads bench by name at run time, from a checkout only.)"""
+    mods, _ = _graph()
+    wrong = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in BESIDE]
+    assert not wrong, "rooms import what is not in the package:\n" + "\n".join(wrong)

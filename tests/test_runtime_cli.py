@@ -1,6 +1,7 @@
 """pi-generate from a run directory: --json output, modes, and refusals of bad inputs."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -251,7 +252,8 @@ def test_pi_bench_help_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom hotneurons.bench.pi_bench import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+    code = ("import sys\nfrom bench.pi_bench import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
             "    pass\nprint(sorted(m for m in ('torch', 'numba', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout  # the checkout's root: bench imports there
     assert out.strip().splitlines()[-1] == "[]", out

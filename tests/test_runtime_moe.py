@@ -161,7 +161,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def moe_gguf(tiny_model_dir, tmp_path_factory):
     """moe_gguf(family) -> (F16 GGUF path, HF model with the fp16-rounded weights the file holds), once per family."""
-    from hotneurons.bench import tiny
+    import tiny
     from hotneurons.export.gguf_model import vocab_from_tokenizer, write_moe_gguf
     from test_models_moe import _fp16_reference
     from transformers import AutoModelForCausalLM
@@ -234,7 +234,7 @@ def test_pi_generate_on_a_moe_gguf(moe_gguf):
                                     str(NEW), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
-    ids = list(__import__("hotneurons.bench.tiny", fromlist=["x"]).byte_tokenizer()("Hello world")["input_ids"])
+    ids = list(__import__("tiny").byte_tokenizer()("Hello world")["input_ids"])
     want = _hf_greedy(hf, ids)
     assert out["token_ids"] == want[:len(out["token_ids"])] and out["stats"]["mode"] == "hybrid"
 
@@ -258,9 +258,9 @@ def test_engine_q8_0_experts_mixed_formats(moe_gguf, tmp_path):
     """A GGUF whose experts' gate and up are Q8_0 (rows of d = 32: one block) and down F16 (rows of 16: no block
     format), half the experts on the device: the engine's logits equal our reference decoder's (models/moe.py) on the
     file's tensors, prompt and decode steps."""
+    import tiny
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    from hotneurons.bench import tiny
     from hotneurons.export.gguf_model import (
         Tensor,
         hf_state,
@@ -432,7 +432,7 @@ def test_gguf_tokenizer_without_merges_reads_back(moe_gguf):
     """A byte-level vocabulary with no merges is written with llama.cpp's required merges array holding a merge that
     never applies (export/gguf_model.NEVER_MERGE); read back (weights/gguf_tokenizer.py, where it never applies either,
     as in llama.cpp) it tokenizes as the model's own tokenizer."""
-    from hotneurons.bench import tiny
+    import tiny
     from hotneurons.weights.gguf_source import GGUFSource
 
     path, _, _ = moe_gguf("mixtral")

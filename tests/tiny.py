@@ -1,5 +1,6 @@
 """Tiny random models of every supported family, saved with save_pretrained so that tests and benchmark checks load
-them the user's way."""
+them the user's way. Tests import it as `tiny`, bench as `tests.tiny`: the models are a test fixture, and the few
+benchmark checks that run them live, like tests/, only in a checkout, so the one copy sits here."""
 
 from __future__ import annotations
 
