@@ -2,8 +2,8 @@
 its activation code (cold.ACT_CODE: 0 relu, 1 gelu, 2 reglu, 3 drelu, 4 swiglu, 5 geglu): ungated
 h = act(up_j . x + b_j), gated h = act(gate_j . x) * up_j . x (drelu: relu of both).
 
-Numba's cache (cache=True) checks only the calling kernel's own file: after editing this module, delete
-kernels/__pycache__ (or touch kernels/cold.py), or the cached kernels keep the old code.
+Numba's cache is named by a hash of every kernel source (kernels/__init__.numba_cache_dir): an edit here reaches
+the kernels that call this module at their next start.
 """
 
 from __future__ import annotations

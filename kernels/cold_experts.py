@@ -31,8 +31,8 @@ gate / up / down: 2-D C arrays as above (`gate` any array of up's for ungated FF
 or code. Pairs are grouped per expert here (a stable sort), and H is bounded by doing at most `MAX_H_BYTES` of pairs at
 a time.
 
-Numba's cache (cache=True) checks only this file: after editing cold_q_ir.py, cold_k.py, activations.py or
-intrinsics.py, delete kernels/__pycache__ (or touch this file).
+Numba's cache (cache=True) checks only this file, though the kernels are built from the helpers of others: its
+folder is named by a hash of every kernel source (kernels/__init__.numba_cache_dir), so an edit anywhere starts anew.
 """
 
 from __future__ import annotations

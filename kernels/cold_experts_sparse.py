@@ -34,8 +34,8 @@ cold_experts.experts_layer_q's): the gate rows are read whole, so their dots, no
 result is the float route's, float32 sums: which thread sums which neuron varies from call to call, so results vary
 in the last float32 bits.
 
-Numba's cache (cache=True) checks only this file: after editing cold_experts.py, cold_q_ir.py, cold_k.py, cold.py,
-activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file).
+Numba's cache (cache=True) checks only this file, though the kernels are built from the helpers of others: its
+folder is named by a hash of every kernel source (kernels/__init__.numba_cache_dir), so an edit anywhere starts anew.
 """
 
 from __future__ import annotations

@@ -50,9 +50,8 @@ same pattern (bench read_rows: no arithmetic), which is what bounds it now: 4.6 
 against the float route's 7) computes 1.1-1.5x as fast with rows in the cache, but in DRAM it matches the float route
 at 10-20% of rows active and trails it at 5% (the per-call quantization of x).
 
-Numba's cache (cache=True) checks only this file: after editing cold.py, cold_q_ir.py, cold_k.py, cold_xq.py,
-activations.py or intrinsics.py, delete kernels/__pycache__ (or touch this file), or the cached kernels keep the old
-code.
+Numba's cache (cache=True) checks only this file, though the kernels are built from the helpers of others: its
+folder is named by a hash of every kernel source (kernels/__init__.numba_cache_dir), so an edit anywhere starts anew.
 """
 
 from __future__ import annotations

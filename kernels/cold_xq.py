@@ -1,8 +1,8 @@
 """x quantized once per call for kernels/cold_q.py's int route (its docstring; cold_q_ir's XQ_LAYOUT): llama.cpp's Q8_0
 of an activation row (`quantize_x`), and that in the layout each row format's integer dots read (`_xq_buffers`).
 
-Numba's cache (cache=True) checks only this file (a hash of its text): after editing cold_q_ir.py, delete
-kernels/__pycache__.
+Numba's cache is named by a hash of every kernel source (kernels/__init__.numba_cache_dir): an edit here reaches
+the kernels that call this module at their next start.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ kernels/dram.py): a stored weight widened to float32 (`_widen`: a bf16 pattern's
 (`_fetch_add`) and on the int32 flags that the GPU's graphs share with the host (`_load_acquire`, `_store_release`),
 and count-trailing-zeros (`_ctz`).
 
-Numba's cache (cache=True) checks only the calling kernel's own file: after editing this module, delete
-kernels/__pycache__ (or touch kernels/cold.py), or the cached kernels keep the old code.
+Numba's cache is named by a hash of every kernel source (kernels/__init__.numba_cache_dir): an edit here reaches
+the kernels that call this module at their next start.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 share: the format codes and their block sizes, the instruction sets the compile target has, and the small LLVM IR
 builders both emit their vector code with.
 
-Numba's cache checks only a jitted function's own file: after editing this one, delete kernels/__pycache__.
+Numba's cache is named by a hash of every kernel source (kernels/__init__.numba_cache_dir): an edit here reaches
+the kernels that call this module at their next start.
 """
 
 from __future__ import annotations
