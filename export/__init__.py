@@ -18,6 +18,10 @@ Two layers, so that a benchmark can export a model it holds in memory and the CL
                model: str | None = None, dtype: str = "float32", force: bool = False, progress: bool = False) -> dict
         RUN/profile, RUN/predictors, RUN/placement (optional) and the run's model -> write_powerinfer.
 
+    requantize(model, out, qtype, *, force=False, progress=False) -> dict
+        A GGUF file copied to `out` with its weight matrices re-quantized to qtype (q4_0, q4_1, q8_0, f16, bf16, f32),
+        streamed tensor by tensor; returns the summary (bytes in and out, tensors per format).
+
     exact_predictors(state: dict[str, Tensor], n_layers: int, form: str = "powerinfer") -> list[tuple[Tensor, Tensor]]
         A ReGLU LLaMA's exact predictors, threshold 0: fc1 = [W_gate·diag(γ); -W_gate·diag(γ)] (2 n_ff × d),
         fc2 = [I, -I] (n_ff × 2 n_ff); form "normed" leaves γ out (for a runtime feeding the post-norm input).
@@ -29,15 +33,18 @@ Two layers, so that a benchmark can export a model it holds in memory and the CL
 
 import importlib
 
-FORMATS = ("powerinfer",)  # pi-export --format
+RUN_FORMATS = ("powerinfer",)  # pi-export --format, from a run directory (export_run)
+FORMATS = (*RUN_FORMATS, "gguf")  # gguf: a model file copied with its matrices re-quantized (export/requantize.py)
+QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "bf16", "f32")  # --type: what weights/quants.quantize writes
 
 _LAZY = {"ExportError": ".gguf_model", "Vocab": ".gguf_model", "placeholder_vocab": ".gguf_model",
          "vocab_from_tokenizer": ".gguf_model", "write_powerinfer": ".powerinfer", "exact_predictors": ".predictors",
-         "to_powerinfer": ".predictors", "write_predictors": ".predictors", "export_run": ".run"}  # on first use: the
-# CLI's --help stays quick
+         "to_powerinfer": ".predictors", "write_predictors": ".predictors", "export_run": ".run",
+         "requantize": ".requantize"}  # on first use: the CLI's --help stays quick
 
-__all__ = ["FORMATS", "ExportError", "Vocab", "export_run", "exact_predictors", "placeholder_vocab", "to_powerinfer",
-           "vocab_from_tokenizer", "write_powerinfer", "write_predictors"]
+__all__ = ["FORMATS", "QUANT_TYPES", "RUN_FORMATS", "ExportError", "Vocab", "export_run", "exact_predictors",
+           "placeholder_vocab", "requantize", "to_powerinfer", "vocab_from_tokenizer", "write_powerinfer",
+           "write_predictors"]
 
 
 def __getattr__(name: str):

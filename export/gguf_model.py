@@ -109,6 +109,17 @@ def write_gguf(path: Path, arch: str, metadata: Callable[[Any], None], tensors: 
             "seconds": time.perf_counter() - t0}
 
 
+def source_fields(path: Path, skip: Sequence[str] = ("general.architecture", "general.alignment")
+                  ) -> list[tuple[str, Any, Any, Any]]:
+    """A GGUF file's key-values as (name, value, value type, array element type or None), for a writer's
+    add_key_value; GGUF.* and `skip` (what the writer sets itself) left out."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return [(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for f in r.fields.values() if not f.name.startswith("GGUF.") and f.name not in skip]
+
+
 # ggml's type number of I32: the gguf package writes today's (26); PowerInfer's ggml, from December 2023, numbers
 # I8/I16/I32 16/17/18 (ggml.h:351-353) and reads 26 as an unknown type with a garbage block size
 GGML_I32, POWERINFER_I32 = 26, 18

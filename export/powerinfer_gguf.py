@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from hotneurons.weights.names import layer_name
 
-from .gguf_model import ExportError, Tensor, host
+from .gguf_model import ExportError, Tensor, host, source_fields
 from .powerinfer import ARCH, check_predictors, counts_and_masks, write_folder
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up")
@@ -83,18 +83,13 @@ def tensors_of(source, n_layers: int, predictors: Sequence[tuple[torch.Tensor, t
 def source_metadata(path: Path, src_arch: str, arch: str, threshold: float):
     """The writer's metadata callable: the source's key-values (its arch's keys renamed to `arch`), PowerInfer's
     threshold."""
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
-    fields = [(f.name, f.contents(), f.types) for f in r.fields.values()
-              if not f.name.startswith("GGUF.") and f.name not in SKIPPED_KEYS]
+    fields = source_fields(path, SKIPPED_KEYS)
 
     def metadata(w) -> None:
-        for name, value, types in fields:
+        for name, value, vtype, sub in fields:
             if name.startswith(src_arch + "."):
                 name = arch + name[len(src_arch):]
-            sub = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(name, value, types[0], sub_type=sub)
+            w.add_key_value(name, value, vtype, sub_type=sub)
         w.add_float32("powerinfer.sparse_threshold", float(threshold))
 
     return metadata

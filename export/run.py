@@ -16,7 +16,7 @@ from hotneurons.common import artifacts
 from hotneurons.common.artifacts import ArtifactError, slugify
 from hotneurons.weights.names import layer_name
 
-from . import FORMATS
+from . import RUN_FORMATS
 from .gguf_model import ExportError, hf_state, vocab_from_tokenizer
 from .powerinfer import ARCH, MODEL_TYPES, RELUFY, check_width, write_powerinfer
 from .predictors import Form, gammas, powerinfer_threshold, read_predictors, to_powerinfer
@@ -56,7 +56,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, fmt: str = "powerinfer",
     from hotneurons.common.kinds import choose
     from hotneurons.models.family import load_model_from_meta
 
-    choose(fmt, FORMATS, "export format", ExportError, "fmt")
+    choose(fmt, RUN_FORMATS, "export format", ExportError, "fmt")
     run, out = Path(run_dir), Path(out)
     if out.exists() and not force:
         raise ExportError(f"{out} exists: pass --force to replace it, or another output folder", params="force")

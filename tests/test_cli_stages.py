@@ -252,9 +252,13 @@ def test_eval_on_a_mixture_of_experts_says_what_runs(tiny_model_dir, text_corpus
     r = pi("pi-profile", "--model", tiny_model_dir("mixtral"), "--dataset", text_corpus, "--tokens", 200,
            "--seq-len", 32, "--out", tmp_path / "moe", "--quiet", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    line = one_error(pi("pi-eval", "--run", tmp_path / "moe", "--mode", "dense", "--dataset", text_corpus,
+    r = pi("pi-eval", "--run", tmp_path / "moe", "--mode", "dense", "--dataset", text_corpus, "--device", "cpu",
+           "--tokens", 200, "--seq-len", 32, "--quiet", "--json")
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(r.stdout)["modes"]) == ["dense"]  # its perplexity: tests/test_eval_moe.py
+    line = one_error(pi("pi-eval", "--run", tmp_path / "moe", "--mode", "oracle", "--dataset", text_corpus,
                         "--device", "cpu"))
-    assert "mixture of experts, which pi-eval does not run yet" in line and "--mode dense" in line, line
+    assert "mixture of experts: pi-eval runs it dense only" in line and "--mode dense" in line, line
     assert f"pi-solve --run {tmp_path / 'moe'}" in line and "pi-generate" in line and "only the decoder" not in line
 
 
