@@ -94,6 +94,7 @@ class ModelInfo:
     def to_meta(self) -> dict[str, Any]:
         """The JSON object meta.json holds, keys in field order."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "params"}
+        d["source"] = None if self.source is None else dict(self.source)  # a copy: the instance stays as it was
         return {**{k: v for k, v in d.items() if v is not None}, "params": self.params.to_meta()}
 
     @classmethod
