@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+from hotneurons.common.hardware import openmp_wait_policy
 
 
 def cli_error(e: Exception, flags: Mapping[str, str] | None = None) -> click.ClickException:
@@ -100,7 +101,9 @@ def interrupted(message: str) -> None:
 class StageCommand(click.Command):
     """A pi-* command whose Ctrl-C ends in one line and exit code 130 wherever it lands (click's own handler says
     "Aborted!" and exits 1: an interrupt while torch imports, before a command's own handler is in place), and
-    that removes the run folder it created when an interrupt leaves it empty (never one that existed before).
+    that removes the run folder it created when an interrupt leaves it empty (never one that existed before). Its
+    OpenMP threads sleep or spin as common/hardware.openmp_wait_policy chooses, set before the command imports torch
+    (torch's default spins, and on a busy machine spinning threads take the cores the others wait for).
 
     `run_folder(params)`: the folder the command writes into, from its parsed flags (None: it writes none)."""
 
@@ -109,6 +112,7 @@ class StageCommand(click.Command):
         self.run_folder = run_folder
 
     def invoke(self, ctx: click.Context):
+        openmp_wait_policy()  # before the command's torch import (common/hardware.py says why)
         new = new_folders(self.run_folder(ctx.params) if self.run_folder else None)
         try:
             return super().invoke(ctx)

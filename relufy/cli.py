@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 from hotneurons.common.artifacts import ArtifactError
-from hotneurons.common.cli import interrupted
+from hotneurons.common.cli import StageCommand, interrupted
 from hotneurons.common.corpus import CorpusError, known_datasets
 from hotneurons.relufy.config import ACTIVATIONS, PENALTIES, PRESETS, RelufyError, RelufyInterrupted, preset
 
@@ -25,7 +25,7 @@ def _tokens(ctx, param, value):
         raise click.BadParameter(f"'{value}' is not a token count: give e.g. 8M, 500k or 2000000") from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(cls=StageCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--model", default=None, help="HF hub id, local folder, or .gguf file of a gated-FFN (SwiGLU) model. "
               "Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("--gguf-file", default=None, help="GGUF file name inside the --model folder.")
