@@ -46,9 +46,25 @@ def format_stats(s: dict) -> str:
             + (f" (a first step of {s['decode_warmup_s']:.2f} s left out)" if s.get("decode_warmup_steps") else "")
             + ", "
             f"FFN sparsity {s['ffn_sparsity']:.3f}, {gpu_share(s)}, "
-            f"{device_bytes(s)}, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM")
+            f"{device_bytes(s)}, {s['bytes_cpu'] / 1e6:.1f} MB cold in CPU RAM"
+            + (f"; {host_text(s['host_memory'])}" if s.get("host_memory") else ""))
     warning = share_warning(s)
     return text if warning is None else f"{text}\nwarning: {warning}"
+
+
+def host_memory(start, end) -> dict | None:
+    """The process's host memory (common/memory.ProcessMemory before the model loaded and after generating) as
+    stats: its peak RSS, and the fixed part of it: what the interpreter and libraries held before the model."""
+    if start is None or end is None:
+        return None
+    return {"peak_rss_bytes": end.peak, "rss_bytes": end.rss, "anon_bytes": end.anon, "file_bytes": end.file,
+            "before_model_bytes": start.rss, "since_bytes": end.peak - start.rss}
+
+
+def host_text(m: dict) -> str:
+    return (f"host RSS peak {m['peak_rss_bytes'] / 1e6:.0f} MB: {m['before_model_bytes'] / 1e6:.0f} MB before the "
+            f"model (interpreter and libraries), {m['since_bytes'] / 1e6:.0f} MB since (the model as held, its "
+            f"config and tokenizer, buffers, compiled kernels)")
 
 
 def gpu_share(s: dict) -> str:
@@ -227,9 +243,11 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
 
     Example: pi-generate --run runs/SmolLM2-135M-Instruct --prompt "The capital of France is" -n 64
     """
+    from hotneurons.common.memory import process_memory
     from hotneurons.runtime import generate as gen
     from hotneurons.runtime.sampling import Sampling
 
+    start = process_memory()  # the interpreter and the libraries the runtime imports (torch, Numba, Triton)
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty, seed)
     try:
         with stdout_to_stderr(as_json):
@@ -246,6 +264,7 @@ def main(prompt, max_new_tokens, temperature, top_k, top_p, repetition_penalty, 
         raise click.ClickException(str(e))
     except KeyboardInterrupt:
         interrupted("stopped (pi-generate writes no files)")
+    g.stats["host_memory"] = host_memory(start, process_memory())
     if as_json:
         click.echo(json.dumps({"text": g.text, "token_ids": g.token_ids, "stats": g.stats}))
     else:
