@@ -1,6 +1,6 @@
 """What a `HybridFFN` (runtime/hybrid_ffn.py) is built from: `FFNLayout`, the choices a runtime makes once for every
 layer (the mask, the hot and cold rows' formats, where the hot rows go), the checks of one layer's arguments against
-it, and the hot rows' setup on the compute device.
+it, its weights and neuron split, and the hot rows' setup on the compute device.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from hotneurons.common.kinds import MaskSource, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED
@@ -49,6 +50,20 @@ def check_layer(layer: int, activation: str, layout: FFNLayout, predictor: nn.Mo
     if layout.mask == "gate" and (gate_taus is None or activation not in GATED):
         raise ValueError(f"layer {layer}: mask 'gate' needs a gated activation and its thresholds, got "
                          f"{activation} and {gate_taus}")
+
+
+def layer_weights(layer: int, ffn: FFNWeights | dict[str, nn.Linear]) -> FFNWeights:
+    """A layer's FFN weights as stored (FFNWeights), or an HF layer's Linear modules read as such."""
+    try:
+        return ffn if isinstance(ffn, FFNWeights) else FFNWeights.from_linears(ffn)
+    except ValueError as e:
+        raise ValueError(f"layer {layer}: {e}") from None
+
+
+def hot_and_cold(gpu: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's placement (n,) bool, True on the device -> (hot ids, cold ids), each ascending."""
+    gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
+    return torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
 
 
 def set_hot_rows(ffn: Any, w: FFNWeights, hot: torch.Tensor, fmt: str | None, dev: Any, fdtype: torch.dtype) -> None:

@@ -37,7 +37,7 @@ from hotneurons.kernels.qlinear import linear
 from hotneurons.models.ffn_weights import FFNWeights
 from hotneurons.runtime.cold_rows import chunks, cold_rows_of, ffn_rows, ffn_rows_mapped, map_rows
 from hotneurons.runtime.cuda import capture
-from hotneurons.runtime.ffn_setup import FFNLayout, check_layer, set_hot_rows
+from hotneurons.runtime.ffn_setup import FFNLayout, check_layer, hot_and_cold, layer_weights, set_hot_rows
 from hotneurons.runtime.gated import gate_first, hot_sparse
 from hotneurons.runtime.host_io import HostIO
 from torch import nn
@@ -75,13 +75,9 @@ class HybridFFN(nn.Module):
         # mask 'gate': (tau_g, tau_h) float32 values; None for every other mask (prefill then dense)
         self.taus = None if self.mask != "gate" else tuple(float(np.float32(t)) for t in gate_taus)
         self.gated = activation in GATED
-        try:
-            w = ffn if isinstance(ffn, FFNWeights) else FFNWeights.from_linears(ffn)
-        except ValueError as e:
-            raise ValueError(f"layer {layer}: {e}") from None
+        w = layer_weights(layer, ffn)
         self.n_neurons, self.d_model = w.shape
-        gpu_t = torch.as_tensor(np.asarray(gpu, dtype=bool))
-        hot, cold = torch.nonzero(gpu_t).flatten(), torch.nonzero(~gpu_t).flatten()
+        hot, cold = hot_and_cold(gpu)  # (n_hot,), (n_cold,) neuron ids, ascending
         self.n_hot, self.n_cold = len(hot), len(cold)
         dev = layout.device or (w.up.device if isinstance(w.up, torch.Tensor) else "cpu")
         fdtype = layout.dtype or (w.up.dtype if isinstance(w.up, torch.Tensor) and w.up.is_floating_point()
