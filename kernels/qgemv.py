@@ -298,14 +298,14 @@ def _pow2(v: int) -> int:
 
 def gemv_config(n: int, k: int, q4: bool, m: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_B, num_warps) for a GEMV of an (n, k) weight by m tokens. A step's 16-byte units span the
-    program's threads, one a thread (BLOCK_B * units a block = 32 * num_warps: Triton then lays the warps along
-    the units and a program's rows in each thread's registers, so that a thread's x values, loaded and widened
-    once a step, serve all its rows). From bench/qgemv.py --sweep on an H200 (Triton 3.6) at the 70B shapes
-    (bench/results/*-qgemv.json): 2 warps; Q4_0 8 rows up to 2 tokens, 4 past that (sums of each token and row
-    are registers: 8 rows by 8 tokens spill); Q8_0 8 rows up to 2 tokens, then 4. sm_90's code (ptxas, Triton 3.6):
-    Q4_0 2.7 instructions a weight (denormal pieces, 1 token, 127 registers), Q8_0 3.4 (8 rows); 8 tokens: 1.65
-    a weight and token (4 rows, 168 registers). Fewer rows for short n, so that every SM gets programs; one warp
-    for short k. Q4_1 (q4, with mins) takes Q4_0's configuration, not swept on its own."""
+    program's threads, one a thread (BLOCK_B * units a block = 32 * num_warps: Triton then lays the warps along the
+    units and a program's rows in each thread's registers, so that a thread's x values, loaded and widened once a step,
+    serve all its rows). From bench/qgemv.py --sweep on an H200 (Triton 3.6) at the 70B shapes (docs/history.md,
+    2026-11-26-nvidia-h200-qgemv): 2 warps; Q4_0 8 rows up to 2 tokens, 4 past that (sums of each token and row are
+    registers: 8 rows by 8 tokens spill); Q8_0 8 rows up to 2 tokens, then 4. sm_90's code (ptxas, Triton 3.6): Q4_0 2.7
+    instructions a weight (denormal pieces, 1 token, 127 registers), Q8_0 3.4 (8 rows); 8 tokens: 1.65 a weight and
+    token (4 rows, 168 registers). Fewer rows for short n, so that every SM gets programs; one warp for short k. Q4_1
+    (q4, with mins) takes Q4_0's configuration, not swept on its own."""
     nb = max(1, k // QBLOCK)
     upb = 1 if q4 else 2  # 16-byte units a block
     nw = 2 if nb * upb >= 64 else 1
