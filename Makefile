@@ -23,7 +23,7 @@ $(BIN)/.installed: pyproject.toml
 # of FFN neurons; with 4096 samples, +11-16% at 97% recall and +22-57% at 95%). The last line prints the quality.
 demo: $(BIN)/.installed
 	$(BIN)/pi-profile --out runs/demo --tokens 12000 --samples-per-layer 16384 --target-sparsity 0.5 --force
-	$(BIN)/pi-solve --run runs/demo --vram 262MB --reserve 0
+	$(BIN)/pi-solve --run runs/demo --vram 140MB --reserve 0
 	$(BIN)/pi-train-predictors --run runs/demo --preset fast --target-recall 0.97
 	$(BIN)/pi-generate --run runs/demo --chat --prompt "What is the capital of France? Answer in one sentence." -n 48
 	$(BIN)/pi-eval --run runs/demo --tokens 4096 --seq-len 256 --mode dense --mode predictor --quiet > /dev/null

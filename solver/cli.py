@@ -12,10 +12,11 @@ from hotneurons.artifacts.profile import check_profile
 from hotneurons.common.artifacts import ArtifactError, read_json
 from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, presets_table
+from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 from hotneurons.kernels.measure import measure_cold_rate, measure_expert_rate, measure_hardware
 
-from .cost import COLD_BYTES, DTYPE_BYTES, SolverError
+from .cost import COLD_BYTES, DTYPE_BYTES, SolverError, default_formats
 
 # solve_placement's arguments whose flag is spelled otherwise
 FLAGS = {"vram_bytes": "--vram", "reserve_bytes": "--reserve", "comm": "--no-comm-constraint"}
@@ -49,12 +50,14 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--dtype", type=click.Choice(list(DTYPE_BYTES)),
               help="Weight format on both devices (sets bytes per neuron; llama.cpp's block formats q8_0 ... iq1_m "
                    "for sizing only: name the format pi-generate keeps, e.g. q8_0 for a Q5_0 or IQ4_XS file, whose "
-                   "rows it converts; docs/memory.md). Default: fp16; a mixture of experts: the formats of its GGUF "
-                   "file.")
+                   "rows it converts; docs/memory.md). Default: what pi-generate keeps of the profiled file: its block "
+                   "format where the GPU kernels read it (else the nearest one they do), fp16 for a float model; a "
+                   "mixture of experts: the formats of its GGUF file.")
 @click.option("--cold-dtype", type=click.Choice(list(COLD_BYTES)),
               help="How pi-generate will store the cold rows in CPU RAM (its --cold-dtype): int8 and q8_0 take 0.53 "
-                   "of bf16's bytes for an active cold neuron to read, q4_0 0.28. Default: bf16; a mixture of "
-                   "experts: as on the GPU (cold experts read in place).")
+                   "of bf16's bytes for an active cold neuron to read, q4_0 0.28. Default: what pi-generate keeps "
+                   "(--cold-dtype auto): the file's block format where the CPU kernels read it, else the nearest; "
+                   "bf16 for a float model; a mixture of experts: as on the GPU (cold experts read in place).")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
@@ -105,6 +108,8 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
             check_run_predictors(run_dir, meta.model)
     except ArtifactError as e:
         raise cli_error(e, FLAGS) from None
+    # unset formats: those pi-generate's `auto` keeps of the profiled file (a mixture of experts sizes by its file)
+    auto = None if moe else default_formats(ModelInfo.from_meta(meta.model))
     with stdout_to_stderr(as_json):  # HiGHS prints its banner to fd 1 whatever it is told
         notes: list[str] = []
         if measure:
@@ -113,7 +118,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                 hw, note = measure_expert_rate(hw, int(meta.model["d_model"]), int(meta.experts.n_ff_exp),
                                                int(meta.experts.n_experts_used), cold_dtype or "q4_0")
             else:
-                hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype or "bf16")
+                hw, note = measure_cold_rate(hw, meta.model, meta.mean_sparsity, cold_dtype or auto[1])
             notes.append(note)
             if not as_json:
                 for n in notes:
@@ -137,11 +142,11 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                     group_size=group_size, objective=objective, time_limit=time_limit, mip_gap=mip_gap,
                     threads=threads, hardware_notes=notes, cold_dtype=cold_dtype, expert_neurons=expert_neurons)
             else:
-                summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype or "fp16", ctx=ctx,
+                summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
                                           reserve_bytes=reserve_bytes, group_size=group_size,
                                           objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
                                           mip_gap=mip_gap, threads=threads, hardware_notes=notes,
-                                          cold_dtype=cold_dtype or "bf16")
+                                          cold_dtype=cold_dtype)
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
         except KeyboardInterrupt:  # a Ctrl-C during the write waits for it (common/artifacts.staged)
@@ -183,6 +188,7 @@ def human_summary(s: PlacementSummary, run_dir: str) -> str:
     fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in g.items() if k not in ("ffn_neurons", "total", "free") and v)
     lines = [
         f"model      {s.model}  ({len(s.layers)} layers, {s.layers[0].neurons} FFN neurons each)",
+        f"formats    {s.flags.dtype} on the GPU, {s.flags.cold_dtype} cold rows (--dtype, --cold-dtype)",
         f"hardware   {hw['name']}: VRAM {format_bytes(b.vram_bytes)}, GPU {format_rate(hw['gpu_bw'])}, "
         f"PCIe {format_rate(hw['pcie_bw'])}, DRAM {format_rate(hw['cpu_bw'])} x {hw['cores']} cores",
         f"fixed GPU  {format_bytes(b.fixed_gpu_bytes)}: {fixed}" if g else "fixed GPU  none (no GPU)",

@@ -17,7 +17,7 @@ import numpy as np
 from hotneurons.common.hardware import HardwareSpec
 from hotneurons.common.kinds import FixableError
 from hotneurons.common.model_info import ModelInfo
-from hotneurons.weights.formats import FORMATS, TORCH_FLOATS, WeightFormat, weight_format
+from hotneurons.weights.formats import FORMATS, TORCH_FLOATS, WeightFormat, kernel_format, weight_format
 
 # bytes per weight, from weights.formats (the one table of sizes), under the names pi-solve has always taken (fp32 and
 # fp16 for f32 and f16: placement meta.json files and the runtime's checks use them). The block formats are llama.cpp's
@@ -42,6 +42,63 @@ def model_dtype(weight_dtype: object) -> str:
 # bytes per weight of the cold rows in CPU RAM, in the formats the runtime's CPU kernels read (--cold-dtype): bf16,
 # int8 with a float32 scale per 64 weights (runtime/cold_rows.ColdRows), q8_0 / q4_0 / q4_1 in llama.cpp's blocks
 COLD_BYTES: dict[str, float] = {f.value: s.bytes_per_weight for f, s in FORMATS.items() if s.cpu_kernel}
+
+
+def auto_formats(weight_dtype: object) -> tuple[str, str]:
+    """pi-generate's `auto` formats for a model that records `weight_dtype` (a GGUF's FFN format as stored, or the
+    float dtype a folder loads in), in pi-solve's names: (on the GPU, the cold rows in CPU RAM). A block format: the
+    one each side's kernels read, itself where they read it (weights/formats.kernel_format: runtime/engine.auto_format's
+    rule, so a Q4_0 file is sized at Q4_0's bytes, not fp16's); floats and the unknown: fp16 and bf16."""
+    try:
+        fmt = weight_format(str(weight_dtype))
+    except ValueError:
+        return "fp16", "bf16"
+    if fmt in TORCH_FLOATS or FORMATS[fmt].block == 1:
+        return "fp16", "bf16"
+    hot, cold = kernel_format(fmt, "cuda"), kernel_format(fmt, "cpu")
+    return _SOLVER_NAMES.get(hot, hot.value), cold.value
+
+
+def gguf_path(model: ModelInfo) -> Path | None:
+    """The GGUF file the profile read, where it names one that exists here."""
+    src = model.source or {}
+    if not src.get("gguf_file"):
+        return None
+    path = Path(src.get("path") or ".") / src["gguf_file"]
+    return path if path.is_file() else None
+
+
+def stored_ffn_format(model: ModelInfo) -> str | None:
+    """The format the profiled GGUF stores its first FFN's up rows in (the profile's weight_dtype is the dtype it
+    computed in); None without such a file."""
+    path = gguf_path(model)
+    if path is None:
+        return None
+    from hotneurons.weights.formats import from_ggml_type
+    from hotneurons.weights.gguf_file import GGUFFile
+    from hotneurons.weights.names import layer_name
+
+    t = GGUFFile(path).tensors.get(layer_name(0, "ffn_up.weight"))
+    return None if t is None else str(from_ggml_type(t.ggml_type))
+
+
+def default_formats(model: ModelInfo) -> tuple[str, str]:
+    """pi-solve's formats where --dtype / --cold-dtype are not given: auto_formats of the profiled GGUF's stored FFN
+    format, else of the dtype the profile computed in."""
+    return auto_formats(stored_ffn_format(model) or model.weight_dtype)
+
+
+def cold_weight_bytes(cold_dtype: str, rows: int) -> float:
+    """Bytes a weight of a cold neuron's `rows` rows (3 gated, 2 not) in CPU RAM, read as --cold-dtype keeps them:
+    COLD_BYTES, but a K-quant's down rows are re-blocked neuron-major in a 32-weight format (Q4_K's as q4_1, Q5_K's
+    and Q6_K's as q8_0: models/ffn_weights.cold_formats), which an active neuron reads with its gate and up rows."""
+    fmt = weight_format(cold_dtype)
+    from hotneurons.models.ffn_weights import K_FORMATS, cold_formats  # torch: imported where a K-quant asks
+
+    if fmt not in K_FORMATS:
+        return COLD_BYTES[cold_dtype]
+    kept, down = cold_formats(fmt, fmt, fmt if rows == 3 else None, fmt)
+    return ((rows - 1) * FORMATS[kept].bytes_per_weight + FORMATS[down].bytes_per_weight) / rows
 
 
 class SolverError(FixableError):

@@ -32,6 +32,8 @@ from .cost import (
     PlacementProblem,
     SolverError,
     build_problem,
+    cold_weight_bytes,
+    default_formats,
     embedding_on_cpu,
     estimate_predictor_params,
     evaluate,
@@ -109,19 +111,18 @@ def _predictor_bytes(run_dir: Path, shape: ModelInfo, dtype_bytes: float) -> tup
             f"hidden = d_model/4 rounded up to 64")
 
 
-def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int | None = None, dtype: str = "fp16",
-                    ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
+def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int | None = None,
+                    dtype: str | None = None, ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
                     objective: Objective | str = Objective.LATENCY, comm: bool = True, time_limit: float = 30.0,
                     mip_gap: float = 1e-3, threads: int | None = None, write: bool = True,
-                    hardware_notes: list[str] | None = None, cold_dtype: str = "bf16") -> PlacementSummary:
+                    hardware_notes: list[str] | None = None, cold_dtype: str | None = None) -> PlacementSummary:
     """Place each layer's hottest FFN neurons on the GPU. Returns the summary (also written to
-    RUN/placement/summary.json with placement.parquet and meta.json when `write`). `cold_dtype`: how the runtime
-    will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active cold neuron costs to read."""
+    RUN/placement/summary.json with placement.parquet and meta.json when `write`). `dtype`: the weights' format on
+    the GPU; `cold_dtype`: how the runtime will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active
+    cold neuron costs to read; None: what pi-generate keeps of the profiled model (cost.default_formats)."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
-    dtype = choose(dtype, DTYPE_BYTES, "weight dtype", SolverError, "dtype")
-    cold_dtype = choose(cold_dtype, COLD_BYTES, "cold dtype", SolverError, "cold_dtype")
     objective = choose(objective, Objective, "objective", SolverError, "objective")
     _check_args(ctx, group_size, time_limit, mip_gap, hw)
 
@@ -130,6 +131,9 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     if tokens <= 0:
         raise ArtifactError(f"{run_dir / 'profile'}/meta.json counts no tokens: re-run pi-profile")
     shape = ModelInfo.from_meta(meta.model)
+    auto = default_formats(shape) if dtype is None or cold_dtype is None else None
+    dtype = choose(dtype or auto[0], DTYPE_BYTES, "weight dtype", SolverError, "dtype")
+    cold_dtype = choose(cold_dtype or auto[1], COLD_BYTES, "cold dtype", SolverError, "cold_dtype")
     ids, counts = _sorted_counts(df, shape, run_dir / "profile" / "neurons.parquet")
     db = DTYPE_BYTES[dtype]
 
@@ -147,7 +151,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
             params=("vram_bytes", "ctx", "reserve_bytes"))
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
-                            COLD_BYTES[cold_dtype], always)
+                            cold_weight_bytes(cold_dtype, shape.rows), always)
     hardware_notes = [*(hardware_notes or []), pricing]
     tables = layer_tables(problem)
 
@@ -175,7 +179,7 @@ def _summary(p: PlacementProblem, t, result: IlpResult, ev: dict, items: dict, p
     k = result.k
     gpu_neurons = t.neurons[rows, k].astype(np.int64)  # (layers,)
     total_ffn = float(t.bytes[:, -1].sum())
-    cold_scale = COLD_BYTES[flags.cold_dtype] / DTYPE_BYTES[flags.dtype]  # CPU RAM bytes per GPU byte
+    cold_scale = cold_weight_bytes(flags.cold_dtype, shape.rows) / DTYPE_BYTES[flags.dtype]  # CPU RAM bytes a GPU byte
     ffn_gpu = ev["gpu_ffn_bytes"]
     layers = []
     for l in range(p.n_layers):

@@ -30,7 +30,7 @@ from hotneurons.common.kinds import Activation, choose
 from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_size_arg
 
-from .cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES, SolverError, model_dtype
+from .cost import ACT_BYTES, COLD_BYTES, DTYPE_BYTES, SolverError, gguf_path, model_dtype
 from .experts import ExpertProblem, baselines, evaluate_experts, expert_tables, solve_experts
 from .ilp import IlpResult
 from .place import _check_args
@@ -109,19 +109,11 @@ class WeightSizes:
     source: str
 
 
-def _gguf_path(model: ModelInfo) -> Path | None:
-    src = model.source or {}
-    if not src.get("gguf_file"):
-        return None
-    path = Path(src.get("path") or ".") / src["gguf_file"]
-    return path if path.is_file() else None
-
-
 def weight_sizes(model: ModelInfo, x: dict, dtype: str | None) -> WeightSizes:
     """From the GGUF file's tensor table (the formats the file stores) where the profile names one that exists and no
     `dtype` is given; otherwise every weight in `dtype` (default: the model's own float format, else fp16)."""
     L, E, d, p = model.n_layers, x["n_experts"], model.d_model, model.params
-    path = None if dtype else _gguf_path(model)
+    path = None if dtype else gguf_path(model)
     if path is not None:
         from hotneurons.weights.formats import from_ggml_type
         from hotneurons.weights.gguf_file import GGUFFile

