@@ -64,7 +64,8 @@ def tile_table(expert_ids: np.ndarray, starts: np.ndarray, block_m: int, device:
     g = np.repeat(np.arange(len(counts)), per)  # (n_tiles,) group of each tile
     first = np.cumsum(per) - per  # (G,) each group's first tile
     r0 = starts[:-1][g] + block_m * (np.arange(len(g)) - first[g])
-    table = np.stack([np.asarray(expert_ids)[g], r0, starts[1:][g]], axis=1).astype(np.int32)  # (n_tiles, 3)
+    r1 = np.minimum(r0 + block_m, starts[1:][g])
+    table = np.stack([np.asarray(expert_ids)[g], r0, r1], axis=1).astype(np.int32)  # (n_tiles, 3)
     return Tiles(torch.from_numpy(table).to(device), block_m)
 
 
@@ -157,8 +158,8 @@ def _check(x_rows, w_stack, out_rows: int, expert_ids: np.ndarray, starts: np.nd
     """P, the pairs, after a one-line error for any argument that does not fit the others."""
     n, k = tuple(w_stack.shape)
     P = int(starts[-1]) if len(starts) else -1
-    bad = (x_rows.dim() != 2 or x_rows.shape[1] != k or out_rows <= 0 or n % out_rows or len(starts) != len(expert_ids) + 1
-           or P < 0 or starts[0] != 0 or (np.diff(starts) < 0).any()
+    bad = (x_rows.dim() != 2 or x_rows.shape[1] != k or out_rows <= 0 or n % out_rows
+           or len(starts) != len(expert_ids) + 1 or P < 0 or starts[0] != 0 or (np.diff(starts) < 0).any()
            or (len(expert_ids) and (min(expert_ids) < 0 or max(expert_ids) >= n // out_rows))
            or (x_rows.shape[0] != P if tokens is None else tuple(tokens.shape) != (P,)))
     if bad:
