@@ -199,20 +199,10 @@ class HybridMoE(nn.Module):
     def _grouped(self, x: torch.Tensor, pairs: np.ndarray, experts: np.ndarray, bounds: np.ndarray,
                  wflat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (T, d) plus the GPU experts' weighted outputs over their pairs: pairs (P,) positions t * k + slot sorted
-        by expert, experts (P,) theirs, bounds where the expert changes; gate, up and down one grouped product each
-        over all the pairs (kernels/grouped.py), the weighted rows added into y by one index_add."""
-        from hotneurons.kernels.grouped import block_m_for, grouped_linear, tile_table
-
-        st, dev = self.stacks, x.device
+        by expert, experts (P,) theirs, bounds where the expert changes (moe_prefill.grouped_ffn: three launches)."""
         starts = np.array([0, *bounds, len(pairs)], np.int64)  # (G + 1,) each expert's pairs
-        ids = self.lut_np[experts[starts[:-1]]]  # (G,) their place in the stacks
-        tiles = tile_table(ids, starts, block_m_for(starts), dev)  # the three launches' one work list
-        pd = torch.from_numpy(pairs).to(dev)  # (P,)
-        tok = pd // self.cfg.n_experts_used  # (P,) each pair's token
-        h = ffn_values(self.cfg, grouped_linear(x, st["up"], self.n_ff, ids, starts, tok, tiles),
-                       grouped_linear(x, st["gate"], self.n_ff, ids, starts, tok, tiles))  # (P, n)
-        ye = grouped_linear(h, st["down"], self.d_model, ids, starts, tiles=tiles)  # (P, d)
-        return y.index_add(0, tok, (ye * wflat[pd, None]).to(y.dtype))
+        ids = self.lut_np[experts[starts[:-1]]]  # (G,) their places in the stacks
+        return moe_prefill.grouped_ffn(self, x, [self.stacks[p] for p in PROJ], ids, starts, pairs, wflat, y)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         g, u, dn, gate = self.shared

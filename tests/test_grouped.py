@@ -174,6 +174,35 @@ def test_hybrid_moe_prefill_grouped_reference_path(monkeypatch):
     assert calls == [1, 1, 1]
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_cold_experts_on_the_device_grouped(fmt, monkeypatch):
+    """A long prefill's cold experts (runtime/moe_prefill.py) through the grouped kernel (interpreter): their rows
+    copied run by run and packed, three launches, equal to the CPU kernel's path and the reference."""
+    import dataclasses
+
+    from hotneurons.common.kinds import Activation
+    from hotneurons.runtime import moe_prefill
+    from test_cold_experts_sparse import GPU, _moe_weights, _tokens
+    from test_cold_experts_sparse import _cfg as sparse_cfg
+
+    need_kernels()
+    xs = _tokens(np.random.default_rng(41), 12)
+    cfg = dataclasses.replace(sparse_cfg(Activation.SWIGLU), act_fn="silu")
+    w = _moe_weights(fmt, xs, seed=42)
+    ffn = HybridMoE(0, cfg, w.get, GPU, "cpu", torch.float32)
+    x = torch.from_numpy(xs)
+    cpu_path = ffn(x)
+    monkeypatch.setattr(moe_prefill, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(moe_prefill, "OFFLOAD_TOKENS", 4)
+    monkeypatch.setattr(grouped, "_on_kernels", lambda t: True)
+    calls = _spy(monkeypatch)
+    got = ffn(x)
+    assert calls == [1, 1, 1]  # the GPU experts of a CPU run: today's path; the cold ones: grouped
+    tol = dict(rtol=1e-4, atol=2e-5 * float(cpu_path.abs().max()))
+    torch.testing.assert_close(got, cpu_path, **tol)
+    torch.testing.assert_close(got, moe.moe_ffn(w.get, cfg, 0)(x), **tol)
+
+
 def test_bench_smoke(tmp_path):
     """bench/moe_prefill_kernel.py on the CPU at tiny sizes: both paths timed, equal, the record written."""
     from bench import moe_prefill_kernel
