@@ -35,7 +35,7 @@ import triton.language as tl
 from hotneurons.kernels.qlinear import GpuQ
 from hotneurons.weights.formats import WeightFormat
 
-FLOAT = 3  # KIND of a float weight stack; the block formats' are dequant.KERNEL_FORMATS's
+FLOAT = 3  # KIND of a float weight stack; the block formats' below (numbered as dequant.KERNEL_FORMATS)
 KIND = {WeightFormat.Q4_0: 0, WeightFormat.Q4_1: 1, WeightFormat.Q8_0: 2}
 FLOAT_STACKS = (torch.float16, torch.bfloat16, torch.float32)
 
