@@ -5,9 +5,11 @@ by default: 128 experts of n_ff 768, d 2048, top-8 routing (renormalised) of 512
 (valid blocks: fp16 scales ~ N(0, 0.02), uniform quants), fp16 activations.
 
 Timing: the layer's whole call (routing, the host's wait and grouping, the launches), CUDA events, median of --reps
-after a warm-up call (Triton's compile); the equivalent dense rate: 6 P d n floating-point operations for P = tokens x
-top-k routed pairs (gate, up and down, each 2 P d n), / time. --sweep also times the gate projection's grouped launch
-alone over (BLOCK_N, BLOCK_K, num_warps) alternatives: the data to tune grouped_linear's defaults.
+after a warm-up call (Triton's compile); and the grouped path's expert part alone (runtime/moe_prefill.grouped_ffn on
+the call's routing: the tile table, three launches, the activation, the index_add). The equivalent dense rate: 6 P d n
+floating-point operations for P = tokens x top-k routed pairs (gate, up and down, each 2 P d n), / time. --sweep
+also times the gate projection's grouped launch alone over (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) alternatives: the
+data to tune grouped_linear's defaults.
 
 On the CPU (a smoke test at tiny sizes, e.g. --experts 8 --n-ff 64 --d-model 64 --tokens 12 --dtype float32) the
 device's stacks are packed as CUDA's and the grouped path runs grouped_linear's torch reference.
@@ -26,10 +28,12 @@ import numpy as np
 import torch
 from hotneurons.common.kinds import Activation
 from hotneurons.kernels import grouped
-from hotneurons.kernels.qlinear import pack
+from hotneurons.kernels.qlinear import linear, pack
 from hotneurons.models import ModelConfig
+from hotneurons.models.moe import route
 from hotneurons.runtime import moe_ffn
 from hotneurons.runtime.moe_ffn import HybridMoE
+from hotneurons.runtime.moe_prefill import grouped_ffn
 from hotneurons.runtime.moe_rows import PROJ
 from hotneurons.weights.formats import row_bytes, spec
 from hotneurons.weights.qtensor import QTensor
@@ -76,18 +80,23 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return statistics.median(ts)
 
 
+def routing(ffn: HybridMoE, x: torch.Tensor) -> tuple:
+    """The layer's routing of x as its forward makes it: pairs (P,) sorted by expert, starts (G + 1,), stack ids
+    (G,), the routing weights (T k,) on the device."""
+    w, idx = route(ffn.cfg, linear(x, ffn.router))  # (T, k) each
+    ih = idx.cpu().numpy()
+    pairs = np.argsort(ih.ravel(), kind="stable")  # (P,) grouped per expert
+    experts = ih.ravel()[pairs]
+    starts = np.array([0, *(np.flatnonzero(np.diff(experts)) + 1), len(pairs)])
+    return pairs, starts, ffn.lut_np[experts[starts[:-1]]], w.reshape(-1)
+
+
 def sweep(ffn: HybridMoE, x: torch.Tensor, reps: int) -> list[dict]:
-    """The gate projection's grouped launch alone, per (BLOCK_N, BLOCK_K, num_warps), on this call's routing."""
-    k = ffn.cfg.n_experts_used
-    idx = torch.topk(torch.softmax(x.float() @ ffn.router.float().T, -1), k).indices.cpu().numpy()  # (T, k)
-    pairs = np.argsort(idx.ravel(), kind="stable")  # (P,) grouped per expert
-    experts = idx.ravel()[pairs]
-    bounds = np.flatnonzero(np.diff(experts)) + 1
-    starts = np.array([0, *bounds, len(pairs)])
-    ids = ffn.lut_np[experts[starts[:-1]]]
-    tok = torch.from_numpy(pairs // k).to(x.device)
+    """The gate projection's grouped launch alone, per (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), on x's routing."""
+    pairs, starts, ids, _ = routing(ffn, x)
+    tok = torch.from_numpy(pairs // ffn.cfg.n_experts_used).to(x.device)
     rows = []
-    for bm in (16, 32, 64):
+    for bm in (16, 32, 64, 128):
         tiles = grouped.tile_table(ids, starts, bm, x.device)
         for cfg in SWEEP:
             s = timed(lambda: grouped.grouped_linear(x, ffn.stacks["gate"], ffn.n_ff, ids, starts, tok, tiles, cfg),
@@ -132,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
             res[name + "_s"] = timed(lambda: ffn(x), a.reps, cuda)
     finally:
         moe_ffn.GROUPED_DEVICES = old
+    pairs, starts, ids, wflat = routing(ffn, x)  # the experts' part alone: three launches, the act, the index_add
+    stacks = [ffn.stacks[p] for p in PROJ]
+    experts_s = timed(lambda: grouped_ffn(ffn, x, stacks, ids, starts, pairs, wflat, torch.zeros_like(x)), a.reps,
+                      cuda)
     flops = 6.0 * a.tokens * a.top_k * a.d_model * a.n_ff
     diff = float((res["loop"] - res["grouped"]).abs().max() / res["loop"].abs().max().clamp_min(1e-30))
     figures = {"shape": {"experts": a.experts, "n_ff": a.n_ff, "d_model": a.d_model, "top_k": a.top_k,
@@ -139,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                "reps": a.reps, "loop_ms": res["loop_s"] * 1e3, "grouped_ms": res["grouped_s"] * 1e3,
                "speedup": res["loop_s"] / res["grouped_s"], "dense_flops": flops,
                "loop_tflops": flops / res["loop_s"] / 1e12, "grouped_tflops": flops / res["grouped_s"] / 1e12,
+               "grouped_experts_ms": experts_s * 1e3, "grouped_experts_tflops": flops / experts_s / 1e12,
                "max_rel_diff": diff, "kernel": grouped.applies(ffn.stacks["gate"], x)}
     if a.sweep and cuda:
         figures["sweep_gate"] = sweep(ffn, x, a.reps)

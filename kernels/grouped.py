@@ -50,11 +50,12 @@ class Tiles:
 
 
 def block_m_for(starts: np.ndarray) -> int:
-    """BLOCK_M for groups of these sizes: the power of two (16..64) nearest above the mean group, so that a typical
-    expert's pairs fill one tile and few rows are masked."""
+    """BLOCK_M for groups of these sizes: the power of two (16..128) at or above the mean group (64 up to 96: a
+    bigger tile's masked rows would cost more than a second tile), so that a typical expert's pairs fill a tile and few
+    rows are masked."""
     counts = np.diff(starts)
     mean = counts[counts > 0].mean() if (counts > 0).any() else 1.0
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
 
 
 def tile_table(expert_ids: np.ndarray, starts: np.ndarray, block_m: int, device: torch.device | str) -> Tiles:

@@ -74,8 +74,9 @@ def test_kernel_equals_float64(fmt, dtype, monkeypatch):
     y = grouped.grouped_linear(x, w, out, IDS, starts, tok, tiles=tiles, config=(16, 64, 4))
     assert y.shape == (starts[-1], out) and y.dtype == dtype
     _check_groups(y, x, tok, w64, mag, IDS, starts, out, dtype)
-    xp = x[tok]  # (P, k): the pairs' rows themselves (the down projection's form)
-    y2 = grouped.grouped_linear(xp, w, out, IDS, starts, config=(32, 32, 4))
+    xp = x[tok]  # (P, k): the pairs' rows themselves (the down projection's form), tiles of 128 pairs
+    y2 = grouped.grouped_linear(xp, w, out, IDS, starts, tiles=grouped.tile_table(np.array(IDS), starts, 128, DEVICE),
+                                config=(32, 32, 4))
     _check_groups(y2, xp, None, w64, mag, IDS, starts, out, dtype)
 
 
@@ -110,7 +111,8 @@ def test_tile_table_covers_each_pair_once():
     for e, a, b in t:  # each tile within its group, with the group's expert
         g = np.searchsorted(starts, a, side="right") - 1
         assert e == ids[g] and b <= starts[g + 1]
-    assert [grouped.block_m_for(np.array(s)) for s in ([0, 10, 20], [0, 0, 1, 20, 91], [0, 40, 80])] == [16, 32, 64]
+    assert [grouped.block_m_for(np.array(s)) for s in ([0, 10, 20], [0, 0, 1, 20, 91], [0, 40, 80], [0, 200])] \
+        == [16, 32, 64, 128]
 
 
 def test_shape_errors():
