@@ -7,9 +7,11 @@ A call, for T tokens x (T, d):
 1. the router's logits and top-k (models/moe.route, as the reference models/moe.moe_ffn routes) on the device; the
    shared expert (Qwen2-MoE) is enqueued too, as it needs no routing;
 2. the routed ids and weights (T, k) and x go to the host (pinned buffers on CUDA; the one wait of the layer);
-3. the pairs (token, expert) on GPU experts are grouped per expert and computed on the device, each expert's tokens
-   in one product of its stored rows (GpuQ on CUDA: the Triton GEMV for a token, de-quantized chunks for more; on
-   a CPU run the "device" is the CPU and its experts are the file's rows in place);
+3. the pairs (token, expert) on GPU experts are grouped per expert and computed on the device: a decode token's by
+   the Triton GEMV over each expert's stored rows; a prefill's in three launches of kernels/grouped.py over all the
+   pairs at once (gate, up, down: each expert's rows de-quantized inside the kernel), where the device's stacks are
+   Q4_0 / Q4_1 / Q8_0 GpuQs or floats; otherwise (K-quants, and a CPU run, whose "device" is the CPU and its experts
+   the file's rows in place) each expert's tokens in one product of its rows (`linear`);
 4. the cold pairs, grouped per expert, by `experts_ffn` on the CPU: on CUDA the device's launches of step 3 are
    asynchronous, so the GPU computes its experts while the Numba kernel (GIL released) computes the CPU's;
 5. the CPU's sum (T, d) goes back to the device and is added there.
@@ -48,6 +50,8 @@ from hotneurons.weights.names import layer_name
 from hotneurons.weights.qtensor import QTensor
 from torch import nn
 
+GROUPED_DEVICES = ("cuda",)  # devices whose prefill runs kernels/grouped.py (the tests add "cpu": its torch path)
+
 
 class HybridMoE(nn.Module):
     """One layer's mixture of experts: router, shared expert and GPU experts on the device, cold experts on the CPU."""
@@ -84,6 +88,7 @@ class HybridMoE(nn.Module):
         self.mapped_rows = 0
         self.stacks: dict[str, Any] = {}  # projection -> the device experts' rows, stacked
         self.lut = torch.full((E,), -1, dtype=torch.long, device=self.device)  # expert id -> stack index; -1: cold
+        self.lut_np = np.full(E, -1, np.int64)  # the same on the host (the grouped prefill's groups)
         self.experts = self._device_experts(stacked, outs)  # expert id -> (gate, up, down) on the device
         # the cold experts' rows on the host: the file's own (cold_map the identity) or a compact re-quantized stack
         self.cold_map = np.full(E, -1, np.int64)  # expert id -> its index in the cold rows
@@ -133,7 +138,7 @@ class HybridMoE(nn.Module):
         per: dict[str, list] = {}
         lut = np.full(self.cfg.n_experts, -1, np.int64)  # expert id -> its index in the device stacks; -1: cold
         lut[ids] = ids if dev.type == "cpu" else np.arange(len(ids))
-        self.lut = torch.from_numpy(lut).to(dev)  # (E,)
+        self.lut, self.lut_np = torch.from_numpy(lut).to(dev), lut  # (E,) each
         for k in PROJ:
             w, out = rows2d(stacked[k], outs[k]), outs[k]
             if dev.type == "cpu":  # in place: an expert is a row range
@@ -182,6 +187,23 @@ class HybridMoE(nn.Module):
         g, u, dn = self.experts[e]
         return linear(ffn_values(self.cfg, linear(x, u), linear(x, g)), dn)
 
+    def _grouped_applies(self, x: torch.Tensor) -> bool:
+        """Whether a prefill's GPU experts run kernels/grouped.py: x's device takes it and its kernel reads the
+        stacks (Q4_0 / Q4_1 / Q8_0 GpuQs, floats; a CPU run's stacks are the file's blocks, which it does not)."""
+        if x.device.type not in GROUPED_DEVICES:
+            return False
+        from hotneurons.kernels import grouped  # Triton: imported where a prefill uses it
+
+        return all(grouped.kernel_reads(self.stacks[p]) for p in PROJ)
+
+    def _grouped(self, x: torch.Tensor, pairs: np.ndarray, experts: np.ndarray, bounds: np.ndarray,
+                 wflat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (T, d) plus the GPU experts' weighted outputs over their pairs: pairs (P,) positions t * k + slot sorted
+        by expert, experts (P,) theirs, bounds where the expert changes (moe_prefill.grouped_ffn: three launches)."""
+        starts = np.array([0, *bounds, len(pairs)], np.int64)  # (G + 1,) each expert's pairs
+        ids = self.lut_np[experts[starts[:-1]]]  # (G,) their places in the stacks
+        return moe_prefill.grouped_ffn(self, x, [self.stacks[p] for p in PROJ], ids, starts, pairs, wflat, y)
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         g, u, dn, gate = self.shared
         s = linear(ffn_values(self.cfg, linear(x, u), linear(x, g)), dn)  # (T, d)
@@ -219,6 +241,8 @@ class HybridMoE(nn.Module):
             if T == 1:
                 for s in pairs:  # a decode step: x itself, the weight read on the device
                     y = y + wflat[s] * self._expert(int(ih[0, s]), x2)
+            elif self._grouped_applies(x2):  # all the pairs in three launches
+                y = self._grouped(x2, pairs, experts, bounds, wflat, y)
             else:
                 pd = torch.from_numpy(pairs).to(x2.device)  # (P_g,)
                 for a, b in zip([0, *bounds], [*bounds, len(pairs)]):

@@ -8,6 +8,12 @@ OFFLOAD_TOKENS tokens an expert has too few tokens for the copy to pay, and the 
 cold experts compute only firing neurons at decode (ReLU family, `down_t`: docs/runtime.md, "Sparse experts") copy
 down_t's rows in place of the file's down rows, which their load dropped: prefill and decode then compute with the
 same down weights (down_t's), and the file's down pages stay unread.
+
+Where the cold rows are Q4_0 / Q4_1 / Q8_0 and the layer has no down_t, the routed cold experts' rows are copied into
+one buffer a projection (a copy for each run of consecutive stored experts), packed on the device as the GPU experts
+are (kernels/qlinear.pack), and the pairs computed by `grouped_ffn`, as HybridMoE's GPU experts: gate, up and down one
+launch each of kernels/grouped.py over all the cold pairs, no loop over experts. Otherwise (K-quants, floats, down_t)
+each cold expert's rows are de-quantized by kernels/dequant.py and multiplied in turn.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from hotneurons.kernels.cold_experts import row_format
 from hotneurons.models.common import ffn_values
-from hotneurons.weights.formats import weight_format
+from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
+from hotneurons.weights.qtensor import QTensor
 
 OFFLOAD_TOKENS = 64  # prefill tokens from which a layer's cold experts run on the device
 DEVICE_TYPES = ("cuda",)  # devices that take them (the tests add "cpu", where dequant_rows de-quantizes by torch)
 FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # block rows kernels/dequant.py de-quantizes on the device
+GROUPED = (WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0)  # cold rows the grouped product reads once packed
 
 
 def offloads(ffn: Any, T: int) -> bool:
@@ -50,6 +58,12 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
     pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]  # grouped per expert
     experts = ids.ravel()[pairs]
     bounds = np.flatnonzero(np.diff(experts)) + 1
+    if ffn.down_t is None and fgu in GROUPED and fdn in GROUPED:
+        starts = np.array([0, *bounds, len(pairs)], np.int64)  # (G + 1,)
+        c = ffn.cold_map[experts[starts[:-1]]]  # (G,) the routed cold experts' places in the cold rows, ascending
+        stacks = [_packed(ffn.cold[i], c, per, cols, f, dev)
+                  for i, (per, cols, f) in enumerate(((n, d, fgu), (n, d, fgu), (d, n, fdn)))]
+        return grouped_ffn(ffn, x, stacks, np.arange(len(c)), starts, pairs, w.reshape(-1), torch.zeros_like(x))
     pd = torch.from_numpy(pairs).to(dev)  # (P,)
     wflat = w.reshape(-1)  # (T k,)
     y = torch.zeros_like(x)  # (T, d)
@@ -70,3 +84,32 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
             ye = h @ rows(ffn.down_t, int(ffn.dt_of[e]), n, d, fdn)  # (m, d): down_t (n, d), neuron-major
         y.index_add_(0, tok, (ye * wflat[pd[a:b], None]).to(y.dtype))
     return y
+
+
+def _packed(rows: np.ndarray, c: np.ndarray, per: int, cols: int, fmt: WeightFormat, dev: torch.device):
+    """The GpuQ (on dev) of the experts c (ascending) of stored rows (E_c * per, row bytes): a copy for each run of
+    consecutive experts into one buffer, then packed on the device (kernels/qlinear.pack)."""
+    from hotneurons.kernels.qlinear import pack
+
+    buf = torch.empty((len(c) * per, row_bytes(fmt, cols)), dtype=torch.uint8, device=dev)  # (G per, row bytes)
+    cuts = np.flatnonzero(np.diff(c) != 1) + 1  # where a run of consecutive experts ends
+    for a, b in zip([0, *cuts], [*cuts, len(c)]):
+        buf[a * per:b * per].copy_(torch.from_numpy(rows[c[a] * per:(c[b - 1] + 1) * per]))
+    return pack(QTensor(buf, fmt, (len(c) * per, cols)), dev)
+
+
+def grouped_ffn(ffn: Any, x: torch.Tensor, stacks: list, ids: np.ndarray, starts: np.ndarray, pairs: np.ndarray,
+                wflat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (T, d) plus the weighted expert outputs of the pairs (P,) (positions t * k + slot, sorted by expert; group g
+    is pairs [starts[g], starts[g + 1]) of the expert at ids[g] in the stacks), gate / up / down (E_s * out, in)
+    stacks: one kernels/grouped.py launch a projection over all the pairs, the weighted rows added by one index_add."""
+    from hotneurons.kernels.grouped import block_m_for, grouped_linear, tile_table
+
+    g, u, dn = stacks
+    tiles = tile_table(ids, starts, block_m_for(starts), x.device)  # the three launches' one work list
+    pd = torch.from_numpy(pairs).to(x.device)  # (P,)
+    tok = pd // ffn.cfg.n_experts_used  # (P,) each pair's token
+    h = ffn_values(ffn.cfg, grouped_linear(x, u, ffn.n_ff, ids, starts, tok, tiles),
+                   grouped_linear(x, g, ffn.n_ff, ids, starts, tok, tiles))  # (P, n)
+    ye = grouped_linear(h, dn, ffn.d_model, ids, starts, tiles=tiles)  # (P, d)
+    return y.index_add(0, tok, (ye * wflat[pd, None]).to(y.dtype))
