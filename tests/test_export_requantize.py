@@ -80,7 +80,8 @@ def check_copy(src, out, qtype, names=None):
     for name in names or ts:
         a, b = ts[name], to[name]
         assert list(a.shape) == list(b.shape), name
-        if a.data.ndim == 1 or a.name.endswith("_norm.weight"):
+        kept = ".ffn_gate_inp" in name or a.shape[0] % 32  # routers; rows of no whole block (ggml's ne0 first)
+        if a.data.ndim == 1 or a.name.endswith("_norm.weight") or kept:
             assert b.tensor_type == a.tensor_type and np.array_equal(np.asarray(a.data), np.asarray(b.data)), name
             continue
         want = head if name in ("token_embd.weight", "output.weight") else qtype
@@ -117,6 +118,43 @@ def test_tiny_copy_equals_gguf_py_and_runs(tiny_gguf, tmp_path, qtype):
     g = generate(rt, ids, len(want), keep_logits=True)
     assert g.token_ids == want
     assert max(float((a - b).abs().max()) for a, b in zip(g.logits, want_logits)) < LOGIT_ATOL
+
+
+def test_moe_experts_requantized_routers_kept(tiny_model_dir, tmp_path):
+    """A Qwen3-MoE GGUF (F16): the stacked experts (E, n, d) re-quantized as rows of d, the routers kept F32, the
+    down experts (rows of 24 weights: no whole block) kept F16; our runtime on the copy gives the logits of our
+    reference decoder (models/, checked against transformers' in test_models_moe.py) on its weights de-quantized."""
+    from hotneurons.export import gguf_model as gm
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3-moe"), dtype=torch.float32).eval()
+    src, out = tmp_path / "moe.gguf", tmp_path / "moe-q8_0.gguf"
+    gm.write_moe_gguf(hf, src, gm.vocab_from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB))
+    s = requantize(src, out, "q8_0")
+    check_copy(src, out, "q8_0")
+    _, to = _tensors(out)
+    gate = to["blk.0.ffn_gate_exps.weight"]
+    assert gate.tensor_type == T.Q8_0 and list(gate.shape) == [32, 24, 4]  # ggml's order: d, n, E
+    assert to["blk.1.ffn_gate_inp.weight"].tensor_type == T.F32
+    assert to["blk.1.ffn_down_exps.weight"].tensor_type == T.F16
+    assert s["steps"]["kept"] > 0 and s["steps"]["requantized"] > 0
+    # our reference decoder (models/, its MoE FFN checked against transformers') on the copy's weights de-quantized
+    from hotneurons.models import ModelConfig
+    from hotneurons.weights.gguf_source import GGUFSource
+    from hotneurons.weights.qtensor import QTensor
+    from test_models import ours
+
+    with GGUFSource(out) as f:
+        cfg = ModelConfig.from_hf(f.config)
+        weights = {n: (lambda w: w.dequantize(torch.float32) if isinstance(w, QTensor) else w.float().clone())(
+            f.get(n)) for n in f.infos}
+    ids = list(tiny.byte_tokenizer()(PROMPT)["input_ids"])
+    model, ffn = ours(cfg, weights)
+    with torch.no_grad():
+        want = model.forward(torch.tensor(ids), 0, ffn)[-1]  # (vocab,) the prompt's next-token logits
+    g = generate(load_runtime(None, RuntimeConfig(mode="dense", device="cpu", gpu_dtype="f32"), model=str(out)), ids,
+                 1, keep_logits=True)
+    torch.testing.assert_close(g.logits[0].float(), want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_types_are_the_quantizers():
