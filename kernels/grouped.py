@@ -50,12 +50,12 @@ class Tiles:
 
 
 def block_m_for(starts: np.ndarray) -> int:
-    """BLOCK_M for groups of these sizes: the power of two (16..128) at or above the mean group (64 up to 96: a
-    bigger tile's masked rows would cost more than a second tile), so that a typical expert's pairs fill a tile and few
-    rows are masked."""
+    """BLOCK_M for groups of these sizes: 16 up to a mean group of 32 pairs (two tiles of 16 beat one of 32: more
+    programs, each with fewer masked rows; bench/moe_prefill_kernel.py --sweep), else 64 up to 96 (a bigger tile's
+    masked rows would cost more than a second tile), else 128."""
     counts = np.diff(starts)
     mean = counts[counts > 0].mean() if (counts > 0).any() else 1.0
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
+    return 16 if mean <= 32 else 64 if mean <= 96 else 128
 
 
 def tile_table(expert_ids: np.ndarray, starts: np.ndarray, block_m: int, device: torch.device | str) -> Tiles:
@@ -202,7 +202,8 @@ def grouped_linear(x_rows: torch.Tensor, w_stack: GpuQ | torch.Tensor, out_rows:
         return y.zero_()
     if tiles is None:
         tiles = tile_table(expert_ids, starts, block_m_for(starts), x_rows.device)
-    bn, bk, warps = config or (64, 128 if isinstance(w_stack, GpuQ) else 64, 4)
+    # BLOCK_N 128: each de-quantized weight tile serves more of the tile's tokens (the sweep's best at the Qwen3 shape)
+    bn, bk, warps = config or (128, 128 if isinstance(w_stack, GpuQ) else 64, 4)
     bk = max(32, min(bk, triton.next_power_of_2(k)))
     xc = x_rows if x_rows.stride(1) == 1 else x_rows.contiguous()
     tok = tokens if tokens is not None else tiles.table  # never read without GATHER

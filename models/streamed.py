@@ -12,7 +12,7 @@ hooks: models/ffn_hooks.StageHooks) see and may replace exactly as the transform
 down projection; then the layer is dropped and its pages of the file released (source.release), since the next batch
 reads them again from the page cache. One layer's weights on the device at a time, the batch's activations beside
 them. What the stages need of memory, checked before anything loads: models/stream_memory.py. A mixture of experts
-(pi-profile only: profiler/experts.open_experts) is profiler/experts.ExpertsModel, whose run_ffn routes the tokens and
+(pi-profile only: models/streamed_experts.open_experts) is its ExpertsModel, whose run_ffn routes the tokens and
 runs each expert on its own.
 """
 
@@ -236,7 +236,7 @@ class StreamedModel:
 
     def run_ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's FFN on x (B, T, d) -> y (B, T, d), its neuron values handed to the consumers on the way
-        (profiler/experts.ExpertsModel: a mixture of experts')."""
+        (models/streamed_experts.ExpertsModel: a mixture of experts')."""
         w = self.ffn(i)
         for c in self.consumers:  # the input criteria: channels of x masked before gate and up read it
             out = c.on_ffn_input(i, x) if _asks(c, "wants_input") else None
@@ -287,7 +287,7 @@ def open_streamed(model: str | None, gguf_file: str | None = None, *, activation
                   ctx: int = 512) -> StreamedModel:
     """A StreamedModel of a local safetensors folder or GGUF file, reading only its header (the decoder's embeddings
     and head load on first use). ctx: the longest sequence it will run (the stage's sequence length). A mixture of
-    experts is refused (pi-profile opens one with profiler/experts.open_experts first)."""
+    experts is refused (pi-profile opens one with models/streamed_experts.open_experts first)."""
     from hotneurons.models.family import adapter_for
     from hotneurons.models.open import model_info, open_model
 

@@ -13,8 +13,9 @@ q8_0, q4_0, q4_1: predictors/row_formats.py), so each format's cost in perplexit
 
 A local safetensors folder or GGUF file runs layer by layer from the file (models/streamed.py: one layer's weights
 on the device at a time), a hub id whole through transformers; the masks are the same hooks either way. A mixture of
-experts runs dense only, layer by layer (profiler/experts.ExpertsModel: the router and its experts as pi-profile runs
-them): its router picks each token's experts exactly, so no neuron masks apply; the other modes are refused.
+experts runs dense only, layer by layer (models/streamed_experts.ExpertsModel: the router and its experts as
+pi-profile runs them): its router picks each token's experts exactly, so no neuron masks apply; the other modes are
+refused.
 
 Results go to `RUN/eval/eval.json` (artifacts/predictors.EvalReport; docs/predictors.md lists the fields).
 """
@@ -110,7 +111,7 @@ class FFNMasks(StageHooks):
         return None if mask is None else h * mask.to(h.dtype)
 
     def on_route(self, i: int, weights: torch.Tensor, idx: torch.Tensor) -> None:
-        """A mixture of experts' routing (profiler/experts.ExpertFFN): exact, nothing to mask (dense mode only)."""
+        """A mixture of experts' routing (models/streamed_experts.ExpertFFN): exact, nothing to mask (dense only)."""
 
     def on_expert(self, i: int, e: int, h: torch.Tensor) -> torch.Tensor | None:
         """One expert's values h (tokens routed to it, n_ff_exp), counted as a dense FFN's are: the true sparsity
@@ -305,11 +306,11 @@ def _load(run_dir: Path, info: dict, model: str | None, gguf_file: str | None, d
           rounding: bool = False) -> LoadedModel | StreamedModel:
     """The profile's model (or `model`), layer by layer from its file after checking that a layer and the batch fit,
     or whole through transformers: as asked, or where the file's architecture has no model definition of ours.
-    A mixture of experts (profiler/experts.ExpertsModel) runs layer by layer only."""
+    A mixture of experts (models/streamed_experts.ExpertsModel) runs layer by layer only."""
     path, gguf, activation = meta_source(info, model, gguf_file)
     if info.get("family") == "moe":
         from hotneurons.models.stream_memory import Need
-        from hotneurons.profiler.experts import experts_need, open_experts
+        from hotneurons.models.streamed_experts import experts_need, open_experts
 
         sm = open_experts(path, gguf, activation=activation, device=device, dtype=pick_dtype(dtype, device),
                           ctx=seq_len)

@@ -42,8 +42,8 @@ from hotneurons.models.family import ExpertsRefused, LoadedModel, check_model, l
 from hotneurons.models.ffn_hooks import device_of
 from hotneurons.models.stream_memory import check_memory, profile_need
 from hotneurons.models.streamed import StreamedModel, open_streamed, streams
+from hotneurons.models.streamed_experts import ExpertsModel, experts_need, open_experts
 from hotneurons.profiler import checkpoint, experts, gated
-from hotneurons.profiler.experts import ExpertsModel
 from hotneurons.profiler.hooks import ActivationCounter, MagnitudeCollector, SampleReservoir, sample_norms
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
@@ -185,14 +185,14 @@ def _load(cfg: ProfileConfig, name: str, device: str, layer_by_layer: bool | Non
     if streams(cfg.model, cfg.gguf_file, layer_by_layer):
         try:
             kw = dict(activation=cfg.activation, device=device, dtype=pick_dtype(cfg.dtype, device), ctx=cfg.seq_len)
-            sm = experts.open_experts(cfg.model, cfg.gguf_file, **kw) or open_streamed(cfg.model, cfg.gguf_file, **kw)
+            sm = open_experts(cfg.model, cfg.gguf_file, **kw) or open_streamed(cfg.model, cfg.gguf_file, **kw)
         except ValueError as e:  # an architecture feature our definitions lack: transformers runs it
             if isinstance(e, ModelError) or layer_by_layer:
                 raise
             say(f"{e}; profiling the whole model through transformers")
         else:
             calibrate = activation_rule(sm.activation) == Rule.ABS_TAU
-            need = experts.experts_need if isinstance(sm, ExpertsModel) else profile_need
+            need = experts_need if isinstance(sm, ExpertsModel) else profile_need
             check_memory(need(sm, cfg.batch_size, cfg.seq_len, -(-cfg.samples_per_layer // world),
                               cfg.calibration_tokens, calibrate), device, "pi-profile")
             say(f"loading {name} layer by layer, as it runs")

@@ -1,6 +1,6 @@
 """pi-eval --mode dense on a mixture of experts: a tiny MoE (Qwen3-MoE; Qwen2-MoE with its shared expert) written as
-an F16 GGUF, profiled with pi-profile, evaluated layer by layer from the file (profiler/experts.ExpertsModel); its
-perplexity equals the one computed from transformers' logits on the weights the file holds (float32 both, other
+an F16 GGUF, profiled with pi-profile, evaluated layer by layer from the file (models/streamed_experts.ExpertsModel);
+its perplexity equals the one computed from transformers' logits on the weights the file holds (float32 both, other
 orders of summation: relative 1e-5). The modes that mask neurons are refused in one line naming what to run.
 """
 

@@ -112,7 +112,7 @@ def test_tile_table_covers_each_pair_once():
         g = np.searchsorted(starts, a, side="right") - 1
         assert e == ids[g] and b <= starts[g + 1]
     assert [grouped.block_m_for(np.array(s)) for s in ([0, 10, 20], [0, 0, 1, 20, 91], [0, 40, 80], [0, 200])] \
-        == [16, 32, 64, 128]
+        == [16, 16, 64, 128]
 
 
 def test_shape_errors():

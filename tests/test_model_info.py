@@ -73,9 +73,10 @@ def test_module_and_gguf_table_agree_but_on_weight_dtype(tmp_path):
 
 @pytest.mark.parametrize("family", tiny.MOE_FAMILIES)
 def test_experts_section_is_the_table_one_with_one_experts_neurons(family, tiny_model_dir):
-    """The profiler's mixture-of-experts section (profiler/experts.open_experts) is models/open's with n_neurons one
-    expert's; a layer's FFN parameters are the router's, experts' and shared expert's, as in transformers' module."""
-    from hotneurons.profiler.experts import open_experts
+    """The profiler's mixture-of-experts section (models/streamed_experts.open_experts) is models/open's with
+    n_neurons one expert's; a layer's FFN parameters are the router's, experts' and shared expert's, as in
+    transformers' module."""
+    from hotneurons.models.streamed_experts import open_experts
     from transformers import AutoModelForCausalLM
 
     folder = tiny_model_dir(family)

@@ -23,8 +23,9 @@ from hotneurons.common.corpus import iter_texts, token_batches
 from hotneurons.common.model_source import ModelError
 from hotneurons.models import moe
 from hotneurons.models.streamed import open_streamed
+from hotneurons.models.streamed_experts import SHARED, ExpertFFN, open_experts
 from hotneurons.profiler.cli import main as cli
-from hotneurons.profiler.experts import SHARED, ExpertFFN, open_experts, whole_model_refusal
+from hotneurons.profiler.experts import whole_model_refusal
 from hotneurons.profiler.profile import ProfileConfig, profile_model
 from hotneurons.weights.names import NameMap
 from test_models_moe import _cfg, _weights
