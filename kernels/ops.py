@@ -209,3 +209,15 @@ def default_ops(device: torch.device) -> str:
     except ImportError:
         return "torch"
     return "triton"
+
+
+# a mixture of experts' router (models/moe.route; kernels/route.py's kernel computes the same for one token)
+def top_k(logits: torch.Tensor, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) in the logits' dtype, expert ids (T, k) long), as transformers routes
+    Mixtral, Qwen2/3-MoE and OLMoE: softmax over all experts in float32 (float64 stays float64), the top k of those
+    probabilities, renormalised to sum 1 where norm_topk, cast to the logits' dtype (models/moe.route)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (T, E)
+    top, ids = torch.topk(probs, k, dim=-1)  # (T, k) each
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), ids

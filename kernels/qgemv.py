@@ -32,7 +32,7 @@ the loop).
            Q4_0's code with no offset (pieces are q, 0..15) and adds min * (the unit's sum of x) once a unit and row
            (MIN): one more load of fp16 mins a block and one FFMA a unit, next to Q4_0's 32 weights' work.
            More tokens cost an FMA each a weight: past GEMV_MAX_ROWS, the tensor cores of the prefill path win.
-(kernels/dequant.py's `dequant_q` turns rows of a GpuQ into a float tensor for the prefill path.)
+(kernels/dequant_gpu.py's `dequant_q` turns rows of a GpuQ into a float tensor for the prefill path.)
 
 No host syncs, no allocations: capturable in CUDA graphs (after a first call outside the capture compiles them).
 Without CUDA the tests run them in Triton's interpreter (TRITON_INTERPRET=1).

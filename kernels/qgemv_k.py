@@ -19,7 +19,7 @@ weights. sm_90's code (Triton 3.6, compiled ahead of time and counted in cuobjdu
 bytes read are the file's: 4.5, 5.5 and 6.5625 bits a weight.
 
   gemv     y (m, n) = x (m, k) @ w.T (+ b), or h += that, m <= qgemv.GEMV_MAX_ROWS: qgemv.gemv's contract
-(the prefill path's de-quantizer of these fields: kernels/dequant.py's dequant_k).
+(the prefill path's de-quantizer of these fields: kernels/dequant_gpu.py's dequant_k).
 
 No host syncs, no allocations: capturable in CUDA graphs. Without CUDA the tests run them in Triton's interpreter.
 """
@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 from hotneurons.kernels.qgemv import DENORM_MAX_ROWS, GEMV_MAX_ROWS, MAGIC, XEXP, _piece, _split4, _store, _xscale
-from hotneurons.kernels.qlayout_k import UNIT
+from hotneurons.kernels.qlayout_k import K_KIND, UNIT
 from hotneurons.weights.formats import WeightFormat
 
-KIND = {WeightFormat.Q4_K: 0, WeightFormat.Q5_K: 1, WeightFormat.Q6_K: 2}  # the kernels' FMT
+KIND = K_KIND  # the kernels' FMT
 HI8 = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0 as int32
 UW = tl.constexpr(UNIT)  # weights a unit
 NEG32 = tl.constexpr(-32.0 * 2.0 ** -XEXP.value)  # Q6_K's offset, DENORM: over the scales' 2^XEXP

@@ -32,6 +32,7 @@ import torch
 from hotneurons.weights.formats import WeightFormat, spec
 
 K_FORMATS = (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)
+K_KIND = {f: i for i, f in enumerate(K_FORMATS)}  # the kernels' format codes (qgemv_k's FMT)
 QK = spec(WeightFormat.Q4_K).block  # weights a block (256, every K-quant's)
 UNIT = 32  # weights a unit
 HEAD = {WeightFormat.Q4_K: 16, WeightFormat.Q5_K: 48}  # bytes before the nibbles: d, dmin, 12 scale bytes (, qh)

@@ -269,7 +269,7 @@ def _on_kernels(x: torch.Tensor) -> bool:
 def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out2: torch.Tensor,
              add: bool) -> None:
     """out2 (m, n) = (or +=) x2 (m, k) @ w.T + bias, chunks of CHUNK_ELEMS weights de-quantized at a time: by
-    kernels/dequant.py to x's dtype for a GpuQ on kernels, else by torch to float32 (the sums in float32)."""
+    kernels/dequant_gpu.py to x's dtype for a GpuQ on kernels, else by torch to float32 (the sums in float32)."""
     n, k = w.shape
     step = max(1, min(n, CHUNK_ELEMS // k))
     kernels = isinstance(w, GpuQ) and _on_kernels(w.qs)
@@ -277,14 +277,14 @@ def _chunked(x2: torch.Tensor, w: QTensor | GpuQ, bias: torch.Tensor | None, out
     xc = x2.to(dtype)
     buf = torch.empty((step, k), dtype=dtype, device=w.device) if kernels else None  # (rows, k) the one chunk
     if kernels:
-        from hotneurons.kernels import dequant  # Triton: imported where a chunked product runs
+        from hotneurons.kernels import dequant_gpu  # Triton: imported where a chunked product runs
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         if kernels and w.kquant:
-            wc = dequant.dequant_k(w.rows(slice(r0, r1)), buf[:r1 - r0])
+            wc = dequant_gpu.dequant_k(w.rows(slice(r0, r1)), buf[:r1 - r0])
         elif kernels:
-            wc = dequant.dequant_q(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0],
-                                  mins=None if w.mins is None else w.mins[r0:r1])
+            wc = dequant_gpu.dequant_q(w.qs[r0:r1], w.scales[r0:r1], w.q4, buf[:r1 - r0],
+                                      mins=None if w.mins is None else w.mins[r0:r1])
         elif isinstance(w, GpuQ):
             wc = w.rows(slice(r0, r1)).dequantize()
         else:

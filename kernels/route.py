@@ -16,6 +16,7 @@ written in place, with no host sync, so that either can be captured in a CUDA gr
 from __future__ import annotations
 
 import torch
+from hotneurons.kernels.ops import top_k
 
 try:  # CPU-only torch builds come without Triton: the twin still runs, the kernel is only called on CUDA
     import triton
@@ -27,17 +28,6 @@ MAX_EXPERTS = 512  # the kernel holds all logits in one block of one program
 MAX_K = 16  # slots per token; the top-k is k passes of an argmax over the experts
 BLOCK_D = 1024  # elements of x copied per loop step
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def top_k(logits: torch.Tensor, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits (T, E) -> (weights (T, k) in the logits' dtype, expert ids (T, k) long), as transformers routes
-    Mixtral, Qwen2/3-MoE and OLMoE: softmax over all experts in float32 (float64 stays float64), the top k of those
-    probabilities, renormalised to sum 1 where norm_topk, cast to the logits' dtype (models/moe.route)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (T, E)
-    top, ids = torch.topk(probs, k, dim=-1)  # (T, k) each
-    if norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype), ids
 
 
 def route_step_torch(logits: torch.Tensor, x: torch.Tensor, k: int, norm_topk: bool, lut: torch.Tensor,

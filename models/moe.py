@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from hotneurons.kernels.route import top_k
+from hotneurons.kernels.ops import top_k
 from hotneurons.models.common import Loader, WeightFn, _linear, ffn_values
 from hotneurons.models.config import ModelConfig
 from hotneurons.weights.names import layer_name

@@ -353,7 +353,7 @@ def test_mixed_file_through_the_commands(mixed_files, text_corpus, tmp_path):
     for cmd, args in ((profile, ["--model", str(path), "--dataset", str(text_corpus), "--tokens", "512",
                                  "--seq-len", "64", "--samples-per-layer", "0", "--calibration-tokens", "256",
                                  "--out", str(run), "--device", "cpu", "--quiet"]),
-                      (solve, ["--run", str(run), "--hardware", "rtx4090", "--vram", "3MB", "--reserve", "0",
+                      (solve, ["--run", str(run), "--hardware", "rtx4090", "--vram", "1MB", "--reserve", "0",
                                "--ctx", "128"]),
                       (generate_main, ["--run", str(run), "--device", "cpu", "-n", "4", "--prompt", "The quick",
                                        "--json"])):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-from hotneurons.kernels import dequant, qgemv, qgemv_k, qlayout_k, qlinear
+from hotneurons.kernels import dequant, dequant_gpu, qgemv, qgemv_k, qlayout_k, qlinear
 from hotneurons.kernels.qlinear import GpuQ, add_linear, linear, pack
 from hotneurons.weights.formats import row_bytes, spec
 from hotneurons.weights.qtensor import QTensor
@@ -222,7 +222,7 @@ def test_dequant_kernels(fmt, dtype):
     n, k = 9, 768
     q = random_k(n, k, fmt, DEVICE, seed=11)
     want = reference(q)[0].float().to(dtype)
-    got = [dequant.dequant_k(pack(q, DEVICE), torch.empty((n, k), dtype=dtype, device=DEVICE)),
+    got = [dequant_gpu.dequant_k(pack(q, DEVICE), torch.empty((n, k), dtype=dtype, device=DEVICE)),
            dequant.dequant_rows(q.data, fmt, k, dtype)]
     for out in got:
         if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bfloat16
@@ -244,14 +244,14 @@ def test_dequant_rows_strided_rows():
 @pytest.mark.parametrize("fmt", KFMTS)
 def test_linear_dispatches_to_kernels(fmt, monkeypatch):
     """linear / add_linear on the kernels' path: <= GEMV_MAX_ROWS tokens through qgemv_k's GEMV, more through
-    dequant.dequant_k and a matmul, a chunk of rows at a time."""
+    dequant_gpu.dequant_k and a matmul, a chunk of rows at a time."""
     need_kernels()
     monkeypatch.setattr(qlinear, "_on_kernels", lambda t: True)
     monkeypatch.setattr(qlinear, "CHUNK_ELEMS", 8 * 256)  # chunks of 8 rows
     if not CUDA:  # few programs in the interpreter
         monkeypatch.setattr(qgemv_k, "gemv_config", lambda n, k, fmt, m=1, by_index=False: (8, 8, 1))
     calls = []
-    for mod, name in ((qgemv_k, "gemv"), (dequant, "dequant_k")):
+    for mod, name in ((qgemv_k, "gemv"), (dequant_gpu, "dequant_k")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     q = random_k(20, 256, fmt, DEVICE, seed=13)

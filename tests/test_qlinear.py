@@ -1,5 +1,5 @@
 """kernels/qlinear.py (the dispatcher, pack, the torch paths), kernels/qgemv.py (the Triton GEMV) and dequant_q
-(kernels/dequant.py)
+(kernels/dequant_gpu.py)
 against float64: y = x @ dequantized(w).T + b, the weight de-quantized from its file bytes by this file's own numpy
 code (checked against gguf.quants where gguf is installed).
 
@@ -16,7 +16,7 @@ marked gpu run them compiled on big ones (70B's shapes, n not a power of two), i
 import numpy as np
 import pytest
 import torch
-from hotneurons.kernels import dequant, qgemv, qlinear
+from hotneurons.kernels import dequant_gpu, qgemv, qlinear
 from hotneurons.kernels.qlinear import GpuQ, add_linear, linear, pack
 from hotneurons.weights.formats import row_bytes
 from hotneurons.weights.qtensor import QTensor
@@ -315,7 +315,7 @@ def test_dequant_kernel(fmt, dtype):
     q = random_q(21, 96, fmt, DEVICE, seed=7)
     g = pack(q, DEVICE)
     out = torch.empty((21, 96), dtype=dtype, device=DEVICE)
-    dequant.dequant_q(g.qs, g.scales, g.q4, out, mins=g.mins)
+    dequant_gpu.dequant_q(g.qs, g.scales, g.q4, out, mins=g.mins)
     want = ref_dequant(q.data, fmt).float().to(dtype)  # one rounding from the exact float32 value
     if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bfloat16
         torch.testing.assert_close(out.double(), want.double(), atol=0, rtol=2 ** -7)
@@ -331,7 +331,7 @@ def test_linear_dispatches_to_kernels(fmt, monkeypatch):
     monkeypatch.setattr(qlinear, "_on_kernels", lambda t: True)
     monkeypatch.setattr(qlinear, "CHUNK_ELEMS", 16 * 64)  # chunks of 16 rows
     calls = []
-    for mod, name in ((qgemv, "gemv"), (dequant, "dequant_q")):
+    for mod, name in ((qgemv, "gemv"), (dequant_gpu, "dequant_q")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     q = random_q(40, 64, fmt, DEVICE, seed=11)
