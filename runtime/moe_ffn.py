@@ -18,8 +18,9 @@ A call, for T tokens x (T, d):
 Decode (T = 1) and prefill (T > 1) run the same steps: prefill batches each expert's tokens on either side.
 
 Cold experts' rows: the file's stacked (E * n, d) / (E * d, n) rows as stored where the kernel reads them (Q4_0,
-Q4_1, Q8_0, F32, F16, BF16: numpy views of the mmapped bytes, nothing copied); other block formats (Q4_K, Q6_K, ...)
-are re-quantized, the cold experts only, into their nearest format (weights/formats.py), into a compact stack.
+Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16: numpy views of the mmapped bytes, nothing copied; moe_rows.KERNEL_FMTS);
+other block formats (Q5_0, IQ4_XS, ...) are re-quantized, the cold experts only, into their nearest format
+(weights/formats.py), into a compact stack.
 ReLU-family experts (relu, reglu, drelu) also get their cold experts' down neuron-major (`down_t`,
 runtime/moe_down_t.py: a second quantization of down for block formats), and a decode token's cold experts then
 compute only their firing neurons (kernels/cold_experts_sparse.py: an inactive neuron's up and down rows are not read),
