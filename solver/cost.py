@@ -192,9 +192,11 @@ class PlacementProblem:
 
 def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelInfo, hw: HardwareSpec, dtype_bytes: float,
                   budget_bytes: float, predictor_params_per_layer: float, group_size: int, comm: bool,
-                  cold_bytes: float | None = None, always_rows: int = 0) -> PlacementProblem:
+                  cold_bytes: float | None = None, always_rows: int = 0,
+                  act_bytes: float | None = None) -> PlacementProblem:
     """counts: per layer the neurons' activation counts sorted descending; cold_bytes: per weight of a cold row in
-    CPU RAM (COLD_BYTES; default dtype_bytes); always_rows: rows of each cold neuron read every token whether it passes
+    CPU RAM (COLD_BYTES; default dtype_bytes); act_bytes: per value of the activations crossing PCIe (ACT_BYTES: 16-bit
+    beside block weights; default dtype_bytes); always_rows: rows of each cold neuron read every token whether it passes
     or not (a gated model's gate-first kernel: 1 for the gate criteria, 2 for |h|), the rest only when it does."""
     if group_size < 1:
         raise SolverError(f"the group size must be >= 1 neuron, got {group_size}", params="group_size")
@@ -217,7 +219,7 @@ def build_problem(counts: list[np.ndarray], tokens: int, shape: ModelInfo, hw: H
     cold_ms = np.full(L, always_rows * cpu_row_ms)  # (layers,) ms every cold neuron costs
     # Per layer round trip: latency + the FFN input to the CPU (+ the predictor's mask, 1 byte/neuron)
     # and the CPU's partial sum back.
-    xfer = 2 * shape.d_model * dtype_bytes + shape.n_neurons  # bytes
+    xfer = 2 * shape.d_model * (act_bytes or dtype_bytes) + shape.n_neurons  # bytes
     sync = (hw.sync_latency_s + xfer / hw.pcie_bw) * 1e3 if hw.has_gpu else 0.0
     sync_ms = np.full(L, sync)  # (layers,) ms
     fixed_ms = np.array([(shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l) + predictor_params_per_layer)

@@ -151,7 +151,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
             params=("vram_bytes", "ctx", "reserve_bytes"))
     budget = hw.vram_bytes - fixed if hw.has_gpu else 0.0
     problem = build_problem(counts, tokens, shape, hw, db, budget, pred_bytes / db / shape.n_layers, group_size, comm,
-                            cold_weight_bytes(cold_dtype, shape.rows), always)
+                            cold_weight_bytes(cold_dtype, shape.rows), always, ACT_BYTES[dtype])
     hardware_notes = [*(hardware_notes or []), pricing]
     tables = layer_tables(problem)
 

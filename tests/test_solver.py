@@ -243,3 +243,14 @@ def test_gate_first_tables_match_neuron_level_costs(always):
         want, _ = brute_force(p, objective)
         got, _ = ilp_value(p, objective)
         assert (got if objective == "latency" else -got) == pytest.approx(want, rel=1e-9)
+
+
+def test_activations_cross_pcie_at_their_own_bytes():
+    """A block format's weights (q4_0: 18/32 bytes) leave the activations 16-bit: the per-layer round trip moves 2 d
+    values of act_bytes each (and a byte a neuron of mask), not of the weights' bytes."""
+    shape = ModelInfo.from_meta(llama_model_meta("tiny", 2, 64, 128, 2, 1, 100))
+    counts = [np.arange(128, 0, -1, dtype=np.int64)] * 2
+    hw = HW.replace(sync_latency_s=0.0)
+    p_w, p_a = (build_problem(counts, 100, shape, hw, 18 / 32, 1e6, 0, 16, True, act_bytes=a) for a in (None, 2.0))
+    assert p_a.sync_ms[0] == pytest.approx((2 * 64 * 2.0 + 128) / hw.pcie_bw * 1e3)
+    assert p_w.sync_ms[0] == pytest.approx((2 * 64 * 18 / 32 + 128) / hw.pcie_bw * 1e3)
