@@ -157,7 +157,9 @@ def to_file(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, s
     """to_gpu's inverse: the GPU fields of some rows (any strides) -> (rows, nb, block bytes) uint8 file blocks."""
     rows, nb = scales.shape
     low = _nibble_values(qs.reshape(rows, nb * 8, 16)).to(torch.int64)  # (rows, units, 32)
-    f16 = [t.contiguous().view(torch.uint8).reshape(rows, nb, 2) for t in (scales, mins) if t is not None]
+    # reshape(-1) lays the fp16 values out row-major (a copy where the rows are a block-major slice); .contiguous()
+    # would keep a one-block slice's (1, n) stride, which a view as bytes refuses
+    f16 = [t.reshape(-1).view(torch.uint8).reshape(rows, nb, 2) for t in (scales, mins) if t is not None]
     if fmt == WeightFormat.Q6_K:
         words = qh.to(torch.int64) & 0xFFFFFFFF  # (rows, units, 2)
         high = (words.gather(2, Q6_WORD.to(qh.device).expand(rows, nb * 8, UNIT)) >> Q6_BIT.to(qh.device)) & 3
