@@ -49,7 +49,8 @@ from bench.bench_report import goals, markdown, write_results
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pi-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", choices=("prepare", "build", "bench", "powerinfer", "report", "all", "memory",
                                                  "parity"),
                     required=True, help="memory: bench/memory.py, with its own flags (pi-bench --stage memory --help)")

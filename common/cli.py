@@ -159,14 +159,12 @@ def remove_empty(new: list[Path]) -> Path | None:
 def bench_main(root: str | os.PathLike | None = None) -> None:
     """The pi-bench console script. bench/ is not in the wheel: it sits beside the package's rooms in a checkout, and
     in an editable install the package's folder is the checkout's root (`root`, by default this file's room's
-    parent). That root goes on sys.path and bench.pi_bench runs; without bench/ there (a wheel), one line says why.
-    The module is found by name at run time: no room imports bench (tests/test_rooms.py)."""
-    import importlib
-
+    parent). This process becomes `python -m bench.pi_bench` with that root first on PYTHONPATH, as the docs run it
+    from a checkout; without bench/ there (a wheel), one line says why. No room imports bench (tests/test_rooms.py)."""
     root = Path(__file__).resolve().parents[1] if root is None else Path(root).resolve()
     if not (root / "bench" / "pi_bench.py").is_file():
         sys.exit(f"pi-bench runs from a checkout of the repository (clone it, then `pip install -e .` in it): bench/ "
                  f"is not in the wheel, and {root} holds none")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    importlib.import_module("bench.pi_bench").cli()
+    path = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(root))]
+    os.execve(sys.executable, [sys.executable, "-m", "bench.pi_bench", *sys.argv[1:]],
+              {**os.environ, "PYTHONPATH": os.pathsep.join(path)})
