@@ -18,12 +18,13 @@ Q4_1 / Q8_0 GpuQ's rows likewise, for the prefill path's chunks of hot rows (ker
 from __future__ import annotations
 
 import torch
+from hotneurons.kernels.names import BLOCK_KIND
 from hotneurons.kernels.qlayout_k import K_KIND
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
 
-# the formats the kernels read, -> the kernel's KIND (the 32-weight blocks' here; the K-quants' qgemv_k's); a block's
-# bytes are weights/formats.py's
-KERNEL_FORMATS = {WeightFormat.Q4_0: 0, WeightFormat.Q4_1: 1, WeightFormat.Q8_0: 2}
+# the formats the kernels read, -> the kernel's KIND (the 32-weight blocks' and the K-quants'); a block's bytes are
+# weights/formats.py's
+KERNEL_FORMATS = BLOCK_KIND
 K_FORMATS = K_KIND
 
 

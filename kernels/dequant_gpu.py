@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from hotneurons.kernels.dequant import K_FORMATS, KERNEL_FORMATS
+from hotneurons.kernels.names import BLOCK_KIND as KERNEL_FORMATS
 from hotneurons.kernels.qgemv import QBLOCK, _mins_ok
 from hotneurons.kernels.qgemv_k import KIND, UW, _funnel, strides
+from hotneurons.kernels.qlayout_k import K_KIND as K_FORMATS
 from hotneurons.weights.formats import WeightFormat, spec
 
 

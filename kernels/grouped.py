@@ -32,11 +32,11 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from hotneurons.kernels.names import BLOCK_KIND
 from hotneurons.kernels.qlinear import GpuQ
-from hotneurons.weights.formats import WeightFormat
 
-FLOAT = 3  # KIND of a float weight stack; the block formats' below (numbered as dequant.KERNEL_FORMATS)
-KIND = {WeightFormat.Q4_0: 0, WeightFormat.Q4_1: 1, WeightFormat.Q8_0: 2}
+FLOAT = 3  # KIND of a float weight stack; the block formats' are names.BLOCK_KIND's
+KIND = BLOCK_KIND
 FLOAT_STACKS = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -10,3 +10,6 @@ BLOCK_DTYPES = (F.Q8_0.value, F.Q4_0.value, F.Q4_1.value)
 # made here; their down_t rows in one of BLOCK_DTYPES (models/ffn_weights.cold_formats)
 K_DTYPES = (F.Q4_K.value, F.Q5_K.value, F.Q6_K.value)
 COLD_DTYPES = ROW_DTYPES + BLOCK_DTYPES + K_DTYPES  # the formats weights/formats.py marks cpu_kernel
+
+# the GPU kernels' codes of the 32-weight block formats (kernels/dequant_gpu.py, kernels/grouped.py)
+BLOCK_KIND = {F.Q4_0: 0, F.Q4_1: 1, F.Q8_0: 2}
