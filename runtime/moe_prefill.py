@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from hotneurons.kernels.cold_experts import row_format
+from hotneurons.kernels.names import BLOCK_KIND
 from hotneurons.models.common import ffn_values
 from hotneurons.weights.formats import WeightFormat, row_bytes, weight_format
 from hotneurons.weights.qtensor import QTensor
@@ -31,7 +32,7 @@ from hotneurons.weights.qtensor import QTensor
 OFFLOAD_TOKENS = 64  # prefill tokens from which a layer's cold experts run on the device
 DEVICE_TYPES = ("cuda",)  # devices that take them (the tests add "cpu", where dequant_rows de-quantizes by torch)
 FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # block rows kernels/dequant.py de-quantizes on the device
-GROUPED = (WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0)  # cold rows the grouped product reads once packed
+GROUPED = tuple(BLOCK_KIND)  # cold rows the grouped product reads once packed (kernels/grouped.py's block formats)
 
 
 def offloads(ffn: Any, T: int) -> bool:
