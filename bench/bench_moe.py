@@ -14,9 +14,9 @@ Stages, each within one 10-minute call on the GPU machine, sharing --work while 
             budget rule (budget_for): every non-expert tensor, the KV cache of --ctx tokens, --reserve, and
             --expert-frac (0.4) of the experts' bytes; the fraction pi-solve placed is recorded
   ours      pi-generate's runtime (load_source_runtime with pi-solve's expert mask) in a child process measured by
-            memory_probe: load to the first token, prefill 512, decode 32 and 256 (tokens sampled at --temperature 1:
-            near-uniform ids, as llama-bench decodes random ones; greedy decoding of random weights loops); host peak
-            RSS/anon, GPU by the driver; the measured GPU share of routed expert work
+            memory_probe: load to the first token, prefill 512 (after one warm-up prefill), decode 32 and 256
+            (tokens sampled at --temperature 1: near-uniform ids, as llama-bench decodes random ones; greedy decoding
+            of random weights loops); host peak RSS/anon, GPU by the driver; the measured GPU share of routed work
   llamacpp  llama-bench -ngl 99 --n-cpu-moe N, N probed from the arithmetic guess to the smallest whose measured GPU
             memory plus our KV cache of --ctx tokens fits --vram; --n-cpu-moe 0 (everything on the GPU)
   report    the variant's stage files into bench/results/<date>-<kind>-moe-<variant>.{json,md}
@@ -204,6 +204,8 @@ def ours_child(a) -> None:
     rows = {"first": first.stats, "warmup": generate(rt, short, 16, samp, stop_at_eos=False).stats}
     for n in (32, 256):
         rows[f"decode_{n}"] = generate(rt, short, n, samp, stop_at_eos=False).stats
+    # a first long prompt compiles the prefill's kernels (Triton) at their shapes; llama-bench warms up alike
+    rows["prefill_512_warmup"] = generate(rt, ids, 2, samp, stop_at_eos=False).stats
     rows["prefill_512"] = generate(rt, ids, 2, samp, stop_at_eos=False).stats
     out = {"decode_tok_s": {str(n): rows[f"decode_{n}"]["decode_tokens_per_s"] for n in (32, 256)},
            "prefill_tok_s": rows["prefill_512"]["prefill_tokens_per_s"],

@@ -1,11 +1,15 @@
 """CUDA plumbing of the decode step: graph capture (`warm_up`, `capture`) and flags in pinned host memory that
-captured graphs wait for and set (`HostFlags`, the driver's stream memory operations through ctypes)."""
+captured graphs wait for and set (`HostFlags`, the driver's stream memory operations through ctypes); host memory
+page-locked in place for the device's copies (`LockedHost`)."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
+import weakref
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
@@ -112,6 +116,54 @@ class HostFlags:
 
     def release(self, i: int) -> None:
         self.host[i] = 1
+
+
+class LockedHost:
+    """Host arrays page-locked where they are (the driver's cuMemHostRegister, read-only: a file's mapping opened 'r'
+    qualifies), so that copies from them to the device run at PCIe's rate and asynchronously; a pageable copy is
+    staged by the driver through a small buffer at a fraction of it. The views' pages are rounded out to whole pages
+    and overlapping ranges merged (the driver refuses a page registered twice). Pinned pages stay resident: they
+    count in the process's RSS as the file's pages it has read. Unregistered when this object is freed; it keeps the
+    views (and so their mapping) alive until then. The driver API leaves the runtime's last error alone, which torch
+    checks after its launches."""
+
+    READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY
+
+    def __init__(self, views: Sequence[np.ndarray]):
+        merged = page_spans(views)
+        self.views = list(views)
+        self.nbytes = sum(b - a for a, b in merged)  # bytes locked
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        done: list[int] = []
+        weakref.finalize(self, _unregister, lib, done)
+        for a, b in merged:
+            err = lib.cuMemHostRegister_v2(ctypes.c_void_p(a), b - a, self.READ_ONLY)
+            if err:
+                raise RuntimeError(f"page-locking {b - a:,} B of host rows failed (CUDA driver error {err}; "
+                                   f"{self.nbytes:,} B asked in all): raise the locked-memory limit (ulimit -l) or "
+                                   f"free host RAM; copies run pageable meanwhile")
+            done.append(a)
+
+
+def page_spans(views: Sequence[np.ndarray], page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """The address ranges [a, b) of whole pages that cover the (C-contiguous) views, overlapping or touching ranges
+    merged, ascending."""
+    spans = sorted((v.ctypes.data // page * page, -(-(v.ctypes.data + v.nbytes) // page) * page)
+                   for v in views if v.nbytes)
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _unregister(lib: ctypes.CDLL, ptrs: list[int]) -> None:
+    for a in ptrs:
+        lib.cuMemHostUnregister(ctypes.c_void_p(a))
 
 
 def _check(code: int) -> None:

@@ -58,6 +58,7 @@ class Runtime:
     # experts.gpu_share_routed), and where the expert placement came from (RUN/placement, "given" or "default")
     plan_expert_share: float | None = None
     expert_placement: str | None = None
+    locked: Any = None  # runtime/cuda.LockedHost of the cold experts' rows a long prefill copies (CUDA), kept alive
 
     @property
     def mode(self) -> str:

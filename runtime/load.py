@@ -53,7 +53,13 @@ from hotneurons.runtime.load_checks import (
     source_steps,
     static_ctx,
 )
-from hotneurons.runtime.moe_load import default_mask, expert_mask, is_moe_run, run_placement
+from hotneurons.runtime.moe_load import (
+    default_mask,
+    expert_mask,
+    is_moe_run,
+    lock_cold_experts,
+    run_placement,
+)
 from hotneurons.runtime.offload import OnCPULayer, count_bytes, embedding_to_cpu, install
 from hotneurons.runtime.placement import plan_figures
 from hotneurons.runtime.static_decoder import CAPACITY, StaticDecoder, cache_bytes, supported
@@ -368,4 +374,5 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     plan_figures(rt, solved)
     rt.plan_expert_share = None if solved is None or solved.experts is None else solved.experts.gpu_share_routed
     rt.expert_placement = where
+    rt.locked = lock_cold_experts(ffns, rt.device)
     return rt

@@ -231,6 +231,9 @@ class HybridMoE(nn.Module):
         if T == 1:
             self.counts += (1, k, on_gpu.sum(), k - on_gpu.sum())
             np.add.at(self.expert_counts, ih[0], 1)
+        cold = ~on_gpu
+        offload = cold.any() and moe_prefill.offloads(self, T)  # a long prefill: the cold experts' rows to the device
+        fetched = moe_prefill.fetch(self, ih, cold, x2.device) if offload else None  # crossing while the GPU computes
         # the GPU's experts, each over its tokens (asynchronous launches on CUDA)
         if on_gpu.any():
             pairs = np.flatnonzero(on_gpu)  # (P_g,) positions t * k + slot
@@ -251,9 +254,8 @@ class HybridMoE(nn.Module):
                     ye = self._expert(int(experts[a]), x2.index_select(0, rows)) * wflat[pd[a:b], None]  # (m, d)
                     y = y.index_add(0, rows, ye.to(y.dtype))
         # the CPU's experts: the Numba kernel, while the device computes the above
-        cold = ~on_gpu
-        if cold.any() and moe_prefill.offloads(self, T):  # a long prefill: the cold experts' rows to the device
-            y = y + moe_prefill.cold_on_device(self, x2, ih, w, cold)
+        if offload:
+            y = y + moe_prefill.cold_on_device(self, x2, ih, w, cold, fetched)
         elif cold.any() and self.down_t is not None:  # each token's firing neurons only, prefill too
             # token by token: a token's firing neurons are ~a third of a dense expert's multiply-adds even where a
             # batch would reuse rows from the cache, and the file's down pages of cold experts are never read

@@ -1,6 +1,6 @@
 """A mixture of experts' expert placement and figures: the rules that runtime/load.load_moe_runtime (the MoE files'
 path into our decoder, one `HybridMoE` per layer from runtime/moe_ffn.py) reads its placement by, the run's checks,
-and generate's expert stats.
+generate's expert stats, and the cold experts' rows locked for a long prefill's copies.
 
 The placement is a (layers, experts) bool mask (pi-solve's ExpertPlacement.gpu, or a plain array): True = the expert
 lives on the compute device. A run's is read from RUN/placement/ (experts.parquet, checked to be this model's; its
@@ -13,6 +13,8 @@ so `hybrid` and `dense` modes run alike and no predictors are read; `--oracle` d
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,21 @@ def default_mask(source: Any, L: int, E: int, dtype: torch.dtype, ctx: int, info
     keep = int(np.clip((vram - none) // per if per else E, 0, E))
     gpu[:, keep:] = False
     return gpu
+
+
+def lock_cold_experts(ffns: list, device: torch.device) -> Any:
+    """On CUDA, the cold experts' rows a long prefill copies, page-locked in place (runtime/cuda.LockedHost; None
+    elsewhere, or with a warning where the driver refuses: those copies then run pageable, several times slower).
+    HOTNEURONS_LOCK_EXPERTS=0 in the environment leaves them pageable: locked pages stay resident, which a host
+    short of RAM for the cold experts may not want."""
+    if device.type != "cuda" or os.environ.get("HOTNEURONS_LOCK_EXPERTS", "1") == "0":
+        return None
+
+    from hotneurons.runtime.cuda import LockedHost
+    from hotneurons.runtime.moe_prefill import lock_views
+
+    try:
+        return LockedHost([v for f in ffns for v in lock_views(f)])
+    except (OSError, RuntimeError) as e:
+        warnings.warn(str(e), stacklevel=3)
+        return None

@@ -10,14 +10,18 @@ down_t's rows in place of the file's down rows, which their load dropped: prefil
 same down weights (down_t's), and the file's down pages stay unread.
 
 Where the cold rows are Q4_0 / Q4_1 / Q8_0 and the layer has no down_t, the routed cold experts' rows are copied into
-one buffer a projection (a copy for each run of consecutive stored experts), packed on the device as the GPU experts
-are (kernels/qlinear.pack), and the pairs computed by `grouped_ffn`, as HybridMoE's GPU experts: gate, up and down one
-launch each of kernels/grouped.py over all the cold pairs, no loop over experts. Otherwise (K-quants, floats, down_t)
-each cold expert's rows are de-quantized by kernels/dequant.py and multiplied in turn.
+one buffer a projection (a copy for each run of consecutive stored experts: `fetch`, on a side stream while the GPU
+experts compute), packed on the device as the GPU experts are (kernels/qlinear.pack), and the pairs computed by
+`grouped_ffn`, as HybridMoE's GPU experts: gate, up and down one launch each of kernels/grouped.py over all the cold
+pairs, no loop over experts. On CUDA the runtime page-locks the rows these copies read at load (`lock_views`,
+runtime/cuda.LockedHost): from the file's pageable mapping the driver stages them at a fraction of PCIe's rate
+(bench/h2d_rates.py). Otherwise (K-quants, floats, down_t) each cold expert's rows are de-quantized by
+kernels/dequant.py and multiplied in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -44,27 +48,79 @@ def offloads(ffn: Any, T: int) -> bool:
     return all(f in FORMATS for f in fmts)
 
 
-def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, cold: np.ndarray) -> torch.Tensor:
-    """x (T, d) on the device, ids (T, k) the routed experts, w (T, k) their weights on the device, cold (T, k) bool
-    the pairs whose expert is cold -> (T, d) in x's dtype: those pairs' weighted sum, each cold expert's rows copied
-    and de-quantized once for all of its tokens."""
-    from hotneurons.kernels.dequant import dequant_rows  # Triton: imported where a prefill uses it
-
-    T, k = ids.shape
-    n, d, dev = ffn.n_ff, ffn.d_model, x.device
+def _formats(ffn: Any) -> tuple[WeightFormat, WeightFormat]:
+    """The cold rows' formats: gate and up's, down's (down_t's where the layer has one)."""
+    d, n = ffn.d_model, ffn.n_ff
     fgu = weight_format(row_format(ffn.cold[1], d, ffn.cold_fmts[1]))
     fdn = weight_format(row_format(ffn.cold[2], n, ffn.cold_fmts[2]) if ffn.down_t is None
                         else row_format(ffn.down_t, d))
-    pairs = np.flatnonzero(cold)  # (P,) positions t * k + slot
-    pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]  # grouped per expert
+    return fgu, fdn
+
+
+def _sorted_pairs(ids: np.ndarray, cold: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The cold pairs (positions t * k + slot) grouped per expert, their experts, and where the expert changes."""
+    pairs = np.flatnonzero(cold)  # (P,)
+    pairs = pairs[np.argsort(ids.ravel()[pairs], kind="stable")]
     experts = ids.ravel()[pairs]
-    bounds = np.flatnonzero(np.diff(experts)) + 1
-    if ffn.down_t is None and fgu in GROUPED and fdn in GROUPED:
-        starts = np.array([0, *bounds, len(pairs)], np.int64)  # (G + 1,)
-        c = ffn.cold_map[experts[starts[:-1]]]  # (G,) the routed cold experts' places in the cold rows, ascending
-        stacks = [_packed(ffn.cold[i], c, per, cols, f, dev)
-                  for i, (per, cols, f) in enumerate(((n, d, fgu), (n, d, fgu), (d, n, fdn)))]
-        return grouped_ffn(ffn, x, stacks, np.arange(len(c)), starts, pairs, w.reshape(-1), torch.zeros_like(x))
+    return pairs, experts, np.flatnonzero(np.diff(experts)) + 1
+
+
+def fetch(ffn: Any, ids: np.ndarray, cold: np.ndarray, dev: torch.device) -> dict | None:
+    """Queue the copies of the routed cold experts' rows (ids (T, k), cold (T, k) bool) into one device buffer a
+    projection, for the grouped path; None where it does not apply (down_t, formats the grouped kernel does not read:
+    cold_on_device copies those expert by expert). On CUDA the copies run on a side stream, so that the rows cross
+    PCIe while the device computes the GPU experts (HybridMoE.forward fetches before launching those), at the
+    page-locked rate where lock_views' rows are locked."""
+    fgu, fdn = _formats(ffn)
+    if ffn.down_t is not None or fgu not in GROUPED or fdn not in GROUPED:
+        return None
+    pairs, experts, bounds = _sorted_pairs(ids, cold)
+    starts = np.array([0, *bounds, len(pairs)], np.int64)  # (G + 1,)
+    c = ffn.cold_map[experts[starts[:-1]]]  # (G,) the routed cold experts' places in the cold rows, ascending
+    n, d = ffn.n_ff, ffn.d_model
+    shapes = [(n, d, fgu), (n, d, fgu), (d, n, fdn)]  # rows an expert, columns, format: gate, up, down
+    bufs = [torch.empty((len(c) * per, row_bytes(f, cols)), dtype=torch.uint8, device=dev) for per, cols, f in shapes]
+    cuts = np.flatnonzero(np.diff(c) != 1) + 1  # where a run of consecutive experts ends: one copy a run
+    runs = list(zip([0, *cuts], [*cuts, len(c)]))
+    side = None
+    if dev.type == "cuda":
+        from hotneurons.runtime.cuda import side_stream
+
+        side = side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))  # the buffers' memory is the main stream's
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for rows, buf, (per, _, _) in zip(ffn.cold, bufs, shapes):
+            for a, b in runs:
+                buf[a * per:b * per].copy_(torch.from_numpy(rows[c[a] * per:(c[b - 1] + 1) * per]),
+                                             non_blocking=True)
+    done = None
+    if side is not None:
+        done = torch.cuda.Event()
+        done.record(side)
+    return {"pairs": pairs, "starts": starts, "bufs": bufs, "shapes": shapes, "done": done}
+
+
+def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, cold: np.ndarray,
+                   fetched: dict | None = None) -> torch.Tensor:
+    """x (T, d) on the device, ids (T, k) the routed experts, w (T, k) their weights on the device, cold (T, k) bool
+    the pairs whose expert is cold -> (T, d) in x's dtype: those pairs' weighted sum, each cold expert's rows copied
+    and de-quantized once for all of its tokens. `fetched`: `fetch`'s copies of the same call, queued earlier."""
+    from hotneurons.kernels.dequant import dequant_rows  # Triton: imported where a prefill uses it
+    from hotneurons.kernels.qlinear import pack
+
+    T, k = ids.shape
+    n, d, dev = ffn.n_ff, ffn.d_model, x.device
+    fetched = fetched or fetch(ffn, ids, cold, dev)
+    if fetched is not None:
+        if fetched["done"] is not None:
+            torch.cuda.current_stream(dev).wait_event(fetched["done"])
+        stacks = [pack(QTensor(buf, f, (buf.shape[0], cols)), dev)
+                  for buf, (_, cols, f) in zip(fetched["bufs"], fetched["shapes"])]
+        starts = fetched["starts"]
+        return grouped_ffn(ffn, x, stacks, np.arange(len(starts) - 1), starts, fetched["pairs"], w.reshape(-1),
+                           torch.zeros_like(x))
+    fgu, fdn = _formats(ffn)
+    pairs, experts, bounds = _sorted_pairs(ids, cold)
     pd = torch.from_numpy(pairs).to(dev)  # (P,)
     wflat = w.reshape(-1)  # (T k,)
     y = torch.zeros_like(x)  # (T, d)
@@ -87,16 +143,20 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
     return y
 
 
-def _packed(rows: np.ndarray, c: np.ndarray, per: int, cols: int, fmt: WeightFormat, dev: torch.device):
-    """The GpuQ (on dev) of the experts c (ascending) of stored rows (E_c * per, row bytes): a copy for each run of
-    consecutive experts into one buffer, then packed on the device (kernels/qlinear.pack)."""
-    from hotneurons.kernels.qlinear import pack
-
-    buf = torch.empty((len(c) * per, row_bytes(fmt, cols)), dtype=torch.uint8, device=dev)  # (G per, row bytes)
-    cuts = np.flatnonzero(np.diff(c) != 1) + 1  # where a run of consecutive experts ends
-    for a, b in zip([0, *cuts], [*cuts, len(c)]):
-        buf[a * per:b * per].copy_(torch.from_numpy(rows[c[a] * per:(c[b - 1] + 1) * per]))
-    return pack(QTensor(buf, fmt, (len(c) * per, cols)), dev)
+def lock_views(ffn: Any) -> list[np.ndarray]:
+    """The host rows a long prefill copies from (views): each run of consecutive cold experts of each projection's
+    stored rows (the file's pages in place, or the compact re-quantized stack), and down_t. Locking them
+    (runtime/cuda.LockedHost) lets those copies run at PCIe's page-locked rate."""
+    if ffn.cold is None:
+        return []
+    E = ffn.cfg.n_experts
+    c = np.sort(ffn.cold_map[ffn.cold_ids])  # places in the cold rows
+    cuts = np.flatnonzero(np.diff(c) != 1) + 1
+    views = []
+    for rows in ffn.cold[:2] + ((ffn.cold[2],) if ffn.down_t is None else ()):
+        per = rows.shape[0] // (E if ffn.in_place else ffn.n_cold)  # rows an expert
+        views += [rows[c[a] * per:(c[b - 1] + 1) * per] for a, b in zip([0, *cuts], [*cuts, len(c)])]
+    return views + ([ffn.down_t] if ffn.down_t is not None else [])
 
 
 def grouped_ffn(ffn: Any, x: torch.Tensor, stacks: list, ids: np.ndarray, starts: np.ndarray, pairs: np.ndarray,
