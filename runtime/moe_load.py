@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.common.artifacts import ArtifactError
+from hotneurons.weights.source import shared_view
 
 
 def expert_mask(placement: Any, L: int, E: int) -> np.ndarray | None:
@@ -108,17 +109,25 @@ def default_mask(source: Any, L: int, E: int, dtype: torch.dtype, ctx: int, info
     return gpu
 
 
+def share_cold_rows(ffns: list) -> None:
+    """Each layer's cold experts' rows in place (the file's) read through a read-only shared mapping of the file
+    from now on (weights/source.shared_view), decode and prefill alike: pages CUDA can lock without copying them."""
+    for f in ffns:
+        if f.cold is not None and f.in_place:
+            f.cold = tuple(shared_view(a) for a in f.cold)
+
+
 def lock_cold_experts(ffns: list, device: torch.device) -> Any:
-    """On CUDA, the cold experts' rows a long prefill copies, page-locked in place (runtime/cuda.LockedHost; None
-    elsewhere, or with a warning where the driver refuses: those copies then run pageable, several times slower).
-    HOTNEURONS_LOCK_EXPERTS=0 in the environment leaves them pageable: locked pages stay resident, which a host
-    short of RAM for the cold experts may not want."""
+    """On CUDA, the cold experts' rows a long prefill copies, page-locked (runtime/cuda.LockedHost; the file's rows
+    through share_cold_rows' mapping); None elsewhere, or with a warning where the driver refuses: those copies then
+    run pageable, several times slower. HOTNEURONS_LOCK_EXPERTS=0 in the environment leaves them pageable: locked
+    pages stay resident, which a host short of RAM for the cold experts may not want."""
     if device.type != "cuda" or os.environ.get("HOTNEURONS_LOCK_EXPERTS", "1") == "0":
         return None
-
     from hotneurons.runtime.cuda import LockedHost
     from hotneurons.runtime.moe_prefill import lock_views
 
+    share_cold_rows(ffns)
     try:
         return LockedHost([v for f in ffns for v in lock_views(f)])
     except (OSError, RuntimeError) as e:

@@ -22,6 +22,7 @@ kernels/dequant.py and multiplied in turn.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -91,8 +92,7 @@ def fetch(ffn: Any, ids: np.ndarray, cold: np.ndarray, dev: torch.device) -> dic
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for rows, buf, (per, _, _) in zip(ffn.cold, bufs, shapes):
             for a, b in runs:
-                buf[a * per:b * per].copy_(torch.from_numpy(rows[c[a] * per:(c[b - 1] + 1) * per]),
-                                             non_blocking=True)
+                buf[a * per:b * per].copy_(_host(rows[c[a] * per:(c[b - 1] + 1) * per]), non_blocking=True)
     done = None
     if side is not None:
         done = torch.cuda.Event()
@@ -128,7 +128,7 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
         e = experts[a]
 
         def rows(m: np.ndarray, c: int, per: int, cols: int, fmt) -> torch.Tensor:
-            return dequant_rows(torch.from_numpy(m[c * per:(c + 1) * per]).to(dev), fmt, cols, x.dtype)
+            return dequant_rows(_host(m[c * per:(c + 1) * per]).to(dev), fmt, cols, x.dtype)
 
         c = int(ffn.cold_map[e])  # the expert's place in the cold rows
         g, u = rows(ffn.cold[0], c, n, d, fgu), rows(ffn.cold[1], c, n, d, fgu)  # (n, d) each
@@ -141,6 +141,14 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
             ye = h @ rows(ffn.down_t, int(ffn.dt_of[e]), n, d, fdn)  # (m, d): down_t (n, d), neuron-major
         y.index_add_(0, tok, (ye * wflat[pd[a:b], None]).to(y.dtype))
     return y
+
+
+def _host(a: np.ndarray) -> torch.Tensor:
+    """`a` as a CPU tensor, no copy (the file's rows through a read-only mapping, moe_load.share_cold_rows, which
+    torch warns of: they are only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 def lock_views(ffn: Any) -> list[np.ndarray]:

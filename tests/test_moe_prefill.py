@@ -14,8 +14,8 @@ from hotneurons.models import moe
 from hotneurons.runtime import moe_prefill
 from hotneurons.runtime.cuda import LockedHost, page_spans
 from hotneurons.runtime.moe_ffn import HybridMoE
-from hotneurons.runtime.moe_load import lock_cold_experts
-from test_cold_experts_sparse import GPU, _cfg, _moe_weights, _tokens, _with_down_t
+from hotneurons.runtime.moe_load import lock_cold_experts, share_cold_rows
+from test_cold_experts_sparse import GPU, _cfg, _mapped, _moe_weights, _step_pieces, _tokens, _with_down_t
 
 T = 12  # prefill tokens, over the patched threshold
 
@@ -152,3 +152,26 @@ def test_locked_cold_experts_prefill_equals_reference(monkeypatch):
     got = ffn(x.cuda()).cpu()
     ref = moe.moe_ffn(w.get, cfg, 0)(x)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("act", [Activation.SWIGLU, Activation.DRELU])
+def test_shared_cold_rows_read_alike(act, tmp_path, monkeypatch):
+    """share_cold_rows (what a CUDA load does before locking): the file's cold rows then come from a read-only shared
+    mapping of the same bytes, and decode (the graph pieces' Numba kernels, on read-only arrays), a short prefill on
+    the CPU and a long one through the copies equal the reference."""
+    xs = _tokens(np.random.default_rng(43), T)
+    cfg = dataclasses.replace(_cfg(act), act_fn="silu") if act is Activation.SWIGLU else _cfg(act)
+    w = _moe_weights("q4_0", xs, seed=44)
+    ffn = HybridMoE(0, cfg, _mapped(w, tmp_path).get, GPU, "cpu", torch.float32)
+    private = [a.ctypes.data for a in ffn.cold]
+    share_cold_rows([ffn])
+    assert all(not a.flags.writeable and a.ctypes.data != p for a, p in zip(ffn.cold, private))
+    ref = moe.moe_ffn((w if ffn.down_t is None else _with_down_t(w, ffn, "q4_0")).get, cfg, 0)
+    x = torch.from_numpy(xs)
+    ffn.host_io(torch.device("cpu"))
+    tol = dict(rtol=1e-4, atol=2e-5 * float(ref(x).abs().max()))
+    torch.testing.assert_close(_step_pieces(ffn, x[:1]), ref(x[:1]), **tol)
+    torch.testing.assert_close(ffn(x[:3]), ref(x[:3]), **tol)
+    monkeypatch.setattr(moe_prefill, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(moe_prefill, "OFFLOAD_TOKENS", 4)
+    torch.testing.assert_close(ffn(x), ref(x), **tol)

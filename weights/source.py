@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,10 @@ def view(span: Span, fmt: WeightFormat, shape: tuple[int, ...]) -> torch.Tensor 
     return QTensor(raw.reshape(rows, -1), fmt, (rows, int(shape[-1])))
 
 
+# map_file's mappings by start address: (path, bytes, the read-only shared mapping of the same file once asked for)
+_MAPPED: dict[int, list] = {}
+
+
 def map_file(path: str | os.PathLike) -> np.ndarray:
     """The whole file as a uint8 array over a copy-on-write mapping (writable views; the file never changes); the
     mapping lives as long as any view of it."""
@@ -75,7 +80,27 @@ def map_file(path: str | os.PathLike) -> np.ndarray:
         if os.fstat(f.fileno()).st_size == 0:
             raise ModelError(f"'{path}' is empty: download or write it again", params="model")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return np.frombuffer(mm, dtype=np.uint8)  # keeps `mm` alive as its base
+    buf = np.frombuffer(mm, dtype=np.uint8)  # keeps `mm` alive as its base
+    start = buf.ctypes.data
+    _MAPPED[start] = [str(path), buf.nbytes, None]
+    weakref.finalize(mm, _MAPPED.pop, start, None)
+    return buf
+
+
+def shared_view(a: np.ndarray) -> np.ndarray:
+    """`a` (a C-contiguous view inside a map_file mapping) as the same bytes of a read-only shared mapping of the
+    file, opened once per file; `a` itself where it lies in no such mapping (anonymous memory, a copy). Why: CUDA
+    page-locks a shared mapping's page-cache pages in place, where pinning a private mapping's pages copies each
+    into anonymous memory first (the kernel unshares them for copy-on-write), slowly and resident twice."""
+    p = a.ctypes.data
+    for start, entry in _MAPPED.items():
+        if start <= p < start + entry[1]:
+            if entry[2] is None:
+                with open(entry[0], "rb") as f:
+                    entry[2] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+            raw = entry[2][p - start:p - start + a.nbytes]  # (bytes,) uint8, read-only
+            return raw.view(a.dtype).reshape(a.shape)
+    return a
 
 
 _PAGE = mmap.PAGESIZE
