@@ -9,6 +9,7 @@ static, the attention reads the whole cache under a mask, and the position is a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -236,6 +237,7 @@ class Decoder:
         self.k_cache = torch.zeros(kv, device=self.device, dtype=dtype)  # (layers, kv heads, ctx, hd)
         self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
         self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
+        self._extra: list[tuple[torch.Tensor, torch.Tensor]] = []  # other sequences' caches (add_slots)
         self._loader: Loader | None = None  # kept by lazy models only: it pulls a layer's weights again
         self.layers: list = []
 
@@ -270,6 +272,33 @@ class Decoder:
         """Forget the cache: the next call starts again at position 0."""
         self.k_cache.zero_()
         self.v_cache.zero_()
+
+    def add_slots(self, n: int) -> None:
+        """Hold the caches of `n` sequences: slot 0 is the model's own cache, slots 1.. are made here (keeping those
+        made before). A batched decode step (runtime/batch.py) attends each sequence over its slot, `slot(b)`."""
+        if self.lazy:
+            raise ValueError("a lazy model's cache holds one layer: build it with its layers for batched decoding")
+        self._extra = self._extra[:n - 1] + [(torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache))
+                                             for _ in range(n - 1 - len(self._extra))]
+
+    @property
+    def n_slots(self) -> int:
+        return 1 + len(self._extra)
+
+    @contextmanager
+    def slot(self, b: int):
+        """Within: the cache is sequence b's (add_slots); the model's own (slot 0) again after."""
+        if not 0 <= b < self.n_slots:
+            raise ValueError(f"slot {b} does not exist: the model holds {self.n_slots} (add_slots)")
+        if b == 0:
+            yield
+            return
+        own = (self.k_cache, self.v_cache)
+        self.k_cache, self.v_cache = self._extra[b - 1]
+        try:
+            yield
+        finally:
+            self.k_cache, self.v_cache = own
 
     def positions(self, T: int, pos0: int | torch.Tensor) -> torch.Tensor:
         """(T,) positions pos0..pos0+T-1 on the device."""

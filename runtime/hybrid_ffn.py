@@ -172,13 +172,15 @@ class HybridFFN(nn.Module):
     def device_part(self, x: torch.Tensor) -> torch.Tensor:
         """Decode, on x's device: the hot rows, plus the first `mapped_rows` marked cold neurons read in place."""
         y = hot_sparse(self, x) if self.gws is not None else self._hot(x, count=True)
-        if self.mapped_rows:
-            m = self.io.mask_dev  # (n_cold,) this token's cold mask
-            k = self.mapped_rows
-            ids = torch.nonzero_static(m, size=k, fill_value=0)[:, 0]  # (k,) the first k marked (padding: row 0)
-            valid = torch.arange(k, device=m.device) < m.sum()  # (k,) fewer marked than k: the rest is padding
-            y = y + ffn_rows_mapped(self.activation, x, ids, valid, self.mapped).to(y.dtype)
-        return y
+        return y + self.mapped_part(x).to(y.dtype) if self.mapped_rows else y
+
+    def mapped_part(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, d): the first `mapped_rows` cold neurons of the token's mask (to_host wrote it), read in place."""
+        m = self.io.mask_dev  # (n_cold,) this token's cold mask
+        k = self.mapped_rows
+        ids = torch.nonzero_static(m, size=k, fill_value=0)[:, 0]  # (k,) the first k marked (padding: row 0)
+        valid = torch.arange(k, device=m.device) < m.sum()  # (k,) fewer marked than k: the rest is padding
+        return ffn_rows_mapped(self.activation, x, ids, valid, self.mapped)
 
     def _hot_values(self, x: torch.Tensor) -> torch.Tensor:
         """(tokens, d) -> (tokens, n_hot) the hot neurons' values (mask 'gate': zero where they do not pass)."""

@@ -1,0 +1,134 @@
+"""Batched decoding: B sequences, each in its own KV cache slot (models/common.Decoder.add_slots) at its own position,
+one step for all (`step_batch`), eager. `generate_batch` decodes several prompts together, for tests and notebooks;
+pi-serve's continuous batching builds on the same step.
+
+A step, layer by layer: attention per sequence over its slot (its cache and position are its own); the FFN once for
+the B tokens. A mixture of experts' FFN routes each token on its own (HybridMoE's call over B tokens: the GPU experts'
+pairs in one grouped product). A dense hybrid FFN computes its hot rows as one product over the B tokens on the
+device (`ffn_batch`), and each token's cold part as batch 1 does: its own mask (predictor, gate, dense or oracle), the
+cold rows it marks computed by the CPU's kernel. So each sequence computes the same neurons as it would alone: its
+greedy tokens are its batch-1 run's (tests/test_batch.py), up to the rounding of one product over B rows against B
+products of one.
+
+Not yet: the cold rows read once for the union of the B masks (each row read B times now), CUDA graphs per batch
+size, the union's price in pi-solve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from hotneurons.runtime.hybrid_ffn import HybridFFN
+from hotneurons.runtime.sampling import Sampling, sample
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """(B, d) -> (B, d): a dense hybrid FFN over B decode tokens, each with its batch-1 mask. `residual` (B, d): the
+    residual before the pre-FFN norm, which the powerinfer-form predictor reads."""
+    from hotneurons.kernels.ops import predict
+    from hotneurons.runtime.gated import hot_sparse
+
+    f.host_io(x.device)
+    if f.gws is not None:  # the gated hot kernel takes one token (static buffers)
+        y = torch.cat([hot_sparse(f, x[b:b + 1]) for b in range(x.shape[0])])
+    else:
+        y = f._hot(x, count=True)  # (B, d): one product over the B tokens
+    if not f.n_cold and f.mask != "oracle":
+        return y
+    rows = []
+    for b in range(x.shape[0]):
+        xb = x[b:b + 1]  # (1, d)
+        # waits for the step before (the device reads the CPU's sums from the host buffers this token overwrites)
+        _sync(x.device)
+        f.to_host(xb, predict, residual[b:b + 1] if f.prenorm else None)
+        part = f.mapped_part(xb) if f.mapped_rows else None  # (1, d) read in place on the device
+        _sync(x.device)  # x and the mask on the host
+        f.cold_rows(xb)
+        s = f.cold_sum()[None].to(y.dtype) if f.n_cold else torch.zeros_like(xb)  # (1, d)
+        rows.append((s if part is None else s + part.to(y.dtype)).clone())
+    return y + torch.cat(rows)
+
+
+@torch.inference_mode()
+def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    """Logits (B, vocab) float32: token b at position positions[b] of the sequence in cache slot slots[b], whose
+    key and value join that slot. Our decoders (runtime/engine.SourceModel) only."""
+    m = getattr(rt.lm, "decoder", None)
+    if m is None:
+        raise ValueError("batched decoding runs our decoders (a model read in place): this runtime decodes through "
+                         "transformers (--hf-decode or a hub id)")
+    if not len(tokens) == len(positions) == len(slots) or len(set(slots)) != len(slots):
+        raise ValueError(f"step_batch: {len(tokens)} tokens, {len(positions)} positions and slots {slots}: one each, "
+                         f"every slot once")
+    dev = rt.device
+    h = torch.cat([m.embed(torch.tensor([t], device=dev), p) for t, p in zip(tokens, positions)])  # (B, d)
+    for i, f in enumerate(rt.ffns):
+        parts = []
+        for b, (p, s) in enumerate(zip(positions, slots)):
+            with m.slot(s):
+                parts.append(m.attention(i, h[b:b + 1], p))  # (1, d) residual after attention, FFN input
+        h2 = torch.cat([a for a, _ in parts])  # (B, d)
+        x = torch.cat([c for _, c in parts])  # (B, d)
+        y = ffn_batch(f, x, h2) if isinstance(f, HybridFFN) else f(x)
+        h = m.after_ffn(i, h2, y)
+    return m.logits(h)  # (B, vocab)
+
+
+@dataclass
+class Sequence:
+    """One sequence of a batch: its prompt, its tokens so far, its slot."""
+
+    prompt: list[int]
+    slot: int
+    max_new: int
+    ids: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@torch.inference_mode()
+def generate_batch(rt: Any, prompts: list[list[int]], max_new_tokens: int = 32, sampling: Sampling = Sampling(),
+                   stop_at_eos: bool = True) -> list[list[int]]:
+    """Each prompt's new token ids, the prompts decoded together (one step_batch a token for all that are not
+    done); each prompt prefilled alone into its slot. Greedy sampling gives each its batch-1 tokens."""
+    lm, dec = rt.lm, getattr(rt.lm, "decoder", None)
+    if dec is None:
+        raise ValueError("batched decoding runs our decoders (a model read in place), not a transformers model")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate_batch: every prompt needs at least one token")
+    dec.add_slots(max(dec.n_slots, len(prompts)))
+    stop = set(lm.eos) if stop_at_eos else set()
+    gens = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
+    seqs, logits = [], []
+    for b, p in enumerate(prompts):
+        if len(p) >= lm.ctx:
+            raise ValueError(f"prompt {b} has {len(p)} tokens but the model's context is {lm.ctx}: shorten it")
+        seqs.append(Sequence(p, b, min(max_new_tokens, lm.ctx - len(p))))
+        with dec.slot(b):
+            logits.append(lm.prefill(rt, p))  # (vocab,)
+    for f in rt.ffns:
+        f.reset_counts()
+    rows = torch.stack(logits)  # (B, vocab)
+    while True:
+        live = [s for s in seqs if not s.done]
+        for s, lg in zip(live, rows):
+            nxt = sample(lg, s.prompt + s.ids, sampling, gens[s.slot])
+            s.ids.append(nxt)
+            s.done = nxt in stop or len(s.ids) >= s.max_new
+        live = [s for s in live if not s.done]
+        if not live:
+            return [s.ids for s in seqs]
+        rows = step_batch(rt, [s.ids[-1] for s in live], [len(s.prompt) + len(s.ids) - 1 for s in live],
+                          [s.slot for s in live])
+
+
+def slot_bytes(dec: Any) -> int:
+    """Bytes of one more sequence's KV cache slot."""
+    return int(np.prod(dec.k_cache.shape)) * dec.k_cache.element_size() * 2

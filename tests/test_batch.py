@@ -1,0 +1,102 @@
+"""runtime/batch.py: several sequences decoded together, each in its own cache slot at its own position, give each
+sequence's batch-1 greedy tokens and logits (tiny random models read in place, sparse predictor masks on a mixed
+placement, block rows on both sides; a mixture of experts with half its experts cold)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tiny
+import torch
+from hotneurons.artifacts.placement import Placement
+from hotneurons.models.open import model_info, open_model
+from hotneurons.runtime.batch import generate_batch, slot_bytes, step_batch
+from hotneurons.runtime.generate import RuntimeConfig, generate
+from hotneurons.runtime.load import load_source_runtime
+from test_runtime_moe import moe_gguf  # noqa: F401 (the fixture)
+
+PROMPTS = [[5, 17, 42, 9, 33], [101, 7], [64, 3, 250, 12, 88, 19, 4]]  # different lengths: positions differ
+NEW = 8
+ATOL = 1e-4  # logits: one product over B rows against B products of one row
+
+
+def _runtime(family, folder, tmp_path, fmt, device="cpu"):
+    """Mixed placement (30% hot), block rows, random predictors at threshold 0 (about half the neurons marked, a
+    different set per token)."""
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    source, sid, _, act = open_model(str(folder))
+    info = model_info(source, sid, act, "llama" if "llama" in family else family, "glu" in family)
+    tiny.write_predictors(run, info, 0.0)
+    cfg = RuntimeConfig(device=device, dtype="float32", cold_dtype=fmt, gpu_dtype=fmt if fmt != "bf16" else "auto")
+    return load_source_runtime(run, None, cfg, model=str(folder), placement=Placement(tuple(
+                                   np.random.default_rng(i).random(info["n_neurons"]) < 0.3
+                                   for i in range(info["n_layers"]))))
+
+
+def _solo(rt, prompts):
+    """Each prompt alone (batch 1): its greedy tokens and the logits of each step."""
+    out = []
+    for p in prompts:
+        g = generate(rt, p, NEW, stop_at_eos=False, keep_logits=True)
+        out.append((g.token_ids, g.logits))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+@pytest.mark.parametrize("family", ["llama-reglu", "opt"])
+def test_batch_equals_batch_one(family, fmt, tiny_model_dir, tmp_path):
+    rt = _runtime(family, tiny_model_dir(family), tmp_path, fmt)
+    assert all(f.mask == "predictor" for f in rt.ffns)
+    generate(rt, PROMPTS[0], NEW, stop_at_eos=False)
+    marked = sum(f.cold_marks[1] for f in rt.ffns) / sum(f.cold_marks[0] * f.n_cold for f in rt.ffns)
+    assert 0.2 < marked < 0.8  # the predictor marks a part of the cold neurons: a mask per token matters
+    solo = _solo(rt, PROMPTS)
+    got = generate_batch(rt, PROMPTS, NEW, stop_at_eos=False)
+    assert got == [ids for ids, _ in solo]
+    # one step of all three at the positions after their prompts and first tokens: logits as batch 1's second step
+    dec = rt.lm.decoder
+    for b, p in enumerate(PROMPTS):
+        with dec.slot(b):
+            rt.lm.prefill(rt, p)
+    logits = step_batch(rt, [s[0][0] for s in solo], [len(p) for p in PROMPTS], [0, 1, 2])
+    for b, (_, lg) in enumerate(solo):
+        torch.testing.assert_close(logits[b], lg[1], rtol=0, atol=ATOL)
+    # the slots are another order of the same sequences: the same logits
+    for b, p in enumerate(PROMPTS):
+        with dec.slot(2 - b):
+            rt.lm.prefill(rt, p)
+    again = step_batch(rt, [s[0][0] for s in solo][::-1], [len(p) for p in PROMPTS][::-1], [0, 1, 2])
+    torch.testing.assert_close(again.flip(0), logits, rtol=0, atol=ATOL)
+    assert dec.n_slots == 3 and slot_bytes(dec) == 2 * dec.k_cache.numel() * dec.k_cache.element_size()
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_moe_batch_equals_batch_one(moe_gguf, family):  # noqa: F811 (the imported fixture)
+    """A mixture of experts (half its experts cold, a random mask): the B tokens routed each on its own."""
+    path, _, _ = moe_gguf(family)
+    rt = load_source_runtime(None, None, RuntimeConfig(device="cpu"), model=str(path),
+                             placement=np.random.default_rng(5).random((2, 4)) < 0.5)
+    solo = _solo(rt, PROMPTS)
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False) == [ids for ids, _ in solo]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama-reglu", "opt"])
+def test_batch_on_cuda_equals_batch_one(family, tiny_model_dir, tmp_path):
+    """On CUDA (float32 compute; batch 1 through its CUDA graphs and mapped rows as loaded), the batch's greedy tokens
+    are each prompt's batch-1 ones."""
+    rt = _runtime(family, tiny_model_dir(family), tmp_path, "q4_0", "cuda")
+    solo = _solo(rt, PROMPTS)
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False) == [ids for ids, _ in solo]
+
+
+def test_refusals(tiny_model_dir, tmp_path):
+    rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "bf16")
+    with pytest.raises(ValueError, match="every slot once"):
+        step_batch(rt, [1, 2], [3, 4], [0, 0])
+    with pytest.raises(ValueError, match="slot 3 does not exist"):
+        step_batch(rt, [1], [3], [3])
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(rt, [[1], []])
