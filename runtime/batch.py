@@ -5,13 +5,14 @@ pi-serve's continuous batching builds on the same step.
 A step, layer by layer: attention per sequence over its slot (its cache and position are its own); the FFN once for
 the B tokens. A mixture of experts' FFN routes each token on its own (HybridMoE's call over B tokens: the GPU experts'
 pairs in one grouped product). A dense hybrid FFN computes its hot rows as one product over the B tokens on the
-device (`ffn_batch`), and each token's cold part as batch 1 does: its own mask (predictor, gate, dense or oracle), the
-cold rows it marks computed by the CPU's kernel. So each sequence computes the same neurons as it would alone: its
-greedy tokens are its batch-1 run's (tests/test_batch.py), up to the rounding of one product over B rows against B
-products of one.
+device (`ffn_batch`), and each token's cold part with its own batch-1 mask (predictor, gate, dense or oracle).
+Predictor masks: the CPU reads each cold row in the union of the B masks once, for all the tokens that mark it
+(kernels/cold_batch.py); the other masks go token by token through batch 1's path. So each sequence computes the
+same neurons as it would alone: its greedy tokens are its batch-1 run's (tests/test_batch.py), up to the rounding of
+one product over B rows against B products of one.
 
-Not yet: the cold rows read once for the union of the B masks (each row read B times now), CUDA graphs per batch
-size, the union's price in pi-solve.
+Not yet: the predictor over the B tokens in one launch (token by token now), the device's share of the cold rows read
+in place (mapped_rows: a batch's CPU reads them all), CUDA graphs per batch size, the union's price in pi-solve.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.kernels.cold_batch import union
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.sampling import Sampling, sample
 
@@ -30,9 +32,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def ffn_rows_batch(activation: str, xs: np.ndarray, idx: np.ndarray, member: np.ndarray, rows: Any,
+                   out: np.ndarray, part: np.ndarray | None = None) -> np.ndarray:
+    """CPU backend, B tokens: out (B, d) float32 = for each token b, the sum over the positions idx[q] whose member[q]
+    has bit b of h_j(x_b) * down_t[j] (kernels/cold_batch.py: each row of the union read once). The batch-1 twin:
+    runtime/cold_rows.ffn_rows."""
+    import numba
+    from hotneurons.kernels.cold import ACT_CODE
+    from hotneurons.kernels.cold_batch import cold_ffn_batch, cold_ffn_batch_q
+
+    if part is None:
+        part = np.empty((numba.get_num_threads(), *xs.shape), np.float32)
+    if rows.fmt:
+        cold_ffn_batch_q(xs, idx, member, rows.gate_arg, rows.up, rows.b_up, rows.down_t, part, out,
+                         ACT_CODE[activation], fmt=rows.code)
+    else:
+        cold_ffn_batch(xs, idx, member, rows.gate_arg, rows.up, rows.b_up, rows.down_t, rows.scale, rows.group, part,
+                       out, ACT_CODE[activation])
+    return out
+
+
+def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
+    """(B, n_cold) bool: each token's cold mask, the predictor run token by token as batch 1 runs it."""
+    from hotneurons.kernels.ops import predict
+
+    n = f.n_cold
+    out = np.empty((x.shape[0], n), bool)
+    for b in range(x.shape[0]):
+        f.to_host(x[b:b + 1], predict, residual[b:b + 1] if f.prenorm else None)
+        _sync(x.device)
+        out[b] = np.unpackbits(f.io.mask_words.view(np.uint8), bitorder="little")[:n].astype(bool)
+    return out
+
+
 def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """(B, d) -> (B, d): a dense hybrid FFN over B decode tokens, each with its batch-1 mask. `residual` (B, d): the
-    residual before the pre-FFN norm, which the powerinfer-form predictor reads."""
+    """(B, d) -> (B, d): a dense hybrid FFN over B decode tokens, each with its batch-1 mask. The hot rows: one product
+    over the B tokens on the device. Predictor masks: the CPU reads each cold row of the masks' union once for all
+    the tokens that mark it (`ffn_rows_batch`); other masks (the gate's, dense, oracle) go token by token through
+    batch 1's path. `residual` (B, d): the residual before the pre-FFN norm, which the powerinfer-form predictor
+    reads."""
     from hotneurons.kernels.ops import predict
     from hotneurons.runtime.gated import hot_sparse
 
@@ -43,6 +81,14 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Te
         y = f._hot(x, count=True)  # (B, d): one product over the B tokens
     if not f.n_cold and f.mask != "oracle":
         return y
+    if f.mask == "predictor":
+        masks = _masks(f, x, residual)  # (B, n_cold)
+        idx, member = union(masks)
+        out = ffn_rows_batch(f.activation, x.float().cpu().numpy(), idx, member, f.cold,
+                             np.empty((x.shape[0], f.d_model), np.float32))
+        f.counts[0] += x.shape[0]
+        f.cold_marks += (x.shape[0], int(masks.sum()))
+        return y + torch.from_numpy(out).to(y.device, y.dtype)
     rows = []
     for b in range(x.shape[0]):
         xb = x[b:b + 1]  # (1, d)

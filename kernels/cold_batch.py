@@ -1,0 +1,112 @@
+"""Numba kernels for the cold neurons of B decode tokens at once (runtime/batch.py): each cold row in the union of the
+B masks is read from DRAM once, and used by every token whose own mask marks it. Their reference: the batch-1
+kernels (kernels/cold.py cold_ffn, kernels/cold_q.py cold_ffn_q) run token by token over each token's own positions.
+
+  cold_ffn_batch(xs, idx, member, gate, up, b_up, down_t, scale, group, part, out, act)   bf16 / int8 rows
+  cold_ffn_batch_q(xs, idx, member, gate, up, b_up, down_t, part, out, act, fmt=-1)       block rows (float route)
+
+xs (B, d) float32 the tokens' FFN inputs; idx (k,) int64 the union's positions, ascending; member (k,) uint64 bit b
+set where token b's mask marks idx[q] (B <= 64); part (threads, B, d) float32 scratch; out (B, d) float32, overwritten
+with each token's sum over its marked neurons of h_j(x_b) * down_t[j]. Threads claim CHUNK union positions at a time
+and take each neuron's tokens one after the other, so that its rows, read from DRAM for the first, are in the core's
+cache for the rest. Rows are read one neuron at a time (the batch-1 kernels read four at once to keep more reads in
+flight: a batch has more work per row to hide its reads behind).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hotneurons.kernels.activations import _ungated_value
+from hotneurons.kernels.cold import CHUNK, FIRST_GATED, _dot, _down1, _gated_rest, _n_chunks, _sum_rows
+from hotneurons.kernels.cold_q import _LUT, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, _check, _one
+from hotneurons.kernels.intrinsics import _fetch_add
+from numba import njit, prange
+
+MAX_BATCH = 64  # tokens a member word holds
+
+
+@njit(nogil=True, cache=True)
+def _sum_tokens(part, T, out):
+    """out[b] = sum of part[:T, b] for every token b, the d columns split among the threads."""
+    B, d = out.shape
+    for b in range(B):
+        _sum_rows(part[:, b], T, out[b], 0, d)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def cold_ffn_batch(xs, idx, member, gate, up, b_up, down_t, scale, group, part, out, act):
+    B, k = xs.shape[0], idx.shape[0]
+    gated = act >= FIRST_GATED
+    T = _n_chunks((k + CHUNK - 1) // CHUNK, part.shape[0])
+    counter = np.zeros(1, np.int64)  # claims taken
+    for t in prange(T):
+        acc = part[t]  # (B, d) this thread's partial sums
+        acc[:] = 0.0
+        while True:
+            q0 = _fetch_add(counter, 1) * CHUNK
+            if q0 >= k:
+                break
+            for q in range(q0, min(q0 + CHUNK, k)):
+                j, m = idx[q], member[q]
+                for b in range(B):
+                    if (m >> np.uint64(b)) & np.uint64(1):
+                        x = xs[b]
+                        if gated:
+                            _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc[b],
+                                        act)
+                        else:
+                            _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
+                                   scale, group, acc[b])
+    _sum_tokens(part, T, out)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, fg, fd):
+    """One thread's share of cold_ffn_batch_q. `fg` must be a literal number in the caller's source (cold_q._work)."""
+    k = idx.shape[0]
+    while True:
+        q0 = _fetch_add(counter, 1) * CHUNK
+        if q0 >= k:
+            return
+        for q in range(q0, min(q0 + CHUNK, k)):
+            j, m = idx[q], member[q]
+            for b in range(xs.shape[0]):
+                if (m >> np.uint64(b)) & np.uint64(1):
+                    _one((xs[b],), j, gate, up, b_up, down_t, _LUT, fg, fd, acc[b], act, gated)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def cold_ffn_batch_q(xs, idx, member, gate, up, b_up, down_t, part, out, act, fmt=-1):
+    k = idx.shape[0]
+    gated = act >= FIRST_GATED
+    fg, fd = _check(xs[0], gate, up, down_t, part[:, 0], out[0], gated, fmt)
+    T = _n_chunks((k + CHUNK - 1) // CHUNK, part.shape[0])
+    counter = np.zeros(1, np.int64)
+    for t in prange(T):
+        acc = part[t]  # (B, d)
+        acc[:] = 0.0
+        if fg == Q4_0:  # formats as literals (cold_q.cold_ffn_q)
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 1, fd)
+        elif fg == Q4_1:
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 2, fd)
+        elif fg == Q8_0:
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 0, fd)
+        elif fg == Q4_K:
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 3, fd)
+        elif fg == Q5_K:
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 4, fd)
+        else:
+            _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, 5, fd)
+    _sum_tokens(part, T, out)
+
+
+def union(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """masks (B, n) bool -> (idx (k,) int64 the positions any token marks, ascending; member (k,) uint64 which
+    tokens mark each: bit b for token b)."""
+    B = masks.shape[0]
+    if B > MAX_BATCH:
+        raise ValueError(f"a batch of {B} tokens: the cold kernels take at most {MAX_BATCH}")
+    idx = np.flatnonzero(masks.any(0))
+    weights = np.left_shift(np.uint64(1), np.arange(B, dtype=np.uint64))  # (B,) bit b
+    member = (masks[:, idx].astype(np.uint64) * weights[:, None]).sum(0, dtype=np.uint64)
+    return idx.astype(np.int64), member
