@@ -23,9 +23,11 @@ from hotneurons.server.config import ServeConfig
               "wait included; a generation still running then ends with finish_reason 'length'. 0: no limit.")
 @click.option("--max-tokens", default=ServeConfig.max_tokens, show_default=True, help="Tokens to generate when a "
               "request names no max_tokens (clipped to the context).")
+@click.option("--parallel", default=ServeConfig.parallel, show_default=True, help="Requests decoded together, each "
+              "in its own KV cache slot (continuous batching: our decoders; 1 keeps batch 1's CUDA graphs).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
-def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, runtime):
+def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, model_id, quiet, runtime):
     """Serve the runtime over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
 
     Example: pi-serve --run runs/demo --port 8080, then
@@ -35,14 +37,14 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, model_id, quiet, r
     """
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
     try:
-        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id)
+        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel)
     except ValueError as e:
         raise click.UsageError(str(e))
     rt = open_runtime(runtime)
     from hotneurons.server.serve import serve
 
     serve(rt, cfg, ready=lambda s: click.echo(f"pi-serve: {s.model_id} ({rt.mode} on {rt.device}) at {s.url}/v1, "
-                                              f"queue {cfg.max_queue}, Ctrl-C stops", err=True))
+                                              f"{cfg.parallel} at once, queue {cfg.max_queue}, Ctrl-C stops", err=True))
 
 
 if __name__ == "__main__":

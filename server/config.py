@@ -15,6 +15,7 @@ class ServeConfig:
     timeout: float | None = 600.0  # seconds from arrival to the last token (queue wait included); None: no limit
     max_tokens: int = 256  # for requests that name none (OpenAI's own default for completions is 16)
     model_id: str | None = None  # the name /v1/models lists and responses carry (default: the model's name)
+    parallel: int = 1  # requests decoded together (server/batcher.py), each in its own KV cache slot
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -23,5 +24,7 @@ class ServeConfig:
             raise ValueError(f"--max-queue {self.max_queue} is negative: use 0 (only the running request) or more")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"--timeout {self.timeout} must be positive (seconds); 0 on the command line: no limit")
+        if not 1 <= self.parallel <= 64:
+            raise ValueError(f"--parallel {self.parallel} must be 1 to 64 (requests decoded together)")
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens {self.max_tokens} must be at least 1")

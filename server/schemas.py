@@ -131,6 +131,8 @@ class Health(BaseModel):
     rejected: int
     timed_out: int
     errors: int
+    parallel: int  # requests decoded together
+    slots: list[dict] | None  # with parallel > 1: each slot's state (free, prefill, decode) and its request's tokens
 
 
 class ErrorDetail(BaseModel):

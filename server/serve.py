@@ -1,6 +1,7 @@
-"""`pi-serve`: an OpenAI-compatible HTTP server over the batch-1 runtime, on FastAPI and uvicorn.
+"""`pi-serve`: an OpenAI-compatible HTTP server over the runtime, on FastAPI and uvicorn.
 
-One worker thread owns the runtime and runs one generation at a time; requests wait in a FIFO queue bounded by
+One worker thread owns the runtime and runs one generation at a time, or with `parallel` > 1 up to that many together
+in one batched step a token (server/batcher.py: continuous batching); requests wait in a FIFO queue bounded by
 `max_queue` (503 beyond it). The HTTP side (server/app.py) runs on uvicorn's event loop: each request is read,
 checked and tokenised (in a thread of the loop's pool), queued as a `Job`, and the worker's events for it come
 back to the loop through `Events`. A client that leaves is noticed by its request (the ASGI disconnect message):
@@ -93,7 +94,7 @@ class Server:
         self._lock = threading.Lock()  # guards job states and the counters below
         self._tok_lock = threading.Lock()  # request threads share one tokenizer
         self.waiting = self.running = 0
-        self._current: Job | None = None  # the running job
+        self.active_jobs: set[Job] = set()  # the running jobs
         self._closing = False
         self.counts = dict.fromkeys(("served", "dropped", "rejected", "timed_out", "errors"), 0)
         self.started = int(time.time())
@@ -104,7 +105,13 @@ class Server:
                                            timeout_keep_alive=int(IDLE_S), timeout_graceful_shutdown=int(GRACE_S)),
                             self._stop_jobs)
         self._thread: threading.Thread | None = None
-        self._worker = threading.Thread(target=self._work, name="pi-serve-worker", daemon=True)
+        self._batcher = None
+        if cfg.parallel > 1:  # continuous batching (server/batcher.py); checks the runtime decodes batches
+            from hotneurons.server.batcher import Batcher
+
+            self._batcher = Batcher(self)
+        work = self._batcher.run if self._batcher is not None else self._work
+        self._worker = threading.Thread(target=work, name="pi-serve-worker", daemon=True)
         self._worker.start()
 
     @property
@@ -153,8 +160,8 @@ class Server:
     def _stop_jobs(self) -> None:
         with self._lock:
             self._closing = True  # open keep-alive connections may still send requests: submit() refuses them
-            if self._current is not None:
-                self._current.gone = True
+            for job in self.active_jobs:
+                job.gone = True
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -173,14 +180,15 @@ class Server:
     def health(self) -> dict[str, Any]:
         with self._lock:
             return {"status": "ok", "model": self.model_id, "running": self.running, "queued": self.waiting,
-                    "max_queue": self.cfg.max_queue, **self.counts}
+                    "max_queue": self.cfg.max_queue, "parallel": self.cfg.parallel, **self.counts,
+                    "slots": self._batcher.slots() if self._batcher is not None else None}
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 503 when the queue is full."""
         with self._lock:
             if self._closing:
                 raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
-            if self.waiting + self.running > self.cfg.max_queue:
+            if self.waiting + self.running > self.cfg.max_queue + self.cfg.parallel - 1:
                 self.counts["rejected"] += 1
                 raise ApiError(503, f"the server is busy: {self.cfg.max_queue} requests are already waiting; "
                                     f"retry later", code="queue_full")
@@ -206,12 +214,26 @@ class Server:
         """The job's time ran out while it was queued: drop it (False: it has started after all)."""
         return self._drop(job, "timed_out")
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def next_job(self, block: bool) -> Job | None | bool:
+        """The next queued job, now running (state, counters); None: the worker is told to stop; False: none is
+        queued (block=False). Jobs dropped while queued are skipped."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return False
+            if job is None:
+                return None
             with self._lock:
                 if job.state != "queued":
                     continue
-                job.state, self.waiting, self.running, self._current = "running", self.waiting - 1, 1, job
+                job.state, self.waiting = "running", self.waiting - 1
+                self.running += 1
+                self.active_jobs.add(job)
+                return job
+
+    def _work(self) -> None:
+        while (job := self.next_job(True)) is not None:
             try:
                 event: tuple = ("done", self._run(job))
             except Exception as e:  # a failing generation fails its request, never the server
@@ -220,7 +242,8 @@ class Server:
                 with self._lock:
                     self.counts["errors"] += 1
             with self._lock:  # before the answer goes: a client that has it sees the worker free in /health
-                job.state, self.running, self._current = "done", 0, None
+                job.state, self.running = "done", 0
+                self.active_jobs.discard(job)
             job.events.put(event)
 
     def _run(self, job: Job) -> Result:

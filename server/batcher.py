@@ -1,0 +1,177 @@
+"""pi-serve's continuous batching (`--parallel N`, N > 1): the worker keeps up to N requests running together, each
+in its own KV cache slot, and decodes them in one batched step a token (runtime/batch.step_batch). Requests join and
+leave the running batch at token boundaries: a new one's prompt is prefilled PREFILL_CHUNK tokens at a time between
+the running ones' steps (so a long prompt holds the others up for one chunk at a time), a finished, stopped,
+cancelled or timed-out one frees its slot at once. Streaming, stop strings, time limits and cancellation behave per
+request as with one request at a time (server/serve.py's `_run`): each request samples with its own generator from
+its own seed, so its tokens are those it gets alone (greedy: the same ids; tests/test_serve_batch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hotneurons.runtime.sampling import sample
+from hotneurons.server.api import ApiError, Result, StopMatcher
+from hotneurons.server.jobs import Job
+
+log = logging.getLogger("hotneurons.serve")
+
+PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps of the running requests
+
+
+@dataclass(eq=False)
+class Slot:
+    """One running request: its cache slot, prompt tokens fed so far, tokens made, text sent."""
+
+    job: Job
+    slot: int
+    stops: StopMatcher
+    gen: torch.Generator
+    fed: int = 0  # prompt tokens in the cache
+    ids: list[int] = field(default_factory=list)
+    shown: str = ""
+    logits: torch.Tensor | None = None  # (vocab,) for the next token, once the prompt is in
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.job.ids)
+
+
+class Batcher:
+    """The worker loop of a Server with cfg.parallel > 1 (server/serve.py hands over its queue and counters)."""
+
+    def __init__(self, server: Any):
+        self.server, self.rt = server, server.rt
+        self.dec = getattr(self.rt.lm, "decoder", None)
+        if self.dec is None:
+            raise ValueError("--parallel above 1 decodes a batch in our decoder: this runtime runs a transformers "
+                             "model (--hf-decode or a hub id); serve it with --parallel 1")
+        self.n = server.cfg.parallel
+        self.dec.add_slots(max(self.dec.n_slots, self.n))
+        self.eos = set(self.rt.lm.eos)
+        self.active: list[Slot] = []
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        srv = self.server
+        while True:
+            if not self._admit(block=not self.active):
+                for s in self.active:  # shutting down: end the running requests at this token
+                    s.job.gone = True
+                self._finish_ended()
+                return
+            try:
+                self._prefill_one()
+                self._emit()
+                self._finish_ended()
+                self._decode()
+            except Exception as e:  # a failing step fails the running requests, never the server
+                log.exception("batched step failed")
+                for s in list(self.active):
+                    self._end(s, ("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}")), "errors")
+            with srv._lock:
+                srv.running = len(self.active)
+
+    def _admit(self, block: bool) -> bool:
+        """Take queued jobs into free slots; False once the server's queue says stop."""
+        srv = self.server
+        while len(self.active) < self.n:
+            job = srv.next_job(block and not self.active)
+            if job is None:  # the server stops
+                return False
+            if job is False:  # nothing queued
+                return True
+            used = {s.slot for s in self.active}
+            slot = next(i for i in range(self.n) if i not in used)
+            job.events.put(("start",))
+            self.active.append(Slot(job, slot, StopMatcher(job.stop),
+                                    torch.Generator().manual_seed(job.sampling.seed)))
+        return True
+
+    @torch.inference_mode()
+    def _prefill_one(self) -> None:
+        """The next PREFILL_CHUNK tokens of the first request whose prompt is not in its slot yet."""
+        from hotneurons.runtime.engine import forward
+
+        s = next((s for s in self.active if s.prefilling and not s.job.gone), None)
+        if s is None:
+            return
+        chunk = s.job.ids[s.fed:s.fed + PREFILL_CHUNK]
+        with self.dec.slot(s.slot):
+            logits = forward(self.rt, chunk, s.fed)  # (vocab,) of the chunk's last token
+        s.fed += len(chunk)
+        if not s.prefilling:
+            s.logits = logits
+
+    def _emit(self) -> None:
+        """Each request with logits: its next token sampled, its text streamed, its end decided."""
+        tok = self.rt.lm.tokenizer
+        for s in self.active:
+            if s.logits is None:
+                continue
+            job = s.job
+            nxt = sample(s.logits, job.ids + s.ids, job.sampling, s.gen)
+            s.ids.append(nxt)
+            s.logits = None
+            text = tok.decode(s.ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(s.shown):  # a whole UTF-8 character
+                out = s.stops.feed(text[len(s.shown):])
+                s.shown = text
+                if out and job.stream:
+                    job.events.put(("text", out))
+
+    def _ended(self, s: Slot) -> bool:
+        job = s.job
+        if job.expired():
+            job.timed_out = True
+        made = len(s.ids) >= job.max_tokens or bool(s.ids) and s.ids[-1] in self.eos
+        return job.gone or job.timed_out or s.stops.hit or made
+
+    def _finish_ended(self) -> None:
+        for s in [s for s in self.active if self._ended(s)]:
+            job = s.job
+            text = self.rt.lm.tokenizer.decode(s.ids, skip_special_tokens=True)
+            if len(text) > len(s.shown) and not s.stops.hit:  # a last piece held back as half a character
+                out = s.stops.feed(text[len(s.shown):])
+                if out and job.stream:
+                    job.events.put(("text", out))
+            rest = s.stops.flush()
+            if rest and job.stream:
+                job.events.put(("text", rest))
+            eos = bool(s.ids) and s.ids[-1] in self.eos
+            result = Result(s.stops.text, "stop" if s.stops.hit or eos else "length", len(job.ids), len(s.ids))
+            self._end(s, ("done", result), "timed_out" if job.timed_out else "dropped" if job.gone else "served")
+
+    def _end(self, s: Slot, event: tuple, count: str) -> None:
+        srv = self.server
+        with srv._lock:
+            srv.counts[count] += 1
+            s.job.state = "done"
+            srv.active_jobs.discard(s.job)
+            self.active.remove(s)
+            srv.running = len(self.active)
+        s.job.events.put(event)
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        """One batched step for the requests whose last token is sampled and not their last."""
+        from hotneurons.runtime.batch import step_batch
+
+        live = [s for s in self.active if not s.prefilling and s.ids and s.logits is None]
+        if not live:
+            return
+        logits = step_batch(self.rt, [s.ids[-1] for s in live], [len(s.job.ids) + len(s.ids) - 1 for s in live],
+                            [s.slot for s in live])  # (B, vocab)
+        for s, lg in zip(live, logits):
+            s.logits = lg
+
+    def slots(self) -> list[dict]:
+        """/health's view of the slots (read without the worker's lock: a snapshot that may be one token old)."""
+        busy = {s.slot: s for s in list(self.active)}
+        return [{"slot": i, "state": "free" if i not in busy else "prefill" if busy[i].prefilling else "decode",
+                 **({"prompt_tokens": len(busy[i].job.ids), "tokens": len(busy[i].ids)} if i in busy else {})}
+                for i in range(self.n)]

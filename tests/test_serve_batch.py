@@ -1,0 +1,95 @@
+"""pi-serve with continuous batching (--parallel N, server/batcher.py): concurrent requests decoded together give
+each its solo output (greedy, streamed or not, stop strings), /health shows the slots, clients that leave and time
+limits free their slots, and a short run of bench/serve_stress.py's load (8 clients, random cancellations) loses
+or corrupts nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hotneurons.runtime.generate import generate, prompt_ids
+from test_serve import FAMILY, client, health, load, running
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_model_dir):
+    """Each prompt's greedy text alone, at 6 and 20 tokens."""
+    rt = load(tiny_model_dir(FAMILY))
+    return {(q, n): generate(rt, prompt_ids(rt, q), n).text for q in PROMPTS for n in (6, 20)}
+
+
+def _together(s, jobs: list[tuple[str, int, bool]]) -> list[str]:
+    """The jobs (prompt, max_tokens, stream) sent at once; their texts."""
+    out: list = [None] * len(jobs)
+
+    def one(k: int) -> None:
+        q, n, stream = jobs[k]
+        c = client(s)
+        if stream:
+            out[k] = "".join(ch.choices[0].text for ch in c.completions.create(
+                model="any", prompt=q, max_tokens=n, temperature=0, stream=True) if ch.choices)
+        else:
+            out[k] = c.completions.create(model="any", prompt=q, max_tokens=n, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_concurrent_requests_equal_their_solo_runs(tiny_model_dir, solo):
+    with running(tiny_model_dir(FAMILY), parallel=3, max_queue=8) as s:
+        h = health(s)
+        assert h["parallel"] == 3 and [x["state"] for x in h["slots"]] == ["free"] * 3
+        jobs = [(q, n, k % 2 == 1) for k, (q, n) in enumerate((q, n) for n in (20, 6) for q in PROMPTS)]
+        assert _together(s, jobs) == [solo[q, n] for q, n, _ in jobs]  # 8 jobs: 3 at a time, the rest queued
+        h = health(s)
+        assert (h["served"], h["running"], h["queued"]) == (8, 0, 0)
+        assert [x["state"] for x in h["slots"]] == ["free"] * 3
+
+
+def test_stop_strings_and_chat_in_a_batch(tiny_model_dir, solo):
+    with running(tiny_model_dir(FAMILY), parallel=2) as s:
+        full = solo["The quick brown fox", 20]
+        cut = full[3:6]  # a stop string inside the text
+        c = client(s)
+        r = c.completions.create(model="any", prompt="The quick brown fox", max_tokens=20, temperature=0, stop=[cut])
+        assert r.choices[0].text == full[:full.find(cut)] and r.choices[0].finish_reason == "stop"
+        chat = c.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0)
+        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 4
+
+
+def test_a_batch_needs_our_decoder(tiny_model_dir):
+    from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_runtime
+    from hotneurons.server.serve import ServeConfig, Server
+
+    rt = load_runtime(None, RuntimeConfig(mode="dense", device="cpu", static_decode=False), model=str(
+        tiny_model_dir(FAMILY)))
+    with pytest.raises(ValueError, match="--parallel 1"):
+        Server(rt, ServeConfig(port=0, parallel=2))
+    with pytest.raises(ValueError, match="--parallel 0"):
+        ServeConfig(parallel=0)
+
+
+def test_stress_loses_and_corrupts_nothing(tiny_model_dir, solo):
+    """8 clients for 20 s, 30% leaving mid-stream: every completed response is its solo text, nothing fails, and the
+    server's counts add up (bench/serve_stress.py runs the same for 10 minutes)."""
+    from bench.serve_stress import stress
+
+    cases = [({"prompt": q, "max_tokens": n, "temperature": 0}, solo[q, n]) for q in PROMPTS for n in (6, 20)]
+    with running(tiny_model_dir(FAMILY), parallel=4, max_queue=16) as s:
+        got = stress(s.port, cases, 20, clients=8, cancel=0.3)
+        assert got["failed"] == 0 and got["wrong"] == 0, got
+        assert got["completed"] > 10 and got["cancelled"] > 0, got
+        h = health(s)
+        assert h["running"] == 0 and h["queued"] == 0 and h["errors"] == 0
+        assert h["served"] >= got["completed"] and h["served"] + h["dropped"] == got["completed"] + got["cancelled"]
