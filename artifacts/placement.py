@@ -42,6 +42,7 @@ class PlacementFlags(Section):
     time_limit: float
     mip_gap: float
     threads: int | None = None
+    parallel: int = 1  # sequences decoded together (pi-serve --parallel): KV cache slots in the budget
 
 
 @dataclass(kw_only=True)
@@ -171,6 +172,9 @@ class PlacementSummary(JsonFile):
     flags: PlacementFlags
     seconds_total: float | None = None
     experts: ExpertsSummary | None = optional()  # a mixture of experts (then `layers` is empty)
+    # batched decoding (solver/batching.py): per batch size the expected step, aggregate tokens/s, cold rows read a
+    # token, the layer split's rate at the budget; the batch size from which the layer split's is the higher
+    batching: dict[str, Any] | None = optional()
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ def _parsed(parse, flag: str, text: str | None):
                    "(--cold-dtype auto): the file's block format where the CPU kernels read it, else the nearest; "
                    "bf16 for a float model; a mixture of experts: as on the GPU (cold experts read in place).")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
+@click.option("--parallel", type=int, default=1, show_default=True,
+              help="Sequences pi-serve decodes at once (its --parallel): a KV cache slot of --ctx tokens each in the "
+                   "budget. The summary prices batches of 1-8 either way.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
 @click.option("--objective", type=click.Choice(Objective.values()), default="latency", show_default=True,
@@ -71,8 +74,8 @@ def _parsed(parse, flag: str, text: str | None):
               help="Mixtures of experts: also place groups of the hottest neurons inside ReLU-family experts (auto: "
                    "where the activation is ReLU-family and the profile counts the experts' neurons).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
-def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, reserve,
-         group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, expert_neurons, as_json):
+def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, parallel,
+         reserve, group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, expert_neurons, as_json):
     """Place each layer's hottest FFN neurons on the GPU, the rest on the CPU, within a VRAM budget.
 
     Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}. A mixture-of-experts
@@ -146,7 +149,7 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                                           reserve_bytes=reserve_bytes, group_size=group_size,
                                           objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
                                           mip_gap=mip_gap, threads=threads, hardware_notes=notes,
-                                          cold_dtype=cold_dtype)
+                                          cold_dtype=cold_dtype, parallel=parallel)
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
         except KeyboardInterrupt:  # a Ctrl-C during the write waits for it (common/artifacts.staged)
@@ -203,9 +206,21 @@ def human_summary(s: PlacementSummary, run_dir: str) -> str:
         f"{s.reference_tokens_per_s['all_on_gpu_dense']:.2f}; cost-model floor, not a measurement)",
         f"solver     {sv.backend}, objective {sv.objective}: {sv.status}, gap {sv.gap:.2e}, "
         f"{sv.groups} groups of {sv.group_size}, build {sv.build_seconds:.2f} s + solve {sv.solve_seconds:.2f} s",
+        *_batching_lines(s.batching),
         f"wrote      {run_dir}/placement/{{placement.parquet, summary.json, meta.json}}",
     ]
     return "\n".join(lines)
+
+
+def _batching_lines(b: dict | None) -> list[str]:
+    """pi-serve --parallel B: the cost model's aggregate tokens/s per B against the layer split's."""
+    if not b:
+        return []
+    rates = ", ".join(f"B={k} {r['tokens_per_s']:.1f} ({r['vs_layer_split']:.2f}x layer split)"
+                      for k, r in b["batches"].items())
+    stop = b["stops_paying_at"]
+    return [f"batches    {rates}; the layer split is faster from B={stop}" if stop else
+            f"batches    {rates}; ahead of the layer split up to B=64"]
 
 
 def human_moe_summary(s: PlacementSummary, run_dir: str) -> str:

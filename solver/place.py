@@ -25,6 +25,7 @@ from hotneurons.common.kinds import choose
 from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_size_arg
 
+from .batching import batch_table, measured_union
 from .cost import (
     ACT_BYTES,
     COLD_BYTES,
@@ -115,7 +116,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
                     dtype: str | None = None, ctx: int = 4096, reserve_bytes: int | None = None, group_size: int = 64,
                     objective: Objective | str = Objective.LATENCY, comm: bool = True, time_limit: float = 30.0,
                     mip_gap: float = 1e-3, threads: int | None = None, write: bool = True,
-                    hardware_notes: list[str] | None = None, cold_dtype: str | None = None) -> PlacementSummary:
+                    hardware_notes: list[str] | None = None, cold_dtype: str | None = None,
+                    parallel: int = 1) -> PlacementSummary:
     """Place each layer's hottest FFN neurons on the GPU. Returns the summary (also written to
     RUN/placement/summary.json with placement.parquet and meta.json when `write`). `dtype`: the weights' format on
     the GPU; `cold_dtype`: how the runtime will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active
@@ -134,6 +136,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     auto = default_formats(shape) if dtype is None or cold_dtype is None else None
     dtype = choose(dtype or auto[0], DTYPE_BYTES, "weight dtype", SolverError, "dtype")
     cold_dtype = choose(cold_dtype or auto[1], COLD_BYTES, "cold dtype", SolverError, "cold_dtype")
+    if not 1 <= parallel <= 64:
+        raise SolverError(f"--parallel {parallel} must be 1 to 64 (sequences decoded together)", params="parallel")
     ids, counts = _sorted_counts(df, shape, run_dir / "profile" / "neurons.parquet")
     db = DTYPE_BYTES[dtype]
 
@@ -141,6 +145,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     pred_bytes, pred_source = (_predictor_bytes(run_dir, shape, db) if not always
                                else (0, "none: a gated model's run without predictors decodes by its own gates"))
     items = memory_items(shape, db, ctx, hw.reserve_bytes if hw.has_gpu else 0, pred_bytes, ACT_BYTES[dtype])
+    items["kv_cache"] *= parallel  # a slot of ctx tokens per sequence pi-serve decodes at once
     fixed = sum(items.values())
     if hw.has_gpu and fixed > hw.vram_bytes:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in items.items() if v)
@@ -165,8 +170,14 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
 
     flags = PlacementFlags(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
                            reserve_bytes=hw.reserve_bytes, group_size=group_size, objective=objective,
-                           comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads)
+                           comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads,
+                           parallel=parallel)
     summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes)
+    summary.batching = batch_table(problem, tables, result.k, counts, shape, hw, db)
+    if hw.has_gpu:
+        hot = tables.neurons[np.arange(problem.n_layers), result.k].astype(np.int64)
+        summary.batching["measured_cold_rows_per_token"] = measured_union(
+            run_dir / "profile" / "samples", [i[h:] for i, h in zip(ids, hot)])
     summary.seconds_total = time.perf_counter() - t_start
     if write:
         _write(run_dir, problem, ids, counts, summary, meta, hw)
