@@ -10,8 +10,10 @@ other load on the machine falls on every cell alike), C threads together send --
 completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
 records the time to the first content token (TTFT: from sending the request, queue wait included), the total
 latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
-round shows the spread. The runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with
-the queue. Writes a JSON results file with the machine, its load and the command.
+round shows the spread, and the gaps between a stream's content events its inter-token latency (ITL). With
+--parallel 1 the runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with the queue; with
+--parallel N up to N requests decode together (continuous batching). Writes a JSON results file with the machine,
+its load and the command.
 """
 
 from __future__ import annotations
@@ -71,16 +73,19 @@ def stream_chat(port: int, question: str, max_tokens: int) -> dict:
     if r.status != 200:
         return {"status": r.status, "error": json.loads(r.read())["error"]["message"]}
     ttft = usage = None
+    seen: list[float] = []  # when each content event arrived
     for line in r:  # http.client undoes the chunking; SSE events are "data: ..." lines
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         event = json.loads(line[6:])
         if event.get("usage"):
             usage = event["usage"]
-        if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content"):
-            ttft = time.perf_counter() - t0
+        if event["choices"] and event["choices"][0]["delta"].get("content"):
+            seen.append(time.perf_counter() - t0)
+            ttft = seen[0]
     conn.close()
     return {"status": 200, "ttft_s": ttft, "latency_s": time.perf_counter() - t0,
+            "itl_s": [b - a for a, b in zip(seen, seen[1:])],
             "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
 
 
@@ -109,12 +114,19 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> tupl
     return results, time.perf_counter() - t0
 
 
-def summary(mode: str, clients: int, results: list[dict], walls: list[float], oks: list[int]) -> dict:
+def _pct(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def summary(mode: str, parallel: int, clients: int, results: list[dict], walls: list[float], oks: list[int]) -> dict:
     ok = [r for r in results if r["status"] == 200]
     ttft = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
+    itl = sorted(g for r in ok for g in r["itl_s"])  # inter-token latency: gaps between a stream's content events
     tokens = sum(r["completion_tokens"] for r in ok)
     wall = sum(walls)
-    return {"mode": mode, "clients": clients, "requests": len(results), "ok": len(ok), "wall_s": wall,
+    return {"mode": mode, "parallel": parallel, "clients": clients, "requests": len(results), "ok": len(ok),
+            "wall_s": wall, "itl_median_s": _pct(itl, 0.5), "itl_p95_s": _pct(itl, 0.95),
+            "ttft_p95_s": _pct(ttft, 0.95),
             "requests_per_s": len(ok) / wall, "requests_per_s_per_round": [n / w for n, w in zip(oks, walls)],
             "completion_tokens_per_s": tokens / wall,
             "mean_completion_tokens": tokens / len(ok) if ok else None,
@@ -143,17 +155,23 @@ def git_state() -> dict:
 @click.option("--rounds", default=3, show_default=True, help="Rounds over all cells.")
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--threads", type=int, default=None, help="pi-serve --threads (Numba).")
+@click.option("--parallel", default="1", show_default=True,
+              help="pi-serve --parallel values, one server each (1: batch 1; N: continuous batching of N requests).")
+@click.option("--serve-args", default="", help="More pi-serve flags, e.g. '--vram 24GiB --device cuda'.")
 @click.option("--out", default="bench/results/serve_smollm2.json", show_default=True)
-def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
+def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, parallel, serve_args, out):
     modes, counts = modes.split(","), [int(c) for c in clients.split(",")]
+    pars = [int(p) for p in parallel.split(",")]
+    modes = [(m, p) for m in modes for p in pars]  # one server each
     load_before = os.getloadavg()  # other jobs on the machine skew every figure: recorded with them
-    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    servers: dict[tuple[str, int], tuple[subprocess.Popen, int]] = {}
     try:
-        for mode in modes:
+        for mode, par in modes:
             port = free_port()
             cmd = [sys.executable, "-m", "hotneurons.server.cli", "--run", run_dir, "--mode", mode,
-                   "--port", str(port), "--max-queue", "64", "--quiet"]
-            servers[mode] = subprocess.Popen(cmd + (["--threads", str(threads)] if threads is not None else [])), port
+                   "--port", str(port), "--max-queue", "64", "--parallel", str(par), "--quiet", *serve_args.split()]
+            extra = ["--threads", str(threads)] if threads is not None else []
+            servers[mode, par] = subprocess.Popen(cmd + extra), port
         for mode, (proc, port) in servers.items():
             wait_ready(port, proc)
             stream_chat(port, QUESTIONS[0], max_tokens)  # compiles and warms caches; not counted
@@ -166,20 +184,21 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, out):
                     records += results
                     walls.append(wall)
                     oks.append(sum(x["status"] == 200 for x in results))
-                    click.echo(f"round {r + 1}: {mode:7s} {c} clients: {oks[-1] / wall:.3f} req/s", err=True)
+                    click.echo(f"round {r + 1}: {mode[0]:7s} x{mode[1]} {c} clients: {oks[-1] / wall:.3f} req/s",
+                               err=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    table = [summary(m, c, *cells[m, c]) for (m, c) in cells]
+    table = [summary(*m, c, *cells[m, c]) for (m, c) in cells]
     for t in table:
-        click.echo(f"{t['mode']:7s} {t['clients']} clients: {t['requests_per_s']:.3f} req/s, "
+        click.echo(f"{t['mode']:7s} x{t['parallel']} {t['clients']} clients: {t['requests_per_s']:.3f} req/s, "
                    f"{t['completion_tokens_per_s']:.1f} tok/s, TTFT median {t['ttft_median_s']:.3f} s, "
                    f"p90 {t['ttft_p90_s']:.3f} s", err=True)
     result = {
         "benchmark": "serve",
-        "what": "pi-serve: requests/s and time to first token of streaming chat completions from concurrent "
-                "clients on one batch-1 runtime; TTFT includes the queue wait",
+        "what": "pi-serve: requests/s, time to first token and inter-token latency of streaming chat completions "
+                "from concurrent clients, batch 1 or --parallel N; TTFT includes the queue wait",
         "command": " ".join(["python", *sys.argv]),
         "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy",
         "client": "raw HTTP from the same machine", "results": table,

@@ -93,3 +93,16 @@ def test_stress_loses_and_corrupts_nothing(tiny_model_dir, solo):
         h = health(s)
         assert h["running"] == 0 and h["queued"] == 0 and h["errors"] == 0
         assert h["served"] >= got["completed"] and h["served"] + h["dropped"] == got["completed"] + got["cancelled"]
+
+
+def test_serve_bench_client_side(tiny_model_dir):
+    """bench/serve_bench.py's clients and summary against a --parallel 2 server: every request answered, TTFT and
+    inter-token latencies taken from the stream."""
+    from bench.serve_bench import run_clients, summary
+
+    with running(tiny_model_dir(FAMILY), parallel=2) as s:
+        results, wall = run_clients(s.port, 3, 6, 5)
+    row = summary("dense", 2, 3, results, [wall], [len(results)])
+    assert row["ok"] == 6 and not row["errors"] and row["parallel"] == 2
+    assert all(r["completion_tokens"] <= 5 and len(r["itl_s"]) <= 4 for r in results)
+    assert row["ttft_median_s"] > 0 and (row["itl_median_s"] is None or row["itl_median_s"] > 0)
