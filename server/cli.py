@@ -23,8 +23,9 @@ from hotneurons.server.config import ServeConfig
               "wait included; a generation still running then ends with finish_reason 'length'. 0: no limit.")
 @click.option("--max-tokens", default=ServeConfig.max_tokens, show_default=True, help="Tokens to generate when a "
               "request names no max_tokens (clipped to the context).")
-@click.option("--parallel", default=ServeConfig.parallel, show_default=True, help="Requests decoded together, each "
-              "in its own KV cache slot (continuous batching: our decoders; 1 keeps batch 1's CUDA graphs).")
+@click.option("--parallel", type=int, default=None, help="Requests decoded together, each in its own KV cache "
+              "slot (continuous batching; our decoders). Default: the run's placement's (pi-solve --parallel, which "
+              "budgets the slots), else 1 (batch 1, with its CUDA graphs).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
 def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, model_id, quiet, runtime):
@@ -37,9 +38,16 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, model_id
     """
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
     try:
-        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel)
+        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel or 1)
     except ValueError as e:
         raise click.UsageError(str(e))
+    if parallel is None:  # the slots the placement was budgeted for
+        from dataclasses import replace
+
+        from hotneurons.runtime.placement import solved_summary
+
+        solved = solved_summary(runtime.run_dir)
+        cfg = replace(cfg, parallel=solved.flags.parallel if solved is not None else 1)
     rt = open_runtime(runtime)
     from hotneurons.server.serve import serve
 

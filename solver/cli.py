@@ -60,8 +60,8 @@ def _parsed(parse, flag: str, text: str | None):
                    "bf16 for a float model; a mixture of experts: as on the GPU (cold experts read in place).")
 @click.option("--ctx", type=int, default=4096, show_default=True, help="Context length the KV cache must hold.")
 @click.option("--parallel", type=int, default=1, show_default=True,
-              help="Sequences pi-serve decodes at once (its --parallel): a KV cache slot of --ctx tokens each in the "
-                   "budget. The summary prices batches of 1-8 either way.")
+              help="Sequences pi-serve decodes at once (its --parallel, which it takes from here by default): a KV "
+                   "cache slot of --ctx tokens each in the budget. A dense model's summary prices batches of 1-8.")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
 @click.option("--objective", type=click.Choice(Objective.values()), default="latency", show_default=True,
@@ -143,7 +143,8 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                 summary = solve_expert_placement(
                     run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx, reserve_bytes=reserve_bytes,
                     group_size=group_size, objective=objective, time_limit=time_limit, mip_gap=mip_gap,
-                    threads=threads, hardware_notes=notes, cold_dtype=cold_dtype, expert_neurons=expert_neurons)
+                    threads=threads, hardware_notes=notes, cold_dtype=cold_dtype, expert_neurons=expert_neurons,
+                    parallel=parallel)
             else:
                 summary = solve_placement(run_dir, hw, vram_bytes=vram_bytes, dtype=dtype, ctx=ctx,
                                           reserve_bytes=reserve_bytes, group_size=group_size,

@@ -156,7 +156,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
                            group_size: int = 64, objective: Objective | str = Objective.LATENCY,
                            time_limit: float = 30.0, mip_gap: float = 1e-3, threads: int | None = None,
                            write: bool = True, hardware_notes: list[str] | None = None, cold_dtype: str | None = None,
-                           expert_neurons: str = "auto") -> PlacementSummary:
+                           expert_neurons: str = "auto", parallel: int = 1) -> PlacementSummary:
     """Place whole experts (and neuron groups inside ReLU-family experts) on the GPU. `dtype`: the weights' format
     (None: the GGUF file's own); `cold_dtype`: how the CPU stores cold experts (None: as on the GPU, read in place)."""
     t_start = time.perf_counter()
@@ -167,6 +167,8 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
     if cold_dtype is not None:
         cold_dtype = choose(cold_dtype, COLD_BYTES, "cold dtype", SolverError, "cold_dtype")
     _check_args(ctx, group_size, time_limit, mip_gap, hw)
+    if not 1 <= parallel <= 64:
+        raise SolverError(f"--parallel {parallel} must be 1 to 64 (sequences decoded together)", params="parallel")
 
     edf, ndf, meta = read_moe_profile(run_dir)
     pdir = run_dir / "profile"
@@ -189,7 +191,8 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
     cold = sizes.expert if cold_dtype is None else np.full(L, 3 * model.d_model * n * COLD_BYTES[cold_dtype])
     kv_b = ACT_BYTES.get(sizes.format, 2.0)
     items = {**sizes.items, "embedding": 0 if model.params.lm_head else sizes.items["embedding"],
-             "kv_cache": int(2 * L * model.num_key_value_heads * model.head_dim * kv_b * ctx),
+             # a slot of ctx tokens per sequence pi-serve decodes at once
+             "kv_cache": int(2 * L * model.num_key_value_heads * model.head_dim * kv_b * ctx) * parallel,
              # fp32 buffers of a decode step: logits, hidden states, the k experts' and the shared expert's
              # intermediates, attention scores; doubled for allocator slack
              "workspace": int(2 * 4 * (model.vocab_size + 4 * model.d_model
@@ -231,7 +234,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
     flags = PlacementFlags(vram_bytes=hw.vram_bytes, dtype=sizes.format, cold_dtype=cold_dtype or sizes.format,
                            ctx=ctx, reserve_bytes=hw.reserve_bytes, group_size=problem.group_size,
                            objective=objective, comm_constraint=False, time_limit=time_limit, mip_gap=mip_gap,
-                           threads=threads)
+                           threads=threads, parallel=parallel)
     summary = _summary(problem, tables, result, ev, items, emb_cpu, sizes, hw, model, x, int(xfer), flags,
                        hardware_notes or [])
     summary.seconds_total = time.perf_counter() - t_start

@@ -91,3 +91,13 @@ def test_parallel_counts_a_kv_slot_per_sequence(tmp_path):
     assert four.memory.gpu["kv_cache"] == 4 * one.memory.gpu["kv_cache"] and four.flags.parallel == 4
     assert four.budget.ffn_budget_bytes == one.budget.ffn_budget_bytes - 3 * one.memory.gpu["kv_cache"]
     assert set(one.batching["batches"]) == {"1", "2", "4", "8"}
+
+
+def test_parallel_counts_kv_slots_for_experts_too(tmp_path):
+    from hotneurons.solver.place_moe import solve_expert_placement
+    from hotneurons.solver.synthetic import write_synthetic_moe_profile
+
+    run = write_synthetic_moe_profile(tmp_path / "run", "qwen3-30b-a3b", tokens=2000)
+    kw = dict(vram_bytes=12 * 10**9, ctx=4096, reserve_bytes=0, write=False)
+    one, two = (solve_expert_placement(run, HW, parallel=p, **kw) for p in (1, 2))
+    assert two.memory.gpu["kv_cache"] == 2 * one.memory.gpu["kv_cache"] and two.flags.parallel == 2
