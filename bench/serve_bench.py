@@ -89,6 +89,15 @@ def stream_chat(port: int, question: str, max_tokens: int) -> dict:
             "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
 
 
+def _health(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
 def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
     """`requests` requests from `clients` threads; returns each request's record and the wall time."""
     results: list[dict] = []
@@ -186,6 +195,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
                     oks.append(sum(x["status"] == 200 for x in results))
                     click.echo(f"round {r + 1}: {mode[0]:7s} x{mode[1]} {c} clients: {oks[-1] / wall:.3f} req/s",
                                err=True)
+        healths = {f"{m}-x{p}": _health(port) for (m, p), (_, port) in servers.items()}  # the cold rows' union
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -201,7 +211,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
                 "from concurrent clients, batch 1 or --parallel N; TTFT includes the queue wait",
         "command": " ".join(["python", *sys.argv]),
         "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy",
-        "client": "raw HTTP from the same machine", "results": table,
+        "client": "raw HTTP from the same machine", "results": table, "health": healths,
         "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),
     }

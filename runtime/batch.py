@@ -65,12 +65,33 @@ def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
     return out
 
 
-def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+@dataclass
+class UnionStats:
+    """Per batch size B: decode steps, the cold rows the CPU read (the union of the B masks) and the rows the B masks
+    marked, summed over the layers of each step (predictor masks): how much a batch shares its cold reads."""
+
+    rows: dict[int, list[int]] = field(default_factory=dict)  # B -> [steps, union rows, marked rows]
+
+    def add(self, B: int, union: int, marked: int, step: bool) -> None:
+        r = self.rows.setdefault(B, [0, 0, 0])
+        r[0] += int(step)
+        r[1] += union
+        r[2] += marked
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """B -> steps, cold rows read per token a step, rows marked per token, and the union's share of the marks."""
+        return {str(B): {"steps": s, "union_rows_per_token": u / s / B, "marked_rows_per_token": m / s / B,
+                         "union_over_marked": u / m if m else 1.0}
+                for B, (s, u, m) in sorted(self.rows.items()) if s}
+
+
+def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor, stats: UnionStats | None = None,
+              first: bool = False) -> torch.Tensor:
     """(B, d) -> (B, d): a dense hybrid FFN over B decode tokens, each with its batch-1 mask. The hot rows: one product
     over the B tokens on the device. Predictor masks: the CPU reads each cold row of the masks' union once for all
     the tokens that mark it (`ffn_rows_batch`); other masks (the gate's, dense, oracle) go token by token through
     batch 1's path. `residual` (B, d): the residual before the pre-FFN norm, which the powerinfer-form predictor
-    reads."""
+    reads. `stats`: the union's size is added to it (`first`: the step's first such layer counts the step)."""
     from hotneurons.kernels.ops import predict
     from hotneurons.runtime.gated import hot_sparse
 
@@ -88,6 +109,8 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Te
                              np.empty((x.shape[0], f.d_model), np.float32))
         f.counts[0] += x.shape[0]
         f.cold_marks += (x.shape[0], int(masks.sum()))
+        if stats is not None:
+            stats.add(x.shape[0], len(idx), int(masks.sum()), first)
         return y + torch.from_numpy(out).to(y.device, y.dtype)
     rows = []
     for b in range(x.shape[0]):
@@ -104,9 +127,11 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> torch.Te
 
 
 @torch.inference_mode()
-def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int],
+               stats: UnionStats | None = None) -> torch.Tensor:
     """Logits (B, vocab) float32: token b at position positions[b] of the sequence in cache slot slots[b], whose
-    key and value join that slot. Our decoders (runtime/engine.SourceModel) only."""
+    key and value join that slot. Our decoders (runtime/engine.SourceModel) only. `stats`: the cold rows' union per
+    step is counted there (UnionStats)."""
     m = getattr(rt.lm, "decoder", None)
     if m is None:
         raise ValueError("batched decoding runs our decoders (a model read in place): this runtime decodes through "
@@ -123,7 +148,7 @@ def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int
                 parts.append(m.attention(i, h[b:b + 1], p))  # (1, d) residual after attention, FFN input
         h2 = torch.cat([a for a, _ in parts])  # (B, d)
         x = torch.cat([c for _, c in parts])  # (B, d)
-        y = ffn_batch(f, x, h2) if isinstance(f, HybridFFN) else f(x)
+        y = ffn_batch(f, x, h2, stats, i == 0) if isinstance(f, HybridFFN) else f(x)
         h = m.after_ffn(i, h2, y)
     return m.logits(h)  # (B, vocab)
 

@@ -54,6 +54,9 @@ class Batcher:
         self.dec.add_slots(max(self.dec.n_slots, self.n))
         self.eos = set(self.rt.lm.eos)
         self.active: list[Slot] = []
+        from hotneurons.runtime.batch import UnionStats
+
+        self.union = UnionStats()  # the cold rows' union per batch size, /health's "union"
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -165,7 +168,7 @@ class Batcher:
         if not live:
             return
         logits = step_batch(self.rt, [s.ids[-1] for s in live], [len(s.job.ids) + len(s.ids) - 1 for s in live],
-                            [s.slot for s in live])  # (B, vocab)
+                            [s.slot for s in live], self.union)  # (B, vocab)
         for s, lg in zip(live, logits):
             s.logits = lg
 

@@ -133,6 +133,7 @@ class Health(BaseModel):
     errors: int
     parallel: int  # requests decoded together
     slots: list[dict] | None  # with parallel > 1: each slot's state (free, prefill, decode) and its request's tokens
+    union: dict[str, dict] | None  # parallel > 1, per batch size: the cold rows a step read per token (their union)
 
 
 class ErrorDetail(BaseModel):

@@ -181,7 +181,8 @@ class Server:
         with self._lock:
             return {"status": "ok", "model": self.model_id, "running": self.running, "queued": self.waiting,
                     "max_queue": self.cfg.max_queue, "parallel": self.cfg.parallel, **self.counts,
-                    "slots": self._batcher.slots() if self._batcher is not None else None}
+                    "slots": self._batcher.slots() if self._batcher is not None else None,
+                    "union": self._batcher.union.summary() if self._batcher is not None else None}
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 503 when the queue is full."""

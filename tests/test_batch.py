@@ -10,7 +10,7 @@ import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
 from hotneurons.models.open import model_info, open_model
-from hotneurons.runtime.batch import generate_batch, slot_bytes, step_batch
+from hotneurons.runtime.batch import UnionStats, generate_batch, slot_bytes, step_batch
 from hotneurons.runtime.generate import RuntimeConfig, generate
 from hotneurons.runtime.load import load_source_runtime
 from test_runtime_moe import moe_gguf  # noqa: F401 (the fixture)
@@ -59,7 +59,11 @@ def test_batch_equals_batch_one(family, fmt, tiny_model_dir, tmp_path):
     for b, p in enumerate(PROMPTS):
         with dec.slot(b):
             rt.lm.prefill(rt, p)
-    logits = step_batch(rt, [s[0][0] for s in solo], [len(p) for p in PROMPTS], [0, 1, 2])
+    stats = UnionStats()
+    logits = step_batch(rt, [s[0][0] for s in solo], [len(p) for p in PROMPTS], [0, 1, 2], stats)
+    u = stats.summary()["3"]  # one step of 3 tokens: the union read once, each token's marks counted
+    assert u["steps"] == 1 and u["union_rows_per_token"] * 3 <= u["marked_rows_per_token"] * 3
+    assert u["union_rows_per_token"] * 3 >= u["marked_rows_per_token"] and 1 / 3 <= u["union_over_marked"] <= 1
     for b, (_, lg) in enumerate(solo):
         torch.testing.assert_close(logits[b], lg[1], rtol=0, atol=ATOL)
     # the slots are another order of the same sequences: the same logits
