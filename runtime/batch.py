@@ -17,6 +17,7 @@ in place (mapped_rows: a batch's CPU reads them all), CUDA graphs per batch size
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,17 +53,27 @@ def ffn_rows_batch(activation: str, xs: np.ndarray, idx: np.ndarray, member: np.
     return out
 
 
-def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
-    """(B, n_cold) bool: each token's cold mask, the predictor run token by token as batch 1 runs it."""
-    from hotneurons.kernels.ops import predict
+_BITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HybridFFN -> (host bits, device view): its batch
 
-    n = f.n_cold
-    out = np.empty((x.shape[0], n), bool)
-    for b in range(x.shape[0]):
-        f.to_host(x[b:b + 1], predict, residual[b:b + 1] if f.prenorm else None)
-        _sync(x.device)
-        out[b] = np.unpackbits(f.io.mask_words.view(np.uint8), bitorder="little")[:n].astype(bool)
-    return out
+
+def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
+    """(B, n_cold) bool: each token's cold mask from the predictor, launched token by token as batch 1 launches it
+    (the same op on the same input: the same bits) into a row of buffers of its own, then one wait for all."""
+    from hotneurons.kernels.cold import mask_bytes
+    from hotneurons.kernels.ops import predict
+    from hotneurons.runtime.cold_rows import host_mapped
+
+    B, n = x.shape[0], f.n_cold
+    if f not in _BITS or _BITS[f][0].shape[0] < B:
+        pin = x.device.type == "cuda"  # written by the device, read by the CPU
+        host = torch.zeros((max(B, 8), mask_bytes(n)), dtype=torch.uint8, pin_memory=pin).numpy()  # (rows, bytes)
+        _BITS[f] = host, host_mapped(host, host, x.device, register=False)
+    host, dev = _BITS[f]
+    src = residual if f.prenorm else x  # what the predictor reads (the powerinfer form: the residual)
+    for b in range(B):
+        predict(src[b].to(f.pred_fc1.dtype), f.pred_fc1, f.pred_fc2, f.pred_threshold, f.fired, None, dev[b], n)
+    _sync(x.device)
+    return np.unpackbits(host[:B], axis=1, bitorder="little")[:, :n].astype(bool)
 
 
 @dataclass
@@ -96,22 +107,26 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor, stats: Unio
     from hotneurons.runtime.gated import hot_sparse
 
     f.host_io(x.device)
-    if f.gws is not None:  # the gated hot kernel takes one token (static buffers)
-        y = torch.cat([hot_sparse(f, x[b:b + 1]) for b in range(x.shape[0])])
-    else:
-        y = f._hot(x, count=True)  # (B, d): one product over the B tokens
+
+    def hot() -> torch.Tensor:  # (B, d), launched asynchronously on CUDA
+        if f.gws is not None:  # the gated hot kernel takes one token (static buffers)
+            return torch.cat([hot_sparse(f, x[b:b + 1]) for b in range(x.shape[0])])
+        return f._hot(x, count=True)  # one product over the B tokens
+
     if not f.n_cold and f.mask != "oracle":
-        return y
+        return hot()
     if f.mask == "predictor":
-        masks = _masks(f, x, residual)  # (B, n_cold)
+        xs = x.float().cpu().numpy()  # (B, d) on the host
+        masks = _masks(f, x, residual)  # (B, n_cold), after the device's one wait
+        y = hot()  # the device's part while the CPU reads the cold rows below
         idx, member = union(masks)
-        out = ffn_rows_batch(f.activation, x.float().cpu().numpy(), idx, member, f.cold,
-                             np.empty((x.shape[0], f.d_model), np.float32))
+        out = ffn_rows_batch(f.activation, xs, idx, member, f.cold, np.empty((x.shape[0], f.d_model), np.float32))
         f.counts[0] += x.shape[0]
         f.cold_marks += (x.shape[0], int(masks.sum()))
         if stats is not None:
             stats.add(x.shape[0], len(idx), int(masks.sum()), first)
         return y + torch.from_numpy(out).to(y.device, y.dtype)
+    y = hot()
     rows = []
     for b in range(x.shape[0]):
         xb = x[b:b + 1]  # (1, d)
