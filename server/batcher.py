@@ -51,7 +51,17 @@ class Batcher:
             raise ValueError("--parallel above 1 decodes a batch in our decoder: this runtime runs a transformers "
                              "model (--hf-decode or a hub id); serve it with --parallel 1")
         self.n = server.cfg.parallel
+        from hotneurons.common.units import format_bytes
+        from hotneurons.runtime.batch import slot_bytes
+
+        extra = slot_bytes(self.dec) * max(0, self.n - self.dec.n_slots)  # bytes: the other requests' KV caches
+        vram = self.rt.cfg.vram
+        if vram is not None and self.rt.device.type != "cpu" and self.rt.bytes_gpu + extra > vram:
+            raise ValueError(f"--parallel {self.n} needs {format_bytes(extra)} more for its KV cache slots, past "
+                             f"--vram {format_bytes(vram)}: solve the placement for it (pi-solve --parallel "
+                             f"{self.n}), lower --ctx, or serve fewer at once")
         self.dec.add_slots(max(self.dec.n_slots, self.n))
+        self.rt.bytes_gpu += extra
         self.eos = set(self.rt.lm.eos)
         self.active: list[Slot] = []
         from hotneurons.runtime.batch import UnionStats

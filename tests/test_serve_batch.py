@@ -106,3 +106,26 @@ def test_serve_bench_client_side(tiny_model_dir):
     assert row["ok"] == 6 and not row["errors"] and row["parallel"] == 2
     assert all(r["completion_tokens"] <= 5 and len(r["itl_s"]) <= 4 for r in results)
     assert row["ttft_median_s"] > 0 and (row["itl_median_s"] is None or row["itl_median_s"] > 0)
+
+
+def test_slots_past_the_budget_are_refused(tiny_model_dir):
+    """The other requests' KV cache slots must fit --vram beside what the load holds (checked where the device is
+    a GPU: the runtime's device is set so here, nothing runs on it)."""
+    import dataclasses
+    import types
+
+    import torch
+    from hotneurons.runtime.batch import slot_bytes
+    from hotneurons.server.batcher import Batcher
+    from hotneurons.server.config import ServeConfig
+
+    rt = load(tiny_model_dir(FAMILY))
+    need = slot_bytes(rt.lm.decoder) * 3
+    rt.device = torch.device("cuda")
+    rt.cfg = dataclasses.replace(rt.cfg, vram=rt.bytes_gpu + need - 1)
+    with pytest.raises(ValueError, match="pi-solve --parallel 4"):
+        Batcher(types.SimpleNamespace(rt=rt, cfg=ServeConfig(parallel=4)))
+    rt.cfg = dataclasses.replace(rt.cfg, vram=rt.bytes_gpu + need)
+    before = rt.bytes_gpu
+    assert Batcher(types.SimpleNamespace(rt=rt, cfg=ServeConfig(parallel=4))).n == 4
+    assert rt.bytes_gpu == before + need and rt.lm.decoder.n_slots == 4
