@@ -48,3 +48,14 @@ def test_union():
     assert idx.tolist() == [0, 3, 4] and member.tolist() == [1, 3, 2]
     with pytest.raises(ValueError, match="at most 64"):
         union(np.zeros((MAX_BATCH + 1, 4), bool))
+
+
+def test_rate_bench_runs_small(tmp_path):
+    """bench/cold_batch_rate.py at a toy size: both ways timed, the union no larger than the marks."""
+    from bench.cold_batch_rate import main
+
+    fig = main(["--out", str(tmp_path / "r.json"), "--neurons", "300", "--d", "64", "--batches", "1,3", "--reps", "2"])
+    for B, r in fig["batches"].items():
+        assert r["union_rows"] <= r["marked_rows"] and r["batched_ms"] > 0 and r["token_by_token_ms"] > 0
+    assert fig["batches"]["1"]["union_rows"] == fig["batches"]["1"]["marked_rows"]
+    assert (tmp_path / "r.json").exists()
