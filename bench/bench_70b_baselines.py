@@ -33,6 +33,29 @@ def llama_bench(binary: str, gguf: Path, ngl: int, threads: int, gen: str, promp
     return row
 
 
+def batched_bench(binary: str, gguf: Path, ngl: int, threads: int, batches: str = "1,2,4,8", prompt: int = 128,
+                  gen: int = 128, timeout: float = 500, extra: tuple[str, ...] = ()) -> dict:
+    """One `llama-batched-bench` process (-npl `batches` sequences, each its own prompt of `prompt` tokens and `gen`
+    new ones, every layer past the first `ngl` on the CPU): per batch size its aggregate decode tokens/s (S_TG =
+    B gen / T_TG) and prefill tokens/s, and the process's peak host and GPU memory. `extra`: e.g. --n-cpu-moe N."""
+    from bench.memory_probe import GpuMemory, Monitor
+
+    n_kv = max(int(b) for b in batches.split(",")) * (prompt + gen)
+    argv = [binary, "-m", str(gguf), "-ngl", str(ngl), *extra, "-c", str(n_kv), "-b", "2048", "-ub", "512",
+            "-npp", str(prompt), "-ntg", str(gen), "-npl", batches, "-t", str(threads), "--output-format", "jsonl"]
+    with Monitor(argv) as m, GpuMemory(m.proc.pid) as g:
+        res = m.wait(timeout)
+    row = {"command": " ".join(argv), "ngl": ngl, "exit_code": res.exit_code, "seconds": res.wall_s,
+           "host_peak_rss_bytes": res.peak_rss_bytes, "gpu_peak_bytes": g.peak}
+    if res.exit_code != 0:
+        return {**row, "error": res.stderr_tail[-2000:]}
+    text = m.out.buf.decode() + "\n" + m.err.buf.decode(errors="replace")  # LOG: stdout or stderr by the build
+    lines = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{") and '"speed_tg"' in ln]
+    row["batches"] = {str(r["pl"]): {"decode_tok_s": r["speed_tg"], "prefill_tok_s": r["speed_pp"],
+                                     "decode_s": r["t_tg"], "prefill_s": r["t_pp"]} for r in lines}
+    return row
+
+
 def kv_bytes(gguf: Path, ctx: int) -> int:
     """The fp16 KV cache of `ctx` tokens for the model in `gguf` (what our runtime holds and pi-solve reserves)."""
     from hotneurons.models.open import open_model

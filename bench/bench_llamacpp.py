@@ -105,7 +105,8 @@ def gguf_module(work: Path):
 
 
 def build(work: Path, cuda: bool, jobs: int) -> dict:
-    """cmake + ninja, targets llama-bench and llama-quantize. Returns llama-bench's path and the seconds taken."""
+    """cmake + ninja, targets llama-bench, llama-quantize and llama-batched-bench (pi-serve's batched comparison).
+    Returns llama-bench's path and the seconds taken."""
     missing = [t for t in ("cmake", "ninja") + (("nvcc",) if cuda else ()) if shutil.which(t) is None]
     if cuda and shutil.which("nvcc") is None and Path("/usr/local/cuda/bin/nvcc").exists():
         missing.remove("nvcc")
@@ -121,10 +122,11 @@ def build(work: Path, cuda: bool, jobs: int) -> dict:
     _run(["cmake", "-G", "Ninja", "-S", str(src), "-B", str(out), *flags])
     _run(["cmake", "--build", str(out), "--target", "llama-bench", "-j", str(jobs)])
     row = {"binary": str(binary), "seconds": time.perf_counter() - t0, "cached": False, "cmake_flags": flags}
-    try:  # the 8-bit comparison only: its failure must not cost the fp16 one
-        _run(["cmake", "--build", str(out), "--target", "llama-quantize", "-j", str(jobs)])
-    except subprocess.CalledProcessError as e:
-        row["llama_quantize_error"] = str(e)
+    for target in ("llama-quantize", "llama-batched-bench"):  # the 8-bit and the batched comparisons only: their
+        try:  # failure must not cost the fp16 one
+            _run(["cmake", "--build", str(out), "--target", target, "-j", str(jobs)])
+        except subprocess.CalledProcessError as e:
+            row[f"{target.removeprefix('llama-').replace('-', '_')}_error"] = str(e)
     return {**row, "seconds": time.perf_counter() - t0}
 
 

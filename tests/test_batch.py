@@ -104,3 +104,13 @@ def test_refusals(tiny_model_dir, tmp_path):
         step_batch(rt, [1], [3], [3])
     with pytest.raises(ValueError, match="at least one token"):
         generate_batch(rt, [[1], []])
+
+
+def test_batch_decode_bench_runs_small(tiny_model_dir, tmp_path):
+    """bench/batch_decode.py on a tiny model (CPU): a rate per B, batch 1's beside it, the union counted."""
+    from bench.batch_decode import measure
+
+    rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "q4_0")
+    got = measure(rt, [1, 3], prompt=5, gen=4)
+    assert set(got["batches"]) == {"1", "3"} and all(r["decode_tok_s"] > 0 for r in got["batches"].values())
+    assert got["batch1_generate"]["decode_tokens_per_s"] > 0 and set(got["union"]) == {"1", "3"}

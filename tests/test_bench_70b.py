@@ -1,5 +1,7 @@
 """bench/bench_70b.py's report: the stages' figures as one record with systems keyed by name and the goals' ratios."""
 
+import json
+
 import pytest
 
 
@@ -120,3 +122,22 @@ def test_powerinfer_stage_exports_once_and_runs_main_three_ways(tmp_path, monkey
     assert all(c[1] == pytest.approx(24.0) for c in mains)
     assert "tokens" not in res["decode, 2 threads"] and res["decode, 2 threads"]["new_tokens"] == 64
     assert set(b.powerinfer_systems(res)) == {"powerinfer", "powerinfer, 2 threads"}
+
+
+def test_batched_bench_reads_the_jsonl(tmp_path):
+    """bench_70b_baselines.batched_bench against a stand-in binary that prints llama-batched-bench's JSONL (one line
+    per batch size, among its log lines): aggregate decode and prefill rates per B, the argv it was given."""
+    from bench.bench_70b_baselines import batched_bench
+
+    fake = tmp_path / "llama-batched-bench"
+    rows = [{"pp": 128, "tg": 128, "pl": b, "n_kv": b * 256, "t_pp": 0.1 * b, "speed_pp": 1280.0, "t_tg": 2.0,
+             "speed_tg": 64.0 * b, "t": 2.1, "speed": 1.0} for b in (1, 2, 4)]
+    body = "\n".join(["main: n_kv_max = 1024"] + [json.dumps(r) for r in rows])
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\nprintf '%s\\n' '{body}'\n")
+    fake.chmod(0o755)
+    got = batched_bench(str(fake), tmp_path / "m.gguf", 40, 4, "1,2,4")
+    assert got["exit_code"] == 0, got
+    assert got["batches"]["4"]["decode_tok_s"] == 256.0 and got["batches"]["1"]["prefill_tok_s"] == 1280.0
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[argv.index("-ngl") + 1] == "40" and argv[argv.index("-c") + 1] == str(4 * 256)
+    assert argv[argv.index("-npl") + 1] == "1,2,4" and "jsonl" in argv
