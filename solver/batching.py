@@ -5,7 +5,7 @@ where any of the B tokens needs it. With firing probability p_j (the profile's c
 sequences (different requests), that is the union's expected share u_j(B) = 1 - (1 - p_j)^B, which grows with B
 slower where the firing skew is strong (a hot set with p near 1 stays near 1; a cold neuron of p << 1 grows as B p).
 `measured_union` checks it on the profile's token masks (B rows drawn at random: other contexts). Each sequence also
-has its own KV cache slot, which pi-serve allocates within the budget (`slot_bytes`).
+has its own KV cache slot: pi-solve --parallel counts them in memory_items' kv_cache.
 
 The layer split (llama.cpp -ngl N at the same budget) reads every weight of its layers once a step, whatever B: the
 step time of a memory-bound model does not grow with B until compute bounds it, which this model leaves out (in the
@@ -110,7 +110,3 @@ def measured_union(samples: Path, cold: list[np.ndarray], batches: tuple[int, ..
         out[str(B)] = total / draws / B
     return out
 
-
-def slot_bytes(shape: ModelInfo, ctx: int, kv_bytes: float) -> int:
-    """Bytes of one more sequence's KV cache slot of `ctx` tokens (memory_items' kv_cache)."""
-    return int(2 * shape.n_layers * shape.num_key_value_heads * shape.head_dim * kv_bytes * ctx)
