@@ -19,11 +19,7 @@ import numpy as np
 def measure(rt, batches: list[int], prompt: int, gen: int, seed: int = 0) -> dict:
     import torch
     from hotneurons.runtime.batch import UnionStats, step_batch
-    from hotneurons.runtime.generate import generate
-
-    def sync() -> None:
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize(rt.device)
+    from hotneurons.runtime.generate import generate, sync
 
     rng = np.random.default_rng(seed)
     vocab, dec = rt.lm.info["vocab_size"], rt.lm.decoder
@@ -41,14 +37,14 @@ def measure(rt, batches: list[int], prompt: int, gen: int, seed: int = 0) -> dic
             for b in range(B):
                 with dec.slot(b):
                     logits.append(rt.lm.prefill(rt, ids[b]))
-            sync()
+            sync(rt.device)
             t_pp = time.perf_counter() - t0
             toks = [int(torch.argmax(lg)) for lg in logits]
             t0 = time.perf_counter()
             for i in range(gen - 1):
                 lg = step_batch(rt, toks, [prompt + i] * B, list(range(B)), stats)  # (B, vocab)
                 toks = lg.argmax(-1).tolist()
-            sync()
+            sync(rt.device)
             t_tg = time.perf_counter() - t0
         out["batches"][str(B)] = {"decode_tok_s": B * (gen - 1) / t_tg, "prefill_tok_s": B * prompt / t_pp,
                                   "decode_s": t_tg, "prefill_s": t_pp}

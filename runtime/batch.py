@@ -24,13 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 from hotneurons.kernels.cold_batch import union
+from hotneurons.runtime.generate import sync
 from hotneurons.runtime.hybrid_ffn import HybridFFN
 from hotneurons.runtime.sampling import Sampling, sample
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def ffn_rows_batch(activation: str, xs: np.ndarray, idx: np.ndarray, member: np.ndarray, rows: Any,
@@ -72,7 +68,7 @@ def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
     src = residual if f.prenorm else x  # what the predictor reads (the powerinfer form: the residual)
     for b in range(B):
         predict(src[b].to(f.pred_fc1.dtype), f.pred_fc1, f.pred_fc2, f.pred_threshold, f.fired, None, dev[b], n)
-    _sync(x.device)
+    sync(x.device)
     return np.unpackbits(host[:B], axis=1, bitorder="little")[:, :n].astype(bool)
 
 
@@ -131,10 +127,10 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor, stats: Unio
     for b in range(x.shape[0]):
         xb = x[b:b + 1]  # (1, d)
         # waits for the step before (the device reads the CPU's sums from the host buffers this token overwrites)
-        _sync(x.device)
+        sync(x.device)
         f.to_host(xb, predict, residual[b:b + 1] if f.prenorm else None)
         part = f.mapped_part(xb) if f.mapped_rows else None  # (1, d) read in place on the device
-        _sync(x.device)  # x and the mask on the host
+        sync(x.device)  # x and the mask on the host
         f.cold_rows(xb)
         s = f.cold_sum()[None].to(y.dtype) if f.n_cold else torch.zeros_like(xb)  # (1, d)
         rows.append((s if part is None else s + part.to(y.dtype)).clone())

@@ -77,7 +77,8 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token (vocab,), when asked
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -105,7 +106,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
 
     t0 = time.perf_counter()
     logits = lm.prefill(rt, prompt_ids)  # (vocab,)
-    _sync(rt.device)
+    sync(rt.device)
     t_prefill = time.perf_counter() - t0
 
     # the static decoder when it applies (LLaMA family, cache long enough, no FFN probed: its marks are HF's path's)
@@ -139,7 +140,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         tune_mapped_rows(rt)
         step_s.append(time.perf_counter() - t_step)
         t_step = time.perf_counter()
-    _sync(rt.device)
+    sync(rt.device)
     t_decode = time.perf_counter() - t1
     # the rate is the steady state's: the first step is left out, as it compiles or loads the kernels it meets first
     # (Numba's cold kernels: a minute on a first run, a second from its cache after) and warms the caches
