@@ -11,8 +11,8 @@ Predictor masks: the CPU reads each cold row in the union of the B masks once, f
 same neurons as it would alone: its greedy tokens are its batch-1 run's (tests/test_batch.py), up to the rounding of
 one product over B rows against B products of one.
 
-Not yet: the predictor over the B tokens in one launch (token by token now), the device's share of the cold rows read
-in place (mapped_rows: a batch's CPU reads them all), CUDA graphs per batch size, the union's price in pi-solve.
+Not yet: the predictor over the B tokens in one launch (a launch a token now, one wait), the device's share of the
+cold rows read in place (mapped_rows: a batch's CPU reads them all), CUDA graphs per batch size.
 """
 
 from __future__ import annotations
