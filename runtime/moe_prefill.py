@@ -81,8 +81,7 @@ def fetch(ffn: Any, ids: np.ndarray, cold: np.ndarray, dev: torch.device) -> dic
     n, d = ffn.n_ff, ffn.d_model
     shapes = [(n, d, fgu), (n, d, fgu), (d, n, fdn)]  # rows an expert, columns, format: gate, up, down
     bufs = [torch.empty((len(c) * per, row_bytes(f, cols)), dtype=torch.uint8, device=dev) for per, cols, f in shapes]
-    cuts = np.flatnonzero(np.diff(c) != 1) + 1  # where a run of consecutive experts ends: one copy a run
-    runs = list(zip([0, *cuts], [*cuts, len(c)]))
+    runs = _runs(c)  # one copy a run of consecutive experts
     side = None
     if dev.type == "cuda":
         from hotneurons.runtime.cuda import side_stream
@@ -143,6 +142,13 @@ def cold_on_device(ffn: Any, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor, 
     return y
 
 
+def _runs(c: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) of each run of consecutive values in the ascending places c: where fetch copies and lock_views locks
+    one range each."""
+    cuts = np.flatnonzero(np.diff(c) != 1) + 1
+    return list(zip([0, *cuts], [*cuts, len(c)]))
+
+
 def _host(a: np.ndarray) -> torch.Tensor:
     """`a` as a CPU tensor, no copy (the file's rows through a read-only mapping, moe_load.share_cold_rows, which
     torch warns of: they are only read)."""
@@ -159,11 +165,10 @@ def lock_views(ffn: Any) -> list[np.ndarray]:
         return []
     E = ffn.cfg.n_experts
     c = np.sort(ffn.cold_map[ffn.cold_ids])  # places in the cold rows
-    cuts = np.flatnonzero(np.diff(c) != 1) + 1
     views = []
     for rows in ffn.cold[:2] + ((ffn.cold[2],) if ffn.down_t is None else ()):
         per = rows.shape[0] // (E if ffn.in_place else ffn.n_cold)  # rows an expert
-        views += [rows[c[a] * per:(c[b - 1] + 1) * per] for a, b in zip([0, *cuts], [*cuts, len(c)])]
+        views += [rows[c[a] * per:(c[b - 1] + 1) * per] for a, b in _runs(c)]
     return views + ([ffn.down_t] if ffn.down_t is not None else [])
 
 
