@@ -137,16 +137,22 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor, stats: Unio
     return y + torch.cat(rows)
 
 
+def batch_decoder(rt: Any) -> Any:
+    """The runtime's decoder, which holds the slots; a one-line error where the runtime has none."""
+    m = getattr(rt.lm, "decoder", None)
+    if m is None:
+        raise ValueError("batched decoding runs our decoders (a model read in place): this runtime decodes through "
+                         "transformers (--hf-decode or a hub id)")
+    return m
+
+
 @torch.inference_mode()
 def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int],
                stats: UnionStats | None = None) -> torch.Tensor:
     """Logits (B, vocab) float32: token b at position positions[b] of the sequence in cache slot slots[b], whose
     key and value join that slot. Our decoders (runtime/engine.SourceModel) only. `stats`: the cold rows' union per
     step is counted there (UnionStats)."""
-    m = getattr(rt.lm, "decoder", None)
-    if m is None:
-        raise ValueError("batched decoding runs our decoders (a model read in place): this runtime decodes through "
-                         "transformers (--hf-decode or a hub id)")
+    m = batch_decoder(rt)
     if not len(tokens) == len(positions) == len(slots) or len(set(slots)) != len(slots):
         raise ValueError(f"step_batch: {len(tokens)} tokens, {len(positions)} positions and slots {slots}: one each, "
                          f"every slot once")
@@ -180,9 +186,7 @@ def generate_batch(rt: Any, prompts: list[list[int]], max_new_tokens: int = 32, 
                    stop_at_eos: bool = True) -> list[list[int]]:
     """Each prompt's new token ids, the prompts decoded together (one step_batch a token for all that are not
     done); each prompt prefilled alone into its slot. Greedy sampling gives each its batch-1 tokens."""
-    lm, dec = rt.lm, getattr(rt.lm, "decoder", None)
-    if dec is None:
-        raise ValueError("batched decoding runs our decoders (a model read in place), not a transformers model")
+    lm, dec = rt.lm, batch_decoder(rt)
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate_batch: every prompt needs at least one token")
     dec.add_slots(max(dec.n_slots, len(prompts)))

@@ -46,13 +46,14 @@ class Batcher:
 
     def __init__(self, server: Any):
         self.server, self.rt = server, server.rt
-        self.dec = getattr(self.rt.lm, "decoder", None)
-        if self.dec is None:
-            raise ValueError("--parallel above 1 decodes a batch in our decoder: this runtime runs a transformers "
-                             "model (--hf-decode or a hub id); serve it with --parallel 1")
-        self.n = server.cfg.parallel
         from hotneurons.common.units import format_bytes
-        from hotneurons.runtime.batch import slot_bytes
+        from hotneurons.runtime.batch import batch_decoder, slot_bytes
+
+        self.n = server.cfg.parallel
+        try:
+            self.dec = batch_decoder(self.rt)
+        except ValueError as e:
+            raise ValueError(f"--parallel {self.n}: {e}; serve it with --parallel 1") from None
 
         extra = slot_bytes(self.dec) * max(0, self.n - self.dec.n_slots)  # bytes: the other requests' KV caches
         vram = self.rt.cfg.vram
