@@ -238,6 +238,7 @@ class Decoder:
         self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
         self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
         self._extra: list[tuple[torch.Tensor, torch.Tensor]] = []  # other sequences' caches (add_slots)
+        self._rows: tuple[list[int], list[int], torch.Tensor] | None = None  # (slots, positions, (T,)): rows()
         self._loader: Loader | None = None  # kept by lazy models only: it pulls a layer's weights again
         self.layers: list = []
 
@@ -300,8 +301,27 @@ class Decoder:
         finally:
             self.k_cache, self.v_cache = own
 
+    @contextmanager
+    def rows(self, slots: list[int], positions: list[int]):
+        """Within: a call's T rows are T sequences' decode tokens, row b at position positions[b] of cache slot
+        slots[b] (add_slots). `positions` gives theirs and `cached_attention` writes and attends each row in its own
+        slot; every other op (norms, projections, rope) runs once over the T rows (runtime/batch.step_batch)."""
+        for s, p in zip(slots, positions):
+            if not 0 <= s < self.n_slots:
+                raise ValueError(f"slot {s} does not exist: the model holds {self.n_slots} (add_slots)")
+            if not 0 <= p < self.ctx:
+                raise ValueError(f"position {p} is past the KV cache of {self.ctx} tokens: build the model with a "
+                                 f"larger ctx")
+        self._rows = (list(slots), list(positions), torch.tensor(positions, device=self.device))
+        try:
+            yield
+        finally:
+            self._rows = None
+
     def positions(self, T: int, pos0: int | torch.Tensor) -> torch.Tensor:
-        """(T,) positions pos0..pos0+T-1 on the device."""
+        """(T,) positions pos0..pos0+T-1 on the device (within rows(): each row's own)."""
+        if self._rows is not None:
+            return self._rows[2]
         if isinstance(pos0, int) and pos0 + T > self.ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} are past the KV cache of {self.ctx} tokens: build the "
                              f"model with a larger ctx")
@@ -310,7 +330,18 @@ class Decoder:
     def cached_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                          pos0: int | torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Write k, v (T, K, hd) at positions pos (T,) of layer i's cache, then attend q (T, H, hd) causally over the
-        cache (within layer i's sliding window) -> (T, H * hd). `scale`: of the scores, if not cfg.scale."""
+        cache (within layer i's sliding window) -> (T, H * hd). `scale`: of the scores, if not cfg.scale. Within
+        rows(): row b in its own slot, at its own position."""
+        if self._rows is not None:
+            out = []
+            for b, (s, p) in enumerate(zip(*self._rows[:2])):
+                with self.slot(s):
+                    out.append(self._cached(i, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1], p, scale))
+            return torch.cat(out)  # (T, H * hd)
+        return self._cached(i, q, k, v, pos, pos0, scale)
+
+    def _cached(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pos0: int | torch.Tensor, scale: float | None) -> torch.Tensor:
         c = i % len(self.k_cache)  # a lazy model's one-layer cache serves every layer in turn
         self.k_cache[c].index_copy_(1, pos, k.transpose(0, 1))
         self.v_cache[c].index_copy_(1, pos, v.transpose(0, 1))

@@ -2,7 +2,8 @@
 one step for all (`step_batch`), eager. `generate_batch` decodes several prompts together, for tests and notebooks;
 pi-serve's continuous batching builds on the same step.
 
-A step, layer by layer: attention per sequence over its slot (its cache and position are its own); the FFN once for
+A step, layer by layer: the norms and projections of attention once over the B tokens, the cache write and the
+attention itself per sequence over its slot (its cache and position are its own: Decoder.rows); the FFN once for
 the B tokens. A mixture of experts' FFN routes each token on its own (HybridMoE's call over B tokens: the GPU experts'
 pairs in one grouped product). A dense hybrid FFN computes its hot rows as one product over the B tokens on the
 device (`ffn_batch`), and each token's cold part with its own batch-1 mask (predictor, gate, dense or oracle).
@@ -156,17 +157,12 @@ def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int
     if not len(tokens) == len(positions) == len(slots) or len(set(slots)) != len(slots):
         raise ValueError(f"step_batch: {len(tokens)} tokens, {len(positions)} positions and slots {slots}: one each, "
                          f"every slot once")
-    dev = rt.device
-    h = torch.cat([m.embed(torch.tensor([t], device=dev), p) for t, p in zip(tokens, positions)])  # (B, d)
-    for i, f in enumerate(rt.ffns):
-        parts = []
-        for b, (p, s) in enumerate(zip(positions, slots)):
-            with m.slot(s):
-                parts.append(m.attention(i, h[b:b + 1], p))  # (1, d) residual after attention, FFN input
-        h2 = torch.cat([a for a, _ in parts])  # (B, d)
-        x = torch.cat([c for _, c in parts])  # (B, d)
-        y = ffn_batch(f, x, h2, stats, i == 0) if isinstance(f, HybridFFN) else f(x)
-        h = m.after_ffn(i, h2, y)
+    with m.rows(slots, positions):  # each row attends in its own slot; the rest runs once over the B rows
+        h = m.embed(torch.tensor(tokens, device=rt.device), 0)  # (B, d)
+        for i, f in enumerate(rt.ffns):
+            h2, x = m.attention(i, h, 0)  # (B, d) the residual after attention, the FFN's input
+            y = ffn_batch(f, x, h2, stats, i == 0) if isinstance(f, HybridFFN) else f(x)
+            h = m.after_ffn(i, h2, y)
     return m.logits(h)  # (B, vocab)
 
 
