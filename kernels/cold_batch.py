@@ -9,8 +9,8 @@ xs (B, d) float32 the tokens' FFN inputs; idx (k,) int64 the union's positions, 
 set where token b's mask marks idx[q] (B <= 64); part (threads, B, d) float32 scratch; out (B, d) float32, overwritten
 with each token's sum over its marked neurons of h_j(x_b) * down_t[j]. Threads claim CHUNK union positions at a time
 and take each neuron's tokens one after the other, so that its rows, read from DRAM for the first, are in the core's
-cache for the rest. Rows are read one neuron at a time (the batch-1 kernels read four at once to keep more reads in
-flight: a batch has more work per row to hide its reads behind).
+cache for the rest; bf16 / int8 rows one neuron at a time. Block rows: a claim of QCHUNK positions, token by token,
+the token's positions four at a time as the batch-1 kernel reads them (more reads in flight; _work_q).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 from hotneurons.kernels.activations import _ungated_value
 from hotneurons.kernels.cold import CHUNK, FIRST_GATED, _dot, _down1, _gated_rest, _n_chunks, _sum_rows
-from hotneurons.kernels.cold_q import _LUT, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, _check, _one
+from hotneurons.kernels.cold_q import _LUT, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, _check, _gated4, _one, _ungated4
 from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
 
 MAX_BATCH = 64  # tokens a member word holds
+QCHUNK = 64  # union positions a thread claims at a time (block rows): a token marks a few of them
 
 
 @njit(nogil=True, cache=True)
@@ -62,17 +63,39 @@ def cold_ffn_batch(xs, idx, member, gate, up, b_up, down_t, scale, group, part, 
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, fg, fd):
-    """One thread's share of cold_ffn_batch_q. `fg` must be a literal number in the caller's source (cold_q._work)."""
+    """One thread's share of cold_ffn_batch_q. `fg` must be a literal number in the caller's source (cold_q._work).
+    A claim is QCHUNK union positions; within it, token by token, the positions the token marks four at a time as
+    the batch-1 kernel reads them (eight gate and up rows in one pass, the next four prefetched): the first token to
+    need a row brings it from DRAM, the others find it in the core's cache (a claim's rows: ~900 KB at d 8192)."""
     k = idx.shape[0]
+    mine = np.empty(QCHUNK, np.int64)  # the positions of the claim one token marks
     while True:
-        q0 = _fetch_add(counter, 1) * CHUNK
+        q0 = _fetch_add(counter, 1) * QCHUNK
         if q0 >= k:
             return
-        for q in range(q0, min(q0 + CHUNK, k)):
-            j, m = idx[q], member[q]
-            for b in range(xs.shape[0]):
-                if (m >> np.uint64(b)) & np.uint64(1):
-                    _one((xs[b],), j, gate, up, b_up, down_t, _LUT, fg, fd, acc[b], act, gated)
+        q1 = min(q0 + QCHUNK, k)
+        for b in range(xs.shape[0]):
+            bit = np.uint64(1) << np.uint64(b)
+            n = 0
+            for q in range(q0, q1):
+                if member[q] & bit:
+                    mine[n] = idx[q]
+                    n += 1
+            x = (xs[b],)
+            i = 0
+            while i + 4 <= n:
+                last = n - 1  # the next group's rows to prefetch (this group's own at the end)
+                n0, n1, n2, n3 = (mine[min(i + 4, last)], mine[min(i + 5, last)], mine[min(i + 6, last)],
+                                  mine[min(i + 7, last)])
+                if gated:
+                    _gated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, gate, up, down_t, _LUT,
+                            fg, fd, acc[b], act)
+                else:
+                    _ungated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, up, b_up, down_t,
+                              _LUT, fg, fd, acc[b], act)
+                i += 4
+            for p in range(i, n):
+                _one(x, mine[p], gate, up, b_up, down_t, _LUT, fg, fd, acc[b], act, gated)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -80,7 +103,7 @@ def cold_ffn_batch_q(xs, idx, member, gate, up, b_up, down_t, part, out, act, fm
     k = idx.shape[0]
     gated = act >= FIRST_GATED
     fg, fd = _check(xs[0], gate, up, down_t, part[:, 0], out[0], gated, fmt)
-    T = _n_chunks((k + CHUNK - 1) // CHUNK, part.shape[0])
+    T = _n_chunks((k + QCHUNK - 1) // QCHUNK, part.shape[0])
     counter = np.zeros(1, np.int64)
     for t in prange(T):
         acc = part[t]  # (B, d)

@@ -39,6 +39,11 @@ def ffn_rows_batch(activation: str, xs: np.ndarray, idx: np.ndarray, member: np.
     from hotneurons.kernels.cold import ACT_CODE
     from hotneurons.kernels.cold_batch import cold_ffn_batch, cold_ffn_batch_q
 
+    if xs.shape[0] == 1:  # one token: the union is its mask, and batch 1's kernel reads it as it would alone
+        from hotneurons.runtime.cold_rows import ffn_rows
+
+        ffn_rows(activation, xs[0], idx, rows, out[0])
+        return out
     if part is None:
         part = np.empty((numba.get_num_threads(), *xs.shape), np.float32)
     if rows.fmt:
