@@ -22,9 +22,12 @@ from pathlib import Path
 import numpy as np
 
 
-def measure(rt, batches: list[int], prompt: int, gen: int, seed: int = 0) -> dict:
+def measure(rt, batches: list[int], prompt: int, gen: int, seed: int = 0,
+            steps: tuple[str, ...] = ("batched",)) -> dict:
+    """Per step kind (runtime/batch.BatchStep: batched -> figures["batches"], interleaved -> figures["interleaved"])
+    and B: the aggregate decode and prefill rates."""
     import torch
-    from hotneurons.runtime.batch import UnionStats, step_batch
+    from hotneurons.runtime.batch import UnionStats, batch_step
     from hotneurons.runtime.generate import generate, sync
 
     rng = np.random.default_rng(seed)
@@ -33,30 +36,33 @@ def measure(rt, batches: list[int], prompt: int, gen: int, seed: int = 0) -> dic
     ids = [rng.integers(0, vocab, prompt).tolist() for _ in range(max(batches))]
     one = generate(rt, ids[0], gen, stop_at_eos=False).stats  # compiles and warms; then timed
     one = generate(rt, ids[0], gen, stop_at_eos=False).stats
-    out: dict = {"prompt": prompt, "gen": gen, "batch1_generate": {k: one[k] for k in (
-        "decode_tokens_per_s", "prefill_tokens_per_s", "decode_step_ms_median")}, "batches": {}}
+    out: dict = {"prompt": prompt, "gen": gen, "steps": list(steps), "batch1_generate": {k: one[k] for k in (
+        "decode_tokens_per_s", "prefill_tokens_per_s", "decode_step_ms_median")}}
     stats = UnionStats()
-    for B in batches:
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            logits = []
-            for b in range(B):
-                with dec.slot(b):
-                    logits.append(rt.lm.prefill(rt, ids[b]))
-            sync(rt.device)
-            t_pp = time.perf_counter() - t0
-            toks = [int(torch.argmax(lg)) for lg in logits]
-            for i in range(3):  # compiles this B's shapes (Triton, Numba); the timed steps write these slots again
-                step_batch(rt, toks, [prompt + i] * B, list(range(B)))
-            sync(rt.device)
-            t0 = time.perf_counter()
-            for i in range(gen - 1):
-                lg = step_batch(rt, toks, [prompt + i] * B, list(range(B)), stats)  # (B, vocab)
-                toks = lg.argmax(-1).tolist()
-            sync(rt.device)
-            t_tg = time.perf_counter() - t0
-        out["batches"][str(B)] = {"decode_tok_s": B * (gen - 1) / t_tg, "prefill_tok_s": B * prompt / t_pp,
-                                  "decode_s": t_tg, "prefill_s": t_pp}
+    for kind in steps:
+        step = batch_step(rt, kind)
+        rows = out["batches" if kind == "batched" else kind] = {}
+        for B in batches:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                logits = []
+                for b in range(B):
+                    with dec.slot(b):
+                        logits.append(rt.lm.prefill(rt, ids[b]))
+                sync(rt.device)
+                t_pp = time.perf_counter() - t0
+                toks = [int(torch.argmax(lg)) for lg in logits]
+                for i in range(3):  # compiles this B's shapes (Triton, Numba); the timed steps write these slots again
+                    step(toks, [prompt + i] * B, list(range(B)))
+                sync(rt.device)
+                t0 = time.perf_counter()
+                for i in range(gen - 1):
+                    lg = step(toks, [prompt + i] * B, list(range(B)), stats if kind == "batched" else None)
+                    toks = lg.argmax(-1).tolist()  # (B,)
+                sync(rt.device)
+                t_tg = time.perf_counter() - t0
+            rows[str(B)] = {"decode_tok_s": B * (gen - 1) / t_tg, "prefill_tok_s": B * prompt / t_pp,
+                            "decode_s": t_tg, "prefill_s": t_pp}
     out["union"] = stats.summary()
     return out
 
@@ -70,10 +76,16 @@ def report(ours: dict, llama: dict | None) -> dict:
         row = {"ours_decode_tok_s": r["decode_tok_s"], "ours_over_batch1": r["decode_tok_s"] / one,
                "step_ms": 1e3 * int(B) / r["decode_tok_s"], "itl_over_batch1": one * int(B) / r["decode_tok_s"],
                "ours_prefill_tok_s": r["prefill_tok_s"]}
+        inter = ours.get("interleaved", {}).get(B)
+        if inter:
+            row |= {"interleaved_decode_tok_s": inter["decode_tok_s"],
+                    "interleaved_over_batch1": inter["decode_tok_s"] / one}
         theirs = (llama or {}).get("batches", {}).get(B)
         if theirs:
             row |= {"llamacpp_decode_tok_s": theirs["decode_tok_s"],
                     "ours_over_llamacpp": r["decode_tok_s"] / theirs["decode_tok_s"]}
+            if inter:
+                row["interleaved_over_llamacpp"] = inter["decode_tok_s"] / theirs["decode_tok_s"]
         rows[B] = row
     return {"rows": rows, "union": ours.get("union"), "ours": ours, "llamacpp": llama}
 
@@ -96,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--steps", default="batched,interleaved", help="runtime/batch.BatchStep kinds to time")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--llama-batched-bench", default=None, help="instead of ours: this llama-batched-bench "
                     "binary on --gguf, the first --ngl layers on the GPU (--n-cpu-moe N: the first N's experts on "
@@ -115,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         figures = report(ours["figures"], llama["figures"])
         for B, r in figures["rows"].items():
             print(f"B={B}: ours {r['ours_decode_tok_s']:.1f} tok/s ({r['ours_over_batch1']:.2f}x batch 1, step "
-                  f"{r['itl_over_batch1']:.2f}x), llama.cpp {r.get('llamacpp_decode_tok_s', float('nan')):.2f}")
+                  f"{r['itl_over_batch1']:.2f}x), interleaved {r.get('interleaved_decode_tok_s', float('nan')):.1f}, "
+                  f"llama.cpp {r.get('llamacpp_decode_tok_s', float('nan')):.2f}")
         write_result(a.out, figures, machine_info=ours["machine"], kind=ours["machine_kind"], commit=ours["commit"])
         return figures
     if a.llama_batched_bench:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  placement=expert_mask(a.moe_dir / "run"))
     else:
         rt = load_runtime(a.run, cfg, model=a.model)
-    figures = measure(rt, [int(b) for b in a.batches.split(",")], a.prompt, a.gen)
+    figures = measure(rt, [int(b) for b in a.batches.split(",")], a.prompt, a.gen, steps=tuple(a.steps.split(",")))
     with open("/proc/self/status") as f:
         figures["host_hwm_bytes"] = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM"))
     if a.device.startswith("cuda"):
@@ -151,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
         figures["gpu_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     one = figures["batch1_generate"]["decode_tokens_per_s"]
     for B, r in figures["batches"].items():
+        inter = figures.get("interleaved", {}).get(B, {}).get("decode_tok_s", float("nan"))
         print(f"B={B}: {r['decode_tok_s']:.1f} tok/s decode in all ({r['decode_tok_s'] / one:.2f}x batch 1's "
-              f"{one:.1f}), prefill {r['prefill_tok_s']:.0f} tok/s")
+              f"{one:.1f}), interleaved {inter:.1f}, prefill {r['prefill_tok_s']:.0f} tok/s")
     write_result(a.out, {**figures, "run": str(a.run), "model": a.model, "device": a.device, "vram": a.vram,
                          "ctx": a.ctx}, commit=a.commit)
     return figures

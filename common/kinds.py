@@ -126,3 +126,11 @@ class GpuOps(Kind):
     TORCH = "torch"  # torch's kernels: the reference, and what the CPU runs
     COMPILE = "compile"  # the small ops through torch.compile
     TRITON = "triton"  # the hand-written kernels of kernels/fused.py
+
+
+class BatchStep(Kind):
+    """How several sequences decode a token each (runtime/batch.py, pi-serve --parallel)."""
+
+    AUTO = "auto"  # interleaved where the runtime replays CUDA graphs, batched elsewhere
+    BATCHED = "batched"  # one eager step for all: shared weight reads, the cold rows' union read once
+    INTERLEAVED = "interleaved"  # the batch-1 step (its graphs) for each sequence in turn

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hotneurons.common.kinds import Activation
 from hotneurons.kernels import qlinear
 from hotneurons.models.config import ModelConfig, Rope
+from hotneurons.models.slots import Slots
 from hotneurons.weights.formats import FORMATS, kernel_format
 from hotneurons.weights.qtensor import QTensor, convert
 
@@ -237,7 +238,7 @@ class Decoder:
         self.k_cache = torch.zeros(kv, device=self.device, dtype=dtype)  # (layers, kv heads, ctx, hd)
         self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
         self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
-        self._extra: list[tuple[torch.Tensor, torch.Tensor]] = []  # other sequences' caches (add_slots)
+        self._slots = Slots(self)  # the sequences' caches: slot 0 these tensors (add_slots)
         self._rows: tuple[list[int], list[int], torch.Tensor] | None = None  # (slots, positions, (T,)): rows()
         self._loader: Loader | None = None  # kept by lazy models only: it pulls a layer's weights again
         self.layers: list = []
@@ -273,33 +274,30 @@ class Decoder:
         """Forget the cache: the next call starts again at position 0."""
         self.k_cache.zero_()
         self.v_cache.zero_()
+        self._slots.reset()
 
     def add_slots(self, n: int) -> None:
         """Hold the caches of `n` sequences: slot 0 is the model's own cache, slots 1.. are made here (keeping those
         made before). A batched decode step (runtime/batch.py) attends each sequence over its slot, `slot(b)`."""
         if self.lazy:
             raise ValueError("a lazy model's cache holds one layer: build it with its layers for batched decoding")
-        self._extra = self._extra[:n - 1] + [(torch.zeros_like(self.k_cache), torch.zeros_like(self.v_cache))
-                                             for _ in range(n - 1 - len(self._extra))]
+        self._slots.add(n)
 
     @property
     def n_slots(self) -> int:
-        return 1 + len(self._extra)
+        return len(self._slots)
 
-    @contextmanager
     def slot(self, b: int):
-        """Within: the cache is sequence b's (add_slots); the model's own (slot 0) again after."""
-        if not 0 <= b < self.n_slots:
-            raise ValueError(f"slot {b} does not exist: the model holds {self.n_slots} (add_slots)")
-        if b == 0:
-            yield
-            return
-        own = (self.k_cache, self.v_cache)
-        self.k_cache, self.v_cache = self._extra[b - 1]
-        try:
-            yield
-        finally:
-            self.k_cache, self.v_cache = own
+        """A context: within, the cache is sequence b's (add_slots); the model's own again after."""
+        return self._slots.bind(b)
+
+    def resident(self, b: int) -> None:
+        """Sequence b's cache into the model's own tensors, which a decode step's graphs read (models/slots.py)."""
+        self._slots.resident(b)
+
+    def wrote(self, n: int) -> None:
+        """The cache in use holds positions up to n - 1 (a decode step that writes them where Python does not see)."""
+        self._slots.wrote(n)
 
     @contextmanager
     def rows(self, slots: list[int], positions: list[int]):
@@ -307,8 +305,7 @@ class Decoder:
         slots[b] (add_slots). `positions` gives theirs and `cached_attention` writes and attends each row in its own
         slot; every other op (norms, projections, rope) runs once over the T rows (runtime/batch.step_batch)."""
         for s, p in zip(slots, positions):
-            if not 0 <= s < self.n_slots:
-                raise ValueError(f"slot {s} does not exist: the model holds {self.n_slots} (add_slots)")
+            self._slots.check(s)
             if not 0 <= p < self.ctx:
                 raise ValueError(f"position {p} is past the KV cache of {self.ctx} tokens: build the model with a "
                                  f"larger ctx")
@@ -345,6 +342,8 @@ class Decoder:
         c = i % len(self.k_cache)  # a lazy model's one-layer cache serves every layer in turn
         self.k_cache[c].index_copy_(1, pos, k.transpose(0, 1))
         self.v_cache[c].index_copy_(1, pos, v.transpose(0, 1))
+        if isinstance(pos0, int):  # a graph's step tells its own (wrote)
+            self._slots.wrote(pos0 + q.shape[0])
         S = pos0 + q.shape[0] if isinstance(pos0, int) else self.ctx  # eager: only the filled slots
         slots = self.slots[:S]
         mask = slots[None, :] <= pos[:, None]  # (T, S) causal

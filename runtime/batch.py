@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hotneurons.common.kinds import BatchStep
 from hotneurons.kernels.cold_batch import union
 from hotneurons.runtime.generate import sync
 from hotneurons.runtime.hybrid_ffn import HybridFFN
@@ -143,6 +144,12 @@ def ffn_batch(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor, stats: Unio
     return y + torch.cat(rows)
 
 
+def _check_rows(tokens: list[int], positions: list[int], slots: list[int]) -> None:
+    if not len(tokens) == len(positions) == len(slots) or len(set(slots)) != len(slots):
+        raise ValueError(f"a batched step: {len(tokens)} tokens, {len(positions)} positions and slots {slots}: one "
+                         f"each, every slot once")
+
+
 def batch_decoder(rt: Any) -> Any:
     """The runtime's decoder, which holds the slots; a one-line error where the runtime has none."""
     m = getattr(rt.lm, "decoder", None)
@@ -159,9 +166,7 @@ def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int
     key and value join that slot. Our decoders (runtime/engine.SourceModel) only. `stats`: the cold rows' union per
     step is counted there (UnionStats)."""
     m = batch_decoder(rt)
-    if not len(tokens) == len(positions) == len(slots) or len(set(slots)) != len(slots):
-        raise ValueError(f"step_batch: {len(tokens)} tokens, {len(positions)} positions and slots {slots}: one each, "
-                         f"every slot once")
+    _check_rows(tokens, positions, slots)
     with m.rows(slots, positions):  # each row attends in its own slot; the rest runs once over the B rows
         h = m.embed(torch.tensor(tokens, device=rt.device), 0)  # (B, d)
         for i, f in enumerate(rt.ffns):
@@ -169,6 +174,40 @@ def step_batch(rt: Any, tokens: list[int], positions: list[int], slots: list[int
             y = ffn_batch(f, x, h2, stats, i == 0) if isinstance(f, HybridFFN) else f(x)
             h = m.after_ffn(i, h2, y)
     return m.logits(h)  # (B, vocab)
+
+
+@torch.inference_mode()
+def step_each(rt: Any, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    """Logits (B, vocab) float32, as step_batch's, by the batch-1 step (rt.fast: on CUDA its graphs) for each sequence
+    in turn, its cache made the model's own first (Decoder.resident: an exchange of the positions written, nothing
+    while the same sequence stays). No weight read is shared, but no step launches eagerly: on a GPU whose eager
+    step_batch is launch-bound this decodes more tokens a second (docs/serve.md)."""
+    m = batch_decoder(rt)
+    if rt.fast is None:
+        raise ValueError("interleaved decoding steps through the runtime's static decode steps: load it with them "
+                         "(static_decode) or decode batched")
+    _check_rows(tokens, positions, slots)
+    out = []
+    for t, p, s in zip(tokens, positions, slots):
+        m.resident(s)
+        out.append(rt.fast.step(t, p))  # (vocab,)
+    return torch.stack(out)
+
+
+def step_kind(rt: Any, kind: str = "auto") -> BatchStep:
+    """The BatchStep `kind` names, `auto` resolved: interleaved where the runtime replays CUDA graphs (there the eager
+    batched step is launch-bound: docs/serve.md), batched elsewhere."""
+    kind = BatchStep(kind)
+    if kind == BatchStep.AUTO:
+        return BatchStep.INTERLEAVED if rt.fast is not None and rt.fast.graphs else BatchStep.BATCHED
+    return kind
+
+
+def batch_step(rt: Any, kind: str = "auto"):
+    """(tokens, positions, slots, stats=None) -> logits (B, vocab): step_batch or step_each, as step_kind picks."""
+    if step_kind(rt, kind) == BatchStep.INTERLEAVED:
+        return lambda tokens, positions, slots, stats=None: step_each(rt, tokens, positions, slots)
+    return lambda tokens, positions, slots, stats=None: step_batch(rt, tokens, positions, slots, stats)
 
 
 @dataclass
@@ -184,10 +223,12 @@ class Sequence:
 
 @torch.inference_mode()
 def generate_batch(rt: Any, prompts: list[list[int]], max_new_tokens: int = 32, sampling: Sampling = Sampling(),
-                   stop_at_eos: bool = True) -> list[list[int]]:
-    """Each prompt's new token ids, the prompts decoded together (one step_batch a token for all that are not
-    done); each prompt prefilled alone into its slot. Greedy sampling gives each its batch-1 tokens."""
+                   stop_at_eos: bool = True, step: str = "batched") -> list[list[int]]:
+    """Each prompt's new token ids, the prompts decoded together (one step a token for all that are not done: a
+    BatchStep, batch_step); each prompt prefilled alone into its slot. Greedy sampling gives each its batch-1
+    tokens."""
     lm, dec = rt.lm, batch_decoder(rt)
+    decode = batch_step(rt, step)
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate_batch: every prompt needs at least one token")
     dec.add_slots(max(dec.n_slots, len(prompts)))
@@ -212,8 +253,8 @@ def generate_batch(rt: Any, prompts: list[list[int]], max_new_tokens: int = 32, 
         live = [s for s in live if not s.done]
         if not live:
             return [s.ids for s in seqs]
-        rows = step_batch(rt, [s.ids[-1] for s in live], [len(s.prompt) + len(s.ids) - 1 for s in live],
-                          [s.slot for s in live])
+        rows = decode([s.ids[-1] for s in live], [len(s.prompt) + len(s.ids) - 1 for s in live],
+                      [s.slot for s in live])
 
 
 def slot_bytes(dec: Any) -> int:

@@ -46,6 +46,7 @@ class SourceSteps(GraphSteps):
         else:  # free to overwrite: each step waits for every layer's `pre`, so layer 0's copy of it is done
             self.emb_row.copy_(embed_rows(self.m.tok_embd, torch.tensor([token]), self.dtype))
         self.pos.fill_(position)
+        self.m.wrote(position + 1)  # the graphs write this position's keys and values where Python does not see
 
     def cache_tensors(self) -> list[torch.Tensor]:
         # none: warm-up and capture write the step's own slot of the KV cache, which the step itself writes again

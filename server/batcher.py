@@ -1,5 +1,6 @@
 """pi-serve's continuous batching (`--parallel N`, N > 1): the worker keeps up to N requests running together, each
-in its own KV cache slot, and decodes them in one batched step a token (runtime/batch.step_batch). Requests join and
+in its own KV cache slot, and decodes them a token each per step: in one batched step (runtime/batch.step_batch) or
+by the batch-1 step for each in turn (step_each, where the runtime replays CUDA graphs: --batch-step). Requests join and
 leave the running batch at token boundaries: a new one's prompt is prefilled PREFILL_CHUNK tokens at a time between
 the running ones' steps (so a long prompt holds the others up for one chunk at a time), a finished, stopped,
 cancelled or timed-out one frees its slot at once. Streaming, stop strings, time limits and cancellation behave per
@@ -62,6 +63,10 @@ class Batcher:
                              f"--vram {format_bytes(vram)}: solve the placement for it (pi-solve --parallel "
                              f"{self.n}), lower --ctx, or serve fewer at once")
         self.dec.add_slots(max(self.dec.n_slots, self.n))
+        from hotneurons.runtime.batch import batch_step, step_kind
+
+        self.kind = step_kind(self.rt, server.cfg.batch_step)  # /health names it
+        self.step = batch_step(self.rt, self.kind)
         self.rt.bytes_gpu += extra
         self.eos = set(self.rt.lm.eos)
         self.active: list[Slot] = []
@@ -173,13 +178,11 @@ class Batcher:
     @torch.inference_mode()
     def _decode(self) -> None:
         """One batched step for the requests whose last token is sampled and not their last."""
-        from hotneurons.runtime.batch import step_batch
-
         live = [s for s in self.active if not s.prefilling and s.ids and s.logits is None]
         if not live:
             return
-        logits = step_batch(self.rt, [s.ids[-1] for s in live], [len(s.job.ids) + len(s.ids) - 1 for s in live],
-                            [s.slot for s in live], self.union)  # (B, vocab)
+        logits = self.step([s.ids[-1] for s in live], [len(s.job.ids) + len(s.ids) - 1 for s in live],
+                           [s.slot for s in live], self.union)  # (B, vocab)
         for s, lg in zip(live, logits):
             s.logits = lg
 

@@ -26,9 +26,13 @@ from hotneurons.server.config import ServeConfig
 @click.option("--parallel", type=int, default=None, help="Requests decoded together, each in its own KV cache "
               "slot (continuous batching; our decoders). Default: the run's placement's (pi-solve --parallel, which "
               "budgets the slots), else 1 (batch 1, with its CUDA graphs).")
+@click.option("--batch-step", type=click.Choice(["auto", "batched", "interleaved"]), default="auto", show_default=True,
+              help="With --parallel > 1: how the running requests decode a token each: batched (one eager step for "
+              "all, weight reads shared), interleaved (the batch-1 step, CUDA graphs and all, for each in turn) or "
+              "auto (interleaved where the runtime replays CUDA graphs: there it is faster; docs/serve.md).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
-def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, model_id, quiet, runtime):
+def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_step, model_id, quiet, runtime):
     """Serve the runtime over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
 
     Example: pi-serve --run runs/demo --port 8080, then
@@ -38,7 +42,8 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, model_id
     """
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
     try:
-        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel or 1)
+        cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel or 1,
+                          batch_step)
     except ValueError as e:
         raise click.UsageError(str(e))
     if parallel is None:  # the slots the placement was budgeted for

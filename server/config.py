@@ -16,6 +16,7 @@ class ServeConfig:
     max_tokens: int = 256  # for requests that name none (OpenAI's own default for completions is 16)
     model_id: str | None = None  # the name /v1/models lists and responses carry (default: the model's name)
     parallel: int = 1  # requests decoded together (server/batcher.py), each in its own KV cache slot
+    batch_step: str = "auto"  # common.kinds.BatchStep: how the running requests decode a token each
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -26,5 +27,9 @@ class ServeConfig:
             raise ValueError(f"--timeout {self.timeout} must be positive (seconds); 0 on the command line: no limit")
         if not 1 <= self.parallel <= 64:
             raise ValueError(f"--parallel {self.parallel} must be 1 to 64 (requests decoded together)")
+        from hotneurons.common.kinds import BatchStep
+
+        if self.batch_step not in BatchStep.values():
+            raise ValueError(f"--batch-step {self.batch_step!r} is not one of {', '.join(BatchStep.values())}")
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens {self.max_tokens} must be at least 1")

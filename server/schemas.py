@@ -132,6 +132,7 @@ class Health(BaseModel):
     timed_out: int
     errors: int
     parallel: int  # requests decoded together
+    batch_step: str | None  # parallel > 1: batched or interleaved (pi-serve --batch-step)
     slots: list[dict] | None  # with parallel > 1: each slot's state (free, prefill, decode) and its request's tokens
     union: dict[str, dict] | None  # parallel > 1, per batch size: the cold rows a step read per token (their union)
 

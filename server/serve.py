@@ -181,6 +181,7 @@ class Server:
         with self._lock:
             return {"status": "ok", "model": self.model_id, "running": self.running, "queued": self.waiting,
                     "max_queue": self.cfg.max_queue, "parallel": self.cfg.parallel, **self.counts,
+                    "batch_step": str(self._batcher.kind) if self._batcher is not None else None,
                     "slots": self._batcher.slots() if self._batcher is not None else None,
                     "union": self._batcher.union.summary() if self._batcher is not None else None}
 

@@ -10,7 +10,7 @@ import tiny
 import torch
 from hotneurons.artifacts.placement import Placement
 from hotneurons.models.open import model_info, open_model
-from hotneurons.runtime.batch import UnionStats, generate_batch, slot_bytes, step_batch
+from hotneurons.runtime.batch import UnionStats, batch_step, generate_batch, slot_bytes, step_batch
 from hotneurons.runtime.generate import RuntimeConfig, generate
 from hotneurons.runtime.load import load_source_runtime
 from test_runtime_moe import moe_gguf  # noqa: F401 (the fixture)
@@ -83,17 +83,65 @@ def test_moe_batch_equals_batch_one(moe_gguf, family):  # noqa: F811 (the import
                              placement=np.random.default_rng(5).random((2, 4)) < 0.5)
     solo = _solo(rt, PROMPTS)
     assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False) == [ids for ids, _ in solo]
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False, step="interleaved") == [ids for ids, _ in solo]
+
+
+@pytest.mark.parametrize("family", ["llama-reglu", "opt"])
+def test_interleaved_equals_batch_one(family, tiny_model_dir, tmp_path):
+    """The batch-1 step for each sequence in turn (step_each), each sequence's cache moved into the model's own
+    tensors first: each sequence's batch-1 tokens, on the fused step (llama) and the reference one (opt)."""
+    rt = _runtime(family, tiny_model_dir(family), tmp_path, "q4_0")
+    assert rt.fast is not None
+    solo = _solo(rt, PROMPTS)
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False, step="interleaved") == [ids for ids, _ in solo]
+    # and mixed with batched steps and prefills in between: the slots still hold their own sequences
+    dec = rt.lm.decoder
+    for b, p in enumerate(PROMPTS):
+        with dec.slot(b):
+            rt.lm.prefill(rt, p)
+    first = [s[0][0] for s in solo]
+    pos = [len(p) for p in PROMPTS]
+    a = batch_step(rt, "interleaved")(first[::-1], pos[::-1], [2, 1, 0])  # order changes which cache is resident
+    b = step_batch(rt, [s[0][1] for s in solo], [q + 1 for q in pos], [0, 1, 2])
+    for i, (_, lg) in enumerate(solo):
+        torch.testing.assert_close(a.flip(0)[i], lg[1], rtol=0, atol=ATOL)
+        torch.testing.assert_close(b[i], lg[2], rtol=0, atol=ATOL)
+
+
+def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path):
+    """models/slots.py: resident(b) puts slot b's keys and values in the own tensors; every slot still reads its
+    own sequence through slot(); positions past those written are not copied."""
+    rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "bf16")
+    dec = rt.lm.decoder
+    dec.add_slots(3)
+    for b in range(3):
+        with dec.slot(b):
+            dec.k_cache[:, :, :4 + b].fill_(b + 1)
+            dec.wrote(4 + b)
+    own = dec.k_cache
+    dec.resident(2)
+    assert dec.k_cache is own and float(own[0, 0, 5, 0]) == 3 and float(own[0, 0, 6, 0]) == 0
+    dec.resident(1)
+    dec.resident(1)  # already there: nothing moves
+    for b in range(3):
+        with dec.slot(b):
+            assert float(dec.k_cache[0, 0, 0, 0]) == b + 1 and float(dec.k_cache[0, 0, 4 + b, 0]) == 0
+    with dec.slot(2), pytest.raises(RuntimeError, match="inside slot"):
+        dec.resident(0)
+    with pytest.raises(ValueError, match="cannot be dropped"):
+        dec.add_slots(2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("step", ["batched", "interleaved"])
 @pytest.mark.parametrize("family", ["llama-reglu", "opt"])
-def test_batch_on_cuda_equals_batch_one(family, tiny_model_dir, tmp_path):
+def test_batch_on_cuda_equals_batch_one(family, step, tiny_model_dir, tmp_path):
     """On CUDA (float32 compute; batch 1 through its CUDA graphs and mapped rows as loaded), the batch's greedy tokens
-    are each prompt's batch-1 ones."""
+    are each prompt's batch-1 ones, batched (eager) or interleaved (the graphs over each cache in turn)."""
     rt = _runtime(family, tiny_model_dir(family), tmp_path, "q4_0", "cuda")
     solo = _solo(rt, PROMPTS)
-    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False) == [ids for ids, _ in solo]
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False, step=step) == [ids for ids, _ in solo]
 
 
 def test_refusals(tiny_model_dir, tmp_path):
@@ -111,6 +159,14 @@ def test_batch_decode_bench_runs_small(tiny_model_dir, tmp_path):
     from bench.batch_decode import measure
 
     rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "q4_0")
-    got = measure(rt, [1, 3], prompt=5, gen=4)
-    assert set(got["batches"]) == {"1", "3"} and all(r["decode_tok_s"] > 0 for r in got["batches"].values())
+    from bench.batch_decode import report
+
+    got = measure(rt, [1, 3], prompt=5, gen=4, steps=("batched", "interleaved"))
+    for kind in ("batches", "interleaved"):
+        assert set(got[kind]) == {"1", "3"} and all(r["decode_tok_s"] > 0 for r in got[kind].values())
     assert got["batch1_generate"]["decode_tokens_per_s"] > 0 and set(got["union"]) == {"1", "3"}
+    llama = {"batches": {"3": {"decode_tok_s": 2.0}}}
+    rows = report(got, llama)["rows"]
+    assert rows["3"]["ours_over_llamacpp"] == got["batches"]["3"]["decode_tok_s"] / 2.0
+    assert rows["3"]["interleaved_over_llamacpp"] == got["interleaved"]["3"]["decode_tok_s"] / 2.0
+    assert "llamacpp_decode_tok_s" not in rows["1"] and rows["1"]["interleaved_over_batch1"] > 0

@@ -45,10 +45,13 @@ def _together(s, jobs: list[tuple[str, int, bool]]) -> list[str]:
     return out
 
 
-def test_concurrent_requests_equal_their_solo_runs(tiny_model_dir, solo):
-    with running(tiny_model_dir(FAMILY), parallel=3, max_queue=8) as s:
+@pytest.mark.parametrize("step", ["auto", "interleaved"])
+def test_concurrent_requests_equal_their_solo_runs(tiny_model_dir, solo, step):
+    """8 jobs, 3 at a time: each its solo text, batched (auto on a CPU) or interleaved (the batch-1 step in turn)."""
+    with running(tiny_model_dir(FAMILY), parallel=3, max_queue=8, batch_step=step) as s:
         h = health(s)
         assert h["parallel"] == 3 and [x["state"] for x in h["slots"]] == ["free"] * 3
+        assert h["batch_step"] == ("batched" if step == "auto" else step)
         jobs = [(q, n, k % 2 == 1) for k, (q, n) in enumerate((q, n) for n in (20, 6) for q in PROMPTS)]
         assert _together(s, jobs) == [solo[q, n] for q, n, _ in jobs]  # 8 jobs: 3 at a time, the rest queued
         h = health(s)
@@ -79,6 +82,8 @@ def test_a_batch_needs_our_decoder(tiny_model_dir):
         Server(rt, ServeConfig(port=0, parallel=2))
     with pytest.raises(ValueError, match="--parallel 0"):
         ServeConfig(parallel=0)
+    with pytest.raises(ValueError, match="--batch-step 'fast'"):
+        ServeConfig(batch_step="fast")
 
 
 def test_stress_loses_and_corrupts_nothing(tiny_model_dir, solo):

@@ -1,0 +1,82 @@
+"""A decoder's KV cache slots (models/common.Decoder), for decoding several sequences (runtime/batch.py).
+
+Slot 0 is the sequence in the decoder's own cache tensors: those a decode step's CUDA graphs were captured over
+(runtime/source_steps.py). Slots 1.. are other sequences' caches (`add`). A slot names a sequence, not a tensor:
+`resident(b)` moves slot b's sequence into the own tensors, so that the batch-1 step (graphs and all) can decode it,
+by exchanging its keys and values with those of the sequence there now, over the positions either has written; the
+two swap their tensors' names, and nothing moves while the same sequence stays resident.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class Slots:
+    def __init__(self, dec):
+        self.dec = dec
+        self.extra: list[tuple[torch.Tensor, torch.Tensor]] = []  # physical caches 1.. (k, v), each as the own
+        self.where = [0]  # slot -> physical cache (0: the decoder's own tensors)
+        self.filled = [0]  # physical cache -> positions written (an upper bound)
+        self.bound = 0  # the physical cache the decoder's k_cache / v_cache name now
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def add(self, n: int) -> None:
+        """Hold `n` sequences' caches (keeping those made before; fewer only while slots and caches match)."""
+        dec = self.dec
+        if n < len(self) and self.where != list(range(len(self))):
+            raise ValueError("slots cannot be dropped while a sequence lives in another slot's cache: reset first")
+        self.extra = self.extra[:n - 1] + [(torch.zeros_like(dec.k_cache), torch.zeros_like(dec.v_cache))
+                                           for _ in range(n - 1 - len(self.extra))]
+        self.where = list(range(n))
+        self.filled = self.filled[:n] + [0] * (n - len(self.filled))
+
+    def check(self, b: int) -> None:
+        if not 0 <= b < len(self):
+            raise ValueError(f"slot {b} does not exist: the model holds {len(self)} (add_slots)")
+
+    @contextmanager
+    def bind(self, b: int):
+        """Within: the decoder's k_cache / v_cache are slot b's; the own tensors again after."""
+        self.check(b)
+        p, dec = self.where[b], self.dec
+        if p == 0:
+            yield
+            return
+        own = (dec.k_cache, dec.v_cache)
+        dec.k_cache, dec.v_cache = self.extra[p - 1]
+        self.bound = p
+        try:
+            yield
+        finally:
+            dec.k_cache, dec.v_cache = own
+            self.bound = 0
+
+    def wrote(self, n: int) -> None:
+        """The bound cache holds positions up to n - 1 (prefill, eager attention, a graph step)."""
+        self.filled[self.bound] = max(self.filled[self.bound], n)
+
+    def reset(self) -> None:
+        self.filled[self.bound] = 0
+
+    def resident(self, b: int) -> None:
+        """Slot b's sequence into the decoder's own tensors (see the module's docstring)."""
+        self.check(b)
+        if self.bound != 0:
+            raise RuntimeError("resident() inside slot(): call it where the decoder's own cache is bound")
+        p = self.where[b]
+        if p == 0:
+            return
+        a = self.where.index(0)  # the slot whose sequence is there now
+        n = max(self.filled[0], self.filled[p])
+        dec = self.dec
+        for own, other in zip((dec.k_cache, dec.v_cache), self.extra[p - 1]):  # (layers, kv heads, ctx, hd) each
+            kept = own[:, :, :n].clone()
+            own[:, :, :n].copy_(other[:, :, :n])
+            other[:, :, :n].copy_(kept)
+        self.filled[0], self.filled[p] = self.filled[p], self.filled[0]
+        self.where[a], self.where[b] = p, 0
