@@ -9,7 +9,6 @@ static, the attention reads the whole cache under a mask, and the position is a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -239,7 +238,6 @@ class Decoder:
         self.v_cache = torch.zeros(kv, device=self.device, dtype=dtype)
         self.slots = torch.arange(ctx, device=self.device)  # (ctx,) cache positions
         self._slots = Slots(self)  # the sequences' caches: slot 0 these tensors (add_slots)
-        self._rows: tuple[list[int], list[int], torch.Tensor] | None = None  # (slots, positions, (T,)): rows()
         self._loader: Loader | None = None  # kept by lazy models only: it pulls a layer's weights again
         self.layers: list = []
 
@@ -299,26 +297,16 @@ class Decoder:
         """The cache in use holds positions up to n - 1 (a decode step that writes them where Python does not see)."""
         self._slots.wrote(n)
 
-    @contextmanager
     def rows(self, slots: list[int], positions: list[int]):
-        """Within: a call's T rows are T sequences' decode tokens, row b at position positions[b] of cache slot
-        slots[b] (add_slots). `positions` gives theirs and `cached_attention` writes and attends each row in its own
-        slot; every other op (norms, projections, rope) runs once over the T rows (runtime/batch.step_batch)."""
-        for s, p in zip(slots, positions):
-            self._slots.check(s)
-            if not 0 <= p < self.ctx:
-                raise ValueError(f"position {p} is past the KV cache of {self.ctx} tokens: build the model with a "
-                                 f"larger ctx")
-        self._rows = (list(slots), list(positions), torch.tensor(positions, device=self.device))
-        try:
-            yield
-        finally:
-            self._rows = None
+        """A context: within, a call's T rows are T sequences' decode tokens, row b at position positions[b] of cache
+        slot slots[b]; each row's cache write and attention in its own slot, every other op once over the T rows
+        (runtime/batch.step_batch; models/slots.py)."""
+        return self._slots.batch_rows(slots, positions)
 
     def positions(self, T: int, pos0: int | torch.Tensor) -> torch.Tensor:
         """(T,) positions pos0..pos0+T-1 on the device (within rows(): each row's own)."""
-        if self._rows is not None:
-            return self._rows[2]
+        if self._slots.rows is not None:
+            return self._slots.rows[2]
         if isinstance(pos0, int) and pos0 + T > self.ctx:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} are past the KV cache of {self.ctx} tokens: build the "
                              f"model with a larger ctx")
@@ -329,12 +317,8 @@ class Decoder:
         """Write k, v (T, K, hd) at positions pos (T,) of layer i's cache, then attend q (T, H, hd) causally over the
         cache (within layer i's sliding window) -> (T, H * hd). `scale`: of the scores, if not cfg.scale. Within
         rows(): row b in its own slot, at its own position."""
-        if self._rows is not None:
-            out = []
-            for b, (s, p) in enumerate(zip(*self._rows[:2])):
-                with self.slot(s):
-                    out.append(self._cached(i, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1], p, scale))
-            return torch.cat(out)  # (T, H * hd)
+        if self._slots.rows is not None:
+            return self._slots.each_row(i, q, k, v, pos, scale)  # (T, H * hd)
         return self._cached(i, q, k, v, pos, pos0, scale)
 
     def _cached(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,

@@ -21,6 +21,7 @@ class Slots:
         self.where = [0]  # slot -> physical cache (0: the decoder's own tensors)
         self.filled = [0]  # physical cache -> positions written (an upper bound)
         self.bound = 0  # the physical cache the decoder's k_cache / v_cache name now
+        self.rows: tuple[list[int], list[int], torch.Tensor] | None = None  # batch_rows: slots, positions, (T,)
 
     def __len__(self) -> int:
         return len(self.where)
@@ -80,3 +81,26 @@ class Slots:
             other[:, :, :n].copy_(kept)
         self.filled[0], self.filled[p] = self.filled[p], self.filled[0]
         self.where[a], self.where[b] = p, 0
+
+    @contextmanager
+    def batch_rows(self, slots: list[int], positions: list[int]):
+        """Within: the decoder's calls take T rows, row b sequence slots[b]'s token at positions[b] (Decoder.rows)."""
+        for b, p in zip(slots, positions):
+            self.check(b)
+            if not 0 <= p < self.dec.ctx:
+                raise ValueError(f"position {p} is past the KV cache of {self.dec.ctx} tokens: build the model with a "
+                                 f"larger ctx")
+        self.rows = (list(slots), list(positions), torch.tensor(positions, device=self.dec.device))
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    def each_row(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+        """Layer i's cached attention of each row in its own slot -> (T, H * hd)."""
+        out = []
+        for b, (s, p) in enumerate(zip(*self.rows[:2])):
+            with self.bind(s):
+                out.append(self.dec._cached(i, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b:b + 1], p, scale))
+        return torch.cat(out)
