@@ -117,11 +117,13 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
                     objective: Objective | str = Objective.LATENCY, comm: bool = True, time_limit: float = 30.0,
                     mip_gap: float = 1e-3, threads: int | None = None, write: bool = True,
                     hardware_notes: list[str] | None = None, cold_dtype: str | None = None,
-                    parallel: int = 1) -> PlacementSummary:
+                    parallel: int = 1, predictor_bytes: int | None = None) -> PlacementSummary:
     """Place each layer's hottest FFN neurons on the GPU. Returns the summary (also written to
     RUN/placement/summary.json with placement.parquet and meta.json when `write`). `dtype`: the weights' format on
     the GPU; `cold_dtype`: how the runtime will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active
-    cold neuron costs to read; None: what pi-generate keeps of the profiled model (cost.default_formats)."""
+    cold neuron costs to read; None: what pi-generate keeps of the profiled model (cost.default_formats).
+    `predictor_bytes`: the predictors' bytes on the GPU, in place of RUN/predictors' (what-if studies: smaller or
+    quantized predictors, bench/predictor_quant.py)."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
@@ -144,6 +146,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     always, pricing = gate_first_rows(run_dir, meta)
     pred_bytes, pred_source = (_predictor_bytes(run_dir, shape, db) if not always
                                else (0, "none: a gated model's run without predictors decodes by its own gates"))
+    if predictor_bytes is not None:
+        pred_bytes, pred_source = int(predictor_bytes), "given (solve_placement's predictor_bytes)"
     items = memory_items(shape, db, ctx, hw.reserve_bytes if hw.has_gpu else 0, pred_bytes, ACT_BYTES[dtype])
     items["kv_cache"] *= parallel  # a slot of ctx tokens per sequence pi-serve decodes at once
     fixed = sum(items.values())

@@ -331,3 +331,23 @@ def test_predictor_from_weights_equals_constructed(dtype):
     with torch.no_grad():
         assert torch.equal(p(x), ref(x))
         assert torch.equal(p.mask(x), ref.mask(x))
+
+
+def test_quantized_predictor_study(trained):
+    """bench/predictor_quant.py on a trained run: per storage a threshold of its own on val, scored on test; Q8_0
+    keeps the stored weights' recall and sparsity within a point, the bytes shrink with the format, and the rounding
+    (input width 16, padded to a block of 32) stays within half a Q8_0 step of each weight, plus the step's own fp16
+    rounding (127 steps of 2^-11 of it: 0.06 of a step)."""
+    from bench.predictor_quant import quality, rounded
+
+    run, _ = trained
+    q = quality(run)
+    f = q["formats"]
+    assert set(f) == {"stored", "q8_0", "q4_0"} and q["layers"] == 2
+    assert f["q4_0"]["bytes"] < f["q8_0"]["bytes"] < f["stored"]["bytes"] == q["stored_bytes"]
+    s, e = f["stored"]["test_mean"], f["q8_0"]["test_mean"]
+    assert abs(s["recall"] - e["recall"]) < 0.01 and abs(s["predicted_sparsity"] - e["predicted_sparsity"]) < 0.01
+    w = torch.randn(7, 16)
+    r = rounded(w, "q8_0")
+    assert r.shape == w.shape
+    assert ((r - w).abs() <= w.abs().amax(1, keepdim=True) / 127 * 0.57 + 1e-6).all()

@@ -101,3 +101,16 @@ def test_parallel_counts_kv_slots_for_experts_too(tmp_path):
     kw = dict(vram_bytes=12 * 10**9, ctx=4096, reserve_bytes=0, write=False)
     one, two = (solve_expert_placement(run, HW, parallel=p, **kw) for p in (1, 2))
     assert two.memory.gpu["kv_cache"] == 2 * one.memory.gpu["kv_cache"] and two.flags.parallel == 2
+
+
+def test_predictor_bytes_given_frees_room(tmp_path):
+    """solve_placement(predictor_bytes=...): the given bytes replace the estimate; fewer of them leave the FFN more
+    room, as many more bytes as they free (bench/predictor_quant.py's what-if)."""
+    run = write_synthetic_profile(tmp_path / "run", "llama-7b", tokens=2000, n_layers=4)
+    big = solve_placement(run, HW, vram_bytes=8 * 10**9, ctx=4096, reserve_bytes=0, write=False,
+                          predictor_bytes=10**9)
+    small = solve_placement(run, HW, vram_bytes=8 * 10**9, ctx=4096, reserve_bytes=0, write=False,
+                            predictor_bytes=4 * 10**8)
+    assert big.memory.gpu["predictors"] == 10**9 and small.memory.gpu["predictors"] == 4 * 10**8
+    assert small.budget.ffn_budget_bytes == big.budget.ffn_budget_bytes + 6 * 10**8
+    assert small.gpu_neuron_share >= big.gpu_neuron_share and small.expected_tokens_per_s >= big.expected_tokens_per_s
