@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+SWAP_BYTES = 64 << 20  # the spare room an exchange takes (a 70B's 4,096 positions are 1.3 GB a cache)
+
 
 class Slots:
     def __init__(self, dec):
@@ -76,9 +78,13 @@ class Slots:
         n = max(self.filled[0], self.filled[p])
         dec = self.dec
         for own, other in zip((dec.k_cache, dec.v_cache), self.extra[p - 1]):  # (layers, kv heads, ctx, hd) each
-            kept = own[:, :, :n].clone()
-            own[:, :, :n].copy_(other[:, :, :n])
-            other[:, :, :n].copy_(kept)
+            per_layer = own[0, :, :n].numel() * own.element_size()  # bytes
+            step = max(1, SWAP_BYTES // max(1, per_layer))  # layers a copy: its spare room stays small
+            for a0 in range(0, own.shape[0], step):
+                mine, theirs = own[a0:a0 + step, :, :n], other[a0:a0 + step, :, :n]
+                kept = mine.clone()
+                mine.copy_(theirs)
+                theirs.copy_(kept)
         self.filled[0], self.filled[p] = self.filled[p], self.filled[0]
         self.where[a], self.where[b] = p, 0
 

@@ -108,15 +108,20 @@ def test_interleaved_equals_batch_one(family, tiny_model_dir, tmp_path):
         torch.testing.assert_close(b[i], lg[2], rtol=0, atol=ATOL)
 
 
-def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path):
-    """models/slots.py: resident(b) puts slot b's keys and values in the own tensors; every slot still reads its
-    own sequence through slot(); positions past those written are not copied."""
+@pytest.mark.parametrize("swap_bytes", [None, 1])
+def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path, monkeypatch, swap_bytes):
+    """models/slots.py: resident(b) puts slot b's keys and values in the own tensors (in one copy, or a layer at a
+    time where the spare room is small); every slot still reads its own sequence through slot(); positions past
+    those written are not copied."""
+    if swap_bytes is not None:
+        monkeypatch.setattr("hotneurons.models.slots.SWAP_BYTES", swap_bytes)
     rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "bf16")
     dec = rt.lm.decoder
     dec.add_slots(3)
     for b in range(3):
         with dec.slot(b):
             dec.k_cache[:, :, :4 + b].fill_(b + 1)
+            dec.k_cache[-1, :, :4 + b].fill_(b + 10)  # the last layer apart: each layer moves
             dec.wrote(4 + b)
     own = dec.k_cache
     dec.resident(2)
@@ -126,6 +131,7 @@ def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path):
     for b in range(3):
         with dec.slot(b):
             assert float(dec.k_cache[0, 0, 0, 0]) == b + 1 and float(dec.k_cache[0, 0, 4 + b, 0]) == 0
+            assert float(dec.k_cache[-1, 0, 3 + b, 0]) == b + 10
     with dec.slot(2), pytest.raises(RuntimeError, match="inside slot"):
         dec.resident(0)
     with pytest.raises(ValueError, match="cannot be dropped"):
