@@ -9,9 +9,9 @@ frees buy on the 70B shape.
    weights).
 2. Bytes: each storage's bytes for the run and for the 70B shape's predictors (hidden 1024: 6.04 GB as fp16).
 3. What they buy: pi-solve's cost model on its synthetic LLaMA-2-70B profile (solver/synthetic.py), 24 GiB, Q4_0,
-   ctx 4096, reserve 2.75 GB (bench_70b's settings), with the predictors' bytes of each storage: hot neurons and the
-   expected decode rate (a model figure, not a measurement; the GPU reads the predictors every token, so their bytes
-   cost time as well as room).
+   ctx 4096, reserve 2.75 GB (bench_70b's settings), on the rtx4090 and h100 presets, with the predictors' bytes of
+   each storage: hot neurons and the expected decode rate (a model figure, not a measurement; the GPU reads the
+   predictors every token, so their bytes cost time as well as room).
 
     python -m bench.predictor_quant --run runs/demo --out bench/results/<date>-cpu-predictor-quant.json
 """
@@ -91,25 +91,29 @@ def bytes_70b(per_weight: float, hidden: int = H70) -> int:
     return int(L70 * (hidden * D70 + N70 * hidden) * per_weight)
 
 
-def what_it_buys(storages: dict[str, int], tokens: int = 100_000) -> dict:
-    """pi-solve's expectation on its synthetic 70B profile, per predictor bytes."""
+def what_it_buys(storages: dict[str, int], hardware: tuple[str, ...] = ("rtx4090", "h100"),
+                 tokens: int = 100_000) -> dict:
+    """pi-solve's expectation on its synthetic 70B profile, per hardware preset and predictor bytes."""
     from hotneurons.common.hardware import get_hardware
     from hotneurons.common.units import parse_bytes
     from hotneurons.solver import solve_placement
     from hotneurons.solver.synthetic import write_synthetic_profile
 
-    out = {}
+    out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         write_synthetic_profile(run, "llama-70b", tokens=tokens)
-        for name, nbytes in storages.items():
-            s = solve_placement(run, get_hardware("h100"), parse_bytes("24GiB"), dtype="q4_0", cold_dtype="q4_0",
-                                ctx=4096, reserve_bytes=parse_bytes("2.75GB"), write=False, predictor_bytes=nbytes)
-            out[name] = {"predictor_bytes": nbytes, "gpu_neuron_share": s.gpu_neuron_share,
-                         "gpu_activation_share": s.gpu_activation_share,
-                         "expected_tokens_per_s": s.expected_tokens_per_s}
-            click.echo(f"70B, predictors {name} ({nbytes / 1e9:.2f} GB): {s.gpu_neuron_share:.3f} of neurons "
-                       f"hot, {s.gpu_activation_share:.3f} of firings, expected {s.expected_tokens_per_s:.1f} tok/s")
+        for hw in hardware:
+            for name, nbytes in storages.items():
+                s = solve_placement(run, get_hardware(hw), parse_bytes("24GiB"), dtype="q4_0", cold_dtype="q4_0",
+                                    ctx=4096, reserve_bytes=parse_bytes("2.75GB"), write=False,
+                                    predictor_bytes=nbytes)
+                out.setdefault(hw, {})[name] = {
+                    "predictor_bytes": nbytes, "gpu_neuron_share": s.gpu_neuron_share,
+                    "gpu_activation_share": s.gpu_activation_share, "expected_tokens_per_s": s.expected_tokens_per_s}
+                click.echo(f"70B on {hw}, predictors {name} ({nbytes / 1e9:.2f} GB): {s.gpu_neuron_share:.3f} of "
+                           f"neurons hot, {s.gpu_activation_share:.3f} of firings, expected "
+                           f"{s.expected_tokens_per_s:.1f} tok/s")
     return out
 
 

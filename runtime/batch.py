@@ -260,3 +260,17 @@ def generate_batch(rt: Any, prompts: list[list[int]], max_new_tokens: int = 32, 
 def slot_bytes(dec: Any) -> int:
     """Bytes of one more sequence's KV cache slot."""
     return int(np.prod(dec.k_cache.shape)) * dec.k_cache.element_size() * 2
+
+
+def slots_allowed(rt: Any, cap: int = 4) -> int:
+    """How many sequences the runtime can decode at once: 1 where it has no decoder of ours (transformers decodes
+    batch 1); else the KV cache slots that fit the device budget beside what is loaded (--vram), at most `cap`;
+    `cap` where no budget is set or the device is the CPU. pi-serve's default --parallel."""
+    dec = getattr(rt.lm, "decoder", None)
+    if dec is None or dec.lazy:
+        return 1
+    vram = rt.cfg.vram
+    if vram is None or rt.device.type == "cpu":
+        return cap
+    free = max(0, vram - rt.bytes_gpu)  # bytes
+    return int(max(1, min(cap, dec.n_slots + free // slot_bytes(dec))))

@@ -24,8 +24,9 @@ from hotneurons.server.config import ServeConfig
 @click.option("--max-tokens", default=ServeConfig.max_tokens, show_default=True, help="Tokens to generate when a "
               "request names no max_tokens (clipped to the context).")
 @click.option("--parallel", type=int, default=None, help="Requests decoded together, each in its own KV cache "
-              "slot (continuous batching; our decoders). Default: the run's placement's (pi-solve --parallel, which "
-              "budgets the slots), else 1 (batch 1, with its CUDA graphs).")
+              "slot (continuous batching; our decoders). Default: the run's placement's (pi-solve --parallel N, which "
+              "budgets the slots), else the slots that fit --vram beside the loaded model, at most 4 (1 for a "
+              "transformers model).")
 @click.option("--batch-step", type=click.Choice(["auto", "batched", "interleaved"]), default="auto", show_default=True,
               help="With --parallel > 1: how the running requests decode a token each: batched (one eager step for "
               "all, weight reads shared), interleaved (the batch-1 step, CUDA graphs and all, for each in turn) or "
@@ -46,14 +47,16 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_st
                           batch_step)
     except ValueError as e:
         raise click.UsageError(str(e))
-    if parallel is None:  # the slots the placement was budgeted for
+    rt = open_runtime(runtime)
+    if parallel is None:  # the slots the placement was budgeted for, else what the budget leaves room for (<= 4)
         from dataclasses import replace
 
+        from hotneurons.runtime.batch import slots_allowed
         from hotneurons.runtime.placement import solved_summary
 
         solved = solved_summary(runtime.run_dir)
-        cfg = replace(cfg, parallel=solved.flags.parallel if solved is not None else 1)
-    rt = open_runtime(runtime)
+        cfg = replace(cfg, parallel=solved.flags.parallel if solved is not None and solved.flags.parallel > 1
+                      else slots_allowed(rt))
     from hotneurons.server.serve import serve
 
     serve(rt, cfg, ready=lambda s: click.echo(f"pi-serve: {s.model_id} ({rt.mode} on {rt.device}) at {s.url}/v1, "

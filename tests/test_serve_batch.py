@@ -80,6 +80,9 @@ def test_a_batch_needs_our_decoder(tiny_model_dir):
         tiny_model_dir(FAMILY)))
     with pytest.raises(ValueError, match="--parallel 1"):
         Server(rt, ServeConfig(port=0, parallel=2))
+    from hotneurons.runtime.batch import slots_allowed
+
+    assert slots_allowed(rt) == 1  # pi-serve's default for it
     with pytest.raises(ValueError, match="--parallel 0"):
         ServeConfig(parallel=0)
     with pytest.raises(ValueError, match="--batch-step 'fast'"):
@@ -124,7 +127,7 @@ def test_slots_past_the_budget_are_refused(tiny_model_dir):
     import types
 
     import torch
-    from hotneurons.runtime.batch import slot_bytes
+    from hotneurons.runtime.batch import slot_bytes, slots_allowed
     from hotneurons.server.batcher import Batcher
     from hotneurons.server.config import ServeConfig
 
@@ -134,7 +137,13 @@ def test_slots_past_the_budget_are_refused(tiny_model_dir):
     rt.cfg = dataclasses.replace(rt.cfg, vram=rt.bytes_gpu + need - 1)
     with pytest.raises(ValueError, match="pi-solve --parallel 4"):
         Batcher(types.SimpleNamespace(rt=rt, cfg=ServeConfig(parallel=4)))
+    assert slots_allowed(rt) == 3 and slots_allowed(rt, cap=2) == 2  # pi-serve's default: what fits, <= 4
+    rt.cfg = dataclasses.replace(rt.cfg, vram=rt.bytes_gpu - 1)
+    assert slots_allowed(rt) == 1
     rt.cfg = dataclasses.replace(rt.cfg, vram=rt.bytes_gpu + need)
+    assert slots_allowed(rt) == 4
     before = rt.bytes_gpu
     assert Batcher(types.SimpleNamespace(rt=rt, cfg=ServeConfig(parallel=4))).n == 4
     assert rt.bytes_gpu == before + need and rt.lm.decoder.n_slots == 4
+    rt.device = torch.device("cpu")
+    assert slots_allowed(rt) == 4  # RAM holds the CPU's slots: the cap
