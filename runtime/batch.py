@@ -190,7 +190,8 @@ def step_each(rt: Any, tokens: list[int], positions: list[int], slots: list[int]
     out = []
     for t, p, s in zip(tokens, positions, slots):
         m.resident(s)
-        out.append(rt.fast.step(t, p))  # (vocab,)
+        out.append(rt.fast.step(t, p).clone())  # (vocab,): a graph's logits are its static output, which the next
+        # sequence's step overwrites (the copy is ordered before that replay on the stream)
     return torch.stack(out)
 
 
