@@ -108,6 +108,20 @@ def test_interleaved_equals_batch_one(family, tiny_model_dir, tmp_path):
         torch.testing.assert_close(b[i], lg[2], rtol=0, atol=ATOL)
 
 
+def test_interleaved_keeps_each_logits_from_a_static_output(tiny_model_dir, tmp_path, monkeypatch):
+    """A graph step returns its static output buffer, which the next replay overwrites: step_each keeps each
+    sequence's logits (the fast step here writes into one buffer, as replayed graphs do)."""
+    rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "bf16")
+    solo = _solo(rt, PROMPTS)
+    step, static = rt.fast.step, torch.zeros(rt.lm.info["vocab_size"])
+
+    def graph_like(token, position):
+        return static.copy_(step(token, position))
+
+    monkeypatch.setattr(rt.fast, "step", graph_like)
+    assert generate_batch(rt, PROMPTS, NEW, stop_at_eos=False, step="interleaved") == [ids for ids, _ in solo]
+
+
 @pytest.mark.parametrize("swap_bytes", [None, 1])
 def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path, monkeypatch, swap_bytes):
     """models/slots.py: resident(b) puts slot b's keys and values in the own tensors (in one copy, or a layer at a
