@@ -43,6 +43,7 @@ class PlacementFlags(Section):
     mip_gap: float
     threads: int | None = None
     parallel: int = 1  # sequences decoded together (pi-serve --parallel): KV cache slots in the budget
+    predictor_dtype: str = "auto"  # the predictors' storage on the GPU the budget counts (pi-generate's default)
 
 
 @dataclass(kw_only=True)

@@ -88,8 +88,14 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: to
     decisions; the first n_cold rows' decisions (HybridFFN orders fc2's rows cold neurons first), where given, into
     m_dev (n_cold,) bool and into m_host packed as bits, bit b of byte i = row 8 i + b (uint8, at least
     ceil(n_cold / 8) bytes: the first ceil(n_cold / 8) written, the bits past n_cold zero, the bytes after left
-    alone; cold.bit_indices reads them). fused.predict is its Triton twin."""
-    logits = F.linear(torch.relu(F.linear(x, fc1)), fc2)  # (rows,)
+    alone; cold.bit_indices reads them). fc1 and fc2 may be blocks (a QTensor or qlinear.GpuQ: --predictor-dtype
+    q8_0). fused.predict is its Triton twin."""
+    if isinstance(fc1, torch.Tensor):
+        logits = F.linear(torch.relu(F.linear(x, fc1)), fc2)  # (rows,)
+    else:  # blocks (--predictor-dtype q8_0): qlinear's GEMVs, rounded to x's dtype as nn.Linear rounds
+        from hotneurons.kernels import qlinear
+
+        logits = qlinear.linear(torch.relu(qlinear.linear(x[None], fc1)), fc2)[0]  # (rows,)
     full = logits >= threshold.to(logits.dtype)  # (rows,) bool
     fired += full
     if m_dev is not None:

@@ -74,7 +74,7 @@ def _masks(f: HybridFFN, x: torch.Tensor, residual: torch.Tensor) -> np.ndarray:
     host, dev = _BITS[f]
     src = residual if f.prenorm else x  # what the predictor reads (the powerinfer form: the residual)
     for b in range(B):
-        predict(src[b].to(f.pred_fc1.dtype), f.pred_fc1, f.pred_fc2, f.pred_threshold, f.fired, None, dev[b], n)
+        predict(src[b].to(f.pred_dtype), f.pred_fc1, f.pred_fc2, f.pred_threshold, f.fired, None, dev[b], n)
     sync(x.device)
     return np.unpackbits(host[:B], axis=1, bitorder="little")[:, :n].astype(bool)
 

@@ -159,6 +159,10 @@ def runtime_options(f):
                           "read it (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K), else its nearest one (as --cold-dtype's), the "
                           "compute dtype for float files. A GGUF's other matrices in a type no kernel reads are "
                           "converted likewise."),
+        click.option("--predictor-dtype", type=click.Choice(("auto", "q8_0")), default="auto", show_default=True,
+                     help="The predictors on the device: q8_0 (made at load: about half the bytes a token reads, the "
+                          "same recall and precision on the measured run: docs/predictors.md) or auto (the run's "
+                          "pi-solve --predictor-dtype, else as trained)."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
                      help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
@@ -203,6 +207,7 @@ def runtime_request(flags: Mapping[str, Any]) -> RuntimeRequest:
         raise click.UsageError("pass --run RUN (from pi-profile/pi-solve/pi-train-predictors) or --model")
     cfg = RuntimeConfig(mode=f["mode"], oracle=f["oracle"], device=f["device"], dtype=f["dtype"],
                         cold_dtype=f["cold_dtype"], gpu_dtype=f["gpu_dtype"], threads=f["threads"],
+                        predictor_dtype=f["predictor_dtype"],
                         vram=_bytes(f["vram"]), gpu_layers=f["gpu_layers"], cuda_graphs=not f["no_cuda_graphs"],
                         static_decode=not f["hf_decode"], pcie_share=f["pcie_share"], ctx=f["ctx"], ops=f["ops"],
                         sparsity=f["sparsity"], criterion=f["criterion"])

@@ -21,6 +21,10 @@ class RuntimeConfig:
     # the hot rows on the device (formats.GPU_DTYPES): a float dtype, q8_0, q4_0, q4_1 or a K-quant (qlinear's GEMVs);
     # auto: the file's format where the GPU kernels read it, floats in the compute dtype
     gpu_dtype: str = "auto"
+    # the predictors on the device: "q8_0" (llama.cpp's blocks of 32, made at load: about half the bytes the GPU reads
+    # a token, the same masks up to rounding; bench/predictor_quant.py) or "auto": what pi-solve --predictor-dtype
+    # counted where the run has a placement, else as trained (the compute dtype)
+    predictor_dtype: str = "auto"
     threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)

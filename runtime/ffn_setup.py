@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from hotneurons.common.kinds import MaskSource, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED
 from hotneurons.kernels.qlinear import GpuQ
@@ -30,9 +31,16 @@ class FFNLayout:
     dtype: torch.dtype | None = None  # the compute dtype of the hot rows (None: the weights')
     graphs: bool = True  # CUDA: replay a token's GPU work as two CUDA graphs (HybridFFN's _Graphs)
     prenorm: bool = False  # the predictor reads the residual before the pre-FFN norm (the powerinfer form)
+    # the predictors: auto (as trained, buffers) or q8_0 (predictor_blocks, made on `device`, which must be set: blocks
+    # are not buffers, so a later Module.to would leave them behind)
+    predictor_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "mask", choose(self.mask, MaskSource, "mask source"))
+        if self.predictor_dtype not in ("auto", "q8_0"):
+            raise ValueError(f"--predictor-dtype {self.predictor_dtype!r}: auto (as trained) or q8_0")
+        if self.predictor_dtype != "auto" and self.device is None:
+            raise ValueError("predictor blocks are made where the hot rows go: set FFNLayout.device")
         if self.mask == "gate" and self.cold_dtype == "int8":
             raise ValueError("the gate-first cold kernel reads bf16 rows or q8_0 / q4_0 / q4_1 blocks, not int8: pass "
                              "another --cold-dtype")
@@ -94,3 +102,24 @@ def set_hot_rows(ffn: Any, w: FFNWeights, hot: torch.Tensor, fmt: str | None, de
 
             ffn.hot_q["down_t"] = DownRows.of(ffn.hot_q["down_t"])  # row-major scales: gathered rows' layout
 
+
+
+def predictor_blocks(fc1: torch.Tensor, fc2: torch.Tensor, fmt: str) -> tuple[Any, Any]:
+    """A predictor's fc1 (h, d) and fc2 (n, h) in `fmt`'s blocks of 32 as the device's GEMV reads them (qlinear: a
+    GpuQ on CUDA, a QTensor elsewhere). h is padded with zero units to a multiple of 32: fc1's zero rows give relu(0)
+    = 0, which fc2's zero columns then multiply."""
+    from hotneurons.kernels import qlinear
+    from hotneurons.weights.qtensor import QTensor
+    from hotneurons.weights.quants import quantize
+
+    if fc1.shape[1] % 32:
+        raise ValueError(f"--predictor-dtype {fmt}: the model's width {fc1.shape[1]} is not a multiple of 32; keep "
+                         f"--predictor-dtype auto")
+    pad = (-fc1.shape[0]) % 32
+    fc1, fc2 = F.pad(fc1, (0, 0, 0, pad)), F.pad(fc2, (0, pad))  # (h', d), (n, h')
+
+    def blocks(w: torch.Tensor):
+        q = QTensor(quantize(w.float(), fmt), fmt, tuple(w.shape))
+        return qlinear.pack(q, w.device) if w.device.type == "cuda" else q
+
+    return blocks(fc1), blocks(fc2)

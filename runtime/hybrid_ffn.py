@@ -100,9 +100,16 @@ class HybridFFN(nn.Module):
         # the predictor's weights, fc2's rows in the order cold neurons, then hot ones: a token's cold masks are then
         # its first n_cold decisions, with no gather (predict)
         p = predictor
-        self.register_buffer("pred_fc1", None if p is None else p.fc1.weight.detach())  # (hidden, d)
+        fc1 = None if p is None else p.fc1.weight.detach()  # (hidden, d)
         fc2 = None if p is None else p.fc2.weight.detach()[torch.cat((cold, hot))]  # (n, hidden)
-        self.register_buffer("pred_fc2", fc2)
+        self.pred_dtype = None if p is None else fc1.dtype  # what the predictor's input is cast to
+        if p is not None and layout.predictor_dtype != "auto":  # blocks the GEMV reads: not buffers
+            from hotneurons.runtime.ffn_setup import predictor_blocks
+
+            self.pred_fc1, self.pred_fc2 = predictor_blocks(fc1.to(dev), fc2.to(dev), layout.predictor_dtype)
+        else:
+            self.register_buffer("pred_fc1", fc1)
+            self.register_buffer("pred_fc2", fc2)
         self.register_buffer("pred_threshold", None if p is None else p.threshold.detach())  # (1,) float32
         self.prenorm = layout.prenorm and p is not None  # the predictor reads the residual before the pre-FFN norm
         self.residual: torch.Tensor | None = None  # (..., d) that residual, from watch_norm's hook (HF's layers)
@@ -247,7 +254,7 @@ class HybridFFN(nn.Module):
         host's, and the device's where the device reads cold rows (mapped_rows). fired, mask_dev: other buffers than
         the FFN's (a timing that must leave its counts alone)."""
         io = self.io
-        predict_op(x.to(self.pred_fc1.dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
+        predict_op(x.to(self.pred_dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
                    self.fired if fired is None else fired,
                    (io.mask_dev if mask_dev is None else mask_dev) if self.n_cold and self.mapped_rows else None,
                    io.mask_dev_bits if self.n_cold else None, self.n_cold)

@@ -188,6 +188,9 @@ def build_runtime(lm: LoadedModel, cfg: RuntimeConfig, placement: Placement | No
     prenorm = mask == "predictor" and getattr(predictors, "form", None) == PredictorForm.POWERINFER
     norms = ffn_norms(lm) if prenorm else None
     lm.model.to("cpu", dtype)
+    if cfg.predictor_dtype != "auto":  # its FFNs are built on the CPU and moved as modules, blocks are not buffers
+        raise ValueError(f"--predictor-dtype {cfg.predictor_dtype} runs on our decoders (a model read in place, "
+                         f"without --hf-decode): keep --predictor-dtype auto on the transformers path")
     layout = FFNLayout(mask, cfg.cold_dtype, graphs=cfg.cuda_graphs, prenorm=norms is not None)
     ffns: list[HybridFFN] = []
     cpu_layers: list[OnCPULayer] = []
@@ -253,6 +256,8 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     solved = None  # pi-solve's summary, where the placement came from pi-solve
     if placement is None:
         placement, solved = solved_placement(run, info)
+    if cfg.predictor_dtype == "auto" and solved is not None:  # the storage the budget counted
+        cfg = replace(cfg, predictor_dtype=solved.flags.predictor_dtype)
     mode = resolved_mode(cfg, use_predictor)
     gate = mode == "hybrid" and uses_gate(cfg)
     mask = mask_kind(mode, cfg.oracle, gate)
@@ -292,7 +297,7 @@ def load_source_runtime(run: Path | None, meta: dict | None, cfg: Any, *, model:
     decoder = build_model(mcfg, lambda name: source.get(name) if name in source.infos else None,
                           torch.device(device), dtype, ctx,
                           release=lambda name: source.release(name) if name in source.infos else 0)
-    layout = FFNLayout(mask, cold_fmt, hot_fmt, device, dtype, cfg.cuda_graphs, prenorm)
+    layout = FFNLayout(mask, cold_fmt, hot_fmt, device, dtype, cfg.cuda_graphs, prenorm, cfg.predictor_dtype)
     ffns = []
     for i in tqdm(range(L), desc="loading layers", unit="layer", leave=False, disable=L < 8):
         w = FFNWeights.from_source(source, i)

@@ -62,6 +62,9 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--parallel", type=int, default=1, show_default=True,
               help="Sequences pi-serve decodes at once (its --parallel, which it takes from here by default): a KV "
                    "cache slot of --ctx tokens each in the budget. A dense model's summary prices batches of 1-8.")
+@click.option("--predictor-dtype", type=click.Choice(["auto", "q8_0"]), default="auto", show_default=True,
+              help="The predictors' storage on the GPU (pi-generate's --predictor-dtype, which it takes from here by "
+                   "default): q8_0 counts 17/32 of their fp16 bytes (docs/predictors.md).")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Neurons per placement group.")
 @click.option("--objective", type=click.Choice(Objective.values()), default="latency", show_default=True,
@@ -75,7 +78,8 @@ def _parsed(parse, flag: str, text: str | None):
                    "where the activation is ReLU-family and the profile counts the experts' neurons).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
 def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, parallel,
-         reserve, group_size, objective, no_comm_constraint, time_limit, mip_gap, threads, expert_neurons, as_json):
+         predictor_dtype, reserve, group_size, objective, no_comm_constraint, time_limit, mip_gap, threads,
+         expert_neurons, as_json):
     """Place each layer's hottest FFN neurons on the GPU, the rest on the CPU, within a VRAM budget.
 
     Reads RUN/profile/, writes RUN/placement/{placement.parquet, summary.json, meta.json}. A mixture-of-experts
@@ -150,7 +154,8 @@ def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_
                                           reserve_bytes=reserve_bytes, group_size=group_size,
                                           objective=objective, comm=not no_comm_constraint, time_limit=time_limit,
                                           mip_gap=mip_gap, threads=threads, hardware_notes=notes,
-                                          cold_dtype=cold_dtype, parallel=parallel)
+                                          cold_dtype=cold_dtype, parallel=parallel,
+                                          predictor_dtype=predictor_dtype)
         except (SolverError, ArtifactError) as e:
             raise cli_error(e, FLAGS) from None
         except KeyboardInterrupt:  # a Ctrl-C during the write waits for it (common/artifacts.staged)

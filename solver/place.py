@@ -117,13 +117,15 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
                     objective: Objective | str = Objective.LATENCY, comm: bool = True, time_limit: float = 30.0,
                     mip_gap: float = 1e-3, threads: int | None = None, write: bool = True,
                     hardware_notes: list[str] | None = None, cold_dtype: str | None = None,
-                    parallel: int = 1, predictor_bytes: int | None = None) -> PlacementSummary:
+                    parallel: int = 1, predictor_bytes: int | None = None,
+                    predictor_dtype: str = "auto") -> PlacementSummary:
     """Place each layer's hottest FFN neurons on the GPU. Returns the summary (also written to
     RUN/placement/summary.json with placement.parquet and meta.json when `write`). `dtype`: the weights' format on
     the GPU; `cold_dtype`: how the runtime will store the cold rows in CPU RAM (COLD_BYTES), which sets what an active
     cold neuron costs to read; None: what pi-generate keeps of the profiled model (cost.default_formats).
     `predictor_bytes`: the predictors' bytes on the GPU, in place of RUN/predictors' (what-if studies: smaller or
-    quantized predictors, bench/predictor_quant.py)."""
+    quantized predictors, bench/predictor_quant.py). `predictor_dtype` q8_0: RUN/predictors' fp16 weights counted as
+    the Q8_0 blocks pi-generate makes of them (--predictor-dtype), 17/32 of their bytes."""
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     hw = hardware.replace(vram_bytes=vram_bytes, reserve_bytes=reserve_bytes)
@@ -146,6 +148,11 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     always, pricing = gate_first_rows(run_dir, meta)
     pred_bytes, pred_source = (_predictor_bytes(run_dir, shape, db) if not always
                                else (0, "none: a gated model's run without predictors decodes by its own gates"))
+    if predictor_dtype not in ("auto", "q8_0"):
+        raise SolverError(f"--predictor-dtype {predictor_dtype!r}: auto (as trained) or q8_0",
+                          params="predictor_dtype")
+    if predictor_dtype == "q8_0" and not always:  # 34 bytes a block of 32 weights where fp16 takes 64
+        pred_bytes, pred_source = pred_bytes * 17 // 32, f"{pred_source}, as Q8_0 blocks (17/32 of fp16's bytes)"
     if predictor_bytes is not None:
         pred_bytes, pred_source = int(predictor_bytes), "given (solve_placement's predictor_bytes)"
     items = memory_items(shape, db, ctx, hw.reserve_bytes if hw.has_gpu else 0, pred_bytes, ACT_BYTES[dtype])
@@ -175,7 +182,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     flags = PlacementFlags(vram_bytes=hw.vram_bytes, dtype=dtype, cold_dtype=cold_dtype, ctx=ctx,
                            reserve_bytes=hw.reserve_bytes, group_size=group_size, objective=objective,
                            comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads,
-                           parallel=parallel)
+                           parallel=parallel, predictor_dtype=predictor_dtype)
     summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes)
     summary.batching = batch_table(problem, tables, result.k, counts, shape, hw, db)
     if hw.has_gpu:

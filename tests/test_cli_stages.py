@@ -292,3 +292,30 @@ def test_training_warning_rules(run):
     line = training_warning(low)
     assert line.startswith("warning: 1 of 2 layers catch under") and "(layer 1: 0.800, target 0.95)" in line, line
     assert "--preset thorough" in line and "samples a layer" not in line and "\n" not in line, line
+
+
+def test_q8_0_predictors_from_solve_to_generate(run):
+    """pi-solve --predictor-dtype q8_0 counts 17/32 of the predictors' fp16 bytes and records it; pi-generate then
+    makes Q8_0 predictors by default (the placement's storage: fewer bytes on the device than auto's placement gives)
+    and the same tokens as with --predictor-dtype q8_0 said."""
+    base = ["--run", run, "--ctx", 64, "--json"]
+    gen = ["--run", run, "--prompt", "The quick", "-n", 8, "--device", "cpu", "--json", "--temperature", 0]
+
+    def solve(*extra) -> dict:
+        r = pi("pi-solve", *base, *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def generate(*extra) -> dict:
+        r = pi("pi-generate", *gen, *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    auto = solve()
+    as_trained = generate()
+    q = solve("--predictor-dtype", "q8_0")
+    assert q["memory"]["gpu"]["predictors"] == auto["memory"]["gpu"]["predictors"] * 17 // 32
+    assert q["flags"]["predictor_dtype"] == "q8_0" and "Q8_0" in q["memory"]["predictors_source"]
+    by_placement, said = generate(), generate("--predictor-dtype", "q8_0")
+    assert by_placement["token_ids"] == said["token_ids"]
+    assert by_placement["stats"]["bytes_gpu"] == said["stats"]["bytes_gpu"] < as_trained["stats"]["bytes_gpu"]
