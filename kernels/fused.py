@@ -307,12 +307,7 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: torch.Tensor, fired: torch.Tensor,
             m_dev: torch.Tensor | None, m_host: torch.Tensor | None, n_cold: int) -> None:
     """ops.predict in two kernels: fc1 with its ReLU, then fc2 with the decision (the device's bool mask written
-    as bytes of 0 and 1, the host's as bits). Block weights (--predictor-dtype q8_0) go through ops.predict, whose
-    GEMVs read them."""
-    if not isinstance(fc1, torch.Tensor):
-        from hotneurons.kernels.ops import predict as blocks
-
-        return blocks(x, fc1, fc2, threshold, fired, m_dev, m_host, n_cold)
+    as bytes of 0 and 1, the host's as bits). Float weights only: blocks (--predictor-dtype q8_0) take ops.predict."""
     h = x.new_empty(fc1.shape[0])  # (hidden,)
     _gemv(x, fc1, None, h, relu=True)
     _gemv(h, fc2, None, fired, decide=(threshold, fired, m_dev, m_host, n_cold))

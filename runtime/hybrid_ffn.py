@@ -254,6 +254,8 @@ class HybridFFN(nn.Module):
         host's, and the device's where the device reads cold rows (mapped_rows). fired, mask_dev: other buffers than
         the FFN's (a timing that must leave its counts alone)."""
         io = self.io
+        if not isinstance(self.pred_fc1, torch.Tensor):  # blocks (--predictor-dtype q8_0): torch's op reads them
+            predict_op = predict
         predict_op(x.to(self.pred_dtype), self.pred_fc1, self.pred_fc2, self.pred_threshold,
                    self.fired if fired is None else fired,
                    (io.mask_dev if mask_dev is None else mask_dev) if self.n_cold and self.mapped_rows else None,

@@ -35,13 +35,17 @@ def _rounded(w: torch.Tensor, width: int) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(quants.quantize(a, t), t).copy())
 
 
-def _load(run, folder, info, dtype: str):
-    cfg = RuntimeConfig(device="cpu", dtype="float32", cold_dtype="q4_0", predictor_dtype=dtype)
+def _load(run, folder, info, dtype: str, device: str = "cpu"):
+    cfg = RuntimeConfig(device=device, dtype="float32", cold_dtype="q4_0", predictor_dtype=dtype)
     gpu = tuple(np.random.default_rng(i).random(info["n_neurons"]) < 0.3 for i in range(info["n_layers"]))
     return load_source_runtime(run, None, cfg, model=str(folder), placement=Placement(gpu))
 
 
-def test_q8_0_predictors_decide_as_rounded_floats(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_q8_0_predictors_decide_as_rounded_floats(tiny_model_dir, tmp_path, device):
+    """On CUDA the blocks are qlinear's GpuQ, read by its GEMV inside the step's graphs, the reference's floats by
+    the fused predictor kernel."""
     folder = tiny_model_dir(FAMILY)
     run, info = _run(folder, tmp_path / "a")
     from safetensors.torch import load_file
@@ -55,8 +59,8 @@ def test_q8_0_predictors_decide_as_rounded_floats(tiny_model_dir, tmp_path):
         ref[f"layers.{i}.fc2.weight"] = _rounded(fc2, 32)
         ref[f"layers.{i}.threshold"] = raw[f"layers.{i}.threshold"]
     rounded, _ = _run(folder, tmp_path / "b", ref)
-    q = _load(run, folder, info, "q8_0")
-    f = _load(rounded, folder, info, "auto")
+    q = _load(run, folder, info, "q8_0", device)
+    f = _load(rounded, folder, info, "auto", device)
     assert not isinstance(q.ffns[0].pred_fc1, torch.Tensor) and q.ffns[0].pred_fc1.shape == (32, info["d_model"])
     gq = generate(q, PROMPT, 12, stop_at_eos=False, keep_logits=True)
     gf = generate(f, PROMPT, 12, stop_at_eos=False, keep_logits=True)
