@@ -293,6 +293,10 @@ class Decoder:
         """Sequence b's cache into the model's own tensors, which a decode step's graphs read (models/slots.py)."""
         self._slots.resident(b)
 
+    def free_slot(self, b: int) -> None:
+        """Sequence b has ended (its cache is left as it is, to be overwritten): resident() moves none of it."""
+        self._slots.free(b)
+
     def wrote(self, n: int) -> None:
         """The cache in use holds positions up to n - 1 (a decode step that writes them where Python does not see)."""
         self._slots.wrote(n)

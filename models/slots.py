@@ -66,6 +66,11 @@ class Slots:
     def reset(self) -> None:
         self.filled[self.bound] = 0
 
+    def free(self, b: int) -> None:
+        """Slot b's sequence has ended: its positions need not move with the next exchange."""
+        self.check(b)
+        self.filled[self.where[b]] = 0
+
     def resident(self, b: int) -> None:
         """Slot b's sequence into the decoder's own tensors (see the module's docstring)."""
         self.check(b)

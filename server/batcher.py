@@ -173,6 +173,7 @@ class Batcher:
             srv.active_jobs.discard(s.job)
             self.active.remove(s)
             srv.running = len(self.active)
+        self.dec.free_slot(s.slot)  # its cache need not move with the next exchange (interleaved steps)
         s.job.events.put(event)
 
     @torch.inference_mode()

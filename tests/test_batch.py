@@ -146,7 +146,12 @@ def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path, monkeypatch, s
         with dec.slot(b):
             assert float(dec.k_cache[0, 0, 0, 0]) == b + 1 and float(dec.k_cache[0, 0, 4 + b, 0]) == 0
             assert float(dec.k_cache[-1, 0, 3 + b, 0]) == b + 10
-    with dec.slot(2), pytest.raises(RuntimeError, match="inside slot"):
+    own[:, :, 5] = 99  # past resident sequence 1's 5 positions: not its own
+    dec.free_slot(2)  # sequence 2 ended: an exchange moves only sequence 1's 5 positions
+    dec.resident(2)
+    with dec.slot(1):
+        assert float(dec.k_cache[0, 0, 4, 0]) == 2 and float(dec.k_cache[0, 0, 5, 0]) != 99
+    with dec.slot(1), pytest.raises(RuntimeError, match="inside slot"):
         dec.resident(0)
     with pytest.raises(ValueError, match="cannot be dropped"):
         dec.add_slots(2)
