@@ -7,23 +7,24 @@ kernels (kernels/cold.py cold_ffn, kernels/cold_q.py cold_ffn_q) run token by to
 
 xs (B, d) float32 the tokens' FFN inputs; idx (k,) int64 the union's positions, ascending; member (k,) uint64 bit b
 set where token b's mask marks idx[q] (B <= 64); part (threads, B, d) float32 scratch; out (B, d) float32, overwritten
-with each token's sum over its marked neurons of h_j(x_b) * down_t[j]. Threads claim CHUNK union positions at a time
-and take each neuron's tokens one after the other, so that its rows, read from DRAM for the first, are in the core's
-cache for the rest; bf16 / int8 rows one neuron at a time. Block rows: a claim of QCHUNK positions, token by token,
-the token's positions four at a time as the batch-1 kernel reads them (more reads in flight; _work_q).
+with each token's sum over its marked neurons of h_j(x_b) * down_t[j]. Threads claim QCHUNK union positions at a
+time and take them token by token, the token's positions four at a time as the batch-1 kernels read them (more reads
+in flight): a row, read from DRAM for the first token that marks it, is in the core's cache for the others.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from hotneurons.kernels.activations import _ungated_value
-from hotneurons.kernels.cold import CHUNK, FIRST_GATED, _dot, _down1, _gated_rest, _n_chunks, _sum_rows
-from hotneurons.kernels.cold_q import _LUT, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, _check, _gated4, _one, _ungated4
+from hotneurons.kernels.cold import FIRST_GATED, _dot, _down1, _gated4, _gated_rest, _n_chunks, _sum_rows, _ungated4
+from hotneurons.kernels.cold_q import _LUT, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, _check, _one
+from hotneurons.kernels.cold_q import _gated4 as _gated4_q
+from hotneurons.kernels.cold_q import _ungated4 as _ungated4_q
 from hotneurons.kernels.intrinsics import _fetch_add
 from numba import njit, prange
 
 MAX_BATCH = 64  # tokens a member word holds
-QCHUNK = 64  # union positions a thread claims at a time (block rows): a token marks a few of them
+QCHUNK = 64  # union positions a thread claims at a time: ~900 KB of rows at d 8192 (Q4_0), a core's L2
 
 
 @njit(nogil=True, cache=True)
@@ -34,30 +35,50 @@ def _sum_tokens(part, T, out):
         _sum_rows(part[:, b], T, out[b], 0, d)
 
 
+@njit(nogil=True, cache=True)
+def _marked(idx, member, q0, q1, b, mine):
+    """mine[:n] = the neurons of union positions [q0, q1) that token b marks; returns n."""
+    bit = np.uint64(1) << np.uint64(b)
+    n = 0
+    for q in range(q0, q1):
+        if member[q] & bit:
+            mine[n] = idx[q]
+            n += 1
+    return n
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def cold_ffn_batch(xs, idx, member, gate, up, b_up, down_t, scale, group, part, out, act):
     B, k = xs.shape[0], idx.shape[0]
     gated = act >= FIRST_GATED
-    T = _n_chunks((k + CHUNK - 1) // CHUNK, part.shape[0])
+    T = _n_chunks((k + QCHUNK - 1) // QCHUNK, part.shape[0])
     counter = np.zeros(1, np.int64)  # claims taken
     for t in prange(T):
         acc = part[t]  # (B, d) this thread's partial sums
         acc[:] = 0.0
-        while True:
-            q0 = _fetch_add(counter, 1) * CHUNK
+        mine = np.empty(QCHUNK, np.int64)
+        while True:  # as _work_q: a claim's positions token by token, four neurons at once
+            q0 = _fetch_add(counter, 1) * QCHUNK
             if q0 >= k:
                 break
-            for q in range(q0, min(q0 + CHUNK, k)):
-                j, m = idx[q], member[q]
-                for b in range(B):
-                    if (m >> np.uint64(b)) & np.uint64(1):
-                        x = xs[b]
-                        if gated:
-                            _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc[b],
-                                        act)
-                        else:
-                            _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t,
-                                   scale, group, acc[b])
+            for b in range(B):
+                n = _marked(idx, member, q0, min(q0 + QCHUNK, k), b, mine)
+                x, i = xs[b], 0
+                while i + 4 <= n:
+                    if gated:
+                        _gated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], gate, up, down_t, scale, group,
+                                acc[b], act)
+                    else:
+                        _ungated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], up, b_up, down_t, scale, group,
+                                  acc[b], act)
+                    i += 4
+                for p in range(i, n):
+                    j = mine[p]
+                    if gated:
+                        _gated_rest(x, j, _dot(x, gate[j], scale[0, j], group), up, down_t, scale, group, acc[b], act)
+                    else:
+                        _down1(_ungated_value(_dot(x, up[j], scale[1, j], group) + b_up[j], act), j, down_t, scale,
+                               group, acc[b])
     _sum_tokens(part, T, out)
 
 
@@ -73,14 +94,8 @@ def _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, f
         q0 = _fetch_add(counter, 1) * QCHUNK
         if q0 >= k:
             return
-        q1 = min(q0 + QCHUNK, k)
         for b in range(xs.shape[0]):
-            bit = np.uint64(1) << np.uint64(b)
-            n = 0
-            for q in range(q0, q1):
-                if member[q] & bit:
-                    mine[n] = idx[q]
-                    n += 1
+            n = _marked(idx, member, q0, min(q0 + QCHUNK, k), b, mine)
             x = (xs[b],)
             i = 0
             while i + 4 <= n:
@@ -88,11 +103,11 @@ def _work_q(xs, idx, member, gate, up, b_up, down_t, acc, act, gated, counter, f
                 n0, n1, n2, n3 = (mine[min(i + 4, last)], mine[min(i + 5, last)], mine[min(i + 6, last)],
                                   mine[min(i + 7, last)])
                 if gated:
-                    _gated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, gate, up, down_t, _LUT,
-                            fg, fd, acc[b], act)
-                else:
-                    _ungated4(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, up, b_up, down_t,
+                    _gated4_q(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, gate, up, down_t,
                               _LUT, fg, fd, acc[b], act)
+                else:
+                    _ungated4_q(x, mine[i], mine[i + 1], mine[i + 2], mine[i + 3], n0, n1, n2, n3, up, b_up, down_t,
+                                _LUT, fg, fd, acc[b], act)
                 i += 4
             for p in range(i, n):
                 _one(x, mine[p], gate, up, b_up, down_t, _LUT, fg, fd, acc[b], act, gated)
