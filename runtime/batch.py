@@ -205,9 +205,14 @@ def step_kind(rt: Any, kind: str = "auto") -> BatchStep:
 
 
 def batch_step(rt: Any, kind: str = "auto"):
-    """(tokens, positions, slots, stats=None) -> logits (B, vocab): step_batch or step_each, as step_kind picks."""
+    """(tokens, positions, slots, stats=None) -> logits (B, vocab): step_batch or step_each, as step_kind picks;
+    `auto` also takes step_each for a lone sequence, whose batch-1 step is faster than a batch of one."""
     if step_kind(rt, kind) == BatchStep.INTERLEAVED:
         return lambda tokens, positions, slots, stats=None: step_each(rt, tokens, positions, slots)
+    if BatchStep(kind) == BatchStep.AUTO and rt.fast is not None:
+        return lambda tokens, positions, slots, stats=None: (
+            step_each(rt, tokens, positions, slots) if len(tokens) == 1
+            else step_batch(rt, tokens, positions, slots, stats))
     return lambda tokens, positions, slots, stats=None: step_batch(rt, tokens, positions, slots, stats)
 
 
