@@ -1,6 +1,7 @@
 """Batched decoding: B sequences, each in its own KV cache slot (models/common.Decoder.add_slots) at its own position,
-one step for all (`step_batch`), eager. `generate_batch` decodes several prompts together, for tests and notebooks;
-pi-serve's continuous batching builds on the same step.
+one step for all (`step_batch`, eager), or the batch-1 step for each in turn (`step_each`: on CUDA its graphs, each
+sequence's cache moved into the model's own tensors first); `batch_step` picks one. `generate_batch` decodes several
+prompts together, for tests and notebooks; pi-serve's continuous batching builds on the same steps.
 
 A step, layer by layer: the norms and projections of attention once over the B tokens, the cache write and the
 attention itself per sequence over its slot (its cache and position are its own: Decoder.rows); the FFN once for
