@@ -103,7 +103,6 @@ def set_hot_rows(ffn: Any, w: FFNWeights, hot: torch.Tensor, fmt: str | None, de
             ffn.hot_q["down_t"] = DownRows.of(ffn.hot_q["down_t"])  # row-major scales: gathered rows' layout
 
 
-
 def predictor_blocks(fc1: torch.Tensor, fc2: torch.Tensor, fmt: str) -> tuple[Any, Any]:
     """A predictor's fc1 (h, d) and fc2 (n, h) in `fmt`'s blocks of 32 as the device's GEMV reads them (qlinear: a
     GpuQ on CUDA, a QTensor elsewhere). h is padded with zero units to a multiple of 32: fc1's zero rows give relu(0)
