@@ -35,7 +35,8 @@ class Slots:
             raise ValueError("slots cannot be dropped while a sequence lives in another slot's cache: reset first")
         self.extra = self.extra[:n - 1] + [(torch.zeros_like(dec.k_cache), torch.zeros_like(dec.v_cache))
                                            for _ in range(n - 1 - len(self.extra))]
-        self.where = list(range(n))
+        # growing keeps where each sequence lives (resident() may have moved them); shrinking happens only unmoved
+        self.where = self.where[:n] + list(range(len(self.where), n))
         self.filled = self.filled[:n] + [0] * (n - len(self.filled))
 
     def check(self, b: int) -> None:

@@ -155,6 +155,10 @@ def test_slots_resident_moves_sequences(tiny_model_dir, tmp_path, monkeypatch, s
         dec.resident(0)
     with pytest.raises(ValueError, match="cannot be dropped"):
         dec.add_slots(2)
+    dec.add_slots(4)  # more slots: the moved sequences stay where they are
+    for b in range(2):
+        with dec.slot(b):
+            assert float(dec.k_cache[0, 0, 0, 0]) == b + 1
 
 
 @pytest.mark.gpu
