@@ -27,7 +27,9 @@ DROP = {"models", "docs", "tests", "examples", ".github", "media", "ui", "pocs",
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
-WHEEL_NAMES = ("pulp", "highspy", "gguf")  # the solver's packages and the GGUF writer
+# the solver's packages, the GGUF writer, and pi-serve's web stack (bench/serve_bench.py on the GPU machine)
+WHEEL_NAMES = ("pulp", "highspy", "gguf", "fastapi", "starlette", "uvicorn", "h11", "pydantic", "pydantic_core",
+               "annotated_types", "typing_inspection", "anyio")
 # pulp 3 and later import orloge and its dependencies, which the GPU image lacks; pulp 2 needs nothing
 DEVICE_PINS = {"pulp": "pulp>=2.8,<3"}
 

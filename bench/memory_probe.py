@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 FIELDS = {b"VmRSS": "rss", b"RssAnon": "anon", b"RssFile": "file", b"RssShmem": "shmem", b"VmHWM": "hwm"}
 TAIL = 64 << 10  # bytes of stdout/stderr kept
+TREE_RESCAN_S = 0.25  # seconds between two searches of /proc for the command's descendants
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def process_usage(pid: int) -> dict[str, int]:
     return out
 
 
-def tree_usage(root: int, t: float = 0.0) -> Usage:
-    pids = tree_pids(root)
+def tree_usage(root: int, t: float = 0.0, pids: list[int] | None = None) -> Usage:
+    """The tree's memory now: `pids` (default: found again from /proc) summed."""
+    pids = tree_pids(root) if pids is None else pids
     total = dict.fromkeys(FIELDS.values(), 0)
     for pid in pids:
         for k, v in process_usage(pid).items():
@@ -175,8 +177,14 @@ class Monitor:
             self.kill()
 
     def _sample(self) -> None:
+        # the tree is found again only every TREE_RESCAN_S: a scan of all /proc every sample took a share of a core
+        # from the measured command, whose decode uses every core (a preempted thread stalls its layer)
+        pids, found = [self.proc.pid], -TREE_RESCAN_S
         while not self.exited.is_set():
-            u = tree_usage(self.proc.pid, time.perf_counter() - self.t0)
+            now = time.perf_counter() - self.t0
+            if now - found >= TREE_RESCAN_S:
+                pids, found = tree_pids(self.proc.pid), now
+            u = tree_usage(self.proc.pid, now, pids)
             if u.rss:
                 self.samples.append(u)  # list.append is atomic: snapshot() may read meanwhile
             self.exited.wait(self.interval)
@@ -263,29 +271,43 @@ def measure(argv: list[str], *, timeout: float | None = None, **kw) -> Measureme
 
 class GpuMemory:
     """The driver's figure of GPU memory used by a process tree (nvidia-smi's compute apps, context included), sampled
-    in a thread; the peak in bytes."""
+    by one nvidia-smi that loops (-lms) and read in a thread; the peak in bytes. One process for the whole run: an
+    nvidia-smi started per sample costs a tenth of a second of a core each time, taken from the measured command."""
 
     def __init__(self, root_pid: int, interval: float = 0.25):
-        self.root, self.interval, self.peak, self._stop = root_pid, interval, 0, threading.Event()
+        self.root, self.interval, self.peak = root_pid, interval, 0
+        self._proc: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> GpuMemory:
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                           "--format=csv,noheader,nounits", f"-lms={int(self.interval * 1e3)}"],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no driver here: no GPU figure
+            return self
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._thread.join()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        pids, found, last = set(), -TREE_RESCAN_S, {}  # last: each process's latest figure (bytes)
+        for line in self._proc.stdout:  # "PID, MiB" per process, a block of them each loop
+            now = time.perf_counter()
+            if now - found >= TREE_RESCAN_S:
+                pids, found = set(tree_pids(self.root)), now
+                last = {p: b for p, b in last.items() if p in pids}  # gone: no longer counted
+            pid, _, used = line.partition(",")
             try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
-                pids = set(tree_pids(self.root))
-                used = sum(int(m) for p, m in (line.split(",") for line in out.stdout.splitlines() if "," in line)
-                           if int(p) in pids)
-                self.peak = max(self.peak, used << 20)  # MiB
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
-            self._stop.wait(self.interval)
+                pid, used = int(pid), int(used) << 20  # MiB
+            except ValueError:  # a line that is not a process's ("No running processes found")
+                continue
+            if pid in pids:
+                last[pid] = used
+                self.peak = max(self.peak, sum(last.values()))

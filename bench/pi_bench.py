@@ -8,7 +8,8 @@ predictor's size (d/8 hidden) whose logits are the gate pre-activations, so it m
 only, not quality.
 
 Stages (each a separate run; they share files through --work, so run them on one machine):
-  prepare  where PyPI is reachable: llama.cpp source tarball into .llamacpp/, pulp/highspy/gguf wheels into .whl/
+  prepare  where PyPI is reachable: llama.cpp source tarball into .llamacpp/, the wheels a GPU image may lack
+           (pulp, highspy, gguf, pi-serve's fastapi/uvicorn stack) into .whl/
            (for a GPU machine without a package index: copy both folders there)
   build    GPU: build llama-bench (CUDA sm_90), build + calibrate the model, write its GGUF into --work
   bench    GPU: our systems in a child process (ceilings, profile, solve, our systems, llama-bench paired in rounds

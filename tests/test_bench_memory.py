@@ -1,7 +1,10 @@
 """The memory benchmark (bench/memory*.py): the /proc sampler, the streamed model writers, the results record."""
 
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,25 @@ def test_pi_bench_hands_the_memory_stage_its_own_flags():
     assert _memory_argv(["--stage", "memory", "--preset", "small"]) == ["--preset", "small"]
     assert _memory_argv(["--out", "x", "--stage=memory"]) == ["--out", "x"]
     assert _memory_argv(["--stage", "bench", "--device", "cpu"]) is None
+
+
+def test_gpu_memory_reads_one_looping_nvidia_smi(tmp_path, monkeypatch):
+    # a stand-in nvidia-smi: the loop's blocks for the measured process (two lines: its figure rising) and another
+    # process's, which is not counted
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"$PID_UNDER_TEST, 100\"; echo '1, 9999'; echo 'No running processes found'\n"
+                    "echo \"$PID_UNDER_TEST, 300\"; exec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
+    try:
+        with memory_probe.GpuMemory(proc.pid, interval=0.05) as g:
+            deadline = time.time() + 5
+            while g.peak < 300 << 20 and time.time() < deadline:
+                time.sleep(0.05)
+        assert g.peak == 300 << 20  # MiB -> bytes; the process 1's 9999 MiB not in the tree
+    finally:
+        proc.kill()
+        proc.wait()
