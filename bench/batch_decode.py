@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         ours, llama = (read(f) for f in a.report)
         figures = report(ours["figures"], llama["figures"])
+        # where and when each side ran (the header below is ours'): a pairing across calls says so
+        figures["records"] = {side: {k: r[k] for k in ("commit", "created", "machine_kind", "command")}
+                              for side, r in (("ours", ours), ("llamacpp", llama))}
         for B, r in figures["rows"].items():
             print(f"B={B}: ours {r['ours_decode_tok_s']:.1f} tok/s ({r['ours_over_batch1']:.2f}x batch 1, step "
                   f"{r['itl_over_batch1']:.2f}x), interleaved {r.get('interleaved_decode_tok_s', float('nan')):.1f}, "

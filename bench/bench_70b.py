@@ -95,7 +95,8 @@ def stage_pipeline(a) -> dict:
                              "--samples-per-layer", "0", "--device", a.device, "--quiet"], 560)}
     rows["predictors"] = install_predictors(run, gguf)
     solve = _run([_tool("pi-solve"), "--run", str(run), "--vram", a.vram, "--dtype", "q4_0", "--cold-dtype", "q4_0",
-                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--reserve", a.reserve, "--json"]
+                  "--ctx", str(a.ctx), "--hardware", a.hardware, "--reserve", a.reserve, "--json",
+                  "--predictor-dtype", a.predictor_dtype]
                  + (["--measure"] if a.measure else []), 300)
     rows["solve"] = {**solve, "summary": json.loads(solve.pop("stdout"))}
     rows["profile"].pop("stdout")
@@ -105,6 +106,7 @@ def stage_pipeline(a) -> dict:
 def stage_ours(a) -> dict:
     argv = [sys.executable, "-m", "bench.bench_70b", "--stage", "ours-child", "--work", str(a.work),
             "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--timeline", str(a.timeline)]
+    argv += ["--threads", str(a.threads)] if a.threads else []
     res = measured(argv, 560, pattern=r"first token")
     if res["exit_code"] != 0:
         raise SystemExit(f"the runtime's child failed:\n{res['stderr_tail'][-3000:]}")
@@ -123,7 +125,8 @@ def ours_child(a, load=None, out: Path | None = None) -> None:
     from hotneurons.runtime.load import load_runtime
 
     rt = (load() if load is not None
-          else load_runtime(a.work / "run", RuntimeConfig(device=a.device, vram=parse_bytes(a.vram), ctx=a.ctx)))
+          else load_runtime(a.work / "run", RuntimeConfig(device=a.device, vram=parse_bytes(a.vram), ctx=a.ctx,
+                                                          threads=a.threads)))
     import numpy as np
 
     ids = np.random.default_rng(0).integers(0, rt.lm.info["vocab_size"], PROMPT_LONG).tolist()  # random tokens
@@ -177,23 +180,38 @@ def ours_child(a, load=None, out: Path | None = None) -> None:
 SYSTEM_KEYS = ("decode_tok_s", "prefill_tok_s", "load_to_first_token_s", "host_peak_rss_bytes", "gpu_peak_bytes")
 
 
+def run_cold_rate(ours: dict, bytes_per_neuron: float) -> float | None:
+    """The cold kernel's rate in the run itself (bytes/s): per balancing round of the 256-token decode, the CPU's rows
+    of a layer (its marked neurons less the PCIe share's) over the round's median CPU part; the best round. None where
+    the run kept no rounds (no CUDA graphs, no share)."""
+    rounds = ours.get("runs", {}).get("decode_256", {}).get("pcie_balance") or []
+    rates = [(1.0 - r["share"]) * r["marked"] * bytes_per_neuron / (r["cold_ms_median"] * 1e-3)
+             for r in rounds if r.get("cold_ms_median")]
+    return max(rates) if rates else None
+
+
 def serial_floor(pipeline: dict, ours: dict, layers: int) -> dict:
     """The decode floor of this model and placement from the ceilings pi-solve --measure took on the machine: per layer
     its attention and predictor read at the HBM ceiling and one GPU-CPU round trip before the cold rows (an exact
     decoder needs them first), the token's active cold rows (the measured activation share left to the CPU; the
-    predictor's extra rows not counted) at the cold kernel's measured rate, and the LM head. ms, and tok/s."""
+    predictor's extra rows not counted) at the cold kernel's rate, and the LM head. ms, and tok/s. The kernel's rate is
+    the faster of pi-solve's (decode-sized calls on random rows) and the run's own median (run_cold_rate): a floor
+    priced at a rate the run beats would not be one."""
     s = pipeline["solve"]["summary"]
     hw, gpu = s["hardware"], s["memory"]["gpu"]
     n = s["layers"][0]["neurons"]
     active = (1.0 - ours["ffn_sparsity"]) * n * layers  # neurons a token
     cold_bytes = active * (1.0 - ours["gpu_activation_share"]) * s["memory"]["bytes_per_neuron"]  # bytes a token
+    in_run = run_cold_rate(ours, s["memory"]["bytes_per_neuron"])
+    rate = max(hw["cpu_bw"], in_run or 0.0)  # bytes/s
     parts = {"attention_and_predictor_ms": 1e3 * (gpu["attention"] + gpu["predictors"]) / hw["gpu_bw"],
              "syncs_ms": 1e3 * layers * hw["sync_latency_s"],
-             "cold_rows_ms": 1e3 * cold_bytes / hw["cpu_bw"],
+             "cold_rows_ms": 1e3 * cold_bytes / rate,
              "lm_head_ms": 1e3 * gpu["lm_head"] / hw["gpu_bw"]}
     ms = sum(parts.values())
     return {"tok_s": 1e3 / ms, "ms": ms, **parts, "cold_bytes_per_token": cold_bytes,
-            "cold_rate_bytes_s": hw["cpu_bw"], "hbm_bytes_s": hw["gpu_bw"]}
+            "cold_rate_bytes_s": rate, "solver_cold_rate_bytes_s": hw["cpu_bw"], "run_cold_rate_bytes_s": in_run,
+            "hbm_bytes_s": hw["gpu_bw"]}
 
 
 def report(stages: dict[str, dict]) -> dict:
@@ -319,6 +337,10 @@ def parser(doc: str | None = None, stages: list[str] | None = None) -> argparse.
                    "kernels, graphs, the allocator's cache and a 512-token prefill's activations (measured on the "
                    "70B shape: 2.3-2.5 GB over the tensors' bytes)")
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
+    p.add_argument("--threads", type=int, default=None,
+                   help="ours: the cold kernels' CPU threads (pi-generate --threads; default: every core)")
+    p.add_argument("--predictor-dtype", default="auto", choices=["auto", "q8_0"],
+                   help="pipeline: pi-solve --predictor-dtype (the runtime follows the placement)")
     p.add_argument("--hardware", default="h100", help="pi-solve's hardware preset (bandwidths of the cost model).")
     p.add_argument("--no-measure", dest="measure", action="store_false",
                    help="pipeline: pi-solve with the preset's bandwidths instead of this machine's measured ones "

@@ -57,6 +57,23 @@ def test_report_keys_systems_and_goals():
     assert "| llama.cpp -ngl 50 | 3.00 / 3.00 | 170 |" in md and "decode_vs_layer_split 4.00" in md
     assert "| powerinfer, 2 threads | - / - (1.00 over 64) | - |" in md
     assert fig["gpu_budget_bytes"] == 25769803776 and fig["llamacpp_weights_budget_bytes"] == 24e9
+    assert f["run_cold_rate_bytes_s"] is None and f["cold_rate_bytes_s"] == 50e9
+
+
+def test_serial_floor_takes_the_runs_own_cold_rate_where_faster():
+    from bench.bench_70b import serial_floor
+
+    # two balancing rounds: the CPU's rows 0.75 x 400 = 300 neurons of 10 kB in a median 0.05 ms (60 GB/s), then
+    # 400 in 0.1 ms (40 GB/s): the best, 60 GB/s, beats pi-solve's 50 and prices the floor's cold rows
+    rounds = [{"share": 0.25, "marked": 400, "cold_ms_median": 0.05}, {"share": 0.0, "marked": 400,
+                                                                       "cold_ms_median": 0.1}]
+    ours = {"ffn_sparsity": 0.9, "gpu_activation_share": 0.77, "runs": {"decode_256": {"pcie_balance": rounds}}}
+    f = serial_floor({"solve": {"summary": SOLVED}}, ours, 80)
+    assert f["run_cold_rate_bytes_s"] == pytest.approx(60e9) and f["cold_rate_bytes_s"] == pytest.approx(60e9)
+    assert f["cold_rows_ms"] == pytest.approx(18.4e6 / 60e9 * 1e3)
+    slow = [{"share": 0.0, "marked": 400, "cold_ms_median": 0.2}]  # 20 GB/s: pi-solve's 50 stays
+    ours["runs"]["decode_256"]["pcie_balance"] = slow
+    assert serial_floor({"solve": {"summary": SOLVED}}, ours, 80)["cold_rate_bytes_s"] == 50e9
 
 
 def test_main_first_token_needs_both_lines():
