@@ -62,13 +62,15 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise click.ClickException(f"pi-serve was not ready after {timeout:.0f} s")
 
 
-def stream_chat(port: int, question: str, max_tokens: int) -> dict:
-    """One streaming chat completion; the times are from just before the request is sent."""
-    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+def stream_chat(port: int, question: str, max_tokens: int, endpoint: str = "chat") -> dict:
+    """One streaming chat completion (endpoint "completions": the question as a plain prompt, for a model without a
+    chat template, e.g. a benchmark's synthetic file); the times are from just before the request is sent."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"messages": [{"role": "user", "content": question}]} if endpoint == "chat" else {"prompt": question}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions" if endpoint == "chat" else "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         return {"status": r.status, "error": json.loads(r.read())["error"]["message"]}
@@ -80,7 +82,8 @@ def stream_chat(port: int, question: str, max_tokens: int) -> dict:
         event = json.loads(line[6:])
         if event.get("usage"):
             usage = event["usage"]
-        if event["choices"] and event["choices"][0]["delta"].get("content"):
+        choice = event["choices"][0] if event["choices"] else {}
+        if choice.get("delta", {}).get("content") or choice.get("text"):
             seen.append(time.perf_counter() - t0)
             ttft = seen[0]
     conn.close()
@@ -98,7 +101,8 @@ def _health(port: int) -> dict:
         conn.close()
 
 
-def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
+def run_clients(port: int, clients: int, requests: int, max_tokens: int, endpoint: str = "chat"
+                ) -> tuple[list[dict], float]:
     """`requests` requests from `clients` threads; returns each request's record and the wall time."""
     results: list[dict] = []
     lock = threading.Lock()
@@ -110,7 +114,7 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int) -> tupl
                 i = next(todo, None)
             if i is None:
                 return
-            r = stream_chat(port, QUESTIONS[i % len(QUESTIONS)], max_tokens)
+            r = stream_chat(port, QUESTIONS[i % len(QUESTIONS)], max_tokens, endpoint)
             with lock:
                 results.append(r)
 
@@ -167,8 +171,11 @@ def git_state() -> dict:
 @click.option("--parallel", default="1", show_default=True,
               help="pi-serve --parallel values, one server each (1: batch 1; N: continuous batching of N requests).")
 @click.option("--serve-args", default="", help="More pi-serve flags, e.g. '--vram 24GiB --device cuda'.")
+@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
+              help="chat: /v1/chat/completions; completions: /v1/completions with the question as the prompt (a "
+              "model without a chat template, e.g. bench_70b's synthetic file).")
 @click.option("--out", default="bench/results/serve_smollm2.json", show_default=True)
-def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, parallel, serve_args, out):
+def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, parallel, serve_args, endpoint, out):
     modes, counts = modes.split(","), [int(c) for c in clients.split(",")]
     pars = [int(p) for p in parallel.split(",")]
     modes = [(m, p) for m in modes for p in pars]  # one server each
@@ -183,12 +190,12 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
             servers[mode, par] = subprocess.Popen(cmd + extra), port
         for mode, (proc, port) in servers.items():
             wait_ready(port, proc)
-            stream_chat(port, QUESTIONS[0], max_tokens)  # compiles and warms caches; not counted
+            stream_chat(port, QUESTIONS[0], max_tokens, endpoint)  # compiles and warms caches; not counted
         cells = {(m, c): ([], [], []) for c in counts for m in modes}
         for r in range(rounds):
             for c in counts:
                 for mode in modes:
-                    results, wall = run_clients(servers[mode][1], c, requests, max_tokens)
+                    results, wall = run_clients(servers[mode][1], c, requests, max_tokens, endpoint)
                     records, walls, oks = cells[mode, c]
                     records += results
                     walls.append(wall)
@@ -201,16 +208,20 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
             proc.terminate()
             proc.wait(30)
     table = [summary(*m, c, *cells[m, c]) for (m, c) in cells]
+    def sec(v: float | None) -> str:  # None: no request of the cell answered
+        return "-" if v is None else f"{v:.3f} s"
+
     for t in table:
         click.echo(f"{t['mode']:7s} x{t['parallel']} {t['clients']} clients: {t['requests_per_s']:.3f} req/s, "
-                   f"{t['completion_tokens_per_s']:.1f} tok/s, TTFT median {t['ttft_median_s']:.3f} s, "
-                   f"p90 {t['ttft_p90_s']:.3f} s", err=True)
+                   f"{t['completion_tokens_per_s']:.1f} tok/s, TTFT median {sec(t['ttft_median_s'])}, "
+                   f"p90 {sec(t['ttft_p90_s'])}, ITL median {sec(t['itl_median_s'])}"
+                   + (f", errors: {t['errors'][0]}" if t["errors"] else ""), err=True)
     result = {
         "benchmark": "serve",
         "what": "pi-serve: requests/s, time to first token and inter-token latency of streaming chat completions "
                 "from concurrent clients, batch 1 or --parallel N; TTFT includes the queue wait",
         "command": " ".join(["python", *sys.argv]),
-        "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy",
+        "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy", "endpoint": endpoint,
         "client": "raw HTTP from the same machine", "results": table, "health": healths,
         "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),

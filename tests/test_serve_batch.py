@@ -114,10 +114,13 @@ def test_serve_bench_client_side(tiny_model_dir):
 
     with running(tiny_model_dir(FAMILY), parallel=2) as s:
         results, wall = run_clients(s.port, 3, 6, 5)
+        plain, _ = run_clients(s.port, 2, 2, 5, endpoint="completions")  # no chat template needed
     row = summary("dense", 2, 3, results, [wall], [len(results)])
     assert row["ok"] == 6 and not row["errors"] and row["parallel"] == 2
     assert all(r["completion_tokens"] <= 5 and len(r["itl_s"]) <= 4 for r in results)
     assert row["ttft_median_s"] > 0 and (row["itl_median_s"] is None or row["itl_median_s"] > 0)
+    assert [r["status"] for r in plain] == [200, 200] and all(0 < r["completion_tokens"] <= 5 for r in plain)
+    assert all(r["ttft_s"] is not None and r["ttft_s"] > 0 for r in plain)
 
 
 def test_slots_past_the_budget_are_refused(tiny_model_dir):
