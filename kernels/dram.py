@@ -76,12 +76,21 @@ def random_blocks(rng: np.random.Generator, rows: int, width: int, fmt: str) -> 
 
 def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes: int = 2**30, calls: int = 200,
                  gap_s: float = 2e-4, seed: int = 0) -> float:
-    """bytes/s of the cold kernels themselves as a decode step calls them: `calls` calls, each over `rows_per_call`
+    """bytes/s over all calls (cold_call_times' bytes a call over its mean call): the rate the solver prices an active
+    cold neuron at."""
+    times, nbytes = cold_call_times(d, fmt, gated, rows_per_call, table_bytes, calls, gap_s, seed)
+    return nbytes / float(times.mean())
+
+
+def cold_call_times(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes: int = 2**30, calls: int = 200,
+                    gap_s: float = 2e-4, seed: int = 0) -> tuple[np.ndarray, float]:
+    """The cold kernels themselves as a decode step calls them: `calls` calls, each over `rows_per_call`
     random neurons (ascending, as the runtime passes them) of a table of about `table_bytes` of `fmt` rows
     (kernels/names.COLD_DTYPES) of d weights, every row of each neuron read (an activation that never skips), the
     host spinning `gap_s` between calls as it waits for the GPU's part of the next layer. Small calls on threads that
-    start and stop at every layer read several times slower than row_gather_bw's one long pass; this is the rate
-    the solver's cost model needs for an active cold neuron."""
+    start and stop at every layer read several times slower than row_gather_bw's one long pass (the rate the
+    solver's cost model needs for an active cold neuron, cold_call_bw). Returns each call's seconds (calls,) and the
+    bytes a call reads: their spread shows stalls, a call held by one late thread (bench/cold_stalls.py)."""
     from hotneurons.kernels.cold import ACT_CODE, cold_ffn
     from hotneurons.kernels.cold_q import FORMAT_CODE, cold_ffn_q
     from hotneurons.kernels.names import BLOCK_DTYPES, COLD_DTYPES, K_DTYPES
@@ -125,15 +134,15 @@ def cold_call_bw(d: int, fmt: str, gated: bool, rows_per_call: int, table_bytes:
 
     ids = [np.sort(rng.choice(n, rows_per_call, replace=False)).astype(np.int64) for _ in range(calls)]
     call(ids[0])  # compiled (or loaded from the cache)
-    spent = 0.0
-    for idx in ids:
+    times = np.empty(calls)  # s
+    for i, idx in enumerate(ids):
         t_end = time.perf_counter() + gap_s
         while time.perf_counter() < t_end:  # the host waits for the GPU: a spin, as the runtime's
             pass
         t0 = time.perf_counter()
         call(idx)
-        spent += time.perf_counter() - t0
-    return calls * rows_per_call * n_mats * row_bytes / spent
+        times[i] = time.perf_counter() - t0
+    return times, rows_per_call * n_mats * row_bytes
 
 
 def expert_call_bw(d: int, n: int, fmt: str, experts_per_call: int, table_bytes: int = 2**30, calls: int = 100,
