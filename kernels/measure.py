@@ -96,8 +96,10 @@ def measure_cold_rate(hw: HardwareSpec, model: dict, sparsity: float | None, col
     neurons a call (a placement's usual cold share; `sparsity`: the profile's mean, None: 0.9). The solver prices an
     active cold neuron at cpu_bw: a DRAM figure (one long pass) would price it several times too cheap, and the
     budget would be left unused for hot rows; the note gives both."""
+    from hotneurons.kernels.cold import set_threads
     from hotneurons.kernels.dram import cold_call_bw
 
+    set_threads(None)  # the runtime's default threads
     active = (1.0 - (0.9 if sparsity is None else sparsity)) * int(model["n_neurons"])  # neurons a token
     rows = max(16, round(0.2 * active))
     rate = cold_call_bw(int(model["d_model"]), cold_dtype, bool(model["gated"]), rows)
@@ -111,8 +113,10 @@ def measure_expert_rate(hw: HardwareSpec, d_model: int, n_ff_exp: int, k: int, c
     """hw with cpu_bw set to the rate of the cold experts' kernel (kernels.dram.expert_call_bw) on this machine, for
     experts of the profiled shape in `cold_dtype` blocks, about a quarter of the k routed experts a call (a
     placement's usual cold share); the dense cold kernel's rate on a handful of neurons says nothing of it."""
+    from hotneurons.kernels.cold import set_threads
     from hotneurons.kernels.dram import expert_call_bw
 
+    set_threads(None)  # the runtime's default threads
     per = max(1, round(k / 4))
     cold_dtype = cold_dtype if cold_dtype in ("q4_0", "q4_1", "q8_0") else "q8_0"  # float experts: about q8_0's bytes
     rate = expert_call_bw(d_model, n_ff_exp, cold_dtype, per)

@@ -164,7 +164,7 @@ def runtime_options(f):
                           "same recall and precision on the measured run: docs/predictors.md) or auto (the run's "
                           "pi-solve --predictor-dtype, else as trained)."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
-                     help="CPU threads for the cold neurons [all cores]."),
+                     help="CPU threads for the cold neurons [all cores, less one from 8 cores up]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
                      "the GPU computes itself, reading their rows over PCIe from page-locked host RAM while the CPU "
                      "reads the rest [measured at start; 0: off]."),

@@ -25,7 +25,7 @@ class RuntimeConfig:
     # a token, the same masks up to rounding; bench/predictor_quant.py) or "auto": what pi-solve --predictor-dtype
     # counted where the run has a placement, else as trained (the compute dtype)
     predictor_dtype: str = "auto"
-    threads: int | None = None  # Numba threads for the cold neurons (None: Numba's default, all cores)
+    threads: int | None = None  # Numba threads for the cold neurons (None: kernels/cold.default_threads)
     vram: int | None = None  # bytes the device may hold (None: no check; layer-split: needed unless gpu_layers)
     gpu_layers: int | None = None  # layer-split: decoder layers kept on the device (None: as many as vram allows)
     cuda_graphs: bool = True  # CUDA: each FFN's per-token GPU work replayed as CUDA graphs (False: eager launches)

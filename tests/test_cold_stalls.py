@@ -27,3 +27,16 @@ def test_main_times_each_thread_count_and_writes_the_record(tmp_path):
     assert json.loads(out.read_text())["figures"]["runs"]["none"]["1"]["calls"] == 5
     with pytest.raises(SystemExit, match="--noise loud"):
         main(["--noise", "loud"])
+
+
+def test_default_threads_leave_a_core_from_eight(monkeypatch):
+    import numba
+    from hotneurons.kernels.cold import default_threads, set_threads
+
+    for cores, want in ((16, 15), (8, 7), (4, 4), (2, 2), (1, 1)):
+        monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", cores)
+        assert default_threads() == want
+    monkeypatch.undo()
+    n = numba.config.NUMBA_NUM_THREADS
+    assert set_threads(None) == default_threads() and set_threads(1) == 1 and set_threads(10**6) == n
+    set_threads(None)
