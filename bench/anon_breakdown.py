@@ -22,6 +22,7 @@ def rss_anon() -> int:
 def layout_bytes(rt) -> dict:
     """What the runtime's own host-side structures take, counted from their arrays."""
     import numpy as np
+    import torch
 
     def nbytes(*arrays) -> int:
         return int(sum(a.nbytes for a in arrays if isinstance(a, np.ndarray)))
@@ -29,8 +30,10 @@ def layout_bytes(rt) -> dict:
     io = [f.io for f in rt.ffns if f.io is not None]
     return {"cold_rows": int(sum(f.cold_bytes() for f in rt.ffns)),
             "host_io_pinned": int(sum(nbytes(b.x_np, b.mask_words, b.part, b.out, b.idx) for b in io)),
+            # the predictors' tensors left on the host (q8_0 blocks, --predictor-dtype, live on the device)
             "predictors_on_host": int(sum(t.numel() * t.element_size() for f in rt.ffns
-                                          for t in (f.pred_fc1, f.pred_fc2) if t is not None and not t.is_cuda))}
+                                          for t in (f.pred_fc1, f.pred_fc2)
+                                          if isinstance(t, torch.Tensor) and not t.is_cuda))}
 
 
 def main(a) -> dict:
