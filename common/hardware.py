@@ -43,11 +43,14 @@ class HardwareSpec:
     vram_bytes: int  # bytes of GPU memory (0: no GPU)
     pcie_bw: float  # bytes/s, host <-> GPU
     gpu_bw: float  # bytes/s, GPU memory (HBM / GDDR)
-    cpu_bw: float  # bytes/s, host DRAM read bandwidth
+    cpu_bw: float  # bytes/s, host DRAM read bandwidth (pi-solve --measure: the cold kernel's own rate)
     cores: int  # CPU cores the runtime computes cold neurons on
     sync_latency_s: float  # s, per layer: one small GPU->CPU + CPU->GPU round trip and the wait
     reserve_bytes: int  # bytes of VRAM kept for the CUDA context, cuBLAS workspace, allocator slack
     host: str = ""  # which host the CPU figures describe
+    # bytes/s of one long streaming read of host DRAM (0: cpu_bw): what a layer split's CPU layers read at, where
+    # cpu_bw became the cold kernel's slower rate on scattered rows (kernels/measure.measure_cold_rate)
+    dram_bw: float = 0.0
 
     @property
     def has_gpu(self) -> bool:
@@ -57,6 +60,11 @@ class HardwareSpec:
     def effective_cpu_bw(self) -> float:
         """bytes/s the CPU side can read: DRAM bandwidth, unless too few cores to saturate it."""
         return min(self.cpu_bw, self.cores * PER_CORE_DRAM_BW)
+
+    @property
+    def stream_bw(self) -> float:
+        """bytes/s the CPU side reads whole matrices at (the layer split's CPU layers): DRAM, unless too few cores."""
+        return min(self.dram_bw or self.cpu_bw, self.cores * PER_CORE_DRAM_BW)
 
     def replace(self, **changes) -> "HardwareSpec":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

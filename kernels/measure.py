@@ -70,7 +70,8 @@ def measure_hardware(base: HardwareSpec) -> tuple[HardwareSpec, list[str]]:
     """Measure this machine. DRAM bandwidth and cores always; VRAM, PCIe and GPU memory bandwidth and the
     sync round trip only when CUDA is available (else the preset's values stay, and the notes say so)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    changes: dict = dict(cores=cores, cpu_bw=_measure_dram_bw(cores), host=f"measured on this machine ({cores} cores)")
+    dram = _measure_dram_bw(cores)
+    changes: dict = dict(cores=cores, cpu_bw=dram, dram_bw=dram, host=f"measured on this machine ({cores} cores)")
     notes = [f"measured DRAM read bandwidth {changes['cpu_bw'] / 1e9:.1f} GB/s with {cores} threads"]
     try:
         import torch

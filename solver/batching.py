@@ -31,34 +31,39 @@ def union_share(freq: np.ndarray, B: int) -> np.ndarray:
     return 1.0 - np.power(1.0 - np.clip(freq, 0.0, 1.0), B)
 
 
-def layer_split_ms(p: PlacementProblem, shape: ModelInfo, hw: HardwareSpec, dtype_bytes: float) -> tuple[int, float]:
+def layer_split_ms(p: PlacementProblem, shape: ModelInfo, hw: HardwareSpec, dtype_bytes: float,
+                   predictor_bytes: float = 0.0) -> tuple[int, float]:
     """(layers on the GPU, ms a step) of the layer split in the same budget: whole layers on the GPU while they fit
-    (the bytes the hybrid gives its FFN neurons plus the attention and fixed FFN weights it keeps there anyway), the
-    rest read from DRAM, memory-bound either way."""
+    (the bytes the hybrid gives its FFN neurons and its predictors, which a layer split has none of, plus the
+    attention and fixed FFN weights it keeps there anyway), the rest read from DRAM (HardwareSpec.stream_bw),
+    memory-bound either way."""
     L = p.n_layers
     layer = [(shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes
              + float(p.group_neurons[l].sum() * p.bytes_per_neuron[l]) for l in range(L)]  # bytes a layer
-    room = p.budget_bytes + sum((shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes
+    room = p.budget_bytes + predictor_bytes + sum((shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes
                                 for l in range(L))
     n, used = 0, 0.0
     while n < L and used + layer[n] <= room:
         used += layer[n]
         n += 1
-    gpu_bw = hw.gpu_bw if hw.has_gpu else hw.effective_cpu_bw
-    ms = sum(layer[:n]) / gpu_bw * 1e3 + sum(layer[n:]) / hw.effective_cpu_bw * 1e3 + p.global_ms
+    gpu_bw = hw.gpu_bw if hw.has_gpu else hw.stream_bw
+    # its CPU layers stream whole matrices: DRAM's rate, not the cold kernel's on scattered rows (cpu_bw measured)
+    ms = sum(layer[:n]) / gpu_bw * 1e3 + sum(layer[n:]) / hw.stream_bw * 1e3 + p.global_ms
     return n, ms + (hw.sync_latency_s * 1e3 if 0 < n < L else 0.0)
 
 
 def batch_table(p: PlacementProblem, t: LayerTables, k: np.ndarray, counts: list[np.ndarray], shape: ModelInfo,
-                hw: HardwareSpec, dtype_bytes: float, batches: tuple[int, ...] = BATCHES) -> dict:
+                hw: HardwareSpec, dtype_bytes: float, batches: tuple[int, ...] = BATCHES,
+                predictor_bytes: float = 0.0) -> dict:
     """Per batch size B: the expected step, the aggregate tokens/s of B sequences, the cold rows a step reads per
     token, and the layer split's aggregate rate at the same budget; `stops_paying_at`: the first B (of `batches`,
     then doubling up to 64) where the layer split's aggregate rate is the higher (None: never up to 64).
     counts: per layer the neurons' activation counts sorted descending (the placement's order: the first
-    t.neurons[l, k[l]] are on the GPU)."""
+    t.neurons[l, k[l]] are on the GPU); predictor_bytes: the hybrid's predictors on the GPU, room the layer split
+    fills with layers."""
     rows = np.arange(p.n_layers)
     hot = t.neurons[rows, k].astype(np.int64)  # (layers,)
-    split_layers, split_ms = layer_split_ms(p, shape, hw, dtype_bytes)
+    split_layers, split_ms = layer_split_ms(p, shape, hw, dtype_bytes, predictor_bytes)
 
     def at(B: int) -> dict:
         cold_rows, step = 0.0, p.global_ms

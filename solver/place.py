@@ -184,7 +184,8 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
                            comm_constraint=comm, time_limit=time_limit, mip_gap=mip_gap, threads=threads,
                            parallel=parallel, predictor_dtype=predictor_dtype)
     summary = _summary(problem, tables, result, ev, items, pred_source, hw, shape, tokens, flags, hardware_notes)
-    summary.batching = batch_table(problem, tables, result.k, counts, shape, hw, db)
+    summary.batching = batch_table(problem, tables, result.k, counts, shape, hw, db,
+                                   predictor_bytes=pred_bytes if hw.has_gpu else 0.0)
     if hw.has_gpu:
         hot = tables.neurons[np.arange(problem.n_layers), result.k].astype(np.int64)
         summary.batching["measured_cold_rows_per_token"] = measured_union(

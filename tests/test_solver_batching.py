@@ -114,3 +114,30 @@ def test_predictor_bytes_given_frees_room(tmp_path):
     assert big.memory.gpu["predictors"] == 10**9 and small.memory.gpu["predictors"] == 4 * 10**8
     assert small.budget.ffn_budget_bytes == big.budget.ffn_budget_bytes + 6 * 10**8
     assert small.gpu_neuron_share >= big.gpu_neuron_share and small.expected_tokens_per_s >= big.expected_tokens_per_s
+
+
+def test_layer_split_streams_at_dram_not_the_cold_kernels_rate():
+    # pi-solve --measure makes cpu_bw the cold kernel's rate on scattered rows and keeps DRAM's in dram_bw: the layer
+    # split's CPU layers stream whole matrices, so only their rate moves with dram_bw; the hybrid's step does not
+    from hotneurons.solver.batching import layer_split_ms
+
+    p, t, k, counts, shape = _problem(1.2, budget_frac=0.1)
+    slow = HW.replace(cpu_bw=HW.cpu_bw / 4)  # a cold kernel at a quarter of DRAM, DRAM unknown: cpu_bw for both
+    measured = slow.replace(dram_bw=HW.cpu_bw)  # DRAM measured apart
+    n, ms_slow = layer_split_ms(p, shape, slow, 2.0)
+    n2, ms_measured = layer_split_ms(p, shape, measured, 2.0)
+    assert n == n2 < p.n_layers and ms_measured < ms_slow
+    _, ms_dram = layer_split_ms(p, shape, HW, 2.0)
+    assert ms_measured == pytest.approx(ms_dram)  # streaming at DRAM's rate as a preset's cpu_bw gives it
+    from hotneurons.common.hardware import PER_CORE_DRAM_BW
+
+    assert measured.stream_bw == min(HW.cpu_bw, HW.cores * PER_CORE_DRAM_BW) == HW.stream_bw
+
+
+def test_layer_split_fills_the_predictors_room_with_layers():
+    from hotneurons.solver.batching import layer_split_ms
+
+    p, t, k, counts, shape = _problem(1.2, budget_frac=0.1)
+    n, ms = layer_split_ms(p, shape, HW, 2.0)
+    n2, ms2 = layer_split_ms(p, shape, HW, 2.0, predictor_bytes=4 * p.budget_bytes)  # room for more layers
+    assert n < n2 <= p.n_layers and ms2 < ms
