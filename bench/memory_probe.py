@@ -271,18 +271,24 @@ def measure(argv: list[str], *, timeout: float | None = None, **kw) -> Measureme
 
 class GpuMemory:
     """The driver's figure of GPU memory used by a process tree (nvidia-smi's compute apps, context included), sampled
-    by one nvidia-smi that loops (-lms) and read in a thread; the peak in bytes. One process for the whole run: an
-    nvidia-smi started per sample costs a tenth of a second of a core each time, taken from the measured command."""
+    by one nvidia-smi that loops (--loop-ms) and read in a thread; the peak in bytes. One process for the whole run:
+    an nvidia-smi started per sample costs a tenth of a second of a core each time, taken from the measured command
+    (where the driver's nvidia-smi has no loop mode, one call a second)."""
+
+    QUERY = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
 
     def __init__(self, root_pid: int, interval: float = 0.25):
         self.root, self.interval, self.peak = root_pid, interval, 0
         self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._pids: set[int] = set()
+        self._found = -TREE_RESCAN_S
+        self._last: dict[int, int] = {}  # each process's latest figure (bytes)
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> GpuMemory:
         try:
-            self._proc = subprocess.Popen(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                           "--format=csv,noheader,nounits", f"-lms={int(self.interval * 1e3)}"],
+            self._proc = subprocess.Popen([*self.QUERY, f"--loop-ms={int(self.interval * 1e3)}"],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no driver here: no GPU figure
@@ -292,22 +298,31 @@ class GpuMemory:
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
+            self._stop.set()
             self._proc.terminate()
             self._proc.wait()
             self._thread.join()
 
-    def _loop(self) -> None:
-        pids, found, last = set(), -TREE_RESCAN_S, {}  # last: each process's latest figure (bytes)
-        for line in self._proc.stdout:  # "PID, MiB" per process, a block of them each loop
+    def _read(self, lines) -> None:
+        for line in lines:  # "PID, MiB" per process, a block of them each loop
             now = time.perf_counter()
-            if now - found >= TREE_RESCAN_S:
-                pids, found = set(tree_pids(self.root)), now
-                last = {p: b for p, b in last.items() if p in pids}  # gone: no longer counted
+            if now - self._found >= TREE_RESCAN_S:
+                self._pids, self._found = set(tree_pids(self.root)), now
+                self._last = {p: b for p, b in self._last.items() if p in self._pids}  # gone: no longer counted
             pid, _, used = line.partition(",")
             try:
                 pid, used = int(pid), int(used) << 20  # MiB
             except ValueError:  # a line that is not a process's ("No running processes found")
                 continue
-            if pid in pids:
-                last[pid] = used
-                self.peak = max(self.peak, sum(last.values()))
+            if pid in self._pids:
+                self._last[pid] = used
+                self.peak = max(self.peak, sum(self._last.values()))
+
+    def _loop(self) -> None:
+        self._read(self._proc.stdout)  # until the looping process ends: at __exit__, or at once without loop mode
+        while not self._stop.is_set():
+            try:
+                self._read(subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10).stdout.splitlines())
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(1.0)

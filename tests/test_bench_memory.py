@@ -182,3 +182,22 @@ def test_gpu_memory_reads_one_looping_nvidia_smi(tmp_path, monkeypatch):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_gpu_memory_falls_back_to_a_call_a_second_without_loop_mode(tmp_path, monkeypatch):
+    # an nvidia-smi that refuses --loop-ms (exits at once) and answers single queries
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *loop*) exit 2;; esac\necho \"$PID_UNDER_TEST, 200\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
+    try:
+        with memory_probe.GpuMemory(proc.pid) as g:
+            deadline = time.time() + 5
+            while g.peak == 0 and time.time() < deadline:
+                time.sleep(0.05)
+        assert g.peak == 200 << 20
+    finally:
+        proc.kill()
+        proc.wait()
