@@ -40,8 +40,8 @@ def layer_split_ms(p: PlacementProblem, shape: ModelInfo, hw: HardwareSpec, dtyp
     L = p.n_layers
     layer = [(shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes
              + float(p.group_neurons[l].sum() * p.bytes_per_neuron[l]) for l in range(L)]  # bytes a layer
-    room = p.budget_bytes + predictor_bytes + sum((shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes
-                                for l in range(L))
+    fixed = sum((shape.params.attention_per_layer[l] + shape.ffn_fixed_params(l)) * dtype_bytes for l in range(L))
+    room = p.budget_bytes + predictor_bytes + fixed  # bytes
     n, used = 0, 0.0
     while n < L and used + layer[n] <= room:
         used += layer[n]
