@@ -73,9 +73,10 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--time-limit", type=float, default=30.0, show_default=True, help="Solver time limit, seconds.")
 @click.option("--mip-gap", type=float, default=1e-3, show_default=True, help="Relative optimality gap to stop at.")
 @click.option("--threads", type=int, help="HiGHS threads (default: HiGHS's choice).")
-@click.option("--expert-neurons", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+@click.option("--expert-neurons", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="Mixtures of experts: also place groups of the hottest neurons inside ReLU-family experts (auto: "
-                   "where the activation is ReLU-family and the profile counts the experts' neurons).")
+                   "where the activation is ReLU-family and the profile counts the experts' neurons), for study: "
+                   "pi-generate and pi-serve compute whole experts and refuse such a placement.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of the human summary.")
 def main(run_dir, vram, hardware, measure, pcie_bw, gpu_bw, cpu_bw, cores, sync_us, dtype, cold_dtype, ctx, parallel,
          predictor_dtype, reserve, group_size, objective, no_comm_constraint, time_limit, mip_gap, threads,

@@ -156,7 +156,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
                            group_size: int = 64, objective: Objective | str = Objective.LATENCY,
                            time_limit: float = 30.0, mip_gap: float = 1e-3, threads: int | None = None,
                            write: bool = True, hardware_notes: list[str] | None = None, cold_dtype: str | None = None,
-                           expert_neurons: str = "auto", parallel: int = 1) -> PlacementSummary:
+                           expert_neurons: str = "off", parallel: int = 1) -> PlacementSummary:
     """Place whole experts (and neuron groups inside ReLU-family experts) on the GPU. `dtype`: the weights' format
     (None: the GGUF file's own); `cold_dtype`: how the CPU stores cold experts (None: as on the GPU, read in place)."""
     t_start = time.perf_counter()

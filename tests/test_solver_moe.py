@@ -116,7 +116,10 @@ def _solve(run, *args):
 def test_cli_writes_expert_placement(tmp_path, activation):
     run = write_synthetic_moe_profile(tmp_path / "run", "qwen1.5-moe-a2.7b", tokens=2000, n_layers=3,
                                       activation=activation)
-    r = _solve(run, "--vram", "2GB", "--dtype", "q4_0")
+    r = _solve(run, "--vram", "2GB", "--dtype", "q4_0")  # the default: whole experts, what the runtime computes
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["experts"]["mode"] == "whole experts"
+    r = _solve(run, "--vram", "2GB", "--dtype", "q4_0", "--expert-neurons", "auto")
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     x = s["experts"]
