@@ -271,40 +271,53 @@ def measure(argv: list[str], *, timeout: float | None = None, **kw) -> Measureme
 
 class GpuMemory:
     """The driver's figure of GPU memory used by a process tree (nvidia-smi's compute apps, context included), sampled
-    by one nvidia-smi that loops (--loop-ms) and read in a thread; the peak in bytes. One process for the whole run:
-    an nvidia-smi started per sample costs a tenth of a second of a core each time, taken from the measured command
-    (where the driver's nvidia-smi has no loop mode, one call a second)."""
+    by one nvidia-smi that loops (--loop-ms, its output line-buffered by stdbuf where there is one) and read in a
+    thread; the peak in bytes. One process for the whole run: an nvidia-smi started per sample costs a tenth of a
+    second of a core each time, taken from the measured command. Where no line comes within `first_line_s` (a driver
+    without loop mode, or output held in a buffer), one call a second instead."""
 
     QUERY = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
 
-    def __init__(self, root_pid: int, interval: float = 0.25):
-        self.root, self.interval, self.peak = root_pid, interval, 0
+    def __init__(self, root_pid: int, interval: float = 0.25, first_line_s: float = 10.0):
+        self.root, self.interval, self.first_line_s, self.peak = root_pid, interval, first_line_s, 0
         self._proc: subprocess.Popen | None = None
         self._stop = threading.Event()
+        self._lines = 0  # lines the looping process gave
         self._pids: set[int] = set()
         self._found = -TREE_RESCAN_S
         self._last: dict[int, int] = {}  # each process's latest figure (bytes)
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._watch = threading.Timer(first_line_s, self._no_lines)
 
     def __enter__(self) -> GpuMemory:
+        import shutil
+
+        line_buffered = ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
         try:
-            self._proc = subprocess.Popen([*self.QUERY, f"--loop-ms={int(self.interval * 1e3)}"],
+            self._proc = subprocess.Popen([*line_buffered, *self.QUERY, f"--loop-ms={int(self.interval * 1e3)}"],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no driver here: no GPU figure
             return self
         self._thread.start()
+        self._watch.start()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
+            self._watch.cancel()
             self._stop.set()
             self._proc.terminate()
             self._proc.wait()
             self._thread.join()
 
-    def _read(self, lines) -> None:
+    def _no_lines(self) -> None:
+        if not self._lines and self._proc is not None:
+            self._proc.terminate()  # the reading thread goes on to single calls
+
+    def _read(self, lines, looping: bool = False) -> None:
         for line in lines:  # "PID, MiB" per process, a block of them each loop
+            self._lines += looping
             now = time.perf_counter()
             if now - self._found >= TREE_RESCAN_S:
                 self._pids, self._found = set(tree_pids(self.root)), now
@@ -319,7 +332,7 @@ class GpuMemory:
                 self.peak = max(self.peak, sum(self._last.values()))
 
     def _loop(self) -> None:
-        self._read(self._proc.stdout)  # until the looping process ends: at __exit__, or at once without loop mode
+        self._read(self._proc.stdout, looping=True)  # until the looping process ends: at __exit__, or refused
         while not self._stop.is_set():
             try:
                 self._read(subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10).stdout.splitlines())

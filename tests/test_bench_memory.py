@@ -201,3 +201,22 @@ def test_gpu_memory_falls_back_to_a_call_a_second_without_loop_mode(tmp_path, mo
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_gpu_memory_falls_back_when_the_loop_gives_no_line(tmp_path, monkeypatch):
+    # a looping nvidia-smi whose output never comes (held in a buffer): after first_line_s, single calls
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *loop*) exec sleep 30;; esac\necho \"$PID_UNDER_TEST, 300\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
+    try:
+        with memory_probe.GpuMemory(proc.pid, first_line_s=0.3) as g:
+            deadline = time.time() + 5
+            while g.peak == 0 and time.time() < deadline:
+                time.sleep(0.05)
+        assert g.peak == 300 << 20
+    finally:
+        proc.kill()
+        proc.wait()
