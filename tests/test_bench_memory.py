@@ -162,61 +162,40 @@ def test_pi_bench_hands_the_memory_stage_its_own_flags():
     assert _memory_argv(["--stage", "bench", "--device", "cpu"]) is None
 
 
-def test_gpu_memory_reads_one_looping_nvidia_smi(tmp_path, monkeypatch):
-    # a stand-in nvidia-smi: the loop's blocks for the measured process (two lines: its figure rising) and another
-    # process's, which is not counted
+def _gpu_peak(tmp_path, monkeypatch, script: str, want: int, **kw) -> int:
+    """GpuMemory's peak over a process under a stand-in nvidia-smi (`script`, a shell script: $PID_UNDER_TEST is the
+    measured process), once it reaches `want` MiB or after 5 s."""
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\n"
-                    "echo \"$PID_UNDER_TEST, 100\"; echo '1, 9999'; echo 'No running processes found'\n"
-                    "echo \"$PID_UNDER_TEST, 300\"; exec sleep 30\n")
+    fake.write_text("#!/bin/sh\n" + script)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(6)"])
     monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
     try:
-        with memory_probe.GpuMemory(proc.pid, interval=0.05) as g:
+        with memory_probe.GpuMemory(proc.pid, **kw) as g:
             deadline = time.time() + 5
-            while g.peak < 300 << 20 and time.time() < deadline:
+            while g.peak < want << 20 and time.time() < deadline:
                 time.sleep(0.05)
-        assert g.peak == 300 << 20  # MiB -> bytes; the process 1's 9999 MiB not in the tree
+        return g.peak
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_gpu_memory_reads_one_looping_nvidia_smi(tmp_path, monkeypatch):
+    # the loop's blocks for the measured process (two lines: its figure rising) and another process's, not counted
+    script = ("echo \"$PID_UNDER_TEST, 100\"; echo '1, 9999'; echo 'No running processes found'\n"
+              "echo \"$PID_UNDER_TEST, 300\"; exec sleep 30\n")
+    assert _gpu_peak(tmp_path, monkeypatch, script, 300, interval=0.05) == 300 << 20  # MiB -> bytes
 
 
 def test_gpu_memory_falls_back_to_a_call_a_second_without_loop_mode(tmp_path, monkeypatch):
     # an nvidia-smi that refuses --loop-ms (exits at once) and answers single queries
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\ncase \"$*\" in *loop*) exit 2;; esac\necho \"$PID_UNDER_TEST, 200\"\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
-    monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
-    try:
-        with memory_probe.GpuMemory(proc.pid) as g:
-            deadline = time.time() + 5
-            while g.peak == 0 and time.time() < deadline:
-                time.sleep(0.05)
-        assert g.peak == 200 << 20
-    finally:
-        proc.kill()
-        proc.wait()
+    script = "case \"$*\" in *loop*) exit 2;; esac\necho \"$PID_UNDER_TEST, 200\"\n"
+    assert _gpu_peak(tmp_path, monkeypatch, script, 200) == 200 << 20
 
 
 def test_gpu_memory_falls_back_when_the_loop_gives_no_line(tmp_path, monkeypatch):
     # a looping nvidia-smi whose output never comes (held in a buffer): after first_line_s, single calls
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\ncase \"$*\" in *loop*) exec sleep 30;; esac\necho \"$PID_UNDER_TEST, 300\"\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
-    monkeypatch.setenv("PID_UNDER_TEST", str(proc.pid))
-    try:
-        with memory_probe.GpuMemory(proc.pid, first_line_s=0.3) as g:
-            deadline = time.time() + 5
-            while g.peak == 0 and time.time() < deadline:
-                time.sleep(0.05)
-        assert g.peak == 300 << 20
-    finally:
-        proc.kill()
-        proc.wait()
+    script = "case \"$*\" in *loop*) exec sleep 30;; esac\necho \"$PID_UNDER_TEST, 300\"\n"
+    assert _gpu_peak(tmp_path, monkeypatch, script, 300, first_line_s=0.3) == 300 << 20
