@@ -384,9 +384,8 @@ SPARE_CORE_FROM = 8  # cores from which the default leaves one core to the rest 
 def default_threads() -> int:
     """Numba's cores (its NUMBA_NUM_THREADS), less one from SPARE_CORE_FROM cores: a kernel call joins all its threads,
     so when any other process wakes (a sampler, the desktop, the CUDA driver's own threads) while every core runs one,
-    the call waits for the preempted thread's next time slice. On the 16-core H200 host (bench/cold_stalls.py) 16
-    threads beside an nvidia-smi every 0.25 s had calls of 4.1 ms at p99 against a 0.155 ms median; 15 threads 0.42
-    ms at p99 with the same median."""
+    the call waits for the preempted thread's next time slice, many times a call's length (bench/cold_stalls.py;
+    docs/benchmarks.md has the figures)."""
     n = numba.config.NUMBA_NUM_THREADS
     return n - 1 if n >= SPARE_CORE_FROM else n
 
