@@ -128,6 +128,13 @@ class GpuOps(Kind):
     TRITON = "triton"  # the hand-written kernels of kernels/fused.py
 
 
+class PredictorDtype(Kind):
+    """How the predictors are stored on the device (pi-solve / pi-generate / pi-serve --predictor-dtype)."""
+
+    AUTO = "auto"  # as trained (fp16 / the compute dtype); pi-generate: what the placement counted
+    Q8_0 = "q8_0"  # llama.cpp's blocks of 32, made at load: 17/32 of fp16's bytes
+
+
 class BatchStep(Kind):
     """How several sequences decode a token each (runtime/batch.py, pi-serve --parallel)."""
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 from hotneurons.common.cli import StageCommand, check_port, interrupted, stdout_to_stderr
-from hotneurons.common.kinds import GpuOps, RuntimeMode
+from hotneurons.common.kinds import GpuOps, PredictorDtype, RuntimeMode
 from hotneurons.common.schema import ArtifactError
 from hotneurons.kernels.names import COLD_DTYPES
 from hotneurons.runtime.config import RuntimeConfig, RuntimeRequest
@@ -159,7 +159,7 @@ def runtime_options(f):
                           "read it (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K), else its nearest one (as --cold-dtype's), the "
                           "compute dtype for float files. A GGUF's other matrices in a type no kernel reads are "
                           "converted likewise."),
-        click.option("--predictor-dtype", type=click.Choice(("auto", "q8_0")), default="auto", show_default=True,
+        click.option("--predictor-dtype", type=click.Choice(PredictorDtype.values()), default="auto", show_default=True,
                      help="The predictors on the device: q8_0 (made at load: about half the bytes a token reads, the "
                           "same recall and precision on the measured run: docs/predictors.md) or auto (the run's "
                           "pi-solve --predictor-dtype, else as trained)."),

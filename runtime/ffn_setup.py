@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from hotneurons.common.kinds import MaskSource, choose
+from hotneurons.common.kinds import MaskSource, PredictorDtype, choose
 from hotneurons.kernels.cold import ACT_CODE, GATED
 from hotneurons.kernels.qlinear import GpuQ
 from hotneurons.models.ffn_weights import FFNWeights, down_t_rows, float_dtype, hot_blocks, take_rows, to_float
@@ -37,8 +37,8 @@ class FFNLayout:
 
     def __post_init__(self):
         object.__setattr__(self, "mask", choose(self.mask, MaskSource, "mask source"))
-        if self.predictor_dtype not in ("auto", "q8_0"):
-            raise ValueError(f"--predictor-dtype {self.predictor_dtype!r}: auto (as trained) or q8_0")
+        dtype = choose(self.predictor_dtype, PredictorDtype, "predictor dtype").value
+        object.__setattr__(self, "predictor_dtype", dtype)
         if self.predictor_dtype != "auto" and self.device is None:
             raise ValueError("predictor blocks are made where the hot rows go: set FFNLayout.device")
         if self.mask == "gate" and self.cold_dtype == "int8":

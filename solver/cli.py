@@ -12,6 +12,7 @@ from hotneurons.artifacts.profile import check_profile
 from hotneurons.common.artifacts import ArtifactError, read_json
 from hotneurons.common.cli import StageCommand, cli_error, interrupted, stdout_to_stderr
 from hotneurons.common.hardware import HARDWARE, UnknownHardware, get_hardware, presets_table
+from hotneurons.common.kinds import PredictorDtype
 from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_rate, parse_bytes, parse_rate
 from hotneurons.kernels.measure import measure_cold_rate, measure_expert_rate, measure_hardware
@@ -62,7 +63,7 @@ def _parsed(parse, flag: str, text: str | None):
 @click.option("--parallel", type=int, default=1, show_default=True,
               help="Sequences pi-serve decodes at once (its --parallel, which it takes from here by default): a KV "
                    "cache slot of --ctx tokens each in the budget. A dense model's summary prices batches of 1-8.")
-@click.option("--predictor-dtype", type=click.Choice(["auto", "q8_0"]), default="auto", show_default=True,
+@click.option("--predictor-dtype", type=click.Choice(PredictorDtype.values()), default="auto", show_default=True,
               help="The predictors' storage on the GPU (pi-generate's --predictor-dtype, which it takes from here by "
                    "default): q8_0 counts 17/32 of their fp16 bytes (docs/predictors.md).")
 @click.option("--reserve", help="VRAM kept for the CUDA context and allocator, e.g. 1GiB or 0. Default: the preset's.")

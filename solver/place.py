@@ -21,7 +21,7 @@ from hotneurons.artifacts.placement import (
 from hotneurons.artifacts.profile import ProfileMeta, read_profile
 from hotneurons.common.artifacts import ArtifactError, sha256_file, staged, write_parquet
 from hotneurons.common.hardware import HardwareSpec
-from hotneurons.common.kinds import choose
+from hotneurons.common.kinds import PredictorDtype, choose
 from hotneurons.common.model_info import ModelInfo
 from hotneurons.common.units import format_bytes, format_size_arg
 
@@ -148,9 +148,7 @@ def solve_placement(run_dir: str | Path, hardware: HardwareSpec, vram_bytes: int
     always, pricing = gate_first_rows(run_dir, meta)
     pred_bytes, pred_source = (_predictor_bytes(run_dir, shape, db) if not always
                                else (0, "none: a gated model's run without predictors decodes by its own gates"))
-    if predictor_dtype not in ("auto", "q8_0"):
-        raise SolverError(f"--predictor-dtype {predictor_dtype!r}: auto (as trained) or q8_0",
-                          params="predictor_dtype")
+    predictor_dtype = choose(predictor_dtype, PredictorDtype, "predictor dtype", SolverError, "predictor_dtype").value
     if predictor_dtype == "q8_0" and not always:  # 34 bytes a block of 32 weights where fp16 takes 64
         pred_bytes, pred_source = pred_bytes * 17 // 32, f"{pred_source}, as Q8_0 blocks (17/32 of fp16's bytes)"
     if predictor_bytes is not None:

@@ -77,3 +77,10 @@ def test_q8_0_predictors_refused_on_the_transformers_path(tiny_model_dir, tmp_pa
     cfg = RuntimeConfig(mode="dense", device="cpu", dtype="float32", predictor_dtype="q8_0", static_decode=False)
     with pytest.raises(ValueError, match="--predictor-dtype q8_0 runs on our decoders"):
         load_runtime(run, cfg, model=str(folder))  # static_decode off: the transformers path
+
+
+def test_an_unknown_predictor_dtype_is_one_line():
+    from hotneurons.runtime.ffn_setup import FFNLayout
+
+    with pytest.raises(ValueError, match="unknown predictor dtype 'q4_0': choose one of auto, q8_0"):
+        FFNLayout("predictor", "bf16", predictor_dtype="q4_0")
