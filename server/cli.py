@@ -6,6 +6,7 @@ import logging
 
 import click
 from hotneurons.common.cli import StageCommand
+from hotneurons.common.kinds import BatchStep
 from hotneurons.runtime.cli import open_runtime, runtime_options
 from hotneurons.server.config import ServeConfig
 
@@ -27,7 +28,7 @@ from hotneurons.server.config import ServeConfig
               "slot (continuous batching; our decoders). Default: the run's placement's (pi-solve --parallel N, which "
               "budgets the slots), else the slots that fit --vram beside the loaded model, at most 4 (1 for a "
               "transformers model).")
-@click.option("--batch-step", type=click.Choice(["auto", "batched", "interleaved"]), default="auto", show_default=True,
+@click.option("--batch-step", type=click.Choice(BatchStep.values()), default="auto", show_default=True,
               help="With --parallel > 1: how the running requests decode a token each: batched (one eager step for "
               "all, weight reads shared), interleaved (the batch-1 step, CUDA graphs and all, for each in turn) or "
               "auto (interleaved where the runtime replays CUDA graphs: there it is faster; docs/serve.md).")
