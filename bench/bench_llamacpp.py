@@ -29,7 +29,7 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
 # the solver's packages, the GGUF writer, and pi-serve's web stack (bench/serve_bench.py on the GPU machine)
 WHEEL_NAMES = ("pulp", "highspy", "gguf", "fastapi", "starlette", "uvicorn", "h11", "pydantic", "pydantic_core",
-               "annotated_types", "typing_inspection", "anyio")
+               "annotated_types", "typing_inspection", "anyio", "annotated_doc", "opentelemetry_api")
 # pulp 3 and later import orloge and its dependencies, which the GPU image lacks; pulp 2 needs nothing
 DEVICE_PINS = {"pulp": "pulp>=2.8,<3"}
 

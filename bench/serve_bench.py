@@ -4,16 +4,17 @@
         # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
     python -m bench.serve_bench --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
 
-The script starts one real `pi-serve` per mode in subprocesses on free loopback ports, waits for /health and
-sends each a warm-up request. Then, --rounds times, for each client count C and each mode in turn (so that
-other load on the machine falls on every cell alike), C threads together send --requests streaming chat
-completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
+The script starts one real `pi-serve` per mode and --parallel value in a subprocess on a free loopback port, one
+at a time (an idle one beside would hold memory and threads that the measured one could want), waits for /health
+and sends --parallel warm-up requests at once. Then, --rounds times, for each client count C, C threads together send --requests
+streaming chat completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
 records the time to the first content token (TTFT: from sending the request, queue wait included), the total
 latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
 round shows the spread, and the gaps between a stream's content events its inter-token latency (ITL). With
 --parallel 1 the runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with the queue; with
 --parallel N up to N requests decode together (continuous batching). Writes a JSON results file with the machine,
-its load and the command.
+its load and the command, after each server (a run cut short, by a timeout's SIGTERM too, keeps what it measured:
+"complete" says which).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -180,38 +182,44 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
     pars = [int(p) for p in parallel.split(",")]
     modes = [(m, p) for m in modes for p in pars]  # one server each
     load_before = os.getloadavg()  # other jobs on the machine skew every figure: recorded with them
-    servers: dict[tuple[str, int], tuple[subprocess.Popen, int]] = {}
-    try:
-        for mode, par in modes:
-            port = free_port()
-            cmd = [sys.executable, "-m", "hotneurons.server.cli", "--run", run_dir, "--mode", mode,
-                   "--port", str(port), "--max-queue", "64", "--parallel", str(par), "--quiet", *serve_args.split()]
-            extra = ["--threads", str(threads)] if threads is not None else []
-            servers[mode, par] = subprocess.Popen(cmd + extra), port
-        for mode, (proc, port) in servers.items():
+    # a timeout's SIGTERM as an exception: the finally below stops the server, and the cells measured are on disk
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cells: dict[tuple[tuple[str, int], int], tuple[list, list, list]] = {}
+    healths: dict[str, dict] = {}
+    for mode, par in modes:  # one server up at a time: an idle one's memory and threads sit beside none measured
+        port = free_port()
+        cmd = [sys.executable, "-m", "hotneurons.server.cli", "--run", run_dir, "--mode", mode,
+               "--port", str(port), "--max-queue", "64", "--parallel", str(par), "--quiet", *serve_args.split()]
+        proc = subprocess.Popen(cmd + (["--threads", str(threads)] if threads is not None else []))
+        try:
             wait_ready(port, proc)
-            stream_chat(port, QUESTIONS[0], max_tokens, endpoint)  # compiles and warms caches; not counted
-        cells = {(m, c): ([], [], []) for c in counts for m in modes}
-        for r in range(rounds):
-            for c in counts:
-                for mode in modes:
-                    results, wall = run_clients(servers[mode][1], c, requests, max_tokens, endpoint)
-                    records, walls, oks = cells[mode, c]
+            # compiles and warms caches, the batched step's too (par requests at once); not counted
+            run_clients(port, par, par, max_tokens, endpoint)
+            for r in range(rounds):
+                for c in counts:
+                    results, wall = run_clients(port, c, requests, max_tokens, endpoint)
+                    records, walls, oks = cells.setdefault(((mode, par), c), ([], [], []))
                     records += results
                     walls.append(wall)
                     oks.append(sum(x["status"] == 200 for x in results))
-                    click.echo(f"round {r + 1}: {mode[0]:7s} x{mode[1]} {c} clients: {oks[-1] / wall:.3f} req/s",
-                               err=True)
-        healths = {f"{m}-x{p}": _health(port) for (m, p), (_, port) in servers.items()}  # the cold rows' union
-    finally:
-        for proc, _ in servers.values():
+                    click.echo(f"round {r + 1}: {mode:7s} x{par} {c} clients: {oks[-1] / wall:.3f} req/s", err=True)
+            healths[f"{mode}-x{par}"] = _health(port)  # the cold rows' union
+        finally:
             proc.terminate()
             proc.wait(30)
+        write(out, cells, healths, load_before, run_dir, max_tokens, rounds, endpoint,
+              complete=(mode, par) == modes[-1])
+
+
+def write(out: str, cells: dict, healths: dict, load_before: tuple, run_dir: str, max_tokens: int, rounds: int,
+          endpoint: str, complete: bool) -> None:
+    """The cells measured so far into `out` (after each server: a run cut short keeps what it measured)."""
     table = [summary(*m, c, *cells[m, c]) for (m, c) in cells]
+
     def sec(v: float | None) -> str:  # None: no request of the cell answered
         return "-" if v is None else f"{v:.3f} s"
 
-    for t in table:
+    for t in table if complete else []:  # the whole table once, at the end
         click.echo(f"{t['mode']:7s} x{t['parallel']} {t['clients']} clients: {t['requests_per_s']:.3f} req/s, "
                    f"{t['completion_tokens_per_s']:.1f} tok/s, TTFT median {sec(t['ttft_median_s'])}, "
                    f"p90 {sec(t['ttft_p90_s'])}, ITL median {sec(t['itl_median_s'])}"
@@ -219,15 +227,15 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
     result = {
         "benchmark": "serve",
         "what": "pi-serve: requests/s, time to first token and inter-token latency of streaming chat completions "
-                "from concurrent clients, batch 1 or --parallel N; TTFT includes the queue wait",
-        "command": " ".join(["python", *sys.argv]),
+                "from concurrent clients, batch 1 or --parallel N, one server up at a time; TTFT includes the queue "
+                "wait",
+        "command": " ".join(["python", *sys.argv]), "complete": complete,
         "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy", "endpoint": endpoint,
         "client": "raw HTTP from the same machine", "results": table, "health": healths,
         "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),
     }
     record.write_flat(out, result, commit=record.git_commit())
-
 
 if __name__ == "__main__":
     main()

@@ -378,16 +378,11 @@ def pack_mask(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-SPARE_CORE_FROM = 8  # cores from which the default leaves one core to the rest of the machine
-
-
 def default_threads() -> int:
-    """Numba's cores (its NUMBA_NUM_THREADS), less one from SPARE_CORE_FROM cores: a kernel call joins all its threads,
-    so when any other process wakes (a sampler, the desktop, the CUDA driver's own threads) while every core runs one,
-    the call waits for the preempted thread's next time slice, many times a call's length (bench/cold_stalls.py;
-    docs/benchmarks.md has the figures)."""
-    n = numba.config.NUMBA_NUM_THREADS
-    return n - 1 if n >= SPARE_CORE_FROM else n
+    """Numba's cores (its NUMBA_NUM_THREADS), all of them. Leaving one to the rest of the machine cuts the tail of a
+    call beside a waking process (bench/cold_stalls.py), but in the 70B decode on the same 16-core host every core
+    ran the layer's CPU part faster at the median (docs/benchmarks.md, the threads table); `--threads` sets fewer."""
+    return numba.config.NUMBA_NUM_THREADS
 
 
 def set_threads(n: int | None) -> int:

@@ -29,11 +29,11 @@ def test_main_times_each_thread_count_and_writes_the_record(tmp_path):
         main(["--noise", "loud"])
 
 
-def test_default_threads_leave_a_core_from_eight(monkeypatch):
+def test_default_threads_are_every_core(monkeypatch):
     import numba
     from hotneurons.kernels.cold import default_threads, set_threads
 
-    for cores, want in ((16, 15), (8, 7), (4, 4), (2, 2), (1, 1)):
+    for cores, want in ((16, 16), (8, 8), (2, 2), (1, 1)):
         monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", cores)
         assert default_threads() == want
     monkeypatch.undo()
