@@ -53,7 +53,7 @@ from numba.extending import overload
 SPARSE_ACTS = ("relu", "reglu", "drelu")  # activations whose zero neurons are exact zeros: what this kernel skips
 NEURONS = 32  # neurons a pass-A work item covers (its slots in the scratch)
 _LUT = F16_TO_F32
-__all__ = ["sparse_layer", "scratch", "SPARSE_ACTS", "NEURONS"]
+__all__ = ["sparse_layer", "sparse_layer_predicted", "scratch", "SPARSE_ACTS", "NEURONS"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,9 +151,7 @@ def _park(act, g, tau_g, j, idx, hs, at):
 def _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, at, lut, fmt):
     """A gated expert's neurons j0..j1 - 1 (gate / up rows from `base`, down_t rows from tb) in two sweeps over the
     item's own slots: the gate rows four at a time (the next four prefetched), the neurons that pass tau_g parked as
-    (j, act(g)); then the parked neurons' up rows four at a time (the next four prefetched: one row at a time, a dot
-    waits on DRAM's latency), the ones whose |h| passes tau_h kept as (down_t row, h * w), overwriting the parked
-    slots from the front (kept <= read, so no unread slot is overwritten). Returns the kept count."""
+    (j, act(g)); then `_up_parked`. Returns the kept count."""
     m = 0
     j = j0
     while j + 4 <= j1:
@@ -168,6 +166,14 @@ def _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, 
         j += 4
     for j in range(j, j1):
         m += _park(act, _dot1(x, xs, gate[base + j], lut, fmt), tg, j, idx, hs, at + m)
+    return _up_parked(x, xs, up, base, m, act, th, tb, w, idx, hs, at, lut, fmt)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _up_parked(x, xs, up, base, m, act, th, tb, w, idx, hs, at, lut, fmt):
+    """The m parked neurons' (slots at.., (j, act(g))) up rows four at a time (the next four prefetched: one row at a
+    time, a dot waits on DRAM's latency), the ones whose |h| passes tau_h kept as (down_t row, h * w), overwriting the
+    parked slots from the front (kept <= read, so no unread slot is overwritten). Returns the kept count."""
     k = 0
     q = 0
     while q + 4 <= m:
@@ -189,10 +195,56 @@ def _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, 
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, fmt):
+def _predicted(pb, pt, p, zs, j0, j1, idx, at):
+    """Neurons j0..j1 - 1 that expert predictor p marks (pb[p, j] . zs > pt[p, j]) parked as j in slots at..;
+    returns how many."""
+    m = 0
+    r = zs.shape[0]
+    for j in range(j0, j1):
+        row = pb[p, j]
+        score = np.float32(0.0)
+        for t in range(r):
+            score += row[t] * zs[t]
+        if score > pt[p, j]:
+            idx[at + m] = j
+            m += 1
+    return m
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _predicted_chunk(x, xs, gate, up, base, j0, j1, act, tg, th, tb, w, idx, hs, at, lut, fmt, pb, pt, p, zs):
+    """A gated expert's neurons j0..j1 - 1 as _gated_chunk computes them, but only those its predictor marks: their
+    gate rows four at a time (the next four prefetched), the passing ones parked as (j, act(g)) over the marked
+    slots from the front; then `_up_parked`. An unmarked neuron's rows are not read."""
+    mc = _predicted(pb, pt, p, zs, j0, j1, idx, at)
+    m = 0
+    q = 0
+    while q + 4 <= mc:
+        nx = at + min(q + 4, mc - 4)  # the next four marked neurons' slots
+        i0, i1, i2, i3 = idx[at + q], idx[at + q + 1], idx[at + q + 2], idx[at + q + 3]
+        g0, g1, g2, g3 = _dots4(x, xs, gate[base + i0], gate[base + i1], gate[base + i2], gate[base + i3],
+                                gate[base + idx[nx]], gate[base + idx[nx + 1]], gate[base + idx[nx + 2]],
+                                gate[base + idx[nx + 3]], lut, fmt)
+        m += _park(act, g0, tg, i0, idx, hs, at + m)
+        m += _park(act, g1, tg, i1, idx, hs, at + m)
+        m += _park(act, g2, tg, i2, idx, hs, at + m)
+        m += _park(act, g3, tg, i3, idx, hs, at + m)
+        q += 4
+    for q in range(q, mc):
+        i0 = idx[at + q]
+        m += _park(act, _dot1(x, xs, gate[base + i0], lut, fmt), tg, i0, idx, hs, at + m)
+    return _up_parked(x, xs, up, base, m, act, th, tb, w, idx, hs, at, lut, fmt)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, fmt, pb, pt, p, zs):
     """Neurons j0..j1 - 1 of the expert whose gate / up rows start at `base` (down_t rows at tb): the firing ones into
     slots at.. (idx, hs); returns how many. xs: what block rows' dots read ((x,), or the int route's quantized x);
-    fmt: a literal code (cold_q._work says why)."""
+    fmt: a literal code (cold_q._work says why). p >= 0: only the neurons expert predictor p marks (zs its first
+    layer's output; gated experts)."""
+    if p >= 0:
+        return _predicted_chunk(x, xs, gate, up, base, j0, j1, act, tg, th, tb, w, idx, hs, at, lut, fmt, pb, pt, p,
+                                zs)
     if gated:
         return _gated_chunk(x, xs, gate, up, base, j0, j1, n, act, tg, th, tb, w, idx, hs, at, lut, fmt)
     k = 0
@@ -213,10 +265,11 @@ def _chunk(x, xs, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs,
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fmt):
+def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fmt, pb, pt, cp, z):
     """Pass A over the m routed cold experts: work item (s, c) = neurons c * NEURONS.. of expert slot s, its firing
     neurons in slots item * NEURONS.. of idx / hs, their count in cnt[item]. use_xq: the gate and up dots on the int
-    route, from xq (cold_q._xq_buffers of x; Q4_0 / Q8_0 rows); literal codes and XQ_OK as in cold_q.cold_ffn_q."""
+    route, from xq (cold_q._xq_buffers of x; Q4_0 / Q8_0 rows); literal codes and XQ_OK as in cold_q.cold_ffn_q.
+    cp (m,): each slot's expert predictor (-1: none; z[s] its first layer's output)."""
     nc = -(-n // NEURONS)
     gated = act >= FIRST_GATED
     lut = _LUT
@@ -224,22 +277,31 @@ def _fire(x, xq, use_xq, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, f
         s, c = item // nc, item % nc
         j0, j1 = c * NEURONS, min(n, c * NEURONS + NEURONS)
         base, tb, w, at = cid[s] * n, cdt[s] * n, cw[s], item * NEURONS
+        p, zs = cp[s], z[s]
         if XQ_OK and use_xq and fmt == Q4_0:
-            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 1)
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               1, pb, pt, p, zs)
         elif XQ_OK and use_xq:  # Q8_0
-            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 0)
+            cnt[item] = _chunk(x, xq, gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               0, pb, pt, p, zs)
         elif fmt == Q4_0:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 1)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               1, pb, pt, p, zs)
         elif fmt == Q4_1:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 2)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               2, pb, pt, p, zs)
         elif fmt == Q4_K:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 3)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               3, pb, pt, p, zs)
         elif fmt == Q5_K:
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 4)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               4, pb, pt, p, zs)
         elif fmt > Q5_K:  # Q6_K
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 5)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               5, pb, pt, p, zs)
         else:  # Q8_0, or float rows (their overloads take no format)
-            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut, 0)
+            cnt[item] = _chunk(x, (x,), gate, up, base, j0, j1, n, act, gated, tg, th, tb, w, idx, hs, at, lut,
+                               0, pb, pt, p, zs)
 
 
 @njit(nogil=True, cache=True)
@@ -301,6 +363,69 @@ def _spread(idx, hs, k, down_t, part, out, fmt):
         _sum_rows(part, T, out, c * d // T, (c + 1) * d // T)
 
 
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _project(pa, cp, x, z):
+    """z[s] = pa[cp[s]] @ x for the slots with an expert predictor (cp[s] >= 0): its first layer, (r, d) float32."""
+    m, r = z.shape
+    for q in prange(m * r):
+        s, t = q // r, q % r
+        if cp[s] < 0:
+            continue
+        row = pa[cp[s], t]
+        acc = np.float32(0.0)
+        for i in range(x.shape[0]):
+            acc += row[i] * x[i]
+        z[s, t] = acc
+
+
+@njit(nogil=True, cache=True)
+def _layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act, fgu, fdn,
+           xq, tau_g, tau_h, pa, pb, pt, pid_of, z):
+    """sparse_layer's and sparse_layer_predicted's body (pid_of of length 0: no predictors)."""
+    if fdn >= Q4_K:
+        raise ValueError("sparse_layer: down_t rows in a K-quant: store them in Q8_0, Q4_0 or Q4_1")
+    if pid_of.shape[0] and act < FIRST_GATED:
+        raise ValueError("sparse_layer_predicted: expert predictors need a gated activation (reglu, drelu)")
+    if i >= 0 and not wait_ready(ready, i, SPINS):
+        return -1
+    m = 0
+    for s in range(ids.shape[0]):
+        if dt_of[ids[s]] >= 0:
+            m += 1
+    cid = np.empty(m, np.int64)  # (m,) the cold experts' gate / up row blocks
+    cdt = np.empty(m, np.int64)  # (m,) their down_t row blocks
+    cw = np.empty(m, np.float32)  # (m,) their routing weights
+    cp = np.full(m, -1, np.int64)  # (m,) their expert predictors (-1: none)
+    j = 0
+    for s in range(ids.shape[0]):
+        e = ids[s]
+        if dt_of[e] >= 0:
+            cid[j], cdt[j], cw[j] = cold_of[e], dt_of[e], wts[s]
+            if pid_of.shape[0]:
+                cp[j] = pid_of[e]
+            j += 1
+    k = 0
+    if m:
+        n = down_t.shape[0] // (dt_of.max() + 1)  # neurons an expert: down_t holds every cold expert's, dt_of maps all
+        use = xq and XQ_OK and (fgu == Q4_0 or fgu == Q8_0)
+        tg, th = np.float32(tau_g), np.float32(tau_h)
+        if pid_of.shape[0]:
+            _project(pa, cp, x, z[:m])
+        _fire(x, _xq_buffers(x, fgu, use), use, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fgu, pb, pt,
+              cp, z)
+        k = _compact(idx, hs, cnt, m * (-(-n // NEURONS)))
+    _spread(idx, hs, k, down_t, part, out, fdn)
+    if i >= 0:
+        _store_release(release, i, np.int32(1))
+    return k
+
+
+_NO_PA = np.zeros((1, 1, 1), np.float32)  # no expert predictors: sparse_layer's stand-ins (pid_of of length 0; z,
+# which _project writes, made per call)
+_NO_PT = np.zeros((1, 1), np.float32)
+_NO_PID = np.zeros(0, np.int64)
+
+
 @njit(nogil=True, cache=True)
 def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act,
                  fgu, fdn, xq=False, tau_g=0.0, tau_h=0.0):
@@ -314,34 +439,20 @@ def sparse_layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_
     cold_q_ir's format code of gate / up and of down_t (-1: float rows; down_t: not a K-quant); xq: the gate and up
     dots on cold_q's int route (x quantized once; Q4_0 / Q8_0 rows where cold_q_ir.XQ_OK, else the float route).
     Returns the firing neurons' count, or -1 (nothing done) when no signal came within SPINS reads."""
-    if fdn >= Q4_K:
-        raise ValueError("sparse_layer: down_t rows in a K-quant: store them in Q8_0, Q4_0 or Q4_1")
-    if i >= 0 and not wait_ready(ready, i, SPINS):
-        return -1
-    m = 0
-    for s in range(ids.shape[0]):
-        if dt_of[ids[s]] >= 0:
-            m += 1
-    cid = np.empty(m, np.int64)  # (m,) the cold experts' gate / up row blocks
-    cdt = np.empty(m, np.int64)  # (m,) their down_t row blocks
-    cw = np.empty(m, np.float32)  # (m,) their routing weights
-    j = 0
-    for s in range(ids.shape[0]):
-        e = ids[s]
-        if dt_of[e] >= 0:
-            cid[j], cdt[j], cw[j] = cold_of[e], dt_of[e], wts[s]
-            j += 1
-    k = 0
-    if m:
-        n = down_t.shape[0] // (dt_of.max() + 1)  # neurons an expert: down_t holds every cold expert's, dt_of maps all
-        use = xq and XQ_OK and (fgu == Q4_0 or fgu == Q8_0)
-        tg, th = np.float32(tau_g), np.float32(tau_h)
-        _fire(x, _xq_buffers(x, fgu, use), use, cid, cw, cdt, gate, up, n, act, tg, th, idx, hs, cnt, fgu)
-        k = _compact(idx, hs, cnt, m * (-(-n // NEURONS)))
-    _spread(idx, hs, k, down_t, part, out, fdn)
-    if i >= 0:
-        _store_release(release, i, np.int32(1))
-    return k
+    return _layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act, fgu,
+                  fdn, xq, tau_g, tau_h, _NO_PA, _NO_PA, _NO_PT, _NO_PID, np.empty((ids.shape[0], 1), np.float32))
+
+
+@njit(nogil=True, cache=True)
+def sparse_layer_predicted(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out,
+                           act, fgu, fdn, pa, pb, pt, pid_of, z, xq=False, tau_g=0.0, tau_h=0.0):
+    """sparse_layer where each cold expert e with pid_of[e] = p >= 0 computes only the neurons its predictor marks
+    (a gated activation): neuron j iff (pb[p] @ (pa[p] @ x))_j > pt[p, j], and of those the ones that fire. The
+    unmarked neurons' gate, up and down rows are not read: a marked firing neuron is computed exactly, an unmarked
+    one is dropped (the predictor's recall). pa (P, r, d), pb (P, n, r), pt (P, n) float32; pid_of (E,) int64 (-1:
+    whole gate rows read, as sparse_layer); z (k, r) float32 scratch."""
+    return _layer(ready, release, i, x, ids, wts, cold_of, dt_of, gate, up, down_t, idx, hs, cnt, part, out, act, fgu,
+                  fdn, xq, tau_g, tau_h, pa, pb, pt, pid_of, z)
 
 
 def scratch(k: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

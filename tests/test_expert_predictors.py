@@ -1,0 +1,123 @@
+"""Expert predictors: a ReLU-family mixture of experts' cold experts computing only the neurons a low-rank predictor
+marks (kernels/cold_experts_sparse.sparse_layer_predicted), against float64.
+
+A predictor p of expert e: neuron j marked iff (pb[p] @ (pa[p] @ x))_j > pt[p, j]; of the marked neurons, the ones
+that fire are computed exactly; the unmarked ones are dropped. The float64 reference applies the same rule. Thresholds
+are moved away from every tested token's score by 1e-3 of the scores' scale, so that float32's rounding of the
+kernel's scores (r d products, relative error ~1e-6) cannot flip a mark. Output tolerance as
+tests/test_cold_experts_sparse.py's: |out - ref| <= 1e-4 * max|ref|.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from hotneurons.kernels import cold_experts_sparse as KS
+from hotneurons.kernels.cold import ACT_CODE, NO_FLAGS
+from hotneurons.kernels.cold_experts import CODE
+from test_cold_experts_sparse import D, E, K, N, _act, _call, _kernel_case
+
+R = 8  # the predictors' rank
+
+
+def _predictors(rng: np.random.Generator, xs: np.ndarray, dt_of: np.ndarray, keep: float = 0.35):
+    """pa (P, R, D), pb (P, N, R), pt (P, N) float32 for every cold expert but the last (pid_of -1: whole gate rows),
+    thresholds marking about `keep` of the neurons for the tokens xs, none within 1e-3 of the scores' scale of any
+    token's score."""
+    cold = np.flatnonzero(dt_of >= 0)
+    with_pred = cold[:-1]
+    P = len(with_pred)
+    pa = (rng.standard_normal((P, R, D)) * 0.1).astype(np.float32)
+    pb = (rng.standard_normal((P, N, R)) * 0.1).astype(np.float32)
+    scores = np.einsum("pnr,prd,td->ptn", pb.astype(np.float64), pa.astype(np.float64), xs.astype(np.float64))
+    scale = float(np.abs(scores).max())
+    pt = np.quantile(scores, 1 - keep, axis=1)  # (P, N)
+    for _ in range(100):
+        near = (np.abs(scores - pt[:, None]) < 1e-3 * scale).any(1)
+        if not near.any():
+            break
+        pt = np.where(near, pt + 2.5e-3 * scale, pt)
+    pid_of = np.full(E, -1, np.int64)
+    pid_of[with_pred] = np.arange(P)
+    return pa, pb, pt.astype(np.float32), pid_of
+
+
+def _reference(act, x, ids, wts, w64, dt_of, pred) -> tuple[np.ndarray, int]:
+    """float64: the routed cold experts' sum, each expert with a predictor over its marked neurons only."""
+    g64, u64, d64 = w64
+    pa, pb, pt, pid_of = pred
+    y, fired = np.zeros(D), 0
+    x = x.astype(np.float64)
+    for e, w in zip(ids, wts):
+        c = dt_of[e]
+        if c < 0:
+            continue
+        h = _act(act, g64[e * N:(e + 1) * N] @ x, u64[e * N:(e + 1) * N] @ x)  # (N,)
+        if pid_of[e] >= 0:
+            p = pid_of[e]
+            h = np.where(pb[p].astype(np.float64) @ (pa[p].astype(np.float64) @ x) > pt[p], h, 0.0)
+        fired += int((h != 0).sum())
+        y += float(w) * (d64[c * N:(c + 1) * N].T @ h)
+    return y, fired
+
+
+def _call_predicted(x, ids, wts, rows, cold_of, dt_of, act, fmt, out, pred, xq=False):
+    gs, us, ds = rows
+    idx, hs, cnt = KS.scratch(len(ids), N)
+    f = CODE.get(fmt, -1)
+    z = np.empty((len(ids), R), np.float32)
+    return KS.sparse_layer_predicted(NO_FLAGS, NO_FLAGS, -1, x, ids, wts, cold_of, dt_of, gs, us, ds, idx, hs, cnt,
+                                     np.empty((numba.get_num_threads(), D), np.float32), out, ACT_CODE[act], f, f,
+                                     *pred, z, xq)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "f32"])
+@pytest.mark.parametrize("act", ["drelu", "reglu"])
+def test_predicted_kernel_equals_float64(fmt, act):
+    xs, rows, w64, cold_of, dt_of = _kernel_case(fmt, act, seed=20 + ACT_CODE[act])
+    rng = np.random.default_rng(5)
+    pred = _predictors(rng, xs, dt_of)
+    shares = []
+    for t, ids in enumerate(([1, 2], [4, 6], [0, 5], [3, 7])):  # both cold, both cold (6: no predictor), one, none
+        ids = np.array(ids, np.int64)
+        wts = rng.random(K).astype(np.float32)
+        out = np.full(D, np.nan, np.float32)
+        k = _call_predicted(xs[t], ids, wts, rows, cold_of, dt_of, act, fmt, out, pred)
+        ref, fired = _reference(act, xs[t], ids, wts, w64, dt_of, pred)
+        assert k == fired
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-4 * max(1e-3, float(np.abs(ref).max())))
+        whole = np.full(D, np.nan, np.float32)
+        k_whole = _call(xs[t], ids, wts, rows, cold_of, dt_of, act, fmt, whole)
+        if (pred[3][ids] >= 0).any():
+            shares.append(k / max(1, k_whole))
+    assert 0.1 < min(shares) and max(shares) < 0.9  # the predictors dropped some firing neurons, not all
+
+
+def test_predictors_marking_all_or_none():
+    """Thresholds of -inf: the sparse_layer's output and count exactly (the same sums in the same order); +inf: the
+    experts with predictors contribute nothing, the one without (6) as sparse_layer."""
+    xs, rows, w64, cold_of, dt_of = _kernel_case("q4_0", "drelu", seed=31)
+    pa, pb, pt, pid_of = _predictors(np.random.default_rng(2), xs, dt_of)
+    ids, wts = np.array([4, 6], np.int64), np.array([0.55, 0.45], np.float32)
+    whole = np.full(D, np.nan, np.float32)
+    k_whole = _call(xs[0], ids, wts, rows, cold_of, dt_of, "drelu", "q4_0", whole)
+    out = np.full(D, np.nan, np.float32)
+    k = _call_predicted(xs[0], ids, wts, rows, cold_of, dt_of, "drelu", "q4_0", out,
+                        (pa, pb, np.full_like(pt, -np.inf), pid_of))
+    assert k == k_whole
+    np.testing.assert_allclose(out, whole, rtol=0, atol=1e-6 * float(np.abs(whole).max()))
+    only6 = np.full(D, np.nan, np.float32)
+    k6 = _call(xs[0], ids[1:], wts[1:], rows, cold_of, dt_of, "drelu", "q4_0", only6)
+    k = _call_predicted(xs[0], ids, wts, rows, cold_of, dt_of, "drelu", "q4_0", out,
+                        (pa, pb, np.full_like(pt, np.inf), pid_of))
+    assert k == k6
+    np.testing.assert_allclose(out, only6, rtol=0, atol=1e-6 * float(np.abs(only6).max()))
+
+
+def test_predictors_refused_for_ungated_experts():
+    xs, rows, w64, cold_of, dt_of = _kernel_case("q4_0", "relu", seed=3)
+    pred = _predictors(np.random.default_rng(0), xs, dt_of)
+    with pytest.raises(ValueError, match="gated activation"):
+        _call_predicted(xs[0], np.array([1, 2], np.int64), np.ones(K, np.float32), rows, cold_of, dt_of, "relu",
+                        "q4_0", np.empty(D, np.float32), pred)
