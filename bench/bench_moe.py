@@ -5,7 +5,8 @@ per-expert routing skews (bench/moe_gguf.py, which cites them): speed and memory
 Variants (each its own folder WORK/<shape>-<routing>[-sparse]): --shape qwen3-30b-a3b | mixtral-8x7b, --routing
 calibrated | uniform (the same router calibration without skew: what the placement buys), --sparse (Mixtral's experts
 dReLU at TurboSparse-Mixtral's 85% inactive neurons; llama.cpp runs them as SwiGLU, at the same cost: it skips no
-neuron).
+neuron). A sparse build's gates are of rank --predictor-rank (32), with exact expert predictors beside the model
+(runtime/expert_predictors.py), which the pipeline puts in the run and ours uses unless --no-expert-predictors.
 
 Stages, each within one 10-minute call on the GPU machine, sharing --work while the machine stays up:
   build     the model (moe_gguf.write_model, layer by layer on the device) and a corpus of random token ids
@@ -57,7 +58,7 @@ def stage_build(a) -> dict:
 
     t0 = time.perf_counter()
     info = write_model(a.shape, _dir(a) / "model.gguf", a.device, routing=a.routing, sparse=a.sparse, seed=a.seed,
-                       calibration_tokens=a.calibration_tokens, seq=a.seq)
+                       calibration_tokens=a.calibration_tokens, seq=a.seq, predictor_rank=a.predictor_rank)
     bm.synthetic_corpus(_dir(a) / "corpus.txt", a.profile_tokens, SHAPES[a.shape].vocab, a.seed + 2)
     return {**info, "build_s": round(time.perf_counter() - t0, 1)}
 
@@ -125,6 +126,13 @@ def stage_pipeline(a) -> dict:
         if a.vram != "auto" or 1 / 3 <= gpu.mean() <= 1 / 2:
             break
         vram += int((a.expert_frac - gpu.mean()) * sizes["experts"])
+    from hotneurons.runtime.expert_predictors import path_in
+
+    from bench.moe_gguf import predictors_path
+
+    if predictors_path(gguf).exists():  # the build's expert predictors where pi-generate and pi-serve find them
+        path_in(run).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(predictors_path(gguf), path_in(run))
     return {"profile": prof, "solve": {**solve, "summary": summary}, "file_bytes": sizes, "kv_bytes": kv,
             "reserve_bytes": reserve, "vram_bytes": vram, "expert_frac_rule": a.expert_frac, "budget_rounds": rounds,
             "gpu_expert_fraction": float(gpu.mean()), "gpu_experts": int(gpu.sum()),
@@ -177,6 +185,7 @@ def stage_ours(a) -> dict:
     argv = [sys.executable, "-m", "bench.bench_moe", "--stage", "ours-child", "--work", str(a.work),
             "--shape", a.shape, "--routing", a.routing, "--device", a.device, "--ctx", str(a.ctx),
             "--temperature", str(a.temperature)] + (["--sparse"] if a.sparse else [])
+    argv += [] if a.expert_predictors else ["--no-expert-predictors"]
     res = measured(argv, 560, pattern=r"first token")
     if res["exit_code"] != 0:
         raise SystemExit(f"the runtime's child failed:\n{res['stderr_tail'][-3000:]}")
@@ -197,6 +206,10 @@ def ours_child(a) -> None:
     # the budget is the GPU's: a CPU run (the smoke test) holds its "device" experts in RAM, de-quantized
     cfg = RuntimeConfig(device=a.device, vram=pipe["vram_bytes"] if a.device == "cuda" else None, ctx=a.ctx)
     rt = load_source_runtime(None, None, cfg, model=str(d / "model.gguf"), placement=expert_mask(d / "run"))
+    from hotneurons.runtime.expert_predictors import attach, path_in
+
+    if a.expert_predictors and path_in(d / "run").exists():  # as pi-generate finds them in the run
+        rt.expert_predictors = attach(rt.ffns, path_in(d / "run"))
     ids = np.random.default_rng(0).integers(0, rt.lm.info["vocab_size"], PROMPT_LONG).tolist()  # random tokens
     short, samp = ids[:PROMPT_SHORT], Sampling(temperature=a.temperature, seed=0)
     first = generate(rt, short, 1, samp, stop_at_eos=False)
@@ -213,7 +226,8 @@ def ours_child(a) -> None:
            "gpu_share_routed_prefill": rows["prefill_512"]["gpu_activation_share"],
            # sparse (ReLU-family) experts: the share of the routed cold experts' neurons that fired in decode
            "cold_firing_share": (rows["decode_256"].get("experts") or {}).get("cold_firing_share"),
-           "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu, "runs": rows}
+           "bytes_gpu": rt.bytes_gpu, "bytes_cpu": rt.bytes_cpu, "expert_predictors": rt.expert_predictors,
+           "runs": rows}
     (d / "ours-child.json").write_text(json.dumps(out, default=float))
     print(f"wrote {d / 'ours-child.json'}", flush=True)
 
@@ -323,6 +337,11 @@ def parse(argv=None):
     p.add_argument("--shape", default="qwen3-30b-a3b", help="moe_gguf.SHAPES: qwen3-30b-a3b, mixtral-8x7b, tiny.")
     p.add_argument("--routing", default="calibrated", choices=["calibrated", "uniform"])
     p.add_argument("--sparse", action="store_true", help="dReLU experts at TurboSparse-Mixtral's sparsity.")
+    p.add_argument("--predictor-rank", type=int, default=32,
+                   help="build, --sparse: every expert's gate of this rank, exact expert predictors (rank + 1) beside "
+                   "the model (0: full-rank gates, no predictors).")
+    p.add_argument("--no-expert-predictors", dest="expert_predictors", action="store_false",
+                   help="ours: the cold experts read every gate row (the predictors beside the model unused).")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "hotneurons" / "moe",
                    help="Local disk: WORK/<variant>/ holds the model (17 GB Qwen3, 26 GB Mixtral) and the run.")
     p.add_argument("--out", type=Path, default=None, help="The stage's JSON (report: the results file).")

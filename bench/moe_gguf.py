@@ -200,8 +200,11 @@ def _q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_model(shape: str, path: Path, device: str, routing: str = "calibrated", sparse: bool = False,
-                seed: int = 0, calibration_tokens: int = 2048, seq: int = 256, log=print) -> dict:
-    """The model as a Q4_0 GGUF at `path` (a temp name, renamed when whole); returns the calibration's figures."""
+                seed: int = 0, calibration_tokens: int = 2048, seq: int = 256, predictor_rank: int = 0,
+                log=print) -> dict:
+    """The model as a Q4_0 GGUF at `path` (a temp name, renamed when whole); returns the calibration's figures.
+    sparse with predictor_rank r > 0: every expert's gate of rank r (bar its bias column), and exact expert
+    predictors of rank r + 1 beside it (`predictors_path(path)`, runtime/expert_predictors.py's file)."""
     import gguf
 
     s = SHAPES[shape]
@@ -218,13 +221,18 @@ def write_model(shape: str, path: Path, device: str, routing: str = "calibrated"
         else:
             w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
     rows: list[dict] = []
+    preds: dict[int, dict] | None = {} if sparse and predictor_rank > 0 else None
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for a in _layers(s, act, routing, device, seed, calibration_tokens, seq, rows, log):
+        for a in _layers(s, act, routing, device, seed, calibration_tokens, seq, rows, log, predictor_rank, preds):
             w.write_tensor_data(a)
         w.close()
+        if preds is not None:
+            from hotneurons.runtime.expert_predictors import save
+
+            save(predictors_path(path), preds)
         tmp.replace(path)
     except BaseException:
         w.close()
@@ -237,7 +245,16 @@ def write_model(shape: str, path: Path, device: str, routing: str = "calibrated"
                            "fitted_to": ROUTING[s.routing_key] if routing != "uniform" else None},
             "calibration": {"tokens": max(1, calibration_tokens // seq) * seq, "seq": seq, "layers": rows,
                             "mean_top_share": float(np.mean([r["top_share"] for r in rows])),
-                            "mean_fired": (float(np.mean([r["fired"] for r in rows])) if sparse else None)}}
+                            "mean_fired": (float(np.mean([r["fired"] for r in rows])) if sparse else None)},
+            "expert_predictors": None if preds is None else {
+                "file": str(predictors_path(path)), "rank": predictor_rank + 1,
+                "recall": float(np.mean([r["predictor_recall"] for r in rows])),
+                "marked": float(np.mean([r["predictor_marked"] for r in rows]))}}
+
+
+def predictors_path(gguf: Path) -> Path:
+    """Where write_model puts the expert predictors of the model at `gguf`."""
+    return gguf.with_suffix(".expert_predictors.safetensors")
 
 
 def _gen(seed: int, key: int, device: str) -> torch.Generator:
@@ -246,8 +263,9 @@ def _gen(seed: int, key: int, device: str) -> torch.Generator:
 
 
 def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibration_tokens: int, seq: int,
-            rows: list, log) -> Iterator[np.ndarray]:
-    """The file's tensors in tensor_plan's order, each layer made and calibrated as it comes (module docstring)."""
+            rows: list, log, rank: int = 0, preds: dict | None = None) -> Iterator[np.ndarray]:
+    """The file's tensors in tensor_plan's order, each layer made and calibrated as it comes (module docstring);
+    `preds` (rank > 0, dReLU) gets each layer's exact expert predictors (_predictor)."""
     from hotneurons.export.gguf_model import permute_qk
     from hotneurons.models import build_model
     from hotneurons.models.config import ModelConfig
@@ -304,9 +322,13 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
         ys = torch.zeros_like(x)  # (T, d) the experts' weighted sum
         wts, idx = _route(x @ router.T, s.k)  # (T, k) each
         stacks: dict[str, list[np.ndarray]] = {"gate": [], "up": [], "down": []}
-        fired = []
+        fired, pr = [], {"a": [], "b": [], "t": [], "recall": [], "marked": []}
         for e in range(E):
             gate = torch.randn((n, d), generator=g, device=device) * STD
+            if preds is not None:  # a gate of rank `rank` (its bias column set below): what an exact predictor needs
+                af = torch.randn((rank, d - 1), generator=g, device=device) * (STD / rank ** 0.5)
+                bf = torch.randn((n, rank), generator=g, device=device)
+                gate[:, 1:] = bf @ af
             up = torch.randn((n, d), generator=g, device=device) * STD
             down = torch.randn((d, n), generator=g, device=device) * STD
             down[0] = 0.0  # nothing writes the constant channel
@@ -323,6 +345,10 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
             for k_, wt in (("gate", gate), ("up", up), ("down", down)):
                 qb, parts[k_] = _q4(wt)
                 stacks[k_].append(qb.cpu().numpy())
+            if preds is not None:
+                made = _predictor(af, bf, gate[:, 0], parts["gate"], xe)
+                for k_, v in zip(("a", "b", "t", "recall", "marked"), made):
+                    pr[k_].append(v)
             if len(tok):
                 xt = x[tok]
                 gx, ux = xt @ parts["gate"].T, xt @ parts["up"].T  # (m, n)
@@ -338,6 +364,9 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
             hs[j] = (h2.float() + ys[at:at + seq]).half()
             at += seq
         row |= {"layer": i, "x0_raw_mean": x0, "fired": float(np.mean(fired)) if fired else None}
+        if preds is not None:
+            preds[i] = {"ids": np.arange(E), **{k_: np.stack(pr[k_]) for k_ in ("a", "b", "t")}}
+            row |= {"predictor_recall": float(np.mean(pr["recall"])), "predictor_marked": float(np.mean(pr["marked"]))}
         rows.append(row)
         for a in out:
             yield a
@@ -346,6 +375,29 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
         log(f"layer {i}: the hottest {REPORT_FRAC:.0%} of experts take {row['top_share']:.3f} of picks "
             f"(target {row['target_top_share']:.3f}), max share error {row['max_abs_error']:.4f}"
             + (f", fired {row['fired']:.3f}" if row["fired"] is not None else ""))
+
+
+PREDICTOR_SIGMAS = 3.0  # an expert predictor's threshold: this many of its score's errors below zero
+
+
+def _predictor(af: torch.Tensor, bf: torch.Tensor, bias: torch.Tensor, stored: torch.Tensor,
+               xe: torch.Tensor) -> tuple:
+    """The exact predictor of a gate bf @ af (columns 1..) plus `bias` (column 0, times the constant channel):
+    A (r + 1, d) = [0 | af; e_0], B (n, r + 1) = [bf | bias], so B A x is the gate's pre-activation before Q4_0; its
+    thresholds (n,) at PREDICTOR_SIGMAS of the score's error against the stored gate below zero, on the expert's
+    calibration inputs xe (m, d). Returns (A, B, t) as float32 arrays, the recall of the stored gate's firings
+    (g > 0) and the share of neurons marked, on xe."""
+    r, d = af.shape[0], af.shape[1] + 1
+    A = torch.zeros((r + 1, d), device=af.device)
+    A[:r, 1:] = af
+    A[r, 0] = 1.0
+    B = torch.cat([bf, bias[:, None]], 1)  # (n, r + 1)
+    score, gq = (xe @ A.T) @ B.T, xe @ stored.T  # (m, n) each
+    t = -PREDICTOR_SIGMAS * float((score - gq).std())
+    marked, fires = score > t, gq > 0
+    recall = float((marked & fires).sum() / fires.sum().clamp(min=1))
+    thr = np.full(B.shape[0], t, np.float32)
+    return A.cpu().numpy(), B.cpu().numpy(), thr, recall, float(marked.float().mean())
 
 
 def _route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,12 +4,12 @@
         # runs/demo (SmolLM2-135M), hybrid and dense, 1 and 4 clients
     python -m bench.serve_bench --run RUN --modes dense --clients 1,2,8 --requests 16 --max-tokens 64
 
-The script starts one real `pi-serve` per mode and --parallel value in a subprocess on a free loopback port, one
-at a time (an idle one beside would hold memory and threads that the measured one could want), waits for /health
-and sends --parallel warm-up requests at once. Then, --rounds times, for each client count C, C threads together send --requests
-streaming chat completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP. Per request it
-records the time to the first content token (TTFT: from sending the request, queue wait included), the total
-latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
+The script starts one real `pi-serve` per mode and --parallel value in a subprocess on a free loopback port, one at
+a time (an idle one beside would hold memory and threads that the measured one could want), waits for /health and
+sends --parallel warm-up requests at once. Then, --rounds times, for each client count C, C threads together send
+--requests streaming chat completions (greedy, --max-tokens each, a fixed list of questions in turn) with raw HTTP.
+Per request it records the time to the first content token (TTFT: from sending the request, queue wait included),
+the total latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
 round shows the spread, and the gaps between a stream's content events its inter-token latency (ITL). With
 --parallel 1 the runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with the queue; with
 --parallel N up to N requests decode together (continuous batching). Writes a JSON results file with the machine,

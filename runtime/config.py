@@ -56,6 +56,9 @@ class RuntimeConfig:
     # after the balancing rounds, re-check the share every balance.RECHECK_TOKENS steps (False: keep the first
     # series' share for life; an A/B whose gain on the device is not yet shown, only on a simulated machine)
     pcie_recheck: bool = True
+    # a ReLU-family mixture of experts: the cold experts compute only the neurons their expert predictors mark, where
+    # the run has RUN/predictors/expert_predictors.safetensors (runtime/expert_predictors.py; False: every gate row)
+    expert_predictors: bool = True
 
 
 @dataclass(frozen=True)

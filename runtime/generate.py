@@ -59,6 +59,7 @@ class Runtime:
     plan_expert_share: float | None = None
     expert_placement: str | None = None
     locked: Any = None  # runtime/cuda.LockedHost of the cold experts' rows a long prefill copies (CUDA), kept alive
+    expert_predictors: dict | None = None  # runtime/expert_predictors.attach's summary where the run has them
 
     @property
     def mode(self) -> str:

@@ -329,6 +329,7 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
 
     from hotneurons.models import build_model
     from hotneurons.models.open import model_info
+    from hotneurons.runtime import expert_predictors
     from hotneurons.runtime.memory import check_fits, check_vram, plan_moe_bytes, tensor_bytes
     from hotneurons.runtime.moe_ffn import HybridMoE
     from hotneurons.runtime.placement import solved_summary
@@ -363,6 +364,8 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
 
     decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
     ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release, source.release_view) for i in range(L)]
+    pred_file = None if run is None or not cfg.expert_predictors else expert_predictors.path_in(run)
+    pred = expert_predictors.attach(ffns, pred_file) if pred_file is not None and pred_file.exists() else None
     stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
     # ctx as the decoder's cache holds
     cfg = replace(cfg, cold_dtype=stored if all(f.in_place for f in ffns) else "q8_0", gpu_dtype=stored, ctx=ctx)
@@ -380,4 +383,5 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     rt.plan_expert_share = None if solved is None or solved.experts is None else solved.experts.gpu_share_routed
     rt.expert_placement = where
     rt.locked = lock_cold_experts(ffns, rt.device)
+    rt.expert_predictors = pred
     return rt

@@ -38,7 +38,7 @@ import torch
 from hotneurons.kernels import cold_q, qlinear
 from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED, NO_FLAGS, SPINS, wait_ready
 from hotneurons.kernels.cold_experts import CODE, experts_ffn, experts_layer_q, row_format
-from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer
+from hotneurons.kernels.cold_experts_sparse import scratch, sparse_layer, sparse_layer_predicted
 from hotneurons.kernels.qlinear import GpuQ, linear, linear_rows
 from hotneurons.models.common import Loader, WeightFn, _pack, ffn_values
 from hotneurons.models.config import ModelConfig
@@ -119,6 +119,7 @@ class HybridMoE(nn.Module):
                                  self.down_t is not None):
                 release_rows(v)
         self._sparse_args: tuple | None = None  # sparse_layer's arguments (made at the first decode)
+        self.expert_predictors = None  # runtime/expert_predictors.LayerPredictors (attach): marked neurons only
         self.counts = np.zeros(4)  # decode tokens, routed pairs, pairs on GPU experts, pairs on cold experts
         self.cold_active = 0  # decode (down_t layers): the routed cold experts' firing neurons, summed over tokens
         self.expert_counts = np.zeros(E, np.int64)  # decode: tokens routed to each expert
@@ -161,6 +162,7 @@ class HybridMoE(nn.Module):
         if self.cold is None:
             return 0
         dt = 0 if self.down_t is None else self.down_t.nbytes
+        dt += 0 if self.expert_predictors is None else self.expert_predictors.nbytes
         if not self.in_place:
             return sum(a.nbytes for a in self.cold) + dt
         return sum(a.nbytes * self.n_cold // self.cfg.n_experts for a in self.cold) + dt
@@ -373,6 +375,10 @@ class HybridMoE(nn.Module):
         self._sparse_setup()
         cold_of, idx, hs, cnt, part, act, fgu, fdn = self._sparse_args
         g, u, _ = self.cold
+        if (p := self.expert_predictors) is not None:  # the marked neurons of the experts with predictors only
+            return sparse_layer_predicted(ready, release, i, x, ids, w, cold_of, self.dt_of, g, u, self.down_t, idx,
+                                          hs, cnt, part, out, act, fgu, fdn, p.a, p.b, p.t, p.pid_of, p.z,
+                                          cold_q.XQ_EXPERTS)
         return sparse_layer(ready, release, i, x, ids, w, cold_of, self.dt_of, g if act >= FIRST_GATED else u, u,
                             self.down_t, idx, hs, cnt, part, out, act, fgu, fdn, cold_q.XQ_EXPERTS)
 

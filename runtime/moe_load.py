@@ -90,7 +90,7 @@ def expert_stats(rt: Any) -> dict[str, Any] | None:
             "cold_firing_share": float(sum(f.cold_active for f in sparse) / cold_neurons) if cold_neurons else None,
             "plan_gpu_share_routed": rt.plan_expert_share, "routed_pairs": int(round(routed)),
             "gpu_experts": int(gpu.sum()), "experts": int(gpu.size),
-            "placement": rt.expert_placement}
+            "placement": rt.expert_placement, "expert_predictors": rt.expert_predictors}
 
 
 def default_mask(source: Any, L: int, E: int, dtype: torch.dtype, ctx: int, info: dict,

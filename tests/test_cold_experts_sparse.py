@@ -283,7 +283,8 @@ def test_hybrid_moe_decode_equals_reference(fmt, act):
     c = ffn.read_counts()
     assert c[0] == 12 and c[1] == 12 * K * N and c[3] == N * ffn.expert_counts[~GPU].sum()
     assert 0.02 < ffn.cold_active / max(1, c[3]) < 0.3
-    stats = expert_stats(types.SimpleNamespace(ffns=[ffn], plan_expert_share=None, expert_placement="given"))
+    stats = expert_stats(types.SimpleNamespace(ffns=[ffn], plan_expert_share=None, expert_placement="given",
+                                               expert_predictors=None))
     assert stats["cold_firing_share"] == ffn.cold_active / c[3]  # generate's stats["experts"]
     counted = ffn.cold_active
     _close(ffn(x), ref(x))  # prefill: each token's firing neurons, down_t's weights

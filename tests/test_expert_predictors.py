@@ -121,3 +121,70 @@ def test_predictors_refused_for_ungated_experts():
     with pytest.raises(ValueError, match="gated activation"):
         _call_predicted(xs[0], np.array([1, 2], np.int64), np.ones(K, np.float32), rows, cold_of, dt_of, "relu",
                         "q4_0", np.empty(D, np.float32), pred)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The file and HybridMoE
+
+
+def _layer_file(tmp_path, ffn, t_value=None, rng=None, r=R):
+    from hotneurons.runtime import expert_predictors as EP
+
+    rng = rng or np.random.default_rng(0)
+    cold = np.flatnonzero(~ffn.gpu)
+    P = len(cold)
+    parts = {"ids": cold, "a": rng.standard_normal((P, r, D)).astype(np.float32) * 0.1,
+             "b": rng.standard_normal((P, N, r)).astype(np.float32) * 0.1,
+             "t": np.full((P, N), -np.inf if t_value is None else t_value, np.float32)}
+    return EP.save(tmp_path / "predictors" / EP.FILE, {0: parts}), parts
+
+
+def test_hybrid_moe_with_expert_predictors(tmp_path):
+    """A saved file attached to a HybridMoE layer: with thresholds of -inf every firing neuron is marked, so decode
+    equals the layer without predictors (same count of firing cold neurons); with +inf the cold experts add nothing
+    (no neuron fires on the CPU) and the summary counts the predictors and their bytes."""
+    import torch
+    from hotneurons.common.kinds import Activation
+    from hotneurons.runtime import expert_predictors as EP
+    from hotneurons.runtime.moe_ffn import HybridMoE
+    from test_cold_experts_sparse import GPU, _cfg, _moe_weights, _tokens
+
+    xs = _tokens(np.random.default_rng(3), 4)
+    cfg = _cfg(Activation.DRELU)
+    w = _moe_weights("q4_0", xs, seed=9)
+    plain = HybridMoE(0, cfg, w.get, GPU, "cpu", torch.float32)
+    ffn = HybridMoE(0, cfg, w.get, GPU, "cpu", torch.float32)
+    path, parts = _layer_file(tmp_path, ffn)
+    summary = EP.attach([ffn], path)
+    assert summary["layers"] == 1 and summary["predictors"] == int((~GPU).sum()) and summary["rank"] == R
+    assert summary["bytes"] == sum(parts[k].nbytes for k in ("a", "b", "t"))
+    assert ffn.cold_bytes() == plain.cold_bytes() + summary["bytes"]
+    x = torch.from_numpy(xs)
+    for t in range(4):
+        torch.testing.assert_close(ffn(x[t:t + 1]), plain(x[t:t + 1]), rtol=0, atol=1e-6)
+    assert ffn.cold_active == plain.cold_active > 0
+    none, _ = _layer_file(tmp_path / "none", ffn, t_value=np.inf)
+    EP.attach([ffn], none)
+    ffn.reset_counts()
+    for t in range(4):
+        ffn(x[t:t + 1])
+    assert ffn.cold_active == 0
+
+
+def test_expert_predictor_file_errors(tmp_path):
+    from hotneurons.runtime import expert_predictors as EP
+    from safetensors.numpy import save_file
+
+    with pytest.raises(ValueError, match="lack"):
+        EP.save(tmp_path / "p.safetensors", {0: {"ids": np.zeros(1, np.int64)}})
+    save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not an expert predictors file"):
+        EP.load(tmp_path / "other.safetensors", E, D, N, K)
+    parts = {"ids": np.array([1, 1]), "a": np.zeros((2, R, D)), "b": np.zeros((2, N, R)), "t": np.zeros((2, N))}
+    EP.save(tmp_path / "dup.safetensors", {0: parts})
+    with pytest.raises(ValueError, match="not distinct ids"):
+        EP.load(tmp_path / "dup.safetensors", E, D, N, K)
+    EP.save(tmp_path / "shape.safetensors", {0: {**parts, "ids": np.array([1, 2]), "b": np.zeros((2, N + 1, R))}})
+    with pytest.raises(ValueError, match=r"shapes ids \(2,\)"):
+        EP.load(tmp_path / "shape.safetensors", E, D, N, K)
+    assert not list(tmp_path.glob("*.partial"))
