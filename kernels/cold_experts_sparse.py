@@ -43,84 +43,16 @@ from __future__ import annotations
 import numpy as np
 from hotneurons.kernels.activations import _gate_value, _times_up, _ungated_value
 from hotneurons.kernels.cold import FIRST_GATED, SPINS, _claim, _head, _n_chunks, _sum_rows, wait_ready
-from hotneurons.kernels.cold_experts import _f32, _fdot
 from hotneurons.kernels.cold_q import _xq_buffers
-from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, XQ_OK, rows_axpy, rows_dot
+from hotneurons.kernels.cold_q_ir import F16_TO_F32, Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, XQ_OK
 from hotneurons.kernels.intrinsics import _fetch_add, _store_release
-from numba import njit, prange, types
-from numba.extending import overload
+from hotneurons.kernels.sparse_rows import _axpy1, _axpy4, _dot1, _dots4
+from numba import njit, prange
 
 SPARSE_ACTS = ("relu", "reglu", "drelu")  # activations whose zero neurons are exact zeros: what this kernel skips
 NEURONS = 32  # neurons a pass-A work item covers (its slots in the scratch)
 _LUT = F16_TO_F32
 __all__ = ["sparse_layer", "sparse_layer_predicted", "scratch", "SPARSE_ACTS", "NEURONS"]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Row math by the rows' type: block rows (uint8) through cold_q_ir's intrinsics (fmt a literal code), float rows through
-# plain loops. Python stubs, compiled per type by their overloads (a call typed for the other kind would not compile).
-
-
-def _dot1(x, xs, row, lut, fmt):  # pragma: no cover - stub
-    raise NotImplementedError
-
-
-def _dots4(x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):  # pragma: no cover - stub
-    raise NotImplementedError
-
-
-def _axpy1(h, row, lut, fmt, acc):  # pragma: no cover - stub
-    raise NotImplementedError
-
-
-def _axpy4(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):  # pragma: no cover - stub
-    raise NotImplementedError
-
-
-def _blocks(row) -> bool:
-    return isinstance(row, types.Array) and row.dtype == types.uint8
-
-
-_OPTS = {"fastmath": True, "nogil": True}
-
-
-@overload(_dot1, jit_options=_OPTS, prefer_literal=True)
-def _dot1_ov(x, xs, row, lut, fmt):
-    if _blocks(row):  # xs: (x,) on the float route, the quantized x on the int route (cold_q._xq_buffers)
-        return lambda x, xs, row, lut, fmt: rows_dot(xs, (row,), (), lut, fmt)
-    return lambda x, xs, row, lut, fmt: _fdot(x, row)
-
-
-@overload(_dots4, jit_options=_OPTS, prefer_literal=True)
-def _dots4_ov(x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt):
-    if _blocks(r0):
-        return lambda x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: rows_dot(xs, (r0, r1, r2, r3),
-                                                                                 (n0, n1, n2, n3), lut, fmt)
-    return lambda x, xs, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt: (_fdot(x, r0), _fdot(x, r1), _fdot(x, r2),
-                                                                     _fdot(x, r3))
-
-
-@overload(_axpy1, jit_options=_OPTS, prefer_literal=True)
-def _axpy1_ov(h, row, lut, fmt, acc):
-    if _blocks(row):
-        return lambda h, row, lut, fmt, acc: rows_axpy((h,), (row,), (), lut, fmt, acc)
-
-    def impl(h, row, lut, fmt, acc):
-        for i in range(acc.shape[0]):
-            acc[i] += h * _f32(row[i])
-    return impl
-
-
-@overload(_axpy4, jit_options=_OPTS, prefer_literal=True)
-def _axpy4_ov(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):
-    if _blocks(r0):
-        return lambda h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc: rows_axpy(
-            (h0, h1, h2, h3), (r0, r1, r2, r3), (n0, n1, n2, n3), lut, fmt, acc)
-
-    def impl(h0, h1, h2, h3, r0, r1, r2, r3, n0, n1, n2, n3, lut, fmt, acc):
-        for i in range(acc.shape[0]):
-            acc[i] += h0 * _f32(r0[i]) + h1 * _f32(r1[i]) + h2 * _f32(r2[i]) + h3 * _f32(r3[i])
-    return impl
 
 
 # ---------------------------------------------------------------------------------------------------------------
