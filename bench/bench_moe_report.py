@@ -19,7 +19,7 @@ def systems_of(ours: dict | None, lc: dict) -> dict[str, dict]:
     if ours is not None:
         out["hybrid"] = {k: ours.get(k) for k in SYSTEM_KEYS} | {
             "gpu_share_routed_measured": ours.get("gpu_share_routed_measured"),
-            "cold_firing_share": ours.get("cold_firing_share")}
+            "cold_firing_share": ours.get("cold_firing_share"), "expert_predictors": ours.get("expert_predictors")}
     for name, row in lc.items():
         if name.startswith("llama.cpp") and isinstance(row, dict) and "error" not in row:
             out[name] = {k: row.get(k) for k in SYSTEM_KEYS}
@@ -96,7 +96,10 @@ def markdown(fig: dict) -> str:
                      f"{gb(r.get('gpu_peak_bytes'))} |")
     firing = (fig["systems"].get("hybrid") or {}).get("cold_firing_share")
     if firing is not None:  # sparse experts: what ours computes of its routed cold experts
-        lines += ["", f"Ours computes {firing:.1%} of its routed cold experts' neurons in decode (those that fire)."]
+        pred = fig["systems"]["hybrid"].get("expert_predictors")
+        lines += ["", f"Ours computes {firing:.1%} of its routed cold experts' neurons in decode (those that fire"
+                  + (f"; of them the marked ones of {pred['predictors']} expert predictors of rank {pred['rank']}, "
+                     f"{pred['bytes'] / 1e9:.2f} GB" if pred else "; every gate row read") + ")."]
     sh = {k: v for k, v in fig["gpu_share_routed"].items() if v is not None}
     lines += ["", "GPU share of routed expert work: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sh.items()), "",
