@@ -135,7 +135,8 @@ def runtime_options(f):
                      help="hybrid: hot neurons on the device, active cold ones on the CPU; dense: same layout, no "
                           "sparsity; layer-split: whole layers on the device up to --vram, the rest on the CPU."),
         click.option("--oracle", is_flag=True, help="Hybrid masks from the true activations (checks, not speed)."),
-        click.option("--no-predictor", is_flag=True, help="Run without predictors: dense."),
+        click.option("--no-predictor", is_flag=True, help="Run without predictors: dense (a mixture of sparse experts: "
+                     "every gate row of its cold experts read, its expert predictors unused)."),
         click.option("--recall", type=float, default=None, help="Predictor threshold tabulated for this recall."),
         click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=None,
                      help="Gated models (SwiGLU, GeGLU): skip this share of FFN neurons by their own gates at the "
@@ -164,7 +165,7 @@ def runtime_options(f):
                           "same recall and precision on the measured run: docs/predictors.md) or auto (the run's "
                           "pi-solve --predictor-dtype, else as trained)."),
         click.option("--threads", "-t", type=click.IntRange(1), default=None,
-                     help="CPU threads for the cold neurons [all cores, less one from 8 cores up]."),
+                     help="CPU threads for the cold neurons [all cores]."),
         click.option("--pcie-share", type=float, default=None, help="CUDA: share of each token's active cold neurons "
                      "the GPU computes itself, reading their rows over PCIe from page-locked host RAM while the CPU "
                      "reads the rest [measured at start; 0: off]."),
@@ -210,7 +211,7 @@ def runtime_request(flags: Mapping[str, Any]) -> RuntimeRequest:
                         predictor_dtype=f["predictor_dtype"],
                         vram=_bytes(f["vram"]), gpu_layers=f["gpu_layers"], cuda_graphs=not f["no_cuda_graphs"],
                         static_decode=not f["hf_decode"], pcie_share=f["pcie_share"], ctx=f["ctx"], ops=f["ops"],
-                        sparsity=f["sparsity"], criterion=f["criterion"])
+                        sparsity=f["sparsity"], criterion=f["criterion"], expert_predictors=not f["no_predictor"])
     return RuntimeRequest(cfg, run_dir=f["run_dir"], model=f["model"], gguf_file=f["gguf_file"],
                           use_predictor=not f["no_predictor"], recall=f["recall"],
                           trust_remote_code=f["trust_remote_code"])
