@@ -188,3 +188,14 @@ def test_expert_predictor_file_errors(tmp_path):
     with pytest.raises(ValueError, match=r"shapes ids \(2,\)"):
         EP.load(tmp_path / "shape.safetensors", E, D, N, K)
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_expert_predictor_bytes_bench():
+    """bench/expert_predictor_bytes.py at a small shape: the build's exact predictor keeps the stored gate's firings
+    on held-out inputs and reads fewer bytes than every gate row."""
+    from bench.expert_predictor_bytes import measure
+
+    fig = measure(n=1024, d=256, rank=8, tokens=256)
+    assert fig["held_out"]["recall"] > 0.99 and fig["held_out"]["marked"] < 0.5
+    b = fig["bytes_per_token"]
+    assert b["with_predictor"] < b["gate_rows_whole"] < b["expert_dense"] and fig["fewer_bytes"] > 1.2
