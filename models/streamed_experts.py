@@ -74,6 +74,9 @@ class ExpertFFN:
             tok, slot = (idx == e).nonzero(as_tuple=True)  # (m,) each: the tokens routed to e, e's place in their top-k
             if len(tok):
                 xe = x[tok]  # (m, d)
+                for c in hooks:  # pi-train-predictors' expert predictors fit on these (predictors/experts_fit.py)
+                    if hasattr(c, "on_expert_input"):
+                        c.on_expert_input(i, e, xe)
                 h = _visit(hooks, i, e, ffn_values(cfg, F.linear(xe, self.up[e]), F.linear(xe, self.gate[e])))  # (m, n)
                 ys[tok, slot] = F.linear(h, self.down[e])  # (m, d)
         y = torch.einsum("tkd,tk->td", ys, weights)  # (T, d): moe_ffn's sum over k

@@ -41,23 +41,32 @@ _DEFAULT_RUN = str(default_run_dir("SmolLM2-135M-Instruct"))
 @click.option("--seed", type=int, default=None, help="Seed of the split, init and batch order [preset: 0].")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--force", is_flag=True, help="Replace predictors of another model.")
+@click.option("--expert-rank", type=click.IntRange(1), default=32, show_default=True,
+              help="Sparse experts: each expert predictor's rank.")
+@click.option("--expert-tokens", type=click.IntRange(1), default=8192, show_default=True,
+              help="Sparse experts: tokens of the profile's corpus streamed for the experts' inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json instead of the table.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction, epochs, base_scale, max_steps,
-               magnitude_weight, seed, device, force, as_json, quiet) -> None:
+               magnitude_weight, seed, device, force, expert_rank, expert_tokens, as_json, quiet) -> None:
     """Train one activation predictor per layer from RUN/profile/samples.
 
     Each predictor is Linear(d_model->h) -> ReLU -> Linear(h->n_neurons); h is sized per layer from the
     layer's sparsity and skewness (share of neurons covering 80% of activations) within the parameter
     budget. Writes RUN/predictors/: predictors.safetensors, summary.json, meta.json.
+
+    A mixture of sparse experts (reglu, drelu): one low-rank predictor per expert, fitted from its gate on
+    its routed inputs (--expert-rank, --expert-tokens, --target-recall [0.99]), so that the CPU reads only
+    the marked neurons' rows of its cold experts. Writes RUN/predictors/expert_predictors.{safetensors,json}.
     """
     from hotneurons.predictors.train import preset, train_predictors
 
+    if experts_run(run_dir):
+        return train_experts(run_dir, expert_rank, target_recall, expert_tokens, device, as_json, quiet)
     try:
         cfg = preset(preset_name, form=form, target_recall=target_recall, max_predictor_fraction=max_predictor_fraction,
                      epochs=epochs, base_scale=base_scale, max_steps=max_steps, seed=seed,
                      magnitude_weight=magnitude_weight)
-        refuse_experts(run_dir)
         with stdout_to_stderr(as_json):
             summary = train_predictors(run_dir, cfg, device=device, force=force, progress=not quiet)
     except (ArtifactError, ValueError) as e:
@@ -71,14 +80,41 @@ def train_main(run_dir, preset_name, form, target_recall, max_predictor_fraction
         click.echo(warning, err=True)
 
 
-def refuse_experts(run_dir: str | Path) -> None:
-    """A mixture of experts' profile (meta.experts set) trains no predictors: its router is the exact predictor."""
+def experts_run(run_dir: str | Path) -> bool:
+    """A run whose profile is a mixture of experts' (meta.experts set)."""
     from hotneurons.artifacts.profile import check_profile
 
-    if (Path(run_dir) / "profile" / "meta.json").exists() and check_profile(run_dir).experts is not None:
-        raise ArtifactError(f"{Path(run_dir) / 'profile'} profiles a mixture of experts: its router picks each "
-                            f"token's experts exactly, so no predictors are needed: run `pi-solve --run {run_dir}`, "
-                            f"then `pi-generate --run {run_dir}`")
+    try:
+        return (Path(run_dir) / "profile" / "meta.json").exists() and check_profile(run_dir).experts is not None
+    except (ArtifactError, ValueError):
+        return False  # train_predictors says what is wrong with the run
+
+
+def train_experts(run_dir, rank: int, recall: float | None, tokens: int, device: str, as_json: bool,
+                  quiet: bool) -> None:
+    """pi-train-predictors on a mixture of experts: expert predictors for sparse experts, else refused in one line."""
+    from hotneurons.predictors.experts_fit import fit_expert_predictors
+
+    try:
+        with stdout_to_stderr(as_json):
+            s = fit_expert_predictors(run_dir, rank=rank, recall=0.99 if recall is None else recall, tokens=tokens,
+                                      device=device, progress=not quiet)
+    except FixableError as e:
+        raise cli_error(e, {"expert_rank": "--expert-rank", "target_recall": "--target-recall",
+                            "expert_tokens": "--expert-tokens", "run": "--run"}) from None
+    except (ArtifactError, CorpusError, ValueError) as e:
+        raise cli_error(e, {}) from None
+    except KeyboardInterrupt:
+        interrupted(f"nothing was written ({Path(run_dir) / 'predictors'} is as it was): run the command again")
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in s.items() if k != "experts_fitted"}, indent=2))
+        return
+    click.echo(f"expert predictors for {s['predictors']} of {s['experts']} experts (rank {s['rank']}) in "
+               f"{s['seconds']:.1f} s on {s['device']} -> {s['file']}\n"
+               f"held-out recall mean {s['mean_recall']:.3f} (min {s['min_recall']:.3f}) at target "
+               f"{s['target_recall']}; "
+               f"neurons marked {s['mean_marked']:.3f} where the gate fires for {s['mean_gate_fires']:.3f} "
+               f"(the cold experts read the marked neurons' rows only)")
 
 
 def format_train(summary: PredictorsSummary, run_dir: Path) -> str:

@@ -101,14 +101,16 @@ def load(path: Path | str, n_experts: int, d: int, n: int, k: int) -> dict[int, 
 
 def attach(ffns: list, path: Path | str) -> dict:
     """Give each sparse HybridMoE layer (one with down_t) its predictors from `path`; returns a summary (layers,
-    predictors, rank, bytes). A layer without down_t (a gated activation whose zeros are not exact) cannot use them."""
+    predictors, rank, bytes). A layer whose cold experts have no down_t (an activation whose zeros are not exact)
+    cannot use them; one without cold experts has no use for them."""
     f0 = ffns[0]
     layers = load(path, f0.cfg.n_experts, f0.d_model, f0.n_ff, f0.cfg.n_experts_used)
     for i, lp in layers.items():
-        if i >= len(ffns) or ffns[i].down_t is None:
+        if i >= len(ffns) or (ffns[i].down_t is None and ffns[i].cold is not None):
             raise ValueError(f"{path}: layer {i} has expert predictors, but the model's layer {i} computes no sparse "
                              f"experts (a ReLU-family activation's cold experts with down_t)")
-        ffns[i].expert_predictors = lp
+        if ffns[i].down_t is not None:  # a layer with every expert on the device reads no cold rows
+            ffns[i].expert_predictors = lp
     return {"file": str(path), "layers": len(layers), "predictors": int(sum(len(lp.a) for lp in layers.values())),
             "rank": int(next(iter(layers.values())).a.shape[1]) if layers else 0,
             "bytes": int(sum(lp.nbytes for lp in layers.values()))}

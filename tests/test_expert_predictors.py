@@ -199,3 +199,69 @@ def test_expert_predictor_bytes_bench():
     assert fig["held_out"]["recall"] > 0.99 and fig["held_out"]["marked"] < 0.5
     b = fig["bytes_per_token"]
     assert b["with_predictor"] < b["gate_rows_whole"] < b["expert_dense"] and fig["fewer_bytes"] > 1.2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pi-train-predictors on a mixture of sparse experts (predictors/experts_fit.py)
+
+
+def test_fit_expert_is_exact_at_full_rank_and_keeps_recall_below_it():
+    """At the gate's own rank the fitted predictor reproduces the pre-activations (threshold 0: marked = fires);
+    at a lower rank the threshold widens until the held-out recall reaches the target."""
+    import torch
+    from hotneurons.predictors.experts_fit import fit_expert
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 256, 64
+    gate = torch.randn((n, 16), generator=g) @ torch.randn((16, d), generator=g) / 4
+    gate[:, 0] = -1.0  # with x[:, 0] = 1: fires for about a third of the tokens; the gate's rank is 17
+    x = torch.randn((600, d), generator=g)
+    x[:, 0] = 1.0
+    full = fit_expert(gate, x, rank=17, recall=0.99)
+    # threshold 0: only the neurons whose gate sits within float32 rounding of 0 can differ
+    assert full["k"] == 0.0 and full["recall"] >= 0.99 and abs(full["marked"] - full["fires"]) < 0.01
+    np.testing.assert_allclose(full["b"] @ full["a"], gate.numpy(), atol=1e-4)
+    low = fit_expert(gate, x, rank=4, recall=0.95)
+    assert low["recall"] >= 0.95 and low["k"] > 0 and low["fires"] < low["marked"] < 1.0
+    assert low["a"].shape == (4, d) and low["b"].shape == (n, 4) and low["t"].shape == (n,)
+
+
+def test_pi_train_predictors_fits_sparse_experts(tmp_path):
+    """A tiny ReLU-gated Mixtral: pi-profile, then pi-train-predictors writes expert predictors (recall at the
+    target on held-out inputs); the runtime finds them in the run and uses them for its cold experts. A SwiGLU
+    mixture of experts is refused in one line."""
+    import json
+
+    from click.testing import CliRunner
+    from hotneurons.predictors.cli import train_main
+    from hotneurons.profiler.cli import main as profile
+    from hotneurons.runtime.config import RuntimeConfig
+    from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import load_source_runtime
+    from test_profile_moe import build, random_corpus
+
+    corpus = random_corpus(tmp_path / "c.jsonl", seed=4)
+    runs = {}
+    for act in ("relu", "silu"):
+        folder = build("mixtral", act, tmp_path / act, seed=5)
+        runs[act] = tmp_path / f"run-{act}"
+        res = CliRunner().invoke(profile, ["--model", str(folder), "--dataset", str(corpus), "--tokens", "600",
+                                           "--seq-len", "32", "--batch-size", "2", "--calibration-tokens", "64",
+                                           "--out", str(runs[act]), "--quiet"])
+        assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(train_main, ["--run", str(runs["relu"]), "--expert-rank", "8", "--expert-tokens", "600",
+                                          "--device", "cpu", "--quiet", "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output[res.output.index("{"):])
+    assert s["predictors"] == 2 * 4 and s["min_recall"] >= 0.99 and s["mean_marked"] < 1.0
+    assert (runs["relu"] / "predictors" / "expert_predictors.json").exists()
+    mask = np.array([[True, True, False, False]] * 2)  # experts 2 and 3 cold
+    meta = json.loads((runs["relu"] / "profile" / "meta.json").read_text())
+    rt = load_source_runtime(runs["relu"], meta, RuntimeConfig(device="cpu", ctx=64), placement=mask)
+    assert rt.expert_predictors["layers"] == 2 and rt.expert_predictors["rank"] == 8
+    assert all(f.expert_predictors is not None for f in rt.ffns)
+    out = generate(rt, list(range(3, 19)), 8, stop_at_eos=False)
+    assert len(out.token_ids) == 8 and out.stats["experts"]["expert_predictors"] == rt.expert_predictors
+    res = CliRunner().invoke(train_main, ["--run", str(runs["silu"]), "--device", "cpu", "--quiet"])
+    assert res.exit_code == 1 and res.output.count("\n") <= 2, res.output
+    assert "needs no predictors" in res.output and "pi-solve" in res.output
