@@ -83,8 +83,9 @@ def _kernel_case(fmt: str, act: str, seed: int):
     return xs, (gs, us, ds), (g64, u64, d64), np.where(GPU, -1, np.arange(E)), dt_of
 
 
-def _reference(act, x, ids, wts, w64, dt_of) -> tuple[np.ndarray, int]:
-    """float64: sum over the routed cold experts of w_e * down_t_e^T h_e(x); and the firing neurons' count."""
+def _reference(act, x, ids, wts, w64, dt_of, pred=None) -> tuple[np.ndarray, int]:
+    """float64: sum over the routed cold experts of w_e * down_t_e^T h_e(x); and the firing neurons' count. pred
+    (pa, pb, pt, pid_of): an expert with a predictor keeps only its marked neurons (tests/test_expert_predictors.py)."""
     g64, u64, d64 = w64
     y, fired = np.zeros(D), 0
     x = x.astype(np.float64)
@@ -93,6 +94,9 @@ def _reference(act, x, ids, wts, w64, dt_of) -> tuple[np.ndarray, int]:
         if c < 0:
             continue
         h = _act(act, g64[e * N:(e + 1) * N] @ x, u64[e * N:(e + 1) * N] @ x)  # (N,)
+        if pred is not None and pred[3][e] >= 0:
+            pa, pb, pt, p = *pred[:3], pred[3][e]
+            h = np.where(pb[p].astype(np.float64) @ (pa[p].astype(np.float64) @ x) > pt[p], h, 0.0)
         fired += int((h != 0).sum())
         y += float(w) * (d64[c * N:(c + 1) * N].T @ h)
     return y, fired

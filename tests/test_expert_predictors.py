@@ -16,7 +16,7 @@ import pytest
 from hotneurons.kernels import cold_experts_sparse as KS
 from hotneurons.kernels.cold import ACT_CODE, NO_FLAGS
 from hotneurons.kernels.cold_experts import CODE
-from test_cold_experts_sparse import D, E, K, N, _act, _call, _kernel_case
+from test_cold_experts_sparse import D, E, K, N, _call, _kernel_case, _reference
 
 R = 8  # the predictors' rank
 
@@ -41,25 +41,6 @@ def _predictors(rng: np.random.Generator, xs: np.ndarray, dt_of: np.ndarray, kee
     pid_of = np.full(E, -1, np.int64)
     pid_of[with_pred] = np.arange(P)
     return pa, pb, pt.astype(np.float32), pid_of
-
-
-def _reference(act, x, ids, wts, w64, dt_of, pred) -> tuple[np.ndarray, int]:
-    """float64: the routed cold experts' sum, each expert with a predictor over its marked neurons only."""
-    g64, u64, d64 = w64
-    pa, pb, pt, pid_of = pred
-    y, fired = np.zeros(D), 0
-    x = x.astype(np.float64)
-    for e, w in zip(ids, wts):
-        c = dt_of[e]
-        if c < 0:
-            continue
-        h = _act(act, g64[e * N:(e + 1) * N] @ x, u64[e * N:(e + 1) * N] @ x)  # (N,)
-        if pid_of[e] >= 0:
-            p = pid_of[e]
-            h = np.where(pb[p].astype(np.float64) @ (pa[p].astype(np.float64) @ x) > pt[p], h, 0.0)
-        fired += int((h != 0).sum())
-        y += float(w) * (d64[c * N:(c + 1) * N].T @ h)
-    return y, fired
 
 
 def _call_predicted(x, ids, wts, rows, cold_of, dt_of, act, fmt, out, pred, xq=False):
