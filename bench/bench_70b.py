@@ -107,6 +107,7 @@ def stage_ours(a) -> dict:
     argv = [sys.executable, "-m", "bench.bench_70b", "--stage", "ours-child", "--work", str(a.work),
             "--device", a.device, "--vram", a.vram, "--ctx", str(a.ctx), "--timeline", str(a.timeline)]
     argv += ["--threads", str(a.threads)] if a.threads else []
+    argv += ["--pcie-share", str(a.pcie_share)] if a.pcie_share is not None else []
     res = measured(argv, 560, pattern=r"first token")
     if res["exit_code"] != 0:
         raise SystemExit(f"the runtime's child failed:\n{res['stderr_tail'][-3000:]}")
@@ -126,7 +127,7 @@ def ours_child(a, load=None, out: Path | None = None) -> None:
 
     rt = (load() if load is not None
           else load_runtime(a.work / "run", RuntimeConfig(device=a.device, vram=parse_bytes(a.vram), ctx=a.ctx,
-                                                          threads=a.threads)))
+                                                          threads=a.threads, pcie_share=a.pcie_share)))
     import numpy as np
 
     ids = np.random.default_rng(0).integers(0, rt.lm.info["vocab_size"], PROMPT_LONG).tolist()  # random tokens
@@ -339,6 +340,9 @@ def parser(doc: str | None = None, stages: list[str] | None = None) -> argparse.
     p.add_argument("--ctx", type=int, default=4096, help="KV cache tokens pi-solve reserves and the runtime holds.")
     p.add_argument("--threads", type=int, default=None,
                    help="ours: the cold kernels' CPU threads (pi-generate --threads; default: every core)")
+    p.add_argument("--pcie-share", type=float, default=None,
+                   help="ours: the share of the marked cold rows the GPU reads over PCIe, held (pi-generate "
+                   "--pcie-share; default: measured at start and balanced)")
     p.add_argument("--predictor-dtype", default="auto", choices=["auto", "q8_0"],
                    help="pipeline: pi-solve --predictor-dtype (the runtime follows the placement)")
     p.add_argument("--hardware", default="h100", help="pi-solve's hardware preset (bandwidths of the cost model).")
