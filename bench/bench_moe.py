@@ -21,6 +21,8 @@ Stages, each within one 10-minute call on the GPU machine, sharing --work while 
   llamacpp  llama-bench -ngl 99 --n-cpu-moe N, N probed from the arithmetic guess to the smallest whose measured GPU
             memory plus our KV cache of --ctx tokens fits --vram; --n-cpu-moe 0 (everything on the GPU)
   report    the variant's stage files into bench/results/<date>-<kind>-moe-<variant>.{json,md}
+  fit-predictors  (--sparse) pi-train-predictors on the run: expert predictors fitted on the experts' inputs,
+            replacing the exact ones in the run (the next ours stage runs with them)
 CPU smoke run (tests/test_bench_moe.py): --shape tiny --device cpu --vram auto --hardware h100, llamacpp skipped.
 """
 
@@ -164,15 +166,26 @@ def n_cpu_moe_share(shares: np.ndarray, n: int) -> float:
     return float(shares[n:].sum() / shares.sum())
 
 
-def profile_child(argv: list[str]) -> None:
-    """pi-profile, with the file's tokenizer replaced by bench_model.SyntheticTokenizer (the corpus is token ids)."""
+def profile_child(argv: list[str], command: str = "pi-profile") -> None:
+    """pi-profile (or pi-train-predictors), with the file's tokenizer replaced by bench_model.SyntheticTokenizer (the
+    corpus is token ids)."""
+    from hotneurons.predictors.cli import train_main
     from hotneurons.profiler.cli import main as pi_profile
     from hotneurons.weights.gguf_source import GGUFSource
 
     from bench import bench_model as bm
 
     GGUFSource.tokenizer = lambda self: bm.SyntheticTokenizer(self.infos["token_embd.weight"].shape[0])
-    pi_profile(argv)
+    (train_main if command == "pi-train-predictors" else pi_profile)(argv)
+
+
+def stage_fit_predictors(a) -> dict:
+    """pi-train-predictors on the run (a --sparse variant): expert predictors fitted from the gates on the experts'
+    routed inputs (predictors/experts_fit.py), replacing the build's exact ones in the run for the next ours stage."""
+    res = _run([sys.executable, "-m", "bench.bench_moe", "--stage", "fit-child", "--", "--run", str(_dir(a) / "run"),
+                "--expert-rank", str(a.predictor_rank), "--device", a.device, "--json", "--quiet"], 560)
+    out = res.pop("stdout")
+    return {**res, "summary": json.loads(out[out.index("{"):])}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,8 +322,9 @@ def parse_reserve(a) -> int:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["--stage", "profile-child"]:
-        profile_child(argv[3:] if argv[2:3] == ["--"] else argv[2:])
+    if argv[:2] in (["--stage", "profile-child"], ["--stage", "fit-child"]):
+        profile_child(argv[3:] if argv[2:3] == ["--"] else argv[2:],
+                      "pi-train-predictors" if argv[1] == "fit-child" else "pi-profile")
         return
     a = parse(argv)
     _dir(a).mkdir(parents=True, exist_ok=True)
@@ -323,7 +337,8 @@ def main(argv=None) -> None:
     if a.stage == "report":
         print(rep.markdown(rep.stage_report(a, _dir(a), variant(a))))
         return
-    fn = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp}[a.stage]
+    fn = {"build": stage_build, "pipeline": stage_pipeline, "ours": stage_ours, "llamacpp": stage_llamacpp,
+          "fit-predictors": stage_fit_predictors}[a.stage]
     figures = {"stage": a.stage, "variant": variant(a), "shape": a.shape, "routing": a.routing, "sparse": a.sparse,
                **fn(a)}
     out = a.out or _dir(a) / f"{a.stage}.json"
@@ -333,7 +348,7 @@ def main(argv=None) -> None:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", required=True, choices=[*STAGES, "report", "ours-child"])
+    p.add_argument("--stage", required=True, choices=[*STAGES, "fit-predictors", "report", "ours-child"])
     p.add_argument("--shape", default="qwen3-30b-a3b", help="moe_gguf.SHAPES: qwen3-30b-a3b, mixtral-8x7b, tiny.")
     p.add_argument("--routing", default="calibrated", choices=["calibrated", "uniform"])
     p.add_argument("--sparse", action="store_true", help="dReLU experts at TurboSparse-Mixtral's sparsity.")

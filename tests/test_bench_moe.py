@@ -140,3 +140,31 @@ def test_sparse_mixtral_decodes_with_its_expert_predictors(tmp_path):
         rt = load_source_runtime(tmp_path / "run", None, RuntimeConfig(device="cpu", ctx=256, expert_predictors=use),
                                  model=str(gguf), placement=mask)
         assert (rt.expert_predictors is not None) == use and (rt.ffns[0].expert_predictors is not None) == use
+
+
+def test_sparse_variant_stages_with_expert_predictors(tmp_path):
+    """bench_moe --sparse on the CPU: the pipeline puts the build's exact expert predictors in the run, ours runs
+    with them (or without: --no-expert-predictors), fit-predictors replaces them by pi-train-predictors' fit on the
+    experts' inputs (held-out recall at its 0.99 target), and ours runs with those."""
+    from bench import bench_moe
+
+    common = ["--shape", "tiny-mixtral", "--sparse", "--device", "cpu", "--work", str(tmp_path), "--ctx", "1024",
+              "--profile-tokens", "1024", "--predictor-rank", "8"]
+    d = tmp_path / "tiny-mixtral-calibrated-sparse"
+
+    def figures(stage):
+        return json.loads((d / f"{stage}.json").read_text())["figures"]
+
+    bench_moe.main(["--stage", "build", *common, "--calibration-tokens", "512", "--seq", "128"])
+    bench_moe.main(["--stage", "pipeline", *common, "--reserve", "0"])
+    assert (d / "run" / "predictors" / "expert_predictors.safetensors").exists()
+    bench_moe.main(["--stage", "ours", *common, "--no-expert-predictors"])
+    assert figures("ours")["expert_predictors"] is None
+    bench_moe.main(["--stage", "ours", *common])
+    assert figures("ours")["expert_predictors"]["rank"] == 9  # the build's exact ones
+    bench_moe.main(["--stage", "fit-predictors", *common])
+    fit = figures("fit-predictors")["summary"]
+    assert fit["predictors"] == 16 and fit["min_recall"] >= 0.99 and fit["mean_marked"] < 0.6
+    bench_moe.main(["--stage", "ours", *common])
+    ours = figures("ours")
+    assert ours["expert_predictors"]["rank"] == 8 and 0 < ours["cold_firing_share"] < 0.3
