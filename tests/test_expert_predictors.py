@@ -246,3 +246,46 @@ def test_pi_train_predictors_fits_sparse_experts(tmp_path):
     res = CliRunner().invoke(train_main, ["--run", str(runs["silu"]), "--device", "cpu", "--quiet"])
     assert res.exit_code == 1 and res.output.count("\n") <= 2, res.output
     assert "needs no predictors" in res.output and "pi-solve" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_expert_predictors_on_cuda_graphs(tmp_path):
+    """On CUDA (the static decoder's graphs, the cold experts' kernel between them with its wait and release): with
+    thresholds of -inf the predictors mark every neuron, so greedy tokens equal the run without them; with the fitted
+    thresholds the tokens are generated and the stats name the predictors."""
+    import json
+
+    from click.testing import CliRunner
+    from hotneurons.predictors.cli import train_main
+    from hotneurons.profiler.cli import main as profile
+    from hotneurons.runtime import expert_predictors as EP
+    from hotneurons.runtime.config import RuntimeConfig
+    from hotneurons.runtime.generate import generate
+    from hotneurons.runtime.load import load_source_runtime
+    from test_profile_moe import build, random_corpus
+
+    folder = build("mixtral", "relu", tmp_path / "m", seed=6)
+    run, corpus = tmp_path / "run", random_corpus(tmp_path / "c.jsonl", 2)
+    args = ["--model", str(folder), "--dataset", str(corpus), "--tokens", "600", "--seq-len", "32", "--batch-size",
+            "2", "--out", str(run), "--quiet"]
+    assert CliRunner().invoke(profile, args).exit_code == 0
+    assert CliRunner().invoke(train_main, ["--run", str(run), "--expert-rank", "8", "--expert-tokens", "600",
+                                           "--quiet"]).exit_code == 0
+    meta = json.loads((run / "profile" / "meta.json").read_text())
+    mask = np.array([[True, False, False, True]] * 2)
+    prompt = list(range(7, 23))
+
+    def tokens(use: bool) -> tuple[list[int], dict | None]:
+        rt = load_source_runtime(run, meta, RuntimeConfig(device="cuda", ctx=64, expert_predictors=use),
+                                 placement=mask)
+        out = generate(rt, prompt, 10, stop_at_eos=False)
+        return out.token_ids, out.stats["experts"]["expert_predictors"]
+
+    fitted, summary = tokens(True)
+    assert len(fitted) == 10 and summary["rank"] == 8
+    path = EP.path_in(run)
+    layers = EP.load(path, 4, 32, 32, 2)
+    EP.save(path, {i: {"ids": np.flatnonzero(lp.pid_of >= 0), "a": lp.a, "b": lp.b, "t": np.full_like(lp.t, -np.inf)}
+                   for i, lp in layers.items()})
+    assert tokens(True)[0] == tokens(False)[0]
