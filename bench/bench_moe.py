@@ -128,7 +128,7 @@ def stage_pipeline(a) -> dict:
         if a.vram != "auto" or 1 / 3 <= gpu.mean() <= 1 / 2:
             break
         vram += int((a.expert_frac - gpu.mean()) * sizes["experts"])
-    from hotneurons.runtime.expert_predictors import path_in
+    from hotneurons.artifacts.expert_predictors import path_in
 
     from bench.moe_gguf import predictors_path
 
@@ -219,7 +219,8 @@ def ours_child(a) -> None:
     # the budget is the GPU's: a CPU run (the smoke test) holds its "device" experts in RAM, de-quantized
     cfg = RuntimeConfig(device=a.device, vram=pipe["vram_bytes"] if a.device == "cuda" else None, ctx=a.ctx)
     rt = load_source_runtime(None, None, cfg, model=str(d / "model.gguf"), placement=expert_mask(d / "run"))
-    from hotneurons.runtime.expert_predictors import attach, path_in
+    from hotneurons.artifacts.expert_predictors import path_in
+    from hotneurons.runtime.expert_predictors import attach
 
     if a.expert_predictors and path_in(d / "run").exists():  # as pi-generate finds them in the run
         rt.expert_predictors = attach(rt.ffns, path_in(d / "run"))

@@ -172,7 +172,7 @@ def write_model(shape: str, path: Path, device: str, routing: str = "calibrated"
                 log=print) -> dict:
     """The model as a Q4_0 GGUF at `path` (a temp name, renamed when whole); returns the calibration's figures.
     sparse with predictor_rank r > 0: every expert's gate of rank r (bar its bias column), and exact expert
-    predictors of rank r + 1 beside it (`predictors_path(path)`, runtime/expert_predictors.py's file)."""
+    predictors of rank r + 1 beside it (`predictors_path(path)`, artifacts/expert_predictors.py's file)."""
     import gguf
 
     s = SHAPES[shape]
@@ -198,7 +198,7 @@ def write_model(shape: str, path: Path, device: str, routing: str = "calibrated"
             w.write_tensor_data(a)
         w.close()
         if preds is not None:
-            from hotneurons.runtime.expert_predictors import save
+            from hotneurons.artifacts.expert_predictors import save
 
             save(predictors_path(path), preds)
         tmp.replace(path)

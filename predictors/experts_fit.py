@@ -91,13 +91,13 @@ def fit_expert_predictors(run_dir: str | Path, rank: int = 32, recall: float = 0
     """Fit every expert's predictor of the run's model (its profile's corpus, model and activation) into
     RUN/predictors/expert_predictors.safetensors; returns the summary (also RUN/predictors/expert_predictors.json).
     Experts with fewer than 4 r routed samples get none (their gate rows are read whole)."""
+    from hotneurons.artifacts.expert_predictors import path_in, save
     from hotneurons.artifacts.profile import check_profile
     from hotneurons.common import artifacts
     from hotneurons.common.corpus import iter_texts, token_batches
     from hotneurons.common.kinds import FixableError
     from hotneurons.models.streamed import meta_source
     from hotneurons.models.streamed_experts import open_experts
-    from hotneurons.runtime import expert_predictors
     from tqdm import tqdm
 
     run_dir = Path(run_dir)
@@ -148,7 +148,7 @@ def fit_expert_predictors(run_dir: str | Path, rank: int = 32, recall: float = 0
     if not layers:
         raise FixableError(f"no expert had {4 * rank} routed inputs in {tokens:,} tokens: pass more --expert-tokens "
                            f"(or a smaller --expert-rank)", params=("expert_tokens", "expert_rank"))
-    path = expert_predictors.save(expert_predictors.path_in(run_dir), layers)
+    path = save(path_in(run_dir), layers)
     summary = {"file": str(path), "rank": rank, "target_recall": recall, "tokens": tokens, "samples": samples,
                "device": dev, "seconds": round(time.perf_counter() - t0, 1), "predictors": len(rows),
                "experts": cfg.n_layers * cfg.n_experts, "mean_recall": float(np.mean([r["recall"] for r in rows])),

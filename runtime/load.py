@@ -327,6 +327,7 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
     (runtime/moe_load.py: the expert placement's rules)."""
     import warnings
 
+    from hotneurons.artifacts.expert_predictors import path_in
     from hotneurons.models import build_model
     from hotneurons.models.open import model_info
     from hotneurons.runtime import expert_predictors
@@ -364,7 +365,7 @@ def load_moe_runtime(run: Path | None, cfg: Any, source: Any, sid: Any, mcfg: An
 
     decoder = build_model(mcfg, weights, torch.device(device), dtype, ctx, release=release)
     ffns = [HybridMoE(i, mcfg, weights, gpu[i], device, dtype, release, source.release_view) for i in range(L)]
-    pred_file = None if run is None or not cfg.expert_predictors else expert_predictors.path_in(run)
+    pred_file = None if run is None or not cfg.expert_predictors else path_in(run)
     pred = expert_predictors.attach(ffns, pred_file) if pred_file is not None and pred_file.exists() else None
     stored = source.infos["blk.0.ffn_up_exps.weight"].fmt.value
     # ctx as the decoder's cache holds

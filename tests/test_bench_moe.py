@@ -132,7 +132,7 @@ def test_sparse_mixtral_decodes_with_its_expert_predictors(tmp_path):
     assert rt.expert_predictors["layers"] == 2 and rt.expert_predictors["predictors"] == 16
     assert 0.98 * active[False] <= active[True] <= active[False]
     # a run's predictors/expert_predictors.safetensors is found by the loader (pi-generate, pi-serve); off by config
-    from hotneurons.runtime.expert_predictors import path_in
+    from hotneurons.artifacts.expert_predictors import path_in
 
     path_in(tmp_path / "run").parent.mkdir(parents=True)
     predictors_path(gguf).rename(path_in(tmp_path / "run"))

@@ -109,7 +109,7 @@ def test_predictors_refused_for_ungated_experts():
 
 
 def _layer_file(tmp_path, ffn, t_value=None, rng=None, r=R):
-    from hotneurons.runtime import expert_predictors as EP
+    from hotneurons.artifacts import expert_predictors as EF
 
     rng = rng or np.random.default_rng(0)
     cold = np.flatnonzero(~ffn.gpu)
@@ -117,7 +117,7 @@ def _layer_file(tmp_path, ffn, t_value=None, rng=None, r=R):
     parts = {"ids": cold, "a": rng.standard_normal((P, r, D)).astype(np.float32) * 0.1,
              "b": rng.standard_normal((P, N, r)).astype(np.float32) * 0.1,
              "t": np.full((P, N), -np.inf if t_value is None else t_value, np.float32)}
-    return EP.save(tmp_path / "predictors" / EP.FILE, {0: parts}), parts
+    return EF.save(tmp_path / "predictors" / EF.FILE, {0: parts}), parts
 
 
 def test_hybrid_moe_with_expert_predictors(tmp_path):
@@ -153,21 +153,21 @@ def test_hybrid_moe_with_expert_predictors(tmp_path):
 
 
 def test_expert_predictor_file_errors(tmp_path):
-    from hotneurons.runtime import expert_predictors as EP
+    from hotneurons.artifacts import expert_predictors as EF
     from safetensors.numpy import save_file
 
     with pytest.raises(ValueError, match="lack"):
-        EP.save(tmp_path / "p.safetensors", {0: {"ids": np.zeros(1, np.int64)}})
+        EF.save(tmp_path / "p.safetensors", {0: {"ids": np.zeros(1, np.int64)}})
     save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not an expert predictors file"):
-        EP.load(tmp_path / "other.safetensors", E, D, N, K)
+        EF.read(tmp_path / "other.safetensors", E, D, N)
     parts = {"ids": np.array([1, 1]), "a": np.zeros((2, R, D)), "b": np.zeros((2, N, R)), "t": np.zeros((2, N))}
-    EP.save(tmp_path / "dup.safetensors", {0: parts})
+    EF.save(tmp_path / "dup.safetensors", {0: parts})
     with pytest.raises(ValueError, match="not distinct ids"):
-        EP.load(tmp_path / "dup.safetensors", E, D, N, K)
-    EP.save(tmp_path / "shape.safetensors", {0: {**parts, "ids": np.array([1, 2]), "b": np.zeros((2, N + 1, R))}})
+        EF.read(tmp_path / "dup.safetensors", E, D, N)
+    EF.save(tmp_path / "shape.safetensors", {0: {**parts, "ids": np.array([1, 2]), "b": np.zeros((2, N + 1, R))}})
     with pytest.raises(ValueError, match=r"shapes ids \(2,\)"):
-        EP.load(tmp_path / "shape.safetensors", E, D, N, K)
+        EF.read(tmp_path / "shape.safetensors", E, D, N)
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -257,6 +257,7 @@ def test_expert_predictors_on_cuda_graphs(tmp_path):
     import json
 
     from click.testing import CliRunner
+    from hotneurons.artifacts import expert_predictors as EF
     from hotneurons.predictors.cli import train_main
     from hotneurons.profiler.cli import main as profile
     from hotneurons.runtime import expert_predictors as EP
@@ -284,8 +285,8 @@ def test_expert_predictors_on_cuda_graphs(tmp_path):
 
     fitted, summary = tokens(True)
     assert len(fitted) == 10 and summary["rank"] == 8
-    path = EP.path_in(run)
+    path = EF.path_in(run)
     layers = EP.load(path, 4, 32, 32, 2)
-    EP.save(path, {i: {"ids": np.flatnonzero(lp.pid_of >= 0), "a": lp.a, "b": lp.b, "t": np.full_like(lp.t, -np.inf)}
+    EF.save(path, {i: {"ids": np.flatnonzero(lp.pid_of >= 0), "a": lp.a, "b": lp.b, "t": np.full_like(lp.t, -np.inf)}
                    for i, lp in layers.items()})
     assert tokens(True)[0] == tokens(False)[0]
