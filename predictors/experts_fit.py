@@ -20,19 +20,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hotneurons.models.ffn_hooks import StageHooks
 
 SPARSE_GATED = ("reglu", "drelu")  # activations whose neuron is exactly zero where relu(gate) is
 K_GRID = tuple(np.round(np.arange(0.0, 8.01, 0.25), 2))  # thresholds tried, in units of the score's error
 HELD_OUT = 0.2
 
 
-class ExpertInputs:
-    """A streamed model's consumer: the first `samples` routed inputs of every (layer, expert), float16 on the host."""
+class ExpertInputs(StageHooks):
+    """Entered on a streamed mixture of experts: the first `samples` routed inputs of every (layer, expert), float16 on
+    the host (the stages' consumer protocol: models/ffn_hooks.StageHooks, streamed_experts.ExpertFFN)."""
 
-    def __init__(self, n_layers: int, n_experts: int, samples: int):
+    def __init__(self, lm, samples: int):
+        super().__init__(lm)
         self.samples = samples
-        self.x: list[list[list[torch.Tensor]]] = [[[] for _ in range(n_experts)] for _ in range(n_layers)]
-        self.kept = np.zeros((n_layers, n_experts), np.int64)
+        L, E = lm.cfg.n_layers, lm.cfg.n_experts
+        self.x: list[list[list[torch.Tensor]]] = [[[] for _ in range(E)] for _ in range(L)]
+        self.kept = np.zeros((L, E), np.int64)
 
     def on_expert_input(self, i: int, e: int, x: torch.Tensor) -> None:
         room = self.samples - int(self.kept[i, e])
@@ -43,21 +47,11 @@ class ExpertInputs:
     def inputs(self, i: int, e: int) -> torch.Tensor | None:
         return torch.cat(self.x[i][e]) if self.x[i][e] else None
 
-    # the rest of the consumer protocol (models/streamed.StreamedModel, streamed_experts.ExpertFFN)
-    def wants_x(self) -> bool:
-        return False
-
     def on_route(self, i, weights, idx) -> None:
         pass
 
     def on_expert(self, i, e, h) -> None:
         return None
-
-    def on_pre_norm(self, i, x) -> None:
-        pass
-
-    def end_layer(self, i) -> None:
-        pass
 
 
 def fit_expert(gate: torch.Tensor, x: torch.Tensor, rank: int, recall: float, seed: int = 0) -> dict:
@@ -119,16 +113,13 @@ def fit_expert_predictors(run_dir: str | Path, rank: int = 32, recall: float = 0
                            f"in (0, 1]", params=("expert_rank", "target_recall"))
     t0 = time.perf_counter()
     cfg = lm.cfg
-    inputs = ExpertInputs(cfg.n_layers, cfg.n_experts, samples)
-    lm.attach(inputs)
     batches = token_batches(lm.tokenizer, iter_texts(pc.get("dataset", "wikipedia-sample"), pc.get("text_column",
                             "text")), int(pc.get("seq_len", 512)), int(pc.get("batch_size", 8)), tokens)
-    with torch.inference_mode(), tqdm(total=tokens, unit="tok", unit_scale=True, desc="expert inputs",
-                                      disable=not progress) as bar:
+    with torch.inference_mode(), ExpertInputs(lm, samples) as inputs, tqdm(
+            total=tokens, unit="tok", unit_scale=True, desc="expert inputs", disable=not progress) as bar:
         for ids in batches:
             lm.forward(ids)
             bar.update(ids.numel())
-    lm.detach(inputs)
     layers, rows = {}, []
     for i in tqdm(range(cfg.n_layers), desc="fitting", disable=not progress):
         w = lm.ffn(i)  # (E, n, d) gates, de-quantized on the device
