@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from hotneurons.artifacts.expert_predictors import read
+from hotneurons.kernels.cold import ACT_CODE, FIRST_GATED
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,12 @@ def attach(ffns: list, path: Path | str) -> dict:
         if i >= len(ffns) or (ffns[i].down_t is None and ffns[i].cold is not None):
             raise ValueError(f"{path}: layer {i} has expert predictors, but the model's layer {i} computes no sparse "
                              f"experts (a ReLU-family activation's cold experts with down_t)")
-        if ffns[i].down_t is not None:  # a layer with every expert on the device reads no cold rows
-            ffns[i].expert_predictors = lp
+        if ffns[i].down_t is None:  # a layer with every expert on the device reads no cold rows
+            continue
+        if ACT_CODE[ffns[i].activation] < FIRST_GATED:
+            raise ValueError(f"{path}: expert predictors mark neurons by their gate; the model's experts use "
+                             f"{ffns[i].activation}, which has none: drop the file or run --no-predictor")
+        ffns[i].expert_predictors = lp
     return {"file": str(path), "layers": len(layers), "predictors": int(sum(len(lp.a) for lp in layers.values())),
             "rank": int(next(iter(layers.values())).a.shape[1]) if layers else 0,
             "bytes": int(sum(lp.nbytes for lp in layers.values()))}

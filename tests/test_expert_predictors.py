@@ -144,6 +144,9 @@ def test_hybrid_moe_with_expert_predictors(tmp_path):
     for t in range(4):
         torch.testing.assert_close(ffn(x[t:t + 1]), plain(x[t:t + 1]), rtol=0, atol=1e-6)
     assert ffn.cold_active == plain.cold_active > 0
+    relu = HybridMoE(0, _cfg(Activation.RELU), _moe_weights("q4_0", xs, seed=9).get, GPU, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="use relu, which has none"):
+        EP.attach([relu], path)  # an ungated expert has no gate to mark by
     none, _ = _layer_file(tmp_path / "none", ffn, t_value=np.inf)
     EP.attach([ffn], none)
     ffn.reset_counts()
