@@ -6,7 +6,7 @@ Variants (each its own folder WORK/<shape>-<routing>[-sparse]): --shape qwen3-30
 calibrated | uniform (the same router calibration without skew: what the placement buys), --sparse (Mixtral's experts
 dReLU at TurboSparse-Mixtral's 85% inactive neurons; llama.cpp runs them as SwiGLU, at the same cost: it skips no
 neuron). A sparse build's gates are of rank --predictor-rank (32), with exact expert predictors beside the model
-(runtime/expert_predictors.py), which the pipeline puts in the run and ours uses unless --no-expert-predictors.
+(artifacts/expert_predictors.py), which the pipeline puts in the run and ours uses unless --no-expert-predictors.
 
 Stages, each within one 10-minute call on the GPU machine, sharing --work while the machine stays up:
   build     the model (moe_gguf.write_model, layer by layer on the device) and a corpus of random token ids

@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
-
 UP_POSITIVE_SHARE = 0.8  # moe_gguf.UP_POSITIVE: up > 0 for this share of tokens, independent of the gate
 
 
 def measure(n: int = 14336, d: int = 4096, rank: int = 32, tokens: int = 768, seed: int = 0) -> dict:
     import torch
 
-    from bench import bench_model as bm
-    from bench.moe_gguf import DRELU_ACTIVE, STD, UP_POSITIVE, _predictor, _q4
+    from bench.moe_gguf import STD, _predictor, _q4, gate_fire_probs, set_bias
 
     g = torch.Generator().manual_seed(seed)
 
@@ -36,10 +33,7 @@ def measure(n: int = 14336, d: int = 4096, rank: int = 32, tokens: int = 768, se
     bf = torch.randn((n, rank), generator=g)
     gate = torch.zeros((n, d))
     gate[:, 1:] = bf @ af
-    prob = np.clip(bm.power_law(n, seed=seed + 3, mean=DRELU_ACTIVE), *bm.P_CLIP)
-    qg = torch.from_numpy(np.minimum(1 - 1e-5, prob / UP_POSITIVE)).float()
-    pre = fit[:, 1:] @ gate[:, 1:].T
-    gate[:, 0] = -(pre.mean(0) + pre.std(0) * torch.special.ndtri(1 - qg))
+    set_bias(gate, fit, gate_fire_probs(n, seed + 3))
     _, stored = _q4(gate)
     A, B, thr, fit_recall, fit_marked = _predictor(af, bf, gate[:, 0], stored, fit)
     score = (held @ torch.from_numpy(A).T) @ torch.from_numpy(B).T  # (tokens, n)

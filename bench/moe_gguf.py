@@ -167,6 +167,20 @@ def _q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, dequantize(q, "q4_0", w.shape[1])
 
 
+def gate_fire_probs(n: int, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """(n,) float32: a dReLU expert's P(gate_j > 0) = p_j / UP_POSITIVE (below 1), p a power law of mean DRELU_ACTIVE,
+    so that relu(gate) * relu(up) fires with probability p_j (module docstring)."""
+    prob = np.clip(bm.power_law(n, seed=seed, mean=DRELU_ACTIVE), *bm.P_CLIP)
+    return torch.from_numpy(np.minimum(1 - 1e-5, prob / UP_POSITIVE)).to(device, torch.float32)
+
+
+def set_bias(wt: torch.Tensor, xe: torch.Tensor, q: torch.Tensor) -> None:
+    """wt (n, d)'s column 0 (the bias, times the constant channel) set so that row j's pre-activation on the inputs xe
+    (m, d) is > 0 with probability q_j, from a Gaussian fit of its other columns' pre-activations."""
+    pre = xe[:, 1:] @ wt[:, 1:].T  # (m, n) without channel 0
+    wt[:, 0] = -(pre.mean(0) + pre.std(0).nan_to_num(1.0) * torch.special.ndtri(1 - q))
+
+
 def write_model(shape: str, path: Path, device: str, routing: str = "calibrated", sparse: bool = False,
                 seed: int = 0, calibration_tokens: int = 2048, seq: int = 256, predictor_rank: int = 0,
                 log=print) -> dict:
@@ -303,12 +317,9 @@ def _layers(s: MoEShape, act: str, routing: str, device: str, seed: int, calibra
             tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens routed to e
             xe = x[tok] if len(tok) >= 32 else x  # (m, d) the calibration's sample of e's inputs
             if act == "drelu":
-                prob = np.clip(bm.power_law(n, seed=seed * 1000 + i * E + e, mean=DRELU_ACTIVE), *bm.P_CLIP)
-                qg = torch.from_numpy(np.minimum(1 - 1e-5, prob / UP_POSITIVE)).to(device, torch.float32)
+                qg = gate_fire_probs(n, seed * 1000 + i * E + e, device)
                 for wt, qq in ((gate, qg), (up, torch.full_like(qg, UP_POSITIVE))):
-                    pre = xe[:, 1:] @ wt[:, 1:].T  # (m, n) without channel 0
-                    wt[:, 0] = -(pre.mean(0) + pre.std(0).nan_to_num(1.0) * torch.special.ndtri(1 - qq))
-                del pre
+                    set_bias(wt, xe, qq)
             parts = {}
             for k_, wt in (("gate", gate), ("up", up), ("down", down)):
                 qb, parts[k_] = _q4(wt)
