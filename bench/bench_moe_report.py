@@ -1,7 +1,8 @@
 """bench_moe's report: a variant's stage files (WORK/<variant>/{build,pipeline,ours,llamacpp}.json) as one results
 record (bench/record.py's schema) with `systems` keyed by the names printed, the GPU shares of routed expert work, the
 goals' ratios and a markdown table. Where the calibrated variant's uniform-routing sibling has run, its systems are
-added with " (uniform routing)" after their names: what the placement buys when the router has no skew."""
+added with " (uniform routing)" after their names: what the placement buys when the router has no skew. Further runs of
+ours kept beside the folder's ours.json as ours.<label>.json (an A/B of one option) become rows "hybrid, <label>"."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def report(stages: dict[str, dict], uniform: dict[str, dict] | None = None) -> d
            "goal_targets": {**GOALS, "decode_vs_n_cpu_moe": GOALS["decode_vs_n_cpu_moe_sparse" if sparse
                                                                  else "decode_vs_n_cpu_moe"]}}
     fig["goal_targets"].pop("decode_vs_n_cpu_moe_sparse")
+    for key in sorted(k for k in stages if k.startswith("ours.")):
+        systems[f"hybrid, {key[len('ours.'):].replace('-', ' ')}"] = systems_of(stages[key], {})["hybrid"]
     if uniform:
         for name, row in systems_of(uniform.get("ours"), uniform.get("llamacpp", {})).items():
             systems[f"{name} (uniform routing)"] = row
@@ -111,8 +114,8 @@ def markdown(fig: dict) -> str:
 def _stage_files(folder: Path) -> dict[str, dict]:
     from bench import record
 
-    return {s: record.read(folder / f"{s}.json") for s in ("build", "pipeline", "ours", "llamacpp")
-            if (folder / f"{s}.json").exists()}
+    names = ["build", "pipeline", "ours", "llamacpp", *sorted(f.stem for f in folder.glob("ours.*.json"))]
+    return {s: record.read(folder / f"{s}.json") for s in names if (folder / f"{s}.json").exists()}
 
 
 def stage_report(a, folder: Path, variant: str) -> dict:

@@ -73,6 +73,19 @@ def test_report_with_a_recorded_llamacpp_stage(work, tmp_path):
     assert g["gpu_share_vs_n_cpu_moe"] == pytest.approx(fig["gpu_share_routed"]["ours_measured_decode"] / 0.4)
     assert g["host_rss_vs_file"] == pytest.approx(ours["host_peak_rss_bytes"] / ours["gguf_bytes"])
     assert "| llama.cpp -ngl 99 --n-cpu-moe 1 | 100.00 / 100.00 | 1000 |" in out.with_suffix(".md").read_text()
+    # another run of ours kept as ours.<label>.json: a row of its own; the goals stay ours.json's
+    other = json.loads((work / "ours.json").read_text())
+    other["figures"]["decode_tok_s"] = {"32": 7.0, "256": 8.0}
+    (work / "ours.no-expert-predictors.json").write_text(json.dumps(other))
+    try:
+        bench_moe.main(["--stage", "report", "--shape", "tiny", "--work", str(work.parent), "--out", str(out)])
+    finally:
+        (work / "ours.no-expert-predictors.json").unlink()
+    fig2 = record.read(out)["figures"]
+    assert list(fig2["systems"])[-1] == "hybrid, no expert predictors"
+    assert fig2["systems"]["hybrid, no expert predictors"]["decode_tok_s"] == {"32": 7.0, "256": 8.0}
+    assert fig2["goals"]["decode_vs_n_cpu_moe"] == pytest.approx(g["decode_vs_n_cpu_moe"])
+    assert "| hybrid, no expert predictors | 7.00 / 8.00 |" in out.with_suffix(".md").read_text()
 
 
 def test_n_cpu_moe_probe_finds_the_smallest_n_that_fits():
