@@ -36,7 +36,9 @@ class ExpertProblem:
     global_ms: float  # ms per token outside the layers (LM head, final norm)
     budget_bytes: float  # GPU bytes left for experts
     group_size: int = 0  # neurons per group; 0: whole experts only
-    neuron_counts: np.ndarray | None = None  # (layers, experts, n_ff_exp) float64, hottest first per expert
+    # (layers, experts, n_ff_exp) float64, hottest first per expert: neuron groups' order, and with whole experts the
+    # CPU's work on a routed cold ReLU-family expert (its active neurons only)
+    neuron_counts: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,6 +73,10 @@ def expert_tables(p: ExpertProblem) -> ExpertTables:
         frac = np.array([0.0, 1.0])  # (2,) the expert's rows on the GPU
         share = np.broadcast_to(frac, (L, E, 2)).copy()
         cold_work = 1.0 - share  # a routed cold expert is read whole
+        if p.neuron_counts is not None:  # ReLU-family experts: only the neurons that fire (the runtime's expert
+            # predictors mark them; neuron-group mode prices k = 0 alike)
+            cold_work = cold_work * (p.neuron_counts.sum(2) / np.maximum(p.counts, 1) / p.neuron_counts.shape[2]
+                                     )[:, :, None]  # (layers, experts, 2) share of rows read a routing
         cpu = prob[:, :, None] * full_cpu[:, None, None] * cold_work  # (layers, experts, 2)
     else:
         n = p.neuron_counts.shape[2]

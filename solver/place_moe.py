@@ -181,7 +181,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
         relu = Activation(str(model.activation)).relu_family
     except ValueError:
         relu = False
-    neuron_ids = _neuron_counts(ndf, L, E, n) if relu and expert_neurons != "off" else None
+    neuron_ids = _neuron_counts(ndf, L, E, n) if relu else None  # whole experts too: what the CPU computes
     if expert_neurons == "on" and neuron_ids is None:
         why = "are not ReLU-family" if not relu else "have no complete neuron counts in neurons.parquet"
         raise SolverError(f"--expert-neurons on: the experts of {model.name} {why}: use --expert-neurons auto "
@@ -221,7 +221,7 @@ def solve_expert_placement(run_dir: str | Path, hardware: HardwareSpec, vram_byt
         gpu_bw=hw.gpu_bw if hw.has_gpu else np.inf, cpu_bw=hw.effective_cpu_bw, sync_ms=np.full(L, sync),
         fixed_ms=sizes.fixed_layer / bw * 1e3, global_ms=head / bw * 1e3,
         budget_bytes=float(hw.vram_bytes - fixed) if hw.has_gpu else 0.0,
-        group_size=group_size if nc is not None else 0, neuron_counts=nc)
+        group_size=group_size if nc is not None and expert_neurons != "off" else 0, neuron_counts=nc)
     tables = expert_tables(problem)
     if hw.has_gpu:
         result = solve_experts(problem, objective, time_limit, mip_gap, threads, tables)

@@ -26,16 +26,34 @@ TOL = 1e-6  # relative: the ILP is solved with gap 0, the rows are scaled to ~1
 
 
 def problem(seed: int, L: int = 2, E: int = 4, budget_experts: float = 2.5, group_size: int = 0, n: int = 5,
-            sync_ms: float = 0.01, gpu_bw: float = 1e12) -> ExpertProblem:
+            sync_ms: float = 0.01, gpu_bw: float = 1e12, neurons: bool = False) -> ExpertProblem:
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 1000, (L, E)).astype(np.float64)  # (layers, experts)
     eb = rng.uniform(1e6, 2e6, L)  # (layers,) bytes, layers differ
     nc = None
-    if group_size:
+    if group_size or neurons:  # neurons alone: whole ReLU-family experts with their neuron counts
         nc = -np.sort(-np.minimum(rng.integers(0, 400, (L, E, n)), counts[:, :, None]), axis=2).astype(np.float64)
     return ExpertProblem(tokens=1000, counts=counts, expert_bytes=eb, cold_bytes=0.9 * eb, gpu_bw=gpu_bw, cpu_bw=5e10,
                          sync_ms=np.full(L, sync_ms), fixed_ms=np.full(L, 0.1), global_ms=0.2,
                          budget_bytes=budget_experts * eb.mean(), group_size=group_size, neuron_counts=nc)
+
+
+def test_whole_relu_experts_price_their_active_neurons():
+    # whole experts with neuron counts: a routed cold expert costs the CPU its active neurons' rows, as neuron groups
+    # price k = 0; on the GPU (k = 1) nothing
+    p = problem(3, neurons=True)
+    t = expert_tables(p)
+    g = expert_tables(problem(3, group_size=2))  # the same draws, neuron groups
+    full = p.cold_bytes / p.cpu_bw * 1e3  # (layers,) ms for a whole expert
+    for l, e in itertools.product(range(2), range(4)):
+        want = sum(p.neuron_counts[l, e, j] / p.tokens for j in range(5)) / 5 * full[l]  # float64 by hand
+        assert t.cpu_ms[l, e, 0] == pytest.approx(want, rel=1e-12) == g.cpu_ms[l, e, 0]
+        assert t.cpu_ms[l, e, 1] == 0 and t.gpu_ms[l, e, 1] == pytest.approx(problem(3).counts[l, e] / 1000
+                                                                              * p.expert_bytes[l] / p.gpu_bw * 1e3)
+    assert (t.cpu_ms[:, :, 0] <= expert_tables(problem(3)).cpu_ms[:, :, 0] + 1e-15).all()  # never above dense
+    best = brute_force(p)
+    r = solve_experts(p, "latency", mip_gap=0.0)
+    assert evaluate_experts(p, r.k, t)["latency_ms"] == pytest.approx(best["latency"], rel=TOL)
 
 
 def brute_force(p: ExpertProblem) -> dict:
