@@ -15,12 +15,9 @@ LLaMA-style models, `ln_mlp` / `input_layernorm` in Falcon). The runtime has it 
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +26,7 @@ from hotneurons.common import sparse_act
 from hotneurons.common.kinds import Activation, choose
 from hotneurons.common.model_info import ModelInfo, ParamCounts, attention_heads
 from hotneurons.common.model_source import ModelError, ModelSource, load_error, resolve_source, text_config
+from hotneurons.models.hf_io import gguf_activation, hf_progress
 from hotneurons.weights.formats import ALIASES, WeightFormat, weight_format
 from torch import nn
 
@@ -281,7 +279,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
         entry = gguf_cache.entry_for(os.path.join(source.path, source.gguf_file), str(torch_dtype).split(".")[-1])
     if entry is not None and entry.valid():
         try:
-            with _hf_progress(bool(progress)):
+            with hf_progress(bool(progress)):
                 config = AutoConfig.from_pretrained(entry.folder)
                 adapter_for(text_config(config)).activation(text_config(config), activation)
                 hf_model = AutoModelForCausalLM.from_pretrained(entry.folder, config=config, dtype=torch_dtype)
@@ -298,10 +296,10 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     kw: dict[str, Any] = dict(revision=revision, trust_remote_code=trust_remote_code)
     if source.gguf_file:
         kw["gguf_file"] = source.gguf_file
-    with _hf_progress(progress if progress is not None else bool(source.gguf_file)):
+    with hf_progress(progress if progress is not None else bool(source.gguf_file)):
         config = AutoConfig.from_pretrained(source.path, **kw)
         if source.gguf_file and activation is None:  # what the file records (transformers reads llama as SwiGLU)
-            _gguf_activation(os.path.join(source.path, source.gguf_file), text_config(config))
+            gguf_activation(os.path.join(source.path, source.gguf_file), text_config(config))
         adapter = adapter_for(text_config(config))
         adapter.activation(text_config(config), activation)  # fail before loading weights
         patched, threshold = sparse_act.config_activation(text_config(config))
@@ -316,53 +314,6 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, revisi
     if entry is not None and not patched:
         entry.save(hf_model, tokenizer)
     return wrap_model(hf_model.to(device), tokenizer, source, activation)
-
-
-def _gguf_activation(path: str, config: Any) -> None:
-    """Set the config's activation to the one a GGUF records (our key, PowerInfer's arch: weights/gguf_source.py)."""
-    from hotneurons.weights.gguf_source import GGUFSource
-    from hotneurons.weights.names import config_activation
-
-    with GGUFSource(path) as src:
-        if src.activation is not None:
-            config_activation(config, src.activation, getattr(src.config, "fat_threshold", 0.0))
-
-
-@contextmanager
-def _hf_progress(enabled: bool) -> Iterator[None]:
-    """transformers' progress bars (de-quantizing a GGUF, loading weights) on or off within the block."""
-    import functools
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
-    # AutoConfig and AutoTokenizer each parse the GGUF's metadata (its whole vocabulary, seconds) for the same
-    # config: parse it once per load
-    read_gguf = getattr(gguf_utils, "load_gguf_checkpoint", None)
-    parsed: dict[str, Any] = {}
-
-    def read_once(path, return_tensors=False, **kw):
-        if return_tensors or kw:
-            return read_gguf(path, return_tensors=return_tensors, **kw)
-        if path not in parsed:
-            parsed[path] = read_gguf(path, return_tensors=False)
-        return copy.deepcopy(parsed[path])
-
-    if read_gguf is not None:
-        gguf_utils.load_gguf_checkpoint = read_once
-    gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # the de-quantization bar is plain tqdm, deaf to the switch above
-    if gguf_tqdm is not None and not enabled:
-        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
-    try:
-        yield
-    finally:
-        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
-        if gguf_tqdm is not None:
-            gguf_utils.tqdm = gguf_tqdm
-        if read_gguf is not None:
-            gguf_utils.load_gguf_checkpoint = read_gguf
 
 
 def load_model_from_meta(info: dict[str, Any], model: str | None = None, gguf_file: str | None = None, *,
