@@ -90,11 +90,25 @@ def report(ours: dict, llama: dict | None) -> dict:
     return {"rows": rows, "union": ours.get("union"), "ours": ours, "llamacpp": llama}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def load(a: argparse.Namespace):
+    """The runtime the arguments name: --run (or --model alone) at --vram, or --moe-dir's model.gguf at pi-solve's
+    expert placement and budget, as bench_moe's ours stage loads it; --device, --ctx."""
     from hotneurons.common.units import parse_bytes
     from hotneurons.runtime.generate import RuntimeConfig
-    from hotneurons.runtime.load import load_runtime
+    from hotneurons.runtime.load import load_runtime, load_source_runtime
 
+    if a.moe_dir:
+        from bench.bench_moe import expert_mask
+
+        pipe = json.loads((a.moe_dir / "pipeline.json").read_text())["figures"]
+        cfg = RuntimeConfig(device=a.device, vram=pipe["vram_bytes"], ctx=a.ctx)
+        return load_source_runtime(None, None, cfg, model=str(a.moe_dir / "model.gguf"),
+                                   placement=expert_mask(a.moe_dir / "run"))
+    cfg = RuntimeConfig(device=a.device, vram=parse_bytes(a.vram) if a.vram else None, ctx=a.ctx)
+    return load_runtime(a.run, cfg, model=a.model)
+
+
+def main(argv: list[str] | None = None) -> dict:
     from bench.record import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,18 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
               figures else figures.get("error"))
         write_result(a.out, figures, commit=a.commit)
         return figures
-    cfg = RuntimeConfig(device=a.device, vram=parse_bytes(a.vram) if a.vram else None, ctx=a.ctx)
-    if a.moe_dir:
-        from hotneurons.runtime.load import load_source_runtime
-
-        from bench.bench_moe import expert_mask
-
-        pipe = json.loads((a.moe_dir / "pipeline.json").read_text())["figures"]
-        cfg = RuntimeConfig(device=a.device, vram=pipe["vram_bytes"], ctx=a.ctx)
-        rt = load_source_runtime(None, None, cfg, model=str(a.moe_dir / "model.gguf"),
-                                 placement=expert_mask(a.moe_dir / "run"))
-    else:
-        rt = load_runtime(a.run, cfg, model=a.model)
+    rt = load(a)
     figures = measure(rt, [int(b) for b in a.batches.split(",")], a.prompt, a.gen, steps=tuple(a.steps.split(",")))
     with open("/proc/self/status") as f:
         figures["host_hwm_bytes"] = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM"))

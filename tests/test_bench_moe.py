@@ -181,3 +181,28 @@ def test_sparse_variant_stages_with_expert_predictors(tmp_path):
     bench_moe.main(["--stage", "ours", *common])
     ours = figures("ours")
     assert ours["expert_predictors"]["rank"] == 8 and 0 < ours["cold_firing_share"] < 0.3
+
+
+def test_prompt_latency_bench_on_the_tiny_moe(work, tmp_path, monkeypatch):
+    """bench/prompt_latency.py on the tiny variant (CPU, the device path allowed there): per length the steps' and
+    each threshold's prefill times; both paths' last logits agree (routed experts exact either way, up to the cold
+    experts' Q8_0 rounding of x at decode); the runtime's threshold is left as it was."""
+    from hotneurons.runtime import moe_prefill
+
+    from bench import prompt_latency
+
+    monkeypatch.setattr(moe_prefill, "DEVICE_TYPES", ("cuda", "cpu"))
+    keep = moe_prefill.OFFLOAD_TOKENS
+    calls = []
+    real = moe_prefill.cold_on_device
+    monkeypatch.setattr(moe_prefill, "cold_on_device", lambda *a: calls.append(1) or real(*a))
+    fig = prompt_latency.main(["--moe-dir", str(work), "--device", "cpu", "--ctx", "256", "--lengths", "1,3,6",
+                               "--offload-tokens", "64,2", "--reps", "1", "--out", str(tmp_path / "p.json")])
+    assert moe_prefill.OFFLOAD_TOKENS == keep and calls  # the device path ran (T >= 2 at threshold 2)
+    assert set(fig["lengths"]) == {"1", "3", "6"}
+    for T, row in fig["lengths"].items():
+        assert row["steps_s"] > 0 and set(row["prefill"]) == {"64", "2"}
+        for k, p in row["prefill"].items():
+            assert p["prefill_s"] > 0
+            assert p["max_abs_logit_diff"] < 1e-3, (T, k, p)
+    assert json.loads((tmp_path / "p.json").read_text())["figures"]["ctx"] == 256
