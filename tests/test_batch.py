@@ -199,3 +199,17 @@ def test_batch_decode_bench_runs_small(tiny_model_dir, tmp_path):
     assert rows["3"]["ours_over_llamacpp"] == got["batches"]["3"]["decode_tok_s"] / 2.0
     assert rows["3"]["interleaved_over_llamacpp"] == got["interleaved"]["3"]["decode_tok_s"] / 2.0
     assert "llamacpp_decode_tok_s" not in rows["1"] and rows["1"]["interleaved_over_batch1"] > 0
+
+
+def test_prompt_latency_bench_on_a_dense_hybrid(tiny_model_dir, tmp_path):
+    """bench/prompt_latency.py on a tiny dense hybrid (CPU): per length both paths timed; one token is a decode step
+    either way (the same logits), longer prompts' one pass computes the FFN dense where the steps take the
+    predictor's masks (a difference is reported, not bounded)."""
+    from bench.prompt_latency import measure
+
+    rt = _runtime("llama-reglu", tiny_model_dir("llama-reglu"), tmp_path, "q4_0")
+    got = measure(rt, [1, 4], reps=1)
+    assert set(got["lengths"]) == {"1", "4"} and not got["graphs"]
+    one = got["lengths"]["1"]["prefill"][str(got["offload_tokens_default"])]
+    assert one["max_abs_logit_diff"] < ATOL and one["prefill_s"] > 0
+    assert all(r["steps_s"] > 0 for r in got["lengths"].values())
