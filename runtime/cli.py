@@ -182,6 +182,9 @@ def runtime_options(f):
                           "predictor, one token's GEMVs). triton: fused kernels (kernels/fused.py); torch: torch's "
                           "kernels; compile: torch.compile on the small ops (a few seconds at start); auto: triton "
                           "where it imports, else torch."),
+        click.option("--step-prefill", type=click.IntRange(0), default=None,
+                     help="Prompts of at most this many tokens go through the decode step a token at a time "
+                          "instead of one prefill pass [16 for a mixture of experts on CUDA graphs, else 0: off]."),
         click.option("--hf-decode", is_flag=True, help="Decode through the HF decoder layers instead of the static "
                      "decoder (LLaMA family; slower; for checks)."),
         click.option("--trust-remote-code", is_flag=True),
@@ -211,7 +214,8 @@ def runtime_request(flags: Mapping[str, Any]) -> RuntimeRequest:
                         predictor_dtype=f["predictor_dtype"],
                         vram=_bytes(f["vram"]), gpu_layers=f["gpu_layers"], cuda_graphs=not f["no_cuda_graphs"],
                         static_decode=not f["hf_decode"], pcie_share=f["pcie_share"], ctx=f["ctx"], ops=f["ops"],
-                        sparsity=f["sparsity"], criterion=f["criterion"], expert_predictors=not f["no_predictor"])
+                        sparsity=f["sparsity"], criterion=f["criterion"], expert_predictors=not f["no_predictor"],
+                        step_prefill=f["step_prefill"])
     return RuntimeRequest(cfg, run_dir=f["run_dir"], model=f["model"], gguf_file=f["gguf_file"],
                           use_predictor=not f["no_predictor"], recall=f["recall"],
                           trust_remote_code=f["trust_remote_code"])

@@ -59,6 +59,11 @@ class RuntimeConfig:
     # a ReLU-family mixture of experts: the cold experts compute only the neurons their expert predictors mark, where
     # the run has RUN/predictors/expert_predictors.safetensors (runtime/expert_predictors.py; False: every gate row)
     expert_predictors: bool = True
+    # prompts of at most this many tokens go through the decode step a token at a time instead of one prefill pass
+    # (None: runtime/generate.STEP_PREFILL_MOE for a mixture of experts that decodes by CUDA graphs, whose eager pass
+    # costs a fixed ~0.2 s at any length on Qwen3-30B-A3B against ~9 ms a step; 0 elsewhere, where a dense hybrid's
+    # steps take its predictors' masks and one pass computes the FFN dense)
+    step_prefill: int | None = None
 
 
 @dataclass(frozen=True)

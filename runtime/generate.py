@@ -84,6 +84,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+STEP_PREFILL_MOE = 16  # prompt tokens a mixture of experts on CUDA graphs takes through its decode step (RuntimeConfig)
+
+
+def step_prefill(rt: Runtime) -> int:
+    """Prompts of at most this many tokens are fed through the decode step a token at a time (RuntimeConfig
+    .step_prefill; None: STEP_PREFILL_MOE for a mixture of experts decoding by CUDA graphs, 0 elsewhere)."""
+    if rt.cfg.step_prefill is not None:
+        return rt.cfg.step_prefill
+    from hotneurons.runtime.moe_ffn import HybridMoE
+
+    graphs = rt.fast is not None and rt.fast.graphs
+    return STEP_PREFILL_MOE if graphs and any(isinstance(f, HybridMoE) for f in rt.ffns) else 0
+
+
 @torch.inference_mode()
 def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
              on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
@@ -105,17 +119,24 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     for f in rt.ffns:
         f.reset_counts()
 
-    t0 = time.perf_counter()
-    logits = lm.prefill(rt, prompt_ids)  # (vocab,)
-    sync(rt.device)
-    t_prefill = time.perf_counter() - t0
-
     # the static decoder when it applies (LLaMA family, cache long enough, no FFN probed: its marks are HF's path's)
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
                        and all(f.probe is None for f in rt.ffns)) else None
-    if fast is not None:
-        fast.load_prefill(len(prompt_ids))
     step = fast.step if fast is not None else functools.partial(lm.step, rt)  # (token, position) -> (vocab,)
+    # (transformers' own decoding, off the static decoder, extends the cache its prefill made: a pass it needs)
+    by_steps = len(prompt_ids) <= step_prefill(rt) and (fast is not None or getattr(lm, "decoder", None) is not None)
+    t0 = time.perf_counter()
+    if by_steps:  # a short prompt: the decode step a token at a time writes the cache as a pass would
+        for pos, t in enumerate(prompt_ids):
+            logits = step(t, pos)  # (vocab,)
+        for f in rt.ffns:  # decode's counts are the generated tokens'
+            f.reset_counts()
+    else:
+        logits = lm.prefill(rt, prompt_ids)  # (vocab,)
+    sync(rt.device)
+    t_prefill = time.perf_counter() - t0
+    if fast is not None and not by_steps:
+        fast.load_prefill(len(prompt_ids))
     ids: list[int] = []
     kept: list[torch.Tensor] = []
     shown, steps, stopped = "", 0, False
@@ -155,6 +176,7 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     median_ms = 1e3 * float(np.median(step_s[1:])) if len(step_s) > 1 else None
     return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps - warmup, t_decode - t_warmup),
                                       "new_tokens": len(ids), "stopped": stopped, "decode_step_ms_median": median_ms,
+                                      "prefill_by_steps": by_steps,
                                       "decode_steps": steps, "decode_warmup_steps": warmup,
                                       "decode_warmup_s": t_warmup},
                       kept)

@@ -115,13 +115,20 @@ class Batcher:
     def _prefill_one(self) -> None:
         """The next PREFILL_CHUNK tokens of the first request whose prompt is not in its slot yet."""
         from hotneurons.runtime.engine import forward
+        from hotneurons.runtime.generate import step_prefill
 
         s = next((s for s in self.active if s.prefilling and not s.job.gone), None)
         if s is None:
             return
-        chunk = s.job.ids[s.fed:s.fed + PREFILL_CHUNK]
-        with self.dec.slot(s.slot):
-            logits = forward(self.rt, chunk, s.fed)  # (vocab,) of the chunk's last token
+        ids = s.job.ids
+        if s.fed == 0 and len(ids) <= step_prefill(self.rt):  # a short prompt through the decode step
+            for pos, t in enumerate(ids):
+                logits = self.step([t], [pos], [s.slot])[0]  # (vocab,)
+            chunk = ids
+        else:
+            chunk = ids[s.fed:s.fed + PREFILL_CHUNK]
+            with self.dec.slot(s.slot):
+                logits = forward(self.rt, chunk, s.fed)  # (vocab,) of the chunk's last token
         s.fed += len(chunk)
         if not s.prefilling:
             s.logits = logits

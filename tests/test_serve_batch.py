@@ -150,3 +150,18 @@ def test_slots_past_the_budget_are_refused(tiny_model_dir):
     assert rt.bytes_gpu == before + need and rt.lm.decoder.n_slots == 4
     rt.device = torch.device("cpu")
     assert slots_allowed(rt) == 4  # RAM holds the CPU's slots: the cap
+
+
+@pytest.mark.parametrize("step", ["auto", "interleaved"])
+def test_short_prompts_by_the_decode_step_equal_their_solo_runs(tiny_model_dir, solo, step):
+    """--step-prefill: each prompt fed through the batch's step a token at a time (dense mode computes the same
+    neurons either way): every text is its solo one-pass run's."""
+    from hotneurons.runtime.generate import RuntimeConfig
+    from hotneurons.runtime.load import load_runtime
+    from hotneurons.server.serve import ServeConfig, Server
+
+    rt = load_runtime(None, RuntimeConfig(mode="dense", device="cpu", step_prefill=64),
+                      model=str(tiny_model_dir(FAMILY)))
+    with Server(rt, ServeConfig(port=0, parallel=2, batch_step=step)) as s:
+        jobs = [(q, 6, k % 2 == 0) for k, q in enumerate(PROMPTS)]
+        assert _together(s, jobs) == [solo[q, n] for q, n, _ in jobs]
