@@ -123,8 +123,10 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
                        and all(f.probe is None for f in rt.ffns)) else None
     step = fast.step if fast is not None else functools.partial(lm.step, rt)  # (token, position) -> (vocab,)
-    # (transformers' own decoding, off the static decoder, extends the cache its prefill made: a pass it needs)
-    by_steps = len(prompt_ids) <= step_prefill(rt) and (fast is not None or getattr(lm, "decoder", None) is not None)
+    # through the static decoder; off it only where asked and on our decoder (transformers' own decoding extends the
+    # cache its prefill made, and an eager step of a mixture of experts costs as much as a pass)
+    by_steps = len(prompt_ids) <= step_prefill(rt) and (fast is not None or rt.cfg.step_prefill is not None
+                                                        and getattr(lm, "decoder", None) is not None)
     t0 = time.perf_counter()
     if by_steps:  # a short prompt: the decode step a token at a time writes the cache as a pass would
         for pos, t in enumerate(prompt_ids):
