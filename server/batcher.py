@@ -114,6 +114,7 @@ class Batcher:
     @torch.inference_mode()
     def _prefill_one(self) -> None:
         """The next PREFILL_CHUNK tokens of the first request whose prompt is not in its slot yet."""
+        from hotneurons.common.kinds import BatchStep
         from hotneurons.runtime.engine import forward
         from hotneurons.runtime.generate import step_prefill
 
@@ -121,7 +122,10 @@ class Batcher:
         if s is None:
             return
         ids = s.job.ids
-        if s.fed == 0 and len(ids) <= step_prefill(self.rt):  # a short prompt through the decode step
+        # a short prompt through the decode step: the graphs' (interleaved), or any where asked (an eager batched step
+        # of a mixture of experts costs as much as a pass)
+        if s.fed == 0 and len(ids) <= step_prefill(self.rt) and (self.kind == BatchStep.INTERLEAVED
+                                                                 or self.rt.cfg.step_prefill is not None):
             for pos, t in enumerate(ids):
                 logits = self.step([t], [pos], [s.slot])[0]  # (vocab,)
             chunk = ids
