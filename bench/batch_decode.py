@@ -90,6 +90,17 @@ def report(ours: dict, llama: dict | None) -> dict:
     return {"rows": rows, "union": ours.get("union"), "ours": ours, "llamacpp": llama}
 
 
+def runtime_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments `load` reads."""
+    ap.add_argument("--run", type=Path, default=None, help="a run directory (pi-profile, pi-solve, predictors)")
+    ap.add_argument("--model", default=None, help="a model file or folder, without a run")
+    ap.add_argument("--moe-dir", type=Path, default=None, help="a bench_moe variant's folder: its model.gguf at "
+                    "pi-solve's expert placement and budget, as bench_moe's ours stage loads it")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--vram", default=None)
+    ap.add_argument("--ctx", type=int, default=1024)
+
+
 def load(a: argparse.Namespace):
     """The runtime the arguments name: --run (or --model alone) at --vram, or --moe-dir's model.gguf at pi-solve's
     expert placement and budget, as bench_moe's ours stage loads it; --device, --ctx."""
@@ -112,13 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.record import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", type=Path, default=None, help="a run directory (pi-profile, pi-solve, predictors)")
-    ap.add_argument("--model", default=None, help="a model file or folder, without a run")
-    ap.add_argument("--moe-dir", type=Path, default=None, help="a bench_moe variant's folder: its model.gguf at "
-                    "pi-solve's expert placement and budget, as bench_moe's ours stage loads it")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--vram", default=None)
-    ap.add_argument("--ctx", type=int, default=1024)
+    runtime_args(ap)
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)

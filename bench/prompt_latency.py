@@ -83,17 +83,11 @@ def measure(rt, lengths: list[int], offload_tokens: list[int] | None = None, rep
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench.batch_decode import load
+    from bench.batch_decode import load, runtime_args
     from bench.record import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", type=Path, default=None, help="a run directory (pi-profile, pi-solve, predictors)")
-    ap.add_argument("--model", default=None, help="a model file or folder, without a run")
-    ap.add_argument("--moe-dir", type=Path, default=None, help="a bench_moe variant's folder (its model.gguf at "
-                    "pi-solve's expert placement and budget)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--vram", default=None)
-    ap.add_argument("--ctx", type=int, default=1024)
+    runtime_args(ap)
     ap.add_argument("--lengths", default="1,4,8,16,32,64,128,256")
     ap.add_argument("--offload-tokens", default=None, help="comma-separated OFFLOAD_TOKENS values to time the "
                     "prefill at (a mixture of experts; default: the runtime's own)")
