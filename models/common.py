@@ -297,6 +297,11 @@ class Decoder:
         """Sequence b has ended (its cache is left as it is, to be overwritten): resident() moves none of it."""
         self._slots.free(b)
 
+    @property
+    def cache_version(self) -> int:
+        """Moves at every write to (or move of) any of the caches: equal at two moments, nothing changed them."""
+        return self._slots.version
+
     def wrote(self, n: int) -> None:
         """The cache in use holds positions up to n - 1 (a decode step that writes them where Python does not see)."""
         self._slots.wrote(n)

@@ -24,6 +24,7 @@ class Slots:
         self.filled = [0]  # physical cache -> positions written (an upper bound)
         self.bound = 0  # the physical cache the decoder's k_cache / v_cache name now
         self.rows: tuple[list[int], list[int], torch.Tensor] | None = None  # batch_rows: slots, positions, (T,)
+        self.version = 0  # moves at every write or move of any cache: what a reuse of cached keys checks (generate)
 
     def __len__(self) -> int:
         return len(self.where)
@@ -63,9 +64,11 @@ class Slots:
     def wrote(self, n: int) -> None:
         """The bound cache holds positions up to n - 1 (prefill, eager attention, a graph step)."""
         self.filled[self.bound] = max(self.filled[self.bound], n)
+        self.version += 1
 
     def reset(self) -> None:
         self.filled[self.bound] = 0
+        self.version += 1
 
     def free(self, b: int) -> None:
         """Slot b's sequence has ended: its positions need not move with the next exchange."""
@@ -92,6 +95,7 @@ class Slots:
                 mine.copy_(theirs)
                 theirs.copy_(kept)
         self.filled[0], self.filled[p] = self.filled[p], self.filled[0]
+        self.version += 1
         self.where[a], self.where[b] = p, 0
 
     @contextmanager

@@ -308,7 +308,7 @@ def _chat_loop(rt, max_new_tokens: int, sampling) -> None:
             break
         messages.append({"role": "user", "content": line})
         g = gen.generate(rt, gen.prompt_ids(rt, messages, chat=True), max_new_tokens, sampling,
-                     on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+                         on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()), reuse=True)  # the history
         messages.append({"role": "assistant", "content": g.text})
         click.echo("")
         click.echo(format_stats(g.stats), err=True)

@@ -50,8 +50,9 @@ class SourceModel:
     def static_ctx(self) -> int:
         return self.ctx
 
-    def prefill(self, rt: Any, ids: list[int]) -> torch.Tensor:
-        return forward(rt, ids, 0)
+    def prefill(self, rt: Any, ids: list[int], pos0: int = 0) -> torch.Tensor:
+        """`pos0` > 0: the ids continue a sequence whose first pos0 positions the cache holds."""
+        return forward(rt, ids, pos0)
 
     def step(self, rt: Any, token: int, pos: int) -> torch.Tensor:
         return forward(rt, [token], pos)

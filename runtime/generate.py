@@ -60,6 +60,9 @@ class Runtime:
     expert_placement: str | None = None
     locked: Any = None  # runtime/cuda.LockedHost of the cold experts' rows a long prefill copies (CUDA), kept alive
     expert_predictors: dict | None = None  # runtime/expert_predictors.attach's summary where the run has them
+    # our decoder: the token ids its own cache holds after the last generate, and the cache's version then
+    # (Decoder.cache_version): the next prompt that starts with them computes only the rest
+    cached: tuple[list[int], int] | None = None
 
     @property
     def mode(self) -> str:
@@ -84,6 +87,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _reusable(rt: Runtime, dec: Any, prompt_ids: list[int]) -> int:
+    """How many leading prompt tokens the decoder's own cache holds from the last generate, untouched since (its
+    version unchanged): their common prefix, less the prompt's last token, whose logits a pass must make."""
+    if dec is None or rt.cached is None or rt.cached[1] != dec.cache_version:
+        return 0
+    held, n = rt.cached[0], min(len(rt.cached[0]), len(prompt_ids) - 1)
+    same = np.flatnonzero(np.asarray(held[:n]) != np.asarray(prompt_ids[:n]))
+    return int(same[0]) if len(same) else n
+
+
 STEP_PREFILL_MOE = 16  # prompt tokens a mixture of experts on CUDA graphs takes through its decode step (RuntimeConfig)
 
 
@@ -101,11 +114,14 @@ def step_prefill(rt: Runtime) -> int:
 @torch.inference_mode()
 def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, sampling: Sampling = Sampling(),
              on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
-             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None) -> Generation:
+             keep_logits: bool = False, should_stop: Callable[[], bool] | None = None,
+             reuse: bool = False) -> Generation:
     """Prefill the prompt (dense), then decode one token at a time; `on_text` receives text as it is made.
 
     `should_stop` is asked after each token (e.g. a server whose client left, or a stop string seen by `on_text`);
-    True ends the generation there, with stats["stopped"] = True."""
+    True ends the generation there, with stats["stopped"] = True. `reuse`: where our decoder's cache still holds the
+    last generate's tokens (Runtime.cached), the prompt's common prefix with them is not computed again (a chat's
+    next turn: its history); off by default, so that a prompt's figures are its whole prefill's."""
     lm = rt.lm
     ctx = lm.ctx
     if not prompt_ids:
@@ -123,18 +139,21 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     fast = rt.fast if (rt.fast is not None and len(prompt_ids) + max_new <= rt.fast.capacity
                        and all(f.probe is None for f in rt.ffns)) else None
     step = fast.step if fast is not None else functools.partial(lm.step, rt)  # (token, position) -> (vocab,)
+    dec = getattr(lm, "decoder", None)  # our decoder (transformers' keeps its own cache)
+    reused = _reusable(rt, dec, prompt_ids) if reuse else 0  # positions whose keys and values the cache holds
+    new = prompt_ids[reused:]
     # through the static decoder; off it only where asked and on our decoder (transformers' own decoding extends the
     # cache its prefill made, and an eager step of a mixture of experts costs as much as a pass)
-    by_steps = len(prompt_ids) <= step_prefill(rt) and (fast is not None or rt.cfg.step_prefill is not None
-                                                        and getattr(lm, "decoder", None) is not None)
+    by_steps = len(new) <= step_prefill(rt) and (fast is not None or rt.cfg.step_prefill is not None
+                                                 and dec is not None)
     t0 = time.perf_counter()
     if by_steps:  # a short prompt: the decode step a token at a time writes the cache as a pass would
-        for pos, t in enumerate(prompt_ids):
+        for pos, t in enumerate(new, start=reused):
             logits = step(t, pos)  # (vocab,)
         for f in rt.ffns:  # decode's counts are the generated tokens'
             f.reset_counts()
     else:
-        logits = lm.prefill(rt, prompt_ids)  # (vocab,)
+        logits = lm.prefill(rt, new, reused) if reused else lm.prefill(rt, prompt_ids)  # (vocab,)
     sync(rt.device)
     t_prefill = time.perf_counter() - t0
     if fast is not None and not by_steps:
@@ -166,6 +185,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
         t_step = time.perf_counter()
     sync(rt.device)
     t_decode = time.perf_counter() - t1
+    # the cache holds the prompt and every generated token but the last (sampled, never fed)
+    rt.cached = (prompt_ids + ids[:-1], dec.cache_version) if dec is not None else None
     # the rate is the steady state's: the first step is left out, as it compiles or loads the kernels it meets first
     # (Numba's cold kernels: a minute on a first run, a second from its cache after) and warms the caches
     warmup = 1 if steps > 1 else 0  # one step only: it is all there is to time
@@ -176,7 +197,8 @@ def generate(rt: Runtime, prompt_ids: list[int], max_new_tokens: int = 128, samp
     # the median step: a rate that a few stalled steps (another process, the OS) do not move; the first is left out,
     # as its sampling found the prefill's logits ready while later ones wait for the step before
     median_ms = 1e3 * float(np.median(step_s[1:])) if len(step_s) > 1 else None
-    return Generation(text, ids, {**_stats(rt, len(prompt_ids), t_prefill, steps - warmup, t_decode - t_warmup),
+    return Generation(text, ids, {**_stats(rt, len(new), t_prefill, steps - warmup, t_decode - t_warmup),
+                                      "prompt_tokens_reused": reused,
                                       "new_tokens": len(ids), "stopped": stopped, "decode_step_ms_median": median_ms,
                                       "prefill_by_steps": by_steps,
                                       "decode_steps": steps, "decode_warmup_steps": warmup,

@@ -32,9 +32,12 @@ from hotneurons.server.config import ServeConfig
               help="With --parallel > 1: how the running requests decode a token each: batched (one eager step for "
               "all, weight reads shared), interleaved (the batch-1 step, CUDA graphs and all, for each in turn) or "
               "auto (interleaved where the runtime replays CUDA graphs: there it is faster; docs/serve.md).")
+@click.option("--no-prompt-cache", is_flag=True, help="--parallel 1: compute every prompt whole (by default a prompt "
+              "that starts with the last request's tokens, a chat's history, computes only the rest).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
-def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_step, model_id, quiet, runtime):
+def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_step, no_prompt_cache, model_id, quiet,
+         runtime):
     """Serve the runtime over an OpenAI-compatible HTTP API (completions, chat completions, streaming).
 
     Example: pi-serve --run runs/demo --port 8080, then
@@ -45,7 +48,7 @@ def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_st
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(message)s")
     try:
         cfg = ServeConfig(host, port, api_key or None, max_queue, timeout or None, max_tokens, model_id, parallel or 1,
-                          batch_step)
+                          batch_step, prompt_cache=not no_prompt_cache)
     except ValueError as e:
         raise click.UsageError(str(e))
     rt = open_runtime(runtime)

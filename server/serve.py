@@ -262,7 +262,8 @@ class Server:
                 job.timed_out = True
             return job.gone or job.timed_out or stops.hit
 
-        g = self._generate(self.rt, job.ids, job.max_tokens, job.sampling, on_text=on_text, should_stop=should_stop)
+        g = self._generate(self.rt, job.ids, job.max_tokens, job.sampling, on_text=on_text, should_stop=should_stop,
+                           reuse=self.cfg.prompt_cache)
         rest = stops.flush()
         if rest and job.stream:
             job.events.put(("text", rest))

@@ -57,8 +57,8 @@ class Gate:
 
 def slowed(delay: float):
     """A generation that takes `delay` s per token and never meets EOS (a sampled random model may, early)."""
-    def slow(rt, ids, n, sampling, on_text=None, should_stop=None):
-        return generate(rt, ids, n, sampling, on_text=on_text, stop_at_eos=False,
+    def slow(rt, ids, n, sampling, on_text=None, should_stop=None, reuse=False):
+        return generate(rt, ids, n, sampling, on_text=on_text, stop_at_eos=False, reuse=reuse,
                         should_stop=lambda: time.sleep(delay) or should_stop())
 
     return slow

@@ -19,7 +19,7 @@ class HoldAfterFirstText:
     def __init__(self):
         self.event, self.held, self.waited = threading.Event(), False, False
 
-    def __call__(self, rt, ids, n, sampling, on_text=None, should_stop=None):
+    def __call__(self, rt, ids, n, sampling, on_text=None, should_stop=None, reuse=False):
         def text(piece: str) -> None:
             self.held = True  # before the piece goes out: should_stop(), next, waits
             on_text(piece)
