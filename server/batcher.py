@@ -3,7 +3,8 @@ in its own KV cache slot, and decodes them a token each per step: in one batched
 by the batch-1 step for each in turn (step_each, where the runtime replays CUDA graphs: --batch-step). Requests join and
 leave the running batch at token boundaries: a new one's prompt is prefilled PREFILL_CHUNK tokens at a time between
 the running ones' steps (so a long prompt holds the others up for one chunk at a time), a finished, stopped,
-cancelled or timed-out one frees its slot at once. Streaming, stop strings, time limits and cancellation behave per
+cancelled or timed-out one frees its slot at once, whose cache keeps its tokens for a request that continues them (the
+prompt cache: `_pick`). Streaming, stop strings, time limits and cancellation behave per
 request as with one request at a time (server/serve.py's `_run`): each request samples with its own generator from
 its own seed, so its tokens are those it gets alone (greedy: the same ids; tests/test_serve_batch.py).
 """
@@ -70,6 +71,9 @@ class Batcher:
         self.rt.bytes_gpu += extra
         self.eos = set(self.rt.lm.eos)
         self.active: list[Slot] = []
+        # per slot, the tokens its cache holds from the request that ran there last (--no-prompt-cache: none kept):
+        # a new request takes the free slot whose tokens start its prompt the longest way, and computes the rest
+        self.held: list[list[int]] = [[] for _ in range(self.n)]
         from hotneurons.runtime.batch import UnionStats
 
         self.union = UnionStats()  # the cold rows' union per batch size, /health's "union"
@@ -105,11 +109,22 @@ class Batcher:
             if job is False:  # nothing queued
                 return True
             used = {s.slot for s in self.active}
-            slot = next(i for i in range(self.n) if i not in used)
+            slot, reuse = self._pick([i for i in range(self.n) if i not in used], job.ids)
             job.events.put(("start",))
             self.active.append(Slot(job, slot, StopMatcher(job.stop),
-                                    torch.Generator().manual_seed(job.sampling.seed)))
+                                    torch.Generator().manual_seed(job.sampling.seed), fed=reuse))
+            self.held[slot] = []  # rewritten from here on; what it holds is known again when the request ends
         return True
+
+    def _pick(self, free: list[int], ids: list[int]) -> tuple[int, int]:
+        """(slot, prompt tokens its cache holds already) for a new request: the free slot whose tokens are mostly the
+        prompt's start (a conversation going on: the longest such), else the one that holds the fewest (a new
+        conversation evicts the least), ties to the lowest slot."""
+        reuse = {i: common_prefix(self.held[i], ids) for i in free}  # at most all but the prompt's last token
+        going = [i for i in free if reuse[i] and 2 * reuse[i] >= len(self.held[i])]
+        slot = (max(going, key=lambda i: (reuse[i], -i)) if going
+                else min(free, key=lambda i: (len(self.held[i]), i)))
+        return slot, reuse[slot]
 
     @torch.inference_mode()
     def _prefill_one(self) -> None:
@@ -122,13 +137,13 @@ class Batcher:
         if s is None:
             return
         ids = s.job.ids
-        # a short prompt through the decode step: the graphs' (interleaved), or any where asked (an eager batched step
-        # of a mixture of experts costs as much as a pass)
-        if s.fed == 0 and len(ids) <= step_prefill(self.rt) and (self.kind == BatchStep.INTERLEAVED
-                                                                 or self.rt.cfg.step_prefill is not None):
-            for pos, t in enumerate(ids):
+        # a short prompt (or the rest of one whose start its slot holds) through the decode step: the graphs'
+        # (interleaved), or any where asked (an eager batched step of a mixture of experts costs as much as a pass)
+        if len(ids) - s.fed <= step_prefill(self.rt) and (self.kind == BatchStep.INTERLEAVED
+                                                          or self.rt.cfg.step_prefill is not None):
+            for pos, t in enumerate(ids[s.fed:], start=s.fed):
                 logits = self.step([t], [pos], [s.slot])[0]  # (vocab,)
-            chunk = ids
+            chunk = ids[s.fed:]
         else:
             chunk = ids[s.fed:s.fed + PREFILL_CHUNK]
             with self.dec.slot(s.slot):
@@ -184,7 +199,10 @@ class Batcher:
             srv.active_jobs.discard(s.job)
             self.active.remove(s)
             srv.running = len(self.active)
-        self.dec.free_slot(s.slot)  # its cache need not move with the next exchange (interleaved steps)
+        if self.server.cfg.prompt_cache:  # the prompt fed, and each token made but the last (sampled, never fed)
+            self.held[s.slot] = s.job.ids[:s.fed] + (s.ids[:-1] if not s.prefilling else [])
+        else:
+            self.dec.free_slot(s.slot)  # its cache need not move with the next exchange (interleaved steps)
         s.job.events.put(event)
 
     @torch.inference_mode()
@@ -202,5 +220,13 @@ class Batcher:
         """/health's view of the slots (read without the worker's lock: a snapshot that may be one token old)."""
         busy = {s.slot: s for s in list(self.active)}
         return [{"slot": i, "state": "free" if i not in busy else "prefill" if busy[i].prefilling else "decode",
-                 **({"prompt_tokens": len(busy[i].job.ids), "tokens": len(busy[i].ids)} if i in busy else {})}
+                 **({"prompt_tokens": len(busy[i].job.ids), "tokens": len(busy[i].ids)} if i in busy
+                    else {"cached_tokens": len(self.held[i])})}
                 for i in range(self.n)]
+
+
+def common_prefix(held: list[int], prompt: list[int]) -> int:
+    """How many leading prompt tokens `held` starts with, at most all but the prompt's last (whose logits a request
+    must compute)."""
+    n = min(len(held), len(prompt) - 1)
+    return next((i for i in range(n) if held[i] != prompt[i]), max(n, 0))

@@ -165,3 +165,49 @@ def test_short_prompts_by_the_decode_step_equal_their_solo_runs(tiny_model_dir, 
     with Server(rt, ServeConfig(port=0, parallel=2, batch_step=step)) as s:
         jobs = [(q, 6, k % 2 == 0) for k, q in enumerate(PROMPTS)]
         assert _together(s, jobs) == [solo[q, n] for q, n, _ in jobs]
+
+
+@pytest.mark.parametrize("step", ["auto", "interleaved"])
+def test_a_slot_keeps_its_chat_for_the_next_turn(tiny_model_dir, step):
+    """The prompt cache with --parallel 2: a request whose prompt extends the last one's (its prompt and text) takes
+    that slot and computes the rest only (/health: the tokens each free slot holds); its text is what the whole
+    prompt gives afresh. Another request in between, in the other slot, leaves it alone."""
+    from hotneurons.server.batcher import Batcher
+
+    rt = load(tiny_model_dir(FAMILY))
+    fed = []
+    real = Batcher._prefill_one
+
+    def spy(self):
+        fed.extend(s.fed for s in self.active if s.prefilling and not s.job.gone)
+        real(self)
+
+    with pytest.MonkeyPatch.context() as mp, running(tiny_model_dir(FAMILY), parallel=2, batch_step=step) as s:
+        mp.setattr(Batcher, "_prefill_one", spy)
+        c = client(s)
+        first = c.completions.create(model="any", prompt="Once upon a time", max_tokens=6, temperature=0)
+        held = [x.get("cached_tokens") for x in health(s)["slots"]]
+        assert sorted(held)[0] == 0 and sorted(held)[1] > 0  # one slot holds the first request
+        c.completions.create(model="any", prompt="1 2 3 4", max_tokens=6, temperature=0)  # the other slot
+        prompt = "Once upon a time" + first.choices[0].text + " and"
+        fed.clear()
+        got = c.completions.create(model="any", prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+    assert fed and fed[0] >= len(prompt_ids(rt, "Once upon a time"))  # the history came from the cache
+    assert got == generate(rt, prompt_ids(rt, prompt), 6).text
+
+
+def test_slot_choice_keeps_conversations():
+    """A prompt takes the slot whose tokens mostly start it, else the one that holds the fewest; never all of a
+    prompt (its last token's logits are computed)."""
+    import types
+
+    from hotneurons.server.batcher import Batcher, common_prefix
+
+    assert common_prefix([], [1, 2]) == 0 and common_prefix([1, 2, 3], [1, 2, 3]) == 2
+    assert common_prefix([1, 2, 9], [1, 2, 3, 4]) == 2 and common_prefix([1], [1]) == 0
+    b = types.SimpleNamespace(held=[[1, 2, 3, 4, 5, 6], [], [1, 7, 7]])
+    pick = Batcher._pick.__get__(b)
+    assert pick([0, 1, 2], [1, 2, 3, 4, 5, 6, 8]) == (0, 6)  # the conversation goes on
+    assert pick([0, 1, 2], [1, 9]) == (1, 0)  # a shared first token only: the empty slot, not a conversation's
+    assert pick([0, 2], [1, 7, 7, 7]) == (2, 3)
+    assert pick([0, 2], [5]) == (2, 0)  # nothing shared: the slot that holds the fewest
