@@ -12,9 +12,10 @@ Per request it records the time to the first content token (TTFT: from sending t
 the total latency and the completion tokens (from the stream's usage chunk). Figures pool all rounds; requests/s per
 round shows the spread, and the gaps between a stream's content events its inter-token latency (ITL). With
 --parallel 1 the runtime is batch-1, so requests/s stays flat as clients grow and TTFT grows with the queue; with
---parallel N up to N requests decode together (continuous batching). Writes a JSON results file with the machine,
-its load and the command, after each server (a run cut short, by a timeout's SIGTERM too, keeps what it measured:
-"complete" says which).
+--parallel N up to N requests decode together (continuous batching). --turns K makes each request a conversation of
+K (a later turn resends the earlier ones and their answers: the prompt cache's case; TTFT per turn). Writes a JSON
+results file with the machine, its load and the command, after each server (a run cut short, by a timeout's SIGTERM
+too, keeps what it measured: "complete" says which).
 """
 
 from __future__ import annotations
@@ -64,11 +65,20 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise click.ClickException(f"pi-serve was not ready after {timeout:.0f} s")
 
 
-def stream_chat(port: int, question: str, max_tokens: int, endpoint: str = "chat") -> dict:
+FOLLOW_UP = "Tell me more."  # each later turn of a conversation (--turns)
+
+
+def stream_chat(port: int, question: str, max_tokens: int, endpoint: str = "chat",
+                history: list[tuple[str, str]] = ()) -> dict:
     """One streaming chat completion (endpoint "completions": the question as a plain prompt, for a model without a
-    chat template, e.g. a benchmark's synthetic file); the times are from just before the request is sent."""
+    chat template, e.g. a benchmark's synthetic file), after the (question, answer) turns of `history`; the times are
+    from just before the request is sent."""
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    body |= {"messages": [{"role": "user", "content": question}]} if endpoint == "chat" else {"prompt": question}
+    if endpoint == "chat":
+        turns = [m for q, a in history for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+        body["messages"] = [*turns, {"role": "user", "content": question}]
+    else:
+        body["prompt"] = "".join(f"{q}{a}\n" for q, a in history) + question
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions" if endpoint == "chat" else "/v1/completions", json.dumps(body),
@@ -77,6 +87,7 @@ def stream_chat(port: int, question: str, max_tokens: int, endpoint: str = "chat
     if r.status != 200:
         return {"status": r.status, "error": json.loads(r.read())["error"]["message"]}
     ttft = usage = None
+    text: list[str] = []
     seen: list[float] = []  # when each content event arrived
     for line in r:  # http.client undoes the chunking; SSE events are "data: ..." lines
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -85,11 +96,14 @@ def stream_chat(port: int, question: str, max_tokens: int, endpoint: str = "chat
         if event.get("usage"):
             usage = event["usage"]
         choice = event["choices"][0] if event["choices"] else {}
-        if choice.get("delta", {}).get("content") or choice.get("text"):
+        piece = choice.get("delta", {}).get("content") or choice.get("text")
+        if piece:
             seen.append(time.perf_counter() - t0)
             ttft = seen[0]
+            text.append(piece)
     conn.close()
-    return {"status": 200, "ttft_s": ttft, "latency_s": time.perf_counter() - t0,
+    return {"status": 200, "ttft_s": ttft, "latency_s": time.perf_counter() - t0, "text": "".join(text),
+            "turn": len(history) + 1,
             "itl_s": [b - a for a, b in zip(seen, seen[1:])],
             "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
 
@@ -103,9 +117,10 @@ def _health(port: int) -> dict:
         conn.close()
 
 
-def run_clients(port: int, clients: int, requests: int, max_tokens: int, endpoint: str = "chat"
+def run_clients(port: int, clients: int, requests: int, max_tokens: int, endpoint: str = "chat", turns: int = 1
                 ) -> tuple[list[dict], float]:
-    """`requests` requests from `clients` threads; returns each request's record and the wall time."""
+    """`requests` conversations of `turns` requests each (a later turn sends the earlier ones and their answers,
+    then FOLLOW_UP) from `clients` threads; returns each request's record and the wall time."""
     results: list[dict] = []
     lock = threading.Lock()
     todo = iter(range(requests))
@@ -116,9 +131,15 @@ def run_clients(port: int, clients: int, requests: int, max_tokens: int, endpoin
                 i = next(todo, None)
             if i is None:
                 return
-            r = stream_chat(port, QUESTIONS[i % len(QUESTIONS)], max_tokens, endpoint)
-            with lock:
-                results.append(r)
+            history: list[tuple[str, str]] = []
+            for t in range(turns):
+                q = QUESTIONS[i % len(QUESTIONS)] if t == 0 else FOLLOW_UP
+                r = stream_chat(port, q, max_tokens, endpoint, history)
+                with lock:
+                    results.append(r)
+                if r["status"] != 200:
+                    break
+                history.append((q, r["text"]))
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -150,6 +171,9 @@ def summary(mode: str, parallel: int, clients: int, results: list[dict], walls: 
             "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
             "ttft_max_s": ttft[-1] if ttft else None,
             "latency_median_s": statistics.median(r["latency_s"] for r in ok) if ok else None,
+            # per turn of a conversation (--turns): the prompt cache computes a later turn's new tokens only
+            "ttft_median_s_by_turn": {str(t): statistics.median(r["ttft_s"] for r in ok if r["turn"] == t)
+                                      for t in sorted({r["turn"] for r in ok if r["ttft_s"] is not None})},
             "errors": [r["error"] for r in results if r["status"] != 200]}
 
 
@@ -176,8 +200,11 @@ def git_state() -> dict:
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
               help="chat: /v1/chat/completions; completions: /v1/completions with the question as the prompt (a "
               "model without a chat template, e.g. bench_70b's synthetic file).")
+@click.option("--turns", default=1, show_default=True, help="Requests per conversation: each later turn sends the "
+              "earlier questions and answers, then a follow-up (what a chat front end sends; the prompt cache's "
+              "case). --requests counts conversations.")
 @click.option("--out", default="bench/results/serve_smollm2.json", show_default=True)
-def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, parallel, serve_args, endpoint, out):
+def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, parallel, serve_args, endpoint, turns, out):
     modes, counts = modes.split(","), [int(c) for c in clients.split(",")]
     pars = [int(p) for p in parallel.split(",")]
     modes = [(m, p) for m in modes for p in pars]  # one server each
@@ -197,7 +224,7 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
             run_clients(port, par, par, max_tokens, endpoint)
             for r in range(rounds):
                 for c in counts:
-                    results, wall = run_clients(port, c, requests, max_tokens, endpoint)
+                    results, wall = run_clients(port, c, requests, max_tokens, endpoint, turns)
                     records, walls, oks = cells.setdefault(((mode, par), c), ([], [], []))
                     records += results
                     walls.append(wall)
@@ -207,12 +234,12 @@ def main(run_dir, modes, clients, requests, rounds, max_tokens, threads, paralle
         finally:
             proc.terminate()
             proc.wait(30)
-        write(out, cells, healths, load_before, run_dir, max_tokens, rounds, endpoint,
+        write(out, cells, healths, load_before, run_dir, max_tokens, rounds, endpoint, turns,
               complete=(mode, par) == modes[-1])
 
 
 def write(out: str, cells: dict, healths: dict, load_before: tuple, run_dir: str, max_tokens: int, rounds: int,
-          endpoint: str, complete: bool) -> None:
+          endpoint: str, turns: int, complete: bool) -> None:
     """The cells measured so far into `out` (after each server: a run cut short keeps what it measured)."""
     table = [summary(*m, c, *cells[m, c]) for (m, c) in cells]
 
@@ -231,6 +258,7 @@ def write(out: str, cells: dict, healths: dict, load_before: tuple, run_dir: str
                 "wait",
         "command": " ".join(["python", *sys.argv]), "complete": complete,
         "run": run_dir, "max_tokens": max_tokens, "rounds": rounds, "sampling": "greedy", "endpoint": endpoint,
+        "turns": turns,
         "client": "raw HTTP from the same machine", "results": table, "health": healths,
         "loadavg_1_5_15min": {"before": load_before, "after": os.getloadavg()},
         "git": git_state(), "machine": machine_info("numba", "transformers"),

@@ -121,6 +121,15 @@ def test_serve_bench_client_side(tiny_model_dir):
     assert row["ttft_median_s"] > 0 and (row["itl_median_s"] is None or row["itl_median_s"] > 0)
     assert [r["status"] for r in plain] == [200, 200] and all(0 < r["completion_tokens"] <= 5 for r in plain)
     assert all(r["ttft_s"] is not None and r["ttft_s"] > 0 for r in plain)
+    # conversations of 2 turns: the second resends the first and its answer
+    with running(tiny_model_dir(FAMILY), parallel=2) as s:
+        chats, wall = run_clients(s.port, 2, 2, 5, turns=2)
+        texts, _ = run_clients(s.port, 1, 1, 5, endpoint="completions", turns=2)
+    assert sorted(r["turn"] for r in chats) == [1, 1, 2, 2] and all(r["status"] == 200 for r in chats)
+    first = next(r for r in texts if r["turn"] == 1)
+    second = next(r for r in texts if r["turn"] == 2)
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"] - 1
+    assert set(summary("dense", 2, 2, chats, [wall], [4])["ttft_median_s_by_turn"]) == {"1", "2"}
 
 
 def test_slots_past_the_budget_are_refused(tiny_model_dir):
