@@ -128,6 +128,8 @@ TORCH_FLOATS = (WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16)
 def weight_format(name: str | WeightFormat, error: type[Exception] = ValueError, param: str | None = None
                   ) -> WeightFormat:
     """A format by name (aliases: fp32, fp16, ...), else a one-line `error` listing the names."""
+    if isinstance(name, WeightFormat):
+        return name
     if isinstance(name, str) and name.lower() in ALIASES:
         return ALIASES[name.lower()]
     return choose(str(name).lower(), WeightFormat, "weight format", error, param)
