@@ -92,9 +92,14 @@ def _reusable(rt: Runtime, dec: Any, prompt_ids: list[int]) -> int:
     version unchanged): their common prefix, less the prompt's last token, whose logits a pass must make."""
     if dec is None or rt.cached is None or rt.cached[1] != dec.cache_version:
         return 0
-    held, n = rt.cached[0], min(len(rt.cached[0]), len(prompt_ids) - 1)
-    same = np.flatnonzero(np.asarray(held[:n]) != np.asarray(prompt_ids[:n]))
-    return int(same[0]) if len(same) else n
+    return common_prefix(rt.cached[0], prompt_ids)
+
+
+def common_prefix(held: list[int], prompt: list[int]) -> int:
+    """How many leading prompt tokens `held` starts with, at most all but the prompt's last (whose logits a request
+    must compute)."""
+    n = min(len(held), len(prompt) - 1)
+    return next((i for i in range(n) if held[i] != prompt[i]), max(n, 0))
 
 
 STEP_PREFILL_MOE = 16  # prompt tokens a mixture of experts on CUDA graphs takes through its decode step (RuntimeConfig)

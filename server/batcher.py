@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hotneurons.runtime.generate import common_prefix
 from hotneurons.runtime.sampling import sample
 from hotneurons.server.api import ApiError, Result, StopMatcher
 from hotneurons.server.jobs import Job
@@ -223,10 +224,3 @@ class Batcher:
                  **({"prompt_tokens": len(busy[i].job.ids), "tokens": len(busy[i].ids)} if i in busy
                     else {"cached_tokens": len(self.held[i])})}
                 for i in range(self.n)]
-
-
-def common_prefix(held: list[int], prompt: list[int]) -> int:
-    """How many leading prompt tokens `held` starts with, at most all but the prompt's last (whose logits a request
-    must compute)."""
-    n = min(len(held), len(prompt) - 1)
-    return next((i for i in range(n) if held[i] != prompt[i]), max(n, 0))
