@@ -54,13 +54,14 @@ def choose(value: Any, allowed: type[K] | Mapping[str, Any] | Iterable[str], wha
     otherwise the value itself. `what` names the thing, not a CLI flag; `param` (the library argument it came
     from) is set as the error's `params`, from which a CLI names its flag.
     """
-    if isinstance(allowed, type) and issubclass(allowed, Enum):
+    enum = isinstance(allowed, type) and issubclass(allowed, Enum)
+    if enum:
         try:
             return allowed(value)
         except ValueError:
             pass
     names = known(allowed)  # after the enum's own lookup: a model's load calls this per tensor
-    if not (isinstance(allowed, type) and issubclass(allowed, Enum)) and value in names:
+    if not enum and value in names:
         return value
     e = error(f"unknown {what} {str(value)!r}: choose one of {', '.join(names)}")
     if param:

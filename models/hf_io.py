@@ -23,7 +23,6 @@ def gguf_activation(path: str, config: Any) -> None:
 @contextmanager
 def hf_progress(enabled: bool) -> Iterator[None]:
     """transformers' progress bars (de-quantizing a GGUF, loading weights) on or off within the block."""
-
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
