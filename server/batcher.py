@@ -4,9 +4,9 @@ by the batch-1 step for each in turn (step_each, where the runtime replays CUDA 
 leave the running batch at token boundaries: a new one's prompt is prefilled PREFILL_CHUNK tokens at a time between
 the running ones' steps (so a long prompt holds the others up for one chunk at a time), a finished, stopped,
 cancelled or timed-out one frees its slot at once, whose cache keeps its tokens for a request that continues them (the
-prompt cache: `_pick`). Streaming, stop strings, time limits and cancellation behave per
-request as with one request at a time (server/serve.py's `_run`): each request samples with its own generator from
-its own seed, so its tokens are those it gets alone (greedy: the same ids; tests/test_serve_batch.py).
+prompt cache: `_pick`). Streaming, stop strings, time limits and cancellation behave per request as with one request
+at a time (server/serve.py's `_run`): each request samples with its own generator from its own seed, so its tokens
+are those it gets alone (greedy: the same ids; tests/test_serve_batch.py).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class Batcher:
         self.rt.bytes_gpu += extra
         self.eos = set(self.rt.lm.eos)
         self.active: list[Slot] = []
-        # per slot, the tokens its cache holds from the request that ran there last (--no-prompt-cache: none kept):
-        # a new request takes the free slot whose tokens start its prompt the longest way, and computes the rest
+        # per slot, the tokens its cache holds from the request that ran there last (--no-prompt-cache: none kept);
+        # a new request computes what follows those of the slot it takes (_pick)
         self.held: list[list[int]] = [[] for _ in range(self.n)]
         from hotneurons.runtime.batch import UnionStats
 

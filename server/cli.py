@@ -32,8 +32,8 @@ from hotneurons.server.config import ServeConfig
               help="With --parallel > 1: how the running requests decode a token each: batched (one eager step for "
               "all, weight reads shared), interleaved (the batch-1 step, CUDA graphs and all, for each in turn) or "
               "auto (interleaved where the runtime replays CUDA graphs: there it is faster; docs/serve.md).")
-@click.option("--no-prompt-cache", is_flag=True, help="--parallel 1: compute every prompt whole (by default a prompt "
-              "that starts with the last request's tokens, a chat's history, computes only the rest).")
+@click.option("--no-prompt-cache", is_flag=True, help="Compute every prompt whole (by default a prompt that starts "
+              "with tokens a KV cache still holds from an earlier request, a chat's history, computes only the rest).")
 @click.option("--model-id", default=None, help="Model name in /v1/models and responses [the model's own name].")
 @click.option("--quiet", "-q", is_flag=True, help="No access log.")
 def main(host, port, api_key, max_queue, timeout, max_tokens, parallel, batch_step, no_prompt_cache, model_id, quiet,

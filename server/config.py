@@ -17,8 +17,8 @@ class ServeConfig:
     model_id: str | None = None  # the name /v1/models lists and responses carry (default: the model's name)
     parallel: int = 1  # requests decoded together (server/batcher.py), each in its own KV cache slot
     batch_step: str = "auto"  # common.kinds.BatchStep: how the running requests decode a token each
-    # --parallel 1: a request whose prompt starts with the last one's tokens (a chat's history) computes only the
-    # rest, from the keys and values the cache still holds (generate's `reuse`); False: every prompt whole
+    # a request whose prompt starts with tokens a KV cache still holds from an earlier one (a chat's history) computes
+    # only the rest (--parallel 1: generate's `reuse`; N: the batcher's slots, Batcher._pick); False: every prompt whole
     prompt_cache: bool = True
 
     def __post_init__(self):
