@@ -41,14 +41,13 @@ def measure(rt, lengths: list[int], offload_tokens: list[int] | None = None, rep
     steps, the max |logit difference| between them, and the shortest T from which the one pass is faster."""
     import torch
     from hotneurons.runtime import moe_prefill
+    from hotneurons.runtime.balance import TUNING_TOKENS
+    from hotneurons.runtime.generate import generate
 
     lm = rt.lm
     rng = np.random.default_rng(seed)
     step = rt.fast.step if rt.fast is not None else (lambda t, p: lm.step(rt, t, p))  # (token, pos) -> (vocab,)
     keep = moe_prefill.OFFLOAD_TOKENS
-    from hotneurons.runtime.balance import TUNING_TOKENS
-    from hotneurons.runtime.generate import generate
-
     # the runtime's own tuning (the PCIe share's balancing, graph captures) over its first decode steps, untimed
     generate(rt, rng.integers(0, lm.vocab, 8).tolist(), TUNING_TOKENS + 8, stop_at_eos=False)
     rows: dict[str, dict] = {}
@@ -56,9 +55,7 @@ def measure(rt, lengths: list[int], offload_tokens: list[int] | None = None, rep
         for T in lengths:
             ids = rng.integers(0, lm.vocab, T).tolist()
 
-            def stepped() -> torch.Tensor:
-                if rt.fast is not None:
-                    rt.fast.load_prefill(0)
+            def stepped() -> torch.Tensor:  # each step writes its position's keys and values, as a pass would
                 for p, t in enumerate(ids):
                     lg = step(t, p)
                 return lg.float().clone()  # (vocab,)
